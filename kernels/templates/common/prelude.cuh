@@ -1,0 +1,91 @@
+// ---- fp4spec portability layer, rendered for {{ target.name }} ({{ target.chip }}) ----
+// Kernels are written once against these names; the vendor differences live here only.
+// Every source is self-contained: on NVIDIA it needs only the CUDA headers (cuda_bf16.h), on
+// AMD nothing at all (compiled with -nogpuinc -nogpulib).
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef int i32;
+
+#define FP4_WARP_SIZE {{ target.warp_size }}
+#define FP4_KERNEL extern "C" __global__
+{% if target.vendor == "nvidia" %}
+#include <cuda_bf16.h>
+#define FP4_DEVICE __device__ __forceinline__
+#define FP4_LAUNCH_BOUNDS(threads) __launch_bounds__(threads)
+
+FP4_DEVICE u32 thread_x() { return threadIdx.x; }
+FP4_DEVICE u32 block_x() { return blockIdx.x; }
+FP4_DEVICE u32 block_y() { return blockIdx.y; }
+FP4_DEVICE float bits_to_f32(u32 bits) { return __uint_as_float(bits); }
+FP4_DEVICE u32 f32_to_bits(float value) { return __float_as_uint(value); }
+FP4_DEVICE float f32_nan() { return __uint_as_float(0x7fc00000u); }
+
+/// Sum over the 32 lanes of a warp; every lane gets the total.
+FP4_DEVICE float warp_sum(float value) {
+    #pragma unroll
+    for (int offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1)
+        value += __shfl_xor_sync(0xffffffffu, value, offset);
+    return value;
+}
+
+/// bf16 (raw bits) to f32: exact.
+FP4_DEVICE float bf16_to_f32(u16 bits) { return __uint_as_float((u32)bits << 16); }
+/// f32 to bf16 (raw bits), round to nearest even, NaN stays NaN.
+FP4_DEVICE u16 f32_to_bf16(float value) { return __bfloat16_as_ushort(__float2bfloat16_rn(value)); }
+
+struct u32x2 { u32 x, y; };
+struct u32x4 { u32 x, y, z, w; };
+/// 8- and 16-byte loads and stores; the pointer must be aligned to the width.
+FP4_DEVICE u32x2 load_u32x2(const void* p) { uint2 v = *reinterpret_cast<const uint2*>(p); return {v.x, v.y}; }
+FP4_DEVICE u32x4 load_u32x4(const void* p) { uint4 v = *reinterpret_cast<const uint4*>(p); return {v.x, v.y, v.z, v.w}; }
+FP4_DEVICE void store_u32x4(void* p, u32x4 v) { *reinterpret_cast<uint4*>(p) = make_uint4(v.x, v.y, v.z, v.w); }
+{% else %}
+// HIP without the ROCm headers: the attributes and builtins clang provides for amdgcn.
+#define __global__ __attribute__((global))
+#define __device__ __attribute__((device))
+#define __shared__ __attribute__((shared))
+#define FP4_DEVICE __device__ inline __attribute__((always_inline))
+#define FP4_LAUNCH_BOUNDS(threads) __attribute__((amdgpu_flat_work_group_size(1, threads)))
+
+FP4_DEVICE u32 thread_x() { return __builtin_amdgcn_workitem_id_x(); }
+FP4_DEVICE u32 block_x() { return __builtin_amdgcn_workgroup_id_x(); }
+FP4_DEVICE u32 block_y() { return __builtin_amdgcn_workgroup_id_y(); }
+FP4_DEVICE float bits_to_f32(u32 bits) { return __builtin_bit_cast(float, bits); }
+FP4_DEVICE u32 f32_to_bits(float value) { return __builtin_bit_cast(u32, value); }
+FP4_DEVICE float f32_nan() { return __builtin_nanf(""); }
+
+FP4_DEVICE u32 lane_id() {
+{% if target.warp_size == 32 %}
+    return __builtin_amdgcn_mbcnt_lo(~0u, 0u);
+{% else %}
+    return __builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u));
+{% endif %}
+}
+
+/// Sum over the lanes of a wavefront; every lane gets the total.
+FP4_DEVICE float warp_sum(float value) {
+    const u32 lane = lane_id();
+    #pragma unroll
+    for (int offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        const int other = __builtin_amdgcn_ds_bpermute((int)((lane ^ offset) << 2), __builtin_bit_cast(int, value));
+        value += __builtin_bit_cast(float, other);
+    }
+    return value;
+}
+
+FP4_DEVICE float bf16_to_f32(u16 bits) { return __builtin_bit_cast(float, (u32)bits << 16); }
+FP4_DEVICE u16 f32_to_bf16(float value) {
+    const u32 bits = __builtin_bit_cast(u32, value);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (u16)((bits >> 16) | 0x40u);
+    return (u16)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+struct __attribute__((aligned(8))) u32x2 { u32 x, y; };
+struct __attribute__((aligned(16))) u32x4 { u32 x, y, z, w; };
+FP4_DEVICE u32x2 load_u32x2(const void* p) { return *reinterpret_cast<const u32x2*>(p); }
+FP4_DEVICE u32x4 load_u32x4(const void* p) { return *reinterpret_cast<const u32x4*>(p); }
+FP4_DEVICE void store_u32x4(void* p, u32x4 v) { *reinterpret_cast<u32x4*>(p) = v; }
+{% endif %}
+// ---- end of portability layer ----

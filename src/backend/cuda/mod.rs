@@ -1,0 +1,149 @@
+//! The CUDA backend: one context and stream on a device, the device's target from
+//! `kernels/targets.toml`, and a lazily filled module cache (one module per kernel family,
+//! compiled by NVRTC for the device's own architecture, CUBINs cached on disk).
+
+pub mod nvrtc;
+
+use crate::error::{Error, Result};
+use crate::kernels::table;
+use crate::target::{self, TargetFacts};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+/// A CUDA device ready to run this crate's kernels.
+pub struct CudaBackend {
+    context: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    target: &'static TargetFacts,
+    device_name: String,
+    include_dir: PathBuf,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`.
+    ///
+    /// # Errors
+    /// [`Error::CudaUnavailable`] when the driver library is missing, there is no such device,
+    /// the device's compute capability has no target in `kernels/targets.toml`, or NVRTC or the
+    /// CUDA headers are missing; [`Error::Cuda`] when the driver refuses.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        // SAFETY: only probes whether the driver library can be opened.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(Error::CudaUnavailable("the CUDA driver library (libcuda.so.1) is not on the loader path: no NVIDIA driver on this machine".into()));
+        }
+        cudarc::driver::result::init().map_err(|e| {
+            Error::CudaUnavailable(format!("cuInit failed ({e}): no usable NVIDIA GPU"))
+        })?;
+        let count = cudarc::driver::result::device::get_count()
+            .map_err(|e| Error::cuda("count devices", e))?;
+        if ordinal as i32 >= count {
+            return Err(Error::CudaUnavailable(format!(
+                "device {ordinal} requested, {count} CUDA device(s) present"
+            )));
+        }
+        let context = CudaContext::new(ordinal)
+            .map_err(|e| Error::cuda(format!("create a context on device {ordinal}"), e))?;
+        let (major, minor) = context
+            .compute_capability()
+            .map_err(|e| Error::cuda("read the compute capability", e))?;
+        let device_name = context
+            .name()
+            .map_err(|e| Error::cuda("read the device name", e))?;
+        let target = target::for_compute_capability(major as u32, minor as u32).map_err(|e| {
+            Error::CudaUnavailable(format!(
+                "{device_name} (compute capability {major}.{minor}) has no kernel target: {e}"
+            ))
+        })?;
+        nvrtc::version()?;
+        let include_dir = nvrtc::cuda_include_dir()?;
+        let stream = context.default_stream();
+        Ok(Self {
+            context,
+            stream,
+            target,
+            device_name,
+            include_dir,
+            modules: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The target the device runs (its kernels are rendered for it).
+    pub fn target(&self) -> &'static TargetFacts {
+        self.target
+    }
+
+    /// The device's name as the driver reports it.
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    /// The stream every launch and copy of this backend goes to.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.context
+    }
+
+    /// Waits for the stream.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] carrying the first asynchronous fault of queued work.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| Error::cuda("synchronize the stream", e))
+    }
+
+    /// The kernel `kernel` of family `family`, compiling and loading the family's module on
+    /// first use.
+    ///
+    /// # Errors
+    /// [`Error::Compile`] when the source does not compile, [`Error::Cuda`] when loading fails,
+    /// [`Error::Invalid`] when the kernel table has no such family or kernel for this target.
+    pub fn function(&self, family: &'static str, kernel: &str) -> Result<CudaFunction> {
+        let module = self.module(family)?;
+        module.load_function(kernel).map_err(|e| {
+            Error::cuda(
+                format!(
+                    "find kernel `{kernel}` in family `{family}` for {}",
+                    self.target.name
+                ),
+                e,
+            )
+        })
+    }
+
+    fn module(&self, family: &'static str) -> Result<Arc<CudaModule>> {
+        let mut modules = self
+            .modules
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(module) = modules.get(family) {
+            return Ok(module.clone());
+        }
+        let source = table::rendered(&self.target.name, family).ok_or_else(|| {
+            Error::invalid(
+                format!("kernel family `{family}`"),
+                format!("not rendered for {}", self.target.name),
+            )
+        })?;
+        let cubin = nvrtc::cached_cubin(source, self.target, &self.include_dir)?;
+        let module = self
+            .context
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .map_err(|e| {
+                Error::cuda(
+                    format!("load the `{family}` module for {}", self.target.name),
+                    e,
+                )
+            })?;
+        modules.insert(family, module.clone());
+        Ok(module)
+    }
+}

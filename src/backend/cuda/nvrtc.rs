@@ -1,0 +1,288 @@
+//! NVRTC: compiles rendered CUDA sources for a target (PTX + CUBIN + the ptxas resource report),
+//! finds the CUDA headers, and keeps compiled CUBINs in an on-disk cache keyed by
+//! (source hash, arch, NVRTC version).
+//!
+//! Needs only `libnvrtc.so.13` on the loader path and the CUDA headers: no driver, no GPU.
+
+use crate::backend::KernelResources;
+use crate::error::{Error, Result};
+use crate::kernels::table::RenderedSource;
+use crate::target::TargetFacts;
+use cudarc::nvrtc::{result as nvrtc, sys};
+use sha2::{Digest, Sha256};
+use std::ffi::{CStr, CString};
+use std::path::{Path, PathBuf};
+
+/// The header every rendered CUDA source includes; its presence marks a usable include dir.
+const MARKER_HEADER: &str = "cuda_bf16.h";
+
+/// What NVRTC produced for one source.
+#[derive(Debug, Clone)]
+pub struct NvrtcOutput {
+    /// PTX text.
+    pub ptx: String,
+    /// Device code for the target's real architecture, loadable without JIT.
+    pub cubin: Vec<u8>,
+    /// The compile log (includes ptxas' resource report).
+    pub log: String,
+    /// Per-kernel resources parsed from the log.
+    pub resources: Vec<KernelResources>,
+}
+
+/// The NVRTC version `(major, minor)`, or why NVRTC cannot be used.
+///
+/// # Errors
+/// [`Error::CudaUnavailable`] when `libnvrtc` is not on the loader path.
+pub fn version() -> Result<(i32, i32)> {
+    // SAFETY: only probes whether the library can be opened.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(Error::CudaUnavailable(
+            "libnvrtc (NVRTC 13) is not on the loader path: set LD_LIBRARY_PATH to a CUDA 13 lib \
+             folder (e.g. the pip wheel nvidia-cuda-nvrtc==13.0.88's nvidia/cu13/lib), or run \
+             `source tools/toolchains.sh`"
+                .into(),
+        ));
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: both pointers are valid for writes.
+    unsafe { sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| Error::CudaUnavailable(format!("nvrtcVersion failed: {e}")))?;
+    Ok((major, minor))
+}
+
+/// Finds the CUDA include folder (the one holding `cuda_bf16.h`), searching in order:
+/// `$FP4SPEC_CUDA_INCLUDE`, `$CUDA_HOME/include`, `$CUDA_PATH/include`, `/usr/local/cuda/include`,
+/// the pip `nvidia/cu13/include` next to any `nvidia/cu13/lib` on `$LD_LIBRARY_PATH`, and the
+/// pip layout inside `$VIRTUAL_ENV`.
+///
+/// # Errors
+/// [`Error::CudaUnavailable`] listing every place searched.
+pub fn cuda_include_dir() -> Result<PathBuf> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(dir) = std::env::var_os("FP4SPEC_CUDA_INCLUDE") {
+        candidates.push(dir.into());
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(dir) = std::env::var_os(var) {
+            candidates.push(PathBuf::from(dir).join("include"));
+        }
+    }
+    candidates.push("/usr/local/cuda/include".into());
+    if let Some(paths) = std::env::var_os("LD_LIBRARY_PATH") {
+        for lib in std::env::split_paths(&paths) {
+            if lib.ends_with("nvidia/cu13/lib") {
+                if let Some(parent) = lib.parent() {
+                    candidates.push(parent.join("include"));
+                }
+            }
+        }
+    }
+    if let Some(venv) = std::env::var_os("VIRTUAL_ENV") {
+        let lib = PathBuf::from(venv).join("lib");
+        if let Ok(entries) = std::fs::read_dir(&lib) {
+            for entry in entries.flatten() {
+                candidates.push(entry.path().join("site-packages/nvidia/cu13/include"));
+            }
+        }
+    }
+    candidates
+        .iter()
+        .find(|dir| dir.join(MARKER_HEADER).is_file())
+        .cloned()
+        .ok_or_else(|| {
+            let searched: Vec<String> =
+                candidates.iter().map(|p| p.display().to_string()).collect();
+            Error::CudaUnavailable(format!(
+                "no CUDA include folder with {MARKER_HEADER} found; searched: {} \
+                 (set FP4SPEC_CUDA_INCLUDE or CUDA_HOME, or `source tools/toolchains.sh`)",
+                searched.join(", ")
+            ))
+        })
+}
+
+/// Compiles `source` for `target` (its real architecture, so the output holds a CUBIN and the
+/// ptxas resource report).
+///
+/// # Errors
+/// [`Error::CudaUnavailable`] without NVRTC, [`Error::Compile`] with NVRTC's log on failure.
+pub fn compile(
+    source: &RenderedSource,
+    target: &TargetFacts,
+    include_dir: &Path,
+) -> Result<NvrtcOutput> {
+    version()?;
+    let compile_error = |log: String| Error::Compile {
+        compiler: "NVRTC".into(),
+        target: target.name.clone(),
+        family: source.family.to_string(),
+        log,
+    };
+    let text = CString::new(source.source)
+        .map_err(|_| compile_error("source contains a NUL byte".into()))?;
+    let name = CString::new(source.file_name)
+        .map_err(|_| compile_error("file name contains a NUL byte".into()))?;
+    let program = nvrtc::create_program(&text, Some(&name))
+        .map_err(|e| compile_error(format!("nvrtcCreateProgram: {e}")))?;
+    let options = options(target, include_dir);
+    // SAFETY: `program` is a live program handle until destroyed below.
+    let compiled = unsafe { nvrtc::compile_program(program, &options) };
+    let log = unsafe { nvrtc::get_program_log(program) }
+        .map(|raw| c_chars_to_string(&raw))
+        .unwrap_or_default();
+    let result = compiled
+        .map_err(|e| compile_error(format!("{e}\n{log}")))
+        .and_then(|()| {
+            let ptx = unsafe { nvrtc::get_ptx(program) }
+                .map_err(|e| compile_error(format!("nvrtcGetPTX: {e}")))?;
+            let cubin = unsafe { get_cubin(program) }
+                .map_err(|e| compile_error(format!("nvrtcGetCUBIN: {e}")))?;
+            Ok(NvrtcOutput {
+                ptx: c_chars_to_string(&ptx),
+                cubin,
+                resources: parse_ptxas_report(&log),
+                log,
+            })
+        });
+    // SAFETY: destroyed once, after its last use.
+    let _ = unsafe { nvrtc::destroy_program(program) };
+    result
+}
+
+/// The CUBIN of `source` for `target`, from the on-disk cache when present, else compiled and
+/// stored there. The cache lives in `$FP4SPEC_CACHE_DIR`, else `$XDG_CACHE_HOME/fp4spec`, else
+/// `~/.cache/fp4spec`; a cache that cannot be written only costs a recompile next time.
+///
+/// # Errors
+/// As [`compile`].
+pub fn cached_cubin(
+    source: &RenderedSource,
+    target: &TargetFacts,
+    include_dir: &Path,
+) -> Result<Vec<u8>> {
+    let (major, minor) = version()?;
+    let mut hash = Sha256::new();
+    hash.update(source.source.as_bytes());
+    for option in options(target, include_dir) {
+        hash.update(option.as_bytes());
+    }
+    let digest: String = hash
+        .finalize()
+        .iter()
+        .take(12)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let file_name = format!(
+        "{}-{}-{}-nvrtc{major}.{minor}.cubin",
+        source.family, target.compiler_arch, digest
+    );
+    let path = cache_dir().map(|dir| dir.join(&file_name));
+    if let Some(path) = &path {
+        if let Ok(bytes) = std::fs::read(path) {
+            return Ok(bytes);
+        }
+    }
+    let cubin = compile(source, target, include_dir)?.cubin;
+    if let Some(path) = &path {
+        store_atomically(path, &cubin);
+    }
+    Ok(cubin)
+}
+
+fn options(target: &TargetFacts, include_dir: &Path) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={}", target.compiler_arch),
+        format!("--include-path={}", include_dir.display()),
+        "--std=c++17".into(),
+        "-lineinfo".into(),
+        "-Xptxas".into(),
+        "-v".into(),
+    ]
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("FP4SPEC_CACHE_DIR") {
+        return Some(dir.into());
+    }
+    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME") {
+        return Some(PathBuf::from(dir).join("fp4spec"));
+    }
+    std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache/fp4spec"))
+}
+
+/// Writes to a temporary name in the same folder, then renames, so a reader never sees a
+/// partial file. Failures are ignored: the cache is an optimisation.
+fn store_atomically(path: &Path, bytes: &[u8]) {
+    let Some(dir) = path.parent() else { return };
+    if std::fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    let temporary = dir.join(format!(
+        ".{}.{}.tmp",
+        path.file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default(),
+        std::process::id()
+    ));
+    if std::fs::write(&temporary, bytes).is_ok() && std::fs::rename(&temporary, path).is_err() {
+        let _ = std::fs::remove_file(&temporary);
+    }
+}
+
+unsafe fn get_cubin(program: sys::nvrtcProgram) -> std::result::Result<Vec<u8>, nvrtc::NvrtcError> {
+    let mut size = 0usize;
+    unsafe { sys::nvrtcGetCUBINSize(program, &mut size) }.result()?;
+    let mut cubin = vec![0u8; size];
+    unsafe { sys::nvrtcGetCUBIN(program, cubin.as_mut_ptr().cast()) }.result()?;
+    Ok(cubin)
+}
+
+fn c_chars_to_string(raw: &[std::ffi::c_char]) -> String {
+    let bytes: Vec<u8> = raw.iter().map(|&c| c as u8).collect();
+    CStr::from_bytes_until_nul(&bytes)
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// Parses ptxas' `-v` report: per entry function, registers, stack frame, spill stores, and
+/// static shared memory.
+pub fn parse_ptxas_report(log: &str) -> Vec<KernelResources> {
+    let mut kernels: Vec<KernelResources> = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let name = rest.split('\'').next().unwrap_or_default();
+            kernels.push(KernelResources {
+                kernel: name.to_string(),
+                ..Default::default()
+            });
+            continue;
+        }
+        let Some(current) = kernels.last_mut() else {
+            continue;
+        };
+        if let Some(n) = number_before(line, " bytes stack frame") {
+            current.stack_bytes = Some(n);
+        }
+        if let Some(n) = number_before(line, " bytes spill stores") {
+            current.spill_bytes = Some(n);
+        }
+        if let Some(n) = number_before(line, " registers") {
+            current.registers = Some(n);
+        }
+        if let Some(n) = number_before(line, " bytes smem") {
+            current.shared_bytes = Some(n);
+        }
+    }
+    kernels
+}
+
+/// The integer right before `suffix` in `line`, if any.
+fn number_before(line: &str, suffix: &str) -> Option<u32> {
+    let end = line.find(suffix)?;
+    let digits: String = line[..end]
+        .chars()
+        .rev()
+        .take_while(|c| c.is_ascii_digit())
+        .collect();
+    digits.chars().rev().collect::<String>().parse().ok()
+}

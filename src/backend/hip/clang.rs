@@ -1,0 +1,176 @@
+//! clang for amdgcn: compiles a rendered HIP source for a gfx target with no ROCm install
+//! (`-x hip -nogpuinc -nogpulib --cuda-device-only`) and reads clang's per-kernel resource
+//! remarks (VGPRs, SGPRs, scratch, spills, LDS).
+
+use crate::backend::KernelResources;
+use crate::error::{Error, Result};
+use crate::kernels::table::RenderedSource;
+use crate::target::TargetFacts;
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The oldest clang whose amdgcn backend knows gfx1151 well enough (LLVM 17 added it; 19 is
+/// what the checks run with).
+pub const MIN_CLANG_MAJOR: u32 = 19;
+
+/// What clang produced for one source.
+#[derive(Debug, Clone)]
+pub struct ClangOutput {
+    /// The device object clang wrote.
+    pub object: Vec<u8>,
+    /// clang's diagnostics (the resource remarks).
+    pub log: String,
+    /// Per-kernel resources parsed from the remarks.
+    pub resources: Vec<KernelResources>,
+}
+
+/// Finds a clang that can compile HIP for amdgcn: `$FP4SPEC_HIP_CLANG`, ROCm's
+/// (`$ROCM_PATH/llvm/bin/clang++`, `$HIP_PATH/llvm/bin/clang++`), then `clang++-19` .. `clang++-22`
+/// and `clang++` on `PATH` when its major version is at least [`MIN_CLANG_MAJOR`].
+///
+/// # Errors
+/// [`Error::Invalid`] (what = "HIP compiler") listing what was tried.
+pub fn find() -> Result<PathBuf> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(clang) = std::env::var_os("FP4SPEC_HIP_CLANG") {
+        candidates.push(clang.into());
+    }
+    for var in ["ROCM_PATH", "HIP_PATH"] {
+        if let Some(root) = std::env::var_os(var) {
+            candidates.push(PathBuf::from(root).join("llvm/bin/clang++"));
+        }
+    }
+    candidates.extend(
+        [
+            "clang++-19",
+            "clang++-20",
+            "clang++-21",
+            "clang++-22",
+            "clang++",
+        ]
+        .map(PathBuf::from),
+    );
+    let mut tried = Vec::new();
+    for candidate in &candidates {
+        match major_version(candidate) {
+            Some(major) if major >= MIN_CLANG_MAJOR => return Ok(candidate.clone()),
+            Some(major) => tried.push(format!("{} (clang {major}, too old)", candidate.display())),
+            None => tried.push(format!("{} (not found)", candidate.display())),
+        }
+    }
+    Err(Error::invalid(
+        "HIP compiler",
+        format!(
+            "no clang >= {MIN_CLANG_MAJOR} for amdgcn; tried {} (install clang-19 and lld-19, or `source tools/toolchains.sh`)",
+            tried.join(", ")
+        ),
+    ))
+}
+
+fn major_version(clang: &PathBuf) -> Option<u32> {
+    let output = Command::new(clang).arg("--version").output().ok()?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    let after = text.split("clang version ").nth(1)?;
+    after.split('.').next()?.trim().parse().ok()
+}
+
+/// Compiles `source` for `target` with `clang` at -O3 and collects the resource remarks.
+///
+/// # Errors
+/// [`Error::Io`] when the scratch folder cannot be written or clang cannot start,
+/// [`Error::Compile`] with clang's output when compilation fails.
+pub fn compile(
+    clang: &PathBuf,
+    source: &RenderedSource,
+    target: &TargetFacts,
+) -> Result<ClangOutput> {
+    let dir = std::env::temp_dir().join(format!(
+        "fp4spec-clang-{}-{}-{}",
+        std::process::id(),
+        target.name,
+        source.family
+    ));
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+    let input = dir.join(source.file_name);
+    let output = dir.join(format!("{}.o", source.family));
+    std::fs::write(&input, source.source).map_err(|e| Error::io(&input, e))?;
+    let run = Command::new(clang)
+        .args([
+            "-x",
+            "hip",
+            &format!("--offload-arch={}", target.compiler_arch),
+        ])
+        .args([
+            "-nogpuinc",
+            "-nogpulib",
+            "--cuda-device-only",
+            "-O3",
+            "-std=c++17",
+            "-c",
+        ])
+        .arg("-Rpass-analysis=kernel-resource-usage")
+        .arg(&input)
+        .arg("-o")
+        .arg(&output)
+        .output()
+        .map_err(|e| Error::io(clang, e))?;
+    let log = String::from_utf8_lossy(&run.stderr).into_owned();
+    let object = std::fs::read(&output);
+    let _ = std::fs::remove_dir_all(&dir);
+    if !run.status.success() {
+        return Err(Error::Compile {
+            compiler: clang.display().to_string(),
+            target: target.name.clone(),
+            family: source.family.into(),
+            log,
+        });
+    }
+    let object = object.map_err(|e| Error::io(&output, e))?;
+    Ok(ClangOutput {
+        object,
+        resources: parse_resource_remarks(&log),
+        log,
+    })
+}
+
+/// Parses `-Rpass-analysis=kernel-resource-usage` remarks into per-kernel resources.
+pub fn parse_resource_remarks(log: &str) -> Vec<KernelResources> {
+    let mut kernels: Vec<KernelResources> = Vec::new();
+    for line in log.lines() {
+        let Some(remark) = line.split("remark: ").nth(1) else {
+            continue;
+        };
+        let remark = remark
+            .split(" [-Rpass-analysis")
+            .next()
+            .unwrap_or(remark)
+            .trim();
+        if let Some(name) = remark.strip_prefix("Function Name: ") {
+            kernels.push(KernelResources {
+                kernel: name.trim().to_string(),
+                ..Default::default()
+            });
+            continue;
+        }
+        let Some(current) = kernels.last_mut() else {
+            continue;
+        };
+        let value = |key: &str| {
+            remark
+                .strip_prefix(key)
+                .and_then(|v| v.trim().parse::<u32>().ok())
+        };
+        if let Some(n) = value("VGPRs:") {
+            current.registers = Some(n);
+        } else if let Some(n) = value("SGPRs:") {
+            current.scalar_registers = Some(n);
+        } else if let Some(n) = value("ScratchSize [bytes/lane]:") {
+            current.stack_bytes = Some(n);
+        } else if let Some(n) = value("LDS Size [bytes/block]:") {
+            current.shared_bytes = Some(n);
+        } else if let Some(n) = value("VGPRs Spill:").or_else(|| value("SGPRs Spill:")) {
+            current.spill_bytes = Some(current.spill_bytes.unwrap_or(0) + 4 * n);
+        }
+    }
+    kernels
+}

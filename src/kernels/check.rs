@@ -1,0 +1,121 @@
+//! Compiles every rendered kernel for every target with what is installed (NVRTC for `sm_*`,
+//! clang for `gfx*`), one row per (target, family, kernel). Used by `fp4spec kernels --check`
+//! and by the codegen tests. A missing compiler is its own status, never "ok".
+
+use crate::backend::KernelResources;
+use crate::backend::cuda::nvrtc;
+use crate::backend::hip::clang;
+use crate::kernels::table::{self, RenderedSource};
+use crate::target::{TargetFacts, Vendor};
+
+/// The outcome for one kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CheckStatus {
+    /// Compiled, and the kernel symbol is in the output.
+    Ok,
+    /// The compiler rejected the source, or the kernel is missing from its output; the log.
+    Failed(String),
+    /// No compiler (or headers) for this target on this machine; what is missing.
+    CompilerMissing(String),
+}
+
+/// One row of the check.
+#[derive(Debug, Clone)]
+pub struct CheckRow {
+    /// Target name.
+    pub target: String,
+    /// Kernel family.
+    pub family: String,
+    /// Kernel name.
+    pub kernel: String,
+    /// Outcome.
+    pub status: CheckStatus,
+    /// Resources the compiler reported for the kernel, when it did.
+    pub resources: Option<KernelResources>,
+}
+
+/// Compiles every family of every target in `targets`.
+pub fn check(targets: &[TargetFacts]) -> Vec<CheckRow> {
+    let mut rows = Vec::new();
+    for target in targets {
+        let sources: Vec<&RenderedSource> = table::rendered_for_target(&target.name).collect();
+        match target.vendor {
+            Vendor::Nvidia => check_nvidia(target, &sources, &mut rows),
+            Vendor::Amd => check_amd(target, &sources, &mut rows),
+        }
+    }
+    rows
+}
+
+fn check_nvidia(target: &TargetFacts, sources: &[&RenderedSource], rows: &mut Vec<CheckRow>) {
+    let toolchain = nvrtc::version().and_then(|_| nvrtc::cuda_include_dir());
+    for source in sources {
+        let outcome = match &toolchain {
+            Err(e) => Err(CheckStatus::CompilerMissing(e.to_string())),
+            Ok(include) => nvrtc::compile(source, target, include)
+                .map(|out| {
+                    let entries: Vec<String> = source
+                        .kernels
+                        .iter()
+                        .filter(|k| out.ptx.contains(&format!(".entry {k}(")))
+                        .map(|k| k.to_string())
+                        .collect();
+                    (out.resources, entries)
+                })
+                .map_err(|e| CheckStatus::Failed(e.to_string())),
+        };
+        push_rows(target, source, outcome, rows, "PTX has no .entry");
+    }
+}
+
+fn check_amd(target: &TargetFacts, sources: &[&RenderedSource], rows: &mut Vec<CheckRow>) {
+    let compiler = clang::find();
+    for source in sources {
+        let outcome = match &compiler {
+            Err(e) => Err(CheckStatus::CompilerMissing(e.to_string())),
+            Ok(clang_path) => clang::compile(clang_path, source, target)
+                .map(|out| {
+                    let names = out.resources.iter().map(|r| r.kernel.clone()).collect();
+                    (out.resources, names)
+                })
+                .map_err(|e| CheckStatus::Failed(e.to_string())),
+        };
+        push_rows(
+            target,
+            source,
+            outcome,
+            rows,
+            "clang reported no resources for the kernel",
+        );
+    }
+}
+
+/// One row per kernel of `source`: `Ok` when the compiler's output names it.
+fn push_rows(
+    target: &TargetFacts,
+    source: &RenderedSource,
+    outcome: Result<(Vec<KernelResources>, Vec<String>), CheckStatus>,
+    rows: &mut Vec<CheckRow>,
+    absent: &str,
+) {
+    for kernel in source.kernels {
+        let (status, resources) = match &outcome {
+            Err(status) => (status.clone(), None),
+            Ok((resources, present)) => {
+                let found = resources.iter().find(|r| r.kernel == *kernel).cloned();
+                if present.iter().any(|p| p == kernel) {
+                    (CheckStatus::Ok, found)
+                } else {
+                    (CheckStatus::Failed(format!("{absent} `{kernel}`")), found)
+                }
+            }
+        };
+        rows.push(CheckRow {
+            target: target.name.clone(),
+            family: source.family.to_string(),
+            kernel: kernel.to_string(),
+            status,
+            resources,
+        });
+    }
+}

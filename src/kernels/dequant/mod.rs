@@ -1,0 +1,83 @@
+//! Family `dequant`: an NVFP4 matrix expanded to bf16 (`kernels/templates/dequant.cu`).
+//! Bytes moved: `rows * cols * (1/2 + 1/16)` read, `rows * cols * 2` written.
+
+pub mod reference;
+
+use super::{Nvfp4Weights, check_len};
+use crate::backend::{Backend, DeviceVec};
+use crate::error::{Error, Result};
+use crate::formats::nvfp4::BLOCK;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use half::bf16;
+
+/// The family name (template and module).
+pub const FAMILY: &str = "dequant";
+/// NVFP4 -> bf16, one thread per 16-element block.
+pub const KERNEL_DEQUANT_NVFP4_BF16: &str = "dequant_nvfp4_bf16";
+
+/// Writes `dequant(w)` into `out` (bf16, `[w.rows, w.cols]` row-major).
+///
+/// # Errors
+/// [`Error::Invalid`] when `out` has the wrong length, [`Error::BackendMismatch`] when the
+/// buffers live elsewhere, [`Error::Compile`] / [`Error::Cuda`] from the CUDA path.
+pub fn dequant_nvfp4(backend: &Backend, w: &Nvfp4Weights, out: &mut DeviceVec<bf16>) -> Result<()> {
+    let shape = format!("[{}, {}]", w.rows, w.cols);
+    check_len("dequant output", out, w.rows * w.cols, &shape)?;
+    match backend {
+        Backend::Cpu => {
+            let view = w
+                .host_view()
+                .ok_or_else(|| backend.mismatch("NVFP4 weights", &w.packed))?;
+            let DeviceVec::Host(out) = out else {
+                return Err(backend.mismatch("dequant output", out));
+            };
+            *out = reference::dequant_nvfp4_bf16(view);
+            Ok(())
+        }
+        Backend::Cuda(cuda) => {
+            let (DeviceVec::Cuda(packed), DeviceVec::Cuda(scales)) = (&w.packed, &w.scales) else {
+                return Err(backend.mismatch("NVFP4 weights", &w.packed));
+            };
+            let DeviceVec::Cuda(out) = out else {
+                return Err(backend.mismatch("dequant output", out));
+            };
+            let blocks = (w.rows * w.cols / BLOCK) as u64;
+            if blocks == 0 {
+                return Ok(());
+            }
+            let threads = cuda.target().dequant.threads_per_block;
+            let grid = blocks.div_ceil(threads as u64);
+            let grid = u32::try_from(grid)
+                .ok()
+                .filter(|&g| g < i32::MAX as u32)
+                .ok_or_else(|| {
+                    Error::invalid(
+                        "dequant input",
+                        format!("{shape} needs {grid} blocks, more than a launch allows"),
+                    )
+                })?;
+            let function = cuda.function(FAMILY, KERNEL_DEQUANT_NVFP4_BF16)?;
+            let config = LaunchConfig {
+                grid_dim: (grid, 1, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut launch = cuda.stream().launch_builder(&function);
+            launch
+                .arg(packed)
+                .arg(scales)
+                .arg(&w.global_scale)
+                .arg(out)
+                .arg(&blocks);
+            // SAFETY: argument types and order match the kernel's signature in dequant.cu; the
+            // buffer lengths were checked above against the block count the kernel indexes.
+            unsafe { launch.launch(config) }.map_err(|e| {
+                crate::error::Error::cuda(
+                    format!("launch {KERNEL_DEQUANT_NVFP4_BF16} on {shape}"),
+                    e,
+                )
+            })?;
+            Ok(())
+        }
+    }
+}

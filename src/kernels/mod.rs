@@ -1,0 +1,106 @@
+//! Kernel families. Each family lives in one place: its template
+//! (`kernels/templates/<family>.cu`), its folder here (`mod.rs`: the typed launch API and shape
+//! validation; `reference.rs`: the CPU reference, the oracle of every test), its tests and its
+//! bench, named alike. Callers pass a [`Backend`](crate::backend::Backend) and never see the
+//! target.
+
+pub mod check;
+pub mod compare;
+pub mod dequant;
+pub mod gemm;
+pub mod table;
+
+use crate::backend::{Backend, DeviceVec};
+use crate::error::{Error, Result};
+use crate::formats::nvfp4::{BLOCK, Nvfp4Matrix, Nvfp4View};
+
+/// An NVFP4 matrix resident on a backend, in the plain row-major layout of [`Nvfp4Matrix`].
+pub struct Nvfp4Weights {
+    /// Rows (N).
+    pub rows: usize,
+    /// Columns (K), a multiple of 16.
+    pub cols: usize,
+    /// Packed nibbles, `rows * cols / 2` bytes.
+    pub packed: DeviceVec<u8>,
+    /// E4M3 block scales, `rows * cols / 16` bytes.
+    pub scales: DeviceVec<u8>,
+    /// Per-tensor multiplier.
+    pub global_scale: f32,
+}
+
+impl Nvfp4Weights {
+    /// Copies `matrix` to `backend`.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when the matrix's buffers disagree with its shape, [`Error::Cuda`]
+    /// when the copy fails.
+    pub fn upload(backend: &Backend, matrix: &Nvfp4Matrix) -> Result<Self> {
+        let (rows, cols) = (matrix.rows, matrix.cols);
+        if cols % BLOCK != 0
+            || matrix.packed.len() != rows * cols / 2
+            || matrix.scales.len() != rows * cols / BLOCK
+        {
+            return Err(Error::invalid(
+                "NVFP4 matrix",
+                format!(
+                    "[{rows}, {cols}] needs K % 16 == 0, {} packed bytes and {} scales; has {} and {}",
+                    rows * cols / 2,
+                    rows * cols / BLOCK,
+                    matrix.packed.len(),
+                    matrix.scales.len()
+                ),
+            ));
+        }
+        Ok(Self {
+            rows,
+            cols,
+            packed: backend.upload(&matrix.packed)?,
+            scales: backend.upload(&matrix.scales)?,
+            global_scale: matrix.global_scale,
+        })
+    }
+
+    /// The host view, when the weights live on the CPU backend.
+    pub(crate) fn host_view(&self) -> Option<Nvfp4View<'_>> {
+        match (&self.packed, &self.scales) {
+            (DeviceVec::Host(packed), DeviceVec::Host(scales)) => Some(Nvfp4View {
+                rows: self.rows,
+                cols: self.cols,
+                packed,
+                scales,
+                global_scale: self.global_scale,
+            }),
+            _ => None,
+        }
+    }
+
+    /// Bytes a kernel must read to consume the matrix once (packed nibbles + scales).
+    pub fn bytes(&self) -> u64 {
+        (self.packed.len() + self.scales.len()) as u64
+    }
+}
+
+/// Checks a buffer's length against the shape a kernel expects.
+pub(crate) fn check_len<T>(
+    what: &str,
+    buffer: &DeviceVec<T>,
+    expected: usize,
+    shape: &str,
+) -> Result<()> {
+    if buffer.len() != expected {
+        return Err(Error::invalid(
+            what,
+            format!(
+                "{} elements, expected {expected} for shape {shape}",
+                buffer.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a dimension fits the kernels' 32-bit indices.
+pub(crate) fn check_u32(what: &str, value: usize) -> Result<u32> {
+    u32::try_from(value)
+        .map_err(|_| Error::invalid(what, format!("{value} exceeds the kernels' 32-bit range")))
+}

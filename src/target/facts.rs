@@ -1,0 +1,150 @@
+//! The schema of `kernels/targets.toml`.
+//!
+//! This file is compiled twice: by `build.rs` (which renders the kernel templates with these
+//! values and rejects an inconsistent table at build time) and by the crate (which reads the same
+//! file for launch shapes). Keep it free of crate-internal imports.
+
+use serde::{Deserialize, Serialize};
+
+/// The whole of `kernels/targets.toml`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TargetTable {
+    /// Every target the crate renders kernels for.
+    pub target: Vec<TargetFacts>,
+}
+
+/// The GPU vendor, which decides the source dialect and the compiler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Vendor {
+    /// CUDA C++, compiled with NVRTC (or nvcc).
+    Nvidia,
+    /// HIP, compiled with clang for amdgcn.
+    Amd,
+}
+
+/// Facts and tuning parameters of one target.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TargetFacts {
+    /// Target name (`sm_90a`, `sm_121a`, `gfx1151`).
+    pub name: String,
+    /// Source dialect and compiler family.
+    pub vendor: Vendor,
+    /// Human-readable chip name.
+    pub chip: String,
+    /// Architecture string handed to the compiler.
+    pub compiler_arch: String,
+    /// CUDA compute capability `[major, minor]` (NVIDIA only).
+    #[serde(default)]
+    pub compute_capability: Option<[u32; 2]>,
+    /// Threads per warp / wavefront.
+    pub warp_size: u32,
+    /// Streaming multiprocessors / compute units.
+    pub multiprocessors: u32,
+    /// Shared memory (LDS) one block may use, bytes.
+    pub max_shared_bytes_per_block: u32,
+    /// Vendor peak DRAM bandwidth, GB/s (10^9 bytes per second).
+    pub memory_bandwidth_gbs: f64,
+    /// Instruction classes the target can execute.
+    pub instructions: Instructions,
+    /// Launch parameters of the `dequant` family.
+    pub dequant: DequantTiles,
+    /// Launch parameters of the `gemm` family.
+    pub gemm: GemmTiles,
+}
+
+/// Which instruction classes exist on a target (templates branch on these, never on names).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Instructions {
+    /// `mma.sync` with bf16 operands and fp32 accumulation.
+    pub mma_sync_bf16: bool,
+    /// Block-scaled FP4 `mma.sync ... kind::mxf4nvf4`.
+    pub mma_block_scaled_fp4: bool,
+    /// `cvt.rn.satfinite.e2m1x2.f32`.
+    pub cvt_e2m1x2: bool,
+    /// Hopper warpgroup MMA.
+    pub wgmma: bool,
+    /// `cp.async` global -> shared copies.
+    pub cp_async: bool,
+    /// Bulk copies completing on an mbarrier.
+    pub bulk_copy_mbarrier: bool,
+    /// RDNA WMMA with bf16 operands.
+    pub wmma_bf16: bool,
+}
+
+/// Launch parameters of `dequant_nvfp4_bf16`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DequantTiles {
+    /// Threads per block; each thread expands one 16-element NVFP4 block.
+    pub threads_per_block: u32,
+}
+
+/// Launch parameters of `gemm_nvfp4_bf16_gemv`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GemmTiles {
+    /// Warps per block; each warp owns one output column.
+    pub warps_per_block: u32,
+    /// Rows of X a warp accumulates in registers per pass over K.
+    pub rows_per_pass: u32,
+}
+
+impl TargetTable {
+    /// Parses the table and checks that every target's parameters fit the target.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let table: TargetTable =
+            toml::from_str(text).map_err(|e| format!("kernels/targets.toml: {e}"))?;
+        let mut seen = std::collections::BTreeSet::new();
+        for t in &table.target {
+            if !seen.insert(t.name.clone()) {
+                return Err(format!(
+                    "kernels/targets.toml: target `{}` appears twice",
+                    t.name
+                ));
+            }
+            t.validate()?;
+        }
+        Ok(table)
+    }
+}
+
+impl TargetFacts {
+    fn validate(&self) -> Result<(), String> {
+        let name = &self.name;
+        let fail = |what: String| Err(format!("kernels/targets.toml: target `{name}`: {what}"));
+        if self.vendor == Vendor::Nvidia && self.compute_capability.is_none() {
+            return fail("an nvidia target needs compute_capability".into());
+        }
+        if self.vendor == Vendor::Amd && self.compute_capability.is_some() {
+            return fail("compute_capability is a CUDA notion; an amd target has none".into());
+        }
+        if !matches!(self.warp_size, 32 | 64) {
+            return fail(format!("warp_size {} is neither 32 nor 64", self.warp_size));
+        }
+        let threads = self.dequant.threads_per_block;
+        if threads == 0 || threads > 1024 || threads % self.warp_size != 0 {
+            return fail(format!(
+                "dequant.threads_per_block {threads} must be a multiple of warp_size {} in 1..=1024",
+                self.warp_size
+            ));
+        }
+        let gemm_threads = self.gemm.warps_per_block * self.warp_size;
+        if self.gemm.warps_per_block == 0 || gemm_threads > 1024 {
+            return fail(format!(
+                "gemm.warps_per_block {} gives {gemm_threads} threads (1..=1024)",
+                self.gemm.warps_per_block
+            ));
+        }
+        if !(1..=16).contains(&self.gemm.rows_per_pass) {
+            return fail(format!(
+                "gemm.rows_per_pass {} outside 1..=16 (register accumulators)",
+                self.gemm.rows_per_pass
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,57 @@
+//! Targets and their facts, read from `kernels/targets.toml` (the same file `build.rs` renders
+//! the kernels with).
+
+mod facts;
+
+pub use facts::{DequantTiles, GemmTiles, Instructions, TargetFacts, Vendor};
+
+use crate::error::{Error, Result};
+use std::sync::LazyLock;
+
+static TARGETS_TOML: &str = include_str!("../../kernels/targets.toml");
+
+static TABLE: LazyLock<facts::TargetTable> = LazyLock::new(|| {
+    // build.rs parsed and validated this very text; failing here would be a build defect.
+    facts::TargetTable::parse(TARGETS_TOML).expect("kernels/targets.toml was validated by build.rs")
+});
+
+/// Every target, in the order of `kernels/targets.toml`.
+pub fn all() -> &'static [TargetFacts] {
+    &TABLE.target
+}
+
+/// The target called `name`.
+///
+/// # Errors
+/// [`Error::UnknownTarget`] when `kernels/targets.toml` has no such target.
+pub fn by_name(name: &str) -> Result<&'static TargetFacts> {
+    all()
+        .iter()
+        .find(|t| t.name == name)
+        .ok_or_else(|| Error::UnknownTarget {
+            name: name.to_string(),
+            known: known_names(),
+        })
+}
+
+/// The NVIDIA target for a device of compute capability `major.minor`.
+///
+/// # Errors
+/// [`Error::UnknownTarget`] when no target has that compute capability.
+pub fn for_compute_capability(major: u32, minor: u32) -> Result<&'static TargetFacts> {
+    all()
+        .iter()
+        .find(|t| t.compute_capability == Some([major, minor]))
+        .ok_or_else(|| Error::UnknownTarget {
+            name: format!("compute capability {major}.{minor}"),
+            known: known_names(),
+        })
+}
+
+fn known_names() -> String {
+    all()
+        .iter()
+        .map(|t| t.name.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
