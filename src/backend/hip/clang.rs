@@ -8,6 +8,7 @@ use crate::kernels::table::RenderedSource;
 use crate::target::TargetFacts;
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// The oldest clang whose amdgcn backend knows gfx1151 well enough (LLVM 17 added it; 19 is
 /// what the checks run with).
@@ -84,8 +85,11 @@ pub fn compile(
     source: &RenderedSource,
     target: &TargetFacts,
 ) -> Result<ClangOutput> {
+    // unique per call: checks may run concurrently in one process
+    static CALLS: AtomicUsize = AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, Ordering::Relaxed);
     let dir = std::env::temp_dir().join(format!(
-        "fp4spec-clang-{}-{}-{}",
+        "fp4spec-clang-{}-{call}-{}-{}",
         std::process::id(),
         target.name,
         source.family

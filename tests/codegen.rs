@@ -1,0 +1,86 @@
+//! Every rendered kernel compiles for every target: NVRTC for sm_90a and sm_121a, clang for
+//! gfx1151. Runs on a machine with no GPU; needs the toolchains `tools/toolchains.sh` installs
+//! (a missing compiler fails the test and says what is missing).
+
+use fp4spec::kernels::check::{self, CheckStatus};
+use fp4spec::kernels::table::RENDERED_SOURCES;
+use fp4spec::target;
+
+#[test]
+fn every_target_renders_every_family() {
+    let families: std::collections::BTreeSet<&str> =
+        RENDERED_SOURCES.iter().map(|s| s.family).collect();
+    assert!(
+        families.contains("dequant") && families.contains("gemm"),
+        "{families:?}"
+    );
+    for t in target::all() {
+        for family in &families {
+            let source = fp4spec::kernels::table::rendered(&t.name, family)
+                .unwrap_or_else(|| panic!("{family} not rendered for {}", t.name));
+            assert!(!source.kernels.is_empty());
+            assert!(source.source.contains(&format!("rendered for {}", t.name)));
+        }
+    }
+    assert_eq!(
+        target::all()
+            .iter()
+            .map(|t| t.name.as_str())
+            .collect::<Vec<_>>(),
+        ["sm_90a", "sm_121a", "gfx1151"]
+    );
+}
+
+#[test]
+fn vendor_differences_come_from_the_portability_layer() {
+    for source in RENDERED_SOURCES {
+        let t = target::by_name(source.target).expect("known target");
+        let cuda_header = source.source.contains("#include <cuda_bf16.h>");
+        match t.vendor {
+            target::Vendor::Nvidia => assert!(cuda_header && source.file_name.ends_with(".cu")),
+            target::Vendor::Amd => assert!(
+                !cuda_header
+                    && source.source.contains("__builtin_amdgcn")
+                    && source.file_name.ends_with(".hip")
+            ),
+        }
+        assert!(
+            source
+                .source
+                .contains(&format!("#define FP4_WARP_SIZE {}", t.warp_size))
+        );
+    }
+}
+
+/// ... and none of them spills registers.
+#[test]
+fn every_kernel_compiles_for_every_target() {
+    let rows = check::check(target::all());
+    let expected: usize = RENDERED_SOURCES.iter().map(|s| s.kernels.len()).sum();
+    assert_eq!(rows.len(), expected);
+    let mut problems = Vec::new();
+    for row in &rows {
+        match &row.status {
+            CheckStatus::Ok => {
+                let resources = row.resources.as_ref();
+                assert!(
+                    resources.and_then(|r| r.registers).is_some(),
+                    "{} {}: the compiler reported no registers",
+                    row.target,
+                    row.kernel
+                );
+                let spilled = resources.and_then(|r| r.spill_bytes).unwrap_or(0);
+                if spilled > 0 {
+                    problems.push(format!("{} {}: spills {spilled} bytes", row.target, row.kernel));
+                }
+                println!("{:<8} {:<24} ok, {:?} registers", row.target, row.kernel, resources.and_then(|r| r.registers));
+            }
+            CheckStatus::Failed(log) => problems.push(format!("{} {}: FAILED\n{log}", row.target, row.kernel)),
+            CheckStatus::CompilerMissing(why) => problems.push(format!(
+                "{} {}: no compiler ({why}); run the tests as `bash tools/toolchains.sh cargo test --release`",
+                row.target, row.kernel
+            )),
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}

@@ -1,0 +1,136 @@
+//! The CPU references and the launch API on the CPU backend: shapes, errors, and the references
+//! against independent straightforward formulas.
+
+use fp4spec::Error;
+use fp4spec::backend::{Backend, DeviceVec};
+use fp4spec::formats::nvfp4::Nvfp4Matrix;
+use fp4spec::kernels::{Nvfp4Weights, compare, dequant, gemm};
+use fp4spec::rng::SplitMix64;
+use half::bf16;
+
+fn random_matrix(rng: &mut SplitMix64, n: usize, k: usize) -> Nvfp4Matrix {
+    Nvfp4Matrix::quantize("w", &rng.normal_vec(n * k, 0.05), n, k).expect("finite")
+}
+
+fn random_bf16(rng: &mut SplitMix64, len: usize) -> Vec<bf16> {
+    rng.normal_vec(len, 1.0)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect()
+}
+
+#[test]
+fn dequant_reference_is_the_matrix_rounded_to_bf16() {
+    let mut rng = SplitMix64::new(1);
+    let q = random_matrix(&mut rng, 7, 48);
+    let got = dequant::reference::dequant_nvfp4_bf16(q.view());
+    let want: Vec<bf16> = q.dequantize().into_iter().map(bf16::from_f32).collect();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn gemm_reference_matches_a_dense_product() {
+    let mut rng = SplitMix64::new(2);
+    let (m, n, k) = (3, 5, 32);
+    let q = random_matrix(&mut rng, n, k);
+    let x = random_bf16(&mut rng, m * k);
+    let dense = q.dequantize();
+    let got = gemm::reference::nvfp4_gemm_f32(&x, m, q.view());
+    for i in 0..m {
+        for j in 0..n {
+            let want: f64 = (0..k)
+                .map(|c| x[i * k + c].to_f64() * dense[j * k + c] as f64)
+                .sum();
+            assert!(
+                (got[i * n + j] as f64 - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "[{i},{j}]"
+            );
+        }
+    }
+}
+
+#[test]
+fn cpu_backend_runs_the_references_through_the_launch_api() {
+    let backend = Backend::Cpu;
+    let mut rng = SplitMix64::new(3);
+    let (m, n, k) = (4, 9, 64);
+    let q = random_matrix(&mut rng, n, k);
+    let x = random_bf16(&mut rng, m * k);
+    let w = Nvfp4Weights::upload(&backend, &q).expect("upload");
+    let x_dev = backend.upload(&x).expect("upload");
+    let mut y = backend.zeros::<bf16>(m * n).expect("zeros");
+    gemm::nvfp4_gemm(&backend, &x_dev, m, &w, &mut y).expect("gemm");
+    let y = backend.download(&y).expect("download");
+    let agreement = compare::compare_bf16(&y, &gemm::reference::nvfp4_gemm_f32(&x, m, q.view()));
+    assert!(agreement.passed(), "{agreement}");
+
+    let mut out = backend.zeros::<bf16>(n * k).expect("zeros");
+    dequant::dequant_nvfp4(&backend, &w, &mut out).expect("dequant");
+    assert_eq!(
+        backend.download(&out).expect("download"),
+        dequant::reference::dequant_nvfp4_bf16(q.view())
+    );
+}
+
+#[test]
+fn wrong_buffer_lengths_are_errors_naming_the_operand() {
+    let backend = Backend::Cpu;
+    let mut rng = SplitMix64::new(4);
+    let q = random_matrix(&mut rng, 8, 32);
+    let w = Nvfp4Weights::upload(&backend, &q).expect("upload");
+    let x = backend
+        .upload(&random_bf16(&mut rng, 2 * 32))
+        .expect("upload");
+    let mut y = backend.zeros::<bf16>(3 * 8).expect("zeros");
+    let err = gemm::nvfp4_gemm(&backend, &x, 3, &w, &mut y).unwrap_err();
+    assert!(
+        err.to_string().contains("gemm input X") && err.to_string().contains("[3, 32]"),
+        "{err}"
+    );
+    let mut y = backend.zeros::<bf16>(2 * 7).expect("zeros");
+    let err = gemm::nvfp4_gemm(&backend, &x, 2, &w, &mut y).unwrap_err();
+    assert!(err.to_string().contains("gemm output Y"), "{err}");
+    let mut out = backend.zeros::<bf16>(5).expect("zeros");
+    let err = dequant::dequant_nvfp4(&backend, &w, &mut out).unwrap_err();
+    assert!(err.to_string().contains("dequant output"), "{err}");
+}
+
+#[test]
+fn a_malformed_matrix_is_rejected_at_upload() {
+    let mut q = random_matrix(&mut SplitMix64::new(5), 2, 32);
+    q.scales.pop();
+    let err = Nvfp4Weights::upload(&Backend::Cpu, &q)
+        .err()
+        .expect("rejected");
+    assert!(matches!(err, Error::Invalid { .. }), "{err}");
+}
+
+#[test]
+fn zero_rows_is_a_no_op() {
+    let backend = Backend::Cpu;
+    let q = random_matrix(&mut SplitMix64::new(6), 4, 16);
+    let w = Nvfp4Weights::upload(&backend, &q).expect("upload");
+    let x: DeviceVec<bf16> = backend.upload(&[]).expect("upload");
+    let mut y = backend.zeros::<bf16>(0).expect("zeros");
+    gemm::nvfp4_gemm(&backend, &x, 0, &w, &mut y).expect("empty gemm");
+}
+
+#[test]
+fn compare_rejects_wrong_and_non_finite_outputs() {
+    let want = vec![1.0f32, -2.0, 3.0, 0.5];
+    let exact: Vec<bf16> = want.iter().map(|v| bf16::from_f32(*v)).collect();
+    assert!(compare::compare_bf16(&exact, &want).passed());
+    let mut off = exact.clone();
+    off[2] = bf16::from_f32(3.1);
+    assert!(!compare::compare_bf16(&off, &want).passed());
+    let mut nan = exact;
+    nan[0] = bf16::NAN;
+    assert!(!compare::compare_bf16(&nan, &want).passed());
+}
+
+#[test]
+fn backend_kind_parses_and_rejects_unknown_names() {
+    assert!("cuda".parse::<fp4spec::backend::BackendKind>().is_ok());
+    let err = "rocm".parse::<fp4spec::backend::BackendKind>().unwrap_err();
+    assert!(err.to_string().contains("rocm"), "{err}");
+}
