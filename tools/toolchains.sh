@@ -12,9 +12,12 @@ venv="$root/.toolchains/venv"
 
 if ! command -v clang-19 >/dev/null 2>&1 || ! command -v ld.lld-19 >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1; then
-    echo "toolchains: installing clang-19 and lld-19 (apt)" >&2
-    apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang-19 lld-19 llvm-19 >&2
+    echo "toolchains: installing clang-19, lld-19 and llvm-19 (apt)" >&2
+    log=$(mktemp)
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang-19 lld-19 llvm-19; } >"$log" 2>&1; then
+      cat "$log" >&2; echo "toolchains: apt-get failed" >&2; exit 1
+    fi
+    rm -f "$log"
   else
     echo "toolchains: clang-19 is missing and apt-get is not available; gfx1151 checks will report it missing" >&2
   fi
@@ -23,6 +26,7 @@ fi
 stamp="$venv/.fp4spec-cuda-$cuda_version"
 if [ ! -f "$stamp" ]; then
   echo "toolchains: installing NVRTC, CUDA headers and ptxas $cuda_version into $venv (pip)" >&2
+  rm -rf "$venv"
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check \
     "nvidia-cuda-nvrtc==$cuda_version" "nvidia-cuda-runtime==$cuda_version" "nvidia-cuda-nvcc==$cuda_version" >&2

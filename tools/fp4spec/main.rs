@@ -13,6 +13,12 @@ use half::bf16;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+/// The embedded default GEMM shape: a Qwen3.6-35B-A3B shared-expert gate_up ([1024, 2048]) at
+/// 16 rows (batch x verify rows of a small speculative batch).
+const DEFAULT_M: usize = 16;
+const DEFAULT_N: usize = 1024;
+const DEFAULT_K: usize = 2048;
+
 #[derive(Parser)]
 #[command(
     name = "fp4spec",
@@ -39,6 +45,13 @@ enum Command {
         #[arg(long)]
         check: bool,
     },
+    /// The main job for now: `kernels --check` for every target, then `gemm-check` on the best
+    /// available backend at the default shape.
+    Selftest {
+        /// auto (CUDA when present, else CPU), cpu or cuda.
+        #[arg(long, default_value = "auto")]
+        backend: String,
+    },
     /// Run the NVFP4 x bf16 GEMM on a backend with random inputs and compare it with the CPU
     /// reference (default shape: one Qwen3.6-35B-A3B shared-expert gate_up at 16 rows).
     GemmCheck {
@@ -46,13 +59,13 @@ enum Command {
         #[arg(long, default_value = "auto")]
         backend: String,
         /// Rows of X.
-        #[arg(long, default_value_t = 16)]
+        #[arg(long, default_value_t = DEFAULT_M)]
         m: usize,
         /// Output features (rows of W).
-        #[arg(long, default_value_t = 1024)]
+        #[arg(long, default_value_t = DEFAULT_N)]
         n: usize,
         /// Input features; a multiple of 16.
-        #[arg(long, default_value_t = 2048)]
+        #[arg(long, default_value_t = DEFAULT_K)]
         k: usize,
         /// Random seed (default: fresh).
         #[arg(long)]
@@ -89,6 +102,11 @@ fn main() -> ExitCode {
             k,
             seed,
         } => gemm_check(&backend, m, n, k, seed),
+        Command::Selftest { backend } => {
+            let compiled = kernels(&[], None, true);
+            let computed = gemm_check(&backend, DEFAULT_M, DEFAULT_N, DEFAULT_K, None);
+            compiled.and(computed)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
