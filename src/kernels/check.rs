@@ -32,6 +32,16 @@ pub struct CheckRow {
     pub status: CheckStatus,
     /// Resources the compiler reported for the kernel, when it did.
     pub resources: Option<KernelResources>,
+    /// The compiler's log for the kernel's family (empty when it did not run).
+    pub log: String,
+}
+
+/// What one successful compile of a family produced.
+struct Compiled {
+    resources: Vec<KernelResources>,
+    /// Kernels found in the output (PTX entries, or clang's resource remarks).
+    present: Vec<String>,
+    log: String,
 }
 
 /// Compiles every family of every target in `targets`.
@@ -53,14 +63,15 @@ fn check_nvidia(target: &TargetFacts, sources: &[&RenderedSource], rows: &mut Ve
         let outcome = match &toolchain {
             Err(e) => Err(CheckStatus::CompilerMissing(e.to_string())),
             Ok(include) => nvrtc::compile(source, target, include)
-                .map(|out| {
-                    let entries: Vec<String> = source
+                .map(|out| Compiled {
+                    present: source
                         .kernels
                         .iter()
                         .filter(|k| out.ptx.contains(&format!(".entry {k}(")))
                         .map(|k| k.to_string())
-                        .collect();
-                    (out.resources, entries)
+                        .collect(),
+                    resources: out.resources,
+                    log: out.log,
                 })
                 .map_err(|e| CheckStatus::Failed(e.to_string())),
         };
@@ -74,9 +85,10 @@ fn check_amd(target: &TargetFacts, sources: &[&RenderedSource], rows: &mut Vec<C
         let outcome = match &compiler {
             Err(e) => Err(CheckStatus::CompilerMissing(e.to_string())),
             Ok(clang_path) => clang::compile(clang_path, source, target)
-                .map(|out| {
-                    let names = out.resources.iter().map(|r| r.kernel.clone()).collect();
-                    (out.resources, names)
+                .map(|out| Compiled {
+                    present: out.resources.iter().map(|r| r.kernel.clone()).collect(),
+                    resources: out.resources,
+                    log: out.log,
                 })
                 .map_err(|e| CheckStatus::Failed(e.to_string())),
         };
@@ -94,20 +106,25 @@ fn check_amd(target: &TargetFacts, sources: &[&RenderedSource], rows: &mut Vec<C
 fn push_rows(
     target: &TargetFacts,
     source: &RenderedSource,
-    outcome: Result<(Vec<KernelResources>, Vec<String>), CheckStatus>,
+    outcome: Result<Compiled, CheckStatus>,
     rows: &mut Vec<CheckRow>,
     absent: &str,
 ) {
     for kernel in source.kernels {
-        let (status, resources) = match &outcome {
-            Err(status) => (status.clone(), None),
-            Ok((resources, present)) => {
-                let found = resources.iter().find(|r| r.kernel == *kernel).cloned();
-                if present.iter().any(|p| p == kernel) {
-                    (CheckStatus::Ok, found)
+        let (status, resources, log) = match &outcome {
+            Err(status) => (status.clone(), None, String::new()),
+            Ok(compiled) => {
+                let found = compiled
+                    .resources
+                    .iter()
+                    .find(|r| r.kernel == *kernel)
+                    .cloned();
+                let status = if compiled.present.iter().any(|p| p == kernel) {
+                    CheckStatus::Ok
                 } else {
-                    (CheckStatus::Failed(format!("{absent} `{kernel}`")), found)
-                }
+                    CheckStatus::Failed(format!("{absent} `{kernel}`"))
+                };
+                (status, found, compiled.log.clone())
             }
         };
         rows.push(CheckRow {
@@ -116,6 +133,7 @@ fn push_rows(
             kernel: kernel.to_string(),
             status,
             resources,
+            log,
         });
     }
 }

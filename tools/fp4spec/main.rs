@@ -44,6 +44,9 @@ enum Command {
         /// print one row per kernel with registers and spills.
         #[arg(long)]
         check: bool,
+        /// With --check: print each family's compiler log.
+        #[arg(long, requires = "check")]
+        verbose: bool,
     },
     /// The main job for now: `kernels --check` for every target, then `gemm-check` on the best
     /// available backend at the default shape.
@@ -94,7 +97,8 @@ fn main() -> ExitCode {
             targets,
             out,
             check,
-        } => kernels(&targets, out, check),
+            verbose,
+        } => kernels(&targets, out, check, verbose),
         Command::GemmCheck {
             backend,
             m,
@@ -103,7 +107,7 @@ fn main() -> ExitCode {
             seed,
         } => gemm_check(&backend, m, n, k, seed),
         Command::Selftest { backend } => {
-            let compiled = kernels(&[], None, true);
+            let compiled = kernels(&[], None, true, false);
             let computed = gemm_check(&backend, DEFAULT_M, DEFAULT_N, DEFAULT_K, None);
             compiled.and(computed)
         }
@@ -121,7 +125,12 @@ fn main() -> ExitCode {
     }
 }
 
-fn kernels(names: &[String], out: Option<PathBuf>, run_check: bool) -> Result<(), Failure> {
+fn kernels(
+    names: &[String],
+    out: Option<PathBuf>,
+    run_check: bool,
+    verbose: bool,
+) -> Result<(), Failure> {
     let selected: Vec<target::TargetFacts> = if names.is_empty() {
         target::all().to_vec()
     } else {
@@ -190,6 +199,9 @@ fn kernels(names: &[String], out: Option<PathBuf>, run_check: bool) -> Result<()
             num(r.spill_bytes),
             num(r.stack_bytes)
         );
+        if verbose && !row.log.trim().is_empty() {
+            println!("{}", row.log.trim_end());
+        }
     }
     println!(
         "{} kernels: {} ok, {failed} failed, {missing} without a compiler",
