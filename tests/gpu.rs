@@ -9,6 +9,7 @@ use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use fp4spec::Error;
 use fp4spec::backend::{Backend, BackendKind, DeviceVec};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
+use fp4spec::kernels::gemm::{Epilogue, Linear, RowOrder};
 use fp4spec::kernels::{Nvfp4Weights, compare, dequant, gemm};
 use fp4spec::rng::SplitMix64;
 use half::bf16;
@@ -241,4 +242,446 @@ fn buffers_from_another_backend_are_errors() {
     let mut y = backend.zeros::<bf16>(2).expect("zeros");
     let err = gemm::nvfp4_gemm(backend, &host_x, 1, &w, &mut y).unwrap_err();
     assert!(matches!(err, Error::BackendMismatch { .. }), "{err}");
+}
+
+// ---- the tensor-core kernels (gemm_*_mma_*) ----
+
+/// Rows of the issue, plus ones that cross the 64-row launch chunks.
+const MMA_ROWS: [usize; 10] = [1, 2, 3, 4, 8, 16, 33, 64, 67, 130];
+
+/// The CPU reference of `X * W^T` for a weight: (X, M) -> unrounded `[M, N]`.
+type ReferenceProduct = dyn Fn(&[bf16], usize) -> Vec<f32>;
+
+#[derive(Clone, Copy)]
+enum Format {
+    Nvfp4,
+    Bf16,
+}
+
+/// Runs `linear` at every M of `rows` on a fresh random weight and compares with the CPU
+/// reference (poisoned output, fresh inputs per M).
+fn check_linear(
+    test: &str,
+    format: Format,
+    n: usize,
+    k: usize,
+    rows: &[usize],
+    order: RowOrder,
+    residual: bool,
+) {
+    let Some(backend) = cuda(test) else { return };
+    let mut rng = rng(test);
+    let (linear, reference_product): (Linear, Box<ReferenceProduct>) = match format {
+        Format::Nvfp4 => {
+            let q = awkward_matrix(&mut rng, n, k);
+            let linear = Linear::nvfp4(backend, &q, order).expect("upload");
+            (
+                linear,
+                Box::new(move |x: &[bf16], m: usize| {
+                    gemm::reference::nvfp4_gemm_f32(x, m, q.view())
+                }),
+            )
+        }
+        Format::Bf16 => {
+            let w: Vec<bf16> = rng
+                .normal_vec(n * k, 0.02)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect();
+            let linear = Linear::bf16(backend, &w, n, k, order).expect("upload");
+            (
+                linear,
+                Box::new(move |x: &[bf16], m: usize| {
+                    gemm::reference::bf16_gemm_f32(x, m, &w, n, k)
+                }),
+            )
+        }
+    };
+    let n_out = linear.out_features();
+    for &m in rows {
+        let x = random_bf16(&mut rng, m * k);
+        let x_dev = backend.upload(&x).expect("upload");
+        let mut y = poisoned(backend, m * n_out);
+        let product = reference_product(&x, m);
+        let want = if order == RowOrder::GateUp {
+            gemm::linear(backend, &x_dev, m, &linear, Epilogue::SiluMul, &mut y).expect("linear");
+            gemm::reference::silu_mul(&product, m, n)
+        } else if residual {
+            let r = random_bf16(&mut rng, m * n);
+            let r_dev = backend.upload(&r).expect("upload");
+            gemm::linear(
+                backend,
+                &x_dev,
+                m,
+                &linear,
+                Epilogue::Residual(&r_dev),
+                &mut y,
+            )
+            .expect("linear");
+            gemm::reference::add_residual(&product, &r)
+        } else {
+            gemm::linear(backend, &x_dev, m, &linear, Epilogue::None, &mut y).expect("linear");
+            product
+        };
+        let agreement = compare::compare_bf16(&backend.download(&y).expect("download"), &want);
+        println!("{test} M={m} N={n} K={k}: {agreement}");
+        assert!(agreement.passed(), "{test} M={m} N={n} K={k}: {agreement}");
+    }
+}
+
+#[test]
+fn mma_nvfp4_8192x2048() {
+    check_linear(
+        "mma_nvfp4_8192x2048",
+        Format::Nvfp4,
+        8192,
+        2048,
+        &MMA_ROWS,
+        RowOrder::Plain,
+        false,
+    );
+}
+#[test]
+fn mma_nvfp4_4096x2048() {
+    check_linear(
+        "mma_nvfp4_4096x2048",
+        Format::Nvfp4,
+        4096,
+        2048,
+        &MMA_ROWS,
+        RowOrder::Plain,
+        false,
+    );
+}
+#[test]
+fn mma_nvfp4_2048x4096() {
+    check_linear(
+        "mma_nvfp4_2048x4096",
+        Format::Nvfp4,
+        2048,
+        4096,
+        &MMA_ROWS,
+        RowOrder::Plain,
+        false,
+    );
+}
+#[test]
+fn mma_nvfp4_1024x2048() {
+    check_linear(
+        "mma_nvfp4_1024x2048",
+        Format::Nvfp4,
+        1024,
+        2048,
+        &MMA_ROWS,
+        RowOrder::Plain,
+        false,
+    );
+}
+#[test]
+fn mma_nvfp4_2048x512() {
+    check_linear(
+        "mma_nvfp4_2048x512",
+        Format::Nvfp4,
+        2048,
+        512,
+        &MMA_ROWS,
+        RowOrder::Plain,
+        false,
+    );
+}
+#[test]
+fn mma_nvfp4_12288x2048() {
+    check_linear(
+        "mma_nvfp4_12288x2048",
+        Format::Nvfp4,
+        12288,
+        2048,
+        &[1, 3, 16, 64],
+        RowOrder::Plain,
+        false,
+    );
+}
+#[test]
+fn mma_nvfp4_lm_head() {
+    check_linear(
+        "mma_nvfp4_lm_head",
+        Format::Nvfp4,
+        248320,
+        2048,
+        &[1, 3],
+        RowOrder::Plain,
+        false,
+    );
+}
+#[test]
+fn mma_nvfp4_awkward_shapes() {
+    check_linear(
+        "mma_nvfp4_awkward_1037x528",
+        Format::Nvfp4,
+        1037,
+        528,
+        &MMA_ROWS,
+        RowOrder::Plain,
+        false,
+    );
+    check_linear(
+        "mma_nvfp4_awkward_k16",
+        Format::Nvfp4,
+        200,
+        16,
+        &[1, 5, 64],
+        RowOrder::Plain,
+        false,
+    );
+    check_linear(
+        "mma_nvfp4_awkward_n16",
+        Format::Nvfp4,
+        16,
+        2048,
+        &[1],
+        RowOrder::Plain,
+        false,
+    );
+    check_linear(
+        "mma_nvfp4_awkward_n1",
+        Format::Nvfp4,
+        1,
+        80,
+        &[1, 9],
+        RowOrder::Plain,
+        false,
+    );
+}
+#[test]
+fn mma_nvfp4_epilogues() {
+    check_linear(
+        "mma_nvfp4_residual",
+        Format::Nvfp4,
+        2048,
+        512,
+        &[1, 3, 16, 64],
+        RowOrder::Plain,
+        true,
+    );
+    check_linear(
+        "mma_nvfp4_gate_up",
+        Format::Nvfp4,
+        1024,
+        2048,
+        &[1, 3, 16, 64, 67],
+        RowOrder::GateUp,
+        false,
+    );
+    check_linear(
+        "mma_nvfp4_gate_up_odd",
+        Format::Nvfp4,
+        2 * 37,
+        528,
+        &[1, 9],
+        RowOrder::GateUp,
+        false,
+    );
+}
+#[test]
+fn mma_bf16_model_shapes() {
+    for (n, k) in [
+        (8192, 2048),
+        (4096, 2048),
+        (2048, 4096),
+        (1024, 2048),
+        (2048, 512),
+        (12288, 2048),
+    ] {
+        check_linear(
+            &format!("mma_bf16_{n}x{k}"),
+            Format::Bf16,
+            n,
+            k,
+            &[1, 2, 3, 4, 8, 16, 33, 64],
+            RowOrder::Plain,
+            false,
+        );
+    }
+}
+#[test]
+fn mma_bf16_lm_head_and_awkward() {
+    check_linear(
+        "mma_bf16_lm_head",
+        Format::Bf16,
+        248320,
+        2048,
+        &[1, 3],
+        RowOrder::Plain,
+        false,
+    );
+    check_linear(
+        "mma_bf16_awkward_1037x528",
+        Format::Bf16,
+        1037,
+        528,
+        &[1, 3, 33, 67],
+        RowOrder::Plain,
+        false,
+    );
+    check_linear(
+        "mma_bf16_awkward_k16",
+        Format::Bf16,
+        100,
+        16,
+        &[1, 64],
+        RowOrder::Plain,
+        false,
+    );
+    check_linear(
+        "mma_bf16_residual",
+        Format::Bf16,
+        2048,
+        4096,
+        &[1, 16],
+        RowOrder::Plain,
+        true,
+    );
+    check_linear(
+        "mma_bf16_gate_up",
+        Format::Bf16,
+        1024,
+        2048,
+        &[1, 16, 64],
+        RowOrder::GateUp,
+        false,
+    );
+}
+
+/// With X the identity, Y reads the weights back one product each: the kernel's in-register
+/// decode must equal the reference dequantisation bit for bit, subnormal scales included.
+#[test]
+fn mma_nvfp4_decode_is_exact() {
+    let Some(backend) = cuda("mma_nvfp4_decode_is_exact") else {
+        return;
+    };
+    let mut rng = rng("mma_nvfp4_decode_is_exact");
+    let (n, k) = (1037, 64);
+    let mut q = awkward_matrix(&mut rng, n, k);
+    q.global_scale = 1.0; // no rounding in the epilogue's multiply
+    for (i, byte) in q.scales.iter_mut().enumerate() {
+        *byte = (i % 0x7f) as u8; // every finite e4m3 scale, subnormals and zero included
+    }
+    for (i, byte) in q.packed.iter_mut().enumerate() {
+        *byte = (i % 256) as u8; // every nibble pair
+    }
+    let linear = Linear::nvfp4(backend, &q, RowOrder::Plain).expect("upload");
+    let identity: Vec<bf16> = (0..64 * k)
+        .map(|i| {
+            if i / k == i % k {
+                bf16::ONE
+            } else {
+                bf16::ZERO
+            }
+        })
+        .collect();
+    let x = backend.upload(&identity).expect("upload");
+    let mut y = poisoned(backend, 64 * n);
+    gemm::linear(backend, &x, 64, &linear, Epilogue::None, &mut y).expect("linear");
+    let y = backend.download(&y).expect("download");
+    let want = dequant::reference::dequant_nvfp4_bf16(q.view());
+    let mut wrong = 0;
+    for row in 0..n {
+        for col in 0..64 {
+            if y[col * n + row].to_bits() != want[row * k + col].to_bits()
+                && !(y[col * n + row] == want[row * k + col])
+            {
+                if wrong < 5 {
+                    println!(
+                        "W[{row}, {col}]: kernel {} reference {}",
+                        y[col * n + row],
+                        want[row * k + col]
+                    );
+                }
+                wrong += 1;
+            }
+        }
+    }
+    assert_eq!(wrong, 0, "{wrong} weights decode differently in the kernel");
+}
+
+/// Peer: cuBLAS bf16 on the same (dequantised) weights.
+#[test]
+fn mma_matches_cublas() {
+    let Some(backend) = cuda("mma_matches_cublas") else {
+        return;
+    };
+    let Backend::Cuda(device) = backend else {
+        unreachable!("cuda() returns the CUDA backend")
+    };
+    let blas = CudaBlas::new(device.stream().clone()).expect("cuBLAS handle");
+    let mut rng = rng("mma_matches_cublas");
+    for (n, k, nvfp4) in [
+        (2048, 4096, true),
+        (8192, 2048, true),
+        (248320, 2048, false),
+        (1037, 528, true),
+    ] {
+        let (linear, dense) = if nvfp4 {
+            let q = awkward_matrix(&mut rng, n, k);
+            (
+                Linear::nvfp4(backend, &q, RowOrder::Plain).expect("upload"),
+                dequant::reference::dequant_nvfp4_bf16(q.view()),
+            )
+        } else {
+            let w: Vec<bf16> = rng
+                .normal_vec(n * k, 0.02)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect();
+            (
+                Linear::bf16(backend, &w, n, k, RowOrder::Plain).expect("upload"),
+                w,
+            )
+        };
+        let DeviceVec::Cuda(dense_dev) = backend.upload(&dense).expect("upload") else {
+            unreachable!()
+        };
+        for m in [1, 16, 64] {
+            let x = random_bf16(&mut rng, m * k);
+            let x_dev = backend.upload(&x).expect("upload");
+            let mut ours = poisoned(backend, m * n);
+            gemm::linear(backend, &x_dev, m, &linear, Epilogue::None, &mut ours).expect("linear");
+            let DeviceVec::Cuda(x_slice) = &x_dev else {
+                unreachable!()
+            };
+            let DeviceVec::Cuda(mut theirs) = poisoned(backend, m * n) else {
+                unreachable!()
+            };
+            let config = GemmConfig {
+                transa: cublasOperation_t::CUBLAS_OP_T,
+                transb: cublasOperation_t::CUBLAS_OP_N,
+                m: n as i32,
+                n: m as i32,
+                k: k as i32,
+                alpha: bf16::ONE,
+                lda: k as i32,
+                ldb: k as i32,
+                beta: bf16::ZERO,
+                ldc: n as i32,
+            };
+            // SAFETY: the buffers hold N*K, M*K and M*N elements, matching the config.
+            unsafe { blas.gemm(config, &dense_dev, x_slice, &mut theirs) }.expect("cublas gemm");
+            let ours = backend.download(&ours).expect("download");
+            let theirs: Vec<f32> = backend
+                .download(&DeviceVec::Cuda(theirs))
+                .expect("download")
+                .iter()
+                .map(|v| v.to_f32())
+                .collect();
+            let agreement = compare::compare_bf16(&ours, &theirs);
+            println!(
+                "mma vs cuBLAS M={m} N={n} K={k}: rel L2 {:.2e}",
+                agreement.relative_l2
+            );
+            assert!(
+                agreement.non_finite == 0 && agreement.relative_l2 < 5e-3,
+                "mma vs cuBLAS M={m} N={n} K={k}: {agreement}"
+            );
+        }
+    }
 }

@@ -58,3 +58,244 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_ge
         if (lane == 0 && row0 + r < m) y[(u64)(row0 + r) * n + col] = f32_to_bf16(total);
     }
 }
+{% if target.instructions.mma_sync_bf16 %}
+// ============================================================================================
+// gemm_{nvfp4,bf16}_bf16_mma_m{8,16,32,64}: the weight-streaming tensor-core kernels.
+//
+// Y^T = W X^T on mma.sync.m16n8k16 (bf16 x bf16 -> fp32): W is the A operand (16 rows of N per
+// warp tile), X^T the B operand (8 rows of M per n8 tile), so M = 1..64 costs 1..8 MMAs per
+// 16x16 weight fragment and the weights are read once whatever M is.
+//
+// Weights come in the fragment order of src/kernels/gemm/layout.rs: inside each 64-wide
+// K group, lane (g = lane / 4, t = lane % 4) owns rows g and g + 8 of the tile and K columns
+// [16t, 16t + 16) (one NVFP4 block per row), and MMA j (j = 0..3) consumes columns 16t + 4j ..
+// 16t + 4j + 3 of them. That permutes K inside the group identically for W and X (a dot product
+// does not care), and makes each lane's X fragment for the whole group one contiguous 32-byte
+// run and its weights one 16-byte load (NVFP4: 2 blocks of 8 bytes + 2 scale bytes; bf16: 64
+// bytes). No shared memory: the load is the fragment; STAGES groups are in flight per warp.
+//
+// NVFP4 decode, exact: nibbles sit at bits 12..15 / 28..31 of (word << 4r), so
+// (w & 0x80008000) | ((w >> 6) & 0x01C001C0) is bf16 of e2m1 * 2^-126 (0.5 as a subnormal);
+// the scale byte (re-encoded at load as unsigned e5m3, exponent offset 10, no subnormals) becomes
+// bf16 of s * 2^119 with one multiply-add; their bf16 product e2m1 * s * 2^-7 is exact (<= 6
+// significant bits, normal range); the epilogue multiplies by global_scale * 2^7.
+// ============================================================================================
+#define MMA_WARPS {{ target.gemm.mma_warps_per_block }}
+#define MMA_STAGES {{ target.gemm.mma_stages }}
+#define EPILOGUE_NONE 0u
+#define EPILOGUE_RESIDUAL 1u
+#define EPILOGUE_SILU_MUL 2u
+
+FP4_DEVICE void mma_m16n8k16_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 { %0, %1, %2, %3}, { %4, %5, %6, %7}, { %8, %9}, { %0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+FP4_DEVICE u32 mul_bf16x2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+/// Two e2m1 nibbles (bits 12..15 and 28..31 of `w`) -> bf16x2 of e2m1 * 2^-126.
+FP4_DEVICE u32 e2m1x2_to_bf16x2_scaled(u32 w) { return (w & 0x80008000u) | ((w >> 6) & 0x01C001C0u); }
+
+/// A re-encoded scale byte -> bf16x2 {s * 2^119, s * 2^119}.
+FP4_DEVICE u32 scale_to_bf16x2(u32 byte) { return byte * 0x00100010u + 0x76007600u; }
+
+/// Streaming loads: weights are read exactly once, keep them out of L1.
+FP4_DEVICE u32x4 load_stream_u32x4(const void* p) {
+    u32x4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 { %0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+FP4_DEVICE u32 load_stream_u16(const void* p) {
+    unsigned short v;
+    asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
+    return v;
+}
+
+/// One K group (64 columns) of one lane's weights, as loaded.
+struct Nvfp4Group { u32x4 w; u32 scales; };
+struct Bf16Group { u32x4 w[4]; };
+
+struct Nvfp4Weights {
+    const u32x4* words;   // [n_tiles][k_groups][32]
+    const u16* scales;    // [n_tiles][k_groups][32]
+    typedef Nvfp4Group Group;
+    FP4_DEVICE Group load(u64 index) const { return {load_stream_u32x4(words + index), load_stream_u16(scales + index)}; }
+    /// The four A registers of MMA j of a group.
+    FP4_DEVICE void fragment(const Group& group, int j, u32 (&a)[4]) const {
+        const u32 word = j == 0 ? group.w.x : j == 1 ? group.w.y : j == 2 ? group.w.z : group.w.w;
+        const u32 scale_g = scale_to_bf16x2(group.scales & 0xffu);
+        const u32 scale_g8 = scale_to_bf16x2(group.scales >> 8);
+        a[0] = mul_bf16x2(e2m1x2_to_bf16x2_scaled(word), scale_g);
+        a[1] = mul_bf16x2(e2m1x2_to_bf16x2_scaled(word << 4), scale_g8);
+        a[2] = mul_bf16x2(e2m1x2_to_bf16x2_scaled(word << 8), scale_g);
+        a[3] = mul_bf16x2(e2m1x2_to_bf16x2_scaled(word << 12), scale_g8);
+    }
+};
+
+struct Bf16Weights {
+    const u32x4* words;   // [n_tiles][k_groups][32][4]
+    typedef Bf16Group Group;
+    FP4_DEVICE Group load(u64 index) const {
+        Group group;
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) group.w[j] = load_stream_u32x4(words + index * 4 + j);
+        return group;
+    }
+    FP4_DEVICE void fragment(const Group& group, int j, u32 (&a)[4]) const {
+        a[0] = group.w[j].x; a[1] = group.w[j].y; a[2] = group.w[j].z; a[3] = group.w[j].w;
+    }
+};
+
+FP4_DEVICE float silu(float v) { return v / (1.0f + __expf(-v)); }
+
+/// Writes one lane's 16 x (8 * MT) tile of fp32 results: scaled by alpha, with the epilogue.
+template <int MT>
+FP4_DEVICE void store_tile(const float (&acc)[MT][4], float alpha, u32 tile, u32 lane, u32 m, u32 n,
+                           u32 epilogue, const u16* residual, u16* y) {
+    const u32 g = lane / 4, t = lane % 4;
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        #pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const u32 row = mt * 8 + 2 * t + half;
+            if (row >= m) continue;
+            const float top = acc[mt][half] * alpha;         // W row tile * 16 + g
+            const float bottom = acc[mt][2 + half] * alpha;  // W row tile * 16 + g + 8
+            if (epilogue == EPILOGUE_SILU_MUL) {
+                // rows g = gate i, g + 8 = up i of output column i = tile * 8 + g; n = columns
+                const u32 col = tile * 8 + g;
+                if (col < n) y[(u64)row * n + col] = f32_to_bf16(silu(top) * bottom);
+            } else {
+                const u32 col = tile * 16 + g;
+                #pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const u32 c = col + 8 * r;
+                    if (c >= n) continue;
+                    float v = r == 0 ? top : bottom;
+                    const u64 at = (u64)row * n + c;
+                    if (epilogue == EPILOGUE_RESIDUAL) v += bf16_to_f32(residual[at]);
+                    y[at] = f32_to_bf16(v);
+                }
+            }
+        }
+    }
+}
+
+/// One warp: one 16-row weight tile over K groups [group_begin, group_end), all M rows.
+/// With splits > 1 the warp leaves its partial sums in `partials` and the last of the tile's
+/// warps to finish (a counter per tile) adds them in split order and writes Y, so the result
+/// does not depend on scheduling.
+template <class Weights, int MT>
+FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha, u16* y,
+                         const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
+                         u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split,
+                         u32 epilogue) {
+    const u32 lane = thread_x() % FP4_WARP_SIZE;
+    const u32 tile = block_x() * MMA_WARPS + thread_x() / FP4_WARP_SIZE;
+    if (tile >= n_tiles) return;  // whole warps; nothing below synchronises the block
+    const u32 split = block_y(), splits = gridDim.y;
+    const u32 group_begin = split * groups_per_split;
+    const u32 group_end = min(k_groups, group_begin + groups_per_split);
+    const u32 g = lane / 4, t = lane % 4;
+
+    float acc[MT][4];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
+
+    const u64 tile_base = (u64)tile * k_groups * 32 + lane;
+    typename Weights::Group ring[MMA_STAGES];
+    #pragma unroll
+    for (int s = 0; s < MMA_STAGES; ++s)
+        if (group_begin + s < group_end) ring[s] = weights.load(tile_base + (u64)(group_begin + s) * 32);
+
+    for (u32 base = group_begin; base < group_end; base += MMA_STAGES) {
+        #pragma unroll
+        for (int s = 0; s < MMA_STAGES; ++s) {
+            const u32 group = base + s;
+            if (group < group_end) {
+            // X fragment of this lane for the whole group: row mt * 8 + g, columns 64 * group +
+            // [16t, 16t + 16), zero past K or past M (zero weights times garbage could be NaN)
+            const u32 col = group * 64 + 16 * t;
+            u32x4 xs[MT][2];
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const u32 row = mt * 8 + g;
+                if (row < m && col < k) {
+                    const u16* p = x + (u64)row * k + col;
+                    xs[mt][0] = load_u32x4(p);
+                    xs[mt][1] = load_u32x4(p + 8);
+                } else {
+                    xs[mt][0] = xs[mt][1] = {0u, 0u, 0u, 0u};
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                u32 a[4];
+                weights.fragment(ring[s], j, a);
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    const u32x4& q = xs[mt][j / 2];
+                    const u32 b0 = (j % 2 == 0) ? q.x : q.z;
+                    const u32 b1 = (j % 2 == 0) ? q.y : q.w;
+                    mma_m16n8k16_bf16(acc[mt], a[0], a[1], a[2], a[3], b0, b1);
+                }
+            }
+            if (group + MMA_STAGES < group_end) ring[s] = weights.load(tile_base + (u64)(group + MMA_STAGES) * 32);
+            }
+        }
+    }
+
+    if (splits == 1) {
+        store_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y);
+        return;
+    }
+    // split-K: publish this split's partial, then the last warp of the tile reduces
+    float* mine = partials + (((u64)tile * splits + split) * 32 + lane) * (MT * 4);
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        *reinterpret_cast<float4*>(mine + mt * 4) = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+    __threadfence();
+    u32 arrived = 0;
+    if (lane == 0) arrived = atomicAdd(counters + tile, 1u);
+    arrived = __shfl_sync(0xffffffffu, arrived, 0);
+    if (arrived != splits - 1) return;
+    __threadfence();
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
+    for (u32 s = 0; s < splits; ++s) {
+        const float* part = partials + (((u64)tile * splits + s) * 32 + lane) * (MT * 4);
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(part + mt * 4));
+            acc[mt][0] += v.x; acc[mt][1] += v.y; acc[mt][2] += v.z; acc[mt][3] += v.w;
+        }
+    }
+    if (lane == 0) counters[tile] = 0;  // ready for the next launch
+    store_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y);
+}
+
+{% for rows in [8, 16, 32, 64] %}
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_mma_m{{ rows }}(
+    const u16* __restrict__ x, const u32x4* __restrict__ words, const u16* __restrict__ scales,
+    float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
+    u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 epilogue) {
+    gemm_mma<Nvfp4Weights, {{ rows }} / 8>(x, Nvfp4Weights{words, scales}, alpha, y, residual, partials, counters,
+                                      m, n, k, n_tiles, k_groups, groups_per_split, epilogue);
+}
+
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_bf16_bf16_mma_m{{ rows }}(
+    const u16* __restrict__ x, const u32x4* __restrict__ words,
+    float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
+    u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 epilogue) {
+    gemm_mma<Bf16Weights, {{ rows }} / 8>(x, Bf16Weights{words}, alpha, y, residual, partials, counters,
+                                     m, n, k, n_tiles, k_groups, groups_per_split, epilogue);
+}
+{% endfor %}
+{% endif %}

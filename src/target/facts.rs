@@ -91,6 +91,14 @@ pub struct GemmTiles {
     pub warps_per_block: u32,
     /// Rows of X a warp accumulates in registers per pass over K.
     pub rows_per_pass: u32,
+    /// `gemm_*_mma_*`: warps per block, each owning one 16-row weight tile.
+    pub mma_warps_per_block: u32,
+    /// `gemm_*_mma_*`: 64-wide K groups of weights in flight per warp.
+    pub mma_stages: u32,
+    /// `gemm_*_mma_*`: split K until this many warps per multiprocessor have work.
+    pub mma_min_warps_per_sm: u32,
+    /// `gemm_*_mma_*`: the fewest K groups one split may get.
+    pub mma_min_groups_per_split: u32,
 }
 
 impl TargetTable {
@@ -138,6 +146,25 @@ impl TargetFacts {
                 "gemm.warps_per_block {} gives {gemm_threads} threads (1..=1024)",
                 self.gemm.warps_per_block
             ));
+        }
+        let mma_threads = self.gemm.mma_warps_per_block * self.warp_size;
+        if self.gemm.mma_warps_per_block == 0 || mma_threads > 1024 {
+            return fail(format!(
+                "gemm.mma_warps_per_block {} gives {mma_threads} threads (1..=1024)",
+                self.gemm.mma_warps_per_block
+            ));
+        }
+        if !(1..=8).contains(&self.gemm.mma_stages) {
+            return fail(format!(
+                "gemm.mma_stages {} outside 1..=8 (registers per stage)",
+                self.gemm.mma_stages
+            ));
+        }
+        if self.gemm.mma_min_warps_per_sm == 0 || self.gemm.mma_min_groups_per_split == 0 {
+            return fail(
+                "gemm.mma_min_warps_per_sm and gemm.mma_min_groups_per_split must be positive"
+                    .into(),
+            );
         }
         if !(1..=16).contains(&self.gemm.rows_per_pass) {
             return fail(format!(

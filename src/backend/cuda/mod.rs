@@ -7,7 +7,7 @@ pub mod nvrtc;
 use crate::error::{Error, Result};
 use crate::kernels::table;
 use crate::target::{self, TargetFacts};
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -19,7 +19,18 @@ pub struct CudaBackend {
     target: &'static TargetFacts,
     device_name: String,
     include_dir: PathBuf,
+    multiprocessors: u32,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    split_k: Mutex<SplitKScratch>,
+}
+
+/// Device scratch for split-K reductions: fp32 partial sums and one arrival counter per output
+/// tile. Counters are zero between launches (the last arriving warp resets its own).
+pub struct SplitKScratch {
+    /// Partial sums, at least as many as the largest launch so far asked for.
+    pub partials: Option<CudaSlice<f32>>,
+    /// Arrival counters, zero-initialised.
+    pub counters: Option<CudaSlice<u32>>,
 }
 
 impl CudaBackend {
@@ -59,14 +70,32 @@ impl CudaBackend {
         })?;
         nvrtc::version()?;
         let include_dir = nvrtc::cuda_include_dir()?;
-        let stream = context.default_stream();
+        let multiprocessors = context
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(|e| Error::cuda("read the multiprocessor count", e))?
+            as u32;
+        // Every launch and copy of the backend goes to one stream of its own: the legacy default
+        // stream cannot be captured into a CUDA graph. With a single stream, cudarc's per-buffer
+        // event tracking (for ordering across streams) is pure launch overhead.
+        // SAFETY: this backend never uses a second stream of this context.
+        unsafe { context.disable_event_tracking() };
+        let stream = context
+            .new_stream()
+            .map_err(|e| Error::cuda("create a stream", e))?;
         Ok(Self {
             context,
             stream,
             target,
             device_name,
             include_dir,
+            multiprocessors,
             modules: Mutex::new(HashMap::new()),
+            split_k: Mutex::new(SplitKScratch {
+                partials: None,
+                counters: None,
+            }),
         })
     }
 
@@ -78,6 +107,39 @@ impl CudaBackend {
     /// The device's name as the driver reports it.
     pub fn device_name(&self) -> &str {
         &self.device_name
+    }
+
+    /// Streaming multiprocessors of the device (as the driver reports, not the target table).
+    pub fn multiprocessors(&self) -> u32 {
+        self.multiprocessors
+    }
+
+    /// The split-K scratch, grown to at least `partials` floats and `counters` counters. Hold
+    /// the guard across the launch that uses it.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when an allocation fails.
+    pub fn split_k_scratch(
+        &self,
+        partials: usize,
+        counters: usize,
+    ) -> Result<std::sync::MutexGuard<'_, SplitKScratch>> {
+        let mut scratch = self
+            .split_k
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if scratch.partials.as_ref().is_none_or(|p| p.len() < partials) {
+            scratch.partials = Some(self.stream.alloc_zeros(partials.max(1)).map_err(|e| {
+                Error::cuda(format!("allocate {partials} split-K partial sums"), e)
+            })?);
+        }
+        if scratch.counters.as_ref().is_none_or(|c| c.len() < counters) {
+            scratch.counters =
+                Some(self.stream.alloc_zeros(counters.max(1)).map_err(|e| {
+                    Error::cuda(format!("allocate {counters} split-K counters"), e)
+                })?);
+        }
+        Ok(scratch)
     }
 
     /// The stream every launch and copy of this backend goes to.

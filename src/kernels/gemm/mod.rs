@@ -1,17 +1,31 @@
 //! Family `gemm`: `Y[M, N] = X[M, K] (bf16) * dequant(W[N, K])^T`, fp32 accumulation, bf16 out
 //! (`kernels/templates/gemm.cu`).
 //!
-//! Kernels so far: `gemm_nvfp4_bf16_gemv`, the straightforward one (one warp per output column).
-//! The bytes a GEMM must move at least are [`nvfp4_gemm_bytes`]; benches report achieved
-//! bandwidth against that.
+//! Kernels:
+//! - `gemm_nvfp4_bf16_gemv`: the straightforward one (one warp per output column, plain
+//!   layout, no tensor cores), kept as the reference GPU version: [`nvfp4_gemm`].
+//! - `gemm_{nvfp4,bf16}_bf16_mma_m{8,16,32,64}`: the weight-streaming tensor-core kernels, on
+//!   weights re-laid out once at load ([`layout`]) into a [`Linear`]: [`linear`]. One warp per
+//!   16-row weight tile; K is split across blocks until every SM has
+//!   `gemm.mma_min_warps_per_sm` warps (targets.toml), and the last warp of a tile adds the
+//!   splits in order (deterministic). Epilogues: residual add, `silu(gate) * up`.
+//!
+//! The bytes a GEMM must move at least are [`nvfp4_gemm_bytes`] / [`Linear::bytes`]; benches
+//! report achieved bandwidth against them.
 
+pub mod layout;
 pub mod reference;
 
+pub use layout::RowOrder;
+
 use super::{Nvfp4Weights, check_len, check_u32};
+use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, DeviceVec};
 use crate::error::{Error, Result};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use crate::formats::nvfp4::Nvfp4Matrix;
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use half::bf16;
+use layout::{Bf16Fragments, Nvfp4Fragments};
 
 /// The family name (template and module).
 pub const FAMILY: &str = "gemm";
@@ -108,4 +122,410 @@ pub fn nvfp4_gemm(
             Ok(())
         }
     }
+}
+
+/// Most rows of X one tensor-core launch takes; larger M runs in chunks of this many.
+pub const MMA_MAX_ROWS: usize = 64;
+
+/// The weight format of a [`Linear`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// NVFP4 (W4A16: dequantised in registers, bf16 tensor-core math).
+    Nvfp4,
+    /// bf16.
+    Bf16,
+}
+
+enum LinearStorage {
+    HostNvfp4(Nvfp4Matrix),
+    HostBf16(Vec<bf16>),
+    CudaNvfp4 {
+        words: CudaSlice<u32>,
+        scales: CudaSlice<u16>,
+        global_scale: f32,
+    },
+    CudaBf16 {
+        words: CudaSlice<u32>,
+    },
+}
+
+/// A linear layer's weight `W[rows, cols]` on a backend, in the layout its kernels consume:
+/// the plain matrix on the CPU, [`layout`] fragments on CUDA.
+pub struct Linear {
+    format: WeightFormat,
+    rows: usize,
+    cols: usize,
+    row_order: RowOrder,
+    n_tiles: usize,
+    k_groups: usize,
+    storage: LinearStorage,
+}
+
+/// What the GEMM does with `X * W^T` before writing Y.
+pub enum Epilogue<'a> {
+    /// `Y = X * W^T`.
+    None,
+    /// `Y = X * W^T + residual` (`residual` is `[m, rows]`, may not alias Y).
+    Residual(&'a DeviceVec<bf16>),
+    /// For a [`RowOrder::GateUp`] weight: `Y[m, i] = silu(gate_i) * up_i`, `[m, rows / 2]`.
+    SiluMul,
+}
+
+impl Linear {
+    /// An NVFP4 weight. `row_order` is [`RowOrder::GateUp`] for a `[gate; up]` weight that will
+    /// run with [`Epilogue::SiluMul`].
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a malformed matrix (buffer lengths, NaN scales, odd gate/up rows),
+    /// [`Error::Cuda`] when the upload fails.
+    pub fn nvfp4(backend: &Backend, matrix: &Nvfp4Matrix, row_order: RowOrder) -> Result<Self> {
+        let (rows, cols) = (matrix.rows, matrix.cols);
+        if cols == 0
+            || cols % 16 != 0
+            || matrix.packed.len() != rows * cols / 2
+            || matrix.scales.len() != rows * cols / 16
+        {
+            return Err(Error::invalid(
+                "NVFP4 weight",
+                format!(
+                    "[{rows}, {cols}]: K must be a positive multiple of 16 and the buffers match the shape"
+                ),
+            ));
+        }
+        let fragments = Nvfp4Fragments::new(matrix, row_order)?;
+        let storage = match backend {
+            Backend::Cpu => LinearStorage::HostNvfp4(matrix.clone()),
+            Backend::Cuda(cuda) => LinearStorage::CudaNvfp4 {
+                words: upload(cuda, &fragments.words, "NVFP4 weight words")?,
+                scales: upload(cuda, &fragments.scales, "NVFP4 weight scales")?,
+                global_scale: matrix.global_scale,
+            },
+        };
+        Ok(Self {
+            format: WeightFormat::Nvfp4,
+            rows,
+            cols,
+            row_order,
+            n_tiles: fragments.n_tiles,
+            k_groups: fragments.k_groups,
+            storage,
+        })
+    }
+
+    /// A bf16 weight, row-major `[rows, cols]`.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `values` does not match the shape or K is not a positive
+    /// multiple of 16, [`Error::Cuda`] when the upload fails.
+    pub fn bf16(
+        backend: &Backend,
+        values: &[bf16],
+        rows: usize,
+        cols: usize,
+        row_order: RowOrder,
+    ) -> Result<Self> {
+        let fragments = Bf16Fragments::new(values, rows, cols, row_order)?;
+        let storage = match backend {
+            Backend::Cpu => LinearStorage::HostBf16(values.to_vec()),
+            Backend::Cuda(cuda) => LinearStorage::CudaBf16 {
+                words: upload(cuda, &fragments.words, "bf16 weight words")?,
+            },
+        };
+        Ok(Self {
+            format: WeightFormat::Bf16,
+            rows,
+            cols,
+            row_order,
+            n_tiles: fragments.n_tiles,
+            k_groups: fragments.k_groups,
+            storage,
+        })
+    }
+
+    /// The weight format.
+    pub fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    /// Output features: `rows`, or `rows / 2` for a `[gate; up]` weight.
+    pub fn out_features(&self) -> usize {
+        match self.row_order {
+            RowOrder::Plain => self.rows,
+            RowOrder::GateUp => self.rows / 2,
+        }
+    }
+
+    /// Input features (K).
+    pub fn in_features(&self) -> usize {
+        self.cols
+    }
+
+    /// Weight bytes a kernel streams per call: NVFP4 nibbles + one scale byte per 16, or 2 per
+    /// bf16 element (the unpadded matrix: what the roofline counts).
+    pub fn weight_bytes(&self) -> u64 {
+        let elements = (self.rows * self.cols) as u64;
+        match self.format {
+            WeightFormat::Nvfp4 => elements / 2 + elements / 16,
+            WeightFormat::Bf16 => 2 * elements,
+        }
+    }
+
+    /// The fewest bytes `Y = X * W^T` (+ epilogue) moves for `m` rows: weights once, X once, Y
+    /// once (and the residual once when used).
+    pub fn bytes(&self, m: usize, epilogue: &Epilogue<'_>) -> u64 {
+        let io = 2 * (m * self.cols + m * self.out_features()) as u64;
+        let residual = if matches!(epilogue, Epilogue::Residual(_)) {
+            2 * (m * self.out_features()) as u64
+        } else {
+            0
+        };
+        self.weight_bytes() + io + residual
+    }
+}
+
+fn upload<T: cudarc::driver::DeviceRepr>(
+    cuda: &CudaBackend,
+    data: &[T],
+    what: &str,
+) -> Result<CudaSlice<T>> {
+    cuda.stream()
+        .clone_htod(data)
+        .map_err(|e| Error::cuda(format!("upload {what} ({} elements)", data.len()), e))
+}
+
+/// `y = epilogue(x * w^T)` for `m` rows: `x` bf16 `[m, w.in_features()]`, `y` bf16
+/// `[m, w.out_features()]`, row-major. `m == 0` does nothing.
+///
+/// # Errors
+/// [`Error::Invalid`] when a buffer's length disagrees with the shapes, the epilogue does not
+/// fit the weight's row order, or a dimension exceeds the kernels' range;
+/// [`Error::BackendMismatch`] when buffers live elsewhere; [`Error::Compile`] / [`Error::Cuda`]
+/// from the CUDA path.
+pub fn linear(
+    backend: &Backend,
+    x: &DeviceVec<bf16>,
+    m: usize,
+    w: &Linear,
+    epilogue: Epilogue<'_>,
+    y: &mut DeviceVec<bf16>,
+) -> Result<()> {
+    let (k, n_out) = (w.cols, w.out_features());
+    check_len("linear input X", x, m * k, &format!("[{m}, {k}]"))?;
+    check_len("linear output Y", y, m * n_out, &format!("[{m}, {n_out}]"))?;
+    match (&epilogue, w.row_order) {
+        (Epilogue::SiluMul, RowOrder::Plain) => {
+            return Err(Error::invalid(
+                "linear epilogue",
+                "silu(gate) * up needs a weight built with RowOrder::GateUp",
+            ));
+        }
+        (Epilogue::None | Epilogue::Residual(_), RowOrder::GateUp) => {
+            return Err(Error::invalid(
+                "linear epilogue",
+                "a RowOrder::GateUp weight only runs with Epilogue::SiluMul",
+            ));
+        }
+        (Epilogue::Residual(r), _) => {
+            check_len("linear residual", r, m * n_out, &format!("[{m}, {n_out}]"))?
+        }
+        _ => {}
+    }
+    if m == 0 {
+        return Ok(());
+    }
+    match backend {
+        Backend::Cpu => {
+            let DeviceVec::Host(x) = x else {
+                return Err(backend.mismatch("linear input X", x));
+            };
+            let product = match &w.storage {
+                LinearStorage::HostNvfp4(matrix) => reference::nvfp4_gemm_f32(x, m, matrix.view()),
+                LinearStorage::HostBf16(values) => {
+                    reference::bf16_gemm_f32(x, m, values, w.rows, k)
+                }
+                _ => {
+                    return Err(Error::BackendMismatch {
+                        what: "linear weight".into(),
+                        expected: "cpu",
+                        found: "cuda",
+                    });
+                }
+            };
+            let result = match &epilogue {
+                Epilogue::None => product,
+                Epilogue::SiluMul => reference::silu_mul(&product, m, w.rows),
+                Epilogue::Residual(DeviceVec::Host(r)) => reference::add_residual(&product, r),
+                Epilogue::Residual(r) => return Err(backend.mismatch("linear residual", r)),
+            };
+            let DeviceVec::Host(y) = y else {
+                return Err(backend.mismatch("linear output Y", y));
+            };
+            *y = result.into_iter().map(bf16::from_f32).collect();
+            Ok(())
+        }
+        Backend::Cuda(cuda) => linear_cuda(cuda, backend, x, m, w, &epilogue, y),
+    }
+}
+
+/// How a tensor-core launch is partitioned: blocks of `mma_warps_per_block` tiles, K split in
+/// `splits` ranges of `groups_per_split` groups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SplitPlan {
+    /// K ranges (grid.y).
+    pub splits: u32,
+    /// 64-wide K groups per range.
+    pub groups_per_split: u32,
+}
+
+/// Splits K until `multiprocessors * min_warps_per_sm` warps have work, keeping at least
+/// `min_groups_per_split` groups per split and no split empty.
+pub fn split_plan(
+    n_tiles: usize,
+    k_groups: usize,
+    multiprocessors: u32,
+    min_warps_per_sm: u32,
+    min_groups_per_split: u32,
+) -> SplitPlan {
+    let wanted = (multiprocessors as usize * min_warps_per_sm as usize).div_ceil(n_tiles.max(1));
+    let most = (k_groups / min_groups_per_split as usize).max(1);
+    let splits = wanted.clamp(1, most);
+    let groups_per_split = k_groups.div_ceil(splits);
+    SplitPlan {
+        splits: k_groups.div_ceil(groups_per_split) as u32,
+        groups_per_split: groups_per_split as u32,
+    }
+}
+
+fn linear_cuda(
+    cuda: &CudaBackend,
+    backend: &Backend,
+    x: &DeviceVec<bf16>,
+    m: usize,
+    w: &Linear,
+    epilogue: &Epilogue<'_>,
+    y: &mut DeviceVec<bf16>,
+) -> Result<()> {
+    let DeviceVec::Cuda(x) = x else {
+        return Err(backend.mismatch("linear input X", x));
+    };
+    let DeviceVec::Cuda(y) = y else {
+        return Err(backend.mismatch("linear output Y", y));
+    };
+    let residual = match epilogue {
+        Epilogue::Residual(DeviceVec::Cuda(r)) => Some(r),
+        Epilogue::Residual(r) => return Err(backend.mismatch("linear residual", r)),
+        _ => None,
+    };
+    let (k, n_out) = (w.cols, w.out_features());
+    let tiles = &cuda.target().gemm;
+    let plan = split_plan(
+        w.n_tiles,
+        w.k_groups,
+        cuda.multiprocessors(),
+        tiles.mma_min_warps_per_sm,
+        tiles.mma_min_groups_per_split,
+    );
+    let (n32, k32) = (check_u32("linear N", n_out)?, check_u32("linear K", k)?);
+    let (n_tiles, k_groups) = (
+        check_u32("linear tiles", w.n_tiles)?,
+        check_u32("linear K groups", w.k_groups)?,
+    );
+    let epilogue_code: u32 = match epilogue {
+        Epilogue::None => 0,
+        Epilogue::Residual(_) => 1,
+        Epilogue::SiluMul => 2,
+    };
+    let format = match w.format {
+        WeightFormat::Nvfp4 => "nvfp4",
+        WeightFormat::Bf16 => "bf16",
+    };
+    for start in (0..m).step_by(MMA_MAX_ROWS) {
+        let rows = (m - start).min(MMA_MAX_ROWS);
+        let kernel = format!(
+            "gemm_{format}_bf16_mma_m{}",
+            rows.div_ceil(8).next_power_of_two() * 8
+        );
+        let m_tiles = rows.div_ceil(8).next_power_of_two();
+        let scratch = if plan.splits > 1 {
+            Some(cuda.split_k_scratch(
+                w.n_tiles * plan.splits as usize * 32 * m_tiles * 4,
+                w.n_tiles,
+            )?)
+        } else {
+            None
+        };
+        let function = cuda.function(FAMILY, &kernel)?;
+        let x_rows = x.slice(start * k..(start + rows) * k);
+        let mut y_rows = y.slice_mut(start * n_out..(start + rows) * n_out);
+        let residual_rows = residual.map(|r| r.slice(start * n_out..(start + rows) * n_out));
+        let (partials_ptr, counters_ptr) = match &scratch {
+            Some(s) => match (&s.partials, &s.counters) {
+                (Some(p), Some(c)) => {
+                    (p.device_ptr(cuda.stream()).0, c.device_ptr(cuda.stream()).0)
+                }
+                _ => (0, 0),
+            },
+            None => (0, 0),
+        };
+        let residual_ptr = residual_rows
+            .as_ref()
+            .map_or(0, |r| r.device_ptr(cuda.stream()).0);
+        let m32 = rows as u32;
+        let config = LaunchConfig {
+            grid_dim: (n_tiles.div_ceil(tiles.mma_warps_per_block), plan.splits, 1),
+            block_dim: (tiles.mma_warps_per_block * cuda.target().warp_size, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = cuda.stream().launch_builder(&function);
+        launch.arg(&x_rows);
+        let alpha = match &w.storage {
+            LinearStorage::CudaNvfp4 {
+                words,
+                scales,
+                global_scale,
+            } => {
+                launch.arg(words).arg(scales);
+                global_scale * 128.0
+            }
+            LinearStorage::CudaBf16 { words } => {
+                launch.arg(words);
+                1.0
+            }
+            _ => {
+                return Err(Error::BackendMismatch {
+                    what: "linear weight".into(),
+                    expected: "cuda",
+                    found: "cpu",
+                });
+            }
+        };
+        launch
+            .arg(&alpha)
+            .arg(&mut y_rows)
+            .arg(&residual_ptr)
+            .arg(&partials_ptr)
+            .arg(&counters_ptr)
+            .arg(&m32)
+            .arg(&n32)
+            .arg(&k32)
+            .arg(&n_tiles)
+            .arg(&k_groups)
+            .arg(&plan.groups_per_split)
+            .arg(&epilogue_code);
+        // SAFETY: argument types and order match gemm.cu's gemm_*_mma_m* signatures; X, Y and the
+        // residual were checked against (m, n, k); the weights were laid out for (n_tiles,
+        // k_groups); the split-K scratch holds n_tiles * splits * 32 * 4 * m_tiles floats and
+        // n_tiles zeroed counters, and its guard is held until the launch is queued.
+        unsafe { launch.launch(config) }.map_err(|e| {
+            Error::cuda(
+                format!(
+                    "launch {kernel} M={rows} N={n_out} K={k} splits={}",
+                    plan.splits
+                ),
+                e,
+            )
+        })?;
+        drop(scratch);
+    }
+    Ok(())
 }

@@ -1,0 +1,306 @@
+//! Weight layouts the tensor-core GEMM kernels (`gemm_*_mma_*`) consume, made once at load time.
+//!
+//! Tiles are 16 weight rows. Inside each 64-wide K group lane `(g, t) = (lane / 4, lane % 4)` of
+//! the warp owns tile rows `g` and `g + 8` at K columns `64 * group + [16t, 16t + 16)`: one NVFP4
+//! block per row. MMA `j` of the group consumes the four columns `16t + 4j .. 16t + 4j + 3` of
+//! both rows, in the register order of `mma.m16n8k16`'s A fragment: registers 0/2 hold row `g`
+//! (columns `4j, 4j+1` / `4j+2, 4j+3`), registers 1/3 row `g + 8`. X is read with the same K
+//! permutation, so each lane's X for a group is one contiguous 32-byte run.
+//!
+//! - NVFP4: per (tile, group, lane) one `u32` word per MMA (8 nibbles, placed so that
+//!   `word << 4r` has register `r`'s two nibbles at bits 12..15 and 28..31) and one `u16` with
+//!   the two rows' block scales, re-encoded as unsigned e5m3 (exponent offset 10, no
+//!   subnormals): exact for every non-zero e4m3 scale. A zero scale zeroes its block's nibbles
+//!   and a negative one flips their signs, so the kernel never sees either.
+//! - BF16: per (tile, group, lane, MMA) four `u32` registers of two bf16 each.
+//!
+//! [`RowOrder::GateUp`] stores a `[gate; up]` weight (rows `0..I` gate, `I..2I` up) so tile
+//! rows 0..7 are gate rows `8 * tile ..` and 8..15 the matching up rows: the lane holding gate
+//! row `i` also holds up row `i`, which is what the fused `silu(gate) * up` epilogue needs.
+//! Rows past the end (padding to a whole tile) and columns past K are zero.
+
+use crate::error::{Error, Result};
+use crate::formats::nvfp4::{BLOCK, E4M3_ONE, Nvfp4Matrix, e2m1_decode, e4m3_decode};
+use half::bf16;
+
+/// Weight rows per tile (the MMA's M dimension).
+pub const TILE_ROWS: usize = 16;
+/// K columns per group (four MMAs of 16).
+pub const GROUP_COLS: usize = 64;
+const LANES: usize = 32;
+
+/// How weight rows map onto tiles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowOrder {
+    /// Tile `i` holds rows `16i .. 16i + 15`.
+    Plain,
+    /// A `[gate; up]` weight of `2I` rows: tile `i` holds gate rows `8i .. 8i + 7` then up rows
+    /// `I + 8i .. I + 8i + 7`.
+    GateUp,
+}
+
+impl RowOrder {
+    /// Tiles needed for `rows` weight rows.
+    pub fn tiles(self, rows: usize) -> usize {
+        match self {
+            RowOrder::Plain => rows.div_ceil(TILE_ROWS),
+            RowOrder::GateUp => (rows / 2).div_ceil(TILE_ROWS / 2),
+        }
+    }
+
+    /// The weight row at `tile_row` (0..16) of `tile`, or `None` for padding.
+    pub fn source_row(self, rows: usize, tile: usize, tile_row: usize) -> Option<usize> {
+        let row = match self {
+            RowOrder::Plain => tile * TILE_ROWS + tile_row,
+            RowOrder::GateUp => {
+                let half = rows / 2;
+                let i = tile * 8 + tile_row % 8;
+                if i >= half {
+                    return None;
+                }
+                if tile_row < 8 { i } else { half + i }
+            }
+        };
+        (row < rows).then_some(row)
+    }
+
+    fn check(self, what: &str, rows: usize) -> Result<()> {
+        if self == RowOrder::GateUp && rows % 2 != 0 {
+            return Err(Error::invalid(
+                what,
+                format!("a [gate; up] weight needs an even row count, has {rows}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The nibble slot (0..8) inside MMA word `j` of the element at (`row_is_upper`, column `c`
+/// of the lane's 16-column block): see the module docs.
+fn nibble_slot(upper: bool, c: usize) -> usize {
+    // columns 4j+0, 4j+1 go to register 0 (row g) or 1 (row g+8); 4j+2, 4j+3 to 2 or 3;
+    // register r's low half is slot 3 - r, high half slot 7 - r
+    let register = 2 * ((c % 4) / 2) + usize::from(upper);
+    if c % 2 == 0 {
+        3 - register
+    } else {
+        7 - register
+    }
+}
+
+/// Encodes a positive e4m3 scale value exactly as unsigned e5m3 (exponent offset 10).
+fn scale_to_e5m3(value: f32) -> u8 {
+    let bits = value.to_bits();
+    let exponent = ((bits >> 23) & 0xff) as i32 - 127; // -9 ..= 8 for e4m3 values
+    let fraction = (bits >> 20) & 7;
+    (((exponent + 10) as u32) << 3 | fraction) as u8
+}
+
+/// Decodes the kernel's e5m3 scale byte (the inverse of the load-time encoding).
+pub fn e5m3_decode(byte: u8) -> f32 {
+    let exponent = (byte >> 3) as i32 - 10;
+    (1.0 + (byte & 7) as f32 / 8.0) * 2f32.powi(exponent)
+}
+
+/// An NVFP4 matrix in the tensor-core kernels' fragment order.
+#[derive(Debug, Clone)]
+pub struct Nvfp4Fragments {
+    /// Weight rows (N).
+    pub rows: usize,
+    /// K, a multiple of 16.
+    pub cols: usize,
+    /// Row-to-tile mapping.
+    pub row_order: RowOrder,
+    /// 16-row tiles.
+    pub n_tiles: usize,
+    /// 64-wide K groups.
+    pub k_groups: usize,
+    /// `[n_tiles][k_groups][32 lanes][4 MMAs]` nibble words.
+    pub words: Vec<u32>,
+    /// `[n_tiles][k_groups][32 lanes]`: e5m3 scale of row g (low byte) and row g + 8.
+    pub scales: Vec<u16>,
+    /// The per-tensor multiplier of the source matrix.
+    pub global_scale: f32,
+}
+
+impl Nvfp4Fragments {
+    /// Re-lays `matrix` out for the kernels.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a `[gate; up]` order with an odd row count or a NaN block scale.
+    pub fn new(matrix: &Nvfp4Matrix, row_order: RowOrder) -> Result<Self> {
+        let (rows, cols) = (matrix.rows, matrix.cols);
+        row_order.check("NVFP4 weight", rows)?;
+        let n_tiles = row_order.tiles(rows);
+        let k_groups = cols.div_ceil(GROUP_COLS);
+        let k_blocks = cols / BLOCK;
+        let mut words = vec![0u32; n_tiles * k_groups * LANES * 4];
+        let mut scales = vec![0u16; n_tiles * k_groups * LANES];
+        for tile in 0..n_tiles {
+            for group in 0..k_groups {
+                for lane in 0..LANES {
+                    let (g, t) = (lane / 4, lane % 4);
+                    let block = group * 4 + t;
+                    let index = (tile * k_groups + group) * LANES + lane;
+                    let mut scale_pair = 0u16;
+                    for upper in [false, true] {
+                        let source =
+                            row_order.source_row(rows, tile, g + if upper { 8 } else { 0 });
+                        let (nibbles, scale) = match source {
+                            Some(row) if block < k_blocks => block_for_kernel(matrix, row, block)?,
+                            _ => ([0u8; BLOCK], scale_to_e5m3(1.0)),
+                        };
+                        scale_pair |= u16::from(scale) << if upper { 8 } else { 0 };
+                        for (c, nibble) in nibbles.iter().enumerate() {
+                            let word = &mut words[index * 4 + c / 4];
+                            *word |= u32::from(*nibble) << (4 * nibble_slot(upper, c));
+                        }
+                    }
+                    scales[index] = scale_pair;
+                }
+            }
+        }
+        Ok(Self {
+            rows,
+            cols,
+            row_order,
+            n_tiles,
+            k_groups,
+            words,
+            scales,
+            global_scale: matrix.global_scale,
+        })
+    }
+
+    /// The value the kernel computes with at (`row`, `col`) of the source matrix, decoded back
+    /// from the fragments: `e2m1 * (e5m3_scale * global_scale)`, in the order of
+    /// [`Nvfp4View::value`](crate::formats::nvfp4::Nvfp4View::value).
+    pub fn value(&self, row: usize, col: usize) -> f32 {
+        let (tile, tile_row) = self.locate(row);
+        let (group, t, c) = (col / GROUP_COLS, (col % GROUP_COLS) / BLOCK, col % BLOCK);
+        let upper = tile_row >= 8;
+        let lane = (tile_row % 8) * 4 + t;
+        let index = (tile * self.k_groups + group) * LANES + lane;
+        let word = self.words[index * 4 + c / 4];
+        let nibble = ((word >> (4 * nibble_slot(upper, c))) & 0xf) as u8;
+        let scale = (self.scales[index] >> if upper { 8 } else { 0 }) as u8;
+        e2m1_decode(nibble) * (e5m3_decode(scale) * self.global_scale)
+    }
+
+    fn locate(&self, row: usize) -> (usize, usize) {
+        match self.row_order {
+            RowOrder::Plain => (row / TILE_ROWS, row % TILE_ROWS),
+            RowOrder::GateUp => {
+                let half = self.rows / 2;
+                let (i, upper) = if row < half {
+                    (row, 0)
+                } else {
+                    (row - half, 8)
+                };
+                (i / 8, i % 8 + upper)
+            }
+        }
+    }
+}
+
+/// Block `block` of `row` normalised for the kernel: nibbles and e5m3 scale, with zero scales
+/// turned into zero nibbles and negative scales into flipped nibble signs.
+fn block_for_kernel(matrix: &Nvfp4Matrix, row: usize, block: usize) -> Result<([u8; BLOCK], u8)> {
+    let k_blocks = matrix.cols / BLOCK;
+    let scale_byte = matrix.scales[row * k_blocks + block];
+    let scale = e4m3_decode(scale_byte);
+    if scale.is_nan() {
+        return Err(Error::invalid(
+            "NVFP4 weight",
+            format!("block scale [{row}, {block}] is NaN"),
+        ));
+    }
+    let mut nibbles = [0u8; BLOCK];
+    let start = (row * matrix.cols + block * BLOCK) / 2;
+    for (i, pair) in matrix.packed[start..start + BLOCK / 2].iter().enumerate() {
+        nibbles[2 * i] = pair & 0xf;
+        nibbles[2 * i + 1] = pair >> 4;
+    }
+    if scale == 0.0 {
+        return Ok(([0u8; BLOCK], scale_to_e5m3(e4m3_decode(E4M3_ONE))));
+    }
+    if scale < 0.0 {
+        for nibble in &mut nibbles {
+            *nibble ^= 8;
+        }
+    }
+    Ok((nibbles, scale_to_e5m3(scale.abs())))
+}
+
+/// A bf16 matrix in the tensor-core kernels' fragment order.
+#[derive(Debug, Clone)]
+pub struct Bf16Fragments {
+    /// Weight rows (N).
+    pub rows: usize,
+    /// K, a multiple of 16.
+    pub cols: usize,
+    /// Row-to-tile mapping.
+    pub row_order: RowOrder,
+    /// 16-row tiles.
+    pub n_tiles: usize,
+    /// 64-wide K groups.
+    pub k_groups: usize,
+    /// `[n_tiles][k_groups][32 lanes][4 MMAs][4 registers]`, two bf16 per register (low half =
+    /// even column).
+    pub words: Vec<u32>,
+}
+
+impl Bf16Fragments {
+    /// Re-lays a row-major `[rows, cols]` bf16 matrix out for the kernels.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `values` has the wrong length, K is not a positive multiple of
+    /// 16, or a `[gate; up]` order has an odd row count.
+    pub fn new(values: &[bf16], rows: usize, cols: usize, row_order: RowOrder) -> Result<Self> {
+        if values.len() != rows * cols || cols == 0 || cols % BLOCK != 0 {
+            return Err(Error::invalid(
+                "bf16 weight",
+                format!(
+                    "{} values for [{rows}, {cols}] (K must be a positive multiple of 16)",
+                    values.len()
+                ),
+            ));
+        }
+        row_order.check("bf16 weight", rows)?;
+        let n_tiles = row_order.tiles(rows);
+        let k_groups = cols.div_ceil(GROUP_COLS);
+        let mut words = vec![0u32; n_tiles * k_groups * LANES * 16];
+        let at = |row: Option<usize>, col: usize| -> u32 {
+            match row {
+                Some(r) if col < cols => u32::from(values[r * cols + col].to_bits()),
+                _ => 0,
+            }
+        };
+        for tile in 0..n_tiles {
+            for group in 0..k_groups {
+                for lane in 0..LANES {
+                    let (g, t) = (lane / 4, lane % 4);
+                    let top = row_order.source_row(rows, tile, g);
+                    let bottom = row_order.source_row(rows, tile, g + 8);
+                    let index = (tile * k_groups + group) * LANES + lane;
+                    for j in 0..4 {
+                        let col = group * GROUP_COLS + 16 * t + 4 * j;
+                        let registers =
+                            [(top, col), (bottom, col), (top, col + 2), (bottom, col + 2)];
+                        for (r, (row, c)) in registers.into_iter().enumerate() {
+                            words[(index * 4 + j) * 4 + r] = at(row, c) | at(row, c + 1) << 16;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Self {
+            rows,
+            cols,
+            row_order,
+            n_tiles,
+            k_groups,
+            words,
+        })
+    }
+}

@@ -1,0 +1,284 @@
+//! The tensor-core GEMM's weight layouts and launch plan, on the CPU: the fragments decode back
+//! to the source matrix, and an emulation of exactly the kernel's data flow (fragment loads,
+//! bit-trick decode, bf16 scale products, the K permutation, MMA tiles) reproduces the
+//! reference product.
+
+use fp4spec::backend::Backend;
+use fp4spec::formats::nvfp4::Nvfp4Matrix;
+use fp4spec::kernels::compare;
+use fp4spec::kernels::gemm::layout::{Bf16Fragments, GROUP_COLS, Nvfp4Fragments, RowOrder};
+use fp4spec::kernels::gemm::{self, Epilogue, Linear, reference};
+use fp4spec::rng::SplitMix64;
+use half::bf16;
+use proptest::prelude::*;
+
+fn matrix(rng: &mut SplitMix64, n: usize, k: usize) -> Nvfp4Matrix {
+    let mut q = Nvfp4Matrix::quantize("w", &rng.normal_vec(n * k, 0.05), n, k).expect("finite");
+    // awkward scales: zero, subnormal, maximal and negative
+    for (i, byte) in [0x00u8, 0x01, 0x06, 0x7e, 0xb0].into_iter().enumerate() {
+        let at = (rng.next_u64() as usize + i) % q.scales.len();
+        q.scales[at] = byte;
+    }
+    q
+}
+
+fn bf16_vec(rng: &mut SplitMix64, len: usize) -> Vec<bf16> {
+    rng.normal_vec(len, 1.0)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect()
+}
+
+proptest! {
+    #[test]
+    fn nvfp4_fragments_decode_to_the_matrix(n in 1usize..40, blocks in 1usize..9, seed in any::<u64>(), gate_up in any::<bool>()) {
+        let n = if gate_up { n * 2 } else { n };
+        let k = blocks * 16;
+        let q = matrix(&mut SplitMix64::new(seed), n, k);
+        let order = if gate_up { RowOrder::GateUp } else { RowOrder::Plain };
+        let f = Nvfp4Fragments::new(&q, order).expect("layout");
+        let view = q.view();
+        for r in 0..n {
+            for c in 0..k {
+                prop_assert_eq!(f.value(r, c), view.value(r, c), "[{}, {}]", r, c);
+            }
+        }
+    }
+}
+
+/// bf16 of e2m1 * 2^-126 from the nibbles at bits 12..15 / 28..31 (the kernel's bit trick).
+fn e2m1x2_scaled(w: u32) -> [f32; 2] {
+    let bits = (w & 0x8000_8000) | ((w >> 6) & 0x01C0_01C0);
+    [
+        f32::from_bits((bits & 0xffff) << 16),
+        f32::from_bits(bits & 0xffff_0000),
+    ]
+}
+
+/// bf16 of s * 2^119 from the e5m3 byte (the kernel's multiply-add).
+fn scale_scaled(byte: u32) -> f32 {
+    let bits = byte * 0x0010 + 0x7600;
+    f32::from_bits(bits << 16)
+}
+
+fn round_bf16(v: f32) -> f32 {
+    bf16::from_f32(v).to_f32()
+}
+
+/// The kernel's A operand value for (tile row, actual K column) of one group, decoded the way
+/// the kernel does it: e2m1 * 2^-126 times s * 2^119, rounded to bf16 (exact by design).
+fn kernel_weight(
+    f: &Nvfp4Fragments,
+    tile: usize,
+    group: usize,
+    tile_row: usize,
+    col_in_group: usize,
+) -> f32 {
+    let (t, c) = (col_in_group / 16, col_in_group % 16);
+    let lane = (tile_row % 8) * 4 + t;
+    let upper = tile_row >= 8;
+    let index = (tile * f.k_groups + group) * 32 + lane;
+    let word = f.words[index * 4 + c / 4];
+    let register = 2 * ((c % 4) / 2) + usize::from(upper);
+    let pair = e2m1x2_scaled(word << (4 * register));
+    let scale = scale_scaled(u32::from(
+        (f.scales[index] >> if upper { 8 } else { 0 }) as u8,
+    ));
+    round_bf16(pair[c % 2] * scale)
+}
+
+/// Emulates `gemm_nvfp4_bf16_mma_*`: per tile and group, the A operand from the fragments, the
+/// product accumulated in f64 (the MMA's fp32 order is not modelled), times alpha.
+fn emulate_nvfp4(f: &Nvfp4Fragments, x: &[bf16], m: usize) -> Vec<f32> {
+    let k = f.cols;
+    let mut y = vec![0.0f32; m * f.rows];
+    for tile in 0..f.n_tiles {
+        for tile_row in 0..16 {
+            let Some(row) = f.row_order.source_row(f.rows, tile, tile_row) else {
+                continue;
+            };
+            for i in 0..m {
+                let mut acc = 0.0f64;
+                for group in 0..f.k_groups {
+                    for c in 0..GROUP_COLS {
+                        let col = group * GROUP_COLS + c;
+                        if col >= k {
+                            continue;
+                        }
+                        acc += kernel_weight(f, tile, group, tile_row, c) as f64
+                            * x[i * k + col].to_f64();
+                    }
+                }
+                y[i * f.rows + row] = (acc * (f.global_scale as f64 * 128.0)) as f32;
+            }
+        }
+    }
+    y
+}
+
+#[test]
+fn the_kernel_decode_is_exact_for_every_nibble_and_scale() {
+    for scale_byte in (0u8..=0x7e).filter(|b| *b != 0) {
+        let s = fp4spec::formats::nvfp4::e4m3_decode(scale_byte);
+        let q = Nvfp4Matrix {
+            rows: 1,
+            cols: 16,
+            packed: (0u8..8).map(|i| (2 * i) | ((2 * i + 1) << 4)).collect(),
+            scales: vec![scale_byte],
+            global_scale: 1.0,
+            input_scale: None,
+        };
+        let f = Nvfp4Fragments::new(&q, RowOrder::Plain).expect("layout");
+        for c in 0..16 {
+            let got = kernel_weight(&f, 0, 0, 0, c) * 128.0;
+            let want = fp4spec::formats::nvfp4::e2m1_decode(c as u8) * s;
+            assert_eq!(got, want, "scale {scale_byte:#x} nibble {c:#x}");
+        }
+    }
+}
+
+#[test]
+fn the_emulated_kernel_matches_the_reference() {
+    let mut rng = SplitMix64::new(11);
+    for (m, n, k) in [(1, 16, 16), (3, 40, 80), (9, 37, 208), (17, 64, 128)] {
+        let q = matrix(&mut rng, n, k);
+        let x = bf16_vec(&mut rng, m * k);
+        let f = Nvfp4Fragments::new(&q, RowOrder::Plain).expect("layout");
+        let got: Vec<bf16> = emulate_nvfp4(&f, &x, m)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        let agreement = compare::compare_bf16(&got, &reference::nvfp4_gemm_f32(&x, m, q.view()));
+        assert!(agreement.passed(), "M={m} N={n} K={k}: {agreement}");
+    }
+}
+
+#[test]
+fn bf16_fragments_hold_each_element_once_in_register_order() {
+    let (n, k) = (24, 80);
+    let values: Vec<bf16> = (0..n * k).map(|i| bf16::from_f32(i as f32)).collect();
+    let f = Bf16Fragments::new(&values, n, k, RowOrder::Plain).expect("layout");
+    let mut seen = vec![0u32; n * k];
+    for tile in 0..f.n_tiles {
+        for group in 0..f.k_groups {
+            for lane in 0..32 {
+                let (g, t) = (lane / 4, lane % 4);
+                let index = (tile * f.k_groups + group) * 32 + lane;
+                for j in 0..4 {
+                    for r in 0..4 {
+                        let word = f.words[(index * 4 + j) * 4 + r];
+                        let row = tile * 16 + g + 8 * (r % 2);
+                        let col = group * 64 + 16 * t + 4 * j + 2 * (r / 2);
+                        for (half, c) in [(word & 0xffff, col), (word >> 16, col + 1)] {
+                            if row < n && c < k {
+                                assert_eq!(
+                                    half as u16,
+                                    values[row * k + c].to_bits(),
+                                    "[{row}, {c}]"
+                                );
+                                seen[row * k + c] += 1;
+                            } else {
+                                assert_eq!(half, 0, "padding must be zero");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(seen.iter().all(|&s| s == 1));
+}
+
+#[test]
+fn split_plans_fill_the_machine_without_empty_splits() {
+    // (8192, 2048) on 132 SMs: 512 tiles, 32 groups
+    let plan = gemm::split_plan(512, 32, 132, 16, 2);
+    assert!(
+        plan.splits >= 4 && plan.splits * plan.groups_per_split >= 32,
+        "{plan:?}"
+    );
+    assert!(
+        (plan.splits - 1) * plan.groups_per_split < 32,
+        "no empty split: {plan:?}"
+    );
+    // the lm_head needs no split
+    assert_eq!(gemm::split_plan(15520, 32, 132, 16, 2).splits, 1);
+    // K = 16: one group, one split
+    assert_eq!(
+        gemm::split_plan(1, 1, 132, 16, 2),
+        gemm::SplitPlan {
+            splits: 1,
+            groups_per_split: 1
+        }
+    );
+    for (tiles, groups) in [(64, 32), (128, 64), (8, 8), (3, 5)] {
+        let plan = gemm::split_plan(tiles, groups, 48, 16, 2);
+        assert!(
+            (plan.splits - 1) * plan.groups_per_split < groups as u32
+                && plan.splits * plan.groups_per_split >= groups as u32,
+            "{tiles} {groups}: {plan:?}"
+        );
+    }
+}
+
+#[test]
+fn linear_on_the_cpu_applies_each_epilogue() {
+    let backend = Backend::Cpu;
+    let mut rng = SplitMix64::new(12);
+    let (m, n, k) = (3, 32, 64);
+    let q = matrix(&mut rng, n, k);
+    let x = bf16_vec(&mut rng, m * k);
+    let x_dev = backend.upload(&x).expect("upload");
+    let product = reference::nvfp4_gemm_f32(&x, m, q.view());
+
+    let plain = Linear::nvfp4(&backend, &q, RowOrder::Plain).expect("linear");
+    let residual = bf16_vec(&mut rng, m * n);
+    let residual_dev = backend.upload(&residual).expect("upload");
+    let mut y = backend.zeros::<bf16>(m * n).expect("zeros");
+    gemm::linear(
+        &backend,
+        &x_dev,
+        m,
+        &plain,
+        Epilogue::Residual(&residual_dev),
+        &mut y,
+    )
+    .expect("residual");
+    let want = reference::add_residual(&product, &residual);
+    assert!(compare::compare_bf16(&backend.download(&y).expect("download"), &want).passed());
+
+    let gate_up = Linear::nvfp4(&backend, &q, RowOrder::GateUp).expect("linear");
+    assert_eq!(gate_up.out_features(), n / 2);
+    let mut y = backend.zeros::<bf16>(m * n / 2).expect("zeros");
+    gemm::linear(&backend, &x_dev, m, &gate_up, Epilogue::SiluMul, &mut y).expect("silu_mul");
+    let want = reference::silu_mul(&product, m, n);
+    assert!(compare::compare_bf16(&backend.download(&y).expect("download"), &want).passed());
+
+    let err = gemm::linear(&backend, &x_dev, m, &gate_up, Epilogue::None, &mut y).unwrap_err();
+    assert!(err.to_string().contains("GateUp"), "{err}");
+    let mut y = backend.zeros::<bf16>(m * n).expect("zeros");
+    let err = gemm::linear(&backend, &x_dev, m, &plain, Epilogue::SiluMul, &mut y).unwrap_err();
+    assert!(err.to_string().contains("GateUp"), "{err}");
+    let err = gemm::linear(&backend, &x_dev, m + 1, &plain, Epilogue::None, &mut y).unwrap_err();
+    assert!(err.to_string().contains("linear input X"), "{err}");
+}
+
+#[test]
+fn bf16_linear_on_the_cpu_matches_the_dense_reference() {
+    let backend = Backend::Cpu;
+    let mut rng = SplitMix64::new(13);
+    let (m, n, k) = (2, 20, 48);
+    let w = bf16_vec(&mut rng, n * k);
+    let x = bf16_vec(&mut rng, m * k);
+    let linear = Linear::bf16(&backend, &w, n, k, RowOrder::Plain).expect("linear");
+    let x_dev = backend.upload(&x).expect("upload");
+    let mut y = backend.zeros::<bf16>(m * n).expect("zeros");
+    gemm::linear(&backend, &x_dev, m, &linear, Epilogue::None, &mut y).expect("linear");
+    let want = reference::bf16_gemm_f32(&x, m, &w, n, k);
+    assert!(compare::compare_bf16(&backend.download(&y).expect("download"), &want).passed());
+    assert!(Linear::bf16(&backend, &w, n, k + 1, RowOrder::Plain).is_err());
+    assert!(
+        Linear::bf16(&backend, &w[..(n - 1) * k], n - 1, k, RowOrder::GateUp).is_err(),
+        "odd gate/up rows"
+    );
+}
