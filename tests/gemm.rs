@@ -191,31 +191,36 @@ fn bf16_fragments_hold_each_element_once_in_register_order() {
 
 #[test]
 fn split_plans_fill_the_machine_without_empty_splits() {
-    // (8192, 2048) on 132 SMs: 512 tiles, 32 groups
-    let plan = gemm::split_plan(512, 32, 132, 16, 2);
+    // (2048, 4096) on 132 SMs with 8 warps a block: 128 tiles, 64 groups -> split K
+    let plan = gemm::split_plan(128, 64, 8, 132, 16, 8);
     assert!(
-        plan.splits >= 4 && plan.splits * plan.groups_per_split >= 32,
+        plan.splits >= 2 && plan.splits * plan.groups_per_split >= 64,
         "{plan:?}"
     );
     assert!(
-        (plan.splits - 1) * plan.groups_per_split < 32,
+        (plan.splits - 1) * plan.groups_per_split < 64,
         "no empty split: {plan:?}"
     );
-    // the lm_head needs no split
-    assert_eq!(gemm::split_plan(15520, 32, 132, 16, 2).splits, 1);
+    // (8192, 2048): 512 tiles x 8 warps already fill the machine; so does the lm_head
+    assert_eq!(gemm::split_plan(512, 32, 8, 132, 16, 8).splits, 1);
+    assert_eq!(gemm::split_plan(15520, 32, 8, 132, 16, 8).splits, 1);
     // K = 16: one group, one split
     assert_eq!(
-        gemm::split_plan(1, 1, 132, 16, 2),
+        gemm::split_plan(1, 1, 8, 132, 16, 8),
         gemm::SplitPlan {
             splits: 1,
             groups_per_split: 1
         }
     );
-    for (tiles, groups) in [(64, 32), (128, 64), (8, 8), (3, 5)] {
-        let plan = gemm::split_plan(tiles, groups, 48, 16, 2);
+    for (tiles, groups) in [(64, 32), (128, 64), (8, 8), (3, 5), (1, 200)] {
+        let plan = gemm::split_plan(tiles, groups, 8, 48, 16, 8);
         assert!(
             (plan.splits - 1) * plan.groups_per_split < groups as u32
                 && plan.splits * plan.groups_per_split >= groups as u32,
+            "{tiles} {groups}: {plan:?}"
+        );
+        assert!(
+            plan.splits == 1 || plan.groups_per_split >= 8,
             "{tiles} {groups}: {plan:?}"
         );
     }

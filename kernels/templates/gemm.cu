@@ -61,6 +61,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_ge
 {% if target.instructions.mma_sync_bf16 %}
 // ============================================================================================
 // gemm_{nvfp4,bf16}_bf16_mma_m{8,16,32,64}: the weight-streaming tensor-core kernels.
+// One block per 16-row weight tile (and K split), its warps splitting the tile's K groups.
 //
 // Y^T = W X^T on mma.sync.m16n8k16 (bf16 x bf16 -> fp32): W is the A operand (16 rows of N per
 // warp tile), X^T the B operand (8 rows of M per n8 tile), so M = 1..64 costs 1..8 MMAs per
@@ -188,21 +189,23 @@ FP4_DEVICE void store_tile(const float (&acc)[MT][4], float alpha, u32 tile, u32
     }
 }
 
-/// One warp: one 16-row weight tile over K groups [group_begin, group_end), all M rows.
-/// With splits > 1 the warp leaves its partial sums in `partials` and the last of the tile's
-/// warps to finish (a counter per tile) adds them in split order and writes Y, so the result
-/// does not depend on scheduling.
+/// One block: one 16-row weight tile, all M rows, over the K groups of split blockIdx.y. Its
+/// MMA_WARPS warps take the split's groups in turn (warp w: groups begin + w, begin + w + W,
+/// ...) and add their sums through shared memory in warp order. With splits > 1 the block
+/// leaves its partial in `partials` and the last of the tile's blocks to finish (a counter per
+/// tile) adds them in split order and writes Y, so the result does not depend on scheduling.
 template <class Weights, int MT>
 FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha, u16* y,
                          const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
                          u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split,
                          u32 epilogue) {
     const u32 lane = thread_x() % FP4_WARP_SIZE;
-    const u32 tile = block_x() * MMA_WARPS + thread_x() / FP4_WARP_SIZE;
-    if (tile >= n_tiles) return;  // whole warps; nothing below synchronises the block
+    const u32 warp = thread_x() / FP4_WARP_SIZE;
+    const u32 tile = block_x();
     const u32 split = block_y(), splits = gridDim.y;
-    const u32 group_begin = split * groups_per_split;
-    const u32 group_end = min(k_groups, group_begin + groups_per_split);
+    const u32 split_begin = split * groups_per_split;
+    const u32 split_end = min(k_groups, split_begin + groups_per_split);
+    const u32 first = split_begin + warp;  // this warp's groups: first, first + W, ... < split_end
     const u32 g = lane / 4, t = lane % 4;
 
     float acc[MT][4];
@@ -212,14 +215,16 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
     const u64 tile_base = (u64)tile * k_groups * 32 + lane;
     typename Weights::Group ring[MMA_STAGES];
     #pragma unroll
-    for (int s = 0; s < MMA_STAGES; ++s)
-        if (group_begin + s < group_end) ring[s] = weights.load(tile_base + (u64)(group_begin + s) * 32);
+    for (int s = 0; s < MMA_STAGES; ++s) {
+        const u32 group = first + s * MMA_WARPS;
+        if (group < split_end) ring[s] = weights.load(tile_base + (u64)group * 32);
+    }
 
-    for (u32 base = group_begin; base < group_end; base += MMA_STAGES) {
+    for (u32 base = first; base < split_end; base += MMA_STAGES * MMA_WARPS) {
         #pragma unroll
         for (int s = 0; s < MMA_STAGES; ++s) {
-            const u32 group = base + s;
-            if (group < group_end) {
+            const u32 group = base + s * MMA_WARPS;
+            if (group < split_end) {
             // X fragment of this lane for the whole group: row mt * 8 + g, columns 64 * group +
             // [16t, 16t + 16), zero past K or past M (zero weights times garbage could be NaN)
             const u32 col = group * 64 + 16 * t;
@@ -247,16 +252,35 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
                     mma_m16n8k16_bf16(acc[mt], a[0], a[1], a[2], a[3], b0, b1);
                 }
             }
-            if (group + MMA_STAGES < group_end) ring[s] = weights.load(tile_base + (u64)(group + MMA_STAGES) * 32);
+            const u32 next = group + MMA_STAGES * MMA_WARPS;
+            if (next < split_end) ring[s] = weights.load(tile_base + (u64)next * 32);
             }
         }
     }
+
+#if MMA_WARPS > 1
+    // the block's warps add up in warp order through shared memory
+    __shared__ float4 warp_sums[MMA_WARPS - 1][MT][32];
+    if (warp > 0) {
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) warp_sums[warp - 1][mt][lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+    }
+    __syncthreads();
+    if (warp > 0) return;
+    for (int w = 0; w < MMA_WARPS - 1; ++w) {
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const float4 v = warp_sums[w][mt][lane];
+            acc[mt][0] += v.x; acc[mt][1] += v.y; acc[mt][2] += v.z; acc[mt][3] += v.w;
+        }
+    }
+#endif
 
     if (splits == 1) {
         store_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y);
         return;
     }
-    // split-K: publish this split's partial, then the last warp of the tile reduces
+    // split-K: publish this split's partial, then the last block of the tile reduces
     float* mine = partials + (((u64)tile * splits + split) * 32 + lane) * (MT * 4);
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt)

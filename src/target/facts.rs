@@ -91,11 +91,11 @@ pub struct GemmTiles {
     pub warps_per_block: u32,
     /// Rows of X a warp accumulates in registers per pass over K.
     pub rows_per_pass: u32,
-    /// `gemm_*_mma_*`: warps per block, each owning one 16-row weight tile.
+    /// `gemm_*_mma_*`: warps per block; a block owns one 16-row weight tile, its warps split K.
     pub mma_warps_per_block: u32,
     /// `gemm_*_mma_*`: 64-wide K groups of weights in flight per warp.
     pub mma_stages: u32,
-    /// `gemm_*_mma_*`: split K until this many warps per multiprocessor have work.
+    /// `gemm_*_mma_*`: split K across blocks until this many warps per multiprocessor have work.
     pub mma_min_warps_per_sm: u32,
     /// `gemm_*_mma_*`: the fewest K groups one split may get.
     pub mma_min_groups_per_split: u32,

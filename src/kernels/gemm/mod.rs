@@ -5,9 +5,10 @@
 //! - `gemm_nvfp4_bf16_gemv`: the straightforward one (one warp per output column, plain
 //!   layout, no tensor cores), kept as the reference GPU version: [`nvfp4_gemm`].
 //! - `gemm_{nvfp4,bf16}_bf16_mma_m{8,16,32,64}`: the weight-streaming tensor-core kernels, on
-//!   weights re-laid out once at load ([`layout`]) into a [`Linear`]: [`linear`]. One warp per
-//!   16-row weight tile; K is split across blocks until every SM has
-//!   `gemm.mma_min_warps_per_sm` warps (targets.toml), and the last warp of a tile adds the
+//!   weights re-laid out once at load ([`layout`]) into a [`Linear`]: [`linear`]. One block per
+//!   16-row weight tile, its warps taking the tile's K groups in turn and adding up through
+//!   shared memory; K is also split across blocks until every SM has
+//!   `gemm.mma_min_warps_per_sm` warps (targets.toml), and the last block of a tile adds the
 //!   splits in order (deterministic). Epilogues: residual add, `silu(gate) * up`.
 //!
 //! The bytes a GEMM must move at least are [`nvfp4_gemm_bytes`] / [`Linear::bytes`]; benches
@@ -367,8 +368,8 @@ pub fn linear(
     }
 }
 
-/// How a tensor-core launch is partitioned: blocks of `mma_warps_per_block` tiles, K split in
-/// `splits` ranges of `groups_per_split` groups.
+/// How a tensor-core launch is partitioned: one block per tile and K range, K split in `splits`
+/// ranges of `groups_per_split` groups.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SplitPlan {
     /// K ranges (grid.y).
@@ -377,16 +378,19 @@ pub struct SplitPlan {
     pub groups_per_split: u32,
 }
 
-/// Splits K until `multiprocessors * min_warps_per_sm` warps have work, keeping at least
-/// `min_groups_per_split` groups per split and no split empty.
+/// Splits K until `multiprocessors * min_warps_per_sm` warps (`warps_per_block` per block) have
+/// work, keeping at least `min_groups_per_split` groups per split and no split empty.
 pub fn split_plan(
     n_tiles: usize,
     k_groups: usize,
+    warps_per_block: u32,
     multiprocessors: u32,
     min_warps_per_sm: u32,
     min_groups_per_split: u32,
 ) -> SplitPlan {
-    let wanted = (multiprocessors as usize * min_warps_per_sm as usize).div_ceil(n_tiles.max(1));
+    let blocks_wanted =
+        (multiprocessors as usize * min_warps_per_sm as usize).div_ceil(warps_per_block as usize);
+    let wanted = blocks_wanted.div_ceil(n_tiles.max(1));
     let most = (k_groups / min_groups_per_split as usize).max(1);
     let splits = wanted.clamp(1, most);
     let groups_per_split = k_groups.div_ceil(splits);
@@ -421,6 +425,7 @@ fn linear_cuda(
     let plan = split_plan(
         w.n_tiles,
         w.k_groups,
+        tiles.mma_warps_per_block,
         cuda.multiprocessors(),
         tiles.mma_min_warps_per_sm,
         tiles.mma_min_groups_per_split,
@@ -472,7 +477,7 @@ fn linear_cuda(
             .map_or(0, |r| r.device_ptr(cuda.stream()).0);
         let m32 = rows as u32;
         let config = LaunchConfig {
-            grid_dim: (n_tiles.div_ceil(tiles.mma_warps_per_block), plan.splits, 1),
+            grid_dim: (n_tiles, plan.splits, 1),
             block_dim: (tiles.mma_warps_per_block * cuda.target().warp_size, 1, 1),
             shared_mem_bytes: 0,
         };
