@@ -190,30 +190,42 @@ fn bf16_fragments_hold_each_element_once_in_register_order() {
 }
 
 #[test]
-fn split_plans_fill_the_machine_without_empty_splits() {
-    // (2048, 4096) on 132 SMs with 8 warps a block: 128 tiles, 64 groups -> split K
-    let plan = gemm::split_plan(128, 64, 8, 132, 16, 8);
-    assert!(
-        plan.splits >= 2 && plan.splits * plan.groups_per_split >= 64,
-        "{plan:?}"
+fn mma_plans_fill_the_machine_without_empty_splits() {
+    // H200: 132 SMs x 16 warps = 2112 warps wanted
+    // lm_head: 15520 tiles, one warp each
+    assert_eq!(
+        gemm::mma_plan(15520, 32, 8, 132, 16, 8),
+        gemm::MmaPlan {
+            warps_per_tile: 1,
+            splits: 1,
+            groups_per_split: 32
+        }
     );
-    assert!(
-        (plan.splits - 1) * plan.groups_per_split < 64,
-        "no empty split: {plan:?}"
+    // (8192, 2048): 512 tiles -> 8 warps per tile, no split
+    assert_eq!(
+        gemm::mma_plan(512, 32, 8, 132, 16, 8),
+        gemm::MmaPlan {
+            warps_per_tile: 8,
+            splits: 1,
+            groups_per_split: 32
+        }
     );
-    // (8192, 2048): 512 tiles x 8 warps already fill the machine; so does the lm_head
-    assert_eq!(gemm::split_plan(512, 32, 8, 132, 16, 8).splits, 1);
-    assert_eq!(gemm::split_plan(15520, 32, 8, 132, 16, 8).splits, 1);
+    // (12288, 2048): 768 tiles -> 4 warps per tile
+    assert_eq!(gemm::mma_plan(768, 32, 8, 132, 16, 8).warps_per_tile, 4);
+    // (2048, 4096): 128 tiles x 8 warps = 1024 -> split K in 3 (22 + 22 + 20 groups)
+    let plan = gemm::mma_plan(128, 64, 8, 132, 16, 8);
+    assert_eq!((plan.warps_per_tile, plan.splits), (8, 3), "{plan:?}");
     // K = 16: one group, one split
     assert_eq!(
-        gemm::split_plan(1, 1, 8, 132, 16, 8),
-        gemm::SplitPlan {
+        gemm::mma_plan(1, 1, 8, 132, 16, 8),
+        gemm::MmaPlan {
+            warps_per_tile: 8,
             splits: 1,
             groups_per_split: 1
         }
     );
-    for (tiles, groups) in [(64, 32), (128, 64), (8, 8), (3, 5), (1, 200)] {
-        let plan = gemm::split_plan(tiles, groups, 8, 48, 16, 8);
+    for (tiles, groups) in [(64, 32), (128, 64), (8, 8), (3, 5), (1, 200), (5000, 2)] {
+        let plan = gemm::mma_plan(tiles, groups, 8, 48, 16, 8);
         assert!(
             (plan.splits - 1) * plan.groups_per_split < groups as u32
                 && plan.splits * plan.groups_per_split >= groups as u32,
@@ -223,6 +235,7 @@ fn split_plans_fill_the_machine_without_empty_splits() {
             plan.splits == 1 || plan.groups_per_split >= 8,
             "{tiles} {groups}: {plan:?}"
         );
+        assert!(plan.warps_per_tile.is_power_of_two() && plan.warps_per_tile <= 8);
     }
 }
 

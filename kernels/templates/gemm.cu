@@ -61,7 +61,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_ge
 {% if target.instructions.mma_sync_bf16 %}
 // ============================================================================================
 // gemm_{nvfp4,bf16}_bf16_mma_m{8,16,32,64}: the weight-streaming tensor-core kernels.
-// One block per 16-row weight tile (and K split), its warps splitting the tile's K groups.
+// A block holds MMA_WARPS warps: that many tiles of one warp each when the tiles alone fill the
+// device, else fewer tiles whose warps split K (and K split across blocks for the smallest N).
 //
 // Y^T = W X^T on mma.sync.m16n8k16 (bf16 x bf16 -> fp32): W is the A operand (16 rows of N per
 // warp tile), X^T the B operand (8 rows of M per n8 tile), so M = 1..64 costs 1..8 MMAs per
@@ -73,7 +74,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_ge
 // 16t + 4j + 3 of them. That permutes K inside the group identically for W and X (a dot product
 // does not care), and makes each lane's X fragment for the whole group one contiguous 32-byte
 // run and its weights one 16-byte load (NVFP4: 2 blocks of 8 bytes + 2 scale bytes; bf16: 64
-// bytes). No shared memory: the load is the fragment; STAGES groups are in flight per warp.
+// bytes). The load is the fragment, straight to registers; STAGES groups are in flight per warp.
 //
 // NVFP4 decode, exact: nibbles sit at bits 12..15 / 28..31 of (word << 4r), so
 // (w & 0x80008000) | ((w >> 6) & 0x01C001C0) is bf16 of e2m1 * 2^-126 (0.5 as a subnormal);
@@ -82,7 +83,6 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_ge
 // significant bits, normal range); the epilogue multiplies by global_scale * 2^7.
 // ============================================================================================
 #define MMA_WARPS {{ target.gemm.mma_warps_per_block }}
-#define MMA_STAGES {{ target.gemm.mma_stages }}
 #define EPILOGUE_NONE 0u
 #define EPILOGUE_RESIDUAL 1u
 #define EPILOGUE_SILU_MUL 2u
@@ -189,23 +189,27 @@ FP4_DEVICE void store_tile(const float (&acc)[MT][4], float alpha, u32 tile, u32
     }
 }
 
-/// One block: one 16-row weight tile, all M rows, over the K groups of split blockIdx.y. Its
-/// MMA_WARPS warps take the split's groups in turn (warp w: groups begin + w, begin + w + W,
-/// ...) and add their sums through shared memory in warp order. With splits > 1 the block
-/// leaves its partial in `partials` and the last of the tile's blocks to finish (a counter per
-/// tile) adds them in split order and writes Y, so the result does not depend on scheduling.
-template <class Weights, int MT>
+/// One block: MMA_WARPS / warps_per_tile weight tiles of 16 rows, all M rows, over the K groups
+/// of split blockIdx.y. The warps_per_tile warps of a tile take the split's groups in turn
+/// (warp w of the tile: groups begin + w, begin + w + warps_per_tile, ...) and add their sums
+/// through shared memory in warp order. With splits > 1 the tile's partial goes to `partials`
+/// and the last of the tile's blocks to finish (a counter per tile) adds the partials in split
+/// order and writes Y, so the result does not depend on scheduling. STAGES groups of weights
+/// are in flight per warp.
+template <class Weights, int MT, int STAGES>
 FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha, u16* y,
                          const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
                          u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split,
-                         u32 epilogue) {
+                         u32 warps_per_tile, u32 epilogue) {
     const u32 lane = thread_x() % FP4_WARP_SIZE;
     const u32 warp = thread_x() / FP4_WARP_SIZE;
-    const u32 tile = block_x();
+    const u32 part = warp % warps_per_tile;  // which of the tile's warps this is
+    const u32 tile = block_x() * (MMA_WARPS / warps_per_tile) + warp / warps_per_tile;
+    const bool active = tile < n_tiles;      // inactive warps still meet the block barrier
     const u32 split = block_y(), splits = gridDim.y;
     const u32 split_begin = split * groups_per_split;
-    const u32 split_end = min(k_groups, split_begin + groups_per_split);
-    const u32 first = split_begin + warp;  // this warp's groups: first, first + W, ... < split_end
+    const u32 split_end = active ? min(k_groups, split_begin + groups_per_split) : 0;
+    const u32 first = split_begin + part;  // this warp's groups: first + i * warps_per_tile
     const u32 g = lane / 4, t = lane % 4;
 
     float acc[MT][4];
@@ -213,17 +217,17 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
     for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
 
     const u64 tile_base = (u64)tile * k_groups * 32 + lane;
-    typename Weights::Group ring[MMA_STAGES];
+    typename Weights::Group ring[STAGES];
     #pragma unroll
-    for (int s = 0; s < MMA_STAGES; ++s) {
-        const u32 group = first + s * MMA_WARPS;
+    for (int s = 0; s < STAGES; ++s) {
+        const u32 group = first + s * warps_per_tile;
         if (group < split_end) ring[s] = weights.load(tile_base + (u64)group * 32);
     }
 
-    for (u32 base = first; base < split_end; base += MMA_STAGES * MMA_WARPS) {
+    for (u32 base = first; base < split_end; base += STAGES * warps_per_tile) {
         #pragma unroll
-        for (int s = 0; s < MMA_STAGES; ++s) {
-            const u32 group = base + s * MMA_WARPS;
+        for (int s = 0; s < STAGES; ++s) {
+            const u32 group = base + s * warps_per_tile;
             if (group < split_end) {
             // X fragment of this lane for the whole group: row mt * 8 + g, columns 64 * group +
             // [16t, 16t + 16), zero past K or past M (zero weights times garbage could be NaN)
@@ -252,29 +256,31 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
                     mma_m16n8k16_bf16(acc[mt], a[0], a[1], a[2], a[3], b0, b1);
                 }
             }
-            const u32 next = group + MMA_STAGES * MMA_WARPS;
+            const u32 next = group + STAGES * warps_per_tile;
             if (next < split_end) ring[s] = weights.load(tile_base + (u64)next * 32);
             }
         }
     }
 
-#if MMA_WARPS > 1
-    // the block's warps add up in warp order through shared memory
-    __shared__ float4 warp_sums[MMA_WARPS - 1][MT][32];
-    if (warp > 0) {
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) warp_sums[warp - 1][mt][lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
-    }
-    __syncthreads();
-    if (warp > 0) return;
-    for (int w = 0; w < MMA_WARPS - 1; ++w) {
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const float4 v = warp_sums[w][mt][lane];
-            acc[mt][0] += v.x; acc[mt][1] += v.y; acc[mt][2] += v.z; acc[mt][3] += v.w;
+    if (warps_per_tile > 1) {
+        // the tile's warps add up in warp order through shared memory (uniform branch: every
+        // warp of the block reaches the barrier)
+        __shared__ float4 warp_sums[MMA_WARPS][MT][32];
+        if (part > 0) {
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) warp_sums[warp][mt][lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+        }
+        __syncthreads();
+        if (part > 0) return;
+        for (u32 w = warp + 1; w < warp + warps_per_tile; ++w) {
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const float4 v = warp_sums[w][mt][lane];
+                acc[mt][0] += v.x; acc[mt][1] += v.y; acc[mt][2] += v.z; acc[mt][3] += v.w;
+            }
         }
     }
-#endif
+    if (!active) return;
 
     if (splits == 1) {
         store_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y);
@@ -309,17 +315,17 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_mma_m{{ rows }}(
     const u16* __restrict__ x, const u32x4* __restrict__ words, const u16* __restrict__ scales,
     float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
-    u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 epilogue) {
-    gemm_mma<Nvfp4Weights, {{ rows }} / 8>(x, Nvfp4Weights{words, scales}, alpha, y, residual, partials, counters,
-                                      m, n, k, n_tiles, k_groups, groups_per_split, epilogue);
+    u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
+    gemm_mma<Nvfp4Weights, {{ rows }} / 8, {{ target.gemm.mma_stages_nvfp4 }}>(x, Nvfp4Weights{words, scales}, alpha, y, residual, partials, counters,
+        m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile, epilogue);
 }
 
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_bf16_bf16_mma_m{{ rows }}(
     const u16* __restrict__ x, const u32x4* __restrict__ words,
     float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
-    u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 epilogue) {
-    gemm_mma<Bf16Weights, {{ rows }} / 8>(x, Bf16Weights{words}, alpha, y, residual, partials, counters,
-                                     m, n, k, n_tiles, k_groups, groups_per_split, epilogue);
+    u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
+    gemm_mma<Bf16Weights, {{ rows }} / 8, {{ target.gemm.mma_stages_bf16 }}>(x, Bf16Weights{words}, alpha, y, residual, partials, counters,
+        m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile, epilogue);
 }
 {% endfor %}
 {% endif %}

@@ -91,10 +91,12 @@ pub struct GemmTiles {
     pub warps_per_block: u32,
     /// Rows of X a warp accumulates in registers per pass over K.
     pub rows_per_pass: u32,
-    /// `gemm_*_mma_*`: warps per block; a block owns one 16-row weight tile, its warps split K.
+    /// `gemm_*_mma_*`: warps per block (a power of two); each tile gets 1..=this many of them.
     pub mma_warps_per_block: u32,
-    /// `gemm_*_mma_*`: 64-wide K groups of weights in flight per warp.
-    pub mma_stages: u32,
+    /// `gemm_nvfp4_*_mma_*`: 64-wide K groups of weights in flight per warp.
+    pub mma_stages_nvfp4: u32,
+    /// `gemm_bf16_*_mma_*`: 64-wide K groups of weights in flight per warp.
+    pub mma_stages_bf16: u32,
     /// `gemm_*_mma_*`: split K across blocks until this many warps per multiprocessor have work.
     pub mma_min_warps_per_sm: u32,
     /// `gemm_*_mma_*`: the fewest K groups one split may get.
@@ -154,10 +156,15 @@ impl TargetFacts {
                 self.gemm.mma_warps_per_block
             ));
         }
-        if !(1..=8).contains(&self.gemm.mma_stages) {
+        if !(1..=8).contains(&self.gemm.mma_stages_nvfp4)
+            || !(1..=8).contains(&self.gemm.mma_stages_bf16)
+        {
+            return fail("gemm.mma_stages_* must be in 1..=8 (registers per stage)".into());
+        }
+        if !matches!(self.gemm.mma_warps_per_block, 1 | 2 | 4 | 8 | 16) {
             return fail(format!(
-                "gemm.mma_stages {} outside 1..=8 (registers per stage)",
-                self.gemm.mma_stages
+                "gemm.mma_warps_per_block {} must be a power of two (tiles share blocks)",
+                self.gemm.mma_warps_per_block
             ));
         }
         if self.gemm.mma_min_warps_per_sm == 0 || self.gemm.mma_min_groups_per_split == 0 {

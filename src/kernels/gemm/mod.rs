@@ -368,34 +368,43 @@ pub fn linear(
     }
 }
 
-/// How a tensor-core launch is partitioned: one block per tile and K range, K split in `splits`
-/// ranges of `groups_per_split` groups.
+/// How a tensor-core launch is partitioned: `warps_per_tile` warps per weight tile (a block
+/// holds `warps_per_block / warps_per_tile` tiles), K split in `splits` ranges of
+/// `groups_per_split` groups across blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SplitPlan {
+pub struct MmaPlan {
+    /// Warps sharing one tile's K groups (1, 2, 4, ... up to the block's warps).
+    pub warps_per_tile: u32,
     /// K ranges (grid.y).
     pub splits: u32,
     /// 64-wide K groups per range.
     pub groups_per_split: u32,
 }
 
-/// Splits K until `multiprocessors * min_warps_per_sm` warps (`warps_per_block` per block) have
-/// work, keeping at least `min_groups_per_split` groups per split and no split empty.
-pub fn split_plan(
+/// The fewest warps per tile, then the fewest K splits, that give
+/// `multiprocessors * min_warps_per_sm` warps work, keeping at least `min_groups_per_split`
+/// groups per split and no split empty.
+pub fn mma_plan(
     n_tiles: usize,
     k_groups: usize,
     warps_per_block: u32,
     multiprocessors: u32,
     min_warps_per_sm: u32,
     min_groups_per_split: u32,
-) -> SplitPlan {
-    let blocks_wanted =
-        (multiprocessors as usize * min_warps_per_sm as usize).div_ceil(warps_per_block as usize);
-    let wanted = blocks_wanted.div_ceil(n_tiles.max(1));
+) -> MmaPlan {
+    let wanted = multiprocessors as usize * min_warps_per_sm as usize;
+    let n_tiles = n_tiles.max(1);
+    let mut warps_per_tile = 1u32;
+    while warps_per_tile < warps_per_block && n_tiles * (warps_per_tile as usize) < wanted {
+        warps_per_tile *= 2;
+    }
+    let splits_wanted = wanted.div_ceil(n_tiles * warps_per_tile as usize);
     let most = (k_groups / min_groups_per_split as usize).max(1);
-    let splits = wanted.clamp(1, most);
-    let groups_per_split = k_groups.div_ceil(splits);
-    SplitPlan {
-        splits: k_groups.div_ceil(groups_per_split) as u32,
+    let splits = splits_wanted.clamp(1, most);
+    let groups_per_split = k_groups.div_ceil(splits).max(1);
+    MmaPlan {
+        warps_per_tile,
+        splits: k_groups.div_ceil(groups_per_split).max(1) as u32,
         groups_per_split: groups_per_split as u32,
     }
 }
@@ -422,7 +431,7 @@ fn linear_cuda(
     };
     let (k, n_out) = (w.cols, w.out_features());
     let tiles = &cuda.target().gemm;
-    let plan = split_plan(
+    let plan = mma_plan(
         w.n_tiles,
         w.k_groups,
         tiles.mma_warps_per_block,
@@ -477,7 +486,11 @@ fn linear_cuda(
             .map_or(0, |r| r.device_ptr(cuda.stream()).0);
         let m32 = rows as u32;
         let config = LaunchConfig {
-            grid_dim: (n_tiles, plan.splits, 1),
+            grid_dim: (
+                n_tiles.div_ceil(tiles.mma_warps_per_block / plan.warps_per_tile),
+                plan.splits,
+                1,
+            ),
             block_dim: (tiles.mma_warps_per_block * cuda.target().warp_size, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -516,6 +529,7 @@ fn linear_cuda(
             .arg(&n_tiles)
             .arg(&k_groups)
             .arg(&plan.groups_per_split)
+            .arg(&plan.warps_per_tile)
             .arg(&epilogue_code);
         // SAFETY: argument types and order match gemm.cu's gemm_*_mma_m* signatures; X, Y and the
         // residual were checked against (m, n, k); the weights were laid out for (n_tiles,
