@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 use fp4spec::backend::{Backend, BackendKind};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
 use fp4spec::kernels::check::{self, CheckStatus};
+use fp4spec::kernels::gemm::{Epilogue, Linear, RowOrder};
 use fp4spec::kernels::{Nvfp4Weights, compare, gemm, table};
 use fp4spec::rng::SplitMix64;
 use fp4spec::target;
@@ -73,6 +74,13 @@ enum Command {
         /// Random seed (default: fresh).
         #[arg(long)]
         seed: Option<u64>,
+        /// mma (the tensor-core kernels, on re-laid-out weights) or gemv (the straightforward
+        /// reference GPU kernel).
+        #[arg(long, default_value = "mma")]
+        kernel: String,
+        /// Launches after the checked one (for profilers; all on the same inputs).
+        #[arg(long, default_value_t = 0)]
+        repeat: usize,
     },
 }
 
@@ -105,10 +113,12 @@ fn main() -> ExitCode {
             n,
             k,
             seed,
-        } => gemm_check(&backend, m, n, k, seed),
+            kernel,
+            repeat,
+        } => gemm_check(&backend, m, n, k, seed, &kernel, repeat),
         Command::Selftest { backend } => {
             let compiled = kernels(&[], None, true, false);
-            let computed = gemm_check(&backend, DEFAULT_M, DEFAULT_N, DEFAULT_K, None);
+            let computed = gemm_check(&backend, DEFAULT_M, DEFAULT_N, DEFAULT_K, None, "mma", 0);
             compiled.and(computed)
         }
     };
@@ -216,13 +226,27 @@ fn kernels(
     Ok(())
 }
 
+/// One launch of the checked GEMM into the given output.
+type GemmRun<'a> = dyn FnMut(&mut fp4spec::backend::DeviceVec<bf16>) -> fp4spec::Result<()> + 'a;
+
 fn gemm_check(
     backend: &str,
     m: usize,
     n: usize,
     k: usize,
     seed: Option<u64>,
+    kernel: &str,
+    repeat: usize,
 ) -> Result<(), Failure> {
+    let use_mma = match kernel {
+        "mma" => true,
+        "gemv" => false,
+        other => {
+            return Err(Failure::Input(format!(
+                "--kernel `{other}` is not one of mma, gemv"
+            )));
+        }
+    };
     let kind: BackendKind = backend.parse()?;
     let backend = match kind {
         BackendKind::Auto => {
@@ -236,7 +260,7 @@ fn gemm_check(
     };
     let seed = seed.unwrap_or_else(SplitMix64::fresh_seed);
     println!(
-        "gemm-check on {}: M={m} N={n} K={k} seed={seed}",
+        "gemm-check ({kernel}) on {}: M={m} N={n} K={k} seed={seed}",
         backend.describe()
     );
     let mut rng = SplitMix64::new(seed);
@@ -246,13 +270,26 @@ fn gemm_check(
         .into_iter()
         .map(bf16::from_f32)
         .collect();
-    let weights = Nvfp4Weights::upload(&backend, &w)?;
     let x_dev = backend.upload(&x)?;
     let mut y_dev = backend.zeros::<bf16>(m * n)?;
+    let mut run: Box<GemmRun<'_>> = if use_mma {
+        let linear = Linear::nvfp4(&backend, &w, RowOrder::Plain)?;
+        let (backend, x_dev) = (&backend, &x_dev);
+        Box::new(move |y| gemm::linear(backend, x_dev, m, &linear, Epilogue::None, y))
+    } else {
+        let weights = Nvfp4Weights::upload(&backend, &w)?;
+        let (backend, x_dev) = (&backend, &x_dev);
+        Box::new(move |y| gemm::nvfp4_gemm(backend, x_dev, m, &weights, y))
+    };
     let start = std::time::Instant::now();
-    gemm::nvfp4_gemm(&backend, &x_dev, m, &weights, &mut y_dev)?;
+    run(&mut y_dev)?;
     backend.synchronize()?;
     let elapsed = start.elapsed();
+    let mut again = backend.zeros::<bf16>(m * n)?;
+    for _ in 0..repeat {
+        run(&mut again)?;
+    }
+    backend.synchronize()?;
     let y = backend.download(&y_dev)?;
     let want = fp4spec::kernels::gemm::reference::nvfp4_gemm_f32(&x, m, w.view());
     let agreement = compare::compare_bf16(&y, &want);
