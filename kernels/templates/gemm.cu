@@ -189,6 +189,25 @@ FP4_DEVICE void store_tile(const float (&acc)[MT][4], float alpha, u32 tile, u32
     }
 }
 
+/// This lane's X fragment for one K group: rows mt * 8 + g, columns 64 * group + [16t, 16t + 16);
+/// zero past K, past M or when `valid` is false (zero weights times garbage could be NaN).
+template <int MT>
+FP4_DEVICE void load_x_fragment(const u16* __restrict__ x, u32 m, u32 k, u32 group, u32 g, u32 t, bool valid,
+                                u32x4 (&xs)[MT][2]) {
+    const u32 col = group * 64 + 16 * t;
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const u32 row = mt * 8 + g;
+        if (valid && row < m && col < k) {
+            const u16* p = x + (u64)row * k + col;
+            xs[mt][0] = load_u32x4(p);
+            xs[mt][1] = load_u32x4(p + 8);
+        } else {
+            xs[mt][0] = xs[mt][1] = {0u, 0u, 0u, 0u};
+        }
+    }
+}
+
 /// One block: MMA_WARPS / warps_per_tile weight tiles of 16 rows, all M rows, over the K groups
 /// of split blockIdx.y. The warps_per_tile warps of a tile take the split's groups in turn
 /// (warp w of the tile: groups begin + w, begin + w + warps_per_tile, ...) and add their sums
@@ -224,40 +243,36 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
         if (group < split_end) ring[s] = weights.load(tile_base + (u64)group * 32);
     }
 
+    // For M <= 16 the X fragments run one group ahead of their use (two buffers; STAGES is even
+    // so each unrolled stage's buffer is a compile-time index). For larger M the registers are
+    // better spent on occupancy: X is loaded when its group is used.
+    constexpr int X_BUFFERS = MT <= 2 ? 2 : 1;
+    static_assert(X_BUFFERS == 1 || STAGES % 2 == 0, "the X double buffer needs an even stage count");
+    u32x4 xs[X_BUFFERS][MT][2];
+    if (X_BUFFERS == 2) load_x_fragment<MT>(x, m, k, first, g, t, first < split_end, xs[0]);
+
     for (u32 base = first; base < split_end; base += STAGES * warps_per_tile) {
         #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             const u32 group = base + s * warps_per_tile;
             if (group < split_end) {
-            // X fragment of this lane for the whole group: row mt * 8 + g, columns 64 * group +
-            // [16t, 16t + 16), zero past K or past M (zero weights times garbage could be NaN)
-            const u32 col = group * 64 + 16 * t;
-            u32x4 xs[MT][2];
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                const u32 row = mt * 8 + g;
-                if (row < m && col < k) {
-                    const u16* p = x + (u64)row * k + col;
-                    xs[mt][0] = load_u32x4(p);
-                    xs[mt][1] = load_u32x4(p + 8);
-                } else {
-                    xs[mt][0] = xs[mt][1] = {0u, 0u, 0u, 0u};
-                }
-            }
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                u32 a[4];
-                weights.fragment(ring[s], j, a);
+                const u32 after = group + warps_per_tile;
+                if (X_BUFFERS == 2) load_x_fragment<MT>(x, m, k, after, g, t, after < split_end, xs[(s + 1) % X_BUFFERS]);
+                else load_x_fragment<MT>(x, m, k, group, g, t, true, xs[0]);
                 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    const u32x4& q = xs[mt][j / 2];
-                    const u32 b0 = (j % 2 == 0) ? q.x : q.z;
-                    const u32 b1 = (j % 2 == 0) ? q.y : q.w;
-                    mma_m16n8k16_bf16(acc[mt], a[0], a[1], a[2], a[3], b0, b1);
+                for (int j = 0; j < 4; ++j) {
+                    u32 a[4];
+                    weights.fragment(ring[s], j, a);
+                    #pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        const u32x4& q = xs[s % X_BUFFERS][mt][j / 2];
+                        const u32 b0 = (j % 2 == 0) ? q.x : q.z;
+                        const u32 b1 = (j % 2 == 0) ? q.y : q.w;
+                        mma_m16n8k16_bf16(acc[mt], a[0], a[1], a[2], a[3], b0, b1);
+                    }
                 }
-            }
-            const u32 next = group + STAGES * warps_per_tile;
-            if (next < split_end) ring[s] = weights.load(tile_base + (u64)next * 32);
+                const u32 next = group + STAGES * warps_per_tile;
+                if (next < split_end) ring[s] = weights.load(tile_base + (u64)next * 32);
             }
         }
     }
