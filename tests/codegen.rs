@@ -84,3 +84,38 @@ fn every_kernel_compiles_for_every_target() {
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+/// The W4A4 kernels exist exactly where the target has the block-scaled FP4 MMA, and their PTX
+/// (sm_121a) contains that instruction and the e2m1 / e4m3 conversions.
+#[test]
+fn the_gb10_w4a4_kernels_use_the_block_scaled_fp4_mma() {
+    for t in target::all() {
+        let gemm = fp4spec::kernels::table::rendered(&t.name, "gemm").expect("gemm rendered");
+        let has = gemm
+            .kernels
+            .iter()
+            .any(|k| k.starts_with("gemm_nvfp4_nvfp4_mma_"));
+        assert_eq!(
+            has, t.instructions.mma_block_scaled_fp4,
+            "{}: {:?}",
+            t.name, gemm.kernels
+        );
+    }
+    let t = target::by_name("sm_121a").expect("sm_121a");
+    let include = fp4spec::backend::cuda::nvrtc::cuda_include_dir()
+        .expect("CUDA headers: run the tests as `bash tools/toolchains.sh cargo test --release`");
+    let gemm = fp4spec::kernels::table::rendered("sm_121a", "gemm").expect("gemm rendered");
+    let out =
+        fp4spec::backend::cuda::nvrtc::compile(gemm, t, &include).expect("sm_121a gemm compiles");
+    for instruction in [
+        "mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X.f32.e2m1.e2m1.f32.ue4m3",
+        "cvt.rn.satfinite.e2m1x2.f32",
+        "cvt.rn.satfinite.e4m3x2.f32",
+    ] {
+        assert!(
+            out.ptx.contains(instruction),
+            "sm_121a PTX lacks `{instruction}`"
+        );
+    }
+    assert!(!out.cubin.is_empty(), "ptxas produced no sm_121a code");
+}

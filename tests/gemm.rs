@@ -300,3 +300,126 @@ fn bf16_linear_on_the_cpu_matches_the_dense_reference() {
         "odd gate/up rows"
     );
 }
+
+// ---- W4A4 (block-scaled FP4 MMA, GB10) ----
+
+use fp4spec::formats::nvfp4::{e2m1_decode, e2m1_half_step, e4m3_decode};
+use fp4spec::kernels::gemm::layout::W4a4Fragments;
+use fp4spec::kernels::gemm::{Nvfp4Mode, WeightFormat};
+
+#[test]
+fn w4a4_fragments_hold_each_code_and_scale_where_the_mma_reads_them() {
+    let mut rng = SplitMix64::new(21);
+    for (n, k, order) in [(37, 128, RowOrder::Plain), (2 * 21, 192, RowOrder::GateUp)] {
+        let q = matrix(&mut rng, n, k);
+        let f = W4a4Fragments::new(&q, order).expect("layout");
+        let view = q.view();
+        for row in 0..n {
+            let (tile, tile_row) = match order {
+                RowOrder::Plain => (row / 16, row % 16),
+                RowOrder::GateUp => {
+                    let half = n / 2;
+                    let (i, upper) = if row < half {
+                        (row, 0)
+                    } else {
+                        (row - half, 8)
+                    };
+                    (i / 8, i % 8 + upper)
+                }
+            };
+            for col in 0..k {
+                let (group, c) = (col / 64, col % 64);
+                let (half, t, i) = (c / 32, (c % 32) / 8, c % 8);
+                let lane = (tile_row % 8) * 4 + t;
+                let index = (tile * f.k_groups + group) * 32 + lane;
+                let word = f.words[index * 4 + 2 * half + usize::from(tile_row >= 8)];
+                let nibble = ((word >> (4 * i)) & 0xf) as u8;
+                let scale_byte =
+                    (f.scales[(tile * f.k_groups + group) * 16 + tile_row] >> (8 * (c / 16))) as u8;
+                assert!(scale_byte & 0x80 == 0, "ue4m3 has no sign");
+                let got = e2m1_decode(nibble) * (e4m3_decode(scale_byte) * f.global_scale);
+                assert_eq!(got, view.value(row, col), "[{row}, {col}]");
+            }
+        }
+    }
+    let q = matrix(&mut rng, 16, 80);
+    assert!(
+        W4a4Fragments::new(&q, RowOrder::Plain).is_err(),
+        "K = 80 is not a multiple of 64"
+    );
+}
+
+/// The W4A4 result differs from W4A16 only by the activation quantisation: per output at most
+/// sum_k half_step(|x_k| / s_k) * s_k * |w_k|, with s_k the activation block scale times
+/// input_scale.
+#[test]
+fn w4a4_emulation_is_within_the_activation_quantisation_bound_of_w4a16() {
+    let mut rng = SplitMix64::new(22);
+    for (m, n, k) in [(1, 24, 64), (5, 40, 256), (9, 17, 512)] {
+        let q = matrix(&mut rng, n, k);
+        let x = bf16_vec(&mut rng, m * k);
+        let amax = x.iter().fold(0.0f32, |a, v| a.max(v.to_f32().abs()));
+        let input_scale = amax / (6.0 * 448.0);
+        let w4a4 = reference::nvfp4_w4a4_f32(&x, m, q.view(), input_scale).expect("finite");
+        let w4a16 = reference::nvfp4_gemm_f32(&x, m, q.view());
+        let xq = reference::quantize_activations(&x, m, k, input_scale).expect("finite");
+        let view = q.view();
+        let mut tight = 0usize;
+        for row in 0..m {
+            for col in 0..n {
+                let bound: f64 = (0..k)
+                    .map(|c| {
+                        let s = f64::from(e4m3_decode(xq.scales[row * (k / 16) + c / 16]))
+                            * f64::from(input_scale);
+                        let v = f64::from(x[row * k + c].to_f32());
+                        f64::from(e2m1_half_step((v / s).abs() as f32))
+                            * s
+                            * f64::from(view.value(col, c)).abs()
+                    })
+                    .sum();
+                let diff = f64::from(w4a4[row * n + col] - w4a16[row * n + col]).abs();
+                assert!(
+                    diff <= bound * 1.0001 + 1e-6,
+                    "M={m} N={n} K={k} [{row}, {col}]: |W4A4 - W4A16| = {diff} > {bound}"
+                );
+                tight += usize::from(diff > bound * 0.01);
+            }
+        }
+        assert!(
+            tight > 0,
+            "the quantisation error must be visible, or the emulation skipped quantising"
+        );
+    }
+}
+
+#[test]
+fn w4a4_linear_on_the_cpu_runs_the_emulation_and_checks_its_inputs() {
+    let backend = Backend::Cpu;
+    let mut rng = SplitMix64::new(23);
+    let (m, n, k) = (3, 32, 128);
+    let mut q = matrix(&mut rng, n, k);
+    let x = bf16_vec(&mut rng, m * k);
+    let err = Linear::nvfp4_in(&backend, &q, RowOrder::Plain, Nvfp4Mode::W4a4)
+        .err()
+        .expect("no input_scale");
+    assert!(err.to_string().contains("input_scale"), "{err}");
+    q.input_scale = Some(0.004);
+    let linear = Linear::nvfp4_in(&backend, &q, RowOrder::Plain, Nvfp4Mode::W4a4).expect("W4A4");
+    assert_eq!(linear.format(), WeightFormat::Nvfp4W4a4);
+    let x_dev = backend.upload(&x).expect("upload");
+    let mut y = backend.zeros::<bf16>(m * n).expect("zeros");
+    gemm::linear(&backend, &x_dev, m, &linear, Epilogue::None, &mut y).expect("linear");
+    let want = reference::nvfp4_w4a4_f32(&x, m, q.view(), 0.004).expect("finite");
+    assert!(compare::compare_bf16(&backend.download(&y).expect("download"), &want).passed());
+    let gate_up =
+        Linear::nvfp4_in(&backend, &q, RowOrder::GateUp, Nvfp4Mode::W4a4).expect("W4A4 gate/up");
+    let mut y = backend.zeros::<bf16>(m * n / 2).expect("zeros");
+    gemm::linear(&backend, &x_dev, m, &gate_up, Epilogue::SiluMul, &mut y).expect("silu_mul");
+    assert!(
+        compare::compare_bf16(
+            &backend.download(&y).expect("download"),
+            &reference::silu_mul(&want, m, n)
+        )
+        .passed()
+    );
+}

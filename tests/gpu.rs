@@ -685,3 +685,44 @@ fn mma_matches_cublas() {
         }
     }
 }
+
+/// W4A4 on a device whose target has the block-scaled FP4 MMA (GB10) against the CPU emulation
+/// of exactly its math; elsewhere the constructor must refuse with the reason.
+#[test]
+fn w4a4_matches_the_emulation_or_is_refused() {
+    let Some(backend) = cuda("w4a4_matches_the_emulation_or_is_refused") else {
+        return;
+    };
+    let Backend::Cuda(device) = backend else {
+        unreachable!("cuda() returns the CUDA backend")
+    };
+    let mut rng = rng("w4a4");
+    let mut q = awkward_matrix(&mut rng, 2048, 2048);
+    q.input_scale = Some(3.0 / (6.0 * 448.0));
+    if !device.target().instructions.mma_block_scaled_fp4 {
+        let err = Linear::nvfp4_w4a4(backend, &q, RowOrder::Plain)
+            .err()
+            .expect("refused");
+        assert!(err.to_string().contains("no block-scaled FP4 MMA"), "{err}");
+        skipped(
+            "w4a4_matches_the_emulation (kernel)",
+            &format!(
+                "{} has no block-scaled FP4 MMA: {err}",
+                device.target().name
+            ),
+        );
+        return;
+    }
+    let linear = Linear::nvfp4_w4a4(backend, &q, RowOrder::Plain).expect("upload");
+    for m in [1, 3, 16, 33, 64] {
+        let x = random_bf16(&mut rng, m * 2048);
+        let x_dev = backend.upload(&x).expect("upload");
+        let mut y = poisoned(backend, m * 2048);
+        gemm::linear(backend, &x_dev, m, &linear, Epilogue::None, &mut y).expect("linear");
+        let want =
+            gemm::reference::nvfp4_w4a4_f32(&x, m, q.view(), 3.0 / (6.0 * 448.0)).expect("finite");
+        let agreement = compare::compare_bf16(&backend.download(&y).expect("download"), &want);
+        println!("w4a4 M={m}: {agreement}");
+        assert!(agreement.passed(), "w4a4 M={m}: {agreement}");
+    }
+}

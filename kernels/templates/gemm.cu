@@ -347,3 +347,124 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_bf16_bf16_mma_
 }
 {% endfor %}
 {% endif %}
+{% if target.instructions.mma_block_scaled_fp4 %}
+// ============================================================================================
+// W4A4 on the block-scaled FP4 tensor cores (GB10): X is quantised to NVFP4 with the
+// checkpoint's input_scale (quantize_nvfp4_rows), then gemm_nvfp4_nvfp4_mma_m* multiplies e2m1
+// codes with their ue4m3 block scales in mma.sync m16n8k64 kind::mxf4nvf4 and applies
+// alpha = input_scale * weight_scale_2 in the epilogue. CPU emulation of exactly this math:
+// src/kernels/gemm/reference.rs (nvfp4_w4a4_f32).
+//
+// Fragment and scale layouts as read from the PTX ISA (m16n8k64 .e2m1: A registers 0/1 = rows
+// g / g + 8 at K 8t .. 8t + 7, registers 2/3 the same at K 32 + 8t; B registers 0/1 = column g at
+// K 8t / 32 + 8t; element i of a register at bits 4i; scale_vec::4X: one .b32 of four ue4m3 per
+// row, selector {0, 0}: lane t = 0 of each quad supplies row g, t = 1 row g + 8). They have NOT
+// been run: no GB10 is reachable from this project; tests/gpu.rs checks them on any device whose
+// target has the instruction.
+// ============================================================================================
+#define QUANTIZE_THREADS 256
+
+/// Four fp32 pairs -> eight e2m1 nibbles (element 2i in the low nibble of byte i), RNE, saturating.
+FP4_DEVICE u32 f32x8_to_e2m1x8(const float (&v)[8]) {
+    u32 packed;
+    asm("{\n"
+        ".reg .b8 b0, b1, b2, b3;\n"
+        "cvt.rn.satfinite.e2m1x2.f32 b0, %2, %1;\n"
+        "cvt.rn.satfinite.e2m1x2.f32 b1, %4, %3;\n"
+        "cvt.rn.satfinite.e2m1x2.f32 b2, %6, %5;\n"
+        "cvt.rn.satfinite.e2m1x2.f32 b3, %8, %7;\n"
+        "mov.b32 %0, {b0, b1, b2, b3};\n"
+        "}\n"
+        : "=r"(packed)
+        : "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "f"(v[4]), "f"(v[5]), "f"(v[6]), "f"(v[7]));
+    return packed;
+}
+
+/// fp32 -> e4m3 byte, RNE, saturating at 448.
+FP4_DEVICE u32 f32_to_e4m3(float v) {
+    unsigned short pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(pair) : "f"(0.0f), "f"(v));
+    return pair & 0xffu;
+}
+
+// One thread per 16-element block of X: block scale e4m3(amax / (6 * input_scale)) (zero -> 1.0),
+// elements e2m1(x / (block_scale * input_scale)). Blocks are row-major over [M, K / 16], the
+// layout of both outputs.
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(QUANTIZE_THREADS) quantize_nvfp4_rows(
+    const u16* __restrict__ x, float input_scale, u8* __restrict__ packed, u8* __restrict__ scales, u64 blocks) {
+    const u64 block = (u64)block_x() * QUANTIZE_THREADS + thread_x();
+    if (block >= blocks) return;
+    const u32x4 lo = load_u32x4(x + block * 16), hi = load_u32x4(x + block * 16 + 8);
+    const u32 words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    float v[16];
+    float amax = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        v[2 * i] = bf16_to_f32((u16)(words[i] & 0xffffu));
+        v[2 * i + 1] = bf16_to_f32((u16)(words[i] >> 16));
+        amax = fmaxf(amax, fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
+    }
+    u32 code = f32_to_e4m3(__fdiv_rn(amax, 6.0f * input_scale));
+    if (e4m3_to_f32(code) == 0.0f) code = 0x38u;
+    const float scale = e4m3_to_f32(code) * input_scale;
+    float lower[8], upper[8];
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        lower[i] = __fdiv_rn(v[i], scale);
+        upper[i] = __fdiv_rn(v[8 + i], scale);
+    }
+    u32x2 out = {f32x8_to_e2m1x8(lower), f32x8_to_e2m1x8(upper)};
+    *reinterpret_cast<uint2*>(packed + block * 8) = make_uint2(out.x, out.y);
+    scales[block] = (u8)code;
+}
+
+FP4_DEVICE void mma_m16n8k64_nvfp4(float (&c)[4], const u32x4& a, u32 b0, u32 b1, u32 scale_a, u32 scale_b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X.f32.e2m1.e2m1.f32.ue4m3 "
+        "{ %0, %1, %2, %3}, { %4, %5, %6, %7}, { %8, %9}, { %0, %1, %2, %3}, %10, {0, 0}, %11, {0, 0};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1), "r"(scale_a), "r"(scale_b));
+}
+
+/// One warp per 16-row weight tile over all K (K % 64 == 0, checked on the host).
+template <int MT>
+FP4_DEVICE void gemm_w4a4(const u8* __restrict__ xq, const u8* __restrict__ xs, const u32x4* __restrict__ words,
+                          const u32* __restrict__ w_scales, float alpha, u16* y, const u16* residual,
+                          u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 epilogue) {
+    const u32 lane = thread_x() % FP4_WARP_SIZE;
+    const u32 tile = block_x() * MMA_WARPS + thread_x() / FP4_WARP_SIZE;
+    if (tile >= n_tiles) return;  // whole warps; nothing below synchronises the block
+    const u32 g = lane / 4, t = lane % 4;
+    float acc[MT][4];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
+    for (u32 group = 0; group < k_groups; ++group) {
+        const u64 index = (u64)tile * k_groups + group;
+        const u32x4 a = load_stream_u32x4(words + index * 32 + lane);
+        const u32 scale_a = w_scales[index * 16 + g + 8 * (t & 1u)];
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const u32 row = mt * 8 + g;
+            u32 b0 = 0u, b1 = 0u, scale_b = 0x38383838u;
+            if (row < m) {
+                const u8* xr = xq + (u64)row * (k / 2) + group * 32;
+                b0 = *reinterpret_cast<const u32*>(xr + 4 * t);
+                b1 = *reinterpret_cast<const u32*>(xr + 16 + 4 * t);
+                scale_b = *reinterpret_cast<const u32*>(xs + (u64)row * (k / 16) + group * 4);
+            }
+            mma_m16n8k64_nvfp4(acc[mt], a, b0, b1, scale_a, scale_b);
+        }
+    }
+    store_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y);
+}
+
+// Up to 32 rows per launch: at 64 ptxas 13.0 spills (the host runs larger M in chunks of 32).
+{% for rows in [8, 16, 32] %}
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_nvfp4_nvfp4_mma_m{{ rows }}(
+    const u8* __restrict__ xq, const u8* __restrict__ xs, const u32x4* __restrict__ words,
+    const u32* __restrict__ w_scales, float alpha, u16* y, const u16* residual,
+    u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 epilogue) {
+    gemm_w4a4<{{ rows }} / 8>(xq, xs, words, w_scales, alpha, y, residual, m, n, k, n_tiles, k_groups, epilogue);
+}
+{% endfor %}
+{% endif %}

@@ -216,6 +216,43 @@ impl Nvfp4Matrix {
         } else {
             1.0
         };
+        Self::quantize_with_global_scale(name, values, rows, cols, global_scale)
+    }
+
+    /// Quantises with a given per-tensor scale (as W4A4 quantises activations with the
+    /// checkpoint's `input_scale`): block scale `e4m3(amax_block / (6 * global_scale))`, a zero
+    /// scale replaced by 1.0, elements `e2m1(value / (block_scale * global_scale))`, both
+    /// saturating, ties to even.
+    ///
+    /// # Errors
+    /// As [`Nvfp4Matrix::quantize`], and [`Error::Invalid`] for a global scale that is not
+    /// positive and finite.
+    pub fn quantize_with_global_scale(
+        name: &str,
+        values: &[f32],
+        rows: usize,
+        cols: usize,
+        global_scale: f32,
+    ) -> Result<Self> {
+        check_cols(name, cols)?;
+        checked_global(name, global_scale)?;
+        if values.len() != rows * cols {
+            return Err(Error::invalid(
+                name,
+                format!("{} values for a [{rows}, {cols}] matrix", values.len()),
+            ));
+        }
+        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+            return Err(Error::invalid(
+                name,
+                format!(
+                    "element [{}, {}] is {}; NVFP4 cannot hold it",
+                    i / cols,
+                    i % cols,
+                    values[i]
+                ),
+            ));
+        }
         let mut scales = Vec::with_capacity(values.len() / BLOCK);
         let mut nibbles = Vec::with_capacity(values.len());
         for block in values.chunks_exact(BLOCK) {

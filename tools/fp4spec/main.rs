@@ -184,7 +184,7 @@ fn kernels(
         "target", "family", "kernel", "status", "regs", "sregs", "spill", "stack"
     );
     let (mut failed, mut missing) = (0, 0);
-    for row in &rows {
+    for (index, row) in rows.iter().enumerate() {
         let r = row.resources.clone().unwrap_or_default();
         let num = |v: Option<u32>| v.map_or("-".to_string(), |v| v.to_string());
         let (status, detail) = match &row.status {
@@ -209,7 +209,10 @@ fn kernels(
             num(r.spill_bytes),
             num(r.stack_bytes)
         );
-        if verbose && !row.log.trim().is_empty() {
+        let last_of_family = rows
+            .get(index + 1)
+            .is_none_or(|next| (&next.target, &next.family) != (&row.target, &row.family));
+        if verbose && last_of_family && !row.log.trim().is_empty() {
             println!("{}", row.log.trim_end());
         }
     }

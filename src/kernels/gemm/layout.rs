@@ -304,3 +304,115 @@ impl Bf16Fragments {
         })
     }
 }
+
+/// An NVFP4 matrix in the order of the W4A4 kernels (`gemm_nvfp4_nvfp4_mma_*`, block-scaled FP4
+/// MMA m16n8k64): per (tile, 64-wide group, lane `(g, t)`) one `u32x4` of e2m1 codes: rows `g`
+/// and `g + 8` at K `8t .. 8t + 7`, then both at `32 + 8t ..`, each register the source's own
+/// packed bytes (element i at bits 4i); per (tile, group, tile row) one `u32` of the row's four
+/// ue4m3 block scales of the group. Negative scales become positive with the block's nibble signs
+/// flipped (ue4m3 has no sign); K must be a multiple of 64.
+#[derive(Debug, Clone)]
+pub struct W4a4Fragments {
+    /// Weight rows (N).
+    pub rows: usize,
+    /// K, a multiple of 64.
+    pub cols: usize,
+    /// Row-to-tile mapping.
+    pub row_order: RowOrder,
+    /// 16-row tiles.
+    pub n_tiles: usize,
+    /// 64-wide K groups.
+    pub k_groups: usize,
+    /// `[n_tiles][k_groups][32 lanes][4 registers]`.
+    pub words: Vec<u32>,
+    /// `[n_tiles][k_groups][16 tile rows]`, four ue4m3 bytes each (byte i = block i of the group).
+    pub scales: Vec<u32>,
+    /// The per-tensor weight scale (`weight_scale_2`).
+    pub global_scale: f32,
+}
+
+impl W4a4Fragments {
+    /// Re-lays `matrix` out for the W4A4 kernels.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when K is not a multiple of 64, for a NaN block scale, or a
+    /// `[gate; up]` order with an odd row count.
+    pub fn new(matrix: &Nvfp4Matrix, row_order: RowOrder) -> Result<Self> {
+        let (rows, cols) = (matrix.rows, matrix.cols);
+        if cols % GROUP_COLS != 0 {
+            return Err(Error::invalid(
+                "W4A4 weight",
+                format!("K = {cols} is not a multiple of {GROUP_COLS} (one block-scaled FP4 MMA)"),
+            ));
+        }
+        row_order.check("W4A4 weight", rows)?;
+        let n_tiles = row_order.tiles(rows);
+        let k_groups = cols / GROUP_COLS;
+        let mut words = vec![0u32; n_tiles * k_groups * LANES * 4];
+        let mut scales = vec![0u32; n_tiles * k_groups * TILE_ROWS];
+        for tile in 0..n_tiles {
+            for tile_row in 0..TILE_ROWS {
+                let source = row_order.source_row(rows, tile, tile_row);
+                for group in 0..k_groups {
+                    let mut nibbles = [0u8; GROUP_COLS];
+                    let mut scale_word = 0u32;
+                    for b in 0..4 {
+                        let (block_nibbles, scale) = match source {
+                            Some(row) => signless_block(matrix, row, group * 4 + b)?,
+                            None => ([0u8; BLOCK], E4M3_ONE),
+                        };
+                        nibbles[b * BLOCK..(b + 1) * BLOCK].copy_from_slice(&block_nibbles);
+                        scale_word |= u32::from(scale) << (8 * b);
+                    }
+                    scales[(tile * k_groups + group) * TILE_ROWS + tile_row] = scale_word;
+                    let (g, upper) = (tile_row % 8, tile_row >= 8);
+                    for t in 0..4 {
+                        let lane = g * 4 + t;
+                        let index = (tile * k_groups + group) * LANES + lane;
+                        for half in 0..2 {
+                            let start = 32 * half + 8 * t;
+                            let word = (0..8)
+                                .fold(0u32, |w, i| w | u32::from(nibbles[start + i]) << (4 * i));
+                            words[index * 4 + 2 * half + usize::from(upper)] = word;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Self {
+            rows,
+            cols,
+            row_order,
+            n_tiles,
+            k_groups,
+            words,
+            scales,
+            global_scale: matrix.global_scale,
+        })
+    }
+}
+
+/// Block `block` of `row` with a non-negative scale: a negative e4m3 scale is made positive and
+/// the block's nibble signs flipped (the value is unchanged).
+fn signless_block(matrix: &Nvfp4Matrix, row: usize, block: usize) -> Result<([u8; BLOCK], u8)> {
+    let k_blocks = matrix.cols / BLOCK;
+    let scale = matrix.scales[row * k_blocks + block];
+    if scale & 0x7f == 0x7f {
+        return Err(Error::invalid(
+            "W4A4 weight",
+            format!("block scale [{row}, {block}] is NaN"),
+        ));
+    }
+    let mut nibbles = [0u8; BLOCK];
+    let start = (row * matrix.cols + block * BLOCK) / 2;
+    for (i, pair) in matrix.packed[start..start + BLOCK / 2].iter().enumerate() {
+        nibbles[2 * i] = pair & 0xf;
+        nibbles[2 * i + 1] = pair >> 4;
+    }
+    if scale & 0x80 != 0 {
+        for nibble in &mut nibbles {
+            *nibble ^= 8;
+        }
+    }
+    Ok((nibbles, scale & 0x7f))
+}

@@ -128,17 +128,44 @@ pub fn nvfp4_gemm(
 /// Most rows of X one tensor-core launch takes; larger M runs in chunks of this many.
 pub const MMA_MAX_ROWS: usize = 64;
 
+/// Most rows of X one W4A4 launch takes (the block-scaled kernels stop at 32).
+pub const W4A4_MAX_ROWS: usize = 32;
+
 /// The weight format of a [`Linear`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightFormat {
-    /// NVFP4 (W4A16: dequantised in registers, bf16 tensor-core math).
+    /// NVFP4 weights, bf16 activations (W4A16: dequantised in registers, bf16 tensor-core math).
     Nvfp4,
+    /// NVFP4 weights and NVFP4 activations (W4A4: X quantised with the checkpoint's
+    /// `input_scale`, block-scaled FP4 tensor-core math; targets with
+    /// `instructions.mma_block_scaled_fp4` only, e.g. sm_121a).
+    Nvfp4W4a4,
     /// bf16.
     Bf16,
 }
 
+/// How an NVFP4 linear multiplies: the per-model runtime choice between W4A16 and W4A4.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Nvfp4Mode {
+    /// bf16 activations against dequantised weights (every target).
+    #[default]
+    W4a16,
+    /// NVFP4 activations on the block-scaled FP4 MMA (GB10).
+    W4a4,
+}
+
 enum LinearStorage {
     HostNvfp4(Nvfp4Matrix),
+    HostW4a4 {
+        matrix: Nvfp4Matrix,
+        input_scale: f32,
+    },
+    CudaW4a4 {
+        words: CudaSlice<u32>,
+        scales: CudaSlice<u32>,
+        global_scale: f32,
+        input_scale: f32,
+    },
     HostBf16(Vec<bf16>),
     CudaNvfp4 {
         words: CudaSlice<u32>,
@@ -170,6 +197,17 @@ pub enum Epilogue<'a> {
     Residual(&'a DeviceVec<bf16>),
     /// For a [`RowOrder::GateUp`] weight: `Y[m, i] = silu(gate_i) * up_i`, `[m, rows / 2]`.
     SiluMul,
+}
+
+impl Epilogue<'_> {
+    /// The `epilogue` argument of the kernels (EPILOGUE_* in gemm.cu).
+    fn kernel_code(&self) -> u32 {
+        match self {
+            Epilogue::None => 0,
+            Epilogue::Residual(_) => 1,
+            Epilogue::SiluMul => 2,
+        }
+    }
 }
 
 impl Linear {
@@ -206,6 +244,75 @@ impl Linear {
             format: WeightFormat::Nvfp4,
             rows,
             cols,
+            row_order,
+            n_tiles: fragments.n_tiles,
+            k_groups: fragments.k_groups,
+            storage,
+        })
+    }
+
+    /// An NVFP4 weight in `mode`: [`Linear::nvfp4`] for W4A16, [`Linear::nvfp4_w4a4`] for W4A4.
+    ///
+    /// # Errors
+    /// As the constructor `mode` selects.
+    pub fn nvfp4_in(
+        backend: &Backend,
+        matrix: &Nvfp4Matrix,
+        row_order: RowOrder,
+        mode: Nvfp4Mode,
+    ) -> Result<Self> {
+        match mode {
+            Nvfp4Mode::W4a16 => Self::nvfp4(backend, matrix, row_order),
+            Nvfp4Mode::W4a4 => Self::nvfp4_w4a4(backend, matrix, row_order),
+        }
+    }
+
+    /// An NVFP4 weight for W4A4: activations are quantised to NVFP4 with the matrix's
+    /// `input_scale` and multiplied on the block-scaled FP4 tensor cores.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when the matrix has no `input_scale`, K is not a multiple of 64, a
+    /// block scale is NaN, or the CUDA device's target has no block-scaled FP4 MMA (use
+    /// [`Nvfp4Mode::W4a16`] there); [`Error::Cuda`] when the upload fails.
+    pub fn nvfp4_w4a4(
+        backend: &Backend,
+        matrix: &Nvfp4Matrix,
+        row_order: RowOrder,
+    ) -> Result<Self> {
+        let input_scale = matrix.input_scale.ok_or_else(|| {
+            Error::invalid(
+                "W4A4 weight",
+                "the checkpoint has no input_scale for it: W4A4 needs one (use W4A16)",
+            )
+        })?;
+        let fragments = layout::W4a4Fragments::new(matrix, row_order)?;
+        let storage = match backend {
+            Backend::Cpu => LinearStorage::HostW4a4 {
+                matrix: matrix.clone(),
+                input_scale,
+            },
+            Backend::Cuda(cuda) => {
+                if !cuda.target().instructions.mma_block_scaled_fp4 {
+                    return Err(Error::invalid(
+                        "W4A4 weight",
+                        format!(
+                            "target {} has no block-scaled FP4 MMA; run this model with W4A16",
+                            cuda.target().name
+                        ),
+                    ));
+                }
+                LinearStorage::CudaW4a4 {
+                    words: upload(cuda, &fragments.words, "W4A4 weight words")?,
+                    scales: upload(cuda, &fragments.scales, "W4A4 weight scales")?,
+                    global_scale: matrix.global_scale,
+                    input_scale,
+                }
+            }
+        };
+        Ok(Self {
+            format: WeightFormat::Nvfp4W4a4,
+            rows: matrix.rows,
+            cols: matrix.cols,
             row_order,
             n_tiles: fragments.n_tiles,
             k_groups: fragments.k_groups,
@@ -266,7 +373,7 @@ impl Linear {
     pub fn weight_bytes(&self) -> u64 {
         let elements = (self.rows * self.cols) as u64;
         match self.format {
-            WeightFormat::Nvfp4 => elements / 2 + elements / 16,
+            WeightFormat::Nvfp4 | WeightFormat::Nvfp4W4a4 => elements / 2 + elements / 16,
             WeightFormat::Bf16 => 2 * elements,
         }
     }
@@ -341,6 +448,10 @@ pub fn linear(
             };
             let product = match &w.storage {
                 LinearStorage::HostNvfp4(matrix) => reference::nvfp4_gemm_f32(x, m, matrix.view()),
+                LinearStorage::HostW4a4 {
+                    matrix,
+                    input_scale,
+                } => reference::nvfp4_w4a4_f32(x, m, matrix.view(), *input_scale)?,
                 LinearStorage::HostBf16(values) => {
                     reference::bf16_gemm_f32(x, m, values, w.rows, k)
                 }
@@ -430,6 +541,24 @@ fn linear_cuda(
         _ => None,
     };
     let (k, n_out) = (w.cols, w.out_features());
+    if let LinearStorage::CudaW4a4 {
+        words,
+        scales,
+        global_scale,
+        input_scale,
+    } = &w.storage
+    {
+        return linear_w4a4(
+            cuda,
+            x,
+            m,
+            w,
+            (words, scales, *global_scale, *input_scale),
+            epilogue,
+            residual,
+            y,
+        );
+    }
     let tiles = &cuda.target().gemm;
     let plan = mma_plan(
         w.n_tiles,
@@ -444,13 +573,10 @@ fn linear_cuda(
         check_u32("linear tiles", w.n_tiles)?,
         check_u32("linear K groups", w.k_groups)?,
     );
-    let epilogue_code: u32 = match epilogue {
-        Epilogue::None => 0,
-        Epilogue::Residual(_) => 1,
-        Epilogue::SiluMul => 2,
-    };
+    let epilogue_code = epilogue.kernel_code();
     let format = match w.format {
-        WeightFormat::Nvfp4 => "nvfp4",
+        // W4A4 weights took the branch above
+        WeightFormat::Nvfp4 | WeightFormat::Nvfp4W4a4 => "nvfp4",
         WeightFormat::Bf16 => "bf16",
     };
     for start in (0..m).step_by(MMA_MAX_ROWS) {
@@ -545,6 +671,107 @@ fn linear_cuda(
             )
         })?;
         drop(scratch);
+    }
+    Ok(())
+}
+
+/// The W4A4 path: quantise X (`quantize_nvfp4_rows`), then `gemm_nvfp4_nvfp4_mma_m*` in chunks
+/// of [`W4A4_MAX_ROWS`] rows, alpha = input_scale * weight_scale_2.
+#[allow(clippy::too_many_arguments)]
+fn linear_w4a4(
+    cuda: &CudaBackend,
+    x: &CudaSlice<bf16>,
+    m: usize,
+    w: &Linear,
+    (words, scales, global_scale, input_scale): (&CudaSlice<u32>, &CudaSlice<u32>, f32, f32),
+    epilogue: &Epilogue<'_>,
+    residual: Option<&CudaSlice<bf16>>,
+    y: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    let (k, n_out) = (w.cols, w.out_features());
+    let blocks = (m * k / 16) as u64;
+    let stream = cuda.stream();
+    let mut packed = stream
+        .alloc_zeros::<u8>(m * k / 2)
+        .map_err(|e| Error::cuda("allocate W4A4 activation codes", e))?;
+    let mut x_scales = stream
+        .alloc_zeros::<u8>(m * k / 16)
+        .map_err(|e| Error::cuda("allocate W4A4 activation scales", e))?;
+    let threads = 256u32; // QUANTIZE_THREADS in gemm.cu
+    let grid = u32::try_from(blocks.div_ceil(u64::from(threads))).map_err(|_| {
+        Error::invalid(
+            "W4A4 activations",
+            format!("[{m}, {k}] is too large for one launch"),
+        )
+    })?;
+    let quantize = cuda.function(FAMILY, "quantize_nvfp4_rows")?;
+    let mut launch = stream.launch_builder(&quantize);
+    launch
+        .arg(x)
+        .arg(&input_scale)
+        .arg(&mut packed)
+        .arg(&mut x_scales)
+        .arg(&blocks);
+    // SAFETY: matches quantize_nvfp4_rows(x, input_scale, packed, scales, blocks); X holds
+    // blocks * 16 bf16, the outputs blocks * 8 and blocks bytes.
+    unsafe {
+        launch.launch(LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+    .map_err(|e| Error::cuda(format!("launch quantize_nvfp4_rows M={m} K={k}"), e))?;
+
+    let tiles = &cuda.target().gemm;
+    let alpha = input_scale * global_scale;
+    let epilogue_code = epilogue.kernel_code();
+    let (n32, k32) = (check_u32("linear N", n_out)?, check_u32("linear K", k)?);
+    let (n_tiles, k_groups) = (
+        check_u32("linear tiles", w.n_tiles)?,
+        check_u32("linear K groups", w.k_groups)?,
+    );
+    for start in (0..m).step_by(W4A4_MAX_ROWS) {
+        let rows = (m - start).min(W4A4_MAX_ROWS);
+        let kernel = format!(
+            "gemm_nvfp4_nvfp4_mma_m{}",
+            rows.div_ceil(8).next_power_of_two() * 8
+        );
+        let function = cuda.function(FAMILY, &kernel)?;
+        let codes = packed.slice(start * k / 2..(start + rows) * k / 2);
+        let row_scales = x_scales.slice(start * k / 16..(start + rows) * k / 16);
+        let mut y_rows = y.slice_mut(start * n_out..(start + rows) * n_out);
+        let residual_ptr = residual.map_or(0, |r| {
+            r.slice(start * n_out..(start + rows) * n_out)
+                .device_ptr(stream)
+                .0
+        });
+        let m32 = rows as u32;
+        let mut launch = stream.launch_builder(&function);
+        launch
+            .arg(&codes)
+            .arg(&row_scales)
+            .arg(words)
+            .arg(scales)
+            .arg(&alpha)
+            .arg(&mut y_rows)
+            .arg(&residual_ptr)
+            .arg(&m32)
+            .arg(&n32)
+            .arg(&k32)
+            .arg(&n_tiles)
+            .arg(&k_groups)
+            .arg(&epilogue_code);
+        let config = LaunchConfig {
+            grid_dim: (n_tiles.div_ceil(tiles.mma_warps_per_block), 1, 1),
+            block_dim: (tiles.mma_warps_per_block * cuda.target().warp_size, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches gemm_nvfp4_nvfp4_mma_m*'s signature; the codes and scales hold `rows`
+        // quantised rows of K, the weights were laid out for (n_tiles, k_groups), Y and the
+        // residual were checked against (m, n).
+        unsafe { launch.launch(config) }
+            .map_err(|e| Error::cuda(format!("launch {kernel} M={rows} N={n_out} K={k}"), e))?;
     }
     Ok(())
 }

@@ -73,3 +73,70 @@ pub fn add_residual(y: &[f32], residual: &[bf16]) -> Vec<f32> {
         .map(|(a, b)| a + b.to_f32())
         .collect()
 }
+
+/// The activations of a W4A4 GEMM quantised as the kernels do (`quantize_nvfp4_rows`): NVFP4
+/// per 16-element block of each row with `input_scale` as the per-tensor scale.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] for a NaN or infinite activation, K not a multiple of 16, or an
+/// `input_scale` that is not positive and finite.
+pub fn quantize_activations(
+    x: &[bf16],
+    m: usize,
+    k: usize,
+    input_scale: f32,
+) -> crate::Result<crate::formats::nvfp4::Nvfp4Matrix> {
+    let values: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    crate::formats::nvfp4::Nvfp4Matrix::quantize_with_global_scale(
+        "W4A4 activations",
+        &values,
+        m,
+        k,
+        input_scale,
+    )
+}
+
+/// Emulates the W4A4 kernels exactly (`gemm_nvfp4_nvfp4_mma_*`): X quantised per block with
+/// `input_scale`, then per 16-block the product of e2m1 codes times both e4m3 block scales,
+/// summed, times `alpha = input_scale * weight_scale_2`. Unrounded (f64 accumulation; the
+/// hardware adds in fp32 in its own order).
+///
+/// # Errors
+/// As [`quantize_activations`].
+pub fn nvfp4_w4a4_f32(
+    x: &[bf16],
+    m: usize,
+    w: Nvfp4View<'_>,
+    input_scale: f32,
+) -> crate::Result<Vec<f32>> {
+    use crate::formats::nvfp4::{BLOCK, e2m1_decode, e4m3_decode};
+    let (n, k) = (w.rows, w.cols);
+    let xq = quantize_activations(x, m, k, input_scale)?;
+    let unpack = |packed: &[u8], i: usize| {
+        if i % 2 == 0 {
+            packed[i / 2] & 0xf
+        } else {
+            packed[i / 2] >> 4
+        }
+    };
+    let alpha = f64::from(input_scale) * f64::from(w.global_scale);
+    let mut y = vec![0.0f32; m * n];
+    for row in 0..m {
+        for col in 0..n {
+            let mut acc = 0.0f64;
+            for block in 0..k / BLOCK {
+                let sx = f64::from(e4m3_decode(xq.scales[row * (k / BLOCK) + block]));
+                let sw = f64::from(e4m3_decode(w.scales[col * (k / BLOCK) + block]));
+                let dot: f64 = (block * BLOCK..(block + 1) * BLOCK)
+                    .map(|c| {
+                        f64::from(e2m1_decode(unpack(&xq.packed, row * k + c)))
+                            * f64::from(e2m1_decode(unpack(w.packed, col * k + c)))
+                    })
+                    .sum();
+                acc += dot * sx * sw;
+            }
+            y[row * n + col] = (acc * alpha) as f32;
+        }
+    }
+    Ok(y)
+}
