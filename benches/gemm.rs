@@ -13,11 +13,11 @@
 //! Run: `cargo bench --bench gemm [-- FILTER]` on a CUDA host (prints one skip line elsewhere).
 
 use criterion::{Criterion, Throughput};
-use cudarc::cublas::sys::cublasOperation_t;
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::CudaSlice;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use fp4spec::backend::cuda::CudaBackend;
+use fp4spec::backend::cuda::cublas;
 use fp4spec::backend::{Backend, BackendKind, DeviceVec};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
 use fp4spec::kernels::gemm::{self, Epilogue, Linear, RowOrder};
@@ -124,32 +124,6 @@ struct Row {
     k: usize,
     bytes: u64,
     seconds: f64,
-}
-
-/// cuBLAS bf16 `Y = X W^T` on dense weights (column-major view: Y^T = W^T^T X^T).
-fn cublas_gemm(
-    blas: &CudaBlas,
-    w: &CudaSlice<bf16>,
-    x: &CudaSlice<bf16>,
-    y: &mut CudaSlice<bf16>,
-    m: usize,
-    n: usize,
-    k: usize,
-) {
-    let config = GemmConfig {
-        transa: cublasOperation_t::CUBLAS_OP_T,
-        transb: cublasOperation_t::CUBLAS_OP_N,
-        m: n as i32,
-        n: m as i32,
-        k: k as i32,
-        alpha: bf16::ONE,
-        lda: k as i32,
-        ldb: k as i32,
-        beta: bf16::ZERO,
-        ldc: n as i32,
-    };
-    // SAFETY: w holds n*k, x m*k and y m*n elements, matching the config.
-    unsafe { blas.gemm(config, w, x, y) }.expect("cublas gemm");
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -287,15 +261,14 @@ fn bench_shape(
             &name,
             cublas_bytes,
             |i| {
-                cublas_gemm(
+                cublas::gemm_bf16_x_wt(
                     blas,
                     &dense_dev[i % dense_dev.len()],
                     x_slice,
                     y_slice,
-                    m,
-                    n,
-                    k,
+                    (m, n, k),
                 )
+                .expect("cuBLAS")
             },
         );
         out.push(Row {

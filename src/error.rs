@@ -92,6 +92,15 @@ pub enum Error {
         source: cudarc::driver::DriverError,
     },
 
+    /// A cuBLAS call failed.
+    #[error("cuBLAS: {op}: {source}")]
+    Cublas {
+        /// The operation and its shape.
+        op: String,
+        /// cuBLAS' error.
+        source: cudarc::cublas::result::CublasError,
+    },
+
     /// A kernel source did not compile.
     #[error("{compiler} could not compile family `{family}` for {target}:\n{log}")]
     Compile {

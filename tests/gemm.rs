@@ -77,7 +77,7 @@ fn kernel_weight(
     let (t, c) = (col_in_group / 16, col_in_group % 16);
     let lane = (tile_row % 8) * 4 + t;
     let upper = tile_row >= 8;
-    let index = (tile * f.k_groups + group) * 32 + lane;
+    let index = f.grid.lane_index(tile, group, lane);
     let word = f.words[index * 4 + c / 4];
     let register = 2 * ((c % 4) / 2) + usize::from(upper);
     let pair = e2m1x2_scaled(word << (4 * register));
@@ -90,16 +90,16 @@ fn kernel_weight(
 /// Emulates `gemm_nvfp4_bf16_mma_*`: per tile and group, the A operand from the fragments, the
 /// product accumulated in f64 (the MMA's fp32 order is not modelled), times alpha.
 fn emulate_nvfp4(f: &Nvfp4Fragments, x: &[bf16], m: usize) -> Vec<f32> {
-    let k = f.cols;
-    let mut y = vec![0.0f32; m * f.rows];
-    for tile in 0..f.n_tiles {
+    let k = f.grid.cols;
+    let mut y = vec![0.0f32; m * f.grid.rows];
+    for tile in 0..f.grid.n_tiles {
         for tile_row in 0..16 {
-            let Some(row) = f.row_order.source_row(f.rows, tile, tile_row) else {
+            let Some(row) = f.grid.row_order.source_row(f.grid.rows, tile, tile_row) else {
                 continue;
             };
             for i in 0..m {
                 let mut acc = 0.0f64;
-                for group in 0..f.k_groups {
+                for group in 0..f.grid.k_groups {
                     for c in 0..GROUP_COLS {
                         let col = group * GROUP_COLS + c;
                         if col >= k {
@@ -109,7 +109,7 @@ fn emulate_nvfp4(f: &Nvfp4Fragments, x: &[bf16], m: usize) -> Vec<f32> {
                             * x[i * k + col].to_f64();
                     }
                 }
-                y[i * f.rows + row] = (acc * (f.global_scale as f64 * 128.0)) as f32;
+                y[i * f.grid.rows + row] = (acc * (f.global_scale as f64 * 128.0)) as f32;
             }
         }
     }
@@ -159,11 +159,11 @@ fn bf16_fragments_hold_each_element_once_in_register_order() {
     let values: Vec<bf16> = (0..n * k).map(|i| bf16::from_f32(i as f32)).collect();
     let f = Bf16Fragments::new(&values, n, k, RowOrder::Plain).expect("layout");
     let mut seen = vec![0u32; n * k];
-    for tile in 0..f.n_tiles {
-        for group in 0..f.k_groups {
+    for tile in 0..f.grid.n_tiles {
+        for group in 0..f.grid.k_groups {
             for lane in 0..32 {
                 let (g, t) = (lane / 4, lane % 4);
-                let index = (tile * f.k_groups + group) * 32 + lane;
+                let index = f.grid.lane_index(tile, group, lane);
                 for j in 0..4 {
                     for r in 0..4 {
                         let word = f.words[(index * 4 + j) * 4 + r];
@@ -315,27 +315,16 @@ fn w4a4_fragments_hold_each_code_and_scale_where_the_mma_reads_them() {
         let f = W4a4Fragments::new(&q, order).expect("layout");
         let view = q.view();
         for row in 0..n {
-            let (tile, tile_row) = match order {
-                RowOrder::Plain => (row / 16, row % 16),
-                RowOrder::GateUp => {
-                    let half = n / 2;
-                    let (i, upper) = if row < half {
-                        (row, 0)
-                    } else {
-                        (row - half, 8)
-                    };
-                    (i / 8, i % 8 + upper)
-                }
-            };
+            let (tile, tile_row) = order.locate(n, row);
             for col in 0..k {
                 let (group, c) = (col / 64, col % 64);
                 let (half, t, i) = (c / 32, (c % 32) / 8, c % 8);
                 let lane = (tile_row % 8) * 4 + t;
-                let index = (tile * f.k_groups + group) * 32 + lane;
+                let index = f.grid.lane_index(tile, group, lane);
                 let word = f.words[index * 4 + 2 * half + usize::from(tile_row >= 8)];
                 let nibble = ((word >> (4 * i)) & 0xf) as u8;
-                let scale_byte =
-                    (f.scales[(tile * f.k_groups + group) * 16 + tile_row] >> (8 * (c / 16))) as u8;
+                let scale_byte = (f.scales[(tile * f.grid.k_groups + group) * 16 + tile_row]
+                    >> (8 * (c / 16))) as u8;
                 assert!(scale_byte & 0x80 == 0, "ue4m3 has no sign");
                 let got = e2m1_decode(nibble) * (e4m3_decode(scale_byte) * f.global_scale);
                 assert_eq!(got, view.value(row, col), "[{row}, {col}]");

@@ -4,9 +4,9 @@
 //! Inputs are fresh random numbers each run; the seed is printed so a failure can be replayed
 //! with `FP4SPEC_SEED=<seed>`.
 
-use cudarc::cublas::sys::cublasOperation_t;
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use cudarc::cublas::CudaBlas;
 use fp4spec::Error;
+use fp4spec::backend::cuda::cublas;
 use fp4spec::backend::{Backend, BackendKind, DeviceVec};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
 use fp4spec::kernels::gemm::{Epilogue, Linear, RowOrder};
@@ -148,85 +148,6 @@ fn gemm_matches_the_cpu_reference() {
                 compare::compare_bf16(&got, &gemm::reference::nvfp4_gemm_f32(&x, m, q.view()));
             println!("gemm M={m} N={n} K={k}: {agreement}");
             assert!(agreement.passed(), "gemm M={m} N={n} K={k}: {agreement}");
-        }
-    }
-}
-
-/// The peer: cuBLAS bf16 GEMM (fp32 compute) on the CPU-dequantised weights.
-#[test]
-fn gemm_matches_cublas_on_dequantised_weights() {
-    let Some(backend) = cuda("gemm_matches_cublas_on_dequantised_weights") else {
-        return;
-    };
-    let Backend::Cuda(device) = backend else {
-        unreachable!("cuda() returns the CUDA backend")
-    };
-    let blas = CudaBlas::new(device.stream().clone()).expect("cuBLAS handle");
-    let mut rng = rng("cublas");
-    for (n, k) in [(2048, 4096), (8192, 2048), (1037, 528)] {
-        let q = awkward_matrix(&mut rng, n, k);
-        let w = Nvfp4Weights::upload(backend, &q).expect("upload");
-        let dense: Vec<bf16> = dequant::reference::dequant_nvfp4_bf16(q.view());
-        let DeviceVec::Cuda(dense_dev) = backend.upload(&dense).expect("upload") else {
-            unreachable!()
-        };
-        for m in [1, 16, 64] {
-            let x = random_bf16(&mut rng, m * k);
-            let x_dev = backend.upload(&x).expect("upload");
-            let mut ours = poisoned(backend, m * n);
-            gemm::nvfp4_gemm(backend, &x_dev, m, &w, &mut ours).expect("gemm");
-            let DeviceVec::Cuda(x_slice) = &x_dev else {
-                unreachable!()
-            };
-            let DeviceVec::Cuda(mut theirs) = poisoned(backend, m * n) else {
-                unreachable!()
-            };
-            // column-major view: Y^T[N, M] = W[N, K] (stored as K x N, transposed) * X^T[K, M]
-            let config = GemmConfig {
-                transa: cublasOperation_t::CUBLAS_OP_T,
-                transb: cublasOperation_t::CUBLAS_OP_N,
-                m: n as i32,
-                n: m as i32,
-                k: k as i32,
-                alpha: bf16::ONE,
-                lda: k as i32,
-                ldb: k as i32,
-                beta: bf16::ZERO,
-                ldc: n as i32,
-            };
-            // SAFETY: the buffers hold N*K, M*K and M*N elements, matching the config.
-            unsafe { blas.gemm(config, &dense_dev, x_slice, &mut theirs) }.expect("cublas gemm");
-            let ours = backend.download(&ours).expect("download");
-            let theirs = backend
-                .download(&DeviceVec::Cuda(theirs))
-                .expect("download");
-            let reference = gemm::reference::nvfp4_gemm_f32(&x, m, q.view());
-            let ours_vs_reference = compare::compare_bf16(&ours, &reference);
-            let cublas_vs_reference = compare::compare_bf16(&theirs, &reference);
-            let theirs_f32: Vec<f32> = theirs.iter().map(|v| v.to_f32()).collect();
-            let ours_vs_cublas = compare::compare_bf16(&ours, &theirs_f32);
-            println!(
-                "M={m} N={n} K={k}: ours vs f64 rel L2 {:.2e}, cuBLAS vs f64 {:.2e}, ours vs cuBLAS {:.2e}",
-                ours_vs_reference.relative_l2,
-                cublas_vs_reference.relative_l2,
-                ours_vs_cublas.relative_l2
-            );
-            // Both round to bf16 (each ~1.7e-3 rel L2 on random data), so they may differ by two
-            // roundings; ours must agree with the peer to that level and be no less accurate.
-            assert!(
-                ours_vs_reference.passed(),
-                "ours vs f64 M={m} N={n} K={k}: {ours_vs_reference}"
-            );
-            assert!(
-                ours_vs_cublas.non_finite == 0 && ours_vs_cublas.relative_l2 < 5e-3,
-                "vs cuBLAS M={m} N={n} K={k}: {ours_vs_cublas}"
-            );
-            assert!(
-                ours_vs_reference.relative_l2 <= cublas_vs_reference.relative_l2 * 1.05,
-                "M={m} N={n} K={k}: ours ({:.2e}) less accurate than cuBLAS ({:.2e})",
-                ours_vs_reference.relative_l2,
-                cublas_vs_reference.relative_l2
-            );
         }
     }
 }
@@ -604,84 +525,101 @@ fn mma_nvfp4_decode_is_exact() {
     assert_eq!(wrong, 0, "{wrong} weights decode differently in the kernel");
 }
 
-/// Peer: cuBLAS bf16 on the same (dequantised) weights.
+/// The peer: cuBLAS bf16 GEMM (fp32 compute) on the same, dequantised weights. Every variant must
+/// agree with it to the level of two bf16 roundings; where the f64 reference is affordable, the
+/// NVFP4 variants must also be no less accurate than cuBLAS.
 #[test]
-fn mma_matches_cublas() {
-    let Some(backend) = cuda("mma_matches_cublas") else {
+fn gemm_variants_match_cublas() {
+    let Some(backend) = cuda("gemm_variants_match_cublas") else {
         return;
     };
     let Backend::Cuda(device) = backend else {
         unreachable!("cuda() returns the CUDA backend")
     };
     let blas = CudaBlas::new(device.stream().clone()).expect("cuBLAS handle");
-    let mut rng = rng("mma_matches_cublas");
+    let mut rng = rng("gemm_variants_match_cublas");
     for (n, k, nvfp4) in [
         (2048, 4096, true),
         (8192, 2048, true),
-        (248320, 2048, false),
         (1037, 528, true),
+        (248320, 2048, false),
     ] {
-        let (linear, dense) = if nvfp4 {
+        let (q, dense) = if nvfp4 {
             let q = awkward_matrix(&mut rng, n, k);
-            (
-                Linear::nvfp4(backend, &q, RowOrder::Plain).expect("upload"),
-                dequant::reference::dequant_nvfp4_bf16(q.view()),
-            )
+            let dense = dequant::reference::dequant_nvfp4_bf16(q.view());
+            (Some(q), dense)
         } else {
-            let w: Vec<bf16> = rng
-                .normal_vec(n * k, 0.02)
-                .into_iter()
-                .map(bf16::from_f32)
-                .collect();
             (
-                Linear::bf16(backend, &w, n, k, RowOrder::Plain).expect("upload"),
-                w,
+                None,
+                random_bf16(&mut rng, n * k)
+                    .into_iter()
+                    .map(|v| bf16::from_f32(v.to_f32() * 0.02))
+                    .collect(),
             )
         };
         let DeviceVec::Cuda(dense_dev) = backend.upload(&dense).expect("upload") else {
             unreachable!()
         };
+        let mma = match &q {
+            Some(q) => Linear::nvfp4(backend, q, RowOrder::Plain),
+            None => Linear::bf16(backend, &dense, n, k, RowOrder::Plain),
+        }
+        .expect("upload");
+        let gemv = q
+            .as_ref()
+            .map(|q| Nvfp4Weights::upload(backend, q).expect("upload"));
         for m in [1, 16, 64] {
             let x = random_bf16(&mut rng, m * k);
             let x_dev = backend.upload(&x).expect("upload");
-            let mut ours = poisoned(backend, m * n);
-            gemm::linear(backend, &x_dev, m, &linear, Epilogue::None, &mut ours).expect("linear");
             let DeviceVec::Cuda(x_slice) = &x_dev else {
                 unreachable!()
             };
             let DeviceVec::Cuda(mut theirs) = poisoned(backend, m * n) else {
                 unreachable!()
             };
-            let config = GemmConfig {
-                transa: cublasOperation_t::CUBLAS_OP_T,
-                transb: cublasOperation_t::CUBLAS_OP_N,
-                m: n as i32,
-                n: m as i32,
-                k: k as i32,
-                alpha: bf16::ONE,
-                lda: k as i32,
-                ldb: k as i32,
-                beta: bf16::ZERO,
-                ldc: n as i32,
-            };
-            // SAFETY: the buffers hold N*K, M*K and M*N elements, matching the config.
-            unsafe { blas.gemm(config, &dense_dev, x_slice, &mut theirs) }.expect("cublas gemm");
-            let ours = backend.download(&ours).expect("download");
-            let theirs: Vec<f32> = backend
+            cublas::gemm_bf16_x_wt(&blas, &dense_dev, x_slice, &mut theirs, (m, n, k))
+                .expect("cuBLAS");
+            let theirs = backend
                 .download(&DeviceVec::Cuda(theirs))
-                .expect("download")
-                .iter()
-                .map(|v| v.to_f32())
-                .collect();
-            let agreement = compare::compare_bf16(&ours, &theirs);
-            println!(
-                "mma vs cuBLAS M={m} N={n} K={k}: rel L2 {:.2e}",
-                agreement.relative_l2
-            );
-            assert!(
-                agreement.non_finite == 0 && agreement.relative_l2 < 5e-3,
-                "mma vs cuBLAS M={m} N={n} K={k}: {agreement}"
-            );
+                .expect("download");
+            let theirs_f32: Vec<f32> = theirs.iter().map(|v| v.to_f32()).collect();
+            let reference = q
+                .as_ref()
+                .map(|q| gemm::reference::nvfp4_gemm_f32(&x, m, q.view()));
+            let mut variants = vec![("mma", poisoned(backend, m * n))];
+            gemm::linear(backend, &x_dev, m, &mma, Epilogue::None, &mut variants[0].1)
+                .expect("mma");
+            if let Some(w) = &gemv {
+                let mut y = poisoned(backend, m * n);
+                gemm::nvfp4_gemm(backend, &x_dev, m, w, &mut y).expect("gemv");
+                variants.push(("gemv", y));
+            }
+            for (variant, y) in variants {
+                let ours = backend.download(&y).expect("download");
+                let vs_cublas = compare::compare_bf16(&ours, &theirs_f32);
+                println!(
+                    "{variant} vs cuBLAS M={m} N={n} K={k}: rel L2 {:.2e}",
+                    vs_cublas.relative_l2
+                );
+                assert!(
+                    vs_cublas.non_finite == 0 && vs_cublas.relative_l2 < 5e-3,
+                    "{variant} vs cuBLAS M={m} N={n} K={k}: {vs_cublas}"
+                );
+                if let Some(reference) = &reference {
+                    let ours_error = compare::compare_bf16(&ours, reference);
+                    let cublas_error = compare::compare_bf16(&theirs, reference);
+                    assert!(
+                        ours_error.passed(),
+                        "{variant} vs f64 M={m} N={n} K={k}: {ours_error}"
+                    );
+                    assert!(
+                        ours_error.relative_l2 <= cublas_error.relative_l2 * 1.05,
+                        "{variant} M={m} N={n} K={k}: less accurate ({:.2e}) than cuBLAS ({:.2e})",
+                        ours_error.relative_l2,
+                        cublas_error.relative_l2
+                    );
+                }
+            }
         }
     }
 }

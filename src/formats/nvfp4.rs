@@ -192,31 +192,14 @@ impl Nvfp4Matrix {
     /// [`Error::Invalid`] (naming `name`) when `cols` is not a multiple of 16, `values.len()` is
     /// not `rows * cols`, or a value is NaN or infinite.
     pub fn quantize(name: &str, values: &[f32], rows: usize, cols: usize) -> Result<Self> {
-        check_cols(name, cols)?;
-        if values.len() != rows * cols {
-            return Err(Error::invalid(
-                name,
-                format!("{} values for a [{rows}, {cols}] matrix", values.len()),
-            ));
-        }
-        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
-            return Err(Error::invalid(
-                name,
-                format!(
-                    "element [{}, {}] is {}; NVFP4 cannot hold it",
-                    i / cols,
-                    i % cols,
-                    values[i]
-                ),
-            ));
-        }
+        check_values(name, values, rows, cols)?;
         let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let global_scale = if amax > 0.0 {
             amax / (E2M1_MAX * E4M3_MAX)
         } else {
             1.0
         };
-        Self::quantize_with_global_scale(name, values, rows, cols, global_scale)
+        Ok(Self::quantize_checked(values, rows, cols, global_scale))
     }
 
     /// Quantises with a given per-tensor scale (as W4A4 quantises activations with the
@@ -234,25 +217,13 @@ impl Nvfp4Matrix {
         cols: usize,
         global_scale: f32,
     ) -> Result<Self> {
-        check_cols(name, cols)?;
+        check_values(name, values, rows, cols)?;
         checked_global(name, global_scale)?;
-        if values.len() != rows * cols {
-            return Err(Error::invalid(
-                name,
-                format!("{} values for a [{rows}, {cols}] matrix", values.len()),
-            ));
-        }
-        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
-            return Err(Error::invalid(
-                name,
-                format!(
-                    "element [{}, {}] is {}; NVFP4 cannot hold it",
-                    i / cols,
-                    i % cols,
-                    values[i]
-                ),
-            ));
-        }
+        Ok(Self::quantize_checked(values, rows, cols, global_scale))
+    }
+
+    /// The quantiser proper, on input [`check_values`] accepted.
+    fn quantize_checked(values: &[f32], rows: usize, cols: usize, global_scale: f32) -> Self {
         let mut scales = Vec::with_capacity(values.len() / BLOCK);
         let mut nibbles = Vec::with_capacity(values.len());
         for block in values.chunks_exact(BLOCK) {
@@ -265,14 +236,14 @@ impl Nvfp4Matrix {
             scales.push(code);
             nibbles.extend(block.iter().map(|v| e2m1_encode(v / scale)));
         }
-        Ok(Self {
+        Self {
             rows,
             cols,
             packed: pack_nibbles(&nibbles),
             scales,
             global_scale,
             input_scale: None,
-        })
+        }
     }
 
     /// The borrowed form the references take.
@@ -402,6 +373,29 @@ impl Nvfp4Matrix {
             input_scale,
         })
     }
+}
+
+/// Shape and finiteness checks shared by the quantisers.
+fn check_values(name: &str, values: &[f32], rows: usize, cols: usize) -> Result<()> {
+    check_cols(name, cols)?;
+    if values.len() != rows * cols {
+        return Err(Error::invalid(
+            name,
+            format!("{} values for a [{rows}, {cols}] matrix", values.len()),
+        ));
+    }
+    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+        return Err(Error::invalid(
+            name,
+            format!(
+                "element [{}, {}] is {}; NVFP4 cannot hold it",
+                i / cols,
+                i % cols,
+                values[i]
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn check_cols(name: &str, cols: usize) -> Result<()> {

@@ -2,6 +2,7 @@
 //! `kernels/targets.toml`, and a lazily filled module cache (one module per kernel family,
 //! compiled by NVRTC for the device's own architecture, CUBINs cached on disk).
 
+pub mod cublas;
 pub mod nvrtc;
 
 use crate::error::{Error, Result};

@@ -64,6 +64,22 @@ impl RowOrder {
         (row < rows).then_some(row)
     }
 
+    /// The (tile, tile row) holding weight row `row`: the inverse of [`RowOrder::source_row`].
+    pub fn locate(self, rows: usize, row: usize) -> (usize, usize) {
+        match self {
+            RowOrder::Plain => (row / TILE_ROWS, row % TILE_ROWS),
+            RowOrder::GateUp => {
+                let half = rows / 2;
+                let (i, upper) = if row < half {
+                    (row, 0)
+                } else {
+                    (row - half, 8)
+                };
+                (i / 8, i % 8 + upper)
+            }
+        }
+    }
+
     fn check(self, what: &str, rows: usize) -> Result<()> {
         if self == RowOrder::GateUp && rows % 2 != 0 {
             return Err(Error::invalid(
@@ -72,6 +88,43 @@ impl RowOrder {
             ));
         }
         Ok(())
+    }
+}
+
+/// Which 16-row tiles and 64-wide K groups cover a `[rows, cols]` weight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TileGrid {
+    /// Weight rows (N).
+    pub rows: usize,
+    /// K.
+    pub cols: usize,
+    /// Row-to-tile mapping.
+    pub row_order: RowOrder,
+    /// 16-row tiles.
+    pub n_tiles: usize,
+    /// 64-wide K groups (the last one padded with zeros).
+    pub k_groups: usize,
+}
+
+impl TileGrid {
+    /// The grid of a `[rows, cols]` weight.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] (naming `what`) for a `[gate; up]` order with an odd row count.
+    pub fn new(what: &str, rows: usize, cols: usize, row_order: RowOrder) -> Result<Self> {
+        row_order.check(what, rows)?;
+        Ok(Self {
+            rows,
+            cols,
+            row_order,
+            n_tiles: row_order.tiles(rows),
+            k_groups: cols.div_ceil(GROUP_COLS),
+        })
+    }
+
+    /// Index of (tile, group, lane) in the `[n_tiles][k_groups][32]` order every layout uses.
+    pub fn lane_index(&self, tile: usize, group: usize, lane: usize) -> usize {
+        (tile * self.k_groups + group) * LANES + lane
     }
 }
 
@@ -105,16 +158,8 @@ pub fn e5m3_decode(byte: u8) -> f32 {
 /// An NVFP4 matrix in the tensor-core kernels' fragment order.
 #[derive(Debug, Clone)]
 pub struct Nvfp4Fragments {
-    /// Weight rows (N).
-    pub rows: usize,
-    /// K, a multiple of 16.
-    pub cols: usize,
-    /// Row-to-tile mapping.
-    pub row_order: RowOrder,
-    /// 16-row tiles.
-    pub n_tiles: usize,
-    /// 64-wide K groups.
-    pub k_groups: usize,
+    /// The tiles and K groups (K a multiple of 16).
+    pub grid: TileGrid,
     /// `[n_tiles][k_groups][32 lanes][4 MMAs]` nibble words.
     pub words: Vec<u32>,
     /// `[n_tiles][k_groups][32 lanes]`: e5m3 scale of row g (low byte) and row g + 8.
@@ -130,9 +175,8 @@ impl Nvfp4Fragments {
     /// [`Error::Invalid`] for a `[gate; up]` order with an odd row count or a NaN block scale.
     pub fn new(matrix: &Nvfp4Matrix, row_order: RowOrder) -> Result<Self> {
         let (rows, cols) = (matrix.rows, matrix.cols);
-        row_order.check("NVFP4 weight", rows)?;
-        let n_tiles = row_order.tiles(rows);
-        let k_groups = cols.div_ceil(GROUP_COLS);
+        let grid = TileGrid::new("NVFP4 weight", rows, cols, row_order)?;
+        let (n_tiles, k_groups) = (grid.n_tiles, grid.k_groups);
         let k_blocks = cols / BLOCK;
         let mut words = vec![0u32; n_tiles * k_groups * LANES * 4];
         let mut scales = vec![0u16; n_tiles * k_groups * LANES];
@@ -141,7 +185,7 @@ impl Nvfp4Fragments {
                 for lane in 0..LANES {
                     let (g, t) = (lane / 4, lane % 4);
                     let block = group * 4 + t;
-                    let index = (tile * k_groups + group) * LANES + lane;
+                    let index = grid.lane_index(tile, group, lane);
                     let mut scale_pair = 0u16;
                     for upper in [false, true] {
                         let source =
@@ -161,11 +205,7 @@ impl Nvfp4Fragments {
             }
         }
         Ok(Self {
-            rows,
-            cols,
-            row_order,
-            n_tiles,
-            k_groups,
+            grid,
             words,
             scales,
             global_scale: matrix.global_scale,
@@ -176,30 +216,14 @@ impl Nvfp4Fragments {
     /// from the fragments: `e2m1 * (e5m3_scale * global_scale)`, in the order of
     /// [`Nvfp4View::value`](crate::formats::nvfp4::Nvfp4View::value).
     pub fn value(&self, row: usize, col: usize) -> f32 {
-        let (tile, tile_row) = self.locate(row);
+        let (tile, tile_row) = self.grid.row_order.locate(self.grid.rows, row);
         let (group, t, c) = (col / GROUP_COLS, (col % GROUP_COLS) / BLOCK, col % BLOCK);
         let upper = tile_row >= 8;
-        let lane = (tile_row % 8) * 4 + t;
-        let index = (tile * self.k_groups + group) * LANES + lane;
+        let index = self.grid.lane_index(tile, group, (tile_row % 8) * 4 + t);
         let word = self.words[index * 4 + c / 4];
         let nibble = ((word >> (4 * nibble_slot(upper, c))) & 0xf) as u8;
         let scale = (self.scales[index] >> if upper { 8 } else { 0 }) as u8;
         e2m1_decode(nibble) * (e5m3_decode(scale) * self.global_scale)
-    }
-
-    fn locate(&self, row: usize) -> (usize, usize) {
-        match self.row_order {
-            RowOrder::Plain => (row / TILE_ROWS, row % TILE_ROWS),
-            RowOrder::GateUp => {
-                let half = self.rows / 2;
-                let (i, upper) = if row < half {
-                    (row, 0)
-                } else {
-                    (row - half, 8)
-                };
-                (i / 8, i % 8 + upper)
-            }
-        }
     }
 }
 
@@ -235,16 +259,8 @@ fn block_for_kernel(matrix: &Nvfp4Matrix, row: usize, block: usize) -> Result<([
 /// A bf16 matrix in the tensor-core kernels' fragment order.
 #[derive(Debug, Clone)]
 pub struct Bf16Fragments {
-    /// Weight rows (N).
-    pub rows: usize,
-    /// K, a multiple of 16.
-    pub cols: usize,
-    /// Row-to-tile mapping.
-    pub row_order: RowOrder,
-    /// 16-row tiles.
-    pub n_tiles: usize,
-    /// 64-wide K groups.
-    pub k_groups: usize,
+    /// The tiles and K groups (K a multiple of 16).
+    pub grid: TileGrid,
     /// `[n_tiles][k_groups][32 lanes][4 MMAs][4 registers]`, two bf16 per register (low half =
     /// even column).
     pub words: Vec<u32>,
@@ -266,9 +282,8 @@ impl Bf16Fragments {
                 ),
             ));
         }
-        row_order.check("bf16 weight", rows)?;
-        let n_tiles = row_order.tiles(rows);
-        let k_groups = cols.div_ceil(GROUP_COLS);
+        let grid = TileGrid::new("bf16 weight", rows, cols, row_order)?;
+        let (n_tiles, k_groups) = (grid.n_tiles, grid.k_groups);
         let mut words = vec![0u32; n_tiles * k_groups * LANES * 16];
         let at = |row: Option<usize>, col: usize| -> u32 {
             match row {
@@ -282,7 +297,7 @@ impl Bf16Fragments {
                     let (g, t) = (lane / 4, lane % 4);
                     let top = row_order.source_row(rows, tile, g);
                     let bottom = row_order.source_row(rows, tile, g + 8);
-                    let index = (tile * k_groups + group) * LANES + lane;
+                    let index = grid.lane_index(tile, group, lane);
                     for j in 0..4 {
                         let col = group * GROUP_COLS + 16 * t + 4 * j;
                         let registers =
@@ -294,14 +309,7 @@ impl Bf16Fragments {
                 }
             }
         }
-        Ok(Self {
-            rows,
-            cols,
-            row_order,
-            n_tiles,
-            k_groups,
-            words,
-        })
+        Ok(Self { grid, words })
     }
 }
 
@@ -313,16 +321,8 @@ impl Bf16Fragments {
 /// flipped (ue4m3 has no sign); K must be a multiple of 64.
 #[derive(Debug, Clone)]
 pub struct W4a4Fragments {
-    /// Weight rows (N).
-    pub rows: usize,
-    /// K, a multiple of 64.
-    pub cols: usize,
-    /// Row-to-tile mapping.
-    pub row_order: RowOrder,
-    /// 16-row tiles.
-    pub n_tiles: usize,
-    /// 64-wide K groups.
-    pub k_groups: usize,
+    /// The tiles and K groups (K a multiple of 64).
+    pub grid: TileGrid,
     /// `[n_tiles][k_groups][32 lanes][4 registers]`.
     pub words: Vec<u32>,
     /// `[n_tiles][k_groups][16 tile rows]`, four ue4m3 bytes each (byte i = block i of the group).
@@ -345,9 +345,8 @@ impl W4a4Fragments {
                 format!("K = {cols} is not a multiple of {GROUP_COLS} (one block-scaled FP4 MMA)"),
             ));
         }
-        row_order.check("W4A4 weight", rows)?;
-        let n_tiles = row_order.tiles(rows);
-        let k_groups = cols / GROUP_COLS;
+        let grid = TileGrid::new("W4A4 weight", rows, cols, row_order)?;
+        let (n_tiles, k_groups) = (grid.n_tiles, grid.k_groups);
         let mut words = vec![0u32; n_tiles * k_groups * LANES * 4];
         let mut scales = vec![0u32; n_tiles * k_groups * TILE_ROWS];
         for tile in 0..n_tiles {
@@ -368,7 +367,7 @@ impl W4a4Fragments {
                     let (g, upper) = (tile_row % 8, tile_row >= 8);
                     for t in 0..4 {
                         let lane = g * 4 + t;
-                        let index = (tile * k_groups + group) * LANES + lane;
+                        let index = grid.lane_index(tile, group, lane);
                         for half in 0..2 {
                             let start = 32 * half + 8 * t;
                             let word = (0..8)
@@ -380,11 +379,7 @@ impl W4a4Fragments {
             }
         }
         Ok(Self {
-            rows,
-            cols,
-            row_order,
-            n_tiles,
-            k_groups,
+            grid,
             words,
             scales,
             global_scale: matrix.global_scale,

@@ -39,8 +39,8 @@ pub fn nvfp4_gemm_bytes(m: usize, w: &Nvfp4Weights) -> u64 {
     w.bytes() + 2 * (m * w.cols) as u64 + 2 * (m * w.rows) as u64
 }
 
-/// Computes `y = x * dequant(w)^T` for `m` rows: `x` is bf16 `[m, w.cols]`, `y` bf16
-/// `[m, w.rows]`, both row-major. `m == 0` does nothing.
+/// Computes `y = x * dequant(w)^T` for `m` rows: `x` is bf16 `[m, w.grid.cols]`, `y` bf16
+/// `[m, w.grid.rows]`, both row-major. `m == 0` does nothing.
 ///
 /// # Errors
 /// [`Error::Invalid`] when a buffer's length disagrees with the shapes or a dimension exceeds
@@ -181,11 +181,7 @@ enum LinearStorage {
 /// the plain matrix on the CPU, [`layout`] fragments on CUDA.
 pub struct Linear {
     format: WeightFormat,
-    rows: usize,
-    cols: usize,
-    row_order: RowOrder,
-    n_tiles: usize,
-    k_groups: usize,
+    grid: layout::TileGrid,
     storage: LinearStorage,
 }
 
@@ -242,11 +238,7 @@ impl Linear {
         };
         Ok(Self {
             format: WeightFormat::Nvfp4,
-            rows,
-            cols,
-            row_order,
-            n_tiles: fragments.n_tiles,
-            k_groups: fragments.k_groups,
+            grid: fragments.grid,
             storage,
         })
     }
@@ -311,11 +303,7 @@ impl Linear {
         };
         Ok(Self {
             format: WeightFormat::Nvfp4W4a4,
-            rows: matrix.rows,
-            cols: matrix.cols,
-            row_order,
-            n_tiles: fragments.n_tiles,
-            k_groups: fragments.k_groups,
+            grid: fragments.grid,
             storage,
         })
     }
@@ -341,11 +329,7 @@ impl Linear {
         };
         Ok(Self {
             format: WeightFormat::Bf16,
-            rows,
-            cols,
-            row_order,
-            n_tiles: fragments.n_tiles,
-            k_groups: fragments.k_groups,
+            grid: fragments.grid,
             storage,
         })
     }
@@ -357,21 +341,21 @@ impl Linear {
 
     /// Output features: `rows`, or `rows / 2` for a `[gate; up]` weight.
     pub fn out_features(&self) -> usize {
-        match self.row_order {
-            RowOrder::Plain => self.rows,
-            RowOrder::GateUp => self.rows / 2,
+        match self.grid.row_order {
+            RowOrder::Plain => self.grid.rows,
+            RowOrder::GateUp => self.grid.rows / 2,
         }
     }
 
     /// Input features (K).
     pub fn in_features(&self) -> usize {
-        self.cols
+        self.grid.cols
     }
 
     /// Weight bytes a kernel streams per call: NVFP4 nibbles + one scale byte per 16, or 2 per
     /// bf16 element (the unpadded matrix: what the roofline counts).
     pub fn weight_bytes(&self) -> u64 {
-        let elements = (self.rows * self.cols) as u64;
+        let elements = (self.grid.rows * self.grid.cols) as u64;
         match self.format {
             WeightFormat::Nvfp4 | WeightFormat::Nvfp4W4a4 => elements / 2 + elements / 16,
             WeightFormat::Bf16 => 2 * elements,
@@ -381,7 +365,7 @@ impl Linear {
     /// The fewest bytes `Y = X * W^T` (+ epilogue) moves for `m` rows: weights once, X once, Y
     /// once (and the residual once when used).
     pub fn bytes(&self, m: usize, epilogue: &Epilogue<'_>) -> u64 {
-        let io = 2 * (m * self.cols + m * self.out_features()) as u64;
+        let io = 2 * (m * self.grid.cols + m * self.out_features()) as u64;
         let residual = if matches!(epilogue, Epilogue::Residual(_)) {
             2 * (m * self.out_features()) as u64
         } else {
@@ -417,10 +401,10 @@ pub fn linear(
     epilogue: Epilogue<'_>,
     y: &mut DeviceVec<bf16>,
 ) -> Result<()> {
-    let (k, n_out) = (w.cols, w.out_features());
+    let (k, n_out) = (w.grid.cols, w.out_features());
     check_len("linear input X", x, m * k, &format!("[{m}, {k}]"))?;
     check_len("linear output Y", y, m * n_out, &format!("[{m}, {n_out}]"))?;
-    match (&epilogue, w.row_order) {
+    match (&epilogue, w.grid.row_order) {
         (Epilogue::SiluMul, RowOrder::Plain) => {
             return Err(Error::invalid(
                 "linear epilogue",
@@ -453,7 +437,7 @@ pub fn linear(
                     input_scale,
                 } => reference::nvfp4_w4a4_f32(x, m, matrix.view(), *input_scale)?,
                 LinearStorage::HostBf16(values) => {
-                    reference::bf16_gemm_f32(x, m, values, w.rows, k)
+                    reference::bf16_gemm_f32(x, m, values, w.grid.rows, k)
                 }
                 _ => {
                     return Err(Error::BackendMismatch {
@@ -465,7 +449,7 @@ pub fn linear(
             };
             let result = match &epilogue {
                 Epilogue::None => product,
-                Epilogue::SiluMul => reference::silu_mul(&product, m, w.rows),
+                Epilogue::SiluMul => reference::silu_mul(&product, m, w.grid.rows),
                 Epilogue::Residual(DeviceVec::Host(r)) => reference::add_residual(&product, r),
                 Epilogue::Residual(r) => return Err(backend.mismatch("linear residual", r)),
             };
@@ -540,7 +524,7 @@ fn linear_cuda(
         Epilogue::Residual(r) => return Err(backend.mismatch("linear residual", r)),
         _ => None,
     };
-    let (k, n_out) = (w.cols, w.out_features());
+    let (k, n_out) = (w.grid.cols, w.out_features());
     if let LinearStorage::CudaW4a4 {
         words,
         scales,
@@ -561,8 +545,8 @@ fn linear_cuda(
     }
     let tiles = &cuda.target().gemm;
     let plan = mma_plan(
-        w.n_tiles,
-        w.k_groups,
+        w.grid.n_tiles,
+        w.grid.k_groups,
         tiles.mma_warps_per_block,
         cuda.multiprocessors(),
         tiles.mma_min_warps_per_sm,
@@ -570,8 +554,8 @@ fn linear_cuda(
     );
     let (n32, k32) = (check_u32("linear N", n_out)?, check_u32("linear K", k)?);
     let (n_tiles, k_groups) = (
-        check_u32("linear tiles", w.n_tiles)?,
-        check_u32("linear K groups", w.k_groups)?,
+        check_u32("linear tiles", w.grid.n_tiles)?,
+        check_u32("linear K groups", w.grid.k_groups)?,
     );
     let epilogue_code = epilogue.kernel_code();
     let format = match w.format {
@@ -588,8 +572,8 @@ fn linear_cuda(
         let m_tiles = rows.div_ceil(8).next_power_of_two();
         let scratch = if plan.splits > 1 {
             Some(cuda.split_k_scratch(
-                w.n_tiles * plan.splits as usize * 32 * m_tiles * 4,
-                w.n_tiles,
+                w.grid.n_tiles * plan.splits as usize * 32 * m_tiles * 4,
+                w.grid.n_tiles,
             )?)
         } else {
             None
@@ -688,7 +672,7 @@ fn linear_w4a4(
     residual: Option<&CudaSlice<bf16>>,
     y: &mut CudaSlice<bf16>,
 ) -> Result<()> {
-    let (k, n_out) = (w.cols, w.out_features());
+    let (k, n_out) = (w.grid.cols, w.out_features());
     let blocks = (m * k / 16) as u64;
     let stream = cuda.stream();
     let mut packed = stream
@@ -728,8 +712,8 @@ fn linear_w4a4(
     let epilogue_code = epilogue.kernel_code();
     let (n32, k32) = (check_u32("linear N", n_out)?, check_u32("linear K", k)?);
     let (n_tiles, k_groups) = (
-        check_u32("linear tiles", w.n_tiles)?,
-        check_u32("linear K groups", w.k_groups)?,
+        check_u32("linear tiles", w.grid.n_tiles)?,
+        check_u32("linear K groups", w.grid.k_groups)?,
     );
     for start in (0..m).step_by(W4A4_MAX_ROWS) {
         let rows = (m - start).min(W4A4_MAX_ROWS);
