@@ -119,3 +119,32 @@ fn the_gb10_w4a4_kernels_use_the_block_scaled_fp4_mma() {
     }
     assert!(!out.cubin.is_empty(), "ptxas produced no sm_121a code");
 }
+
+/// The gfx1151 GEMM kernels run on the WMMA units.
+#[test]
+fn the_gfx1151_gemm_kernels_use_wmma() {
+    let t = target::by_name("gfx1151").expect("gfx1151");
+    let clang = fp4spec::backend::hip::clang::find()
+        .expect("clang-19: run the tests as `bash tools/toolchains.sh cargo test --release`");
+    let gemm = fp4spec::kernels::table::rendered("gfx1151", "gemm").expect("gemm rendered");
+    let wmma: Vec<&str> = gemm
+        .kernels
+        .iter()
+        .copied()
+        .filter(|k| k.contains("_wmma_"))
+        .collect();
+    assert_eq!(wmma.len(), 6, "{:?}", gemm.kernels);
+    let assembly =
+        fp4spec::backend::hip::clang::assembly(&clang, gemm, t).expect("gfx1151 gemm compiles");
+    for kernel in wmma {
+        let body = assembly
+            .split(&format!("{kernel}:"))
+            .nth(1)
+            .unwrap_or_else(|| panic!("no `{kernel}` in the assembly"));
+        let body = body.split(".Lfunc_end").next().unwrap_or(body);
+        assert!(
+            body.contains("v_wmma_f32_16x16x16_bf16"),
+            "{kernel} has no v_wmma_f32_16x16x16_bf16"
+        );
+    }
+}

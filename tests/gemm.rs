@@ -412,3 +412,49 @@ fn w4a4_linear_on_the_cpu_runs_the_emulation_and_checks_its_inputs() {
         .passed()
     );
 }
+
+// ---- the gfx1151 WMMA layouts ----
+
+use fp4spec::kernels::gemm::layout::{WmmaBf16Fragments, WmmaNvfp4Fragments};
+
+#[test]
+fn wmma_nvfp4_fragments_decode_to_the_matrix() {
+    let mut rng = SplitMix64::new(31);
+    for (n, k, order) in [
+        (37, 80, RowOrder::Plain),
+        (2 * 13, 208, RowOrder::GateUp),
+        (16, 16, RowOrder::Plain),
+    ] {
+        let q = matrix(&mut rng, n, k);
+        let f = WmmaNvfp4Fragments::new(&q, order).expect("layout");
+        let view = q.view();
+        for row in 0..n {
+            for col in 0..k {
+                assert_eq!(f.value(row, col), view.value(row, col), "[{row}, {col}]");
+            }
+        }
+    }
+}
+
+#[test]
+fn wmma_bf16_fragments_hold_each_row_contiguously_per_group() {
+    let (n, k) = (21, 80);
+    let values: Vec<bf16> = (0..n * k).map(|i| bf16::from_f32(i as f32)).collect();
+    let f = WmmaBf16Fragments::new(&values, n, k, RowOrder::Plain).expect("layout");
+    for tile in 0..f.grid.n_tiles {
+        for tile_row in 0..16 {
+            for group in 0..f.grid.k_groups {
+                for c in 0..64 {
+                    let got = f.values[((tile * f.grid.k_groups + group) * 16 + tile_row) * 64 + c];
+                    let (row, col) = (tile * 16 + tile_row, group * 64 + c);
+                    let want = if row < n && col < k {
+                        values[row * k + col].to_bits()
+                    } else {
+                        0
+                    };
+                    assert_eq!(got, want, "[{row}, {col}]");
+                }
+            }
+        }
+    }
+}

@@ -4,6 +4,12 @@
 {% include "common/prelude.cuh" %}
 {% include "common/nvfp4.cuh" %}
 
+// Epilogues of the tensor-core kernels (src/kernels/gemm/mod.rs: Epilogue::kernel_code).
+#define EPILOGUE_NONE 0u
+#define EPILOGUE_RESIDUAL 1u
+#define EPILOGUE_SILU_MUL 2u
+FP4_DEVICE float silu(float v) { return v / (1.0f + fast_exp(-v)); }
+
 #define GEMV_WARPS {{ target.gemm.warps_per_block }}
 #define GEMV_ROWS {{ target.gemm.rows_per_pass }}
 
@@ -83,9 +89,6 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_ge
 // significant bits, normal range); the epilogue multiplies by global_scale * 2^7.
 // ============================================================================================
 #define MMA_WARPS {{ target.gemm.mma_warps_per_block }}
-#define EPILOGUE_NONE 0u
-#define EPILOGUE_RESIDUAL 1u
-#define EPILOGUE_SILU_MUL 2u
 
 FP4_DEVICE void mma_m16n8k16_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
@@ -156,7 +159,6 @@ struct Bf16Weights {
     }
 };
 
-FP4_DEVICE float silu(float v) { return v / (1.0f + __expf(-v)); }
 
 /// Writes one lane's 16 x (8 * MT) tile of fp32 results: scaled by alpha, with the epilogue.
 template <int MT>
@@ -465,6 +467,131 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_nvfp4_nvfp4_mm
     const u32* __restrict__ w_scales, float alpha, u16* y, const u16* residual,
     u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 epilogue) {
     gemm_w4a4<{{ rows }} / 8>(xq, xs, words, w_scales, alpha, y, residual, m, n, k, n_tiles, k_groups, epilogue);
+}
+{% endfor %}
+{% endif %}
+{% if target.instructions.wmma_bf16 %}
+// ============================================================================================
+// gemm_{nvfp4,bf16}_bf16_wmma_m{16,32,64}: the tensor-core kernels for RDNA 3.5 (gfx1151),
+// Y^T = W X^T on v_wmma_f32_16x16x16_bf16 (wave32). One wave per 16-row weight tile, all of K.
+// Operand layout of the instruction: lane l and lane l + 16 both hold A row l % 16 and B column
+// l % 16 (all 16 K values, in order); D holds row 2v + l / 16, column l % 16 in element v.
+// Weights come as in src/kernels/gemm/layout.rs (Wmma*Fragments): per (tile, 64-wide K group,
+// tile row) the row's 64 values contiguous (NVFP4: 32 bytes of nibbles + one u32 of its four
+// e4m3 block scales; bf16: 128 bytes). One WMMA is one NVFP4 block, decoded exactly in f32
+// (e2m1 * e4m3 has <= 6 significant bits, so its bf16 is exact) before the product.
+// Compiled and checked here; not run (no AMD GPU is reachable from this project).
+// ============================================================================================
+#define WMMA_WAVES {{ target.gemm.mma_warps_per_block }}
+typedef short v16s __attribute__((ext_vector_type(16)));
+typedef float v8f __attribute__((ext_vector_type(8)));
+
+
+/// 16 bf16 (raw bits, 32 bytes) as a WMMA operand; zeros when `valid` is false.
+FP4_DEVICE v16s load_bf16x16(const u16* p, bool valid) {
+    v16s v;
+    if (!valid) {
+        #pragma unroll
+        for (int i = 0; i < 16; ++i) v[i] = 0;
+        return v;
+    }
+    const u32x4 lo = load_u32x4(p), hi = load_u32x4(p + 8);
+    const u32 words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        v[2 * i] = (short)(words[i] & 0xffffu);
+        v[2 * i + 1] = (short)(words[i] >> 16);
+    }
+    return v;
+}
+
+struct WmmaNvfp4Weights {
+    const u32x4* words;  // [n_tiles][k_groups][16 rows][2]: 32 bytes of nibbles
+    const u32* scales;   // [n_tiles][k_groups][16 rows]: four e4m3 bytes
+    /// Block j (0..3) of the group at `index` (= (tile * k_groups + group) * 16 + row).
+    FP4_DEVICE v16s block(u64 index, int j) const {
+        const u32x4 q = load_u32x4(words + index * 2 + j / 2);
+        const u32 lo = (j % 2 == 0) ? q.x : q.z, hi = (j % 2 == 0) ? q.y : q.w;
+        const float scale = e4m3_to_f32((scales[index] >> (8 * j)) & 0xffu);
+        v16s v;
+        #pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const u32 nibble = ((i < 8 ? lo : hi) >> (4 * (i % 8))) & 15u;
+            v[i] = (short)f32_to_bf16(e2m1_to_f32(nibble) * scale);
+        }
+        return v;
+    }
+};
+
+struct WmmaBf16Weights {
+    const u16* words;  // [n_tiles][k_groups][16 rows][64]
+    FP4_DEVICE v16s block(u64 index, int j) const { return load_bf16x16(words + index * 64 + 16 * j, true); }
+};
+
+template <class Weights, int MT>
+FP4_DEVICE void gemm_wmma(const u16* __restrict__ x, Weights weights, float alpha, u16* y, const u16* residual,
+                          u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 epilogue) {
+    const u32 lane = lane_id();
+    const u32 tile = block_x() * WMMA_WAVES + thread_x() / FP4_WARP_SIZE;
+    if (tile >= n_tiles) return;  // whole waves; nothing below synchronises the block
+    const u32 r = lane % 16, h = lane / 16;
+    v8f acc[MT];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int v = 0; v < 8; ++v) acc[mt][v] = 0.0f;
+    for (u32 group = 0; group < k_groups; ++group) {
+        const u64 index = ((u64)tile * k_groups + group) * 16 + r;
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 col = group * 64 + 16 * j;
+            if (col >= k) break;  // uniform: K is a multiple of 16
+            const v16s a = weights.block(index, j);
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const u32 row = mt * 16 + r;
+                const v16s b = load_bf16x16(x + (u64)row * k + col, row < m);
+                acc[mt] = __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32(a, b, acc[mt]);
+            }
+        }
+    }
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const u32 row = mt * 16 + r;
+        if (row >= m) continue;
+        if (epilogue == EPILOGUE_SILU_MUL) {
+            // tile rows 0..7 are gate rows 8 * tile + i, 8..15 the matching up rows; this lane
+            // holds tile rows 2v + h, so gate i = 2v + h (v < 4) pairs with element v + 4
+            #pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const u32 col = tile * 8 + 2 * v + h;
+                if (col < n) y[(u64)row * n + col] = f32_to_bf16(silu(acc[mt][v] * alpha) * (acc[mt][v + 4] * alpha));
+            }
+        } else {
+            #pragma unroll
+            for (int v = 0; v < 8; ++v) {
+                const u32 col = tile * 16 + 2 * v + h;
+                if (col >= n) continue;
+                float value = acc[mt][v] * alpha;
+                const u64 at = (u64)row * n + col;
+                if (epilogue == EPILOGUE_RESIDUAL) value += bf16_to_f32(residual[at]);
+                y[at] = f32_to_bf16(value);
+            }
+        }
+    }
+}
+
+{% for rows in [16, 32, 64] %}
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(WMMA_WAVES * FP4_WARP_SIZE) gemm_nvfp4_bf16_wmma_m{{ rows }}(
+    const u16* __restrict__ x, const u32x4* __restrict__ words, const u32* __restrict__ scales, float alpha,
+    u16* y, const u16* residual, u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 epilogue) {
+    gemm_wmma<WmmaNvfp4Weights, {{ rows }} / 16>(x, WmmaNvfp4Weights{words, scales}, alpha, y, residual, m, n, k, n_tiles, k_groups, epilogue);
+}
+
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(WMMA_WAVES * FP4_WARP_SIZE) gemm_bf16_bf16_wmma_m{{ rows }}(
+    const u16* __restrict__ x, const u16* __restrict__ words, float alpha,
+    u16* y, const u16* residual, u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 epilogue) {
+    gemm_wmma<WmmaBf16Weights, {{ rows }} / 16>(x, WmmaBf16Weights{words}, alpha, y, residual, m, n, k, n_tiles, k_groups, epilogue);
 }
 {% endfor %}
 {% endif %}

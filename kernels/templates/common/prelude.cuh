@@ -21,6 +21,7 @@ FP4_DEVICE u32 block_y() { return blockIdx.y; }
 FP4_DEVICE float bits_to_f32(u32 bits) { return __uint_as_float(bits); }
 FP4_DEVICE u32 f32_to_bits(float value) { return __float_as_uint(value); }
 FP4_DEVICE float f32_nan() { return __uint_as_float(0x7fc00000u); }
+FP4_DEVICE float fast_exp(float v) { return __expf(v); }
 
 /// Sum over the 32 lanes of a warp; every lane gets the total.
 FP4_DEVICE float warp_sum(float value) {
@@ -55,6 +56,7 @@ FP4_DEVICE u32 block_y() { return __builtin_amdgcn_workgroup_id_y(); }
 FP4_DEVICE float bits_to_f32(u32 bits) { return __builtin_bit_cast(float, bits); }
 FP4_DEVICE u32 f32_to_bits(float value) { return __builtin_bit_cast(u32, value); }
 FP4_DEVICE float f32_nan() { return __builtin_nanf(""); }
+FP4_DEVICE float fast_exp(float v) { return __builtin_expf(v); }
 
 FP4_DEVICE u32 lane_id() {
 {% if target.warp_size == 32 %}

@@ -85,6 +85,31 @@ pub fn compile(
     source: &RenderedSource,
     target: &TargetFacts,
 ) -> Result<ClangOutput> {
+    let (object, log) = run(clang, source, target, "-c", "o")?;
+    Ok(ClangOutput {
+        object,
+        resources: parse_resource_remarks(&log),
+        log,
+    })
+}
+
+/// The AMDGPU assembly clang generates for `source` (for checks on the instructions used).
+///
+/// # Errors
+/// As [`compile`].
+pub fn assembly(clang: &PathBuf, source: &RenderedSource, target: &TargetFacts) -> Result<String> {
+    let (text, _) = run(clang, source, target, "-S", "s")?;
+    Ok(String::from_utf8_lossy(&text).into_owned())
+}
+
+/// Runs clang on `source` with `mode` (`-c` or `-S`); returns the output file and the log.
+fn run(
+    clang: &PathBuf,
+    source: &RenderedSource,
+    target: &TargetFacts,
+    mode: &str,
+    extension: &str,
+) -> Result<(Vec<u8>, String)> {
     // unique per call: checks may run concurrently in one process
     static CALLS: AtomicUsize = AtomicUsize::new(0);
     let call = CALLS.fetch_add(1, Ordering::Relaxed);
@@ -96,7 +121,7 @@ pub fn compile(
     ));
     std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
     let input = dir.join(source.file_name);
-    let output = dir.join(format!("{}.o", source.family));
+    let output = dir.join(format!("{}.{extension}", source.family));
     std::fs::write(&input, source.source).map_err(|e| Error::io(&input, e))?;
     let run = Command::new(clang)
         .args([
@@ -110,7 +135,7 @@ pub fn compile(
             "--cuda-device-only",
             "-O3",
             "-std=c++17",
-            "-c",
+            mode,
         ])
         .arg("-Rpass-analysis=kernel-resource-usage")
         .arg(&input)
@@ -119,7 +144,7 @@ pub fn compile(
         .output()
         .map_err(|e| Error::io(clang, e))?;
     let log = String::from_utf8_lossy(&run.stderr).into_owned();
-    let object = std::fs::read(&output);
+    let produced = std::fs::read(&output);
     let _ = std::fs::remove_dir_all(&dir);
     if !run.status.success() {
         return Err(Error::Compile {
@@ -129,12 +154,7 @@ pub fn compile(
             log,
         });
     }
-    let object = object.map_err(|e| Error::io(&output, e))?;
-    Ok(ClangOutput {
-        object,
-        resources: parse_resource_remarks(&log),
-        log,
-    })
+    Ok((produced.map_err(|e| Error::io(&output, e))?, log))
 }
 
 /// Parses `-Rpass-analysis=kernel-resource-usage` remarks into per-kernel resources.

@@ -411,3 +411,117 @@ fn signless_block(matrix: &Nvfp4Matrix, row: usize, block: usize) -> Result<([u8
     }
     Ok((nibbles, scale & 0x7f))
 }
+
+/// An NVFP4 matrix in the order of the gfx1151 WMMA kernels (`gemm_nvfp4_bf16_wmma_*`): per
+/// (tile, 64-wide K group, tile row) the row's 32 bytes of nibbles for the group in the source's
+/// packed order, and one `u32` of its four e4m3 block scales (byte i = block i), unchanged (the
+/// kernel decodes them in f32, sign and zero included). Padding rows and columns are zero.
+#[derive(Debug, Clone)]
+pub struct WmmaNvfp4Fragments {
+    /// The tiles and K groups (K a multiple of 16).
+    pub grid: TileGrid,
+    /// `[n_tiles][k_groups][16 rows][8]`: 64 nibbles, element 2i in the low nibble of byte i.
+    pub words: Vec<u32>,
+    /// `[n_tiles][k_groups][16 rows]`: four e4m3 block scales.
+    pub scales: Vec<u32>,
+    /// The per-tensor multiplier (the kernels' alpha).
+    pub global_scale: f32,
+}
+
+impl WmmaNvfp4Fragments {
+    /// Re-lays `matrix` out for the WMMA kernels.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a `[gate; up]` order with an odd row count.
+    pub fn new(matrix: &Nvfp4Matrix, row_order: RowOrder) -> Result<Self> {
+        let grid = TileGrid::new("NVFP4 weight", matrix.rows, matrix.cols, row_order)?;
+        let rows_total = grid.n_tiles * grid.k_groups * TILE_ROWS;
+        let (mut words, mut scales) = (vec![0u32; rows_total * 8], vec![0u32; rows_total]);
+        let (row_bytes, k_blocks) = (matrix.cols / 2, matrix.cols / BLOCK);
+        for tile in 0..grid.n_tiles {
+            for tile_row in 0..TILE_ROWS {
+                let Some(row) = row_order.source_row(matrix.rows, tile, tile_row) else {
+                    continue;
+                };
+                for group in 0..grid.k_groups {
+                    let index = (tile * grid.k_groups + group) * TILE_ROWS + tile_row;
+                    for block in (group * 4..group * 4 + 4).filter(|b| *b < k_blocks) {
+                        let bytes = &matrix.packed
+                            [row * row_bytes + block * 8..row * row_bytes + block * 8 + 8];
+                        let j = block - group * 4;
+                        words[index * 8 + 2 * j] =
+                            u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+                        words[index * 8 + 2 * j + 1] =
+                            u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
+                        scales[index] |=
+                            u32::from(matrix.scales[row * k_blocks + block]) << (8 * j);
+                    }
+                }
+            }
+        }
+        Ok(Self {
+            grid,
+            words,
+            scales,
+            global_scale: matrix.global_scale,
+        })
+    }
+
+    /// The value the kernel computes with at (`row`, `col`) of the source matrix:
+    /// `e2m1 * (e4m3_scale * global_scale)`.
+    pub fn value(&self, row: usize, col: usize) -> f32 {
+        let (tile, tile_row) = self.grid.row_order.locate(self.grid.rows, row);
+        let (group, c) = (col / GROUP_COLS, col % GROUP_COLS);
+        let index = (tile * self.grid.k_groups + group) * TILE_ROWS + tile_row;
+        let nibble = ((self.words[index * 8 + c / 8] >> (4 * (c % 8))) & 0xf) as u8;
+        let scale = (self.scales[index] >> (8 * (c / BLOCK))) as u8;
+        e2m1_decode(nibble) * (e4m3_decode(scale) * self.global_scale)
+    }
+}
+
+/// A bf16 matrix in the order of the gfx1151 WMMA kernels (`gemm_bf16_bf16_wmma_*`): per (tile,
+/// 64-wide K group, tile row) the row's 64 values, zero past the end.
+#[derive(Debug, Clone)]
+pub struct WmmaBf16Fragments {
+    /// The tiles and K groups (K a multiple of 16).
+    pub grid: TileGrid,
+    /// `[n_tiles][k_groups][16 rows][64]` raw bf16 bits.
+    pub values: Vec<u16>,
+}
+
+impl WmmaBf16Fragments {
+    /// Re-lays a row-major `[rows, cols]` bf16 matrix out for the WMMA kernels.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `values` has the wrong length, K is not a positive multiple of
+    /// 16, or a `[gate; up]` order has an odd row count.
+    pub fn new(values: &[bf16], rows: usize, cols: usize, row_order: RowOrder) -> Result<Self> {
+        if values.len() != rows * cols || cols == 0 || cols % BLOCK != 0 {
+            return Err(Error::invalid(
+                "bf16 weight",
+                format!(
+                    "{} values for [{rows}, {cols}] (K must be a positive multiple of 16)",
+                    values.len()
+                ),
+            ));
+        }
+        let grid = TileGrid::new("bf16 weight", rows, cols, row_order)?;
+        let mut out = vec![0u16; grid.n_tiles * grid.k_groups * TILE_ROWS * GROUP_COLS];
+        for tile in 0..grid.n_tiles {
+            for tile_row in 0..TILE_ROWS {
+                let Some(row) = row_order.source_row(rows, tile, tile_row) else {
+                    continue;
+                };
+                for group in 0..grid.k_groups {
+                    let start = (tile * grid.k_groups + group) * TILE_ROWS + tile_row;
+                    let width = GROUP_COLS.min(cols - group * GROUP_COLS);
+                    let source = &values[row * cols + group * GROUP_COLS..][..width];
+                    for (slot, v) in out[start * GROUP_COLS..][..width].iter_mut().zip(source) {
+                        *slot = v.to_bits();
+                    }
+                }
+            }
+        }
+        Ok(Self { grid, values: out })
+    }
+}
