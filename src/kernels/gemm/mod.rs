@@ -1,15 +1,28 @@
-//! Family `gemm`: `Y[M, N] = X[M, K] (bf16) * dequant(W[N, K])^T`, fp32 accumulation, bf16 out
-//! (`kernels/templates/gemm.cu`).
+//! Family `gemm`: `Y[M, N] = X[M, K] (bf16) * W[N, K]^T` for NVFP4 and bf16 weights, fp32
+//! accumulation, bf16 out (`kernels/templates/gemm.cu`).
 //!
-//! Kernels:
-//! - `gemm_nvfp4_bf16_gemv`: the straightforward one (one warp per output column, plain
+//! Kernels, by target:
+//! - `gemm_nvfp4_bf16_gemv` (all): the straightforward one (one warp per output column, plain
 //!   layout, no tensor cores), kept as the reference GPU version: [`nvfp4_gemm`].
-//! - `gemm_{nvfp4,bf16}_bf16_mma_m{8,16,32,64}`: the weight-streaming tensor-core kernels, on
-//!   weights re-laid out once at load ([`layout`]) into a [`Linear`]: [`linear`]. One block per
-//!   16-row weight tile, its warps taking the tile's K groups in turn and adding up through
-//!   shared memory; K is also split across blocks until every SM has
-//!   `gemm.mma_min_warps_per_sm` warps (targets.toml), and the last block of a tile adds the
-//!   splits in order (deterministic). Epilogues: residual add, `silu(gate) * up`.
+//! - `gemm_{nvfp4,bf16}_bf16_mma_m{8,16,32,64}` (sm_90a, sm_121a): the weight-streaming
+//!   tensor-core kernels on `mma.sync.m16n8k16`, on weights re-laid out once at load
+//!   ([`layout`]) into a [`Linear`]: [`linear`]. W is the A operand, so M = 1..64 rows cost
+//!   1..8 MMAs per weight fragment and the weights are read once whatever M is. Each tile gets
+//!   1..8 warps ([`mma_plan`]: the fewest that fill the device), K is split across blocks only
+//!   when even that does not, and the last block of a tile adds the splits in order
+//!   (deterministic). Epilogues: residual add, `silu(gate) * up` ([`RowOrder::GateUp`]).
+//! - `quantize_nvfp4_rows` + `gemm_nvfp4_nvfp4_mma_m{8,16,32}` (sm_121a): W4A4 on the
+//!   block-scaled FP4 MMA, chosen per model with [`Nvfp4Mode`]; compiled and emulated here
+//!   ([`reference::nvfp4_w4a4_f32`]), not run (no GB10).
+//! - `gemm_{nvfp4,bf16}_bf16_wmma_m{16,32,64}` (gfx1151): the same product on
+//!   `v_wmma_f32_16x16x16_bf16`, layouts in [`layout`]; compiled, launched by the HIP backend.
+//!
+//! Why registers and not a shared-memory pipeline: every weight byte is used by exactly one warp,
+//! so a `cp.async` stage through shared memory would only add a copy; each lane's global load is
+//! its MMA fragment and `mma_stages_*` (targets.toml) groups stay in flight per warp. Measured on
+//! the H200 (BENCHMARKS.md): bf16 weights stream at 92% of the copy bandwidth at M = 1; NVFP4 at
+//! 65%, latency-bound by its decode and register use (ncu) rather than by this choice; M = 64 is
+//! slow because X fragments are re-read per tile, which is where a shared X tile will pay.
 //!
 //! The bytes a GEMM must move at least are [`nvfp4_gemm_bytes`] / [`Linear::bytes`]; benches
 //! report achieved bandwidth against them.
