@@ -33,15 +33,6 @@ const ROTATION_BYTES: u64 = 256 << 20;
 const LAUNCHES: usize = 16;
 /// Each side of the copy-bandwidth measurement.
 const COPY_BYTES: usize = 512 << 20;
-/// Qwen3.6-35B-A3B projection shapes (N, K).
-const MODEL_SHAPES: [(usize, usize); 6] = [
-    (8192, 2048),
-    (4096, 2048),
-    (2048, 4096),
-    (1024, 2048),
-    (2048, 512),
-    (12288, 2048),
-];
 const MODEL_ROWS: [usize; 5] = [1, 3, 4, 16, 64];
 /// Weights of at least 64 MiB: the lm_head and a synthetic large matrix.
 const STREAMING_SHAPES: [(usize, usize); 2] = [(248320, 2048), (65536, 4096)];
@@ -360,7 +351,7 @@ fn main() {
             &mut rows,
         );
     }
-    for (n, k) in MODEL_SHAPES {
+    for (n, k) in gemm::MODEL_SHAPES {
         bench_shape(
             &mut criterion,
             &backend,

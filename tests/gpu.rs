@@ -405,14 +405,7 @@ fn mma_nvfp4_epilogues() {
 }
 #[test]
 fn mma_bf16_model_shapes() {
-    for (n, k) in [
-        (8192, 2048),
-        (4096, 2048),
-        (2048, 4096),
-        (1024, 2048),
-        (2048, 512),
-        (12288, 2048),
-    ] {
+    for (n, k) in gemm::MODEL_SHAPES {
         check_linear(
             &format!("mma_bf16_{n}x{k}"),
             Format::Bf16,

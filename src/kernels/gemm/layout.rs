@@ -122,6 +122,29 @@ impl TileGrid {
         })
     }
 
+    /// The grid of a row-major bf16 weight, after checking `values` against the shape.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `values` has the wrong length, K is not a positive multiple of
+    /// 16, or a `[gate; up]` order has an odd row count.
+    pub fn for_bf16(
+        values: &[bf16],
+        rows: usize,
+        cols: usize,
+        row_order: RowOrder,
+    ) -> Result<Self> {
+        if values.len() != rows * cols || cols == 0 || cols % BLOCK != 0 {
+            return Err(Error::invalid(
+                "bf16 weight",
+                format!(
+                    "{} values for [{rows}, {cols}] (K must be a positive multiple of 16)",
+                    values.len()
+                ),
+            ));
+        }
+        Self::new("bf16 weight", rows, cols, row_order)
+    }
+
     /// Index of (tile, group, lane) in the `[n_tiles][k_groups][32]` order every layout uses.
     pub fn lane_index(&self, tile: usize, group: usize, lane: usize) -> usize {
         (tile * self.k_groups + group) * LANES + lane
@@ -273,16 +296,7 @@ impl Bf16Fragments {
     /// [`Error::Invalid`] when `values` has the wrong length, K is not a positive multiple of
     /// 16, or a `[gate; up]` order has an odd row count.
     pub fn new(values: &[bf16], rows: usize, cols: usize, row_order: RowOrder) -> Result<Self> {
-        if values.len() != rows * cols || cols == 0 || cols % BLOCK != 0 {
-            return Err(Error::invalid(
-                "bf16 weight",
-                format!(
-                    "{} values for [{rows}, {cols}] (K must be a positive multiple of 16)",
-                    values.len()
-                ),
-            ));
-        }
-        let grid = TileGrid::new("bf16 weight", rows, cols, row_order)?;
+        let grid = TileGrid::for_bf16(values, rows, cols, row_order)?;
         let (n_tiles, k_groups) = (grid.n_tiles, grid.k_groups);
         let mut words = vec![0u32; n_tiles * k_groups * LANES * 16];
         let at = |row: Option<usize>, col: usize| -> u32 {
@@ -496,16 +510,7 @@ impl WmmaBf16Fragments {
     /// [`Error::Invalid`] when `values` has the wrong length, K is not a positive multiple of
     /// 16, or a `[gate; up]` order has an odd row count.
     pub fn new(values: &[bf16], rows: usize, cols: usize, row_order: RowOrder) -> Result<Self> {
-        if values.len() != rows * cols || cols == 0 || cols % BLOCK != 0 {
-            return Err(Error::invalid(
-                "bf16 weight",
-                format!(
-                    "{} values for [{rows}, {cols}] (K must be a positive multiple of 16)",
-                    values.len()
-                ),
-            ));
-        }
-        let grid = TileGrid::new("bf16 weight", rows, cols, row_order)?;
+        let grid = TileGrid::for_bf16(values, rows, cols, row_order)?;
         let mut out = vec![0u16; grid.n_tiles * grid.k_groups * TILE_ROWS * GROUP_COLS];
         for tile in 0..grid.n_tiles {
             for tile_row in 0..TILE_ROWS {

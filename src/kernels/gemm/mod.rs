@@ -138,6 +138,19 @@ pub fn nvfp4_gemm(
     }
 }
 
+/// The (N, K) of the Qwen3.6-35B-A3B projections the GEMM is tested and benched on:
+/// `in_proj_qkv` / `q_proj` (8192, 2048), `in_proj_z` (4096, 2048), `out_proj` / `o_proj`
+/// (2048, 4096), one expert's fused gate_up (1024, 2048), one expert's down (2048, 512), and
+/// `in_proj_qkv` with `in_proj_z` fused (12288, 2048).
+pub const MODEL_SHAPES: [(usize, usize); 6] = [
+    (8192, 2048),
+    (4096, 2048),
+    (2048, 4096),
+    (1024, 2048),
+    (2048, 512),
+    (12288, 2048),
+];
+
 /// Most rows of X one tensor-core launch takes; larger M runs in chunks of this many.
 pub const MMA_MAX_ROWS: usize = 64;
 
