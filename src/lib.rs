@@ -14,6 +14,7 @@ pub mod backend;
 pub mod error;
 pub mod formats;
 pub mod kernels;
+pub mod model;
 pub mod rng;
 pub mod target;
 
