@@ -16,6 +16,7 @@ pub mod formats;
 pub mod kernels;
 pub mod model;
 pub mod rng;
+pub mod roofline;
 pub mod target;
 
 pub use error::{Error, Result};

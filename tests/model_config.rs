@@ -76,6 +76,11 @@ fn the_vision_language_wrapper_of_qwen36_35b_a3b() {
     );
     assert!(!config.tie_word_embeddings);
     assert_eq!(config.family.mtp_class(), "qwen3_5_mtp");
+    assert_eq!(
+        ModelConfig::qwen36_35b_a3b(),
+        config,
+        "the embedded preset is the same model"
+    );
 }
 
 #[test]

@@ -160,10 +160,39 @@ impl Fields<'_> {
     }
 }
 
+/// The language fields of Qwen3.6-35B-A3B as its config.json has them (the vision-language
+/// wrapper; ../shared/reference/qwen3_5_moe.md): the default model of the roofline and of
+/// synthetic full-size weights.
+pub const QWEN36_35B_A3B_CONFIG: &str = r#"{
+  "model_type": "qwen3_5_moe",
+  "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+  "tie_word_embeddings": false,
+  "text_config": {
+    "model_type": "qwen3_5_moe_text",
+    "hidden_size": 2048, "num_hidden_layers": 40, "full_attention_interval": 4,
+    "num_experts": 256, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "rope_parameters": {"rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": true},
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "vocab_size": 248320, "rms_norm_eps": 1e-6, "attn_output_gate": true,
+    "mtp_num_hidden_layers": 1, "mamba_ssm_dtype": "float32"
+  }
+}"#;
+
 /// Model types this crate runs, as `config.json` spells them.
 pub const KNOWN_MODEL_TYPES: [&str; 3] = ["qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"];
 
 impl ModelConfig {
+    /// Qwen3.6-35B-A3B ([`QWEN36_35B_A3B_CONFIG`]).
+    pub fn qwen36_35b_a3b() -> Self {
+        // a constant of this crate, parsed by the tests: failing here is a build defect
+        Self::parse(QWEN36_35B_A3B_CONFIG, Path::new("QWEN36_35B_A3B_CONFIG"))
+            .expect("the embedded Qwen3.6-35B-A3B config parses")
+    }
+
     /// Reads `dir/config.json`.
     ///
     /// # Errors

@@ -56,6 +56,46 @@ enum Command {
         #[arg(long, default_value = "auto")]
         backend: String,
     },
+    /// Bytes read per decoded token by part, the bandwidth ceiling, and the speculation model.
+    Roofline {
+        /// Checkpoint folder whose config.json describes the model (default: Qwen3.6-35B-A3B).
+        #[arg(long, value_name = "DIR")]
+        model: Option<PathBuf>,
+        /// bf16 or nvfp4 (ModelOpt: experts, shared experts and attention in NVFP4).
+        #[arg(long, default_value = "nvfp4")]
+        precision: String,
+        /// Sequences decoded together.
+        #[arg(long, default_value_t = 1)]
+        batch: usize,
+        /// Tokens already in each sequence's KV cache.
+        #[arg(long, default_value_t = 0)]
+        context: usize,
+        /// gb10, strix-halo or h200 (peak and measured bandwidth), unless --bandwidth is given.
+        #[arg(long, default_value = "gb10")]
+        device: String,
+        /// Memory bandwidth, e.g. 224.2GiB/s or 273GB/s.
+        #[arg(long)]
+        bandwidth: Option<String>,
+        /// Bytes read per token (e.g. 5.488GiB) instead of the model's.
+        #[arg(long)]
+        bytes_per_token: Option<String>,
+        /// Draft tokens per step (speculative decoding with the MTP head).
+        #[arg(long)]
+        spec_tokens: Option<usize>,
+        /// Per-draft acceptance probability, with --spec-tokens.
+        #[arg(long)]
+        acceptance: Option<f64>,
+        /// Cost of one draft step in ms (default: the MTP head's bytes at the bandwidth; 0 when
+        /// the --fit points already include drafting).
+        #[arg(long)]
+        draft_ms: Option<f64>,
+        /// CSV of measured forward costs, header `rows,ms`: fit ms = fixed + per_row * rows.
+        #[arg(long, value_name = "FILE")]
+        fit: Option<PathBuf>,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
     /// Run the NVFP4 x bf16 GEMM on a backend with random inputs and compare it with the CPU
     /// reference (default shape: one Qwen3.6-35B-A3B shared-expert gate_up at 16 rows).
     GemmCheck {
@@ -116,6 +156,33 @@ fn main() -> ExitCode {
             kernel,
             repeat,
         } => gemm_check(&backend, m, n, k, seed, &kernel, repeat),
+        Command::Roofline {
+            model,
+            precision,
+            batch,
+            context,
+            device,
+            bandwidth,
+            bytes_per_token,
+            spec_tokens,
+            acceptance,
+            draft_ms,
+            fit,
+            json,
+        } => roofline_command(RooflineArgs {
+            model,
+            precision,
+            batch,
+            context,
+            device,
+            bandwidth,
+            bytes_per_token,
+            spec_tokens,
+            acceptance,
+            draft_ms,
+            fit,
+            json,
+        }),
         Command::Selftest { backend } => {
             let compiled = kernels(&[], None, true, false);
             let computed = gemm_check(&backend, DEFAULT_M, DEFAULT_N, DEFAULT_K, None, "mma", 0);
@@ -312,5 +379,203 @@ fn gemm_check(
         ));
     }
     println!("  ok");
+    Ok(())
+}
+
+/// The options of `fp4spec roofline`.
+struct RooflineArgs {
+    model: Option<PathBuf>,
+    precision: String,
+    batch: usize,
+    context: usize,
+    device: String,
+    bandwidth: Option<String>,
+    bytes_per_token: Option<String>,
+    spec_tokens: Option<usize>,
+    acceptance: Option<f64>,
+    draft_ms: Option<f64>,
+    fit: Option<PathBuf>,
+    json: bool,
+}
+
+fn roofline_command(args: RooflineArgs) -> Result<(), Failure> {
+    use fp4spec::model::config::ModelConfig;
+    use fp4spec::roofline::{self, Precision, RowFit, Step};
+    let precision = match args.precision.as_str() {
+        "bf16" => Precision::Bf16,
+        "nvfp4" => Precision::Nvfp4,
+        other => {
+            return Err(Failure::Input(format!(
+                "--precision `{other}` is not one of bf16, nvfp4"
+            )));
+        }
+    };
+    if args.batch == 0 {
+        return Err(Failure::Input("--batch must be at least 1".into()));
+    }
+    let (bandwidths, device): (Vec<(&str, f64)>, String) = match &args.bandwidth {
+        Some(text) => (
+            vec![("given", roofline::parse_bytes("--bandwidth", text)?)],
+            "given".into(),
+        ),
+        None => {
+            let preset = roofline::DEVICES
+                .iter()
+                .find(|d| d.name == args.device)
+                .ok_or_else(|| {
+                    let known: Vec<&str> = roofline::DEVICES.iter().map(|d| d.name).collect();
+                    Failure::Input(format!(
+                        "--device `{}` is not one of {}",
+                        args.device,
+                        known.join(", ")
+                    ))
+                })?;
+            (
+                vec![("measured", preset.measured), ("peak", preset.peak)],
+                preset.name.into(),
+            )
+        }
+    };
+    let config = match &args.model {
+        Some(dir) => Some(ModelConfig::load(dir)?),
+        None if args.bytes_per_token.is_none() => Some(ModelConfig::qwen36_35b_a3b()),
+        None => None,
+    };
+    let step = |rows| Step {
+        batch: args.batch,
+        rows,
+        context: args.context,
+    };
+    let (bytes_per_token, breakdown) = match (&args.bytes_per_token, &config) {
+        (Some(text), _) => (roofline::parse_bytes("--bytes-per-token", text)?, None),
+        (None, Some(config)) => {
+            let bytes = roofline::step_bytes(config, precision, step(1));
+            (bytes.total() / args.batch as f64, Some(bytes))
+        }
+        (None, None) => unreachable!("a config is loaded whenever --bytes-per-token is absent"),
+    };
+    let fit = match &args.fit {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| Failure::Input(format!("{}: {e}", path.display())))?;
+            Some(RowFit::from_csv(&text, &path.display().to_string())?)
+        }
+        None => None,
+    };
+    let bandwidth = bandwidths[0].1;
+    let ceiling = bandwidth / bytes_per_token;
+    let mut report = serde_json::json!({
+        "device": device,
+        "bandwidth_bytes_per_s": bandwidth,
+        "batch": args.batch,
+        "context": args.context,
+        "bytes_per_token": bytes_per_token,
+        "ceiling_tokens_per_s": ceiling,
+    });
+    if let Some(bytes) = &breakdown {
+        report["bytes_per_step_by_part"] =
+            serde_json::to_value(bytes).map_err(|e| Failure::Input(e.to_string()))?;
+    }
+    if let Some(fit) = &fit {
+        report["fixed_ms"] = fit.fixed_ms.into();
+        report["per_row_ms"] = fit.per_row_ms.into();
+    }
+    let speculation = match (args.spec_tokens, args.acceptance) {
+        (Some(n), Some(a)) if (0.0..=1.0).contains(&a) => Some((n, a)),
+        (Some(_), Some(a)) => {
+            return Err(Failure::Input(format!(
+                "--acceptance {a} is not a probability in 0..=1"
+            )));
+        }
+        (Some(_), None) | (None, Some(_)) => {
+            return Err(Failure::Input(
+                "--spec-tokens and --acceptance go together".into(),
+            ));
+        }
+        (None, None) => None,
+    };
+    if let Some((n, a)) = speculation {
+        let tokens = roofline::tokens_per_forward(n, a);
+        let forward_ms = match (&fit, &config, &args.bytes_per_token) {
+            (Some(fit), _, _) => fit.ms(n + 1),
+            (None, Some(config), None) => {
+                roofline::step_bytes(config, precision, step(n + 1)).total() / bandwidth * 1e3
+            }
+            _ => bytes_per_token * args.batch as f64 / bandwidth * 1e3,
+        };
+        let draft_ms = match (args.draft_ms, &config) {
+            (Some(ms), _) => ms,
+            (None, Some(config)) => {
+                roofline::draft_bytes(config, args.batch, args.context) / bandwidth * 1e3
+            }
+            (None, None) => 0.0,
+        };
+        let step_ms = forward_ms + n as f64 * draft_ms;
+        report["spec_tokens"] = n.into();
+        report["acceptance"] = a.into();
+        report["tokens_per_forward"] = tokens.into();
+        report["forward_ms"] = forward_ms.into();
+        report["draft_ms"] = draft_ms.into();
+        report["projected_tokens_per_s"] = (args.batch as f64 * tokens / step_ms * 1e3).into();
+    }
+    if args.json {
+        println!("{report:#}");
+        return Ok(());
+    }
+    const GIB: f64 = 1073741824.0;
+    if let Some(bytes) = &breakdown {
+        println!(
+            "bytes read per step ({} sequences, context {}):",
+            args.batch, args.context
+        );
+        let parts = [
+            ("routed experts", bytes.experts),
+            ("shared experts + router", bytes.shared_and_router),
+            ("attention projections", bytes.attention),
+            ("GDN projections", bytes.gdn_projections),
+            ("norms", bytes.norms),
+            ("lm_head + embeddings", bytes.lm_head_and_embeddings),
+            ("KV cache", bytes.kv_cache),
+            ("GDN state (read + write)", bytes.gdn_state),
+        ];
+        for (name, value) in parts {
+            println!(
+                "  {name:<26} {:>9.3} GiB  {:>5.1}%",
+                value / GIB,
+                100.0 * value / bytes.total()
+            );
+        }
+        println!("  {:<26} {:>9.3} GiB", "total", bytes.total() / GIB);
+    }
+    println!(
+        "bytes per token: {:.3} GiB ({:.0} bytes)",
+        bytes_per_token / GIB,
+        bytes_per_token
+    );
+    for (label, bw) in &bandwidths {
+        println!(
+            "ceiling on {device} ({label} {:.1} GB/s): {:.1} tok/s",
+            bw / 1e9,
+            bw / bytes_per_token
+        );
+    }
+    if let Some(fit) = &fit {
+        println!(
+            "fit: {:.2} ms fixed + {:.2} ms per row",
+            fit.fixed_ms, fit.per_row_ms
+        );
+    }
+    if speculation.is_some() {
+        println!(
+            "speculation: {:.3} tokens per forward, forward {:.3} ms + {} drafts x {:.3} ms -> {:.1} tok/s",
+            report["tokens_per_forward"].as_f64().unwrap_or(f64::NAN),
+            report["forward_ms"].as_f64().unwrap_or(f64::NAN),
+            report["spec_tokens"],
+            report["draft_ms"].as_f64().unwrap_or(f64::NAN),
+            report["projected_tokens_per_s"]
+                .as_f64()
+                .unwrap_or(f64::NAN)
+        );
+    }
     Ok(())
 }
