@@ -17,6 +17,7 @@ pub mod kernels;
 pub mod model;
 pub mod rng;
 pub mod roofline;
+pub mod spec_metrics;
 pub mod target;
 
 pub use error::{Error, Result};

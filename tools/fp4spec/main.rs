@@ -96,6 +96,21 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Acceptance of speculative decoding from a vLLM Prometheus metrics page.
+    SpecMetrics {
+        /// A metrics page saved to a file, or `-` for standard input.
+        #[arg(required_unless_present = "url")]
+        source: Option<String>,
+        /// Fetch the page from a running server (plain http://HOST:PORT/metrics).
+        #[arg(long, conflicts_with = "source")]
+        url: Option<String>,
+        /// An earlier snapshot of the same page: report the interval between the two.
+        #[arg(long, value_name = "OLD")]
+        since: Option<PathBuf>,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
     /// Run the NVFP4 x bf16 GEMM on a backend with random inputs and compare it with the CPU
     /// reference (default shape: one Qwen3.6-35B-A3B shared-expert gate_up at 16 rows).
     GemmCheck {
@@ -183,6 +198,12 @@ fn main() -> ExitCode {
             fit,
             json,
         }),
+        Command::SpecMetrics {
+            source,
+            url,
+            since,
+            json,
+        } => spec_metrics_command(source, url, since, json),
         Command::Selftest { backend } => {
             let compiled = kernels(&[], None, true, false);
             let computed = gemm_check(&backend, DEFAULT_M, DEFAULT_N, DEFAULT_K, None, "mma", 0);
@@ -577,5 +598,73 @@ fn roofline_command(args: RooflineArgs) -> Result<(), Failure> {
                 .unwrap_or(f64::NAN)
         );
     }
+    Ok(())
+}
+
+fn spec_metrics_command(
+    source: Option<String>,
+    url: Option<String>,
+    since: Option<PathBuf>,
+    json: bool,
+) -> Result<(), Failure> {
+    use fp4spec::spec_metrics::{self, SpecCounters};
+    use std::io::Read;
+    let (text, name) = match (&source, &url) {
+        (_, Some(url)) => (spec_metrics::fetch(url)?, url.clone()),
+        (Some(dash), None) if dash == "-" => {
+            let mut text = String::new();
+            std::io::stdin()
+                .read_to_string(&mut text)
+                .map_err(|e| Failure::Input(format!("standard input: {e}")))?;
+            (text, "<stdin>".to_string())
+        }
+        (Some(file), None) => (
+            std::fs::read_to_string(file).map_err(|e| Failure::Input(format!("{file}: {e}")))?,
+            file.clone(),
+        ),
+        (None, None) => return Err(Failure::Input("give a metrics file, `-` or --url".into())),
+    };
+    let mut counters = SpecCounters::parse(&text, &name)?;
+    if let Some(old) = &since {
+        let old_text = std::fs::read_to_string(old)
+            .map_err(|e| Failure::Input(format!("{}: {e}", old.display())))?;
+        counters = counters.since(&SpecCounters::parse(&old_text, &old.display().to_string())?)?;
+    }
+    let summary = counters.summary()?;
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&summary).map_err(|e| Failure::Input(e.to_string()))?
+        );
+        return Ok(());
+    }
+    let interval = if since.is_some() {
+        " over the interval"
+    } else {
+        ""
+    };
+    println!(
+        "{name}{interval}: {} drafts, {} draft tokens, {} accepted",
+        counters.drafts, counters.draft_tokens, counters.accepted_tokens
+    );
+    println!("acceptance rate: {:.3}", summary.acceptance_rate);
+    println!(
+        "mean accepted length: {:.3} tokens per target forward",
+        summary.mean_accepted_length
+    );
+    for (position, rate) in summary.per_position.iter().enumerate() {
+        println!("  position {position}: {rate:.3}");
+    }
+    let advice = if summary.regime == "edit-like" {
+        "a block drafter pays here"
+    } else {
+        "a block drafter does not pay here"
+    };
+    println!(
+        "regime: {} (the seeds measured {} prose-like, {} edit-like): {advice}",
+        summary.regime,
+        spec_metrics::PROSE_LIKE_ACCEPTANCE,
+        spec_metrics::EDIT_LIKE_ACCEPTANCE
+    );
     Ok(())
 }
