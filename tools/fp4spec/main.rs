@@ -57,45 +57,7 @@ enum Command {
         backend: String,
     },
     /// Bytes read per decoded token by part, the bandwidth ceiling, and the speculation model.
-    Roofline {
-        /// Checkpoint folder whose config.json describes the model (default: Qwen3.6-35B-A3B).
-        #[arg(long, value_name = "DIR")]
-        model: Option<PathBuf>,
-        /// bf16 or nvfp4 (ModelOpt: experts, shared experts and attention in NVFP4).
-        #[arg(long, default_value = "nvfp4")]
-        precision: String,
-        /// Sequences decoded together.
-        #[arg(long, default_value_t = 1)]
-        batch: usize,
-        /// Tokens already in each sequence's KV cache.
-        #[arg(long, default_value_t = 0)]
-        context: usize,
-        /// gb10, strix-halo or h200 (peak and measured bandwidth), unless --bandwidth is given.
-        #[arg(long, default_value = "gb10")]
-        device: String,
-        /// Memory bandwidth, e.g. 224.2GiB/s or 273GB/s.
-        #[arg(long)]
-        bandwidth: Option<String>,
-        /// Bytes read per token (e.g. 5.488GiB) instead of the model's.
-        #[arg(long)]
-        bytes_per_token: Option<String>,
-        /// Draft tokens per step (speculative decoding with the MTP head).
-        #[arg(long)]
-        spec_tokens: Option<usize>,
-        /// Per-draft acceptance probability, with --spec-tokens.
-        #[arg(long)]
-        acceptance: Option<f64>,
-        /// Cost of one draft step in ms (default: the MTP head's bytes at the bandwidth; 0 when
-        /// the --fit points already include drafting).
-        #[arg(long)]
-        draft_ms: Option<f64>,
-        /// CSV of measured forward costs, header `rows,ms`: fit ms = fixed + per_row * rows.
-        #[arg(long, value_name = "FILE")]
-        fit: Option<PathBuf>,
-        /// Machine-readable output.
-        #[arg(long)]
-        json: bool,
-    },
+    Roofline(RooflineArgs),
     /// Acceptance of speculative decoding from a vLLM Prometheus metrics page.
     SpecMetrics {
         /// A metrics page saved to a file, or `-` for standard input.
@@ -171,33 +133,7 @@ fn main() -> ExitCode {
             kernel,
             repeat,
         } => gemm_check(&backend, m, n, k, seed, &kernel, repeat),
-        Command::Roofline {
-            model,
-            precision,
-            batch,
-            context,
-            device,
-            bandwidth,
-            bytes_per_token,
-            spec_tokens,
-            acceptance,
-            draft_ms,
-            fit,
-            json,
-        } => roofline_command(RooflineArgs {
-            model,
-            precision,
-            batch,
-            context,
-            device,
-            bandwidth,
-            bytes_per_token,
-            spec_tokens,
-            acceptance,
-            draft_ms,
-            fit,
-            json,
-        }),
+        Command::Roofline(args) => roofline_command(args),
         Command::SpecMetrics {
             source,
             url,
@@ -404,18 +340,44 @@ fn gemm_check(
 }
 
 /// The options of `fp4spec roofline`.
+#[derive(clap::Args)]
 struct RooflineArgs {
+    /// Checkpoint folder whose config.json describes the model (default: Qwen3.6-35B-A3B).
+    #[arg(long, value_name = "DIR")]
     model: Option<PathBuf>,
+    /// bf16 or nvfp4 (ModelOpt: experts, shared experts and attention in NVFP4).
+    #[arg(long, default_value = "nvfp4")]
     precision: String,
+    /// Sequences decoded together.
+    #[arg(long, default_value_t = 1)]
     batch: usize,
+    /// Tokens already in each sequence's KV cache.
+    #[arg(long, default_value_t = 0)]
     context: usize,
+    /// gb10, strix-halo or h200 (peak and measured bandwidth), unless --bandwidth is given.
+    #[arg(long, default_value = "gb10")]
     device: String,
+    /// Memory bandwidth, e.g. 224.2GiB/s or 273GB/s.
+    #[arg(long)]
     bandwidth: Option<String>,
+    /// Bytes read per token (e.g. 5.488GiB) instead of the model's.
+    #[arg(long)]
     bytes_per_token: Option<String>,
+    /// Draft tokens per step (speculative decoding with the MTP head).
+    #[arg(long)]
     spec_tokens: Option<usize>,
+    /// Per-draft acceptance probability, with --spec-tokens.
+    #[arg(long)]
     acceptance: Option<f64>,
+    /// Cost of one draft step in ms (default: the MTP head's bytes at the bandwidth; 0 when
+    /// the --fit points already include drafting).
+    #[arg(long)]
     draft_ms: Option<f64>,
+    /// CSV of measured forward costs, header `rows,ms`: fit ms = fixed + per_row * rows.
+    #[arg(long, value_name = "FILE")]
     fit: Option<PathBuf>,
+    /// Machine-readable output.
+    #[arg(long)]
     json: bool,
 }
 
@@ -573,9 +535,14 @@ fn roofline_command(args: RooflineArgs) -> Result<(), Failure> {
         bytes_per_token / GIB,
         bytes_per_token
     );
+    let per = if args.batch > 1 {
+        format!(" (all {} sequences together)", args.batch)
+    } else {
+        String::new()
+    };
     for (label, bw) in &bandwidths {
         println!(
-            "ceiling on {device} ({label} {:.1} GB/s): {:.1} tok/s",
+            "ceiling on {device} ({label} {:.1} GB/s): {:.1} tok/s{per}",
             bw / 1e9,
             bw / bytes_per_token
         );

@@ -250,6 +250,17 @@ impl Nvfp4Fragments {
     }
 }
 
+/// The 16 E2M1 codes of block `block` of `row`, in column order.
+fn block_nibbles(matrix: &Nvfp4Matrix, row: usize, block: usize) -> [u8; BLOCK] {
+    let start = (row * matrix.cols + block * BLOCK) / 2;
+    let mut nibbles = [0u8; BLOCK];
+    for (i, pair) in matrix.packed[start..start + BLOCK / 2].iter().enumerate() {
+        nibbles[2 * i] = pair & 0xf;
+        nibbles[2 * i + 1] = pair >> 4;
+    }
+    nibbles
+}
+
 /// Block `block` of `row` normalised for the kernel: nibbles and e5m3 scale, with zero scales
 /// turned into zero nibbles and negative scales into flipped nibble signs.
 fn block_for_kernel(matrix: &Nvfp4Matrix, row: usize, block: usize) -> Result<([u8; BLOCK], u8)> {
@@ -262,12 +273,7 @@ fn block_for_kernel(matrix: &Nvfp4Matrix, row: usize, block: usize) -> Result<([
             format!("block scale [{row}, {block}] is NaN"),
         ));
     }
-    let mut nibbles = [0u8; BLOCK];
-    let start = (row * matrix.cols + block * BLOCK) / 2;
-    for (i, pair) in matrix.packed[start..start + BLOCK / 2].iter().enumerate() {
-        nibbles[2 * i] = pair & 0xf;
-        nibbles[2 * i + 1] = pair >> 4;
-    }
+    let mut nibbles = block_nibbles(matrix, row, block);
     if scale == 0.0 {
         return Ok(([0u8; BLOCK], scale_to_e5m3(e4m3_decode(E4M3_ONE))));
     }
@@ -412,12 +418,7 @@ fn signless_block(matrix: &Nvfp4Matrix, row: usize, block: usize) -> Result<([u8
             format!("block scale [{row}, {block}] is NaN"),
         ));
     }
-    let mut nibbles = [0u8; BLOCK];
-    let start = (row * matrix.cols + block * BLOCK) / 2;
-    for (i, pair) in matrix.packed[start..start + BLOCK / 2].iter().enumerate() {
-        nibbles[2 * i] = pair & 0xf;
-        nibbles[2 * i + 1] = pair >> 4;
-    }
+    let mut nibbles = block_nibbles(matrix, row, block);
     if scale & 0x80 != 0 {
         for nibble in &mut nibbles {
             *nibble ^= 8;
