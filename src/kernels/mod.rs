@@ -9,6 +9,7 @@ pub mod compare;
 pub mod dequant;
 pub mod gemm;
 pub mod table;
+pub mod verify;
 
 use crate::backend::{Backend, DeviceVec};
 use crate::error::{Error, Result};
