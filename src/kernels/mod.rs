@@ -7,6 +7,7 @@
 pub mod check;
 pub mod compare;
 pub mod dequant;
+pub mod gdn;
 pub mod gemm;
 pub mod table;
 pub mod verify;
