@@ -2,3 +2,4 @@
 //! come with the model-runner issue).
 
 pub mod config;
+pub mod weights;
