@@ -117,6 +117,27 @@ pub struct DeltaInputs<'a> {
     pub beta: &'a [f32],
 }
 
+/// Runs `body(value head, key head, state of that head in f64)` for every value head and writes
+/// each head's state back to `state` (`[Hv][dk][dv]`, f32).
+fn per_head_state(
+    shape: GdnShape,
+    state: &mut [f32],
+    mut body: impl FnMut(usize, usize, &mut [f64]),
+) {
+    let size = shape.dk * shape.dv;
+    for (h, head) in state
+        .chunks_exact_mut(size)
+        .enumerate()
+        .take(shape.value_heads)
+    {
+        let mut s: Vec<f64> = head.iter().map(|v| f64::from(*v)).collect();
+        body(h, shape.key_head(h), &mut s);
+        for (dst, src) in head.iter_mut().zip(&s) {
+            *dst = *src as f32;
+        }
+    }
+}
+
 /// The recurrent form, token by token: `S = e^g S; S += k (beta (v - S^T k))^T; o = S^T q`.
 /// Updates `state` (`[Hv][dk][dv]`) and returns `[t][Hv][dv]`.
 pub fn recurrent(shape: GdnShape, input: DeltaInputs<'_>, state: &mut [f32]) -> Vec<f32> {
@@ -127,12 +148,7 @@ pub fn recurrent(shape: GdnShape, input: DeltaInputs<'_>, state: &mut [f32]) -> 
         dv,
     } = shape;
     let mut out = vec![0.0f32; input.t * value_heads * dv];
-    for h in 0..value_heads {
-        let kh = shape.key_head(h);
-        let mut s: Vec<f64> = state[h * dk * dv..(h + 1) * dk * dv]
-            .iter()
-            .map(|v| f64::from(*v))
-            .collect();
+    per_head_state(shape, state, |h, kh, s| {
         for step in 0..input.t {
             let q = &input.q[(step * key_heads + kh) * dk..][..dk];
             let k = &input.k[(step * key_heads + kh) * dk..][..dk];
@@ -152,10 +168,7 @@ pub fn recurrent(shape: GdnShape, input: DeltaInputs<'_>, state: &mut [f32]) -> 
                 out[(step * value_heads + h) * dv + j] = o as f32;
             }
         }
-        for (dst, src) in state[h * dk * dv..(h + 1) * dk * dv].iter_mut().zip(&s) {
-            *dst = *src as f32;
-        }
-    }
+    });
     out
 }
 
@@ -177,12 +190,7 @@ pub fn chunked(
         dv,
     } = shape;
     let mut out = vec![0.0f32; input.t * value_heads * dv];
-    for h in 0..value_heads {
-        let kh = shape.key_head(h);
-        let mut s: Vec<f64> = state[h * dk * dv..(h + 1) * dk * dv]
-            .iter()
-            .map(|v| f64::from(*v))
-            .collect();
+    per_head_state(shape, state, |h, kh, s| {
         for start in (0..input.t).step_by(chunk.max(1)) {
             let len = chunk.min(input.t - start);
             let at = |x: &[f32], width: usize, heads: usize, head: usize, i: usize| -> Vec<f64> {
@@ -261,10 +269,7 @@ pub fn chunked(
                 }
             }
         }
-        for (dst, src) in state[h * dk * dv..(h + 1) * dk * dv].iter_mut().zip(&s) {
-            *dst = *src as f32;
-        }
-    }
+    });
     out
 }
 
