@@ -162,6 +162,17 @@ fn bench_shape(
         };
         let mut y: DeviceVec<bf16> = backend.zeros(m * n).expect("allocate Y");
         let name = format!("M{m}_N{n}_K{k}");
+        let record = |out: &mut Vec<Row>, variant, bytes, seconds| {
+            out.push(Row {
+                set,
+                variant,
+                m,
+                n,
+                k,
+                bytes,
+                seconds,
+            })
+        };
         let io = 2 * (m * k + m * n) as u64;
         let nvfp4_bytes = nvfp4[0].bytes(m, &Epilogue::None);
         let seconds = bench_graph(
@@ -182,15 +193,7 @@ fn bench_shape(
                 .expect("linear")
             },
         );
-        out.push(Row {
-            set,
-            variant: "mma nvfp4",
-            m,
-            n,
-            k,
-            bytes: nvfp4_bytes,
-            seconds,
-        });
+        record(out, "mma nvfp4", nvfp4_bytes, seconds);
         if with_gemv {
             let seconds = bench_graph(
                 criterion,
@@ -203,15 +206,7 @@ fn bench_shape(
                         .expect("gemv")
                 },
             );
-            out.push(Row {
-                set,
-                variant: "gemv nvfp4",
-                m,
-                n,
-                k,
-                bytes: nvfp4_bytes,
-                seconds,
-            });
+            record(out, "gemv nvfp4", nvfp4_bytes, seconds);
         }
         let bf16_bytes = bf16[0].bytes(m, &Epilogue::None);
         let seconds = bench_graph(
@@ -232,15 +227,7 @@ fn bench_shape(
                 .expect("linear")
             },
         );
-        out.push(Row {
-            set,
-            variant: "mma bf16",
-            m,
-            n,
-            k,
-            bytes: bf16_bytes,
-            seconds,
-        });
+        record(out, "mma bf16", bf16_bytes, seconds);
         let DeviceVec::Cuda(y_slice) = &mut y else {
             unreachable!("CUDA backend")
         };
@@ -262,15 +249,7 @@ fn bench_shape(
                 .expect("cuBLAS")
             },
         );
-        out.push(Row {
-            set,
-            variant: "cublas bf16",
-            m,
-            n,
-            k,
-            bytes: cublas_bytes,
-            seconds,
-        });
+        record(out, "cublas bf16", cublas_bytes, seconds);
     }
 }
 
