@@ -12,94 +12,27 @@
 //!
 //! Run: `cargo bench --bench gemm [-- FILTER]` on a CUDA host (prints one skip line elsewhere).
 
-use criterion::{Criterion, Throughput};
+mod common;
+
+use common::{COPY_BYTES, LAUNCHES, bench_graph};
+use criterion::Criterion;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::CudaSlice;
-use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use fp4spec::backend::cuda::CudaBackend;
 use fp4spec::backend::cuda::cublas;
-use fp4spec::backend::{Backend, BackendKind, DeviceVec};
+use fp4spec::backend::{Backend, DeviceVec};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
 use fp4spec::kernels::gemm::{self, Epilogue, Linear, RowOrder};
 use fp4spec::kernels::{Nvfp4Weights, dequant};
 use fp4spec::rng::SplitMix64;
 use half::bf16;
-use std::cell::RefCell;
-use std::time::Duration;
 
 /// Weight bytes the rotation must cover: several times the H200's 60 MB L2.
 const ROTATION_BYTES: u64 = 256 << 20;
-/// Calls per captured graph.
-const LAUNCHES: usize = 16;
-/// Each side of the copy-bandwidth measurement.
-const COPY_BYTES: usize = 512 << 20;
 const MODEL_ROWS: [usize; 5] = [1, 3, 4, 16, 64];
 /// Weights of at least 64 MiB: the lm_head and a synthetic large matrix.
 const STREAMING_SHAPES: [(usize, usize); 2] = [(248320, 2048), (65536, 4096)];
 const STREAMING_ROWS: [usize; 4] = [1, 4, 16, 64];
-
-/// Per-call seconds of every sample criterion took.
-#[derive(Default)]
-struct Samples(RefCell<Vec<f64>>);
-
-impl Samples {
-    fn median(&self) -> f64 {
-        let mut v = self.0.borrow().clone();
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-    }
-}
-
-/// Captures `LAUNCHES` calls of `call(i)` into a graph and benches its replays.
-fn bench_graph(
-    criterion: &mut Criterion,
-    cuda: &CudaBackend,
-    group: &str,
-    name: &str,
-    bytes: u64,
-    mut call: impl FnMut(usize),
-) -> f64 {
-    let stream = cuda.stream();
-    for i in 0..LAUNCHES {
-        call(i); // warm up: compile, grow scratch, create handles outside the capture
-    }
-    stream.synchronize().expect("warm-up");
-    stream
-        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .expect("begin capture");
-    for i in 0..LAUNCHES {
-        call(i);
-    }
-    let graph = stream
-        .end_capture(CUgraphInstantiate_flags(0))
-        .expect("end capture")
-        .expect("a captured graph");
-    graph.upload().expect("upload graph");
-    let samples = Samples::default();
-    let mut g = criterion.benchmark_group(group);
-    g.throughput(Throughput::Bytes(bytes));
-    g.bench_function(name, |b| {
-        b.iter_custom(|iters| {
-            let start = stream
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .expect("event");
-            for _ in 0..iters {
-                graph.launch().expect("graph launch");
-            }
-            let end = stream
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .expect("event");
-            let seconds = f64::from(start.elapsed_ms(&end).expect("event timing")) / 1e3;
-            samples
-                .0
-                .borrow_mut()
-                .push(seconds / (iters as f64 * LAUNCHES as f64));
-            Duration::from_secs_f64(seconds / LAUNCHES as f64)
-        })
-    });
-    g.finish();
-    samples.median()
-}
 
 fn copies_for(weight_bytes: u64) -> usize {
     ROTATION_BYTES
@@ -254,21 +187,13 @@ fn bench_shape(
 }
 
 fn main() {
-    let backend = match Backend::new(BackendKind::Cuda) {
-        Ok(backend) => backend,
-        Err(e) => {
-            println!("skipped bench gemm: {e}");
-            return;
-        }
+    let Some(backend) = common::cuda_or_skip("gemm") else {
+        return;
     };
     let Backend::Cuda(cuda) = &backend else {
         unreachable!("asked for CUDA")
     };
-    let mut criterion = Criterion::default()
-        .sample_size(10)
-        .warm_up_time(Duration::from_millis(200))
-        .measurement_time(Duration::from_millis(400))
-        .configure_from_args();
+    let mut criterion = common::criterion();
     println!(
         "device: {} ({} SMs)",
         backend.describe(),
@@ -276,42 +201,7 @@ fn main() {
     );
     let blas = CudaBlas::new(cuda.stream().clone()).expect("cuBLAS handle");
 
-    // ceiling: device-to-device copy, bytes read + written
-    let copy_seconds = {
-        let src = cuda
-            .stream()
-            .alloc_zeros::<u8>(COPY_BYTES)
-            .expect("allocate copy source");
-        let mut dst = cuda
-            .stream()
-            .alloc_zeros::<u8>(COPY_BYTES)
-            .expect("allocate copy destination");
-        // not captured: inside a graph the same copy ran at 2767 GB/s against 4220 in-stream
-        // (H200, 2026-12-02), which would flatter every other figure
-        let samples = Samples::default();
-        let mut g = criterion.benchmark_group("copy");
-        g.throughput(Throughput::Bytes(2 * COPY_BYTES as u64));
-        g.bench_function("device_to_device_512MiB", |b| {
-            b.iter_custom(|iters| {
-                let stream = cuda.stream();
-                let start = stream
-                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .expect("event");
-                for _ in 0..iters {
-                    stream.memcpy_dtod(&src, &mut dst).expect("memcpy");
-                }
-                let end = stream
-                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .expect("event");
-                let seconds = f64::from(start.elapsed_ms(&end).expect("event timing")) / 1e3;
-                samples.0.borrow_mut().push(seconds / iters as f64);
-                Duration::from_secs_f64(seconds)
-            })
-        });
-        g.finish();
-        samples.median()
-    };
-    let copy_gbs = 2.0 * COPY_BYTES as f64 / copy_seconds / 1e9;
+    let copy_gbs = common::copy_bandwidth_gbs(&mut criterion, cuda);
 
     let mut rng = SplitMix64::new(0x5eed);
     let mut rows = Vec::new();

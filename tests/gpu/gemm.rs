@@ -1,19 +1,15 @@
-//! Every GPU check, in one binary (it is what travels to the GPU host). Without a CUDA device
-//! each test prints one line saying it was skipped and why, and passes.
-//!
-//! Inputs are fresh random numbers each run; the seed is printed so a failure can be replayed
-//! with `FP4SPEC_SEED=<seed>`.
+//! GPU checks of the `dequant` and `gemm` families against their CPU references and cuBLAS.
 
+use crate::common::{cuda, poisoned, random_bf16, rng, skipped};
 use cudarc::cublas::CudaBlas;
 use fp4spec::Error;
 use fp4spec::backend::cuda::cublas;
-use fp4spec::backend::{Backend, BackendKind, DeviceVec};
+use fp4spec::backend::{Backend, DeviceVec};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
 use fp4spec::kernels::gemm::{Epilogue, Linear, RowOrder};
 use fp4spec::kernels::{Nvfp4Weights, compare, dequant, gemm};
 use fp4spec::rng::SplitMix64;
 use half::bf16;
-use std::sync::OnceLock;
 
 /// The (N, K) shapes of the issue: Qwen3.6-35B-A3B projections, plus one that is not a multiple
 /// of any tile (N = 1037 columns, K = 528 = 33 blocks of 16).
@@ -25,32 +21,6 @@ const SHAPES: [(usize, usize); 5] = [
     (1037, 528),
 ];
 const ROWS: [usize; 4] = [1, 3, 16, 64];
-
-fn cuda(test: &str) -> Option<&'static Backend> {
-    static BACKEND: OnceLock<Result<Backend, String>> = OnceLock::new();
-    match BACKEND.get_or_init(|| Backend::new(BackendKind::Cuda).map_err(|e| e.to_string())) {
-        Ok(backend) => Some(backend),
-        Err(why) => {
-            skipped(test, why);
-            None
-        }
-    }
-}
-
-/// One line, written past libtest's output capture so it shows in a plain `cargo test`.
-fn skipped(test: &str, why: &str) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "skipped {test}: {why}");
-}
-
-fn rng(test: &str) -> SplitMix64 {
-    let seed = std::env::var("FP4SPEC_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(SplitMix64::fresh_seed);
-    println!("{test}: seed {seed}");
-    SplitMix64::new(seed)
-}
 
 /// A random NVFP4 matrix with the awkward scale values mixed in: zero, subnormal and maximal
 /// block scales, and an all-zero block.
@@ -68,34 +38,6 @@ fn awkward_matrix(rng: &mut SplitMix64, n: usize, k: usize) -> Nvfp4Matrix {
     let zero_block = rng.next_u64() as usize % blocks;
     q.packed[zero_block * 8..zero_block * 8 + 8].fill(0);
     q
-}
-
-fn random_bf16(rng: &mut SplitMix64, len: usize) -> Vec<bf16> {
-    rng.normal_vec(len, 1.0)
-        .into_iter()
-        .map(bf16::from_f32)
-        .collect()
-}
-
-/// A device buffer filled with NaN, so an element the kernel never writes cannot pass.
-fn poisoned(backend: &Backend, len: usize) -> DeviceVec<bf16> {
-    backend
-        .upload(&vec![bf16::NAN; len])
-        .expect("upload poison")
-}
-
-#[test]
-fn cuda_backend_opens_or_says_why_not() {
-    match Backend::new(BackendKind::Cuda) {
-        Ok(backend) => println!("cuda backend: {}", backend.describe()),
-        Err(e) => {
-            assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
-            skipped(
-                "cuda_backend_opens_or_says_why_not (no device to open)",
-                &e.to_string(),
-            );
-        }
-    }
 }
 
 #[test]

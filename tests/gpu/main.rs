@@ -1,0 +1,28 @@
+//! Every GPU check, in one binary (it is what travels to the GPU host), one module per kernel
+//! family. Without a CUDA device each test prints one line saying it was skipped and why, and
+//! passes.
+//!
+//! Inputs are fresh random numbers each run; the seed is printed so a failure can be replayed
+//! with `FP4SPEC_SEED=<seed>`.
+
+mod common;
+mod gemm;
+
+use common::skipped;
+use fp4spec::Error;
+use fp4spec::backend::{Backend, BackendKind};
+
+#[test]
+fn cuda_backend_opens_or_says_why_not() {
+    match Backend::new(BackendKind::Cuda) {
+        Ok(backend) => println!("cuda backend: {}", backend.describe()),
+        Err(e) => {
+            assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
+            skipped(
+                "cuda_backend_opens_or_says_why_not (no device to open)",
+                &e.to_string(),
+            );
+        }
+    }
+}
+
