@@ -9,6 +9,7 @@ pub mod compare;
 pub mod dequant;
 pub mod gdn;
 pub mod gemm;
+pub mod moe;
 pub mod table;
 pub mod verify;
 
