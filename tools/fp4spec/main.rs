@@ -2,6 +2,8 @@
 //!
 //! Exit status: 0 ok, 1 a check failed (or a compiler is missing), 2 bad input or usage.
 
+mod run;
+
 use clap::{Parser, Subcommand};
 use fp4spec::backend::{Backend, BackendKind};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
@@ -33,6 +35,14 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// The main job: greedy generation on the embedded demo model (code-like and prose-like
+    /// prompts), without speculation and with 1-3 MTP drafts; prints acceptance by draft
+    /// position and tokens per forward, and fails if speculation changes the output.
+    Demo(run::DemoArgs),
+    /// Logits of every input position (and with --mtp the MTP head's), as JSON.
+    Logits(run::LogitsArgs),
+    /// Generate from a prompt, optionally with MTP speculative decoding.
+    Generate(run::GenerateArgs),
     /// List, write out or compile-check the rendered kernels.
     Kernels {
         /// Only these targets (repeatable); default: every target of kernels/targets.toml.
@@ -118,6 +128,9 @@ impl From<fp4spec::Error> for Failure {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Demo(args) => run::demo(args),
+        Command::Logits(args) => run::logits(args),
+        Command::Generate(args) => run::generate(args),
         Command::Kernels {
             targets,
             out,
