@@ -148,7 +148,7 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 0)]
     spec_tokens: usize,
     /// 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
     /// Keep the k most probable tokens (0 = off).
     #[arg(long, default_value_t = 0)]
@@ -302,9 +302,15 @@ const DEMO_PROMPTS: [(&str, &str); 2] = [
     ),
 ];
 
+/// Sampling controls of the demo's sampled runs.
+const DEMO_TEMPERATURE: f32 = 0.8;
+const DEMO_SEED: u64 = 1;
+const DEMO_SAMPLED_DRAFTS: usize = 2;
+
 /// `fp4spec demo`: greedy generation on the demo model's code-like and prose-like prompts
 /// without speculation and with 1, 2 and 3 MTP drafts; checks the outputs agree and prints
-/// acceptance by draft position and tokens per forward.
+/// acceptance by draft position and tokens per forward; then one sampled run per prompt with 2
+/// drafts.
 pub fn demo(args: DemoArgs) -> Result<(), Failure> {
     let (model, tokenizer, dir) = args.model.load()?;
     let tokenizer = tokenizer
@@ -349,6 +355,36 @@ pub fn demo(args: DemoArgs) -> Result<(), Failure> {
                 }
             }
         }
+    }
+    println!(
+        "\n== sampled (temperature {DEMO_TEMPERATURE}, seed {DEMO_SEED}), {DEMO_SAMPLED_DRAFTS} drafts: \
+         the output follows the model's distribution (token equality holds for greedy only)"
+    );
+    for (kind, prompt) in DEMO_PROMPTS {
+        let request = Request {
+            prompt: tokenizer.encode(prompt),
+            max_new_tokens: args.max_new_tokens,
+            params: SamplingParams {
+                temperature: DEMO_TEMPERATURE,
+                seed: DEMO_SEED,
+                ..SamplingParams::default()
+            },
+            stop_tokens: tokenizer.eos.into_iter().collect(),
+        };
+        let start = Instant::now();
+        let generation =
+            generate::generate(&model, std::slice::from_ref(&request), DEMO_SAMPLED_DRAFTS)?
+                .remove(0);
+        println!("-- {kind}");
+        println!(
+            "{}",
+            report(
+                &generation,
+                Some(&tokenizer),
+                start.elapsed().as_secs_f64(),
+                false
+            )
+        );
     }
     if mismatches > 0 {
         return Err(Failure::Check(format!(

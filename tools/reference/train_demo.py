@@ -217,6 +217,7 @@ def main():
                     p.normal_(0.0, 0.02)
     params = list(lm.parameters()) + list(mtp.parameters())
     opt = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
+    os.makedirs(args.out, exist_ok=True)
     log = open(os.path.join(args.out, "train_log.txt"), "w")
 
     def say(msg):
