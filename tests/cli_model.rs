@@ -94,7 +94,7 @@ fn logits_and_generate_run_on_a_fixture() {
     assert_eq!(code, 0, "{stderr}");
     let json: serde_json::Value = serde_json::from_str(&stdout).expect("JSON");
     let generated = json["ids"].as_array().map_or(0, Vec::len);
-    assert!(generated >= 1 && generated <= 8, "{stdout}");
+    assert!((1..=8).contains(&generated), "{stdout}");
     assert!(json["acceptance_per_position"].is_array(), "{stdout}");
 }
 
