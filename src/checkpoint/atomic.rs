@@ -179,8 +179,7 @@ pub fn copy_synced(from: &Path, to: &Path, progress: &ProgressBar) -> Result<u64
         if n == 0 {
             break;
         }
-        dest.write_all(&buffer[..n])
-            .map_err(|e| Error::io(to, e))?;
+        dest.write_all(&buffer[..n]).map_err(|e| Error::io(to, e))?;
         total += n as u64;
         progress.inc(n as u64);
     }

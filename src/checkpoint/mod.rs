@@ -53,7 +53,11 @@ pub fn side_files(dir: &Path) -> Result<Vec<String>> {
 pub fn copy_side_files(from: &Path, out: &StagedDir) -> Result<Vec<String>> {
     let names = side_files(from)?;
     for name in &names {
-        atomic::copy_synced(&from.join(name), &out.path().join(name), &ProgressBar::hidden())?;
+        atomic::copy_synced(
+            &from.join(name),
+            &out.path().join(name),
+            &ProgressBar::hidden(),
+        )?;
     }
     Ok(names)
 }

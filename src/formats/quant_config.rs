@@ -351,7 +351,9 @@ impl QuantConfig {
             if format != "nvfp4-pack-quantized" {
                 return Err(Error::invalid(
                     g("format"),
-                    format!("`{format}` is not nvfp4-pack-quantized, the only compressed-tensors format this crate runs"),
+                    format!(
+                        "`{format}` is not nvfp4-pack-quantized, the only compressed-tensors format this crate runs"
+                    ),
                 ));
             }
             let weights = group
@@ -369,9 +371,7 @@ impl QuantConfig {
                 ));
             }
             check_group_size(weights.get("group_size"), &g("weights.group_size"))?;
-            let has_activations = group
-                .get("input_activations")
-                .is_some_and(|a| !a.is_null());
+            let has_activations = group.get("input_activations").is_some_and(|a| !a.is_null());
             if activations.is_some_and(|a| a != has_activations) {
                 return Err(Error::invalid(
                     g("input_activations"),

@@ -11,8 +11,8 @@
 use crate::error::{Error, Result};
 use memmap2::Mmap;
 use safetensors::Dtype;
-use safetensors::tensor::{Metadata, SafeTensors};
 use safetensors::tensor::TensorInfo;
+use safetensors::tensor::{Metadata, SafeTensors};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::{BufWriter, Read, Write};
@@ -381,7 +381,10 @@ fn describe_safetensors_error(e: &safetensors::SafeTensorError, file_len: usize)
 
 /// `root/name` when `name` is a plain relative path that stays inside `root` (also after
 /// following symbolic links), else why not.
-pub(crate) fn contained_shard_path(root: &Path, name: &str) -> std::result::Result<PathBuf, String> {
+pub(crate) fn contained_shard_path(
+    root: &Path,
+    name: &str,
+) -> std::result::Result<PathBuf, String> {
     let relative = Path::new(name);
     if name.is_empty()
         || !relative

@@ -381,11 +381,9 @@ impl<'a> Checker<'a> {
         );
         let activation = format!("{prefix}.{activation}");
         if self.activation_scales() || self.headers.contains(&activation) {
-            ok &= self.scale(
-                &activation,
-                ProblemKind::ScaleMissing,
-                |h| h.expect_f32_scalar(),
-            );
+            ok &= self.scale(&activation, ProblemKind::ScaleMissing, |h| {
+                h.expect_f32_scalar()
+            });
         }
         if ok {
             self.report.nvfp4_linears += 1;
@@ -421,10 +419,7 @@ impl<'a> Checker<'a> {
             return;
         }
         if cols % 16 != 0 {
-            let error = Error::invalid(
-                name,
-                format!("NVFP4 experts need K % 16 == 0, K = {cols}"),
-            );
+            let error = Error::invalid(name, format!("NVFP4 experts need K % 16 == 0, K = {cols}"));
             self.fail(ProblemKind::Shape, name, error);
             return;
         }
