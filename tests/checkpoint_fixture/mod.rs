@@ -123,6 +123,9 @@ pub fn config_json(spec: &Spec) -> serde_json::Value {
     }
 }
 
+/// Appends one random tensor (name, shape) to the list.
+type WeightMaker<'a> = dyn FnMut(&mut Vec<T>, String, &[usize]) + 'a;
+
 /// Every tensor of the fixture, random N(0, 0.05) weights (norms around 1).
 pub fn tensors(spec: &Spec) -> Vec<T> {
     let mut rng = SplitMix64::new(spec.seed);
@@ -137,11 +140,7 @@ pub fn tensors(spec: &Spec) -> Vec<T> {
     w(&mut v, format!("{p}embed_tokens.weight"), &[VOCAB, h]);
     w(&mut v, format!("{p}norm.weight"), &[h]);
     w(&mut v, "lm_head.weight".into(), &[VOCAB, h]);
-    let layer = |v: &mut Vec<T>,
-                 w: &mut dyn FnMut(&mut Vec<T>, String, &[usize]),
-                 p: String,
-                 full: bool,
-                 fused: bool| {
+    let layer = |v: &mut Vec<T>, w: &mut WeightMaker<'_>, p: String, full: bool, fused: bool| {
         w(v, format!("{p}input_layernorm.weight"), &[h]);
         w(v, format!("{p}post_attention_layernorm.weight"), &[h]);
         if full {
