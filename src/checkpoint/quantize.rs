@@ -309,6 +309,8 @@ struct Plan<'a> {
     quant: QuantConfig,
     actions: HashMap<String, Action>,
     group_amax: HashMap<String, f32>,
+    /// The quantised linears of each fusion group (they read one input).
+    group_members: HashMap<String, Vec<String>>,
 }
 
 /// The fusion group engines load `module` into, if any (`...self_attn.qkv`).
@@ -430,23 +432,21 @@ impl Plan<'_> {
         let input = if self.opts.weights_only {
             None
         } else {
-            let members: Vec<String> = match fusion_group(module) {
+            let single = [module.to_string()];
+            let members: &[String] = match fusion_group(module) {
                 Some(group) => self
-                    .actions
-                    .values()
-                    .filter_map(|a| match a {
-                        Action::Linear { module: m, .. }
-                            if fusion_group(m).as_deref() == Some(group.as_str()) =>
-                        {
-                            Some(m.clone())
-                        }
-                        _ => None,
-                    })
-                    .collect(),
-                None => vec![module.to_string()],
+                    .group_members
+                    .get(&group)
+                    .map_or(&single, Vec::as_slice),
+                None => &single,
             };
             let mut amax_in: Option<f32> = None;
-            for member in members.iter().map(String::as_str).chain([module]) {
+            for member in members
+                .iter()
+                .map(String::as_str)
+                .chain([module])
+                .filter(|_| self.opts.calibration.is_some())
+            {
                 if let Some(values) = self
                     .opts
                     .calibration
@@ -589,11 +589,20 @@ pub fn quantize(opts: &QuantizeOptions, progress: &ProgressBar) -> Result<Quanti
     }
     exclude.extend(auto_excluded.iter().cloned());
     let quant = QuantConfig::new(opts.convention, algo, exclude, "fp4spec quantize")?;
+    let mut group_members: HashMap<String, Vec<String>> = HashMap::new();
+    for action in actions.values() {
+        if let Action::Linear { module, .. } = action
+            && let Some(group) = fusion_group(module)
+        {
+            group_members.entry(group).or_default().push(module.clone());
+        }
+    }
     let mut plan = Plan {
         opts,
         quant,
         actions,
         group_amax: HashMap::new(),
+        group_members,
     };
 
     let input_bytes: u64 = checkpoint
@@ -783,9 +792,12 @@ fn quantize_piece(
     })
 }
 
-/// Pieces of `rows` rows of a `cols`-wide matrix, each about [`PIECE_ELEMENTS`].
-fn row_pieces(rows: usize, cols: usize) -> Vec<(usize, usize)> {
-    let step = (PIECE_ELEMENTS / cols.max(1)).max(1);
+/// Pieces of `rows` rows of a `cols`-wide matrix: at most [`PIECE_ELEMENTS`] each, and at
+/// least `threads` of them when there are rows enough, so one matrix fills every thread.
+fn row_pieces(rows: usize, cols: usize, threads: usize) -> Vec<(usize, usize)> {
+    let step = (PIECE_ELEMENTS / cols.max(1))
+        .min(rows.div_ceil(threads.max(1)))
+        .max(1);
     (0..rows)
         .step_by(step)
         .map(|r| (r, step.min(rows - r)))
@@ -815,7 +827,7 @@ impl Plan<'_> {
         let mut block_scales = Vec::with_capacity(rows * cols / BLOCK);
         let mut sums = ErrorSums::default();
         let threads = rayon::current_num_threads().max(1);
-        for batch in row_pieces(rows, cols).chunks(threads) {
+        for batch in row_pieces(rows, cols, threads).chunks(threads) {
             check_cancelled()?;
             let pieces: Vec<Piece> = batch
                 .par_iter()
