@@ -528,9 +528,24 @@ fn dedupe(findings: &mut Vec<Finding>) {
     });
 }
 
+/// `bytes` in the largest binary unit that keeps it at least 1 (`3.2 GiB`, `512 B`).
+fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.3} {}", UNITS[unit])
+    }
+}
+
 impl std::fmt::Display for Summary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        const GIB: f64 = 1073741824.0;
         if let (Some(family), Some(class)) = (self.family, self.mtp_class) {
             writeln!(
                 f,
@@ -578,11 +593,11 @@ impl std::fmt::Display for Summary {
         )?;
         write!(
             f,
-            "weights: {} tensors in {} shard(s), {:.3} GiB of tensor data, {:.3} GiB on disk",
+            "weights: {} tensors in {} shard(s), {} of tensor data, {} on disk",
             self.tensors,
             self.shards,
-            self.tensor_bytes as f64 / GIB,
-            self.file_bytes as f64 / GIB
+            human_bytes(self.tensor_bytes),
+            human_bytes(self.file_bytes)
         )
     }
 }
