@@ -119,6 +119,17 @@ pub fn e2m1_half_step(magnitude: f32) -> f32 {
     }
 }
 
+/// ModelOpt's per-tensor scale for a tensor whose largest magnitude is `amax`:
+/// `amax / (6 * 448)`, and 1.0 for an all-zero tensor (so every block scale stays finite).
+/// The same rule gives `input_scale` from an activation amax.
+pub fn modelopt_global_scale(amax: f32) -> f32 {
+    if amax > 0.0 {
+        amax / (E2M1_MAX * E4M3_MAX)
+    } else {
+        1.0
+    }
+}
+
 /// An NVFP4 matrix `[rows, cols]` (row-major, `cols % 16 == 0`):
 /// `value(r, c) = e2m1(packed) * e4m3(scales[r, c / 16]) * global_scale`.
 #[derive(Debug, Clone, PartialEq)]
@@ -194,12 +205,12 @@ impl Nvfp4Matrix {
     pub fn quantize(name: &str, values: &[f32], rows: usize, cols: usize) -> Result<Self> {
         check_values(name, values, rows, cols)?;
         let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let global_scale = if amax > 0.0 {
-            amax / (E2M1_MAX * E4M3_MAX)
-        } else {
-            1.0
-        };
-        Ok(Self::quantize_checked(values, rows, cols, global_scale))
+        Ok(Self::quantize_checked(
+            values,
+            rows,
+            cols,
+            modelopt_global_scale(amax),
+        ))
     }
 
     /// Quantises with a given per-tensor scale (as W4A4 quantises activations with the

@@ -16,6 +16,10 @@ use half::bf16;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+mod doctor;
+mod graft_mtp;
+mod quantize;
+
 /// The embedded default GEMM shape: a Qwen3.6-35B-A3B shared-expert gate_up ([1024, 2048]) at
 /// 16 rows (batch x verify rows of a small speculative batch).
 const DEFAULT_M: usize = 16;
@@ -83,6 +87,13 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Everything wrong with a checkpoint folder (config, quantisation config, index, shard
+    /// headers; never the data), one line per finding with a stable code; exit 1 on findings.
+    Doctor(doctor::Args),
+    /// Graft BASE's MTP head into FINETUNE as the new checkpoint OUT, with the drift report.
+    GraftMtp(graft_mtp::Args),
+    /// BF16 -> NVFP4 (ModelOpt or compressed-tensors), streaming, with the error per tensor.
+    Quantize(quantize::Args),
     /// Run the NVFP4 x bf16 GEMM on a backend with random inputs and compare it with the CPU
     /// reference (default shape: one Qwen3.6-35B-A3B shared-expert gate_up at 16 rows).
     GemmCheck {
@@ -147,6 +158,9 @@ fn main() -> ExitCode {
             repeat,
         } => gemm_check(&backend, m, n, k, seed, &kernel, repeat),
         Command::Roofline(args) => roofline_command(args),
+        Command::Doctor(args) => doctor::run(args),
+        Command::GraftMtp(args) => graft_mtp::run(args),
+        Command::Quantize(args) => quantize::run(args),
         Command::SpecMetrics {
             source,
             url,
