@@ -306,3 +306,78 @@ fn demo_model_speculation_is_lossless_and_accepted() {
         }
     }
 }
+
+/// `fp4spec quantize` on the BF16 fixture, end to end: doctor passes, the runner loads the
+/// fused ModelOpt experts and the per-expert split to bit-identical weights, and the
+/// compressed-tensors form (its own global-scale convention) too, the logits stay near the BF16 model's (NVFP4
+/// error), and greedy speculation stays lossless on the quantised model.
+#[test]
+fn quantised_fixture_loads_in_every_layout_and_stays_lossless() {
+    use fp4spec::checkpoint::{doctor, quantize};
+    use fp4spec::formats::quant_config::Convention;
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let source = fixture("qwen35_text");
+    let layouts: [(&str, Convention, bool); 3] = [
+        ("fused", Convention::ModelOpt, false),
+        ("split", Convention::ModelOpt, true),
+        ("compressed", Convention::CompressedTensors, false),
+    ];
+    let mut logits: Vec<Vec<f32>> = Vec::new();
+    let prompt = [3u32, 141, 59, 26, 5, 35, 89];
+    for (name, convention, split_experts) in layouts {
+        let out = tmp.path().join(name);
+        let mut options = quantize::QuantizeOptions::new(&source, &out);
+        options.convention = convention;
+        options.split_experts = split_experts;
+        quantize::quantize(&options, &indicatif::ProgressBar::hidden()).expect("quantize");
+        let findings = doctor::diagnose(&out).expect("doctor");
+        assert!(findings.healthy(), "{name}: {:#?}", findings.findings);
+        let model = Model::load(&out).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut cache = SequenceCache::new(&model.config);
+        logits.push(
+            model
+                .forward(&mut [ForwardInput {
+                    cache: &mut cache,
+                    tokens: &prompt,
+                    record: false,
+                    all_logits: true,
+                }])
+                .expect("forward")
+                .remove(0)
+                .logits,
+        );
+        if name == "fused" {
+            let requests = [greedy(&prompt, 16)];
+            let plain = generate::generate(&model, &requests, 0).expect("plain");
+            let spec = generate::generate(&model, &requests, 3).expect("speculative");
+            assert_eq!(plain[0].tokens, spec[0].tokens, "quantised model, 3 drafts");
+        }
+    }
+    assert!(
+        logits[0]
+            .iter()
+            .zip(&logits[1])
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "the per-expert split loads other weights than the fused experts"
+    );
+    let bf16 = Model::load(&source).expect("fixture");
+    let mut cache = SequenceCache::new(&bf16.config);
+    let reference = bf16
+        .forward(&mut [ForwardInput {
+            cache: &mut cache,
+            tokens: &prompt,
+            record: false,
+            all_logits: true,
+        }])
+        .expect("forward")
+        .remove(0)
+        .logits;
+    for (i, (name, ..)) in layouts.iter().enumerate() {
+        let err = max_relative_error(&logits[i], std::slice::from_ref(&reference));
+        println!("NVFP4 ({name}) against BF16 logits: max rel err {err:.3}");
+        assert!(
+            err > 1e-4 && err < 0.25,
+            "{name}: logits off by {err} of the BF16 scale"
+        );
+    }
+}

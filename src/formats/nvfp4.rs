@@ -349,6 +349,77 @@ impl Nvfp4Matrix {
         )
     }
 
+    /// Loads expert `expert` of a fused 3-D ModelOpt NVFP4 expert tensor `name` (`[E, N, K/2]`
+    /// U8), with its per-expert scales `{name}_weight_scale` (F8_E4M3 `[E, N, K/16]`),
+    /// `{name}_weight_scale_2` (F32 `[E]`) and optional `{name}_input_scale` (F32 `[E]`, or a
+    /// scalar shared by all experts).
+    ///
+    /// # Errors
+    /// As [`Nvfp4Matrix::load`]; [`Error::Invalid`] for an expert index out of range.
+    pub fn load_fused_expert(checkpoint: &Checkpoint, name: &str, expert: usize) -> Result<Self> {
+        let weight = checkpoint.tensor(name)?;
+        weight.expect_dtype(&[Dtype::U8])?;
+        let [experts, rows, half_cols] = weight.expect_rank::<3>()?;
+        if expert >= experts {
+            return Err(Error::invalid(
+                format!("tensor `{name}`"),
+                format!("expert {expert} asked of {experts}"),
+            ));
+        }
+        let cols = half_cols * 2;
+        check_cols(name, cols)?;
+        let scale_name = format!("{name}_weight_scale");
+        let scales = checkpoint.tensor(&scale_name)?;
+        scales.expect_dtype(&[Dtype::F8_E4M3])?;
+        scales.expect_shape(&[experts, rows, cols / BLOCK])?;
+        let per_expert = |tensor_name: &str| -> Result<f32> {
+            let t = checkpoint.tensor(tensor_name)?;
+            t.expect_dtype(&[Dtype::F32])?;
+            let values: Vec<f32> = t.to_f32()?;
+            let value = match values.len() {
+                1 => values[0],
+                n if n == experts => values[expert],
+                _ => {
+                    return Err(Error::Shape {
+                        tensor: tensor_name.to_string(),
+                        file: t.file.to_path_buf(),
+                        expected: format!("[{experts}] or a scalar"),
+                        found: t.shape.to_vec(),
+                    });
+                }
+            };
+            checked_global(tensor_name, value)
+        };
+        let global_scale = per_expert(&format!("{name}_weight_scale_2"))?;
+        let input_name = format!("{name}_input_scale");
+        let input_scale = if checkpoint.contains(&input_name) {
+            Some(per_expert(&input_name)?)
+        } else {
+            None
+        };
+        let (code_len, scale_len) = (rows * half_cols, rows * cols / BLOCK);
+        let codes = &weight.data[expert * code_len..(expert + 1) * code_len];
+        let block_scales = &scales.data[expert * scale_len..(expert + 1) * scale_len];
+        if let Some(i) = block_scales.iter().position(|b| b & 0x7f == 0x7f) {
+            return Err(Error::invalid(
+                format!("tensor `{scale_name}` in {}", scales.file.display()),
+                format!(
+                    "block scale [{expert}, {}, {}] is NaN",
+                    i / (cols / BLOCK),
+                    i % (cols / BLOCK)
+                ),
+            ));
+        }
+        Ok(Self {
+            rows,
+            cols,
+            packed: codes.to_vec(),
+            scales: block_scales.to_vec(),
+            global_scale,
+            input_scale,
+        })
+    }
+
     fn load_parts(
         checkpoint: &Checkpoint,
         weight_name: &str,

@@ -289,11 +289,35 @@ impl Loader<'_> {
     fn moe(&self, m: &str) -> Result<MoeWeights> {
         let c = self.config;
         let (h, e, i) = (c.hidden_size, c.num_experts, c.moe_intermediate_size);
-        let experts = if self
+        let fused_name = format!("{m}experts.gate_up_proj");
+        let fused_nvfp4 = self
             .checkpoint
-            .contains(&format!("{m}experts.gate_up_proj"))
-        {
-            let gate_up = self.dense(&format!("{m}experts.gate_up_proj"), &[e, 2 * i, h])?;
+            .tensor(&fused_name)
+            .is_ok_and(|t| t.dtype == Dtype::U8);
+        let experts = if fused_nvfp4 {
+            (0..e)
+                .map(|expert| {
+                    let dequant = |name: &str, rows: usize, cols: usize| -> Result<Vec<f32>> {
+                        let matrix = Nvfp4Matrix::load_fused_expert(self.checkpoint, name, expert)?;
+                        if (matrix.rows, matrix.cols) != (rows, cols) {
+                            return Err(Error::invalid(
+                                format!("{name} (NVFP4, expert {expert})"),
+                                format!(
+                                    "holds [{}, {}], the config implies [{rows}, {cols}]",
+                                    matrix.rows, matrix.cols
+                                ),
+                            ));
+                        }
+                        Ok(matrix.dequantize())
+                    };
+                    Ok(ExpertWeights {
+                        gate_up: dequant(&fused_name, 2 * i, h)?,
+                        down: dequant(&format!("{m}experts.down_proj"), h, i)?,
+                    })
+                })
+                .collect::<Result<_>>()?
+        } else if self.checkpoint.contains(&fused_name) {
+            let gate_up = self.dense(&fused_name, &[e, 2 * i, h])?;
             let down = self.dense(&format!("{m}experts.down_proj"), &[e, h, i])?;
             gate_up
                 .chunks_exact(2 * i * h)
