@@ -372,9 +372,11 @@ struct RooflineArgs {
     /// Checkpoint folder whose config.json describes the model (default: Qwen3.6-35B-A3B).
     #[arg(long, value_name = "DIR")]
     model: Option<PathBuf>,
-    /// bf16 or nvfp4 (ModelOpt: experts, shared experts and attention in NVFP4).
-    #[arg(long, default_value = "nvfp4")]
-    precision: String,
+    /// bf16 or nvfp4 (ModelOpt: experts, shared experts and attention in NVFP4). Default: what
+    /// --model's quantisation config says (nvfp4 when it has one, else bf16), or nvfp4 for the
+    /// built-in Qwen3.6-35B-A3B.
+    #[arg(long)]
+    precision: Option<String>,
     /// Sequences decoded together.
     #[arg(long, default_value_t = 1)]
     batch: usize,
@@ -411,7 +413,16 @@ struct RooflineArgs {
 fn roofline_command(args: RooflineArgs) -> Result<(), Failure> {
     use fp4spec::model::config::ModelConfig;
     use fp4spec::roofline::{self, Precision, RowFit, Step};
-    let precision = match args.precision.as_str() {
+    let from_folder = match (&args.precision, &args.model) {
+        (None, Some(dir)) => Some(
+            match fp4spec::formats::quant_config::QuantConfig::load(dir)? {
+                Some(_) => "nvfp4",
+                None => "bf16",
+            },
+        ),
+        _ => None,
+    };
+    let precision = match from_folder.or(args.precision.as_deref()).unwrap_or("nvfp4") {
         "bf16" => Precision::Bf16,
         "nvfp4" => Precision::Nvfp4,
         other => {
