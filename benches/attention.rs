@@ -8,7 +8,6 @@
 mod common;
 
 use common::bench_graph;
-use fp4spec::backend::Backend;
 use fp4spec::kernels::attention::reference::AttentionShape;
 use fp4spec::kernels::attention::{self, GatedAttention, KvCache, RopeTable, Rows, Workspace};
 use fp4spec::rng::SplitMix64;
@@ -26,15 +25,8 @@ fn main() {
     let Some(backend) = common::cuda_or_skip("attention") else {
         return;
     };
-    let Backend::Cuda(cuda) = &backend else {
-        unreachable!("asked for CUDA")
-    };
+    let cuda = common::announce(&backend);
     let mut criterion = common::criterion();
-    println!(
-        "device: {} ({} SMs)",
-        backend.describe(),
-        cuda.multiprocessors()
-    );
     let copy_gbs = common::copy_bandwidth_gbs(&mut criterion, cuda);
     let mut rng = SplitMix64::new(0x5eed);
     let q_norm = backend.upload(&rng.normal_vec(256, 0.3)).expect("q_norm");

@@ -5,7 +5,7 @@
 
 use fp4spec::kernels::verify::reference::SamplingParams;
 use fp4spec::model::cache::SequenceCache;
-use fp4spec::model::forward::{ForwardInput, Model, MtpInput};
+use fp4spec::model::forward::{ForwardInput, ForwardOutput, Model, MtpInput};
 use fp4spec::model::generate::{self, FinishReason, Request};
 use std::path::PathBuf;
 
@@ -64,21 +64,26 @@ fn max_relative_error(ours: &[f32], theirs: &[Vec<f32>]) -> f64 {
 /// 1e-2 or more).
 const LOGIT_TOLERANCE: f64 = 2e-5;
 
+/// One sequence's forward over `tokens` with every row's logits.
+fn prefill(model: &Model, cache: &mut SequenceCache, tokens: &[u32]) -> ForwardOutput {
+    model
+        .forward(&mut [ForwardInput {
+            cache,
+            tokens,
+            record: false,
+            all_logits: true,
+        }])
+        .expect("forward")
+        .remove(0)
+}
+
 fn check_logits(name: &str, with_mtp: bool) {
     let model = Model::load(fixture(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
     let r = reference(name);
     let h = model.config.hidden_size;
     for (i, prompt) in r.prompts.iter().enumerate() {
         let mut cache = SequenceCache::new(&model.config);
-        let out = model
-            .forward(&mut [ForwardInput {
-                cache: &mut cache,
-                tokens: prompt,
-                record: false,
-                all_logits: true,
-            }])
-            .expect("forward")
-            .remove(0);
+        let out = prefill(&model, &mut cache, prompt);
         let err = max_relative_error(&out.logits, &r.logits[i]);
         println!(
             "{name} prompt {i} (T = {}): logits max rel err {err:.2e}",
@@ -333,19 +338,7 @@ fn quantised_fixture_loads_in_every_layout_and_stays_lossless() {
         let findings = doctor::diagnose(&out).expect("doctor");
         assert!(findings.healthy(), "{name}: {:#?}", findings.findings);
         let model = Model::load(&out).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let mut cache = SequenceCache::new(&model.config);
-        logits.push(
-            model
-                .forward(&mut [ForwardInput {
-                    cache: &mut cache,
-                    tokens: &prompt,
-                    record: false,
-                    all_logits: true,
-                }])
-                .expect("forward")
-                .remove(0)
-                .logits,
-        );
+        logits.push(prefill(&model, &mut SequenceCache::new(&model.config), &prompt).logits);
         if name == "fused" {
             let requests = [greedy(&prompt, 16)];
             let plain = generate::generate(&model, &requests, 0).expect("plain");
@@ -361,17 +354,7 @@ fn quantised_fixture_loads_in_every_layout_and_stays_lossless() {
         "the per-expert split loads other weights than the fused experts"
     );
     let bf16 = Model::load(&source).expect("fixture");
-    let mut cache = SequenceCache::new(&bf16.config);
-    let reference = bf16
-        .forward(&mut [ForwardInput {
-            cache: &mut cache,
-            tokens: &prompt,
-            record: false,
-            all_logits: true,
-        }])
-        .expect("forward")
-        .remove(0)
-        .logits;
+    let reference = prefill(&bf16, &mut SequenceCache::new(&bf16.config), &prompt).logits;
     for (i, (name, ..)) in layouts.iter().enumerate() {
         let err = max_relative_error(&logits[i], std::slice::from_ref(&reference));
         println!("NVFP4 ({name}) against BF16 logits: max rel err {err:.3}");

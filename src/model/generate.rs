@@ -19,7 +19,7 @@
 use crate::error::{Error, Result};
 use crate::kernels::verify::reference::{self as verify, AcceptanceStats, Drafts, SamplingParams};
 use crate::model::cache::SequenceCache;
-use crate::model::forward::{ForwardInput, Model, MtpInput};
+use crate::model::forward::{ForwardInput, ForwardOutput, Model, MtpInput};
 
 /// Random-stream separation of draft sampling from the verifier's own draws: drafts are drawn
 /// with the sequence seed XOR this constant, so they are independent of the acceptance and
@@ -171,18 +171,7 @@ pub fn generate(
     {
         let mut active: Vec<&mut Live> = live.iter_mut().filter(|l| l.finished.is_none()).collect();
         let prompts: Vec<Vec<u32>> = active.iter().map(|l| l.tokens.clone()).collect();
-        let mut inputs: Vec<ForwardInput<'_>> = active
-            .iter_mut()
-            .zip(&prompts)
-            .map(|(l, prompt)| ForwardInput {
-                cache: &mut l.cache,
-                tokens: prompt,
-                record: false,
-                all_logits: false,
-            })
-            .collect();
-        let outputs = model.forward(&mut inputs)?;
-        drop(inputs);
+        let outputs = target_forward(model, &mut active, &prompts, false)?;
         for (l, out) in active.iter_mut().zip(outputs) {
             let request = &requests[l.index];
             let position = l.tokens.len() as u64;
@@ -233,18 +222,7 @@ pub fn generate(
                 r
             })
             .collect();
-        let mut inputs: Vec<ForwardInput<'_>> = active
-            .iter_mut()
-            .zip(&rows)
-            .map(|(l, r)| ForwardInput {
-                cache: &mut l.cache,
-                tokens: r,
-                record: true,
-                all_logits: true,
-            })
-            .collect();
-        let outputs = model.forward(&mut inputs)?;
-        drop(inputs);
+        let outputs = target_forward(model, &mut active, &rows, true)?;
         for (((l, out), d), q) in active
             .iter_mut()
             .zip(outputs)
@@ -285,6 +263,27 @@ pub fn generate(
             acceptance: l.acceptance,
         })
         .collect())
+}
+
+/// One target forward over the active sequences: `rows[i]` continues sequence `i`. A verify
+/// forward records GDN snapshots and returns every row's logits; a prefill only the last row's.
+fn target_forward(
+    model: &Model,
+    active: &mut [&mut Live],
+    rows: &[Vec<u32>],
+    verify: bool,
+) -> Result<Vec<ForwardOutput>> {
+    let mut inputs: Vec<ForwardInput<'_>> = active
+        .iter_mut()
+        .zip(rows)
+        .map(|(l, r)| ForwardInput {
+            cache: &mut l.cache,
+            tokens: r,
+            record: verify,
+            all_logits: verify,
+        })
+        .collect();
+    model.forward(&mut inputs)
 }
 
 /// Drafts `n_of[i]` tokens for every active sequence with the MTP head: one catch-up forward
