@@ -240,3 +240,234 @@ fn gates_norms_and_the_gated_rmsnorm() {
     assert!(y[0].abs() < 1e-6, "silu(0) = 0");
     assert!((y[1] - (-2.0 * gdn::silu(10.0) as f32)).abs() < 1e-5);
 }
+
+// ---- the layer core from raw projections and the speculative step ----
+
+struct Layer {
+    conv_weight: Vec<f32>,
+    a_log: Vec<f32>,
+    dt_bias: Vec<f32>,
+    norm_weight: Vec<f32>,
+}
+
+const KERNEL: usize = 4;
+
+impl Layer {
+    fn random(rng: &mut SplitMix64, shape: GdnShape) -> Self {
+        Self {
+            conv_weight: rng.normal_vec(shape.conv_dim() * KERNEL, 0.5),
+            a_log: (0..shape.value_heads)
+                .map(|h| (h as f32 * 0.3).ln_1p() - 1.0)
+                .collect(),
+            dt_bias: rng.normal_vec(shape.value_heads, 0.5),
+            norm_weight: rng
+                .normal_vec(shape.dv, 0.1)
+                .into_iter()
+                .map(|w| 1.0 + w)
+                .collect(),
+        }
+    }
+
+    fn params(&self) -> gdn::LayerParams<'_> {
+        gdn::LayerParams {
+            conv_weight: &self.conv_weight,
+            kernel: KERNEL,
+            a_log: &self.a_log,
+            dt_bias: &self.dt_bias,
+            norm_weight: &self.norm_weight,
+            eps: 1e-6,
+        }
+    }
+}
+
+struct Raw {
+    qkv: Vec<f32>,
+    a: Vec<f32>,
+    b: Vec<f32>,
+    z: Vec<f32>,
+}
+
+impl Raw {
+    fn random(rng: &mut SplitMix64, shape: GdnShape, t: usize) -> Self {
+        Self {
+            qkv: rng.normal_vec(t * shape.conv_dim(), 1.0),
+            a: rng.normal_vec(t * shape.value_heads, 1.0),
+            b: rng.normal_vec(t * shape.value_heads, 1.0),
+            z: rng.normal_vec(t * shape.value_heads * shape.dv, 1.0),
+        }
+    }
+
+    /// Tokens `range` of these rows, with or without the gate.
+    fn rows(
+        &self,
+        shape: GdnShape,
+        range: std::ops::Range<usize>,
+        gated: bool,
+    ) -> gdn::RawInputs<'_> {
+        let (c, h, z) = (
+            shape.conv_dim(),
+            shape.value_heads,
+            shape.value_heads * shape.dv,
+        );
+        gdn::RawInputs {
+            t: range.len(),
+            qkv: &self.qkv[range.start * c..range.end * c],
+            a: &self.a[range.start * h..range.end * h],
+            b: &self.b[range.start * h..range.end * h],
+            z: gated.then(|| &self.z[range.start * z..range.end * z]),
+        }
+    }
+}
+
+fn small_shape() -> GdnShape {
+    GdnShape {
+        key_heads: 2,
+        value_heads: 4,
+        dk: 16,
+        dv: 24,
+    }
+}
+
+fn fresh_cache(rng: &mut SplitMix64, shape: GdnShape) -> gdn::SequenceCache {
+    gdn::SequenceCache::new(
+        rng.normal_vec(shape.state_len(), 0.2),
+        rng.normal_vec((KERNEL - 1) * shape.conv_dim(), 1.0),
+        7,
+    )
+}
+
+#[test]
+fn decode_steps_equal_the_plain_composition_of_the_reference_functions() {
+    let mut rng = SplitMix64::new(4);
+    let shape = small_shape();
+    let layer = Layer::random(&mut rng, shape);
+    let t = 9;
+    let raw = Raw::random(&mut rng, shape, t);
+    let mut cache = fresh_cache(&mut rng, shape);
+    let (mut window, mut state) = (cache.window.clone(), cache.state.clone());
+    let want = gdn::layer_core(
+        shape,
+        layer.params(),
+        raw.rows(shape, 0..t, true),
+        &mut window,
+        &mut state,
+        Some(4),
+    );
+    let mut got = Vec::new();
+    for step in 0..t {
+        got.extend(cache.step(
+            shape,
+            layer.params(),
+            raw.rows(shape, step..step + 1, true),
+            gdn::StepMode::Decode,
+        ));
+    }
+    assert!(
+        max_rel(&got, &want) < 1e-5,
+        "outputs {:.2e}",
+        max_rel(&got, &want)
+    );
+    assert!(max_rel(&cache.state, &state) < 1e-5);
+    assert_eq!(
+        cache.window, window,
+        "the conv window is the last 3 raw rows"
+    );
+    assert_eq!(cache.position, 7 + t);
+}
+
+/// verify(n + 1 tokens) then commit(k) gives, for every k, the outputs, state, conv window and
+/// position of decoding the first k tokens one at a time.
+#[test]
+fn verify_then_commit_k_equals_decoding_the_first_k_tokens_for_every_k() {
+    let mut rng = SplitMix64::new(5);
+    let shape = small_shape();
+    let layer = Layer::random(&mut rng, shape);
+    for tokens in [1, 3, 5] {
+        let raw = Raw::random(&mut rng, shape, tokens);
+        let start = fresh_cache(&mut rng, shape);
+        for gated in [false, true] {
+            let mut verify = start.clone();
+            let verified = verify.step(
+                shape,
+                layer.params(),
+                raw.rows(shape, 0..tokens, gated),
+                gdn::StepMode::Verify,
+            );
+            assert_eq!(
+                verify.state, start.state,
+                "verify keeps the pre-verify state"
+            );
+            assert_eq!(verify.position, start.position);
+            let width = shape.value_heads * shape.dv;
+            for k in 0..=tokens {
+                let mut committed = verify.clone();
+                committed.commit(k);
+                assert_eq!(committed.pending.len(), k);
+                committed.replay_pending(shape);
+                let mut decoded = start.clone();
+                let mut outs = Vec::new();
+                for step in 0..k {
+                    outs.extend(decoded.step(
+                        shape,
+                        layer.params(),
+                        raw.rows(shape, step..step + 1, gated),
+                        gdn::StepMode::Decode,
+                    ));
+                }
+                let what = format!("n+1={tokens} k={k} gated={gated}");
+                assert!(
+                    max_rel(&verified[..k * width], &outs) < 1e-5,
+                    "{what}: outputs {:.2e}",
+                    max_rel(&verified[..k * width], &outs)
+                );
+                assert!(
+                    max_rel(&committed.state, &decoded.state) < 1e-5,
+                    "{what}: state {:.2e}",
+                    max_rel(&committed.state, &decoded.state)
+                );
+                assert_eq!(committed.window, decoded.window, "{what}: conv window");
+                assert_eq!(committed.position, decoded.position, "{what}: position");
+            }
+        }
+    }
+}
+
+/// A chain of verify steps with partial acceptance, each next step replaying the accepted
+/// tokens inside itself, produces the outputs of plain decoding of the accepted tokens.
+#[test]
+fn chained_verify_steps_replay_the_accepted_tokens_without_recompute() {
+    let mut rng = SplitMix64::new(6);
+    let shape = small_shape();
+    let layer = Layer::random(&mut rng, shape);
+    let width = shape.value_heads * shape.dv;
+    let mut spec = fresh_cache(&mut rng, shape);
+    let mut plain = spec.clone();
+    for (round, accepted) in [3usize, 0, 1, 3, 2].into_iter().enumerate() {
+        let raw = Raw::random(&mut rng, shape, 3);
+        let outs = spec.step(
+            shape,
+            layer.params(),
+            raw.rows(shape, 0..3, true),
+            gdn::StepMode::Verify,
+        );
+        spec.commit(accepted);
+        for step in 0..accepted {
+            let want = plain.step(
+                shape,
+                layer.params(),
+                raw.rows(shape, step..step + 1, true),
+                gdn::StepMode::Decode,
+            );
+            let got = &outs[step * width..(step + 1) * width];
+            assert!(
+                max_rel(got, &want) < 1e-5,
+                "round {round} token {step}: {:.2e}",
+                max_rel(got, &want)
+            );
+        }
+        assert_eq!(spec.position, plain.position);
+    }
+    spec.replay_pending(shape);
+    assert!(max_rel(&spec.state, &plain.state) < 1e-5);
+    assert_eq!(spec.window, plain.window);
+}
