@@ -471,3 +471,434 @@ fn chained_verify_steps_replay_the_accepted_tokens_without_recompute() {
     assert!(max_rel(&spec.state, &plain.state) < 1e-5);
     assert_eq!(spec.window, plain.window);
 }
+
+// ---- the launch API on the CPU backend: the ring layout keeps the reference's semantics ----
+
+use fp4spec::backend::{Backend, DeviceVec};
+use fp4spec::kernels::gdn::{
+    self as api, Accepted, ChunkWorkspace, GdnCache, GdnParams, Projections, Rows, Sequences,
+};
+use half::bf16;
+
+/// Projection rows as the API takes them (bf16) and as the reference takes them (the same
+/// values in f32).
+struct ApiRows {
+    qkv: Vec<bf16>,
+    a: Vec<bf16>,
+    b: Vec<bf16>,
+    z: Vec<bf16>,
+}
+
+fn bf16s(rng: &mut SplitMix64, len: usize) -> Vec<bf16> {
+    rng.normal_vec(len, 1.0)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect()
+}
+
+impl ApiRows {
+    fn random(rng: &mut SplitMix64, shape: GdnShape, rows: usize) -> Self {
+        Self {
+            qkv: bf16s(rng, rows * shape.conv_dim()),
+            a: bf16s(rng, rows * shape.value_heads),
+            b: bf16s(rng, rows * shape.value_heads),
+            z: bf16s(rng, rows * shape.value_heads * shape.dv),
+        }
+    }
+
+    fn f32s(v: &[bf16], range: std::ops::Range<usize>, width: usize) -> Vec<f32> {
+        v[range.start * width..range.end * width]
+            .iter()
+            .map(|x| x.to_f32())
+            .collect()
+    }
+
+    /// Reference outputs of rows `range` through `cache.step`.
+    fn reference_step(
+        &self,
+        shape: GdnShape,
+        layer: &Layer,
+        cache: &mut gdn::SequenceCache,
+        range: std::ops::Range<usize>,
+        mode: gdn::StepMode,
+    ) -> Vec<bf16> {
+        let (c, h, zw) = (
+            shape.conv_dim(),
+            shape.value_heads,
+            shape.value_heads * shape.dv,
+        );
+        let (qkv, a, b, z) = (
+            Self::f32s(&self.qkv, range.clone(), c),
+            Self::f32s(&self.a, range.clone(), h),
+            Self::f32s(&self.b, range.clone(), h),
+            Self::f32s(&self.z, range.clone(), zw),
+        );
+        let raw = gdn::RawInputs {
+            t: range.len(),
+            qkv: &qkv,
+            a: &a,
+            b: &b,
+            z: Some(&z),
+        };
+        cache
+            .step(shape, layer.params(), raw, mode)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect()
+    }
+}
+
+struct Uploaded {
+    qkv: DeviceVec<bf16>,
+    a: DeviceVec<bf16>,
+    b: DeviceVec<bf16>,
+    z: DeviceVec<bf16>,
+}
+
+impl Uploaded {
+    fn new(backend: &Backend, rows: &ApiRows) -> Self {
+        Self {
+            qkv: backend.upload(&rows.qkv).unwrap(),
+            a: backend.upload(&rows.a).unwrap(),
+            b: backend.upload(&rows.b).unwrap(),
+            z: backend.upload(&rows.z).unwrap(),
+        }
+    }
+
+    fn projections(&self, shape: GdnShape) -> Projections<'_> {
+        Projections {
+            qkv: Rows::packed(&self.qkv, shape.conv_dim()),
+            a: Rows::packed(&self.a, shape.value_heads),
+            b: Rows::packed(&self.b, shape.value_heads),
+            z: Some(Rows::packed(&self.z, shape.value_heads * shape.dv)),
+        }
+    }
+}
+
+#[test]
+fn the_cpu_backend_of_the_launch_api_keeps_the_reference_semantics_through_its_ring() {
+    let mut rng = SplitMix64::new(7);
+    let shape = GdnShape {
+        key_heads: 2,
+        value_heads: 4,
+        dk: 16,
+        dv: 32,
+    };
+    let layer = Layer::random(&mut rng, shape);
+    let backend = Backend::Cpu;
+    let params = GdnParams::upload(
+        &backend,
+        shape,
+        KERNEL,
+        &layer.conv_weight,
+        &layer.a_log,
+        &layer.dt_bias,
+        &layer.norm_weight,
+        1e-6,
+    )
+    .unwrap();
+    let mut cache = GdnCache::new(&backend, shape, KERNEL, 3, 3).unwrap();
+    let mut workspace = ChunkWorkspace::new(&backend, shape, 64, 2).unwrap();
+    // two sequences in slots 2 and 0, both fresh
+    let slots = [2usize, 0];
+    let mut seqs = Sequences::new(&backend, &[2, 0], &[0, 0]).unwrap();
+    let mut reference: Vec<gdn::SequenceCache> = (0..2)
+        .map(|_| {
+            gdn::SequenceCache::new(
+                vec![0.0; shape.state_len()],
+                vec![0.0; (KERNEL - 1) * shape.conv_dim()],
+                0,
+            )
+        })
+        .collect();
+    let width = shape.value_heads * shape.dv;
+    let run = |what: &str, got: &DeviceVec<bf16>, want: &[bf16]| {
+        let got = backend.download(got).unwrap();
+        assert_eq!(got, want, "{what}");
+    };
+
+    // prefill 5 and 2 tokens
+    let rows = ApiRows::random(&mut rng, shape, 7);
+    let up = Uploaded::new(&backend, &rows);
+    let mut out = backend.zeros::<bf16>(7 * width).unwrap();
+    api::prefill(
+        &backend,
+        &params,
+        &mut cache,
+        &mut workspace,
+        &seqs,
+        &[0, 5, 7],
+        &up.projections(shape),
+        &mut out,
+    )
+    .unwrap();
+    let mut want = rows.reference_step(
+        shape,
+        &layer,
+        &mut reference[0],
+        0..5,
+        gdn::StepMode::Decode,
+    );
+    want.extend(rows.reference_step(
+        shape,
+        &layer,
+        &mut reference[1],
+        5..7,
+        gdn::StepMode::Decode,
+    ));
+    run("prefill", &out, &want);
+    let lengths = backend.upload(&[5u32, 2]).unwrap();
+    seqs.commit(
+        &backend,
+        Accepted::PerSequence(&lengths),
+        api::StepMode::Decode,
+    )
+    .unwrap();
+
+    // verify 3 tokens each, accept 2 and 0
+    let rows = ApiRows::random(&mut rng, shape, 6);
+    let up = Uploaded::new(&backend, &rows);
+    let mut out = backend.zeros::<bf16>(6 * width).unwrap();
+    api::step(
+        &backend,
+        &params,
+        &mut cache,
+        &seqs,
+        3,
+        &up.projections(shape),
+        api::StepMode::Verify,
+        &mut out,
+    )
+    .unwrap();
+    let mut want = rows.reference_step(
+        shape,
+        &layer,
+        &mut reference[0],
+        0..3,
+        gdn::StepMode::Verify,
+    );
+    want.extend(rows.reference_step(
+        shape,
+        &layer,
+        &mut reference[1],
+        3..6,
+        gdn::StepMode::Verify,
+    ));
+    run("verify", &out, &want);
+    let accepted = backend.upload(&[2u32, 0]).unwrap();
+    seqs.commit(
+        &backend,
+        Accepted::PerSequence(&accepted),
+        api::StepMode::Verify,
+    )
+    .unwrap();
+    reference[0].commit(2);
+    reference[1].commit(0);
+    assert_eq!(seqs.positions(&backend).unwrap(), [7, 2]);
+    assert_eq!(seqs.pending(&backend).unwrap(), [2, 0]);
+
+    // one decode step (replays the 2 accepted tokens of sequence 0)
+    let rows = ApiRows::random(&mut rng, shape, 2);
+    let up = Uploaded::new(&backend, &rows);
+    let mut out = backend.zeros::<bf16>(2 * width).unwrap();
+    api::step(
+        &backend,
+        &params,
+        &mut cache,
+        &seqs,
+        1,
+        &up.projections(shape),
+        api::StepMode::Decode,
+        &mut out,
+    )
+    .unwrap();
+    let mut want = rows.reference_step(
+        shape,
+        &layer,
+        &mut reference[0],
+        0..1,
+        gdn::StepMode::Decode,
+    );
+    want.extend(rows.reference_step(
+        shape,
+        &layer,
+        &mut reference[1],
+        1..2,
+        gdn::StepMode::Decode,
+    ));
+    run("decode after verify", &out, &want);
+    seqs.commit(&backend, Accepted::All(1), api::StepMode::Decode)
+        .unwrap();
+
+    // verify again, accept 3 and 1, then a prefill continues both (4 tokens and none)
+    let rows = ApiRows::random(&mut rng, shape, 6);
+    let up = Uploaded::new(&backend, &rows);
+    let mut out = backend.zeros::<bf16>(6 * width).unwrap();
+    api::step(
+        &backend,
+        &params,
+        &mut cache,
+        &seqs,
+        3,
+        &up.projections(shape),
+        api::StepMode::Verify,
+        &mut out,
+    )
+    .unwrap();
+    let mut want = rows.reference_step(
+        shape,
+        &layer,
+        &mut reference[0],
+        0..3,
+        gdn::StepMode::Verify,
+    );
+    want.extend(rows.reference_step(
+        shape,
+        &layer,
+        &mut reference[1],
+        3..6,
+        gdn::StepMode::Verify,
+    ));
+    run("second verify", &out, &want);
+    let accepted = backend.upload(&[3u32, 1]).unwrap();
+    seqs.commit(
+        &backend,
+        Accepted::PerSequence(&accepted),
+        api::StepMode::Verify,
+    )
+    .unwrap();
+    reference[0].commit(3);
+    reference[1].commit(1);
+    let rows = ApiRows::random(&mut rng, shape, 4);
+    let up = Uploaded::new(&backend, &rows);
+    let mut out = backend.zeros::<bf16>(4 * width).unwrap();
+    api::prefill(
+        &backend,
+        &params,
+        &mut cache,
+        &mut workspace,
+        &seqs,
+        &[0, 4, 4],
+        &up.projections(shape),
+        &mut out,
+    )
+    .unwrap();
+    let want = rows.reference_step(
+        shape,
+        &layer,
+        &mut reference[0],
+        0..4,
+        gdn::StepMode::Decode,
+    );
+    reference[1].replay_pending(shape);
+    run("prefill after verify", &out, &want);
+    let lengths = backend.upload(&[4u32, 0]).unwrap();
+    seqs.commit(
+        &backend,
+        Accepted::PerSequence(&lengths),
+        api::StepMode::Decode,
+    )
+    .unwrap();
+    api::flush(&backend, &params, &mut cache, &mut seqs).unwrap();
+    for (i, r) in reference.iter().enumerate() {
+        let position = seqs.positions(&backend).unwrap()[i] as usize;
+        assert_eq!(position, r.position, "sequence {i}: position");
+        assert_eq!(
+            cache.state(&backend, slots[i]).unwrap(),
+            r.state,
+            "sequence {i}: state"
+        );
+        let window: Vec<f32> = cache
+            .conv_window(&backend, slots[i], position)
+            .unwrap()
+            .into_iter()
+            .map(|x| x.to_f32())
+            .collect();
+        assert_eq!(window, r.window, "sequence {i}: conv window");
+    }
+}
+
+#[test]
+fn the_launch_api_names_what_is_wrong() {
+    let backend = Backend::Cpu;
+    let shape = small_shape();
+    let err = GdnCache::new(&backend, shape, KERNEL, 1, 2).err().unwrap();
+    assert!(err.to_string().contains("dv = 24"), "{err}");
+    let shape = GdnShape { dv: 32, ..shape };
+    let mut cache = GdnCache::new(&backend, shape, KERNEL, 1, 2).unwrap();
+    let zeros = |n| vec![0.0f32; n];
+    let params = GdnParams::upload(
+        &backend,
+        shape,
+        KERNEL,
+        &zeros(shape.conv_dim() * KERNEL),
+        &zeros(4),
+        &zeros(4),
+        &zeros(32),
+        1e-6,
+    )
+    .unwrap();
+    let err = GdnParams::upload(
+        &backend,
+        shape,
+        KERNEL,
+        &zeros(3),
+        &zeros(4),
+        &zeros(4),
+        &zeros(32),
+        1e-6,
+    )
+    .err()
+    .unwrap();
+    assert!(err.to_string().contains("conv1d.weight"), "{err}");
+    let seqs = Sequences::new(&backend, &[0], &[0]).unwrap();
+    let data = backend.zeros::<bf16>(3 * shape.conv_dim()).unwrap();
+    let rows = Projections {
+        qkv: Rows::packed(&data, shape.conv_dim()),
+        a: Rows::packed(&data, 4),
+        b: Rows::packed(&data, 4),
+        z: None,
+    };
+    let mut out = backend.zeros::<bf16>(3 * 128).unwrap();
+    let err = api::step(
+        &backend,
+        &params,
+        &mut cache,
+        &seqs,
+        3,
+        &rows,
+        api::StepMode::Verify,
+        &mut out,
+    )
+    .err()
+    .unwrap();
+    assert!(err.to_string().contains("at most 1 of 2"), "{err}");
+    let mut workspace = ChunkWorkspace::new(&backend, shape, 64, 1).unwrap();
+    let err = api::prefill(
+        &backend,
+        &params,
+        &mut cache,
+        &mut workspace,
+        &seqs,
+        &[1, 3],
+        &rows,
+        &mut out,
+    )
+    .err()
+    .unwrap();
+    assert!(err.to_string().contains("cu_seqlens"), "{err}");
+    let short = Rows::packed(&data, shape.conv_dim() + 8);
+    let err = api::prefill(
+        &backend,
+        &params,
+        &mut cache,
+        &mut workspace,
+        &seqs,
+        &[0, 3],
+        &Projections { qkv: short, ..rows },
+        &mut out,
+    )
+    .err()
+    .unwrap();
+    assert!(err.to_string().contains("qkv rows"), "{err}");
+}

@@ -214,8 +214,7 @@ impl TargetFacts {
             return fail("gdn.chunk_dv_per_block must be 16 or 32".into());
         }
         let staged = self.instructions.mma_sync_bf16 && self.instructions.cp_async;
-        if (staged && !(1..=3).contains(&gdn.chunk_stages)) || (!staged && gdn.chunk_stages != 0)
-        {
+        if (staged && !(1..=3).contains(&gdn.chunk_stages)) || (!staged && gdn.chunk_stages != 0) {
             return fail(format!(
                 "gdn.chunk_stages {}: 1..=3 where mma.sync and cp.async exist (ldmatrix reads \
                  shared memory), 0 elsewhere",
