@@ -6,6 +6,7 @@
 //! with `FP4SPEC_SEED=<seed>`.
 
 mod common;
+mod gdn;
 mod gemm;
 
 use common::skipped;
