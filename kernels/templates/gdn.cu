@@ -9,7 +9,7 @@
 //                                            sequential pass over chunks (tensor cores), outputs,
 //                                            final state, conv window
 //   gdn_gated_norm                          prefill: w * rmsnorm(o) * silu(z) in place
-//   gdn_step                                decode / speculative verify, per (value head, dv
+//   gdn_step_dk{128,256}                    decode / speculative verify, per (value head, dv
 //                                            slice, sequence): everything in one launch
 //   gdn_commit                              sequence bookkeeping after a step
 {% include "common/prelude.cuh" %}
@@ -21,11 +21,9 @@
 #define STEP_THREADS {{ target.gdn.step_threads }}
 #define STEP_DV {{ target.gdn.step_dv_per_block }}
 #define STEP_MAX_TOKENS {{ target.gdn.step_max_tokens }}
-#define STEP_MAX_DK 256
 #define STEP_WARPS (STEP_THREADS / FP4_WARP_SIZE)
 #define STEP_COL_LANES (STEP_DV / 4)
 #define STEP_ROW_GROUPS (STEP_THREADS / STEP_COL_LANES)
-#define STEP_MAX_ROWS (STEP_MAX_DK / STEP_ROW_GROUPS)
 #define NORM_THREADS 128
 #define COMMIT_THREADS 128
 
@@ -41,7 +39,7 @@ FP4_DEVICE float exp_f32(float v) { return expf(v); }
 FP4_DEVICE float log_f32(float v) { return logf(v); }
 FP4_DEVICE float rsqrt_f32(float v) { return rsqrtf(v); }
 #define GDN_SHARED extern __shared__ __align__(16) unsigned char
-// gdn_step: at least one block per SM is all it asks (ptxas otherwise spilled a word to keep
+// gdn_step_*: at least one block per SM is all it asks (ptxas otherwise spilled a word to keep
 // its register count down on sm_90a)
 #define STEP_BOUNDS STEP_THREADS, 1
 {% else %}
@@ -162,7 +160,7 @@ FP4_DEVICE void gated_norm_row(const float* o, const u16* o_bf16, const u16* __r
 }
 
 // ============================================================================================
-// gdn_step: decode (every token final) or speculative verify (tokens provisional) of `m` tokens
+// gdn_step_dk*: decode (every token final) or speculative verify (tokens provisional) of `m` tokens
 // for each of a batch of sequences, from the raw projection rows (row b * m + t). One block per
 // (value head h, slice of STEP_DV value columns, sequence b); the slice of the state
 // (dk x STEP_DV fp32) lives in registers: thread (row group tr, column quad tc) holds rows
@@ -184,10 +182,11 @@ FP4_DEVICE void gated_norm_row(const float* o, const u16* o_bf16, const u16* __r
 // The ring is sized by the host so the positions written ([pos, pos + m)) never alias those read
 // ([pos - max(kernel - 1, pending), pos)).
 // ============================================================================================
+template <int MAX_DK>
 struct StepShared {
-    float q[STEP_MAX_TOKENS][STEP_MAX_DK];
-    float k[STEP_MAX_TOKENS][STEP_MAX_DK];
-    float pk[STEP_MAX_TOKENS][STEP_MAX_DK];
+    float q[STEP_MAX_TOKENS][MAX_DK];
+    float k[STEP_MAX_TOKENS][MAX_DK];
+    float pk[STEP_MAX_TOKENS][MAX_DK];
     float v[STEP_MAX_TOKENS][STEP_DV];
     float pu[STEP_MAX_TOKENS][STEP_DV];
     float g[STEP_MAX_TOKENS], beta[STEP_MAX_TOKENS], kq[STEP_MAX_TOKENS], pg[STEP_MAX_TOKENS];
@@ -196,7 +195,9 @@ struct StepShared {
     u32 last;
 };
 
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step(
+{% for max_dk in [128, 256] %}
+// gdn_step_dk{{ max_dk }}: dk up to {{ max_dk }} (registers and shared memory sized for it)
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
     const u16* __restrict__ qkv, u32 qkv_stride, const u16* __restrict__ a_in, u32 a_stride,
     const u16* __restrict__ b_in, u32 b_stride, const u16* __restrict__ z, u32 z_stride,
     const float* __restrict__ conv_w, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
@@ -205,7 +206,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step(
     const u32* __restrict__ slots, const u32* __restrict__ positions, const u32* __restrict__ pending,
     u16* out, float* o_scratch, u32* counters,
     u32 hk, u32 hv, u32 dk, u32 dv, u32 kernel, u32 ring_len, u32 n_slots, u32 m, u32 verify) {
-    __shared__ StepShared sh;
+    constexpr int STEP_MAX_ROWS = {{ max_dk }} / STEP_ROW_GROUPS;
+    __shared__ StepShared<{{ max_dk }}> sh;
     const u32 tid = thread_x();
     const u32 warp = tid / FP4_WARP_SIZE, lane = tid % FP4_WARP_SIZE;
     const u32 splits = dv / STEP_DV;
@@ -404,6 +406,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step(
     }
     if (tid == 0) counters[(u64)b * hv + h] = 0;  // ready for the next launch
 }
+{% endfor %}
 
 // gdn_commit: after a step, positions[i] += accepted[i] (or `uniform` when accepted is null);
 // pending[i] = accepted (verify: the accepted tokens wait in the ring for the next step's replay)

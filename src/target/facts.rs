@@ -199,11 +199,11 @@ impl TargetFacts {
             || gdn.step_threads % self.warp_size != 0
             || gdn.step_threads > 1024
             || gdn.step_threads / lanes.max(1) == 0
-            || 256 % (gdn.step_threads / lanes.max(1)) != 0
+            || 128 % (gdn.step_threads / lanes.max(1)) != 0
         {
             return fail(format!(
                 "gdn.step_threads {} and gdn.step_dv_per_block {}: the block must be whole warps \
-                 and its row groups (threads / (dv_per_block / 4)) must divide 256",
+                 and its row groups (threads / (dv_per_block / 4)) must divide 128",
                 gdn.step_threads, gdn.step_dv_per_block
             ));
         }

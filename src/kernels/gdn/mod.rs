@@ -5,7 +5,7 @@
 //! CPU backend runs [`reference`]; CUDA runs the kernels below.
 //!
 //! # Kernels
-//! - [`step`] (`gdn_step`): decode or speculative verify of `m` tokens per sequence for a batch,
+//! - [`step`] (`gdn_step_dk{128,256}`): decode or speculative verify of `m` tokens per sequence for a batch,
 //!   one launch. One block per (value head, `step_dv_per_block` value columns, sequence), so a
 //!   single sequence at the real shape spreads its 2 MiB state over 256 blocks; the block's
 //!   state slice lives in registers (16-byte loads and stores, read once and written once per
@@ -707,6 +707,7 @@ struct HostCache<'a> {
 /// The CPU backend of [`step`] and [`prefill`]: each sequence through the reference, the
 /// results written back in the kernels' layout. `rows[b]` are sequence b's input rows;
 /// `prefill` stores only the last `kernel - 1` raw rows (as the prefill kernels do).
+#[allow(clippy::too_many_arguments)]
 fn cpu_run(
     backend: &Backend,
     params: &GdnParams,
@@ -1057,7 +1058,12 @@ fn step_cuda(
             format!("{count} sequences; at most 65535 per launch"),
         ));
     }
-    let function = cuda.function(FAMILY, "gdn_step")?;
+    let kernel = if shape.dk <= 128 {
+        "gdn_step_dk128"
+    } else {
+        "gdn_step_dk256"
+    };
+    let function = cuda.function(FAMILY, kernel)?;
     let mut launch = cuda.stream().launch_builder(&function);
     launch
         .arg(&qkv)
@@ -1078,8 +1084,8 @@ fn step_cuda(
     for d in &dims {
         launch.arg(d);
     }
-    // SAFETY: argument order and types match gdn_step's signature. The projection rows and the
-    // output were checked against (B m) rows; the cache holds `slots` slots of ring_len
+    // SAFETY: argument order and types match gdn_step_dk*'s signature (dk within its tiles). The
+    // projection rows and the output were checked against (B m) rows; the cache holds `slots` slots of ring_len
     // positions and a scratch / counters for slots * max_step_tokens rows (B <= slots, m <=
     // max_step_tokens checked); slots past the cache are skipped by the kernel, positions index
     // the ring modulo its length, pending counts are clamped to the shared-memory tiles.
@@ -1090,7 +1096,7 @@ fn step_cuda(
             shared_mem_bytes: 0,
         })
     }
-    .map_err(|e| Error::cuda(format!("launch gdn_step B={count} m={m} {shape:?}"), e))?;
+    .map_err(|e| Error::cuda(format!("launch {kernel} B={count} m={m} {shape:?}"), e))?;
     Ok(())
 }
 
@@ -1110,6 +1116,9 @@ pub struct ChunkWorkspace {
     /// What `cu_seqlens` holds: a call with the same batch copies nothing (so repeated calls
     /// can be captured in a CUDA graph after the first).
     uploaded: Vec<u32>,
+    /// Kernels whose dynamic shared-memory limit was raised, and to what (set once, so repeated
+    /// calls stay capturable).
+    smem_allowed: Vec<(String, usize)>,
 }
 
 impl ChunkWorkspace {
@@ -1145,6 +1154,7 @@ impl ChunkWorkspace {
             gamma: backend.zeros(rows * hv)?,
             cu_seqlens: backend.zeros(max_sequences + 1)?,
             uploaded: Vec::new(),
+            smem_allowed: Vec::new(),
         })
     }
 }
@@ -1351,7 +1361,13 @@ fn prefill_cuda(
             format!("{count} sequences; at most 65535 per launch"),
         ));
     }
-    let set_smem = |function: &cudarc::driver::CudaFunction, bytes: usize, name: &str| {
+    let set_smem = |allowed: &mut Vec<(String, usize)>,
+                    function: &cudarc::driver::CudaFunction,
+                    bytes: usize,
+                    name: &str| {
+        if allowed.iter().any(|(n, b)| n == name && *b >= bytes) {
+            return Ok(());
+        }
         function
             .set_attribute(
                 CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -1362,13 +1378,16 @@ fn prefill_cuda(
                     format!("allow {bytes} bytes of shared memory for {name}"),
                     e,
                 )
-            })
+            })?;
+        allowed.retain(|(n, _)| n != name);
+        allowed.push((name.to_string(), bytes));
+        Ok::<(), Error>(())
     };
 
     if chunks > 0 {
         let name = format!("gdn_chunk_prepare_dk{dk}");
         let function = cuda.function(FAMILY, &name)?;
-        set_smem(&function, smem[0], &name)?;
+        set_smem(&mut workspace.smem_allowed, &function, smem[0], &name)?;
         let mut launch = cuda.stream().launch_builder(&function);
         launch
             .arg(&qkv)
@@ -1410,7 +1429,7 @@ fn prefill_cuda(
 
     let name = format!("gdn_chunk_state_dk{dk}_dv{dvs}");
     let function = cuda.function(FAMILY, &name)?;
-    set_smem(&function, smem[1], &name)?;
+    set_smem(&mut workspace.smem_allowed, &function, smem[1], &name)?;
     let mut launch = cuda.stream().launch_builder(&function);
     for ptr in &ws {
         launch.arg(ptr);
