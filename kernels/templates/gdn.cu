@@ -61,6 +61,7 @@ FP4_DEVICE float rsqrt_f32(float v) { return __builtin_amdgcn_rsqf(v); }
 #define GDN_SHARED extern __attribute__((shared)) __attribute__((aligned(16))) unsigned char
 #define STEP_BOUNDS STEP_THREADS
 {% endif %}
+// ---- end of vendor differences ----
 
 typedef long long i64;
 FP4_DEVICE u32 min_u32(u32 a, u32 b) { return a < b ? a : b; }
@@ -679,12 +680,14 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_prepare_dk{{ dk }}(
 // channels per block; the prepare pass, which reads the ring, has finished).
 // ============================================================================================
 {% if target.instructions.cp_async %}
+// ---- cp.async instructions ----
 FP4_DEVICE void cp_async16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(shared_address(dst)), "l"(src));
 }
 FP4_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 FP4_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+// ---- end of cp.async instructions ----
 {% endif %}
 
 {% for dk in [64, 128] %}{% for dvs in [16, 32] %}

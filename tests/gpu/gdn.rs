@@ -12,7 +12,8 @@
 //! - prefill (`gdn_chunk_*`, bf16 tensor-core operands with fp32 accumulation): q, k, v, W, U,
 //!   M, T and the state enter the products rounded to bf16 (2^-9 relative each); the errors of
 //!   64..128-term products average out, so elements stay within `|want| / 16 + 3e-2 * rms` and
-//!   the whole tensor within 1.5e-2 relative L2 (typical runs are several times below).
+//!   the whole tensor within 1.5e-2 relative L2 (typical runs are several times below); gated
+//!   outputs twice that per element (see CHUNK_GATED).
 //!
 //! `gdn_peers` compares with transformers and fla on the GPU host: see
 //! tools/reference/gdn_peers.py.
@@ -63,6 +64,16 @@ const CHUNK_OUT: Tolerance = Tolerance {
     rms_rel: 3e-2,
     max_rel: 0.0,
     l2: 1.5e-2,
+};
+/// Gated outputs after a chunked prefill: the norm divides each row and head by its own rms, so a
+/// row whose o is small (U - W S cancelling) carries the bf16 error floor of the larger terms at
+/// the scale of the normalised output (seen in the emulation, tests/gdn_emulated.rs); the raw
+/// outputs are held to CHUNK_OUT.
+const CHUNK_GATED: Tolerance = Tolerance {
+    elem_rel: 1.0 / 8.0,
+    rms_rel: 1e-1,
+    max_rel: 0.0,
+    l2: 3e-2,
 };
 const CHUNK_STATE: Tolerance = Tolerance {
     elem_rel: 1.0 / 16.0,
@@ -559,7 +570,8 @@ fn gdn_prefill_matches_the_cpu_reference() {
             let rows = Rowset::random(&mut rng, shape, cu[count] as usize);
             let want = twin.cpu.run(&rows, 0, Some(&cu), StepMode::Decode, gated);
             let got = twin.gpu.run(&rows, 0, Some(&cu), StepMode::Decode, gated);
-            twin.compare_outputs(&format!("{what}: prefill outputs"), &want, &got, CHUNK_OUT);
+            let tol = if gated { CHUNK_GATED } else { CHUNK_OUT };
+            twin.compare_outputs(&format!("{what}: prefill outputs"), &want, &got, tol);
             for side in [&mut twin.cpu, &mut twin.gpu] {
                 side.commit(lengths, StepMode::Decode);
             }
@@ -567,12 +579,7 @@ fn gdn_prefill_matches_the_cpu_reference() {
             let rows = Rowset::random(&mut rng, shape, count);
             let want = twin.cpu.run(&rows, 1, None, StepMode::Decode, gated);
             let got = twin.gpu.run(&rows, 1, None, StepMode::Decode, gated);
-            twin.compare_outputs(
-                &format!("{what}: decode after prefill"),
-                &want,
-                &got,
-                CHUNK_OUT,
-            );
+            twin.compare_outputs(&format!("{what}: decode after prefill"), &want, &got, tol);
             for side in [&mut twin.cpu, &mut twin.gpu] {
                 side.commit(&vec![1; count], StepMode::Decode);
             }
@@ -596,7 +603,7 @@ fn gdn_prefill_matches_the_cpu_reference() {
     let got = twin
         .gpu
         .run(&rows, 0, Some(&[0, 70]), StepMode::Decode, true);
-    twin.compare_outputs("prefill after verify (2 pending)", &want, &got, CHUNK_OUT);
+    twin.compare_outputs("prefill after verify (2 pending)", &want, &got, CHUNK_GATED);
     for side in [&mut twin.cpu, &mut twin.gpu] {
         side.commit(&[70], StepMode::Decode);
     }

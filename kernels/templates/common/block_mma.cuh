@@ -11,6 +11,7 @@ FP4_DEVICE u32 acc_row(u32 lane, int i) { return lane / 4 + 8 * (i / 2); }
 FP4_DEVICE u32 acc_col(u32 lane, int nb, int i) { return 8 * nb + 2 * (lane % 4) + (i % 2); }
 
 {% if target.instructions.mma_sync_bf16 %}
+// ---- mma.sync instructions ----
 FP4_DEVICE void mma_bf16_m16n8k16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 { %0, %1, %2, %3}, { %4, %5, %6, %7}, { %8, %9}, { %0, %1, %2, %3};\n"
@@ -28,6 +29,7 @@ FP4_DEVICE void ldmatrix_x4_trans(u32 (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 { %0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(p)));
 }
+// ---- end of mma.sync instructions ----
 
 /// acc += A[m0 .. m0 + 16][k0 .. k0 + 16] * B[k0 .. k0 + 16][n0 .. n0 + 8 NB]. A and B in shared
 /// memory, rows 16-byte aligned (lda, ldb multiples of 8). NB is even.

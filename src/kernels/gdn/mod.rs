@@ -1159,14 +1159,16 @@ impl ChunkWorkspace {
     }
 }
 
-/// Shared-memory bytes of `gdn_chunk_prepare_dk{dk}` (the carve-up at the kernel's start).
-fn prepare_smem(dk: usize, dv: usize) -> usize {
+/// Dynamic shared-memory bytes of `gdn_chunk_prepare_dk{dk}` for value heads of `dv` (the
+/// carve-up at the kernel's start).
+pub fn chunk_prepare_smem(dk: usize, dv: usize) -> usize {
     let ldx = dk.max(dv) + 8;
     CHUNK * ldx * 2 + CHUNK * (dk + 8) * 2 + CHUNK * (CHUNK + 8) * 4 + (2 * CHUNK + 3 * 256) * 4
 }
 
-/// Shared-memory bytes of `gdn_chunk_state_dk{dk}_dv{dvs}` with `stages` staged chunks.
-fn state_smem(dk: usize, dvs: usize, stages: usize) -> usize {
+/// Dynamic shared-memory bytes of `gdn_chunk_state_dk{dk}_dv{dvs}` with `stages` chunks of
+/// operands staged ahead.
+pub fn chunk_state_smem(dk: usize, dvs: usize, stages: usize) -> usize {
     let ldv = dvs + 8;
     let stage = (3 * CHUNK * (dk + 8) + CHUNK * (CHUNK + 8) + CHUNK * ldv) * 2 + CHUNK * 4;
     dk * ldv * 2 + 2 * CHUNK * ldv * 2 + stages * stage
@@ -1281,7 +1283,10 @@ fn prefill_cuda(
     let preferred = target.gdn.chunk_dv_per_block as usize;
     let dvs = if dv % preferred == 0 { preferred } else { 16 };
     let stages = target.gdn.chunk_stages as usize;
-    let smem = [prepare_smem(dk, dv), state_smem(dk, dvs, stages)];
+    let smem = [
+        chunk_prepare_smem(dk, dv),
+        chunk_state_smem(dk, dvs, stages),
+    ];
     if let Some(too_big) = smem
         .iter()
         .find(|b| **b > target.max_shared_bytes_per_block as usize)
@@ -1416,7 +1421,7 @@ fn prefill_cuda(
         // SAFETY: matches gdn_chunk_prepare_dk*'s signature. cu_seqlens (validated on the host,
         // copied above) partitions the checked projection rows; the workspace holds at least
         // `chunks` chunks; the grid covers exactly `chunks` chunks; shared memory as computed by
-        // prepare_smem and allowed above.
+        // chunk_prepare_smem and allowed above.
         unsafe {
             launch.launch(LaunchConfig {
                 grid_dim: (check_u32("gdn chunks", chunks)?, hv, 1),
@@ -1455,7 +1460,7 @@ fn prefill_cuda(
         .arg(&n_slots);
     // SAFETY: matches gdn_chunk_state_dk*_dv*'s signature; the workspace was filled by the
     // prepare pass for the same cu_seqlens; `out` holds T rows; slots past the cache are skipped
-    // by the kernel; shared memory as computed by state_smem and allowed above.
+    // by the kernel; shared memory as computed by chunk_state_smem and allowed above.
     unsafe {
         launch.launch(LaunchConfig {
             grid_dim: (
