@@ -979,6 +979,11 @@ fn emulated_sm_90a_prefill_and_steps_match_the_cpu_reference() {
 }
 
 #[test]
+fn emulated_sm_121a_prefill_and_steps_match_the_cpu_reference() {
+    scenario("sm_121a", DK128_DV64, true, 17);
+}
+
+#[test]
 fn emulated_gfx1151_prefill_and_steps_match_the_cpu_reference() {
     scenario("gfx1151", SMALL, true, 14);
     scenario("gfx1151", DV48, false, 15);

@@ -177,7 +177,7 @@ FP4_DEVICE void gated_norm_row(const float* o, const u16* o_bf16, const u16* __r
 //  5. per new token: one reduction of (S^T k, S^T q) over dk (warp shuffles, then across warps
 //     through double-buffered shared memory: one barrier per token); u = beta (v - e^g S^T k),
 //     o = e^g S^T q + u (k.q), S = e^g S + k u^T; verify: u to the ring;
-//  6. decode: store the state after the tokens;
+//  6. decode: store the state after the tokens (after the arrival of step 7 when there is one);
 //  7. outputs: raw o as bf16, or through the gated RMSNorm by the last block of (b, h) to
 //     finish (o slices in fp32 scratch, an arrival counter per (b, h), reset by that block).
 // The ring is sized by the host so the positions written ([pos, pos + m)) never alias those read
@@ -380,17 +380,21 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
         }
     }
 
-    // 6. decode folds the tokens into the state
-    if (!verify) {
+    // 6. decode folds the tokens into the state; with the norm, after the arrival below, so the
+    //    fence before it waits for the o slices only, not for the state's stores too
+    auto store_state = [&]() {
         #pragma unroll
         for (int r = 0; r < STEP_MAX_ROWS; ++r) {
             const u32 row = tr + STEP_ROW_GROUPS * r;
             if (row < dk) store_u32x4(state_at(row), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
         }
+    };
+    if (!norm || m == 0) {  // uniform per block
+        if (!verify) store_state();
+        return;
     }
 
     // 7. the gated RMSNorm needs the whole head: the last of the head's blocks applies it
-    if (!norm || m == 0) return;  // uniform per block
     fence_device();
     block_barrier();
     if (tid == 0) {
@@ -398,6 +402,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
         sh.last = arrived == splits - 1 ? 1u : 0u;
     }
     block_barrier();
+    if (!verify) store_state();
     if (sh.last == 0) return;
     fence_device();
     for (u32 t = warp; t < m; t += STEP_WARPS) {

@@ -110,7 +110,7 @@ def front_end(torch, inputs):
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     g = -inputs["A_log"].exp() * F.softplus(inputs["a"].float() + inputs["dt_bias"])
     beta = torch.sigmoid(inputs["b"].float())
-    return q, k, v, g, beta
+    return tuple(t.contiguous() for t in (q, k, v, g, beta))
 
 
 def run_case(torch, fla, hf, name, inputs, lengths, decode, repeats):
@@ -128,14 +128,14 @@ def run_case(torch, fla, hf, name, inputs, lengths, decode, repeats):
         cu.append(cu[-1] + length)
     # fla: [B, T, H, D]; decode as a batch of B one-token sequences, prefill as one (varlen) row
     if decode:
-        shape4 = lambda x: x.unsqueeze(1)  # [B, 1, H, D]
+        shape4 = lambda x: x.unsqueeze(1).contiguous()  # [B, 1, H, D]
         fq, fk, fv, fg, fb = shape4(q), shape4(k), shape4(v), g.unsqueeze(1), beta.unsqueeze(1)
         call = lambda: fla.fused_recurrent_gated_delta_rule(
             fq.to(bf), fk.to(bf), fv.to(bf), g=fg, beta=fb.to(bf), scale=scale,
             initial_state=state0.clone(), output_final_state=True)
         key = "fla_fused_recurrent"
     else:
-        one = lambda x: x.unsqueeze(0)  # [1, T, H, D]
+        one = lambda x: x.unsqueeze(0).contiguous()  # [1, T, H, D]
         cu_t = torch.tensor(cu, device="cuda", dtype=torch.long) if n > 1 else None
         call = lambda: fla.chunk_gated_delta_rule(
             one(q).to(bf), one(k).to(bf), one(v).to(bf), one(g), one(beta).to(bf), scale=scale,
@@ -148,7 +148,7 @@ def run_case(torch, fla, hf, name, inputs, lengths, decode, repeats):
 
     # transformers: equal heads (q, k repeated to the value heads), one sequence at a time
     ratio = HV // HK
-    qh, kh = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
+    qh, kh = q.repeat_interleave(ratio, dim=1).contiguous(), k.repeat_interleave(ratio, dim=1).contiguous()
     rules = [("hf_chunk", hf_chunk)]
     if max(lengths) <= RECURRENT_MAX_T:
         rules.append(("hf_recurrent", hf_recurrent))
