@@ -981,6 +981,17 @@ fn emulated_sm_90a_prefill_and_steps_match_the_cpu_reference() {
 #[test]
 fn emulated_sm_121a_prefill_and_steps_match_the_cpu_reference() {
     scenario("sm_121a", DK128_DV64, true, 17);
+    scenario(
+        "sm_121a",
+        GdnShape {
+            key_heads: 1,
+            value_heads: 2,
+            dk: 64,
+            dv: 128,
+        },
+        true,
+        18,
+    );
 }
 
 #[test]

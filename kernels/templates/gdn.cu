@@ -551,8 +551,12 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_prepare_dk{{ dk }}(
             for (int e = 0; e < 4; ++e) kk[nb][e] = qk[nb][e] = 0.0f;
         #pragma unroll
         for (u32 k0 = 0; k0 < DK; k0 += 16) {
-            mma_k16<8, false, true>(kk, xb, LDK, 16 * warp, k0, xb, LDK, 0);
-            mma_k16<8, false, true>(qk, xa, ldx, 16 * warp, k0, xb, LDK, 0);
+            if (ldx == LDK) {
+                mma_k16_pair<8, true>(kk, xb, qk, xa, LDK, 16 * warp, k0, xb, LDK, 0);
+            } else {
+                mma_k16<8, false, true>(kk, xb, LDK, 16 * warp, k0, xb, LDK, 0);
+                mma_k16<8, false, true>(qk, xa, ldx, 16 * warp, k0, xb, LDK, 0);
+            }
         }
         u16* m_out = ws_m + ((u64)chunk * hv + h) * CHUNK * CHUNK;
         #pragma unroll
@@ -842,10 +846,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
             #pragma unroll
             for (int e = 0; e < 4; ++e) x[nb][e] = y[nb][e] = 0.0f;
         #pragma unroll
-        for (u32 k0 = 0; k0 < DK; k0 += 16) {
-            mma_k16<NB, false, false>(x, op.w, op.ldk, 16 * warp, k0, sb_s, LDV, 0);
-            mma_k16<NB, false, false>(y, op.q, op.ldk, 16 * warp, k0, sb_s, LDV, 0);
-        }
+        for (u32 k0 = 0; k0 < DK; k0 += 16) mma_k16_pair<NB, false>(x, op.w, y, op.q, op.ldk, 16 * warp, k0, sb_s, LDV, 0);
         // V' = U - X, O = e^gamma Y
         #pragma unroll
         for (u32 nb = 0; nb < NB; ++nb)

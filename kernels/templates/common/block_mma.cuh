@@ -31,15 +31,11 @@ FP4_DEVICE void ldmatrix_x4_trans(u32 (&r)[4], const void* p) {
 }
 // ---- end of mma.sync instructions ----
 
-/// acc += A[m0 .. m0 + 16][k0 .. k0 + 16] * B[k0 .. k0 + 16][n0 .. n0 + 8 NB]. A and B in shared
-/// memory, rows 16-byte aligned (lda, ldb multiples of 8). NB is even.
-template <int NB, bool A_COL, bool B_NK>
-FP4_DEVICE void mma_k16(float (&acc)[NB][4], const u16* a, u32 lda, u32 m0, u32 k0,
-                        const u16* b, u32 ldb, u32 n0) {
-    static_assert(NB % 2 == 0, "n-blocks are loaded in pairs");
+/// A's fragment of one k16 step: rows m0 .. m0 + 15, columns k0 .. k0 + 15 (shared memory).
+template <bool A_COL>
+FP4_DEVICE void load_a_fragment(u32 (&fa)[4], const u16* a, u32 lda, u32 m0, u32 k0) {
     const u32 lane = thread_x() % FP4_WARP_SIZE;
     const u32 q = lane / 8, r = lane % 8;
-    u32 fa[4];
     if (A_COL) {
         // matrices (k0..7 x m0..7), (k0..7 x m0+8..15), (k0+8..15 x m0..7), (k0+8..15 x m0+8..15)
         ldmatrix_x4_trans(fa, a + (u64)(k0 + r + 8 * (q / 2)) * lda + m0 + 8 * (q % 2));
@@ -47,19 +43,56 @@ FP4_DEVICE void mma_k16(float (&acc)[NB][4], const u16* a, u32 lda, u32 m0, u32 
         // matrices (m0..7, k0..7), (m0+8..15, k0..7), (m0..7, k0+8..15), (m0+8..15, k0+8..15)
         ldmatrix_x4(fa, a + (u64)(m0 + (lane % 16)) * lda + k0 + 8 * (lane / 16));
     }
+}
+
+/// B's fragments of one k16 step for the n-blocks at n and n + 8: {b0, b1} of each.
+template <bool B_NK>
+FP4_DEVICE void load_b_pair(u32 (&fb)[4], const u16* b, u32 ldb, u32 k0, u32 n) {
+    const u32 lane = thread_x() % FP4_WARP_SIZE;
+    const u32 q = lane / 8, r = lane % 8;
+    if (B_NK) {
+        // matrices (nA, k0..7), (nA, k0+8..15), (nB, k0..7), (nB, k0+8..15)
+        ldmatrix_x4(fb, b + (u64)(n + r + 8 * (q / 2)) * ldb + k0 + 8 * (q % 2));
+    } else {
+        // matrices (k0..7 x nA), (k0+8..15 x nA), (k0..7 x nB), (k0+8..15 x nB), transposed
+        ldmatrix_x4_trans(fb, b + (u64)(k0 + r + 8 * (q % 2)) * ldb + n + 8 * (q / 2));
+    }
+}
+
+/// acc += A[m0 .. m0 + 16][k0 .. k0 + 16] * B[k0 .. k0 + 16][n0 .. n0 + 8 NB]. A and B in shared
+/// memory, rows 16-byte aligned (lda, ldb multiples of 8). NB is even.
+template <int NB, bool A_COL, bool B_NK>
+FP4_DEVICE void mma_k16(float (&acc)[NB][4], const u16* a, u32 lda, u32 m0, u32 k0,
+                        const u16* b, u32 ldb, u32 n0) {
+    static_assert(NB % 2 == 0, "n-blocks are loaded in pairs");
+    u32 fa[4];
+    load_a_fragment<A_COL>(fa, a, lda, m0, k0);
     #pragma unroll
     for (int p = 0; p < NB / 2; ++p) {
-        const u32 n = n0 + 16 * p;
         u32 fb[4];
-        if (B_NK) {
-            // matrices (nA, k0..7), (nA, k0+8..15), (nB, k0..7), (nB, k0+8..15)
-            ldmatrix_x4(fb, b + (u64)(n + r + 8 * (q / 2)) * ldb + k0 + 8 * (q % 2));
-        } else {
-            // matrices (k0..7 x nA), (k0+8..15 x nA), (k0..7 x nB), (k0+8..15 x nB), transposed
-            ldmatrix_x4_trans(fb, b + (u64)(k0 + r + 8 * (q % 2)) * ldb + n + 8 * (q / 2));
-        }
+        load_b_pair<B_NK>(fb, b, ldb, k0, n0 + 16 * p);
         mma_bf16_m16n8k16(acc[2 * p], fa, fb[0], fb[1]);
         mma_bf16_m16n8k16(acc[2 * p + 1], fa, fb[2], fb[3]);
+    }
+}
+
+/// acc0 += A0 B and acc1 += A1 B for one k16 step (A0, A1 row-major with the same lda), B's
+/// fragments loaded once.
+template <int NB, bool B_NK>
+FP4_DEVICE void mma_k16_pair(float (&acc0)[NB][4], const u16* a0, float (&acc1)[NB][4], const u16* a1, u32 lda,
+                             u32 m0, u32 k0, const u16* b, u32 ldb, u32 n0) {
+    static_assert(NB % 2 == 0, "n-blocks are loaded in pairs");
+    u32 fa0[4], fa1[4];
+    load_a_fragment<false>(fa0, a0, lda, m0, k0);
+    load_a_fragment<false>(fa1, a1, lda, m0, k0);
+    #pragma unroll
+    for (int p = 0; p < NB / 2; ++p) {
+        u32 fb[4];
+        load_b_pair<B_NK>(fb, b, ldb, k0, n0 + 16 * p);
+        mma_bf16_m16n8k16(acc0[2 * p], fa0, fb[0], fb[1]);
+        mma_bf16_m16n8k16(acc0[2 * p + 1], fa0, fb[2], fb[3]);
+        mma_bf16_m16n8k16(acc1[2 * p], fa1, fb[0], fb[1]);
+        mma_bf16_m16n8k16(acc1[2 * p + 1], fa1, fb[2], fb[3]);
     }
 }
 {% else %}
@@ -84,6 +117,15 @@ FP4_DEVICE void mma_k16(float (&acc)[NB][4], const u16* a, u32 lda, u32 m0, u32 
             acc[nb][2] += a1 * b0; acc[nb][3] += a1 * b1;
         }
     }
+}
+{% endif %}
+{% if not target.instructions.mma_sync_bf16 %}
+/// acc0 += A0 B and acc1 += A1 B for one k16 step (A0, A1 row-major with the same lda).
+template <int NB, bool B_NK>
+FP4_DEVICE void mma_k16_pair(float (&acc0)[NB][4], const u16* a0, float (&acc1)[NB][4], const u16* a1, u32 lda,
+                             u32 m0, u32 k0, const u16* b, u32 ldb, u32 n0) {
+    mma_k16<NB, false, B_NK>(acc0, a0, lda, m0, k0, b, ldb, n0);
+    mma_k16<NB, false, B_NK>(acc1, a1, lda, m0, k0, b, ldb, n0);
 }
 {% endif %}
 // ---- end of block_mma ----
