@@ -341,7 +341,7 @@ impl GdnCache {
     pub fn state(&self, backend: &Backend, slot: usize) -> Result<Vec<f32>> {
         self.check_slot(slot)?;
         let size = self.shape.state_len();
-        Ok(backend.download(&self.state)?[slot * size..(slot + 1) * size].to_vec())
+        read_range(backend, &self.state, slot * size, size)
     }
 
     /// The conv window of `slot` at `position`: the raw qkv rows of the `kernel - 1` positions
@@ -356,13 +356,18 @@ impl GdnCache {
         position: usize,
     ) -> Result<Vec<bf16>> {
         self.check_slot(slot)?;
-        let conv = backend.download(&self.conv)?;
-        Ok(window_rows(&conv, self, slot, position)
-            .into_iter()
-            .flat_map(|row| {
-                row.map_or_else(|| vec![bf16::ZERO; self.shape.conv_dim()], <[bf16]>::to_vec)
-            })
-            .collect())
+        let (rows, channels) = (self.kernel - 1, self.shape.conv_dim());
+        let mut window = Vec::with_capacity(rows * channels);
+        for r in 0..rows {
+            match (position + r).checked_sub(rows) {
+                Some(p) => {
+                    let at = (slot * self.ring_len + p % self.ring_len) * channels;
+                    window.extend(read_range(backend, &self.conv, at, channels)?);
+                }
+                None => window.extend(std::iter::repeat_n(bf16::ZERO, channels)),
+            }
+        }
+        Ok(window)
     }
 }
 
@@ -382,6 +387,25 @@ fn window_rows<'a>(
             })
         })
         .collect()
+}
+
+fn read_range<T: cudarc::driver::DeviceRepr + Clone + Default>(
+    backend: &Backend,
+    buffer: &DeviceVec<T>,
+    at: usize,
+    len: usize,
+) -> Result<Vec<T>> {
+    match buffer {
+        DeviceVec::Host(v) => Ok(v[at..at + len].to_vec()),
+        DeviceVec::Cuda(s) => {
+            let Backend::Cuda(cuda) = backend else {
+                return Err(backend.mismatch("gdn cache", buffer));
+            };
+            cuda.stream()
+                .clone_dtoh(&s.slice(at..at + len))
+                .map_err(|e| Error::cuda(format!("read {len} values of the gdn cache"), e))
+        }
+    }
 }
 
 fn write_range<T: cudarc::driver::DeviceRepr + Clone>(
