@@ -169,9 +169,10 @@ FP4_DEVICE void gated_norm_row(const float* o, const u16* o_bf16, const u16* __r
 //
 //  1. issue the state loads (the folded position positions[b] - pending[b] > 0, else zeros);
 //  2. front end of the m new tokens into shared memory: conv + SiLU (window from the inputs and
-//     the conv ring), L2 norms, q scale, k.q, gates; the replay data (k, u, g) of the pending
-//     tokens from the ring; the raw rows (and in verify mode k and g) written to the ring at the
-//     new tokens' positions, each element by one designated block;
+//     the conv ring), the factors of the L2 norms and q scale (applied where q and k are used),
+//     k.q, gates; the replay data (k, u, g) of the pending tokens from the ring; the raw rows
+//     (and in verify mode k and g) written to the ring at the new tokens' positions, each
+//     element by one designated block;
 //  3. replay the pending tokens: S = e^g S + k u^T (no reduction);
 //  4. verify: store the state now (after the replay: the pre-verify state);
 //  5. per new token: one reduction of (S^T k, S^T q) over dk (warp shuffles, then across warps
@@ -292,15 +293,13 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
         }
     }
     block_barrier();
-    for (u32 idx = tid; idx < m * dk; idx += STEP_THREADS) {
-        const u32 t = idx / dk, i = idx % dk;
-        sh.q[t][i] *= sh.rq[t];
-        const float kn = sh.k[t][i] * sh.rk[t];
-        sh.k[t][i] = kn;
-        if (verify && qk_writer && i % splits == split)
-            ring_k[((u64)slot * ring_len + (pos + t) % ring_len) * hk * dk + kh * dk + i] = kn;
-    }
-    block_barrier();
+    // q and k stay raw in shared memory: the token loop scales its sums by rq, rk and k by rk
+    if (verify && qk_writer)
+        for (u32 idx = tid; idx < m * dk; idx += STEP_THREADS) {
+            const u32 t = idx / dk, i = idx % dk;
+            if (i % splits == split)
+                ring_k[((u64)slot * ring_len + (pos + t) % ring_len) * hk * dk + kh * dk + i] = sh.k[t][i] * sh.rk[t];
+        }
 
     // 3. replay the pending tokens
     for (u32 c = 0; c < pend; ++c) {
@@ -350,17 +349,17 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
             #pragma unroll
             for (int e = 0; e < 4; ++e) { tk[e] += sh.red[t % 2][w][0][4 * tc + e]; tq[e] += sh.red[t % 2][w][1][4 * tc + e]; }
         }
-        const float decay = exp_f32(sh.g[t]), beta = sh.beta[t], kq = sh.kq[t];
+        const float decay = exp_f32(sh.g[t]), beta = sh.beta[t], kq = sh.kq[t], rk = sh.rk[t], rq = sh.rq[t];
         float u[4], o[4];
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            u[e] = beta * (sh.v[t][4 * tc + e] - decay * tk[e]);
-            o[e] = decay * tq[e] + u[e] * kq;
+            u[e] = beta * (sh.v[t][4 * tc + e] - decay * rk * tk[e]);
+            o[e] = decay * rq * tq[e] + u[e] * kq;
         }
         #pragma unroll
         for (int r = 0; r < STEP_MAX_ROWS; ++r) {
             const u32 row = tr + STEP_ROW_GROUPS * r;
-            const float kr = row < dk ? sh.k[t][row] : 0.0f;
+            const float kr = row < dk ? sh.k[t][row] * rk : 0.0f;
             #pragma unroll
             for (int e = 0; e < 4; ++e) s[r][e] = decay * s[r][e] + kr * u[e];
         }
