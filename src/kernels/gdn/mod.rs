@@ -2,11 +2,11 @@
 //! projection rows (`in_proj_qkv`, `in_proj_a`, `in_proj_b`, `in_proj_z`) to the rows
 //! `out_proj` consumes: conv1d + SiLU, the split into q, k, v, L2 norms and q scale, the gates,
 //! the gated delta rule, and the gated RMSNorm, fused into the kernels that consume them. The
-//! CPU backend runs [`reference`]; CUDA runs the kernels below.
+//! CPU backend runs [`reference`](mod@reference); CUDA runs the kernels below.
 //!
 //! # Kernels
-//! - [`step`] (`gdn_step_dk{128,256}`): decode or speculative verify of `m` tokens per sequence for a batch,
-//!   one launch. One block per (value head, `step_dv_per_block` value columns, sequence), so a
+//! - [`step`] (`gdn_step_dk{128,256}`): decode or speculative verify of `m` tokens per sequence
+//!   for a batch, one launch. One block per (value head, `step_dv_per_block` value columns, sequence), so a
 //!   single sequence at the real shape spreads its 2 MiB state over 256 blocks; the block's
 //!   state slice lives in registers (16-byte loads and stores, read once and written once per
 //!   step); each token costs one reduction of `(S^T k, S^T q)` (warp shuffles, then one
@@ -60,6 +60,13 @@
 //! step's row of token `t` of sequence `b` is `b * m + t`, prefill's rows are the sequences'
 //! tokens one after another (`cu_seqlens`). Outputs are bf16 `[rows][Hv dv]`. Parameters are
 //! f32 ([`GdnParams`]).
+//!
+//! # Limits and checks
+//! dk and dv are multiples of 16, dk at most 256 ([`step`]) and 64 or 128 ([`prefill`], the
+//! instantiated chunk kernels); the step takes at most `gdn.step_max_tokens` tokens per sequence
+//! (targets.toml). The kernels are checked against the CPU backend on a GPU
+//! (`tests/gpu/gdn.rs`) and, without one, by running the rendered sources of sm_90a, sm_121a
+//! and gfx1151 on the CPU with the MMA fragments emulated (`tests/gdn_emulated.rs`).
 
 pub mod reference;
 
