@@ -1,6 +1,9 @@
 //! The Gated DeltaNet reference against itself: chunked == recurrent == token-by-token decode,
 //! at the real head shape and awkward ones (T = 1, T = 65, dk != dv, chunks that do not divide T),
-//! and the conv window carried across calls.
+//! and the conv window carried across calls; the layer core from raw projections; the
+//! speculative step (verify then commit(k) == decoding the first k tokens, for every k, and
+//! chains of verify steps replaying their accepted tokens); and the launch API on the CPU
+//! backend, whose cache layout (state slots, position ring) must keep those semantics.
 
 use fp4spec::kernels::gdn::reference::{self as gdn, DeltaInputs, GdnShape};
 use fp4spec::rng::SplitMix64;
