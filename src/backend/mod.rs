@@ -140,8 +140,8 @@ impl Backend {
     /// `hipModuleLaunchKernel` on HIP. Before launching, the arguments are checked against the
     /// kernel's parameters (count and sizes from the driver on CUDA 12.4+; count, kind, size
     /// and the block shape from the code object's metadata on HIP), and every buffer against
-    /// the backend. Launches never allocate on the host's heap or synchronise, so they can be
-    /// captured into a graph.
+    /// the backend. The first launch of a kernel loads its family's module; later ones never
+    /// allocate or synchronise, so they can be captured into a graph.
     ///
     /// # Safety
     /// The kernel must stay within the buffers passed for this grid and these scalars: the

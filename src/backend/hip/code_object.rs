@@ -363,15 +363,15 @@ impl KernelInfo {
                 self.lds_bytes, dims.shared_bytes
             ));
         }
-        let expected: Vec<&ArgInfo> = self.explicit_args().collect();
-        if expected.len() != args.len() {
+        // no collecting: this runs on every launch, which must not allocate
+        let expected = self.explicit_args().count();
+        if expected != args.len() {
             return Err(format!(
-                "kernel `{name}` takes {} arguments, the launch passes {}",
-                expected.len(),
+                "kernel `{name}` takes {expected} arguments, the launch passes {}",
                 args.len()
             ));
         }
-        for (i, (want, got)) in expected.iter().zip(args).enumerate() {
+        for (i, (want, got)) in self.explicit_args().zip(args).enumerate() {
             let fits = match &want.kind {
                 ArgKind::Pointer => got.is_pointer() && want.size == 8,
                 ArgKind::Value => !got.is_pointer() && want.size as usize == got.size(),

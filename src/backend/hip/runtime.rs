@@ -82,51 +82,54 @@ fn library_candidates() -> Vec<PathBuf> {
 }
 
 impl Runtime {
-    /// Opens the first library of [`library_candidates`] that has every bound symbol, and
-    /// checks its HIP major version against the header's.
+    /// Opens the first library of [`library_candidates`] that has every bound symbol and the
+    /// HIP major version of the header the bindings came from.
     ///
     /// # Errors
-    /// [`Error::HipUnavailable`]: "HIP runtime not found" with every place tried and why, or a
-    /// library of another HIP major version than the bindings.
+    /// [`Error::HipUnavailable`]: "HIP runtime not found" with every place tried and why (not
+    /// there, a symbol missing, another HIP major version).
     pub(crate) fn load() -> Result<Self> {
         let mut tried = Vec::new();
         for path in library_candidates() {
             // SAFETY: opening the library runs its initialisers; libamdhip64's only set up the
             // runtime's own state. Every symbol the bindings name is resolved here or the open
             // fails (dynamic_link_require_all).
-            match unsafe { sys::HipLibrary::new(&path) } {
-                Ok(lib) => {
-                    let mut version = 0;
-                    // SAFETY: one valid out-pointer.
-                    let code = unsafe { lib.hipRuntimeGetVersion(&mut version) };
-                    let runtime = Self {
-                        lib,
-                        path: path.clone(),
-                        version,
-                    };
-                    runtime.check(code).map_err(|s| {
-                        Error::HipUnavailable(format!(
-                            "{}: hipRuntimeGetVersion failed: {s}",
-                            path.display()
-                        ))
-                    })?;
-                    let major = version / 10_000_000;
-                    if i64::from(major) != i64::from(sys::HIP_VERSION_MAJOR) {
-                        return Err(Error::HipUnavailable(format!(
-                            "{} is HIP {}, but this build's bindings come from the HIP {} header \
-                             under {}: rebuild with --features hip against this install \
-                             (ROCM_PATH), or point FP4SPEC_HIP_LIBRARY at a HIP {} runtime",
-                            path.display(),
-                            version_text(version),
-                            header_version(),
-                            sys::FP4SPEC_HIP_BUILD_ROOT,
-                            sys::HIP_VERSION_MAJOR
-                        )));
-                    }
-                    return Ok(runtime);
+            let lib = match unsafe { sys::HipLibrary::new(&path) } {
+                Ok(lib) => lib,
+                Err(e) => {
+                    tried.push(format!("{} ({e})", path.display()));
+                    continue;
                 }
-                Err(e) => tried.push(format!("{} ({e})", path.display())),
+            };
+            let mut version = 0;
+            // SAFETY: one valid out-pointer.
+            let code = unsafe { lib.hipRuntimeGetVersion(&mut version) };
+            let runtime = Self {
+                lib,
+                path: path.clone(),
+                version,
+            };
+            if let Err(status) = runtime.check(code) {
+                tried.push(format!(
+                    "{} (hipRuntimeGetVersion: {status})",
+                    path.display()
+                ));
+                continue;
             }
+            if i64::from(version / 10_000_000) != i64::from(sys::HIP_VERSION_MAJOR) {
+                tried.push(format!(
+                    "{} (HIP {}, but the bindings come from the HIP {} header under {}: \
+                     rebuild with --features hip against that install, or set \
+                     FP4SPEC_HIP_LIBRARY to a HIP {} runtime)",
+                    path.display(),
+                    version_text(version),
+                    header_version(),
+                    sys::FP4SPEC_HIP_BUILD_ROOT,
+                    sys::HIP_VERSION_MAJOR
+                ));
+                continue;
+            }
+            return Ok(runtime);
         }
         Err(Error::HipUnavailable(format!(
             "HIP runtime not found: tried {}. Install ROCm (README, Running on Strix Halo) or set \

@@ -19,7 +19,6 @@ pub(crate) fn header_version() -> String {
 /// No values: [`Runtime::load`] always fails.
 pub(crate) enum Runtime {}
 
-#[allow(clippy::unused_self, clippy::missing_safety_doc)]
 impl Runtime {
     pub(crate) fn load() -> Result<Self> {
         Err(Error::HipUnavailable(NOT_BUILT.into()))
