@@ -27,7 +27,7 @@
 #define NORM_THREADS 128
 #define COMMIT_THREADS 128
 
-// ---- what differs between vendors in this family (block_barrier is the prelude's) ----
+// ---- what differs between vendors in this family ----
 {% if target.vendor == "nvidia" %}
 FP4_DEVICE float shfl_xor(float v, u32 mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return atomicAdd(p, v); }
