@@ -365,3 +365,535 @@ fn bad_values_are_per_sequence_errors_never_tokens() {
         Err(RowError::BadParameter(_))
     ));
 }
+
+// ---- the kernels, run on a CPU emulation of CUDA, against the reference ----
+//
+// There is no GPU here, so the rendered sm_90a source of `verify.cu` is compiled as host C++
+// against tests/verify_emu/cuda_emu.h (threads as fibers, real __syncthreads and warp
+// exchanges, shuffled scheduling) and run through the same layout, batch encoding, launch grids
+// and decoding as the CUDA backend. Same tokens and accept counts as the reference, exactly.
+
+mod emulation {
+    use fp4spec::backend::Backend;
+    use fp4spec::kernels::table;
+    use fp4spec::kernels::verify::{
+        self, AcceptanceStats, Batch, Capacity, DraftKind, Layout, RowError, Sequence, Verified,
+        VerifyWorkspace, device,
+    };
+    use fp4spec::target;
+    use fp4spec::target::VerifyTiles;
+    use std::ffi::{CStr, CString, c_char, c_int, c_void};
+    use std::path::PathBuf;
+    use std::sync::Mutex;
+
+    unsafe extern "C" {
+        fn dlopen(filename: *const c_char, flags: c_int) -> *mut c_void;
+        fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
+        fn dlerror() -> *const c_char;
+    }
+    const RTLD_NOW: c_int = 2;
+
+    type LaunchFn = unsafe extern "C" fn(*const c_char, u32, u32, u32, *const c_void) -> c_int;
+
+    const WRAPPER: &str = r#"
+static unsigned long long emu_slow_paths = 0;
+#define VERIFY_SLOW_PATH_HOOK() (++emu_slow_paths)
+#include "verify.cu"
+extern "C" int emu_launch(const char* kernel, unsigned gx, unsigned gy, unsigned threads, const void* args) {
+    const VerifyArgs a = *static_cast<const VerifyArgs*>(args);
+    if (!std::strcmp(kernel, "verify_histogram")) return emu::launch(gx, gy, threads, [a] { verify_histogram(a); });
+    if (!std::strcmp(kernel, "verify_select")) return emu::launch(gx, gy, threads, [a] { verify_select(a); });
+    if (!std::strcmp(kernel, "verify_residual")) return emu::launch(gx, gy, threads, [a] { verify_residual(a); });
+    std::fprintf(stderr, "emulation: no kernel %s\n", kernel);
+    return 2;
+}
+extern "C" unsigned long long emu_take_slow_paths() {
+    const unsigned long long n = emu_slow_paths;
+    emu_slow_paths = 0;
+    return n;
+}
+"#;
+
+    /// The emulated kernels: `emu_launch` and `emu_take_slow_paths`.
+    #[derive(Clone, Copy)]
+    pub struct Kernels {
+        launch: LaunchFn,
+        slow_paths: unsafe extern "C" fn() -> u64,
+    }
+
+    /// The sm_90a source with its verify tiles replaced by `tiles`.
+    fn source_for(tiles: &VerifyTiles) -> String {
+        let source = table::rendered("sm_90a", "verify").expect("verify rendered for sm_90a");
+        source
+            .source
+            .lines()
+            .map(|line| {
+                let define = |name: &str, value: u32| format!("#define {name} {value}");
+                match line
+                    .split_whitespace()
+                    .take(2)
+                    .collect::<Vec<_>>()
+                    .as_slice()
+                {
+                    ["#define", "VT"] => define("VT", tiles.threads_per_block),
+                    ["#define", "VI"] => define("VI", tiles.items_per_thread),
+                    ["#define", "VG"] => define("VG", tiles.sub_buckets_per_octave),
+                    ["#define", "VCAP"] => define("VCAP", tiles.candidates_per_row),
+                    _ => line.to_string(),
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// The emulated kernels for `tiles` (compiled once per tiles and test binary).
+    pub fn kernels(tiles: &VerifyTiles) -> Kernels {
+        static LIBRARIES: Mutex<Vec<(String, usize, usize)>> = Mutex::new(Vec::new());
+        let source = source_for(tiles);
+        let key = format!("{tiles:?}");
+        let mut libraries = LIBRARIES.lock().unwrap_or_else(|p| p.into_inner());
+        let (launch, slow) = match libraries.iter().find(|(k, _, _)| *k == key) {
+            Some(&(_, launch, slow)) => (launch, slow),
+            None => {
+                let found = compile(&source, libraries.len());
+                libraries.push((key, found.0, found.1));
+                found
+            }
+        };
+        // SAFETY: the addresses of the wrapper's two functions, with these signatures.
+        unsafe {
+            Kernels {
+                launch: std::mem::transmute::<usize, LaunchFn>(launch),
+                slow_paths: std::mem::transmute::<usize, unsafe extern "C" fn() -> u64>(slow),
+            }
+        }
+    }
+
+    fn compile(source: &str, index: usize) -> (usize, usize) {
+        let dir =
+            std::env::temp_dir().join(format!("fp4spec-verify-emu-{}-{index}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let here = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/verify_emu");
+        std::fs::write(dir.join("verify.cu"), source).expect("write source");
+        std::fs::write(dir.join("wrapper.cpp"), WRAPPER).expect("write wrapper");
+        let library = dir.join("libverify_emu.so");
+        let compiler = ["clang++-19", "clang++"]
+            .into_iter()
+            .find(|c| {
+                std::process::Command::new(c)
+                    .arg("--version")
+                    .output()
+                    .is_ok()
+            })
+            .expect(
+                "no clang++ for the CUDA emulation: run the tests as \
+                 `bash tools/toolchains.sh cargo test --release`",
+            );
+        let out = std::process::Command::new(compiler)
+            .args([
+                "-std=c++20",
+                "-O1",
+                "-g0",
+                "-w",
+                "-fPIC",
+                "-shared",
+                "-ffp-contract=off",
+            ])
+            .args(["-fno-fast-math", "-U_FORTIFY_SOURCE", "-D_FORTIFY_SOURCE=0"])
+            .arg(format!("-I{}", here.display()))
+            .arg(format!("-I{}", dir.display()))
+            .arg("-include")
+            .arg(here.join("cuda_emu.h"))
+            .arg(dir.join("wrapper.cpp"))
+            .arg("-o")
+            .arg(&library)
+            .output()
+            .expect("run clang++");
+        assert!(
+            out.status.success(),
+            "the emulation did not compile:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let path = CString::new(library.to_string_lossy().as_bytes()).expect("path");
+        // SAFETY: dlopen/dlsym on a library this test just built.
+        unsafe {
+            let handle = dlopen(path.as_ptr(), RTLD_NOW);
+            assert!(
+                !handle.is_null(),
+                "dlopen: {}",
+                CStr::from_ptr(dlerror()).to_string_lossy()
+            );
+            let launch = dlsym(handle, c"emu_launch".as_ptr());
+            let slow = dlsym(handle, c"emu_take_slow_paths".as_ptr());
+            assert!(
+                !launch.is_null() && !slow.is_null(),
+                "emulation symbols missing"
+            );
+            (launch as usize, slow as usize)
+        }
+    }
+
+    /// What one batch produced.
+    pub struct Run {
+        pub outcomes: Vec<Result<Verified, RowError>>,
+        pub stats: AcceptanceStats,
+        /// Radix fallbacks the finish took (emulation only).
+        pub slow_paths: u64,
+    }
+
+    fn address<T>(v: &[T]) -> u64 {
+        v.as_ptr() as u64
+    }
+
+    /// Runs `batch` through the emulated kernels of `tiles` on fresh (garbage-filled) scratch:
+    /// the layout of `multiprocessors` decides how rows split over blocks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        tiles: &VerifyTiles,
+        capacity: Capacity,
+        multiprocessors: u32,
+        sequences: &[Sequence<'_>],
+        kind: DraftKind,
+        target: &[f32],
+        tokens: &[u32],
+        draft_logits: Option<&[f32]>,
+    ) -> Run {
+        let layout = Layout::new(capacity, tiles, multiprocessors).expect("layout");
+        let batch = Batch::encode(&layout, sequences, kind).expect("encode");
+        let n = layout.buffer_lengths();
+        let garbage = 0xa5a5_a5a5_a5a5_a5a5u64;
+        let mut seqs = vec![device::Sequence::default(); n.sequences];
+        seqs[..batch.sequences.len()].copy_from_slice(&batch.sequences);
+        let mut rows = vec![device::Row::default(); n.rows];
+        rows[..batch.rows.len()].copy_from_slice(&batch.rows);
+        let mut bias_tokens = vec![0u32; n.bias.max(1)];
+        bias_tokens[..batch.bias_tokens.len()].copy_from_slice(&batch.bias_tokens);
+        let mut bias_values = vec![0f32; n.bias.max(1)];
+        bias_values[..batch.bias_values.len()].copy_from_slice(&batch.bias_values);
+        let block_hist = vec![garbage; n.block_hist];
+        let block_summary = vec![garbage; n.block_summary];
+        let row_hist = vec![garbage; n.row_hist];
+        let row_state = vec![garbage; n.row_state];
+        let candidates = vec![garbage; n.candidates];
+        let residual_sums = vec![garbage; n.residual_sums];
+        let counters = vec![0u32; n.counters];
+        let emitted = vec![0xdead_beefu32; n.emitted];
+        let status = vec![0xdead_beefu32; n.status];
+        let stats = vec![0u64; n.stats.max(1)];
+        let no_draft_logits = [0f32; 1];
+        let tokens_or_dummy = if tokens.is_empty() {
+            &[0u32][..]
+        } else {
+            tokens
+        };
+        let args = device::Args {
+            target_logits: address(target),
+            draft_logits: address(draft_logits.unwrap_or(&no_draft_logits)),
+            draft_tokens: address(tokens_or_dummy),
+            sequences: address(&seqs),
+            rows: address(&rows),
+            bias_tokens: address(&bias_tokens),
+            bias_values: address(&bias_values),
+            block_hist: address(&block_hist),
+            block_summary: address(&block_summary),
+            row_hist: address(&row_hist),
+            row_state: address(&row_state),
+            candidates: address(&candidates),
+            residual_sums: address(&residual_sums),
+            counters: address(&counters),
+            emitted: address(&emitted),
+            status: address(&status),
+            stats: address(&stats),
+            vocab: capacity.vocab as u32,
+            sequence_count: batch.sequences.len() as u32,
+            row_count: batch.rows.len() as u32,
+            max_drafts: capacity.max_drafts as u32,
+            chunks_per_row: layout.chunks_per_row as u32,
+            chunks_per_block: batch.chunks_per_block as u32,
+            blocks_per_row: batch.blocks_per_row as u32,
+            reserved: 0,
+        };
+        let kernels = kernels(tiles);
+        for (kernel, (x, y)) in layout.launches(&batch) {
+            let name = CString::new(kernel).expect("name");
+            // SAFETY: every address in `args` points into a live buffer sized by the layout.
+            let rc = unsafe {
+                (kernels.launch)(
+                    name.as_ptr(),
+                    x,
+                    y,
+                    tiles.threads_per_block,
+                    &args as *const device::Args as *const c_void,
+                )
+            };
+            assert_eq!(rc, 0, "emulated {kernel} did not complete");
+        }
+        assert!(
+            counters.iter().all(|&c| c == 0),
+            "arrival counters left nonzero: {counters:?}"
+        );
+        let outcomes = batch.decode(&layout, &status, &emitted).expect("decode");
+        let m = capacity.max_drafts;
+        Run {
+            outcomes,
+            stats: AcceptanceStats {
+                drafted: stats[..m].to_vec(),
+                accepted: stats[m..2 * m].to_vec(),
+            },
+            // SAFETY: the wrapper's counter read-and-reset.
+            slow_paths: unsafe { (kernels.slow_paths)() },
+        }
+    }
+
+    /// The CPU backend (the reference) on the same batch.
+    pub fn reference(
+        capacity: Capacity,
+        sequences: &[Sequence<'_>],
+        kind: DraftKind,
+        target: &[f32],
+        tokens: &[u32],
+        draft_logits: Option<&[f32]>,
+    ) -> Run {
+        let backend = Backend::Cpu;
+        let mut ws = VerifyWorkspace::new(&backend, capacity).expect("workspace");
+        ws.set_batch(sequences, kind).expect("batch");
+        let target = backend.upload(target).expect("upload");
+        let tokens = backend.upload(tokens).expect("upload");
+        let draft = draft_logits.map(|d| backend.upload(d).expect("upload"));
+        verify::verify(&backend, &mut ws, &target, &tokens, draft.as_ref()).expect("verify");
+        Run {
+            outcomes: ws.outcomes().expect("outcomes"),
+            stats: ws.stats().expect("stats"),
+            slow_paths: 0,
+        }
+    }
+}
+
+/// A random batch: ragged draft counts (0 allowed), every control on or off per sequence,
+/// logits of several shapes, drafts that agree with the target's argmax for a while.
+struct RandomBatch {
+    params: Vec<SamplingParams>,
+    positions: Vec<u64>,
+    drafts: Vec<usize>,
+    target: Vec<f32>,
+    tokens: Vec<u32>,
+    draft_logits: Vec<f32>,
+}
+
+fn random_params(rng: &mut SplitMix64, vocab: usize, greedy: bool) -> SamplingParams {
+    let mut pick = |n: u64| rng.next_u64() % n;
+    let temperature = if greedy {
+        0.0
+    } else {
+        [1.0, 0.7, 1.3, 0.05][pick(4) as usize]
+    };
+    let top_k = [0, 1, 5, 40, vocab + 3][pick(5) as usize];
+    let top_p = [1.0, 0.9, 0.5, 0.999][pick(4) as usize];
+    let min_p = [0.0, 0.05, 0.3, 1.0][pick(4) as usize];
+    let bias_len = [0, 1, 3, 12][pick(4) as usize];
+    let logit_bias = (0..bias_len)
+        .map(|i| {
+            let token = (pick(vocab as u64)) as u32;
+            let value = match i % 4 {
+                0 => 2.5,
+                1 => -1.0,
+                2 => f32::NEG_INFINITY,
+                _ => 0.25,
+            };
+            (token, value)
+        })
+        .collect();
+    SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        logit_bias,
+        seed: pick(u64::MAX),
+    }
+}
+
+fn random_row(rng: &mut SplitMix64, vocab: usize) -> Vec<f32> {
+    let shape = rng.next_u64() % 4;
+    let spread = [4.0, 1.0, 0.02, 8.0][shape as usize];
+    let mut row = rng.normal_vec(vocab, spread);
+    if shape == 3 {
+        // bf16-rounded logits: many exact ties
+        for v in &mut row {
+            *v = half::bf16::from_f32(*v).to_f32();
+        }
+    }
+    if rng.next_u64() % 3 == 0 {
+        row[(rng.next_u64() % vocab as u64) as usize] = f32::NEG_INFINITY;
+    }
+    row
+}
+
+fn random_batch(
+    rng: &mut SplitMix64,
+    vocab: usize,
+    sequences: usize,
+    max_drafts: usize,
+) -> RandomBatch {
+    let mut b = RandomBatch {
+        params: Vec::new(),
+        positions: Vec::new(),
+        drafts: Vec::new(),
+        target: Vec::new(),
+        tokens: Vec::new(),
+        draft_logits: Vec::new(),
+    };
+    for _ in 0..sequences {
+        let greedy = rng.next_u64() % 4 == 0;
+        let params = random_params(rng, vocab, greedy);
+        let n = (rng.next_u64() % (max_drafts as u64 + 1)) as usize;
+        let agree = rng.next_u64() as usize % (n + 1);
+        for j in 0..=n {
+            let row = random_row(rng, vocab);
+            if j < n {
+                let best = verify::greedy_token(&row, &SamplingParams::default(), j).unwrap_or(0);
+                b.tokens.push(if j < agree {
+                    best
+                } else {
+                    (rng.next_u64() % vocab as u64) as u32
+                });
+                let mut draft_row = row.clone();
+                for v in draft_row.iter_mut().step_by(3) {
+                    *v += 0.5;
+                }
+                b.draft_logits.extend_from_slice(&draft_row);
+            }
+            b.target.extend_from_slice(&row);
+        }
+        b.params.push(params);
+        b.positions.push(rng.next_u64() % 1_000_000);
+        b.drafts.push(n);
+    }
+    b
+}
+
+fn sm90_tiles() -> VerifyTiles {
+    fp4spec::target::by_name("sm_90a")
+        .expect("sm_90a")
+        .verify
+        .clone()
+}
+
+/// Tiles small enough that rows span many chunks, blocks stream several chunks (shifting their
+/// histograms), buckets are coarse and almost no bucket fits the candidates: the radix fallback
+/// everywhere.
+fn tiny_tiles() -> VerifyTiles {
+    VerifyTiles {
+        threads_per_block: 64,
+        items_per_thread: 2,
+        sub_buckets_per_octave: 2,
+        candidates_per_row: 4,
+        blocks_per_sm: 2,
+    }
+}
+
+/// Runs `batch` on the CPU backend and on the emulated kernels of `tiles` (one layout per
+/// multiprocessor count), asserts the outcomes and statistics are equal, returns the emulation's
+/// radix fallbacks.
+fn check_emulated(
+    test: &str,
+    tiles: &VerifyTiles,
+    vocab: usize,
+    batch: &RandomBatch,
+    kinds: &[DraftKind],
+    multiprocessors: &[u32],
+) -> u64 {
+    use fp4spec::kernels::verify::{Capacity, Sequence};
+    let capacity = Capacity {
+        vocab,
+        max_sequences: batch.params.len().max(1),
+        max_drafts: batch.drafts.iter().copied().max().unwrap_or(0).max(1),
+        max_bias_entries: batch
+            .params
+            .iter()
+            .map(|p| p.logit_bias.len())
+            .sum::<usize>()
+            .max(1),
+    };
+    let sequences: Vec<Sequence> = batch
+        .params
+        .iter()
+        .zip(&batch.positions)
+        .zip(&batch.drafts)
+        .map(|((params, &position), &drafts)| Sequence {
+            params,
+            position,
+            drafts,
+        })
+        .collect();
+    let mut slow_paths = 0;
+    for &kind in kinds {
+        let draft = (kind == DraftKind::Sampled).then_some(batch.draft_logits.as_slice());
+        let want = emulation::reference(
+            capacity,
+            &sequences,
+            kind,
+            &batch.target,
+            &batch.tokens,
+            draft,
+        );
+        for &sms in multiprocessors {
+            let got = emulation::run(
+                tiles,
+                capacity,
+                sms,
+                &sequences,
+                kind,
+                &batch.target,
+                &batch.tokens,
+                draft,
+            );
+            for (s, (g, w)) in got.outcomes.iter().zip(&want.outcomes).enumerate() {
+                assert_eq!(
+                    g, w,
+                    "{test} V={vocab} {kind:?} {sms} SMs: sequence {s} (n={}, position {}, {:?})",
+                    batch.drafts[s], batch.positions[s], batch.params[s]
+                );
+            }
+            assert_eq!(
+                got.stats, want.stats,
+                "{test} V={vocab} {kind:?} {sms} SMs: statistics"
+            );
+            slow_paths += got.slow_paths;
+        }
+        let errors = want.outcomes.iter().filter(|o| o.is_err()).count();
+        println!(
+            "{test} V={vocab} {kind:?}: {} sequences equal ({errors} errors), accepted {:?} of {:?}",
+            want.outcomes.len(),
+            want.stats.accepted,
+            want.stats.drafted
+        );
+    }
+    println!("{test} V={vocab}: {slow_paths} radix fallbacks");
+    slow_paths
+}
+
+use fp4spec::kernels::verify::DraftKind;
+use fp4spec::target::VerifyTiles;
+
+#[test]
+fn emulated_kernels_equal_the_reference_on_random_ragged_batches() {
+    let mut rng = SplitMix64::new(11);
+    for (vocab, sequences) in [(37usize, 8usize), (1000, 6), (20000, 4)] {
+        let batch = random_batch(&mut rng, vocab, sequences, 4);
+        let kinds = [DraftKind::PointMass, DraftKind::Sampled];
+        check_emulated("random", &sm90_tiles(), vocab, &batch, &kinds, &[132, 1]);
+    }
+}
+
+#[test]
+fn emulated_kernels_equal_the_reference_through_the_radix_fallback() {
+    let mut rng = SplitMix64::new(12);
+    let mut slow_paths = 0;
+    for (vocab, sequences) in [(37usize, 6usize), (300, 6), (3001, 3)] {
+        let batch = random_batch(&mut rng, vocab, sequences, 3);
+        let kinds = [DraftKind::PointMass, DraftKind::Sampled];
+        slow_paths += check_emulated("tiny tiles", &tiny_tiles(), vocab, &batch, &kinds, &[4, 1]);
+    }
+    assert!(slow_paths > 50, "the fallback ran only {slow_paths} times");
+}

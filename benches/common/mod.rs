@@ -101,7 +101,6 @@ pub fn bench_graph(
     samples.median()
 }
 
-
 /// Device-to-device copy bandwidth, GB/s, counting bytes read plus bytes written: the ceiling
 /// every memory-bound figure is reported against.
 pub fn copy_bandwidth_gbs(criterion: &mut Criterion, cuda: &CudaBackend) -> f64 {

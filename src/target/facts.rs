@@ -53,6 +53,8 @@ pub struct TargetFacts {
     pub dequant: DequantTiles,
     /// Launch parameters of the `gemm` family.
     pub gemm: GemmTiles,
+    /// Launch parameters of the `verify` family.
+    pub verify: VerifyTiles,
 }
 
 /// Which instruction classes exist on a target (templates branch on these, never on names).
@@ -101,6 +103,22 @@ pub struct GemmTiles {
     pub mma_min_warps_per_sm: u32,
     /// `gemm_*_mma_*`: the fewest K groups one split may get.
     pub mma_min_groups_per_split: u32,
+}
+
+/// Launch parameters of the `verify` family (`verify_*`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VerifyTiles {
+    /// Threads per block (a multiple of the warp size, at most 1024).
+    pub threads_per_block: u32,
+    /// Logits each thread holds per chunk; a chunk is `threads_per_block * items_per_thread`.
+    pub items_per_thread: u32,
+    /// Histogram buckets per octave of token weight (a power of two, 1..=64).
+    pub sub_buckets_per_octave: u32,
+    /// Tokens per row kept around the cuts for the exact finish (1..=4096).
+    pub candidates_per_row: u32,
+    /// Blocks per multiprocessor the launch aims its grid at.
+    pub blocks_per_sm: u32,
 }
 
 impl TargetTable {
@@ -170,6 +188,34 @@ impl TargetFacts {
         if self.gemm.mma_min_warps_per_sm == 0 || self.gemm.mma_min_groups_per_split == 0 {
             return fail(
                 "gemm.mma_min_warps_per_sm and gemm.mma_min_groups_per_split must be positive"
+                    .into(),
+            );
+        }
+        let verify = &self.verify;
+        if verify.threads_per_block == 0
+            || verify.threads_per_block > 1024
+            || verify.threads_per_block % self.warp_size != 0
+        {
+            return fail(format!(
+                "verify.threads_per_block {} must be a multiple of warp_size {} in 1..=1024",
+                verify.threads_per_block, self.warp_size
+            ));
+        }
+        if !(1..=32).contains(&verify.items_per_thread) {
+            return fail(format!(
+                "verify.items_per_thread {} outside 1..=32 (registers)",
+                verify.items_per_thread
+            ));
+        }
+        if !verify.sub_buckets_per_octave.is_power_of_two() || verify.sub_buckets_per_octave > 64 {
+            return fail(format!(
+                "verify.sub_buckets_per_octave {} must be a power of two up to 64",
+                verify.sub_buckets_per_octave
+            ));
+        }
+        if !(1..=4096).contains(&verify.candidates_per_row) || verify.blocks_per_sm == 0 {
+            return fail(
+                "verify.candidates_per_row must be in 1..=4096 and verify.blocks_per_sm positive"
                     .into(),
             );
         }

@@ -3,6 +3,7 @@
 
 mod facts;
 
+pub use facts::VerifyTiles;
 pub use facts::{DequantTiles, GemmTiles, Instructions, TargetFacts, Vendor};
 
 use crate::error::{Error, Result};

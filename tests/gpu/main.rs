@@ -25,4 +25,3 @@ fn cuda_backend_opens_or_says_why_not() {
         }
     }
 }
-
