@@ -558,6 +558,9 @@ extern "C" unsigned long long emu_take_slow_paths() {
         tokens: &[u32],
         draft_logits: Option<&[f32]>,
     ) -> Run {
+        // the emulation is one global machine: one batch at a time across test threads
+        static MACHINE: Mutex<()> = Mutex::new(());
+        let _machine = MACHINE.lock().unwrap_or_else(|p| p.into_inner());
         let layout = Layout::new(capacity, tiles, multiprocessors).expect("layout");
         let batch = Batch::encode(&layout, sequences, kind).expect("encode");
         let n = layout.buffer_lengths();
@@ -849,10 +852,14 @@ fn check_emulated(
                 draft,
             );
             for (s, (g, w)) in got.outcomes.iter().zip(&want.outcomes).enumerate() {
+                // Debug text: a NaN error value equals itself
                 assert_eq!(
-                    g, w,
+                    format!("{g:?}"),
+                    format!("{w:?}"),
                     "{test} V={vocab} {kind:?} {sms} SMs: sequence {s} (n={}, position {}, {:?})",
-                    batch.drafts[s], batch.positions[s], batch.params[s]
+                    batch.drafts[s],
+                    batch.positions[s],
+                    batch.params[s]
                 );
             }
             assert_eq!(
@@ -896,4 +903,219 @@ fn emulated_kernels_equal_the_reference_through_the_radix_fallback() {
         slow_paths += check_emulated("tiny tiles", &tiny_tiles(), vocab, &batch, &kinds, &[4, 1]);
     }
     assert!(slow_paths > 50, "the fallback ran only {slow_paths} times");
+}
+
+#[test]
+fn emulated_kernels_equal_the_reference_at_the_full_vocabulary() {
+    let mut rng = SplitMix64::new(13);
+    let vocab = 248_320;
+    let batch = random_batch(&mut rng, vocab, 3, 2);
+    let kinds = [DraftKind::PointMass, DraftKind::Sampled];
+    check_emulated("V=248320", &sm90_tiles(), vocab, &batch, &kinds, &[132]);
+}
+
+/// Logit rows shaped like a language model's: a broad bulk and a few strong candidates, the
+/// drafts mostly the target's favourite.
+fn model_like_batch(
+    rng: &mut SplitMix64,
+    vocab: usize,
+    sequences: usize,
+    drafts: usize,
+    params: &SamplingParams,
+) -> RandomBatch {
+    let mut b = RandomBatch {
+        params: Vec::new(),
+        positions: Vec::new(),
+        drafts: Vec::new(),
+        target: Vec::new(),
+        tokens: Vec::new(),
+        draft_logits: Vec::new(),
+    };
+    for s in 0..sequences {
+        for j in 0..=drafts {
+            let mut row = rng.normal_vec(vocab, 2.0);
+            for k in 0..8 {
+                let t = (rng.next_u64() % vocab as u64) as usize;
+                row[t] = 12.0 - k as f32;
+            }
+            if j < drafts {
+                let best = verify::greedy_token(&row, params, j).expect("row");
+                b.tokens.push(if rng.next_u64() % 4 == 0 {
+                    (rng.next_u64() % vocab as u64) as u32
+                } else {
+                    best
+                });
+                let mut draft_row = row.clone();
+                for v in draft_row.iter_mut().step_by(5) {
+                    *v += 1.0;
+                }
+                b.draft_logits.extend_from_slice(&draft_row);
+            }
+            b.target.extend_from_slice(&row);
+        }
+        b.params.push(SamplingParams {
+            seed: 1000 + s as u64,
+            ..params.clone()
+        });
+        b.positions.push(100 * s as u64);
+        b.drafts.push(drafts);
+    }
+    b
+}
+
+#[test]
+fn emulated_kernels_keep_model_like_batches_on_the_fast_path() {
+    let mut rng = SplitMix64::new(14);
+    let all_controls = SamplingParams {
+        temperature: 0.7,
+        top_k: 50,
+        top_p: 0.9,
+        min_p: 0.05,
+        logit_bias: vec![(3, 2.0), (17, -1.5), (99, f32::NEG_INFINITY), (1234, 0.5)],
+        seed: 0,
+    };
+    let top_p_only = SamplingParams {
+        temperature: 1.0,
+        top_p: 0.95,
+        ..SamplingParams::default()
+    };
+    let kinds = [DraftKind::PointMass, DraftKind::Sampled];
+    for (name, params) in [("all controls", &all_controls), ("top-p only", &top_p_only)] {
+        let batch = model_like_batch(&mut rng, 20_000, 4, 3, params);
+        let slow = check_emulated(name, &sm90_tiles(), 20_000, &batch, &kinds, &[132]);
+        assert_eq!(slow, 0, "{name}: the plan missed a bucket {slow} times");
+    }
+}
+
+#[test]
+fn emulated_kernels_report_every_bad_value_as_the_reference_does() {
+    let vocab = 64;
+    let mut rng = SplitMix64::new(15);
+    let sampling = SamplingParams::default();
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    };
+    let mut b = RandomBatch {
+        params: Vec::new(),
+        positions: Vec::new(),
+        drafts: Vec::new(),
+        target: Vec::new(),
+        tokens: Vec::new(),
+        draft_logits: Vec::new(),
+    };
+    // (controls, rows: (logit edits per target row), drafts, draft logit edit)
+    type Edit = fn(&mut [f32]);
+    let certain: Edit = |row| {
+        row.fill(-50.0);
+        row[1] = 50.0;
+    };
+    let nan: Edit = |row| row[7] = f32::NAN;
+    let inf: Edit = |row| row[9] = f32::INFINITY;
+    let masked: Edit = |row| row.fill(f32::NEG_INFINITY);
+    let huge: Edit = |row| row[5] = 3.0e38;
+    let none: Edit = |_| {};
+    let cases: Vec<(SamplingParams, Vec<Edit>, Vec<u32>)> = vec![
+        // NaN in the row deciding the bonus token after an accepted certain draft
+        (sampling.clone(), vec![certain, nan], vec![1]),
+        (greedy.clone(), vec![certain, nan], vec![1]),
+        // +inf in the first row
+        (sampling.clone(), vec![inf, none], vec![1]),
+        // a NaN after a greedy rejection is never looked at
+        (greedy.clone(), vec![certain, nan], vec![2]),
+        // every token masked
+        (sampling.clone(), vec![masked], vec![]),
+        (greedy.clone(), vec![masked], vec![]),
+        // a draft outside the vocabulary (before everything else)
+        (sampling.clone(), vec![nan, none], vec![vocab as u32]),
+        // bad controls
+        (
+            SamplingParams {
+                temperature: -1.0,
+                ..SamplingParams::default()
+            },
+            vec![none],
+            vec![],
+        ),
+        (
+            SamplingParams {
+                temperature: 1.0e-40,
+                ..SamplingParams::default()
+            },
+            vec![none],
+            vec![],
+        ),
+        (
+            SamplingParams {
+                top_p: 0.0,
+                ..SamplingParams::default()
+            },
+            vec![none],
+            vec![],
+        ),
+        (
+            SamplingParams {
+                min_p: 1.5,
+                ..SamplingParams::default()
+            },
+            vec![none],
+            vec![],
+        ),
+        (
+            SamplingParams {
+                logit_bias: vec![(vocab as u32 + 5, 1.0)],
+                ..SamplingParams::default()
+            },
+            vec![none],
+            vec![],
+        ),
+        (
+            SamplingParams {
+                logit_bias: vec![(2, f32::NAN)],
+                ..SamplingParams::default()
+            },
+            vec![none],
+            vec![],
+        ),
+        // a bias that overflows a logit to +inf
+        (
+            SamplingParams {
+                logit_bias: vec![(5, 3.0e38)],
+                ..SamplingParams::default()
+            },
+            vec![huge],
+            vec![],
+        ),
+        // the same token biased twice, and a ban
+        (
+            SamplingParams {
+                logit_bias: vec![(4, 1.0), (4, 2.5), (1, f32::NEG_INFINITY)],
+                min_p: 0.1,
+                ..SamplingParams::default()
+            },
+            vec![none, none],
+            vec![4],
+        ),
+    ];
+    for (s, (params, edits, drafts)) in cases.into_iter().enumerate() {
+        for (j, edit) in edits.iter().enumerate() {
+            let mut row = rng.normal_vec(vocab, 1.0);
+            edit(&mut row);
+            if j < drafts.len() {
+                let mut draft_row = rng.normal_vec(vocab, 1.0);
+                if s == 2 {
+                    draft_row[3] = f32::NAN; // a bad draft row, reached after row 0
+                }
+                b.draft_logits.extend_from_slice(&draft_row);
+            }
+            b.target.extend_from_slice(&row);
+        }
+        assert_eq!(edits.len(), drafts.len() + 1);
+        b.tokens.extend_from_slice(&drafts);
+        b.params.push(params);
+        b.positions.push(s as u64);
+        b.drafts.push(drafts.len());
+    }
+    let kinds = [DraftKind::PointMass, DraftKind::Sampled];
+    check_emulated("bad values", &sm90_tiles(), vocab, &b, &kinds, &[132]);
 }

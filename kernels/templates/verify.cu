@@ -35,6 +35,7 @@
 #define VNB ((VOCT + 1) * VG)                 // buckets, the top one first
 #define VPLAN_WORDS ((VNB + 63) / 64)
 #define VMAX_BLOCKS_PER_ROW 256
+#define VMAX_WINDOWS 8
 #define VNONE 0xffffffffu
 #define VNO_OCTAVE ((i32)0x80000000)
 #define VKAPPA_ALL ((1ull << 52) - 1)
@@ -562,9 +563,61 @@ struct HistogramShared {
     u32 warp_count[VWARPS];
     i32 block_top[VMAX_BLOCKS_PER_ROW];
     u64 scratch[VWARPS + 1];
-    u32 range_lo[4];
-    u32 range_hi[4];
+    u32 window_lo[VMAX_WINDOWS];
+    u32 window_hi[VMAX_WINDOWS];
+    u32 windows;
     u32 last;
+};
+
+/// The planner's bucket windows (thread 0): added in order of need, each kept only while the
+/// tokens of all kept windows fit the candidate space.
+struct Plan {
+    HistogramShared& sh;
+    u32 lo[VMAX_WINDOWS], hi[VMAX_WINDOWS];
+    u32 count;
+    FP4_DEVICE explicit Plan(HistogramShared& shared) : sh(shared), count(0) {}
+    /// Tokens in the union of the windows.
+    FP4_DEVICE u32 tokens() const {
+        u32 order[VMAX_WINDOWS];
+        for (u32 i = 0; i < count; ++i) {
+            u32 j = i;
+            while (j > 0 && lo[order[j - 1]] > lo[i]) {
+                order[j] = order[j - 1];
+                --j;
+            }
+            order[j] = i;
+        }
+        u32 total = 0, end = 0;  // buckets [.., end) counted
+        for (u32 k = 0; k < count; ++k) {
+            const u32 a = lo[order[k]] > end ? lo[order[k]] : end, b = hi[order[k]] + 1;
+            if (b > a) {
+                total += sh.count[b] - sh.count[a];
+                end = b;
+            }
+        }
+        return total;
+    }
+    FP4_DEVICE void add(u32 first, u32 last) {
+        if (first > last || last >= VNB || count == VMAX_WINDOWS) return;
+        lo[count] = first;
+        hi[count] = last;
+        ++count;
+        if (tokens() > VCAP) --count;
+    }
+    /// The buckets of the draw targets [t_lo + shift, t_hi + shift], below `total`.
+    FP4_DEVICE void add_draws(u128 t_lo, u128 t_hi, u128 shift, u128 total) {
+        u128 a = t_lo + shift, b = t_hi + shift;
+        if (a >= total) a = total - w128(1);
+        if (b >= total) b = total - w128(1);
+        add(bucket_exceeding(sh.weight, a), bucket_exceeding(sh.weight, b));
+    }
+    FP4_DEVICE void finish() {
+        for (u32 i = 0; i < count; ++i) {
+            sh.window_lo[i] = lo[i];
+            sh.window_hi[i] = hi[i];
+        }
+        sh.windows = count;
+    }
 };
 
 /// Moves the block histogram `shift` buckets down (its top octave rose); what falls off the
@@ -682,81 +735,82 @@ FP4_DEVICE void plan_row(const VerifyArgs& a, const VerifyRow& row, const Verify
     if (thread_x() == 0) {
         const u32 n = sh.count[VNB];
         const u32 lk = seq.top_k > 0 && seq.top_k < n ? seq.top_k : n;
-        for (int i = 0; i < 4; ++i) {
-            sh.range_lo[i] = 1;
-            sh.range_hi[i] = 0;
-        }
-        // top-k and the weight it keeps
+        Plan plan(sh);
+        // the kept count L and weight S, bounded by whole buckets
         u128 sk_lo, sk_hi;
+        u32 top_k_bucket = VNONE;
         {
             const u32 b = bucket_of_rank(sh.count, lk - 1);
             if (lk == sh.count[b + 1]) sk_lo = sk_hi = sh.weight[b + 1];
             else {
                 sk_lo = sh.weight[b];
                 sk_hi = sh.weight[b + 1];
-                if (seq.top_p < 1.0f) sh.range_lo[0] = sh.range_hi[0] = b;
+                top_k_bucket = b;
             }
         }
-        // top-p
-        u32 lp_lo = n, lp_hi = n;
+        u32 lp_lo = n, lp_hi = n, p1 = 1, p2 = 0;
         if (seq.top_p < 1.0f) {
-            const u32 b1 = bucket_reaching(sh.weight, top_p_need(seq.top_p, sk_lo > w128(0) ? sk_lo : w128(1)));
-            const u32 b2 = bucket_reaching(sh.weight, top_p_need(seq.top_p, sk_hi));
-            sh.range_lo[1] = b1;
-            sh.range_hi[1] = b2;
-            lp_lo = sh.count[b1] + 1;
-            lp_hi = sh.count[b2 + 1];
+            p1 = bucket_reaching(sh.weight, top_p_need(seq.top_p, sk_lo > w128(0) ? sk_lo : w128(1)));
+            p2 = bucket_reaching(sh.weight, top_p_need(seq.top_p, sk_hi));
+            lp_lo = sh.count[p1] + 1;
+            lp_hi = sh.count[p2 + 1];
         }
-        // min-p
         const u32 lm_lo = seq.min_p > 0.0f ? sh.count[keep_end] : n;
         const u32 lm_hi = seq.min_p > 0.0f ? sh.count[partial_end] : n;
         u32 l_lo = umin(lk, umin(lp_lo, lm_lo)), l_hi = umin(lk, umin(lp_hi, lm_hi));
         if (l_lo < 1) l_lo = 1;
         if (l_hi < l_lo) l_hi = l_lo;
         const u32 c1 = bucket_of_rank(sh.count, l_lo - 1), c2 = bucket_of_rank(sh.count, l_hi - 1);
-        if (!(l_lo == l_hi && l_hi == sh.count[c2 + 1])) {
-            sh.range_lo[2] = c1;
-            sh.range_hi[2] = c2;
+        // windows, most needed first; each is taken while all taken fit the candidate space
+        if (!(l_lo == l_hi && l_hi == sh.count[c2 + 1])) plan.add(c1, c2);
+        if (seq.top_p < 1.0f) {
+            if (top_k_bucket != VNONE) plan.add(top_k_bucket, top_k_bucket);
+            plan.add(p1, p2);
         }
-        // the draw
         if (!row.is_draft) {
+            // the draw: t(R) for R = S, or (a rejected point-mass draft x) R = S - w(x) with the
+            // targets at or past x moved up by w(x); whether x is kept may still be open
             const double u = uniform01(seq.seed, seq.position + row.index, STREAM_TOKEN);
-            const u128 s_lo = sh.weight[c1] > w128(0) ? sh.weight[c1] : w128(1), s_hi = sh.weight[c2 + 1];
-            u128 t_lo, t_hi;
-            if (row.index < seq.drafts && !(seq.flags & VSEQ_SAMPLED_DRAFTS)) {
-                t_lo = draw_target(u, s_lo > probe_weight + w128(1) ? s_lo - probe_weight : w128(1));
-                t_hi = draw_target(u, s_hi) + probe_weight;
-                if (t_hi > s_hi - w128(1)) t_hi = s_hi - w128(1);
-            } else {
-                t_lo = draw_target(u, s_lo);
-                t_hi = draw_target(u, s_hi);
+            const u128 one = w128(1);
+            const u128 s_lo = sh.weight[c1] > w128(0) ? sh.weight[c1] : one, s_hi = sh.weight[c2 + 1];
+            const bool residual = row.index < seq.drafts && !(seq.flags & VSEQ_SAMPLED_DRAFTS);
+            bool maybe_kept = false, maybe_dropped = true;
+            if (residual && probe_bucket != VNONE) {
+                maybe_kept = sh.count[probe_bucket] < l_hi;
+                maybe_dropped = sh.count[probe_bucket + 1] > l_lo;
             }
-            sh.range_lo[3] = bucket_exceeding(sh.weight, t_lo);
-            sh.range_hi[3] = bucket_exceeding(sh.weight, t_hi);
+            if (maybe_dropped) plan.add_draws(draw_target(u, s_lo), draw_target(u, s_hi), w128(0), s_hi);
+            if (maybe_kept) {
+                const u128 r_hi = s_hi > probe_weight ? s_hi - probe_weight : w128(0);
+                const u128 r_lo = s_lo > probe_weight ? s_lo - probe_weight : w128(0);
+                if (r_hi > w128(0)) {
+                    const u128 t_lo = draw_target(u, r_lo > w128(0) ? r_lo : one), t_hi = draw_target(u, r_hi);
+                    plan.add_draws(t_lo, t_hi, w128(0), s_hi);
+                    plan.add_draws(t_lo, t_hi, probe_weight, s_hi);
+                }
+                if (r_lo == w128(0)) plan.add_draws(draw_target(u, s_lo), draw_target(u, s_hi), w128(0), s_hi);
+            }
         }
+        plan.finish();
     }
     block_sync();
-    // mark the planned buckets; all of them or none must fit the candidate space
-    u64 collected = 0;
-    for (u32 b = thread_x(); b < VNB; b += VT) {
-        bool marked = false;
-        for (int i = 0; i < 4; ++i) marked = marked || (b >= sh.range_lo[i] && b <= sh.range_hi[i]);
-        if (marked) collected += sh.count[b + 1] - sh.count[b];
-    }
-    const u64 collected_total = block_reduce(collected, VOP_SUM, sh.scratch);
-    const bool fits = collected_total <= VCAP;
+    u64 marked_tokens = 0;
     for (u32 w = thread_x(); w < VPLAN_WORDS; w += VT) {
         u64 bits = 0;
         for (u32 i = 0; i < 64; ++i) {
             const u32 b = w * 64 + i;
             bool marked = false;
-            for (int r = 0; r < 4; ++r) marked = marked || (b >= sh.range_lo[r] && b <= sh.range_hi[r]);
-            if (fits && marked && b < VNB && sh.count[b + 1] > sh.count[b]) bits |= 1ull << i;
+            for (u32 r = 0; r < sh.windows; ++r) marked = marked || (b >= sh.window_lo[r] && b <= sh.window_hi[r]);
+            if (marked && b < VNB && sh.count[b + 1] > sh.count[b]) {
+                bits |= 1ull << i;
+                marked_tokens += sh.count[b + 1] - sh.count[b];
+            }
         }
         state[RS_PLAN + w] = bits;
     }
+    marked_tokens = block_reduce(marked_tokens, VOP_SUM, sh.scratch);
     if (thread_x() == 0) {
-        const bool stream = (fits && collected_total > 0) || probe_bucket != VNONE || partial_end > keep_end;
+        const bool stream = marked_tokens > 0 || probe_bucket != VNONE || partial_end > keep_end;
         state[RS_PROBE] = (u64)probe_bucket | ((u64)f32_to_bits(probe_z) << 32);
         state[RS_MINP] = (u64)keep_end | ((u64)partial_end << 32);
         state[RS_PASS2] = 0;
