@@ -380,7 +380,6 @@ mod emulation {
         self, AcceptanceStats, Batch, Capacity, DraftKind, Layout, RowError, Sequence, Verified,
         VerifyWorkspace, device,
     };
-    use fp4spec::target;
     use fp4spec::target::VerifyTiles;
     use std::ffi::{CStr, CString, c_char, c_int, c_void};
     use std::path::PathBuf;
@@ -403,6 +402,7 @@ extern "C" int emu_launch(const char* kernel, unsigned gx, unsigned gy, unsigned
     const VerifyArgs a = *static_cast<const VerifyArgs*>(args);
     if (!std::strcmp(kernel, "verify_histogram")) return emu::launch(gx, gy, threads, [a] { verify_histogram(a); });
     if (!std::strcmp(kernel, "verify_select")) return emu::launch(gx, gy, threads, [a] { verify_select(a); });
+    if (!std::strcmp(kernel, "verify_finish")) return emu::launch(gx, gy, threads, [a] { verify_finish(a); });
     if (!std::strcmp(kernel, "verify_residual")) return emu::launch(gx, gy, threads, [a] { verify_residual(a); });
     std::fprintf(stderr, "emulation: no kernel %s\n", kernel);
     return 2;

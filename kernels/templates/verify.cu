@@ -13,10 +13,12 @@
 //                     block histograms and plans: which buckets hold the top-k, top-p, min-p
 //                     cuts and the draw, from the exact bucket counts and weights.
 //   verify_select     pass 2 over the logits. Blocks collect the tokens of the planned buckets
-//                     (and count what min-p and the probe token need). The row's last block
-//                     finishes the row exactly: sorts the candidates, resolves every cut and
-//                     the draw inside its bucket (or, when a bucket did not fit, by radix rounds
-//                     over the row), and the sequence's last row walks the acceptance chain.
+//                     (and count what min-p and the probe token need).
+//   verify_finish     one block per row finishes it exactly: sorts the candidates, resolves
+//                     every cut and the draw inside its bucket (or, when a bucket was not
+//                     collected, by radix rounds over the row); the sequence's last row walks
+//                     the acceptance chain. Its own kernel so that pass 2 streams at the
+//                     occupancy of its few registers.
 //   verify_residual   only for sampled drafts after a rejection: the residual max(0, p - q) of
 //                     the two rows, drawn by token id.
 // No sort of the vocabulary, no allocation, no host synchronisation: capturable in a graph.
@@ -26,6 +28,10 @@
 {% endif %}
 
 #define VT {{ target.verify.threads_per_block }}
+{#- NVIDIA: no __launch_bounds__, under which ptxas 13.0 spilled verify_finish and
+    verify_residual (without it they take 106 and 96 registers and spill nothing); AMD needs the
+    bound, or the compiler sizes VGPRs for 1024-lane work-groups. #}
+{%- if target.vendor == "amd" %}{% set bounds = "FP4_LAUNCH_BOUNDS(VT) " %}{% else %}{% set bounds = "" %}{% endif %}
 #define VI {{ target.verify.items_per_thread }}
 #define VG {{ target.verify.sub_buckets_per_octave }}
 #define VCAP {{ target.verify.candidates_per_row }}
@@ -77,6 +83,7 @@ typedef long long i64;
 
 // ---- portability: what this family needs beyond common/prelude.cuh ----
 {% if target.vendor == "nvidia" %}
+#define VERIFY_NOINLINE __device__ __noinline__
 FP4_DEVICE void block_sync() { __syncthreads(); }
 FP4_DEVICE void device_fence() { __threadfence(); }
 FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return atomicAdd(p, v); }
@@ -109,6 +116,7 @@ FP4_DEVICE u64 mul_hi_u64(u64 a, u64 b) { return (u64)__umul64hi((unsigned long 
 {% else %}
 // HIP contracts a * b + c into an FMA unless told not to; the reference never does.
 #pragma clang fp contract(off)
+#define VERIFY_NOINLINE __device__ __attribute__((noinline))
 FP4_DEVICE void block_sync() {
     __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
     __builtin_amdgcn_s_barrier();
@@ -223,7 +231,7 @@ struct VerifyArgs {
     u64* row_state;                 // [rows][VROW_WORDS]
     u64* candidates;                // [rows][VCAP]: logit bits << 32 | token
     u64* residual_sums;             // [sequences][chunks_per_row]
-    u32* counters;                  // [2 * rows + 2 * sequences], zero between launches
+    u32* counters;                  // [rows + 2 * sequences], zero between launches
     u32* emitted;                   // [sequences][max_drafts + 1]
     u32* status;                    // [sequences][VSTATUS_WORDS]
     u64* stats;                     // drafted[max_drafts], then accepted[max_drafts]
@@ -688,7 +696,7 @@ FP4_DEVICE i32 histogram_chunks(const RowView& v, bool sampling, u32 first, u32 
 /// The planner (pass 1's last block of a sampled row): which buckets pass 2 collects so that
 /// every cut and the draw resolve from candidates. Bounds only; pass 2's finish is exact
 /// whatever this picks (a bucket it misses is resolved by radix rounds over the row).
-FP4_DEVICE void plan_row(const VerifyArgs& a, const VerifyRow& row, const VerifySequence& seq,
+VERIFY_NOINLINE void plan_row(const VerifyArgs& a, const VerifyRow& row, const VerifySequence& seq,
                          const RowView& v, u64* state, i32 top, u32 top_mantissa,
                          HistogramShared& sh) {
     scan_histogram(sh.hist, sh.count, sh.weight, sh.warp_count, sh.warp_weight);
@@ -821,7 +829,7 @@ FP4_DEVICE void plan_row(const VerifyArgs& a, const VerifyRow& row, const Verify
     }
 }
 
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(VT) verify_histogram(const VerifyArgs a) {
+FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
     __shared__ HistogramShared sh;
     const u32 r = block_y();
     const VerifyRow row = a.rows[r];
@@ -911,6 +919,10 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VT) verify_histogram(const VerifyArgs a) {
 // ============================================================================================
 struct SelectShared {
     u64 plan[VPLAN_WORDS];
+    u64 scratch[VWARPS + 1];
+};
+
+struct FinishShared {
     u32 count[VNB + 1];
     u128 weight[VNB + 1];
     u128 warp_weight[VWARPS];
@@ -942,8 +954,8 @@ struct Selected {
 
 /// The slow path: radix rounds over the whole row on the kappa bits of the bucket's tokens
 /// (for a bucket that pass 2 did not collect). One block; 7 scans of the row.
-FP4_DEVICE Selected select_by_scan(const RowView& v, i32 top, u32 bucket, int mode, u64 value,
-                                   SelectShared& sh) {
+VERIFY_NOINLINE Selected select_by_scan(const RowView& v, i32 top, u32 bucket, int mode, u64 value,
+                                   FinishShared& sh) {
     if (thread_x() == 0) VERIFY_SLOW_PATH_HOOK();
     u64 prefix = 0;
     u32 rank = 0;
@@ -1023,8 +1035,8 @@ FP4_DEVICE u32 lower_bound(const u64* sorted, u32 n, u64 key) {
 
 /// A token inside bucket `bucket` (holding `tokens` tokens): from the candidates when pass 2
 /// collected the whole bucket, else by scanning the row.
-FP4_DEVICE Selected select_in_bucket(const RowView& v, i32 top, u32 bucket, u32 tokens, int mode,
-                                     u64 value, u32 n, SelectShared& sh) {
+VERIFY_NOINLINE Selected select_in_bucket(const RowView& v, i32 top, u32 bucket, u32 tokens, int mode,
+                                     u64 value, u32 n, FinishShared& sh) {
     const u32 s = lower_bound(sh.sorted, n, (u64)bucket << 52);
     const u32 e = lower_bound(sh.sorted, n, (u64)(bucket + 1) << 52);
     if (e - s != tokens || tokens == 0) return select_by_scan(v, top, bucket, mode, value, sh);
@@ -1063,7 +1075,7 @@ struct Prefix {
     u64 kappa;  // VKAPPA_ALL: the bucket ends with it
 };
 
-FP4_DEVICE Prefix prefix_of(const RowView& v, i32 top, u32 kept, u32 n, SelectShared& sh) {
+FP4_DEVICE Prefix prefix_of(const RowView& v, i32 top, u32 kept, u32 n, FinishShared& sh) {
     const u32 b = bucket_of_rank(sh.count, kept - 1);
     const u32 tokens = sh.count[b + 1] - sh.count[b];
     const u32 r = kept - 1 - sh.count[b];
@@ -1081,7 +1093,7 @@ FP4_DEVICE Prefix prefix_of(const RowView& v, i32 top, u32 kept, u32 n, SelectSh
 }
 
 /// The token of the order whose running weight first exceeds `t`.
-FP4_DEVICE u32 token_at(const RowView& v, i32 top, u128 t, u32 n, SelectShared& sh) {
+FP4_DEVICE u32 token_at(const RowView& v, i32 top, u128 t, u32 n, FinishShared& sh) {
     const u32 b = bucket_exceeding(sh.weight, t);
     const u32 bits = (u32)(VOCT - bucket_below(b));
     const u64 rem = ((t - sh.weight[b]) >> bits).lo;
@@ -1091,7 +1103,7 @@ FP4_DEVICE u32 token_at(const RowView& v, i32 top, u128 t, u32 n, SelectShared& 
 
 /// Pass 2's finish of one sampled row: the cuts, the kept weight, the probe, the draw.
 FP4_DEVICE void finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row, const VerifySequence& seq,
-                           SelectShared& sh) {
+                           FinishShared& sh) {
     u64* state = a.row_state + (u64)r * VROW_WORDS;
     const RowView v = row_view(a, row, seq);
     const i32 top = (i32)(u32)state[RS_TOP];
@@ -1207,7 +1219,7 @@ FP4_DEVICE u128 load_u128(const u64* p) {
 
 /// The acceptance chain of one sequence (its last row's block, thread 0): the reference's walk,
 /// reading rows in order and only as far as the outcome needs them.
-FP4_DEVICE void finish_sequence(const VerifyArgs& a, u32 s) {
+VERIFY_NOINLINE void finish_sequence(const VerifyArgs& a, u32 s) {
     const VerifySequence seq = a.sequences[s];
     u32* out = a.emitted + (u64)s * (a.max_drafts + 1);
     u32* st = a.status + (u64)s * VSTATUS_WORDS;
@@ -1363,31 +1375,32 @@ FP4_DEVICE void select_chunks(const VerifyArgs& a, u32 r, const VerifySequence& 
     }
 }
 
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(VT) verify_select(const VerifyArgs a) {
+FP4_KERNEL void {{ bounds }}verify_select(const VerifyArgs a) {
     __shared__ SelectShared sh;
     const u32 r = block_y();
     const VerifyRow row = a.rows[r];
     const VerifySequence seq = a.sequences[row.sequence];
     u64* state = a.row_state + (u64)r * VROW_WORDS;
-    const bool sampled_row = row_is_processed(seq, row) && seq.temperature > 0.0f &&
-                             (u32)state[RS_STATUS] == VSTATUS_OK;
-    const bool stream = sampled_row && ((state[RS_PASS2_MINP] >> 32) & VFLAG_STREAM);
-    const RowView v = row_view(a, row, seq);
-    if (stream) select_chunks(a, r, seq, v, state, sh);
-    device_fence();
-    block_sync();
-    if (thread_x() == 0) sh.last = atomic_add_u32(&a.counters[a.row_count + r], 1) == a.blocks_per_row - 1;
-    block_sync();
-    if (!sh.last) return;
-    device_fence();
-    if (sampled_row) finish_row(a, r, row, seq, sh);
+    if (!row_is_processed(seq, row) || !(seq.temperature > 0.0f)) return;
+    if ((u32)state[RS_STATUS] != VSTATUS_OK || !((state[RS_PASS2_MINP] >> 32) & VFLAG_STREAM)) return;
+    select_chunks(a, r, seq, row_view(a, row, seq), state, sh);
+}
+
+/// One block per row: the exact finish of a sampled row, then (the sequence's last row) the
+/// acceptance chain.
+FP4_KERNEL void {{ bounds }}verify_finish(const VerifyArgs a) {
+    __shared__ FinishShared sh;
+    const u32 r = block_y();
+    const VerifyRow row = a.rows[r];
+    const VerifySequence seq = a.sequences[row.sequence];
+    const u64* state = a.row_state + (u64)r * VROW_WORDS;
+    if (row_is_processed(seq, row) && seq.temperature > 0.0f && (u32)state[RS_STATUS] == VSTATUS_OK)
+        finish_row(a, r, row, seq, sh);
     device_fence();
     block_sync();
     if (thread_x() == 0) {
-        a.counters[a.row_count + r] = 0;
-        u32* done = &a.counters[2 * a.row_count + row.sequence];
-        sh.last = atomic_add_u32(done, 1) == rows_of(seq) - 1;
-        if (sh.last) {
+        u32* done = &a.counters[a.row_count + row.sequence];
+        if (atomic_add_u32(done, 1) == rows_of(seq) - 1) {
             device_fence();
             finish_sequence(a, row.sequence);
             *done = 0;
@@ -1430,18 +1443,10 @@ FP4_DEVICE double kept_weight(const Side& s, float z, u32 token) {
     return mul64((double)exp2_mantissa(p.frac), pow2(VOCT - below));
 }
 
-/// reference.rs residual: round((p - q) * 2^62) where positive.
-FP4_DEVICE void residual_chunk(const Side& p, const Side& q, u32 chunk, u64 (&out)[VI]) {
-    float zp[VI], zq[VI];
-    load_chunk(p.view, chunk, zp);
-    load_chunk(q.view, chunk, zq);
-    #pragma unroll
-    for (int j = 0; j < VI; ++j) {
-        const u32 e = chunk * VCHUNK + thread_x() + VT * j;
-        const double d = sub64(mul64(kept_weight(p, zp[j], e), p.inverse),
-                               mul64(kept_weight(q, zq[j], e), q.inverse));
-        out[j] = d > 0.0 ? f64_to_u64_nearest(mul64(d, 0x1p62)) : 0;
-    }
+/// reference.rs residual: round((p - q) * 2^62) where positive, for token `e` of logits zp, zq.
+FP4_DEVICE u64 residual_of(const Side& p, const Side& q, float zp, float zq, u32 e) {
+    const double d = sub64(mul64(kept_weight(p, zp, e), p.inverse), mul64(kept_weight(q, zq, e), q.inverse));
+    return d > 0.0 ? f64_to_u64_nearest(mul64(d, 0x1p62)) : 0;
 }
 
 struct ResidualShared {
@@ -1453,7 +1458,7 @@ struct ResidualShared {
     u32 token;
 };
 
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(VT) verify_residual(const VerifyArgs a) {
+FP4_KERNEL void {{ bounds }}verify_residual(const VerifyArgs a) {
     __shared__ ResidualShared sh;
     const u32 s = block_y();
     u32* st = a.status + (u64)s * VSTATUS_WORDS;
@@ -1462,16 +1467,20 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VT) verify_residual(const VerifyArgs a) {
     const u32 j = st[5];
     const Side p = side_of(a, seq.first_row + j, seq);
     const Side q = side_of(a, seq.first_row + seq.drafts + 1 + j, seq);
-    u64 r[VI];
-    residual_chunk(p, q, block_x(), r);
     u64 own = 0;
-    #pragma unroll
-    for (int i = 0; i < VI; ++i) own += r[i];
+    {
+        float zp[VI], zq[VI];
+        load_chunk(p.view, block_x(), zp);
+        load_chunk(q.view, block_x(), zq);
+        #pragma unroll
+        for (int i = 0; i < VI; ++i)
+            own += residual_of(p, q, zp[i], zq[i], block_x() * VCHUNK + thread_x() + VT * i);
+    }
     const u64 total_chunk = block_reduce(own, VOP_SUM, sh.scratch);
     if (thread_x() == 0) a.residual_sums[(u64)s * a.chunks_per_row + block_x()] = total_chunk;
     device_fence();
     block_sync();
-    u32* counter = &a.counters[2 * a.row_count + a.sequence_count + s];
+    u32* counter = &a.counters[a.row_count + a.sequence_count + s];
     if (thread_x() == 0) sh.last = atomic_add_u32(counter, 1) == a.chunks_per_row - 1;
     block_sync();
     if (!sh.last) return;
@@ -1504,13 +1513,18 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VT) verify_residual(const VerifyArgs a) {
         block_sync();
         const u32 chunk = sh.chunk;
         const u64 local = sh.offset;
-        residual_chunk(p, q, chunk, r);
-        // id order inside a chunk: slab j holds tokens chunk * VCHUNK + VT * j + thread
+        float zp[VI], zq[VI];
+        load_chunk(p.view, chunk, zp);
+        load_chunk(q.view, chunk, zq);
+        // id order inside a chunk: slab i holds tokens chunk * VCHUNK + VT * i + thread
         u64 carry = 0;
         if (thread_x() == 0) sh.token = VNONE;
         block_sync();
+        #pragma unroll
         for (int i = 0; i < VI; ++i) {
-            u64 incl = r[i];
+            const u32 e = chunk * VCHUNK + VT * (u32)i + thread_x();
+            const u64 mine = residual_of(p, q, zp[i], zq[i], e);
+            u64 incl = mine;
             for (u32 offset = 1; offset < FP4_WARP_SIZE; offset <<= 1) {
                 const u32 src = lane_index() >= offset ? lane_index() - offset : lane_index();
                 const u64 o = shfl_u64(incl, src);
@@ -1518,14 +1532,13 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VT) verify_residual(const VerifyArgs a) {
             }
             if (lane_index() == FP4_WARP_SIZE - 1) sh.warp_sum[warp_index()] = incl;
             block_sync();
-            u64 before = carry + incl - r[i];
+            u64 before = carry + incl - mine;
             u64 slab = 0;
             for (u32 k = 0; k < VWARPS; ++k) {
                 if (k < warp_index()) before += sh.warp_sum[k];
                 slab += sh.warp_sum[k];
             }
-            if (r[i] > 0 && before <= local && local < before + r[i])
-                sh.token = chunk * VCHUNK + VT * (u32)i + thread_x();
+            if (mine > 0 && before <= local && local < before + mine) sh.token = e;
             carry += slab;
             block_sync();
         }

@@ -220,6 +220,7 @@ inline T exchange(T value, unsigned src_lane) {
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __noinline__
 #define __shared__ static
 #define __launch_bounds__(...)
 #define __restrict__

@@ -11,9 +11,10 @@
 //!   the token count and the exact sum of the 24-bit weight mantissas, so the row's histogram is
 //!   exact; the row's last block merges them and plans which buckets hold the cuts and the draw.
 //! - `verify_select` (pass 2): collects the tokens of those buckets (at most
-//!   `candidates_per_row`), the row's last block resolves every cut and the draw exactly (a
-//!   bucket that was not collected is resolved by radix rounds over the row: slower, same
-//!   result), and each sequence's last row walks its acceptance chain.
+//!   `candidates_per_row`).
+//! - `verify_finish` (one block per row): resolves every cut and the draw exactly (a bucket
+//!   that was not collected is resolved by radix rounds over the row: slower, same result);
+//!   each sequence's last row walks its acceptance chain.
 //! - `verify_residual`: only for [`DraftKind::Sampled`], the correction after a rejection (the
 //!   residual `max(0, p - q)` needs both rows).
 //!
@@ -35,8 +36,10 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelA
 pub const FAMILY: &str = "verify";
 /// Pass 1: histogram, argmax, bad logits, plan.
 pub const KERNEL_HISTOGRAM: &str = "verify_histogram";
-/// Pass 2: candidates, the exact finish of each row and each sequence.
+/// Pass 2: the candidates of the planned buckets.
 pub const KERNEL_SELECT: &str = "verify_select";
+/// The exact finish of each row (one block per row) and the acceptance chain of each sequence.
+pub const KERNEL_FINISH: &str = "verify_finish";
 /// The residual draw after rejecting a sampled draft.
 pub const KERNEL_RESIDUAL: &str = "verify_residual";
 
@@ -300,9 +303,9 @@ impl Layout {
         )
     }
 
-    /// u32 counters: two per row, two per sequence.
+    /// u32 counters: one per row, two per sequence.
     pub fn counters(&self) -> usize {
-        2 * self.rows + 2 * self.capacity.max_sequences
+        self.rows + 2 * self.capacity.max_sequences
     }
 
     /// Length of every buffer [`device::Args`] points at that the workspace owns, in elements:
@@ -337,6 +340,7 @@ impl Layout {
         let mut out = vec![
             (KERNEL_HISTOGRAM, (batch.blocks_per_row as u32, rows)),
             (KERNEL_SELECT, (batch.blocks_per_row as u32, rows)),
+            (KERNEL_FINISH, (1, rows)),
         ];
         if batch.kind == DraftKind::Sampled {
             out.push((
@@ -806,7 +810,7 @@ pub fn logits_bytes(workspace: &VerifyWorkspace) -> u64 {
 /// sequence's n + 1 rows in order), `draft_tokens` its drafts (`[draft rows]`), `draft_logits`
 /// `[draft rows][V]` for [`DraftKind::Sampled`]. Outcomes land in the workspace
 /// ([`VerifyWorkspace::outcomes`], or on the device for a runner that keeps them there); bad
-/// values are per-sequence errors, never tokens. On CUDA: three launches at most, no allocation,
+/// values are per-sequence errors, never tokens. On CUDA: four launches at most, no allocation,
 /// no host synchronisation.
 ///
 /// # Errors
