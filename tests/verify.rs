@@ -369,17 +369,14 @@ fn bad_values_are_per_sequence_errors_never_tokens() {
 // ---- the kernels, run on a CPU emulation of CUDA, against the reference ----
 //
 // There is no GPU here, so the rendered sm_90a source of `verify.cu` is compiled as host C++
-// against tests/verify_emu/cuda_emu.h (threads as fibers, real __syncthreads and warp
+// against tests/verify_support/cuda_emu.h (threads as fibers, real __syncthreads and warp
 // exchanges, shuffled scheduling) and run through the same layout, batch encoding, launch grids
 // and decoding as the CUDA backend. Same tokens and accept counts as the reference, exactly.
 
 mod emulation {
-    use fp4spec::backend::Backend;
+    use crate::batches;
     use fp4spec::kernels::table;
-    use fp4spec::kernels::verify::{
-        self, AcceptanceStats, Batch, Capacity, DraftKind, Layout, RowError, Sequence, Verified,
-        VerifyWorkspace, device,
-    };
+    use fp4spec::kernels::verify::{AcceptanceStats, Batch, DraftKind, Layout, device};
     use fp4spec::target::VerifyTiles;
     use std::ffi::{CStr, CString, c_char, c_int, c_void};
     use std::path::PathBuf;
@@ -473,7 +470,7 @@ extern "C" unsigned long long emu_take_slow_paths() {
         let dir =
             std::env::temp_dir().join(format!("fp4spec-verify-emu-{}-{index}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
-        let here = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/verify_emu");
+        let here = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/verify_support");
         std::fs::write(dir.join("verify.cu"), source).expect("write source");
         std::fs::write(dir.join("wrapper.cpp"), WRAPPER).expect("write wrapper");
         let library = dir.join("libverify_emu.so");
@@ -533,36 +530,32 @@ extern "C" unsigned long long emu_take_slow_paths() {
         }
     }
 
-    /// What one batch produced.
-    pub struct Run {
-        pub outcomes: Vec<Result<Verified, RowError>>,
-        pub stats: AcceptanceStats,
-        /// Radix fallbacks the finish took (emulation only).
-        pub slow_paths: u64,
-    }
-
     fn address<T>(v: &[T]) -> u64 {
         v.as_ptr() as u64
     }
 
-    /// Runs `batch` through the emulated kernels of `tiles` on fresh (garbage-filled) scratch:
-    /// the layout of `multiprocessors` decides how rows split over blocks.
-    #[allow(clippy::too_many_arguments)]
+    /// Runs `batch` through the emulated kernels of `tiles` on fresh (garbage-filled) scratch
+    /// (the layout of `multiprocessors` decides how rows split over blocks); also returns the
+    /// radix fallbacks the finish took.
     pub fn run(
         tiles: &VerifyTiles,
-        capacity: Capacity,
         multiprocessors: u32,
-        sequences: &[Sequence<'_>],
+        batch: &batches::Batch,
+        vocab: usize,
         kind: DraftKind,
-        target: &[f32],
-        tokens: &[u32],
-        draft_logits: Option<&[f32]>,
-    ) -> Run {
+    ) -> (batches::Run, u64) {
+        let capacity = batch.capacity(vocab);
+        let sequences = batch.sequences();
+        let (target, tokens, draft_logits) = (
+            &batch.target[..],
+            &batch.tokens[..],
+            batch.draft_logits_for(kind),
+        );
         // the emulation is one global machine: one batch at a time across test threads
         static MACHINE: Mutex<()> = Mutex::new(());
         let _machine = MACHINE.lock().unwrap_or_else(|p| p.into_inner());
         let layout = Layout::new(capacity, tiles, multiprocessors).expect("layout");
-        let batch = Batch::encode(&layout, sequences, kind).expect("encode");
+        let batch = Batch::encode(&layout, &sequences, kind).expect("encode");
         let n = layout.buffer_lengths();
         let garbage = 0xa5a5_a5a5_a5a5_a5a5u64;
         let mut seqs = vec![device::Sequence::default(); n.sequences];
@@ -637,143 +630,24 @@ extern "C" unsigned long long emu_take_slow_paths() {
         );
         let outcomes = batch.decode(&layout, &status, &emitted).expect("decode");
         let m = capacity.max_drafts;
-        Run {
+        let run = batches::Run {
             outcomes,
             stats: AcceptanceStats {
                 drafted: stats[..m].to_vec(),
                 accepted: stats[m..2 * m].to_vec(),
             },
-            // SAFETY: the wrapper's counter read-and-reset.
-            slow_paths: unsafe { (kernels.slow_paths)() },
-        }
-    }
-
-    /// The CPU backend (the reference) on the same batch.
-    pub fn reference(
-        capacity: Capacity,
-        sequences: &[Sequence<'_>],
-        kind: DraftKind,
-        target: &[f32],
-        tokens: &[u32],
-        draft_logits: Option<&[f32]>,
-    ) -> Run {
-        let backend = Backend::Cpu;
-        let mut ws = VerifyWorkspace::new(&backend, capacity).expect("workspace");
-        ws.set_batch(sequences, kind).expect("batch");
-        let target = backend.upload(target).expect("upload");
-        let tokens = backend.upload(tokens).expect("upload");
-        let draft = draft_logits.map(|d| backend.upload(d).expect("upload"));
-        verify::verify(&backend, &mut ws, &target, &tokens, draft.as_ref()).expect("verify");
-        Run {
-            outcomes: ws.outcomes().expect("outcomes"),
-            stats: ws.stats().expect("stats"),
-            slow_paths: 0,
-        }
+        };
+        // SAFETY: the wrapper's counter read-and-reset.
+        (run, unsafe { (kernels.slow_paths)() })
     }
 }
 
-/// A random batch: ragged draft counts (0 allowed), every control on or off per sequence,
-/// logits of several shapes, drafts that agree with the target's argmax for a while.
-struct RandomBatch {
-    params: Vec<SamplingParams>,
-    positions: Vec<u64>,
-    drafts: Vec<usize>,
-    target: Vec<f32>,
-    tokens: Vec<u32>,
-    draft_logits: Vec<f32>,
-}
+#[path = "verify_support/batches.rs"]
+mod batches;
 
-fn random_params(rng: &mut SplitMix64, vocab: usize, greedy: bool) -> SamplingParams {
-    let mut pick = |n: u64| rng.next_u64() % n;
-    let temperature = if greedy {
-        0.0
-    } else {
-        [1.0, 0.7, 1.3, 0.05][pick(4) as usize]
-    };
-    let top_k = [0, 1, 5, 40, vocab + 3][pick(5) as usize];
-    let top_p = [1.0, 0.9, 0.5, 0.999][pick(4) as usize];
-    let min_p = [0.0, 0.05, 0.3, 1.0][pick(4) as usize];
-    let bias_len = [0, 1, 3, 12][pick(4) as usize];
-    let logit_bias = (0..bias_len)
-        .map(|i| {
-            let token = (pick(vocab as u64)) as u32;
-            let value = match i % 4 {
-                0 => 2.5,
-                1 => -1.0,
-                2 => f32::NEG_INFINITY,
-                _ => 0.25,
-            };
-            (token, value)
-        })
-        .collect();
-    SamplingParams {
-        temperature,
-        top_k,
-        top_p,
-        min_p,
-        logit_bias,
-        seed: pick(u64::MAX),
-    }
-}
-
-fn random_row(rng: &mut SplitMix64, vocab: usize) -> Vec<f32> {
-    let shape = rng.next_u64() % 4;
-    let spread = [4.0, 1.0, 0.02, 8.0][shape as usize];
-    let mut row = rng.normal_vec(vocab, spread);
-    if shape == 3 {
-        // bf16-rounded logits: many exact ties
-        for v in &mut row {
-            *v = half::bf16::from_f32(*v).to_f32();
-        }
-    }
-    if rng.next_u64() % 3 == 0 {
-        row[(rng.next_u64() % vocab as u64) as usize] = f32::NEG_INFINITY;
-    }
-    row
-}
-
-fn random_batch(
-    rng: &mut SplitMix64,
-    vocab: usize,
-    sequences: usize,
-    max_drafts: usize,
-) -> RandomBatch {
-    let mut b = RandomBatch {
-        params: Vec::new(),
-        positions: Vec::new(),
-        drafts: Vec::new(),
-        target: Vec::new(),
-        tokens: Vec::new(),
-        draft_logits: Vec::new(),
-    };
-    for _ in 0..sequences {
-        let greedy = rng.next_u64() % 4 == 0;
-        let params = random_params(rng, vocab, greedy);
-        let n = (rng.next_u64() % (max_drafts as u64 + 1)) as usize;
-        let agree = rng.next_u64() as usize % (n + 1);
-        for j in 0..=n {
-            let row = random_row(rng, vocab);
-            if j < n {
-                let best = verify::greedy_token(&row, &SamplingParams::default(), j).unwrap_or(0);
-                b.tokens.push(if j < agree {
-                    best
-                } else {
-                    (rng.next_u64() % vocab as u64) as u32
-                });
-                let mut draft_row = row.clone();
-                for v in draft_row.iter_mut().step_by(3) {
-                    *v += 0.5;
-                }
-                b.draft_logits.extend_from_slice(&draft_row);
-            }
-            b.target.extend_from_slice(&row);
-        }
-        b.params.push(params);
-        b.positions.push(rng.next_u64() % 1_000_000);
-        b.drafts.push(n);
-    }
-    b
-}
+use fp4spec::backend::Backend;
+use fp4spec::kernels::verify::DraftKind;
+use fp4spec::target::VerifyTiles;
 
 fn sm90_tiles() -> VerifyTiles {
     fp4spec::target::by_name("sm_90a")
@@ -796,77 +670,28 @@ fn tiny_tiles() -> VerifyTiles {
 }
 
 /// Runs `batch` on the CPU backend and on the emulated kernels of `tiles` (one layout per
-/// multiprocessor count), asserts the outcomes and statistics are equal, returns the emulation's
+/// multiprocessor count), asserts outcomes and statistics are equal, returns the emulation's
 /// radix fallbacks.
 fn check_emulated(
     test: &str,
     tiles: &VerifyTiles,
     vocab: usize,
-    batch: &RandomBatch,
-    kinds: &[DraftKind],
+    batch: &batches::Batch,
     multiprocessors: &[u32],
 ) -> u64 {
-    use fp4spec::kernels::verify::{Capacity, Sequence};
-    let capacity = Capacity {
-        vocab,
-        max_sequences: batch.params.len().max(1),
-        max_drafts: batch.drafts.iter().copied().max().unwrap_or(0).max(1),
-        max_bias_entries: batch
-            .params
-            .iter()
-            .map(|p| p.logit_bias.len())
-            .sum::<usize>()
-            .max(1),
-    };
-    let sequences: Vec<Sequence> = batch
-        .params
-        .iter()
-        .zip(&batch.positions)
-        .zip(&batch.drafts)
-        .map(|((params, &position), &drafts)| Sequence {
-            params,
-            position,
-            drafts,
-        })
-        .collect();
     let mut slow_paths = 0;
-    for &kind in kinds {
-        let draft = (kind == DraftKind::Sampled).then_some(batch.draft_logits.as_slice());
-        let want = emulation::reference(
-            capacity,
-            &sequences,
-            kind,
-            &batch.target,
-            &batch.tokens,
-            draft,
-        );
+    for kind in [DraftKind::PointMass, DraftKind::Sampled] {
+        let want = batches::on_backend(&Backend::Cpu, batch, vocab, kind);
         for &sms in multiprocessors {
-            let got = emulation::run(
-                tiles,
-                capacity,
-                sms,
-                &sequences,
-                kind,
-                &batch.target,
-                &batch.tokens,
-                draft,
+            let (got, slow) = emulation::run(tiles, sms, batch, vocab, kind);
+            batches::assert_same(
+                &format!("{test} V={vocab} {kind:?} {sms} SMs"),
+                batch,
+                vocab,
+                &got,
+                &want,
             );
-            for (s, (g, w)) in got.outcomes.iter().zip(&want.outcomes).enumerate() {
-                // Debug text: a NaN error value equals itself
-                assert_eq!(
-                    format!("{g:?}"),
-                    format!("{w:?}"),
-                    "{test} V={vocab} {kind:?} {sms} SMs: sequence {s} (n={}, position {}, {:?})",
-                    batch.drafts[s],
-                    batch.positions[s],
-                    batch.params[s]
-                );
-            }
-            assert_eq!(
-                got.stats, want.stats,
-                "{test} V={vocab} {kind:?} {sms} SMs: statistics"
-            );
-            slow_paths += got.slow_paths;
+            slow_paths += slow;
         }
         let errors = want.outcomes.iter().filter(|o| o.is_err()).count();
         println!(
@@ -880,16 +705,12 @@ fn check_emulated(
     slow_paths
 }
 
-use fp4spec::kernels::verify::DraftKind;
-use fp4spec::target::VerifyTiles;
-
 #[test]
 fn emulated_kernels_equal_the_reference_on_random_ragged_batches() {
     let mut rng = SplitMix64::new(11);
     for (vocab, sequences) in [(37usize, 8usize), (1000, 6), (20000, 4)] {
-        let batch = random_batch(&mut rng, vocab, sequences, 4);
-        let kinds = [DraftKind::PointMass, DraftKind::Sampled];
-        check_emulated("random", &sm90_tiles(), vocab, &batch, &kinds, &[132, 1]);
+        let batch = batches::random(&mut rng, vocab, sequences, 4);
+        check_emulated("random", &sm90_tiles(), vocab, &batch, &[132, 1]);
     }
 }
 
@@ -898,9 +719,8 @@ fn emulated_kernels_equal_the_reference_through_the_radix_fallback() {
     let mut rng = SplitMix64::new(12);
     let mut slow_paths = 0;
     for (vocab, sequences) in [(37usize, 6usize), (300, 6), (3001, 3)] {
-        let batch = random_batch(&mut rng, vocab, sequences, 3);
-        let kinds = [DraftKind::PointMass, DraftKind::Sampled];
-        slow_paths += check_emulated("tiny tiles", &tiny_tiles(), vocab, &batch, &kinds, &[4, 1]);
+        let batch = batches::random(&mut rng, vocab, sequences, 3);
+        slow_paths += check_emulated("tiny tiles", &tiny_tiles(), vocab, &batch, &[4, 1]);
     }
     assert!(slow_paths > 50, "the fallback ran only {slow_paths} times");
 }
@@ -909,213 +729,71 @@ fn emulated_kernels_equal_the_reference_through_the_radix_fallback() {
 fn emulated_kernels_equal_the_reference_at_the_full_vocabulary() {
     let mut rng = SplitMix64::new(13);
     let vocab = 248_320;
-    let batch = random_batch(&mut rng, vocab, 3, 2);
-    let kinds = [DraftKind::PointMass, DraftKind::Sampled];
-    check_emulated("V=248320", &sm90_tiles(), vocab, &batch, &kinds, &[132]);
-}
-
-/// Logit rows shaped like a language model's: a broad bulk and a few strong candidates, the
-/// drafts mostly the target's favourite.
-fn model_like_batch(
-    rng: &mut SplitMix64,
-    vocab: usize,
-    sequences: usize,
-    drafts: usize,
-    params: &SamplingParams,
-) -> RandomBatch {
-    let mut b = RandomBatch {
-        params: Vec::new(),
-        positions: Vec::new(),
-        drafts: Vec::new(),
-        target: Vec::new(),
-        tokens: Vec::new(),
-        draft_logits: Vec::new(),
-    };
-    for s in 0..sequences {
-        for j in 0..=drafts {
-            let mut row = rng.normal_vec(vocab, 2.0);
-            for k in 0..8 {
-                let t = (rng.next_u64() % vocab as u64) as usize;
-                row[t] = 12.0 - k as f32;
-            }
-            if j < drafts {
-                let best = verify::greedy_token(&row, params, j).expect("row");
-                b.tokens.push(if rng.next_u64() % 4 == 0 {
-                    (rng.next_u64() % vocab as u64) as u32
-                } else {
-                    best
-                });
-                let mut draft_row = row.clone();
-                for v in draft_row.iter_mut().step_by(5) {
-                    *v += 1.0;
-                }
-                b.draft_logits.extend_from_slice(&draft_row);
-            }
-            b.target.extend_from_slice(&row);
-        }
-        b.params.push(SamplingParams {
-            seed: 1000 + s as u64,
-            ..params.clone()
-        });
-        b.positions.push(100 * s as u64);
-        b.drafts.push(drafts);
-    }
-    b
+    let batch = batches::random(&mut rng, vocab, 3, 2);
+    check_emulated("full vocabulary", &sm90_tiles(), vocab, &batch, &[132]);
 }
 
 #[test]
 fn emulated_kernels_keep_model_like_batches_on_the_fast_path() {
     let mut rng = SplitMix64::new(14);
-    let all_controls = SamplingParams {
-        temperature: 0.7,
-        top_k: 50,
-        top_p: 0.9,
-        min_p: 0.05,
-        logit_bias: vec![(3, 2.0), (17, -1.5), (99, f32::NEG_INFINITY), (1234, 0.5)],
-        seed: 0,
-    };
     let top_p_only = SamplingParams {
         temperature: 1.0,
         top_p: 0.95,
         ..SamplingParams::default()
     };
-    let kinds = [DraftKind::PointMass, DraftKind::Sampled];
-    for (name, params) in [("all controls", &all_controls), ("top-p only", &top_p_only)] {
-        let batch = model_like_batch(&mut rng, 20_000, 4, 3, params);
-        let slow = check_emulated(name, &sm90_tiles(), 20_000, &batch, &kinds, &[132]);
+    for (name, params) in [
+        ("all controls", batches::all_controls()),
+        ("top-p only", top_p_only),
+    ] {
+        let batch = batches::model_like(&mut rng, 20_000, 4, 3, &params);
+        let slow = check_emulated(name, &sm90_tiles(), 20_000, &batch, &[132]);
         assert_eq!(slow, 0, "{name}: the plan missed a bucket {slow} times");
     }
 }
 
 #[test]
 fn emulated_kernels_report_every_bad_value_as_the_reference_does() {
-    let vocab = 64;
-    let mut rng = SplitMix64::new(15);
-    let sampling = SamplingParams::default();
-    let greedy = SamplingParams {
-        temperature: 0.0,
-        ..SamplingParams::default()
+    let (batch, vocab) = batches::bad_values(&mut SplitMix64::new(15));
+    check_emulated("bad values", &sm90_tiles(), vocab, &batch, &[132]);
+}
+/// The bad-value batch (shared with the GPU tests) gives each status it is meant to.
+#[test]
+fn the_bad_value_batch_covers_every_status() {
+    let (batch, vocab) = batches::bad_values(&mut SplitMix64::new(15));
+    let shape = |o: &Result<verify::Verified, RowError>| match o {
+        Ok(_) => "ok".to_string(),
+        Err(RowError::NonFiniteLogit { row, token, .. }) => format!("nonfinite {row} {token}"),
+        Err(RowError::EmptySupport { row }) => format!("empty {row}"),
+        Err(RowError::TokenOutOfRange { token, .. }) => format!("token {token}"),
+        Err(RowError::BadParameter(_)) => "parameter".to_string(),
     };
-    let mut b = RandomBatch {
-        params: Vec::new(),
-        positions: Vec::new(),
-        drafts: Vec::new(),
-        target: Vec::new(),
-        tokens: Vec::new(),
-        draft_logits: Vec::new(),
-    };
-    // (controls, rows: (logit edits per target row), drafts, draft logit edit)
-    type Edit = fn(&mut [f32]);
-    let certain: Edit = |row| {
-        row.fill(-50.0);
-        row[1] = 50.0;
-    };
-    let nan: Edit = |row| row[7] = f32::NAN;
-    let inf: Edit = |row| row[9] = f32::INFINITY;
-    let masked: Edit = |row| row.fill(f32::NEG_INFINITY);
-    let huge: Edit = |row| row[5] = 3.0e38;
-    let none: Edit = |_| {};
-    let cases: Vec<(SamplingParams, Vec<Edit>, Vec<u32>)> = vec![
-        // NaN in the row deciding the bonus token after an accepted certain draft
-        (sampling.clone(), vec![certain, nan], vec![1]),
-        (greedy.clone(), vec![certain, nan], vec![1]),
-        // +inf in the first row
-        (sampling.clone(), vec![inf, none], vec![1]),
-        // a NaN after a greedy rejection is never looked at
-        (greedy.clone(), vec![certain, nan], vec![2]),
-        // every token masked
-        (sampling.clone(), vec![masked], vec![]),
-        (greedy.clone(), vec![masked], vec![]),
-        // a draft outside the vocabulary (before everything else)
-        (sampling.clone(), vec![nan, none], vec![vocab as u32]),
-        // bad controls
-        (
-            SamplingParams {
-                temperature: -1.0,
-                ..SamplingParams::default()
-            },
-            vec![none],
-            vec![],
-        ),
-        (
-            SamplingParams {
-                temperature: 1.0e-40,
-                ..SamplingParams::default()
-            },
-            vec![none],
-            vec![],
-        ),
-        (
-            SamplingParams {
-                top_p: 0.0,
-                ..SamplingParams::default()
-            },
-            vec![none],
-            vec![],
-        ),
-        (
-            SamplingParams {
-                min_p: 1.5,
-                ..SamplingParams::default()
-            },
-            vec![none],
-            vec![],
-        ),
-        (
-            SamplingParams {
-                logit_bias: vec![(vocab as u32 + 5, 1.0)],
-                ..SamplingParams::default()
-            },
-            vec![none],
-            vec![],
-        ),
-        (
-            SamplingParams {
-                logit_bias: vec![(2, f32::NAN)],
-                ..SamplingParams::default()
-            },
-            vec![none],
-            vec![],
-        ),
-        // a bias that overflows a logit to +inf
-        (
-            SamplingParams {
-                logit_bias: vec![(5, 3.0e38)],
-                ..SamplingParams::default()
-            },
-            vec![huge],
-            vec![],
-        ),
-        // the same token biased twice, and a ban
-        (
-            SamplingParams {
-                logit_bias: vec![(4, 1.0), (4, 2.5), (1, f32::NEG_INFINITY)],
-                min_p: 0.1,
-                ..SamplingParams::default()
-            },
-            vec![none, none],
-            vec![4],
-        ),
+    let mut expected = vec![
+        "nonfinite 1 7",
+        "nonfinite 1 7",
+        "nonfinite 0 9",
+        "ok",
+        "ok",
+        "empty 0",
+        "empty 0",
+        "token 64",
+        "parameter",
+        "parameter",
+        "parameter",
+        "parameter",
+        "parameter",
+        "token 69",
+        "parameter",
+        "parameter",
+        "nonfinite 0 5",
+        "ok",
+        "ok",
     ];
-    for (s, (params, edits, drafts)) in cases.into_iter().enumerate() {
-        for (j, edit) in edits.iter().enumerate() {
-            let mut row = rng.normal_vec(vocab, 1.0);
-            edit(&mut row);
-            if j < drafts.len() {
-                let mut draft_row = rng.normal_vec(vocab, 1.0);
-                if s == 2 {
-                    draft_row[3] = f32::NAN; // a bad draft row, reached after row 0
-                }
-                b.draft_logits.extend_from_slice(&draft_row);
-            }
-            b.target.extend_from_slice(&row);
+    for kind in [DraftKind::PointMass, DraftKind::Sampled] {
+        if kind == DraftKind::Sampled {
+            expected[4] = "nonfinite 0 7"; // the bad draft row is read only with sampled drafts
         }
-        assert_eq!(edits.len(), drafts.len() + 1);
-        b.tokens.extend_from_slice(&drafts);
-        b.params.push(params);
-        b.positions.push(s as u64);
-        b.drafts.push(drafts.len());
+        let run = batches::on_backend(&Backend::Cpu, &batch, vocab, kind);
+        let got: Vec<String> = run.outcomes.iter().map(shape).collect();
+        assert_eq!(got, expected, "{kind:?}");
     }
-    let kinds = [DraftKind::PointMass, DraftKind::Sampled];
-    check_emulated("bad values", &sm90_tiles(), vocab, &b, &kinds, &[132]);
 }
