@@ -98,6 +98,7 @@ FP4_DEVICE u32 lowest_bit(u32 v) { return (u32)(__ffs((int)v) - 1); }
 FP4_DEVICE u64 load_shared_u64(const u64* p) { return __ldcg(reinterpret_cast<const unsigned long long*>(p)); }
 // correctly rounded, never contracted into a fused multiply-add: the reference's arithmetic
 FP4_DEVICE float mul32(float a, float b) { return __fmul_rn(a, b); }
+FP4_DEVICE float fma32(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 FP4_DEVICE float add32(float a, float b) { return __fadd_rn(a, b); }
 FP4_DEVICE float sub32(float a, float b) { return __fsub_rn(a, b); }
 FP4_DEVICE float div32(float a, float b) { return __fdiv_rn(a, b); }
@@ -139,6 +140,7 @@ FP4_DEVICE u64 load_shared_u64(const u64* p) {
     return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
 FP4_DEVICE float mul32(float a, float b) { return a * b; }
+FP4_DEVICE float fma32(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 FP4_DEVICE float add32(float a, float b) { return a + b; }
 FP4_DEVICE float sub32(float a, float b) { return a - b; }
 FP4_DEVICE float div32(float a, float b) { return a / b; }
@@ -248,17 +250,18 @@ struct VerifyArgs {
 // ---- the reference's arithmetic, bit for bit ----
 #define LOG2_E_BITS 0x3fb8aa3bu
 
-/// reference.rs exp2_mantissa: min(2, p(f)) * 2^23, p the degree-8 Taylor polynomial of 2^f.
+/// reference.rs exp2_mantissa: min(2, p(f)) * 2^23, p the degree-8 Taylor polynomial of 2^f by
+/// Horner with correctly rounded fused multiply-adds.
 FP4_DEVICE u32 exp2_mantissa(float f) {
     float p = bits_to_f32(0x35b16011u);
-    p = add32(mul32(p, f), bits_to_f32(0x377fe5feu));
-    p = add32(mul32(p, f), bits_to_f32(0x39218489u));
-    p = add32(mul32(p, f), bits_to_f32(0x3aaec3ffu));
-    p = add32(mul32(p, f), bits_to_f32(0x3c1d955bu));
-    p = add32(mul32(p, f), bits_to_f32(0x3d635847u));
-    p = add32(mul32(p, f), bits_to_f32(0x3e75fdf0u));
-    p = add32(mul32(p, f), bits_to_f32(0x3f317218u));
-    p = add32(mul32(p, f), bits_to_f32(0x3f800000u));
+    p = fma32(p, f, bits_to_f32(0x377fe5feu));
+    p = fma32(p, f, bits_to_f32(0x39218489u));
+    p = fma32(p, f, bits_to_f32(0x3aaec3ffu));
+    p = fma32(p, f, bits_to_f32(0x3c1d955bu));
+    p = fma32(p, f, bits_to_f32(0x3d635847u));
+    p = fma32(p, f, bits_to_f32(0x3e75fdf0u));
+    p = fma32(p, f, bits_to_f32(0x3f317218u));
+    p = fma32(p, f, bits_to_f32(0x3f800000u));
     return (u32)mul32(min32(p, 2.0f), 8388608.0f);
 }
 

@@ -107,9 +107,9 @@ fn verify_equals_the_reference_through_the_radix_fallback() {
         for (top_p, top_k, min_p) in [(0.5, 0, 0.0), (1.0, 100_000, 0.0), (0.9, 0, 0.99)] {
             let rows: Vec<Vec<f32>> = (0..3).map(|_| shape(&mut rng, vocab)).collect();
             batch.target.extend(rows.iter().flatten());
-            for j in 0..2 {
+            for row in &rows[..2] {
                 batch.tokens.push((rng.next_u64() % vocab as u64) as u32);
-                let mut draft_row = rows[j].clone();
+                let mut draft_row = row.clone();
                 draft_row.iter_mut().step_by(7).for_each(|v| *v += 0.001);
                 batch.draft_logits.extend_from_slice(&draft_row);
             }

@@ -308,9 +308,7 @@ impl Layout {
         self.rows + 2 * self.capacity.max_sequences
     }
 
-    /// Length of every buffer [`device::Args`] points at that the workspace owns, in elements:
-    /// (sequences, rows, bias entries, block_hist, block_summary, row_hist, row_state,
-    /// candidates, residual_sums, counters, emitted, status, stats).
+    /// Length of every buffer [`device::Args`] points at that the workspace owns, in elements.
     pub fn buffer_lengths(&self) -> BufferLengths {
         let cap = &self.capacity;
         BufferLengths {
@@ -352,22 +350,35 @@ impl Layout {
     }
 }
 
-/// Element counts of the workspace's device buffers ([`Layout::buffer_lengths`]).
+/// Element counts of the workspace's device buffers ([`Layout::buffer_lengths`]), one field per
+/// [`device::Args`] buffer it owns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[allow(missing_docs)]
 pub struct BufferLengths {
+    /// [`device::Sequence`] records.
     pub sequences: usize,
+    /// [`device::Row`] records.
     pub rows: usize,
+    /// Bias entries (tokens and values each).
     pub bias: usize,
+    /// u64 per-block histogram words.
     pub block_hist: usize,
+    /// u64 per-block summary words.
     pub block_summary: usize,
+    /// u64 per-row histogram words.
     pub row_hist: usize,
+    /// u64 per-row state words.
     pub row_state: usize,
+    /// u64 candidate words.
     pub candidates: usize,
+    /// u64 residual sums.
     pub residual_sums: usize,
+    /// u32 arrival counters.
     pub counters: usize,
+    /// u32 emitted tokens.
     pub emitted: usize,
+    /// u32 status words.
     pub status: usize,
+    /// u64 statistics.
     pub stats: usize,
 }
 

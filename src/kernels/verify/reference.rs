@@ -1,7 +1,8 @@
 //! CPU reference of the `verify` family: logits processing, plain sampling, and greedy and
 //! sampling (Leviathan et al. 2023) verification of drafted tokens. The definition the GPU
 //! kernels reproduce bit for bit: every value below is an exact function of the logits and the
-//! controls, built from correctly rounded IEEE operations (no libm, no fused multiply-add) and
+//! controls, built from correctly rounded IEEE operations (add, multiply, divide, and fused
+//! multiply-add where written; no libm approximations, no contraction a compiler chooses) and
 //! exact integer sums, so any summation order gives the same result.
 //!
 //! Processing, the same for target rows, draft rows and plain sampling, in this order:
@@ -22,8 +23,8 @@
 //!
 //! **Weights** (temperature T > 0): `c = log2(e) / T` (f32), `y = clamp(z * c, -2^30, 2^30)` (f32),
 //! `k = floor(y)`, `f = y - k` (exact), `P = min(2, p(f))` where `p` is the degree-8 Taylor
-//! polynomial of `2^f` evaluated by Horner in f32 (positive coefficients, so `P` never
-//! decreases as `z` grows), `M = P * 2^23` (an integer in `[2^23, 2^24]`). With `K` the largest
+//! polynomial of `2^f` evaluated by Horner with correctly rounded f32 fused multiply-adds
+//! (positive coefficients, so `P` never decreases as `z` grows), `M = P * 2^23` (an integer in `[2^23, 2^24]`). With `K` the largest
 //! `k` of the row, the weight is the integer `w = M * 2^(40 - (K - k))` when `K - k <= 40`, else
 //! 0 (a token below `2^-40` of the most probable one is never drawn); a `-inf` logit has weight 0.
 //! Weights and their sums are `u128`, so sums do not depend on the order they are taken in.
@@ -155,11 +156,12 @@ pub fn uniform(seed: u64, position: u64, stream: u64, token: u64) -> f64 {
     (uniform_bits(seed, position, stream, token) as f64 + 0.5) / (1u64 << 53) as f64
 }
 
-/// `2^f` for f in [0, 1] as the integer mantissa `min(2, p(f)) * 2^23` (module docs).
+/// `2^f` for f in [0, 1] as the integer mantissa `min(2, p(f)) * 2^23` (module docs): Horner
+/// with correctly rounded fused multiply-adds (each step never decreases as f grows).
 pub fn exp2_mantissa(f: f32) -> u32 {
     let mut p = f32::from_bits(EXP2_COEFFICIENT_BITS[8]);
     for &c in EXP2_COEFFICIENT_BITS[..8].iter().rev() {
-        p = p * f + f32::from_bits(c);
+        p = p.mul_add(f, f32::from_bits(c));
     }
     (p.min(2.0) * 8_388_608.0) as u32
 }
