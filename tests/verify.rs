@@ -797,3 +797,59 @@ fn the_bad_value_batch_covers_every_status() {
         assert_eq!(got, expected, "{kind:?}");
     }
 }
+
+/// The constants the template and the device module share agree (a drift would misread every
+/// buffer).
+#[test]
+fn the_template_and_the_device_module_agree() {
+    use fp4spec::kernels::verify::{MAX_BLOCKS_PER_ROW, device, reference};
+    for t in fp4spec::target::all() {
+        let source = fp4spec::kernels::table::rendered(&t.name, "verify").expect("rendered");
+        let define = |name: &str| -> u64 {
+            let line = source
+                .source
+                .lines()
+                .find(|l| l.split_whitespace().take(2).eq(["#define", name]))
+                .unwrap_or_else(|| panic!("{}: no #define {name}", t.name));
+            let value = line
+                .split_whitespace()
+                .nth(2)
+                .expect("value")
+                .trim_end_matches('u');
+            value
+                .parse()
+                .unwrap_or_else(|_| panic!("{}: {line}", t.name))
+        };
+        assert_eq!(define("VOCT"), reference::MASS_OCTAVES as u64);
+        assert_eq!(define("VOCT"), device::OCTAVES as u64);
+        assert_eq!(define("RS_PLAN"), device::ROW_STATE_FIXED_WORDS as u64);
+        assert_eq!(define("VSTATUS_WORDS"), device::STATUS_WORDS as u64);
+        assert_eq!(define("VMAX_BLOCKS_PER_ROW"), MAX_BLOCKS_PER_ROW as u64);
+        assert_eq!(
+            define("VSEQ_SAMPLED_DRAFTS"),
+            u64::from(device::SEQUENCE_SAMPLED_DRAFTS)
+        );
+        for (name, code) in [
+            ("VSTATUS_OK", device::STATUS_OK),
+            ("VSTATUS_NONFINITE", device::STATUS_NONFINITE),
+            ("VSTATUS_EMPTY", device::STATUS_EMPTY),
+            ("VSTATUS_TOKEN", device::STATUS_TOKEN),
+            ("VSTATUS_PARAM", device::STATUS_PARAM),
+            ("VSTATUS_PENDING", device::STATUS_PENDING),
+        ] {
+            assert_eq!(define(name), u64::from(code), "{}: {name}", t.name);
+        }
+        for bits in reference::EXP2_COEFFICIENT_BITS {
+            assert!(
+                source.source.contains(&format!("0x{bits:08x}u")),
+                "{}: the exp2 coefficient {bits:#010x} is not in the template",
+                t.name
+            );
+        }
+        assert!(
+            source
+                .source
+                .contains(&format!("#define VT {}", t.verify.threads_per_block))
+        );
+    }
+}

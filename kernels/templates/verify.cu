@@ -247,6 +247,11 @@ struct VerifyArgs {
     u32 reserved;
 };
 
+// the layout mod.rs `device` mirrors
+static_assert(sizeof(VerifySequence) == 64, "VerifySequence layout");
+static_assert(sizeof(VerifyRow) == 16, "VerifyRow layout");
+static_assert(sizeof(VerifyArgs) == 17 * 8 + 8 * 4, "VerifyArgs layout");
+
 // ---- the reference's arithmetic, bit for bit ----
 #define LOG2_E_BITS 0x3fb8aa3bu
 

@@ -211,6 +211,11 @@ pub mod device {
         pub reserved: u32,
     }
 
+    // verify.cu asserts the same sizes
+    const _: () = assert!(std::mem::size_of::<Sequence>() == 64);
+    const _: () = assert!(std::mem::size_of::<Row>() == 16);
+    const _: () = assert!(std::mem::size_of::<Args>() == 17 * 8 + 8 * 4);
+
     // SAFETY: plain-old-data structs of integers and floats, laid out as verify.cu declares them;
     // all-zero bits are a valid value of each.
     unsafe impl DeviceRepr for Sequence {}
