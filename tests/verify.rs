@@ -392,8 +392,8 @@ mod emulation {
     type LaunchFn = unsafe extern "C" fn(*const c_char, u32, u32, u32, *const c_void) -> c_int;
 
     const WRAPPER: &str = r#"
-static unsigned long long emu_slow_paths = 0;
-#define VERIFY_SLOW_PATH_HOOK() (++emu_slow_paths)
+static unsigned long long emu_trace[2] = {0, 0};
+#define VERIFY_TRACE(what) (++emu_trace[what])
 #include "verify.cu"
 extern "C" int emu_launch(const char* kernel, unsigned gx, unsigned gy, unsigned threads, const void* args) {
     const VerifyArgs a = *static_cast<const VerifyArgs*>(args);
@@ -404,18 +404,18 @@ extern "C" int emu_launch(const char* kernel, unsigned gx, unsigned gy, unsigned
     std::fprintf(stderr, "emulation: no kernel %s\n", kernel);
     return 2;
 }
-extern "C" unsigned long long emu_take_slow_paths() {
-    const unsigned long long n = emu_slow_paths;
-    emu_slow_paths = 0;
+extern "C" unsigned long long emu_take_trace(int what) {
+    const unsigned long long n = emu_trace[what];
+    emu_trace[what] = 0;
     return n;
 }
 "#;
 
-    /// The emulated kernels: `emu_launch` and `emu_take_slow_paths`.
+    /// The emulated kernels: `emu_launch` and `emu_take_trace`.
     #[derive(Clone, Copy)]
     pub struct Kernels {
         launch: LaunchFn,
-        slow_paths: unsafe extern "C" fn() -> u64,
+        trace: unsafe extern "C" fn(c_int) -> u64,
     }
 
     /// The sm_90a source with its verify tiles replaced by `tiles`.
@@ -461,7 +461,7 @@ extern "C" unsigned long long emu_take_slow_paths() {
         unsafe {
             Kernels {
                 launch: std::mem::transmute::<usize, LaunchFn>(launch),
-                slow_paths: std::mem::transmute::<usize, unsafe extern "C" fn() -> u64>(slow),
+                trace: std::mem::transmute::<usize, unsafe extern "C" fn(c_int) -> u64>(slow),
             }
         }
     }
@@ -521,7 +521,7 @@ extern "C" unsigned long long emu_take_slow_paths() {
                 CStr::from_ptr(dlerror()).to_string_lossy()
             );
             let launch = dlsym(handle, c"emu_launch".as_ptr());
-            let slow = dlsym(handle, c"emu_take_slow_paths".as_ptr());
+            let slow = dlsym(handle, c"emu_take_trace".as_ptr());
             assert!(
                 !launch.is_null() && !slow.is_null(),
                 "emulation symbols missing"
@@ -534,16 +534,32 @@ extern "C" unsigned long long emu_take_slow_paths() {
         v.as_ptr() as u64
     }
 
+    /// How often the kernels took their rare paths.
+    #[derive(Debug, Clone, Copy, Default)]
+    pub struct Trace {
+        /// Radix fallbacks of the finish (a bucket pass 2 did not collect).
+        pub radix_fallbacks: u64,
+        /// Pass-1 blocks whose top lay above their row's grid.
+        pub spilled_blocks: u64,
+    }
+
+    impl std::ops::AddAssign for Trace {
+        fn add_assign(&mut self, other: Trace) {
+            self.radix_fallbacks += other.radix_fallbacks;
+            self.spilled_blocks += other.spilled_blocks;
+        }
+    }
+
     /// Runs `batch` through the emulated kernels of `tiles` on fresh (garbage-filled) scratch
-    /// (the layout of `multiprocessors` decides how rows split over blocks); also returns the
-    /// radix fallbacks the finish took.
+    /// (the layout of `multiprocessors` decides how rows split over blocks); also returns how
+    /// often they took their rare paths.
     pub fn run(
         tiles: &VerifyTiles,
         multiprocessors: u32,
         batch: &batches::Batch,
         vocab: usize,
         kind: DraftKind,
-    ) -> (batches::Run, u64) {
+    ) -> (batches::Run, Trace) {
         let capacity = batch.capacity(vocab);
         let sequences = batch.sequences();
         let (target, tokens, draft_logits) = (
@@ -568,6 +584,8 @@ extern "C" unsigned long long emu_take_slow_paths() {
         bias_values[..batch.bias_values.len()].copy_from_slice(&batch.bias_values);
         let block_hist = vec![garbage; n.block_hist];
         let block_summary = vec![garbage; n.block_summary];
+        let row_grid = vec![0u64; n.row_grid];
+        let row_anchor = vec![0u32; n.row_anchor];
         let row_hist = vec![garbage; n.row_hist];
         let row_state = vec![garbage; n.row_state];
         let candidates = vec![garbage; n.candidates];
@@ -592,6 +610,8 @@ extern "C" unsigned long long emu_take_slow_paths() {
             bias_values: address(&bias_values),
             block_hist: address(&block_hist),
             block_summary: address(&block_summary),
+            row_grid: address(&row_grid),
+            row_anchor: address(&row_anchor),
             row_hist: address(&row_hist),
             row_state: address(&row_state),
             candidates: address(&candidates),
@@ -628,6 +648,10 @@ extern "C" unsigned long long emu_take_slow_paths() {
             counters.iter().all(|&c| c == 0),
             "arrival counters left nonzero: {counters:?}"
         );
+        assert!(
+            row_grid.iter().all(|&c| c == 0) && row_anchor.iter().all(|&c| c == 0),
+            "row grids or anchors left nonzero"
+        );
         let outcomes = batch.decode(&layout, &status, &emitted).expect("decode");
         let m = capacity.max_drafts;
         let run = batches::Run {
@@ -637,8 +661,14 @@ extern "C" unsigned long long emu_take_slow_paths() {
                 accepted: stats[m..2 * m].to_vec(),
             },
         };
-        // SAFETY: the wrapper's counter read-and-reset.
-        (run, unsafe { (kernels.slow_paths)() })
+        // SAFETY: the wrapper's counters, read and reset
+        let trace = unsafe {
+            Trace {
+                radix_fallbacks: (kernels.trace)(0),
+                spilled_blocks: (kernels.trace)(1),
+            }
+        };
+        (run, trace)
     }
 }
 
@@ -670,20 +700,20 @@ fn tiny_tiles() -> VerifyTiles {
 }
 
 /// Runs `batch` on the CPU backend and on the emulated kernels of `tiles` (one layout per
-/// multiprocessor count), asserts outcomes and statistics are equal, returns the emulation's
-/// radix fallbacks.
+/// multiprocessor count), asserts outcomes and statistics are equal, returns how often the
+/// kernels took their rare paths.
 fn check_emulated(
     test: &str,
     tiles: &VerifyTiles,
     vocab: usize,
     batch: &batches::Batch,
     multiprocessors: &[u32],
-) -> u64 {
-    let mut slow_paths = 0;
+) -> emulation::Trace {
+    let mut trace = emulation::Trace::default();
     for kind in [DraftKind::PointMass, DraftKind::Sampled] {
         let want = batches::on_backend(&Backend::Cpu, batch, vocab, kind);
         for &sms in multiprocessors {
-            let (got, slow) = emulation::run(tiles, sms, batch, vocab, kind);
+            let (got, t) = emulation::run(tiles, sms, batch, vocab, kind);
             batches::assert_same(
                 &format!("{test} V={vocab} {kind:?} {sms} SMs"),
                 batch,
@@ -691,7 +721,7 @@ fn check_emulated(
                 &got,
                 &want,
             );
-            slow_paths += slow;
+            trace += t;
         }
         let errors = want.outcomes.iter().filter(|o| o.is_err()).count();
         println!(
@@ -701,8 +731,8 @@ fn check_emulated(
             want.stats.drafted
         );
     }
-    println!("{test} V={vocab}: {slow_paths} radix fallbacks");
-    slow_paths
+    println!("{test} V={vocab}: {trace:?}");
+    trace
 }
 
 #[test]
@@ -717,12 +747,15 @@ fn emulated_kernels_equal_the_reference_on_random_ragged_batches() {
 #[test]
 fn emulated_kernels_equal_the_reference_through_the_radix_fallback() {
     let mut rng = SplitMix64::new(12);
-    let mut slow_paths = 0;
+    let mut trace = emulation::Trace::default();
     for (vocab, sequences) in [(37usize, 6usize), (300, 6), (3001, 3)] {
         let batch = batches::random(&mut rng, vocab, sequences, 3);
-        slow_paths += check_emulated("tiny tiles", &tiny_tiles(), vocab, &batch, &[4, 1]);
+        trace += check_emulated("tiny tiles", &tiny_tiles(), vocab, &batch, &[4, 1]);
     }
-    assert!(slow_paths > 50, "the fallback ran only {slow_paths} times");
+    assert!(
+        trace.radix_fallbacks > 50,
+        "the fallback ran only {trace:?}"
+    );
 }
 
 #[test]
@@ -746,9 +779,26 @@ fn emulated_kernels_keep_model_like_batches_on_the_fast_path() {
         ("top-p only", top_p_only),
     ] {
         let batch = batches::model_like(&mut rng, 20_000, 4, 3, &params);
-        let slow = check_emulated(name, &sm90_tiles(), 20_000, &batch, &[132]);
-        assert_eq!(slow, 0, "{name}: the plan missed a bucket {slow} times");
+        let trace = check_emulated(name, &sm90_tiles(), 20_000, &batch, &[132]);
+        assert_eq!(
+            trace.radix_fallbacks, 0,
+            "{name}: the plan missed a bucket: {trace:?}"
+        );
     }
+}
+
+/// Rows with one logit far above the rest at a low temperature: the blocks holding it have tops
+/// hundreds of octaves above the grid anchored at another block, and keep their own histograms.
+#[test]
+fn emulated_kernels_equal_the_reference_with_spiked_rows() {
+    let mut rng = SplitMix64::new(16);
+    let vocab = 20_000;
+    let batch = batches::spiked(&mut rng, vocab, 4, 2);
+    let trace = check_emulated("spiked", &sm90_tiles(), vocab, &batch, &[132, 1]);
+    assert!(
+        trace.spilled_blocks > 0,
+        "no block kept its own histogram: {trace:?}"
+    );
 }
 
 #[test]

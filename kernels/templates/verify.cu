@@ -42,6 +42,8 @@
 #define VPLAN_WORDS ((VNB + 63) / 64)
 #define VMAX_BLOCKS_PER_ROW 256
 #define VMAX_WINDOWS 8
+#define VHEAD 64                              // octaves a row's grid reaches above its anchor
+#define VGRID ((VOCT + 1 + VHEAD) * VG)
 #define VNONE 0xffffffffu
 #define VNO_OCTAVE ((i32)0x80000000)
 #define VKAPPA_ALL ((1ull << 52) - 1)
@@ -74,9 +76,12 @@
 #define RS_PLAN 16         // VPLAN_WORDS words: buckets pass 2 collects
 #define VROW_WORDS (RS_PLAN + VPLAN_WORDS)
 #define VFLAG_STREAM 1u
-// Called once per radix fallback (select_by_scan); a CPU emulation of the kernels counts them.
-#ifndef VERIFY_SLOW_PATH_HOOK
-#define VERIFY_SLOW_PATH_HOOK()
+// Marks the rare paths (a CPU emulation of the kernels counts them): VTRACE_RADIX per radix
+// fallback of the finish, VTRACE_SPILL per pass-1 block whose top lies above its row's grid.
+#define VTRACE_RADIX 0
+#define VTRACE_SPILL 1
+#ifndef VERIFY_TRACE
+#define VERIFY_TRACE(what)
 #endif
 
 typedef long long i64;
@@ -87,6 +92,7 @@ typedef long long i64;
 FP4_DEVICE void block_sync() { __syncthreads(); }
 FP4_DEVICE void device_fence() { __threadfence(); }
 FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return atomicAdd(p, v); }
+FP4_DEVICE u32 atomic_cas_u32(u32* p, u32 expected, u32 desired) { return atomicCAS(p, expected, desired); }
 FP4_DEVICE u64 atomic_add_u64(u64* p, u64 v) {
     return atomicAdd(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
 }
@@ -96,6 +102,7 @@ FP4_DEVICE u32 popcount(u32 v) { return (u32)__popc(v); }
 FP4_DEVICE u32 lowest_bit(u32 v) { return (u32)(__ffs((int)v) - 1); }
 // data other blocks of this launch wrote: past L1
 FP4_DEVICE u64 load_shared_u64(const u64* p) { return __ldcg(reinterpret_cast<const unsigned long long*>(p)); }
+FP4_DEVICE u32 load_shared_u32(const u32* p) { return __ldcg(reinterpret_cast<const unsigned int*>(p)); }
 // correctly rounded, never contracted into a fused multiply-add: the reference's arithmetic
 FP4_DEVICE float mul32(float a, float b) { return __fmul_rn(a, b); }
 FP4_DEVICE float fma32(float a, float b, float c) { return __fmaf_rn(a, b, c); }
@@ -130,6 +137,11 @@ FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) {
 FP4_DEVICE u64 atomic_add_u64(u64* p, u64 v) {
     return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
+FP4_DEVICE u32 atomic_cas_u32(u32* p, u32 expected, u32 desired) {
+    __hip_atomic_compare_exchange_strong(p, &expected, desired, __ATOMIC_RELAXED, __ATOMIC_RELAXED,
+                                         __HIP_MEMORY_SCOPE_AGENT);
+    return expected;
+}
 FP4_DEVICE u32 shfl_u32(u32 v, u32 src) {
     return (u32)__builtin_amdgcn_ds_bpermute((int)(src << 2), (int)v);
 }
@@ -137,6 +149,9 @@ FP4_DEVICE u32 ballot(bool p) { return (u32)__builtin_amdgcn_ballot_w32(p); }
 FP4_DEVICE u32 popcount(u32 v) { return (u32)__builtin_popcount(v); }
 FP4_DEVICE u32 lowest_bit(u32 v) { return (u32)__builtin_ctz(v); }
 FP4_DEVICE u64 load_shared_u64(const u64* p) {
+    return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+FP4_DEVICE u32 load_shared_u32(const u32* p) {
     return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
 FP4_DEVICE float mul32(float a, float b) { return a * b; }
@@ -227,8 +242,10 @@ struct VerifyArgs {
     const VerifyRow* rows;
     const u32* bias_tokens;
     const float* bias_values;
-    u64* block_hist;                // [rows * blocks_per_row][VNB]
-    u64* block_summary;             // [rows * blocks_per_row][2]
+    u64* block_hist;                // [rows * blocks_per_row][VNB] (blocks above their row's grid)
+    u64* block_summary;             // [rows * blocks_per_row][3]
+    u64* row_grid;                  // [rows][VGRID], zero between launches
+    u32* row_anchor;                // [rows], zero between launches
     u64* row_hist;                  // [rows][VNB]
     u64* row_state;                 // [rows][VROW_WORDS]
     u64* candidates;                // [rows][VCAP]: logit bits << 32 | token
@@ -250,7 +267,7 @@ struct VerifyArgs {
 // the layout mod.rs `device` mirrors
 static_assert(sizeof(VerifySequence) == 64, "VerifySequence layout");
 static_assert(sizeof(VerifyRow) == 16, "VerifyRow layout");
-static_assert(sizeof(VerifyArgs) == 17 * 8 + 8 * 4, "VerifyArgs layout");
+static_assert(sizeof(VerifyArgs) == 19 * 8 + 8 * 4, "VerifyArgs layout");
 
 // ---- the reference's arithmetic, bit for bit ----
 #define LOG2_E_BITS 0x3fb8aa3bu
@@ -577,7 +594,10 @@ struct HistogramShared {
     u128 weight[VNB + 1];
     u128 warp_weight[VWARPS];
     u32 warp_count[VWARPS];
-    i32 block_top[VMAX_BLOCKS_PER_ROW];
+    i32 block_top[VMAX_BLOCKS_PER_ROW];  // of the blocks that wrote their own histogram
+    u32 block_index[VMAX_BLOCKS_PER_ROW];
+    u32 spilled;
+    i32 anchor;
     u64 scratch[VWARPS + 1];
     u32 window_lo[VMAX_WINDOWS];
     u32 window_hi[VMAX_WINDOWS];
@@ -854,27 +874,58 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
     const i32 top = histogram_chunks(v, sampling, first, end, sh, best, bad);
     best = block_reduce(best, VOP_MAX, sh.scratch);
     bad = (u32)block_reduce(bad, VOP_MIN, sh.scratch);
+    // the histogram joins the row's grid, anchored at the first block's top octave; a block whose
+    // top is more than VHEAD octaves above the anchor keeps its own for the last block to merge
     const u64 slot = (u64)r * a.blocks_per_row + block_x();
-    if (sampling)
-        for (u32 b = thread_x(); b < VNB; b += VT) a.block_hist[slot * VNB + b] = sh.hist[b];
+    u64* grid = a.row_grid + (u64)r * VGRID;
+    bool spilled = false;
+    if (sampling && top != VNO_OCTAVE) {
+        if (thread_x() == 0) {
+            const u32 mine = (u32)top + 0x80000000u;
+            const u32 seen = atomic_cas_u32(&a.row_anchor[r], 0u, mine);
+            sh.anchor = (i32)((seen == 0 ? mine : seen) - 0x80000000u);
+        }
+        block_sync();
+        const i32 anchor = sh.anchor;
+        spilled = (i64)top - (i64)anchor > VHEAD;
+        if (spilled) {
+            if (thread_x() == 0) VERIFY_TRACE(VTRACE_SPILL);
+            for (u32 b = thread_x(); b < VNB; b += VT) a.block_hist[slot * VNB + b] = sh.hist[b];
+        } else {
+            for (u32 b = thread_x(); b < VNB; b += VT) {
+                const u64 h = sh.hist[b];
+                // octave row of the grid; below it the tokens weigh nothing against the row's top
+                const i64 grid_row = ((i64)top - bucket_below(b)) - ((i64)anchor - VOCT);
+                if (h != 0 && grid_row >= 0) atomic_add_u64(&grid[grid_row * VG + bucket_sub(b)], h);
+            }
+        }
+    }
     if (thread_x() == 0) {
-        a.block_summary[slot * 2] = best;
-        a.block_summary[slot * 2 + 1] = (u64)(u32)top | ((u64)bad << 32);
+        a.block_summary[slot * 3] = best;
+        a.block_summary[slot * 3 + 1] = (u64)(u32)top | ((u64)bad << 32);
+        a.block_summary[slot * 3 + 2] = spilled ? 1 : 0;
     }
     // the row's last block merges and plans
     device_fence();
     block_sync();
-    if (thread_x() == 0) sh.last = atomic_add_u32(&a.counters[r], 1) == a.blocks_per_row - 1;
+    if (thread_x() == 0) {
+        sh.last = atomic_add_u32(&a.counters[r], 1) == a.blocks_per_row - 1;
+        sh.spilled = 0;
+    }
     block_sync();
     if (!sh.last) return;
     device_fence();
     u64 row_best = 0, row_bad = ~0ull, row_top = 0;
     for (u32 k = thread_x(); k < a.blocks_per_row; k += VT) {
-        const u64 s0 = load_shared_u64(&a.block_summary[((u64)r * a.blocks_per_row + k) * 2]);
-        const u64 s1 = load_shared_u64(&a.block_summary[((u64)r * a.blocks_per_row + k) * 2 + 1]);
+        const u64* summary = &a.block_summary[((u64)r * a.blocks_per_row + k) * 3];
+        const u64 s0 = load_shared_u64(summary), s1 = load_shared_u64(summary + 1);
         row_best = s0 > row_best ? s0 : row_best;
         row_bad = (s1 >> 32) < row_bad ? (s1 >> 32) : row_bad;
-        sh.block_top[k] = (i32)(u32)s1;
+        if (load_shared_u64(summary + 2)) {
+            const u32 at = atomic_add_u32(&sh.spilled, 1);
+            sh.block_top[at] = (i32)(u32)s1;
+            sh.block_index[at] = k;
+        }
         // offset so that the unsigned max is the signed max
         const u64 t = (u64)((u32)s1 ^ 0x80000000u);
         row_top = t > row_top ? t : row_top;
@@ -884,18 +935,26 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
     const i32 k_top = (i32)((u32)block_reduce(row_top, VOP_MAX, sh.scratch) ^ 0x80000000u);
     u64* state = a.row_state + (u64)r * VROW_WORDS;
     if (sampling && k_top != VNO_OCTAVE) {
+        const u32 anchor_word = load_shared_u32(&a.row_anchor[r]);
+        const i64 grid_bottom = (i64)(i32)(anchor_word - 0x80000000u) - VOCT;
         for (u32 b = thread_x(); b < VNB; b += VT) {
             u64 sum = 0;
-            for (u32 k = 0; k < a.blocks_per_row; ++k) {
-                const i32 t = sh.block_top[k];
-                if (t == VNO_OCTAVE) continue;
-                const i64 shift = ((i64)k_top - (i64)t) * VG;
-                if ((i64)b >= shift)
-                    sum += load_shared_u64(&a.block_hist[((u64)r * a.blocks_per_row + k) * VNB + (b - (u32)shift)]);
+            const i64 grid_row = ((i64)k_top - bucket_below(b)) - grid_bottom;
+            if (anchor_word != 0 && grid_row >= 0 && grid_row <= VOCT + VHEAD)
+                sum += load_shared_u64(&grid[grid_row * VG + bucket_sub(b)]);
+            for (u32 i = 0; i < sh.spilled; ++i) {
+                const i64 shift = ((i64)k_top - (i64)sh.block_top[i]) * VG;
+                if ((i64)b >= shift) {
+                    const u64 at = ((u64)r * a.blocks_per_row + sh.block_index[i]) * VNB + (b - (u32)shift);
+                    sum += load_shared_u64(&a.block_hist[at]);
+                }
             }
             a.row_hist[(u64)r * VNB + b] = sum;
             sh.hist[b] = sum;
         }
+        block_sync();
+        for (u32 i = thread_x(); i < VGRID; i += VT) grid[i] = 0;
+        if (thread_x() == 0) a.row_anchor[r] = 0;
     }
     block_sync();
     u32 status = VSTATUS_OK, error_token = 0, error_value = 0;
@@ -964,7 +1023,7 @@ struct Selected {
 /// (for a bucket that pass 2 did not collect). One block; 7 scans of the row.
 VERIFY_NOINLINE Selected select_by_scan(const RowView& v, i32 top, u32 bucket, int mode, u64 value,
                                    FinishShared& sh) {
-    if (thread_x() == 0) VERIFY_SLOW_PATH_HOOK();
+    if (thread_x() == 0) VERIFY_TRACE(VTRACE_RADIX);
     u64 prefix = 0;
     u32 rank = 0;
     u64 mass = 0;

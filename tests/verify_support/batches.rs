@@ -209,6 +209,34 @@ pub fn model_like(
     b
 }
 
+/// Rows of N(0, 1) logits with one token at 30 in the last quarter of the vocabulary, a low
+/// temperature (0.1 or 0.3) and random other controls: the spike is hundreds of octaves of weight
+/// above most of the row.
+pub fn spiked(rng: &mut SplitMix64, vocab: usize, sequences: usize, drafts: usize) -> Batch {
+    let mut b = Batch::default();
+    for s in 0..sequences {
+        let mut params = random_params(rng, vocab, false);
+        params.temperature = if s % 2 == 0 { 0.1 } else { 0.3 };
+        let rows: Vec<Vec<f32>> = (0..=drafts)
+            .map(|_| {
+                let mut row = rng.normal_vec(vocab, 1.0);
+                let at = vocab - 1 - (rng.next_u64() % (vocab as u64 / 4)) as usize;
+                row[at] = 30.0;
+                row
+            })
+            .collect();
+        let draft_rows: Vec<(u32, Vec<f32>)> = (0..drafts)
+            .map(|j| {
+                let best = verify::reference::greedy_token(&rows[j], &SamplingParams::default(), j)
+                    .expect("row");
+                (best, rows[j].clone())
+            })
+            .collect();
+        b.push(params, 50 * s as u64, &rows, &draft_rows);
+    }
+    b
+}
+
 /// Every control on, at values a chat deployment uses.
 pub fn all_controls() -> SamplingParams {
     SamplingParams {

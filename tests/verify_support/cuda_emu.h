@@ -248,6 +248,11 @@ inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v)
     *p = old + v;
     return old;
 }
+inline unsigned atomicCAS(unsigned* p, unsigned expected, unsigned desired) {
+    const unsigned old = *p;
+    if (old == expected) *p = desired;
+    return old;
+}
 inline unsigned long long __ldcg(const unsigned long long* p) { return *p; }
 inline unsigned __ldcg(const unsigned* p) { return *p; }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }

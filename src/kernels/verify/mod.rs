@@ -106,6 +106,8 @@ pub mod device {
     pub const OCTAVES: usize = 40;
     /// Fixed u64 words of a row's state before its plan (`RS_PLAN`).
     pub const ROW_STATE_FIXED_WORDS: usize = 16;
+    /// Octaves a row's pass-1 grid reaches above its anchor (`VHEAD`).
+    pub const GRID_HEADROOM: usize = 64;
 
     /// `VerifySequence`.
     #[repr(C)]
@@ -177,6 +179,10 @@ pub mod device {
         pub block_hist: u64,
         /// Scratch: per-block summaries.
         pub block_summary: u64,
+        /// Scratch: per-row weight grids, zero between launches.
+        pub row_grid: u64,
+        /// Scratch: per-row grid anchors, zero between launches.
+        pub row_anchor: u64,
         /// Scratch: per-row histograms.
         pub row_hist: u64,
         /// Scratch: per-row state.
@@ -214,7 +220,7 @@ pub mod device {
     // verify.cu asserts the same sizes
     const _: () = assert!(std::mem::size_of::<Sequence>() == 64);
     const _: () = assert!(std::mem::size_of::<Row>() == 16);
-    const _: () = assert!(std::mem::size_of::<Args>() == 17 * 8 + 8 * 4);
+    const _: () = assert!(std::mem::size_of::<Args>() == 19 * 8 + 8 * 4);
 
     // SAFETY: plain-old-data structs of integers and floats, laid out as verify.cu declares them;
     // all-zero bits are a valid value of each.
@@ -241,6 +247,8 @@ pub struct Layout {
     pub chunks_per_row: usize,
     /// Histogram buckets per row (`(OCTAVES + 1) * sub_buckets_per_octave`).
     pub buckets: usize,
+    /// u64 words of a row's pass-1 grid (`(OCTAVES + 1 + GRID_HEADROOM) * sub_buckets_per_octave`).
+    pub grid_words: usize,
     /// u64 words of one row's state.
     pub row_words: usize,
     /// Candidates per row.
@@ -286,6 +294,8 @@ impl Layout {
             chunk,
             chunks_per_row: capacity.vocab.div_ceil(chunk),
             buckets,
+            grid_words: (device::OCTAVES + 1 + device::GRID_HEADROOM)
+                * tiles.sub_buckets_per_octave as usize,
             row_words: device::ROW_STATE_FIXED_WORDS + buckets.div_ceil(64),
             candidates_per_row: tiles.candidates_per_row as usize,
             rows,
@@ -321,7 +331,9 @@ impl Layout {
             rows: self.rows,
             bias: cap.max_bias_entries,
             block_hist: self.block_slots * self.buckets,
-            block_summary: self.block_slots * 2,
+            block_summary: self.block_slots * 3,
+            row_grid: self.rows * self.grid_words,
+            row_anchor: self.rows,
             row_hist: self.rows * self.buckets,
             row_state: self.rows * self.row_words,
             candidates: self.rows * self.candidates_per_row,
@@ -369,6 +381,10 @@ pub struct BufferLengths {
     pub block_hist: usize,
     /// u64 per-block summary words.
     pub block_summary: usize,
+    /// u64 per-row grid words.
+    pub row_grid: usize,
+    /// u32 per-row grid anchors.
+    pub row_anchor: usize,
     /// u64 per-row histogram words.
     pub row_hist: usize,
     /// u64 per-row state words.
@@ -592,6 +608,8 @@ struct CudaBuffers {
     bias_values: CudaSlice<f32>,
     block_hist: CudaSlice<u64>,
     block_summary: CudaSlice<u64>,
+    row_grid: CudaSlice<u64>,
+    row_anchor: CudaSlice<u32>,
     row_hist: CudaSlice<u64>,
     row_state: CudaSlice<u64>,
     candidates: CudaSlice<u64>,
@@ -652,6 +670,8 @@ impl VerifyWorkspace {
                         bias_values: alloc(cuda, n.bias, "bias values")?,
                         block_hist: alloc(cuda, n.block_hist, "block histograms")?,
                         block_summary: alloc(cuda, n.block_summary, "block summaries")?,
+                        row_grid: alloc(cuda, n.row_grid, "row grids")?,
+                        row_anchor: alloc(cuda, n.row_anchor, "row anchors")?,
                         row_hist: alloc(cuda, n.row_hist, "row histograms")?,
                         row_state: alloc(cuda, n.row_state, "row state")?,
                         candidates: alloc(cuda, n.candidates, "candidates")?,
@@ -983,6 +1003,8 @@ fn launch(
     let (bias_values, _g6) = b.bias_values.device_ptr(stream);
     let (block_hist, _g7) = b.block_hist.device_ptr(stream);
     let (block_summary, _g8) = b.block_summary.device_ptr(stream);
+    let (row_grid, _g17) = b.row_grid.device_ptr(stream);
+    let (row_anchor, _g18) = b.row_anchor.device_ptr(stream);
     let (row_hist, _g9) = b.row_hist.device_ptr(stream);
     let (row_state, _g10) = b.row_state.device_ptr(stream);
     let (candidates, _g11) = b.candidates.device_ptr(stream);
@@ -1001,6 +1023,8 @@ fn launch(
         bias_values,
         block_hist,
         block_summary,
+        row_grid,
+        row_anchor,
         row_hist,
         row_state,
         candidates,
