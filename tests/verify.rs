@@ -873,6 +873,7 @@ fn the_template_and_the_device_module_agree() {
         assert_eq!(define("VOCT"), reference::MASS_OCTAVES as u64);
         assert_eq!(define("VOCT"), device::OCTAVES as u64);
         assert_eq!(define("RS_PLAN"), device::ROW_STATE_FIXED_WORDS as u64);
+        assert_eq!(define("VHEAD"), device::GRID_HEADROOM as u64);
         assert_eq!(define("VSTATUS_WORDS"), device::STATUS_WORDS as u64);
         assert_eq!(define("VMAX_BLOCKS_PER_ROW"), MAX_BLOCKS_PER_ROW as u64);
         assert_eq!(

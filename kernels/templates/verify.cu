@@ -6,12 +6,13 @@
 // One launch of each kernel serves the whole batch (rows of every sequence; per-sequence controls
 // in `VerifySequence`):
 //   verify_histogram  pass 1 over the logits. Blocks of a row histogram its tokens by weight
-//                     bucket (octave below the block's top x sub-bucket; per bucket the token
-//                     count and the exact sum of the 24-bit weight mantissas, so buckets of
-//                     different blocks add exactly once aligned on the row's top octave) and
-//                     find the argmax and the first bad logit. The row's last block merges the
-//                     block histograms and plans: which buckets hold the top-k, top-p, min-p
-//                     cuts and the draw, from the exact bucket counts and weights.
+//                     bucket (octave x sub-bucket; per bucket the token count and the exact sum
+//                     of the 24-bit weight mantissas, so histograms of different blocks add
+//                     exactly once aligned on octaves), add them atomically into the row's grid
+//                     (anchored at the first block's top octave), and find the argmax and the
+//                     first bad logit. The row's last block turns the grid into the histogram
+//                     below the row's top octave and plans: which buckets hold the top-k, top-p,
+//                     min-p cuts and the draw, from the exact bucket counts and weights.
 //   verify_select     pass 2 over the logits. Blocks collect the tokens of the planned buckets
 //                     (and count what min-p and the probe token need).
 //   verify_finish     one block per row finishes it exactly: sorts the candidates, resolves
@@ -1008,6 +1009,9 @@ struct FinishShared {
     u32 last;
 };
 
+{% if target.vendor == "nvidia" %}
+static_assert(sizeof(FinishShared) <= 48 * 1024, "verify.candidates_per_row too large for static shared memory");
+{% endif %}
 #define VSELECT_RANK 0       // the token of rank `value` (0-based)
 #define VSELECT_REACH 1      // the first token whose running mantissa sum reaches `value`
 #define VSELECT_EXCEED 2     // the first token whose running mantissa sum exceeds `value`

@@ -115,7 +115,8 @@ pub struct VerifyTiles {
     pub items_per_thread: u32,
     /// Histogram buckets per octave of token weight (a power of two, 1..=64).
     pub sub_buckets_per_octave: u32,
-    /// Tokens per row kept around the cuts for the exact finish (1..=4096).
+    /// Tokens per row kept around the cuts for the exact finish (1..=1024: the finish holds
+    /// three u64 per candidate in static shared memory).
     pub candidates_per_row: u32,
     /// Blocks per multiprocessor the launch aims its grid at.
     pub blocks_per_sm: u32,
@@ -213,9 +214,9 @@ impl TargetFacts {
                 verify.sub_buckets_per_octave
             ));
         }
-        if !(1..=4096).contains(&verify.candidates_per_row) || verify.blocks_per_sm == 0 {
+        if !(1..=1024).contains(&verify.candidates_per_row) || verify.blocks_per_sm == 0 {
             return fail(
-                "verify.candidates_per_row must be in 1..=4096 and verify.blocks_per_sm positive"
+                "verify.candidates_per_row must be in 1..=1024 and verify.blocks_per_sm positive"
                     .into(),
             );
         }

@@ -7,9 +7,10 @@
 //! accept counts), which is what the GPU tests check. The kernels never sort the vocabulary:
 //!
 //! - `verify_histogram` (pass 1 over the logits): each row's blocks histogram the tokens by
-//!   weight bucket (octave below the block's top x `sub_buckets_per_octave`), holding per bucket
-//!   the token count and the exact sum of the 24-bit weight mantissas, so the row's histogram is
-//!   exact; the row's last block merges them and plans which buckets hold the cuts and the draw.
+//!   weight bucket (octave x `sub_buckets_per_octave`), holding per bucket the token count and
+//!   the exact sum of the 24-bit weight mantissas, so histograms add exactly once aligned on
+//!   octaves (into a per-row grid, atomically); the row's last block turns that into the row's
+//!   histogram and plans which buckets hold the cuts and the draw.
 //! - `verify_select` (pass 2): collects the tokens of those buckets (at most
 //!   `candidates_per_row`).
 //! - `verify_finish` (one block per row): resolves every cut and the draw exactly (a bucket
@@ -21,6 +22,11 @@
 //! One launch of each serves the whole batch; the controls of every sequence live on the device
 //! ([`VerifyWorkspace::set_batch`] uploads them), and [`verify`] allocates nothing and never waits
 //! for the host, so it can be captured in a CUDA graph.
+//!
+//! Reads: pass 1 and pass 2 each read every processed row once (greedy rows only in pass 1);
+//! `verify_finish` reads the collected candidates, and a whole row again only for a bucket too
+//! full to collect (rows of nearly equal logits); `verify_residual` reads the two rows of a
+//! rejected sampled draft. Tuning per target: `[target.verify]` in `kernels/targets.toml`.
 
 pub mod reference;
 
@@ -45,7 +51,7 @@ pub const KERNEL_RESIDUAL: &str = "verify_residual";
 
 /// Largest vocabulary the kernels take (a token id is 20 bits of their sort keys).
 pub const MAX_VOCAB: usize = (1 << 20) - 1;
-/// Most blocks one row is split over (the merge's shared table).
+/// Most blocks one row is split over (the pass-1 merge's shared table).
 pub const MAX_BLOCKS_PER_ROW: usize = 256;
 
 /// How the drafts of a batch were proposed.
