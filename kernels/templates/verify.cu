@@ -607,39 +607,50 @@ struct HistogramShared {
 };
 
 /// The planner's bucket windows (thread 0): added in order of need, each kept only while the
-/// tokens of all kept windows fit the candidate space.
+/// tokens of all kept windows fit the candidate space. Kept as sorted, disjoint intervals.
 struct Plan {
     HistogramShared& sh;
     u32 lo[VMAX_WINDOWS], hi[VMAX_WINDOWS];
     u32 count;
-    FP4_DEVICE explicit Plan(HistogramShared& shared) : sh(shared), count(0) {}
-    /// Tokens in the union of the windows.
-    FP4_DEVICE u32 tokens() const {
-        u32 order[VMAX_WINDOWS];
-        for (u32 i = 0; i < count; ++i) {
-            u32 j = i;
-            while (j > 0 && lo[order[j - 1]] > lo[i]) {
-                order[j] = order[j - 1];
-                --j;
-            }
-            order[j] = i;
-        }
-        u32 total = 0, end = 0;  // buckets [.., end) counted
-        for (u32 k = 0; k < count; ++k) {
-            const u32 a = lo[order[k]] > end ? lo[order[k]] : end, b = hi[order[k]] + 1;
-            if (b > a) {
-                total += sh.count[b] - sh.count[a];
-                end = b;
-            }
-        }
-        return total;
-    }
+    u32 tokens;  // in the union
+    FP4_DEVICE explicit Plan(HistogramShared& shared) : sh(shared), count(0), tokens(0) {}
+    FP4_DEVICE u32 tokens_in(u32 first, u32 last) const { return sh.count[last + 1] - sh.count[first]; }
     FP4_DEVICE void add(u32 first, u32 last) {
-        if (first > last || last >= VNB || count == VMAX_WINDOWS) return;
-        lo[count] = first;
-        hi[count] = last;
-        ++count;
-        if (tokens() > VCAP) --count;
+        if (first > last || last >= VNB) return;
+        // merge [first, last] with the intervals it touches
+        u32 merged_lo = first, merged_hi = last, merged_tokens = 0, keep = 0;
+        u32 new_lo[VMAX_WINDOWS + 1], new_hi[VMAX_WINDOWS + 1];
+        bool placed = false;
+        for (u32 i = 0; i < count; ++i) {
+            if (hi[i] + 1 < merged_lo) {
+                new_lo[keep] = lo[i];
+                new_hi[keep++] = hi[i];
+            } else if (lo[i] > merged_hi + 1) {
+                if (!placed) {
+                    new_lo[keep] = merged_lo;
+                    new_hi[keep++] = merged_hi;
+                    placed = true;
+                }
+                new_lo[keep] = lo[i];
+                new_hi[keep++] = hi[i];
+            } else {
+                merged_lo = lo[i] < merged_lo ? lo[i] : merged_lo;
+                merged_hi = hi[i] > merged_hi ? hi[i] : merged_hi;
+                merged_tokens += tokens_in(lo[i], hi[i]);
+            }
+        }
+        if (!placed) {
+            new_lo[keep] = merged_lo;
+            new_hi[keep++] = merged_hi;
+        }
+        const u32 total = tokens - merged_tokens + tokens_in(merged_lo, merged_hi);
+        if (total > VCAP || keep > VMAX_WINDOWS) return;
+        for (u32 i = 0; i < keep; ++i) {
+            lo[i] = new_lo[i];
+            hi[i] = new_hi[i];
+        }
+        count = keep;
+        tokens = total;
     }
     /// The buckets of the draw targets [t_lo + shift, t_hi + shift], below `total`.
     FP4_DEVICE void add_draws(u128 t_lo, u128 t_hi, u128 shift, u128 total) {
@@ -1284,17 +1295,50 @@ FP4_DEVICE void finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row, con
     block_sync();
 }
 
-FP4_DEVICE u128 load_u128(const u64* p) {
-    return {load_shared_u64(p), load_shared_u64(p + 1)};
+/// The first RS_PLAN state words of a sequence's rows, and its drafts: in shared memory when
+/// they fit (prefetched by the whole block), else read from global memory one by one.
+struct SequenceRows {
+    const u64* rows;     // row i's words at rows + i * stride
+    u32 stride;
+    bool shared;
+    const u32* drafts;
+    FP4_DEVICE u64 word(u32 row, u32 index) const {
+        const u64* p = rows + (u64)row * stride + index;
+        return shared ? *p : load_shared_u64(p);
+    }
+    FP4_DEVICE u128 wide(u32 row, u32 index) const { return {word(row, index), word(row, index + 1)}; }
+};
+
+/// Block-wide: brings sequence `s`'s row words and drafts into shared memory when they fit.
+FP4_DEVICE SequenceRows gather_sequence(const VerifyArgs& a, const VerifySequence& seq, FinishShared& sh) {
+    SequenceRows out;
+    const u32 rows = rows_of(seq);
+    const u64* global_rows = a.row_state + (u64)seq.first_row * VROW_WORDS;
+    if (rows * RS_PLAN > VCAP || seq.drafts > 256) {
+        out.rows = global_rows;
+        out.stride = VROW_WORDS;
+        out.shared = false;
+        out.drafts = a.draft_tokens + seq.first_draft;
+        return out;
+    }
+    for (u32 i = thread_x(); i < rows * RS_PLAN; i += VT)
+        sh.keys[i] = load_shared_u64(&global_rows[(u64)(i / RS_PLAN) * VROW_WORDS + i % RS_PLAN]);
+    for (u32 i = thread_x(); i < seq.drafts; i += VT) sh.bin_count[i] = a.draft_tokens[seq.first_draft + i];
+    block_sync();
+    out.rows = sh.keys;
+    out.stride = RS_PLAN;
+    out.shared = true;
+    out.drafts = sh.bin_count;
+    return out;
 }
 
-/// The acceptance chain of one sequence (its last row's block, thread 0): the reference's walk,
-/// reading rows in order and only as far as the outcome needs them.
-VERIFY_NOINLINE void finish_sequence(const VerifyArgs& a, u32 s) {
+/// The acceptance chain of one sequence (thread 0 of its last row's block): the reference's
+/// walk, reading rows in order and only as far as the outcome needs them.
+VERIFY_NOINLINE void finish_sequence(const VerifyArgs& a, u32 s, const SequenceRows& rows) {
     const VerifySequence seq = a.sequences[s];
     u32* out = a.emitted + (u64)s * (a.max_drafts + 1);
     u32* st = a.status + (u64)s * VSTATUS_WORDS;
-    const u32* drafts = a.draft_tokens + seq.first_draft;
+    const u32* drafts = rows.drafts;
     const u32 n = seq.drafts;
     const bool sampled = (seq.flags & VSEQ_SAMPLED_DRAFTS) != 0;
     u32 code = VSTATUS_OK, accepted = 0, error_row = 0, error_token = 0, error_value = 0, residual = 0;
@@ -1307,17 +1351,16 @@ VERIFY_NOINLINE void finish_sequence(const VerifyArgs& a, u32 s) {
     }
     if (code == VSTATUS_OK && seq.host_error != 0) code = VSTATUS_PARAM;
     for (u32 j = 0; code == VSTATUS_OK; ++j) {
-        const u64* p = a.row_state + (u64)(seq.first_row + j) * VROW_WORDS;
-        const u64 p_status = load_shared_u64(&p[RS_STATUS]);
+        const u64 p_status = rows.word(j, RS_STATUS);
         if ((u32)p_status != VSTATUS_OK) {
             code = (u32)p_status;
             error_row = j;
             error_token = (u32)(p_status >> 32);
-            error_value = (u32)load_shared_u64(&p[RS_VALUE]);
+            error_value = (u32)rows.word(j, RS_VALUE);
             break;
         }
         if (seq.temperature == 0.0f) {
-            const u32 best = (u32)(load_shared_u64(&p[RS_VALUE]) >> 32);
+            const u32 best = (u32)(rows.word(j, RS_VALUE) >> 32);
             if (j == n || best != drafts[j]) {
                 out[j] = best;
                 accepted = j;
@@ -1326,29 +1369,29 @@ VERIFY_NOINLINE void finish_sequence(const VerifyArgs& a, u32 s) {
             out[j] = drafts[j];
             continue;
         }
-        const u32 drawn = (u32)(load_shared_u64(&p[RS_CUT]) >> 32);
+        const u32 drawn = (u32)(rows.word(j, RS_CUT) >> 32);
         if (j == n) {
             out[j] = drawn;
             accepted = n;
             break;
         }
         const double u = uniform01(seq.seed, seq.position + j, STREAM_ACCEPT);
-        const double w_p = mass_to_f64(load_u128(&p[RS_PROBE_W]));
-        const double s_p = mass_to_f64(load_u128(&p[RS_MASS]));
+        const double w_p = mass_to_f64(rows.wide(j, RS_PROBE_W));
+        const double s_p = mass_to_f64(rows.wide(j, RS_MASS));
         bool accept;
         if (sampled) {
-            const u64* q = a.row_state + (u64)(seq.first_row + n + 1 + j) * VROW_WORDS;
-            const u64 q_status = load_shared_u64(&q[RS_STATUS]);
+            const u32 q = n + 1 + j;
+            const u64 q_status = rows.word(q, RS_STATUS);
             if ((u32)q_status != VSTATUS_OK) {
                 code = (u32)q_status;
                 error_row = j;
                 error_token = (u32)(q_status >> 32);
-                error_value = (u32)load_shared_u64(&q[RS_VALUE]);
+                error_value = (u32)rows.word(q, RS_VALUE);
                 break;
             }
-            const u128 w_q = load_u128(&q[RS_PROBE_W]);
+            const u128 w_q = rows.wide(q, RS_PROBE_W);
             accept = w_q > w128(0) && mul64(u, mul64(mass_to_f64(w_q), s_p)) <
-                                    mul64(w_p, mass_to_f64(load_u128(&q[RS_MASS])));
+                                          mul64(w_p, mass_to_f64(rows.wide(q, RS_MASS)));
         } else {
             accept = mul64(u, s_p) < w_p;
         }
@@ -1469,13 +1512,15 @@ FP4_KERNEL void {{ bounds }}verify_finish(const VerifyArgs a) {
         finish_row(a, r, row, seq, sh);
     device_fence();
     block_sync();
+    u32* done = &a.counters[a.row_count + row.sequence];
+    if (thread_x() == 0) sh.last = atomic_add_u32(done, 1) == rows_of(seq) - 1;
+    block_sync();
+    if (!sh.last) return;
+    device_fence();
+    const SequenceRows rows = gather_sequence(a, seq, sh);
     if (thread_x() == 0) {
-        u32* done = &a.counters[a.row_count + row.sequence];
-        if (atomic_add_u32(done, 1) == rows_of(seq) - 1) {
-            device_fence();
-            finish_sequence(a, row.sequence);
-            *done = 0;
-        }
+        finish_sequence(a, row.sequence, rows);
+        *done = 0;
     }
 }
 
