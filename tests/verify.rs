@@ -365,3 +365,542 @@ fn bad_values_are_per_sequence_errors_never_tokens() {
         Err(RowError::BadParameter(_))
     ));
 }
+
+// ---- the kernels, run on a CPU emulation of CUDA, against the reference ----
+//
+// There is no GPU here, so the rendered sm_90a source of `verify.cu` is compiled as host C++
+// against tests/verify_support/cuda_emu.h (threads as fibers, real __syncthreads and warp
+// exchanges, shuffled scheduling) and run through the same layout, batch encoding, launch grids
+// and decoding as the CUDA backend. Same tokens and accept counts as the reference, exactly.
+
+mod emulation {
+    use crate::batches;
+    use fp4spec::kernels::table;
+    use fp4spec::kernels::verify::{AcceptanceStats, Batch, DraftKind, Layout, device};
+    use fp4spec::target::VerifyTiles;
+    use std::ffi::{CStr, CString, c_char, c_int, c_void};
+    use std::path::PathBuf;
+    use std::sync::Mutex;
+
+    unsafe extern "C" {
+        fn dlopen(filename: *const c_char, flags: c_int) -> *mut c_void;
+        fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
+        fn dlerror() -> *const c_char;
+    }
+    const RTLD_NOW: c_int = 2;
+
+    type LaunchFn = unsafe extern "C" fn(*const c_char, u32, u32, u32, *const c_void) -> c_int;
+
+    const WRAPPER: &str = r#"
+static unsigned long long emu_trace[2] = {0, 0};
+#define VERIFY_TRACE(what) (++emu_trace[what])
+#include "verify.cu"
+extern "C" int emu_launch(const char* kernel, unsigned gx, unsigned gy, unsigned threads, const void* args) {
+    const VerifyArgs a = *static_cast<const VerifyArgs*>(args);
+    if (!std::strcmp(kernel, "verify_histogram")) return emu::launch(gx, gy, threads, [a] { verify_histogram(a); });
+    if (!std::strcmp(kernel, "verify_select")) return emu::launch(gx, gy, threads, [a] { verify_select(a); });
+    if (!std::strcmp(kernel, "verify_finish")) return emu::launch(gx, gy, threads, [a] { verify_finish(a); });
+    if (!std::strcmp(kernel, "verify_residual")) return emu::launch(gx, gy, threads, [a] { verify_residual(a); });
+    std::fprintf(stderr, "emulation: no kernel %s\n", kernel);
+    return 2;
+}
+extern "C" unsigned long long emu_take_trace(int what) {
+    const unsigned long long n = emu_trace[what];
+    emu_trace[what] = 0;
+    return n;
+}
+"#;
+
+    /// The emulated kernels: `emu_launch` and `emu_take_trace`.
+    #[derive(Clone, Copy)]
+    pub struct Kernels {
+        launch: LaunchFn,
+        trace: unsafe extern "C" fn(c_int) -> u64,
+    }
+
+    /// The sm_90a source with its verify tiles replaced by `tiles`.
+    fn source_for(tiles: &VerifyTiles) -> String {
+        let source = table::rendered("sm_90a", "verify").expect("verify rendered for sm_90a");
+        source
+            .source
+            .lines()
+            .map(|line| {
+                let define = |name: &str, value: u32| format!("#define {name} {value}");
+                match line
+                    .split_whitespace()
+                    .take(2)
+                    .collect::<Vec<_>>()
+                    .as_slice()
+                {
+                    ["#define", "VT"] => define("VT", tiles.threads_per_block),
+                    ["#define", "VI"] => define("VI", tiles.items_per_thread),
+                    ["#define", "VG"] => define("VG", tiles.sub_buckets_per_octave),
+                    ["#define", "VCAP"] => define("VCAP", tiles.candidates_per_row),
+                    _ => line.to_string(),
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// The emulated kernels for `tiles` (compiled once per tiles and test binary).
+    pub fn kernels(tiles: &VerifyTiles) -> Kernels {
+        static LIBRARIES: Mutex<Vec<(String, usize, usize)>> = Mutex::new(Vec::new());
+        let source = source_for(tiles);
+        let key = format!("{tiles:?}");
+        let mut libraries = LIBRARIES.lock().unwrap_or_else(|p| p.into_inner());
+        let (launch, slow) = match libraries.iter().find(|(k, _, _)| *k == key) {
+            Some(&(_, launch, slow)) => (launch, slow),
+            None => {
+                let found = compile(&source, libraries.len());
+                libraries.push((key, found.0, found.1));
+                found
+            }
+        };
+        // SAFETY: the addresses of the wrapper's two functions, with these signatures.
+        unsafe {
+            Kernels {
+                launch: std::mem::transmute::<usize, LaunchFn>(launch),
+                trace: std::mem::transmute::<usize, unsafe extern "C" fn(c_int) -> u64>(slow),
+            }
+        }
+    }
+
+    fn compile(source: &str, index: usize) -> (usize, usize) {
+        let dir =
+            std::env::temp_dir().join(format!("fp4spec-verify-emu-{}-{index}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let here = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/verify_support");
+        std::fs::write(dir.join("verify.cu"), source).expect("write source");
+        std::fs::write(dir.join("wrapper.cpp"), WRAPPER).expect("write wrapper");
+        let library = dir.join("libverify_emu.so");
+        let compiler = ["clang++-19", "clang++"]
+            .into_iter()
+            .find(|c| {
+                std::process::Command::new(c)
+                    .arg("--version")
+                    .output()
+                    .is_ok()
+            })
+            .expect(
+                "no clang++ for the CUDA emulation: run the tests as \
+                 `bash tools/toolchains.sh cargo test --release`",
+            );
+        let out = std::process::Command::new(compiler)
+            .args([
+                "-std=c++20",
+                "-O1",
+                "-g0",
+                "-w",
+                "-fPIC",
+                "-shared",
+                "-ffp-contract=off",
+            ])
+            .args(["-fno-fast-math", "-U_FORTIFY_SOURCE", "-D_FORTIFY_SOURCE=0"])
+            .arg(format!("-I{}", here.display()))
+            .arg(format!("-I{}", dir.display()))
+            .arg("-include")
+            .arg(here.join("cuda_emu.h"))
+            .arg(dir.join("wrapper.cpp"))
+            .arg("-o")
+            .arg(&library)
+            .output()
+            .expect("run clang++");
+        assert!(
+            out.status.success(),
+            "the emulation did not compile:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let path = CString::new(library.to_string_lossy().as_bytes()).expect("path");
+        // SAFETY: dlopen/dlsym on a library this test just built.
+        unsafe {
+            let handle = dlopen(path.as_ptr(), RTLD_NOW);
+            assert!(
+                !handle.is_null(),
+                "dlopen: {}",
+                CStr::from_ptr(dlerror()).to_string_lossy()
+            );
+            let launch = dlsym(handle, c"emu_launch".as_ptr());
+            let slow = dlsym(handle, c"emu_take_trace".as_ptr());
+            assert!(
+                !launch.is_null() && !slow.is_null(),
+                "emulation symbols missing"
+            );
+            (launch as usize, slow as usize)
+        }
+    }
+
+    fn address<T>(v: &[T]) -> u64 {
+        v.as_ptr() as u64
+    }
+
+    /// How often the kernels took their rare paths.
+    #[derive(Debug, Clone, Copy, Default)]
+    pub struct Trace {
+        /// Radix fallbacks of the finish (a bucket pass 2 did not collect).
+        pub radix_fallbacks: u64,
+        /// Pass-1 blocks whose top lay above their row's grid.
+        pub spilled_blocks: u64,
+    }
+
+    impl std::ops::AddAssign for Trace {
+        fn add_assign(&mut self, other: Trace) {
+            self.radix_fallbacks += other.radix_fallbacks;
+            self.spilled_blocks += other.spilled_blocks;
+        }
+    }
+
+    /// Runs `batch` through the emulated kernels of `tiles` on fresh (garbage-filled) scratch
+    /// (the layout of `multiprocessors` decides how rows split over blocks); also returns how
+    /// often they took their rare paths.
+    pub fn run(
+        tiles: &VerifyTiles,
+        multiprocessors: u32,
+        batch: &batches::Batch,
+        vocab: usize,
+        kind: DraftKind,
+    ) -> (batches::Run, Trace) {
+        let capacity = batch.capacity(vocab);
+        let sequences = batch.sequences();
+        let (target, tokens, draft_logits) = (
+            &batch.target[..],
+            &batch.tokens[..],
+            batch.draft_logits_for(kind),
+        );
+        // the emulation is one global machine: one batch at a time across test threads
+        static MACHINE: Mutex<()> = Mutex::new(());
+        let _machine = MACHINE.lock().unwrap_or_else(|p| p.into_inner());
+        let layout = Layout::new(capacity, tiles, multiprocessors).expect("layout");
+        let batch = Batch::encode(&layout, &sequences, kind).expect("encode");
+        let n = layout.buffer_lengths();
+        let garbage = 0xa5a5_a5a5_a5a5_a5a5u64;
+        let mut seqs = vec![device::Sequence::default(); n.sequences];
+        seqs[..batch.sequences.len()].copy_from_slice(&batch.sequences);
+        let mut rows = vec![device::Row::default(); n.rows];
+        rows[..batch.rows.len()].copy_from_slice(&batch.rows);
+        let mut bias_tokens = vec![0u32; n.bias.max(1)];
+        bias_tokens[..batch.bias_tokens.len()].copy_from_slice(&batch.bias_tokens);
+        let mut bias_values = vec![0f32; n.bias.max(1)];
+        bias_values[..batch.bias_values.len()].copy_from_slice(&batch.bias_values);
+        let block_hist = vec![garbage; n.block_hist];
+        let block_summary = vec![garbage; n.block_summary];
+        let row_grid = vec![0u64; n.row_grid];
+        let row_anchor = vec![0u32; n.row_anchor];
+        let row_hist = vec![garbage; n.row_hist];
+        let row_state = vec![garbage; n.row_state];
+        let candidates = vec![garbage; n.candidates];
+        let residual_sums = vec![garbage; n.residual_sums];
+        let counters = vec![0u32; n.counters];
+        let emitted = vec![0xdead_beefu32; n.emitted];
+        let status = vec![0xdead_beefu32; n.status];
+        let stats = vec![0u64; n.stats.max(1)];
+        let no_draft_logits = [0f32; 1];
+        let tokens_or_dummy = if tokens.is_empty() {
+            &[0u32][..]
+        } else {
+            tokens
+        };
+        let args = device::Args {
+            target_logits: address(target),
+            draft_logits: address(draft_logits.unwrap_or(&no_draft_logits)),
+            draft_tokens: address(tokens_or_dummy),
+            sequences: address(&seqs),
+            rows: address(&rows),
+            bias_tokens: address(&bias_tokens),
+            bias_values: address(&bias_values),
+            block_hist: address(&block_hist),
+            block_summary: address(&block_summary),
+            row_grid: address(&row_grid),
+            row_anchor: address(&row_anchor),
+            row_hist: address(&row_hist),
+            row_state: address(&row_state),
+            candidates: address(&candidates),
+            residual_sums: address(&residual_sums),
+            counters: address(&counters),
+            emitted: address(&emitted),
+            status: address(&status),
+            stats: address(&stats),
+            vocab: capacity.vocab as u32,
+            sequence_count: batch.sequences.len() as u32,
+            row_count: batch.rows.len() as u32,
+            max_drafts: capacity.max_drafts as u32,
+            chunks_per_row: layout.chunks_per_row as u32,
+            chunks_per_block: batch.chunks_per_block as u32,
+            blocks_per_row: batch.blocks_per_row as u32,
+            reserved: 0,
+        };
+        let kernels = kernels(tiles);
+        for (kernel, (x, y)) in layout.launches(&batch) {
+            let name = CString::new(kernel).expect("name");
+            // SAFETY: every address in `args` points into a live buffer sized by the layout.
+            let rc = unsafe {
+                (kernels.launch)(
+                    name.as_ptr(),
+                    x,
+                    y,
+                    tiles.threads_per_block,
+                    &args as *const device::Args as *const c_void,
+                )
+            };
+            assert_eq!(rc, 0, "emulated {kernel} did not complete");
+        }
+        assert!(
+            counters.iter().all(|&c| c == 0),
+            "arrival counters left nonzero: {counters:?}"
+        );
+        assert!(
+            row_grid.iter().all(|&c| c == 0) && row_anchor.iter().all(|&c| c == 0),
+            "row grids or anchors left nonzero"
+        );
+        let outcomes = batch.decode(&layout, &status, &emitted).expect("decode");
+        let m = capacity.max_drafts;
+        let run = batches::Run {
+            outcomes,
+            stats: AcceptanceStats {
+                drafted: stats[..m].to_vec(),
+                accepted: stats[m..2 * m].to_vec(),
+            },
+        };
+        // SAFETY: the wrapper's counters, read and reset
+        let trace = unsafe {
+            Trace {
+                radix_fallbacks: (kernels.trace)(0),
+                spilled_blocks: (kernels.trace)(1),
+            }
+        };
+        (run, trace)
+    }
+}
+
+#[path = "verify_support/batches.rs"]
+mod batches;
+
+use fp4spec::backend::Backend;
+use fp4spec::kernels::verify::DraftKind;
+use fp4spec::target::VerifyTiles;
+
+fn sm90_tiles() -> VerifyTiles {
+    fp4spec::target::by_name("sm_90a")
+        .expect("sm_90a")
+        .verify
+        .clone()
+}
+
+/// Tiles small enough that rows span many chunks, blocks stream several chunks (shifting their
+/// histograms), buckets are coarse and almost no bucket fits the candidates: the radix fallback
+/// everywhere.
+fn tiny_tiles() -> VerifyTiles {
+    VerifyTiles {
+        threads_per_block: 64,
+        items_per_thread: 2,
+        sub_buckets_per_octave: 2,
+        candidates_per_row: 4,
+        blocks_per_sm: 2,
+    }
+}
+
+/// Runs `batch` on the CPU backend and on the emulated kernels of `tiles` (one layout per
+/// multiprocessor count), asserts outcomes and statistics are equal, returns how often the
+/// kernels took their rare paths.
+fn check_emulated(
+    test: &str,
+    tiles: &VerifyTiles,
+    vocab: usize,
+    batch: &batches::Batch,
+    multiprocessors: &[u32],
+) -> emulation::Trace {
+    let mut trace = emulation::Trace::default();
+    for kind in [DraftKind::PointMass, DraftKind::Sampled] {
+        let want = batches::on_backend(&Backend::Cpu, batch, vocab, kind);
+        for &sms in multiprocessors {
+            let (got, t) = emulation::run(tiles, sms, batch, vocab, kind);
+            batches::assert_same(
+                &format!("{test} V={vocab} {kind:?} {sms} SMs"),
+                batch,
+                vocab,
+                &got,
+                &want,
+            );
+            trace += t;
+        }
+        let errors = want.outcomes.iter().filter(|o| o.is_err()).count();
+        println!(
+            "{test} V={vocab} {kind:?}: {} sequences equal ({errors} errors), accepted {:?} of {:?}",
+            want.outcomes.len(),
+            want.stats.accepted,
+            want.stats.drafted
+        );
+    }
+    println!("{test} V={vocab}: {trace:?}");
+    trace
+}
+
+#[test]
+fn emulated_kernels_equal_the_reference_on_random_ragged_batches() {
+    let mut rng = SplitMix64::new(11);
+    for (vocab, sequences) in [(37usize, 8usize), (1000, 6), (20000, 4)] {
+        let batch = batches::random(&mut rng, vocab, sequences, 4);
+        check_emulated("random", &sm90_tiles(), vocab, &batch, &[132, 1]);
+    }
+}
+
+#[test]
+fn emulated_kernels_equal_the_reference_through_the_radix_fallback() {
+    let mut rng = SplitMix64::new(12);
+    let mut trace = emulation::Trace::default();
+    for (vocab, sequences) in [(37usize, 6usize), (300, 6), (3001, 3)] {
+        let batch = batches::random(&mut rng, vocab, sequences, 3);
+        trace += check_emulated("tiny tiles", &tiny_tiles(), vocab, &batch, &[4, 1]);
+    }
+    assert!(
+        trace.radix_fallbacks > 50,
+        "the fallback ran only {trace:?}"
+    );
+}
+
+#[test]
+fn emulated_kernels_equal_the_reference_at_the_full_vocabulary() {
+    let mut rng = SplitMix64::new(13);
+    let vocab = 248_320;
+    let batch = batches::random(&mut rng, vocab, 3, 2);
+    check_emulated("full vocabulary", &sm90_tiles(), vocab, &batch, &[132]);
+}
+
+#[test]
+fn emulated_kernels_keep_model_like_batches_on_the_fast_path() {
+    let mut rng = SplitMix64::new(14);
+    let top_p_only = SamplingParams {
+        temperature: 1.0,
+        top_p: 0.95,
+        ..SamplingParams::default()
+    };
+    for (name, params) in [
+        ("all controls", batches::all_controls()),
+        ("top-p only", top_p_only),
+    ] {
+        let batch = batches::model_like(&mut rng, 20_000, 4, 3, &params);
+        let trace = check_emulated(name, &sm90_tiles(), 20_000, &batch, &[132]);
+        assert_eq!(
+            trace.radix_fallbacks, 0,
+            "{name}: the plan missed a bucket: {trace:?}"
+        );
+    }
+}
+
+/// Rows with one logit far above the rest at a low temperature: the blocks holding it have tops
+/// hundreds of octaves above the grid anchored at another block, and keep their own histograms.
+#[test]
+fn emulated_kernels_equal_the_reference_with_spiked_rows() {
+    let mut rng = SplitMix64::new(16);
+    let vocab = 20_000;
+    let batch = batches::spiked(&mut rng, vocab, 4, 2);
+    let trace = check_emulated("spiked", &sm90_tiles(), vocab, &batch, &[132, 1]);
+    assert!(
+        trace.spilled_blocks > 0,
+        "no block kept its own histogram: {trace:?}"
+    );
+}
+
+#[test]
+fn emulated_kernels_report_every_bad_value_as_the_reference_does() {
+    let (batch, vocab) = batches::bad_values(&mut SplitMix64::new(15));
+    check_emulated("bad values", &sm90_tiles(), vocab, &batch, &[132]);
+}
+/// The bad-value batch (shared with the GPU tests) gives each status it is meant to.
+#[test]
+fn the_bad_value_batch_covers_every_status() {
+    let (batch, vocab) = batches::bad_values(&mut SplitMix64::new(15));
+    let shape = |o: &Result<verify::Verified, RowError>| match o {
+        Ok(_) => "ok".to_string(),
+        Err(RowError::NonFiniteLogit { row, token, .. }) => format!("nonfinite {row} {token}"),
+        Err(RowError::EmptySupport { row }) => format!("empty {row}"),
+        Err(RowError::TokenOutOfRange { token, .. }) => format!("token {token}"),
+        Err(RowError::BadParameter(_)) => "parameter".to_string(),
+    };
+    let mut expected = vec![
+        "nonfinite 1 7",
+        "nonfinite 1 7",
+        "nonfinite 0 9",
+        "ok",
+        "ok",
+        "empty 0",
+        "empty 0",
+        "token 64",
+        "parameter",
+        "parameter",
+        "parameter",
+        "parameter",
+        "parameter",
+        "token 69",
+        "parameter",
+        "parameter",
+        "nonfinite 0 5",
+        "ok",
+        "ok",
+    ];
+    for kind in [DraftKind::PointMass, DraftKind::Sampled] {
+        if kind == DraftKind::Sampled {
+            expected[4] = "nonfinite 0 7"; // the bad draft row is read only with sampled drafts
+        }
+        let run = batches::on_backend(&Backend::Cpu, &batch, vocab, kind);
+        let got: Vec<String> = run.outcomes.iter().map(shape).collect();
+        assert_eq!(got, expected, "{kind:?}");
+    }
+}
+
+/// The constants the template and the device module share agree (a drift would misread every
+/// buffer).
+#[test]
+fn the_template_and_the_device_module_agree() {
+    use fp4spec::kernels::verify::{MAX_BLOCKS_PER_ROW, device, reference};
+    for t in fp4spec::target::all() {
+        let source = fp4spec::kernels::table::rendered(&t.name, "verify").expect("rendered");
+        let define = |name: &str| -> u64 {
+            let line = source
+                .source
+                .lines()
+                .find(|l| l.split_whitespace().take(2).eq(["#define", name]))
+                .unwrap_or_else(|| panic!("{}: no #define {name}", t.name));
+            let value = line
+                .split_whitespace()
+                .nth(2)
+                .expect("value")
+                .trim_end_matches('u');
+            value
+                .parse()
+                .unwrap_or_else(|_| panic!("{}: {line}", t.name))
+        };
+        assert_eq!(define("VOCT"), reference::MASS_OCTAVES as u64);
+        assert_eq!(define("VOCT"), device::OCTAVES as u64);
+        assert_eq!(define("RS_PLAN"), device::ROW_STATE_FIXED_WORDS as u64);
+        assert_eq!(define("VHEAD"), device::GRID_HEADROOM as u64);
+        assert_eq!(define("VSTATUS_WORDS"), device::STATUS_WORDS as u64);
+        assert_eq!(define("VMAX_BLOCKS_PER_ROW"), MAX_BLOCKS_PER_ROW as u64);
+        assert_eq!(
+            define("VSEQ_SAMPLED_DRAFTS"),
+            u64::from(device::SEQUENCE_SAMPLED_DRAFTS)
+        );
+        for (name, code) in [
+            ("VSTATUS_OK", device::STATUS_OK),
+            ("VSTATUS_NONFINITE", device::STATUS_NONFINITE),
+            ("VSTATUS_EMPTY", device::STATUS_EMPTY),
+            ("VSTATUS_TOKEN", device::STATUS_TOKEN),
+            ("VSTATUS_PARAM", device::STATUS_PARAM),
+            ("VSTATUS_PENDING", device::STATUS_PENDING),
+        ] {
+            assert_eq!(define(name), u64::from(code), "{}: {name}", t.name);
+        }
+        for bits in reference::EXP2_COEFFICIENT_BITS {
+            assert!(
+                source.source.contains(&format!("0x{bits:08x}u")),
+                "{}: the exp2 coefficient {bits:#010x} is not in the template",
+                t.name
+            );
+        }
+        assert!(
+            source
+                .source
+                .contains(&format!("#define VT {}", t.verify.threads_per_block))
+        );
+    }
+}

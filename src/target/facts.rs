@@ -59,6 +59,8 @@ pub struct TargetFacts {
     pub attention: AttentionTiles,
     /// Launch parameters of the `gdn` family.
     pub gdn: GdnTiles,
+    /// Launch parameters of the `verify` family.
+    pub verify: VerifyTiles,
 }
 
 /// Which instruction classes exist on a target (templates branch on these, never on names).
@@ -144,6 +146,23 @@ pub struct GdnTiles {
     /// `gdn_chunk_state_*`: chunks of operands staged ahead in shared memory (cp.async); 0 reads
     /// them from global memory (targets without `cp.async` / `ldmatrix`).
     pub chunk_stages: u32,
+}
+
+/// Launch parameters of the `verify` family (`verify_*`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VerifyTiles {
+    /// Threads per block (a multiple of the warp size, at most 1024).
+    pub threads_per_block: u32,
+    /// Logits each thread holds per chunk; a chunk is `threads_per_block * items_per_thread`.
+    pub items_per_thread: u32,
+    /// Histogram buckets per octave of token weight (a power of two, 1..=64).
+    pub sub_buckets_per_octave: u32,
+    /// Tokens per row kept around the cuts for the exact finish (1..=1024: the finish holds
+    /// three u64 per candidate in static shared memory).
+    pub candidates_per_row: u32,
+    /// Blocks per multiprocessor the launch aims its grid at.
+    pub blocks_per_sm: u32,
 }
 
 impl TargetTable {
@@ -265,6 +284,34 @@ impl TargetFacts {
                  shared memory), 0 elsewhere",
                 gdn.chunk_stages
             ));
+        }
+        let verify = &self.verify;
+        if verify.threads_per_block == 0
+            || verify.threads_per_block > 1024
+            || verify.threads_per_block % self.warp_size != 0
+        {
+            return fail(format!(
+                "verify.threads_per_block {} must be a multiple of warp_size {} in 1..=1024",
+                verify.threads_per_block, self.warp_size
+            ));
+        }
+        if !(1..=32).contains(&verify.items_per_thread) {
+            return fail(format!(
+                "verify.items_per_thread {} outside 1..=32 (registers)",
+                verify.items_per_thread
+            ));
+        }
+        if !verify.sub_buckets_per_octave.is_power_of_two() || verify.sub_buckets_per_octave > 64 {
+            return fail(format!(
+                "verify.sub_buckets_per_octave {} must be a power of two up to 64",
+                verify.sub_buckets_per_octave
+            ));
+        }
+        if !(1..=1024).contains(&verify.candidates_per_row) || verify.blocks_per_sm == 0 {
+            return fail(
+                "verify.candidates_per_row must be in 1..=1024 and verify.blocks_per_sm positive"
+                    .into(),
+            );
         }
         if !(1..=16).contains(&self.gemm.rows_per_pass) {
             return fail(format!(

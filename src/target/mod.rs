@@ -4,7 +4,8 @@
 mod facts;
 
 pub use facts::{
-    AttentionTiles, DequantTiles, GemmTiles, Instructions, NormTiles, TargetFacts, Vendor,
+    AttentionTiles, DequantTiles, GdnTiles, GemmTiles, Instructions, NormTiles, TargetFacts,
+    Vendor, VerifyTiles,
 };
 
 use crate::error::{Error, Result};

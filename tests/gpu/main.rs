@@ -10,6 +10,7 @@ mod backend;
 mod common;
 mod gdn;
 mod gemm;
+mod verify;
 
 use common::skipped;
 use fp4spec::Error;

@@ -1,6 +1,1077 @@
-//! Family `verify`: speculative verification and sampling with every sampling control honoured
-//! (logit bias, temperature, top-k, top-p, min-p), per-sequence parameters, counter-based random
-//! numbers, and per-position acceptance statistics. So far the CPU reference, which defines the
-//! arithmetic the GPU kernels will reproduce; the kernels and their launch API come next.
+//! Family `verify`: batched speculative verification and plain sampling with every sampling
+//! control honoured (logit bias, temperature, top-k, top-p, min-p), per-sequence controls,
+//! ragged draft counts, counter-based random numbers, per-sequence errors and per-position
+//! acceptance statistics (`kernels/templates/verify.cu`).
+//!
+//! [`reference`] is the definition; the CUDA kernels reproduce it bit for bit (same tokens, same
+//! accept counts), which is what the GPU tests check. The kernels never sort the vocabulary:
+//!
+//! - `verify_histogram` (pass 1 over the logits): each row's blocks histogram the tokens by
+//!   weight bucket (octave x `sub_buckets_per_octave`), holding per bucket the token count and
+//!   the exact sum of the 24-bit weight mantissas, so histograms add exactly once aligned on
+//!   octaves (into a per-row grid, atomically); the row's last block turns that into the row's
+//!   histogram and plans which buckets hold the cuts and the draw.
+//! - `verify_select` (pass 2): collects the tokens of those buckets (at most
+//!   `candidates_per_row`).
+//! - `verify_finish` (one block per row): resolves every cut and the draw exactly (a bucket
+//!   that was not collected is resolved by radix rounds over the row: slower, same result);
+//!   each sequence's last row walks its acceptance chain.
+//! - `verify_residual`: only for [`DraftKind::Sampled`], the correction after a rejection (the
+//!   residual `max(0, p - q)` needs both rows).
+//!
+//! One launch of each serves the whole batch; the controls of every sequence live on the device
+//! ([`VerifyWorkspace::set_batch`] uploads them), and [`verify`] allocates nothing and never waits
+//! for the host, so it can be captured in a CUDA graph.
+//!
+//! Reads: pass 1 and pass 2 each read every processed row once (greedy rows only in pass 1);
+//! `verify_finish` reads the collected candidates, and a whole row again only for a bucket too
+//! full to collect (rows of nearly equal logits); `verify_residual` reads the two rows of a
+//! rejected sampled draft. Tuning per target: `[target.verify]` in `kernels/targets.toml`.
 
 pub mod reference;
+
+pub use reference::{AcceptanceStats, Drafts, RowError, SamplingParams, Verified};
+
+use crate::backend::cuda::CudaBackend;
+use crate::backend::{Backend, DeviceVec};
+use crate::error::{Error, Result};
+use crate::target::VerifyTiles;
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+
+/// The family name (template and module).
+pub const FAMILY: &str = "verify";
+/// Pass 1: histogram, argmax, bad logits, plan.
+pub const KERNEL_HISTOGRAM: &str = "verify_histogram";
+/// Pass 2: the candidates of the planned buckets.
+pub const KERNEL_SELECT: &str = "verify_select";
+/// The exact finish of each row (one block per row) and the acceptance chain of each sequence.
+pub const KERNEL_FINISH: &str = "verify_finish";
+/// The residual draw after rejecting a sampled draft.
+pub const KERNEL_RESIDUAL: &str = "verify_residual";
+
+/// Largest vocabulary the kernels take (a token id is 20 bits of their sort keys).
+pub const MAX_VOCAB: usize = (1 << 20) - 1;
+/// Most blocks one row is split over (the pass-1 merge's shared table).
+pub const MAX_BLOCKS_PER_ROW: usize = 256;
+
+/// How the drafts of a batch were proposed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftKind {
+    /// A greedy drafter: each draft has probability 1 under q; no draft logits.
+    PointMass,
+    /// Drafts sampled from the drafter's logit rows, which come with them.
+    Sampled,
+}
+
+/// One sequence of a batch.
+#[derive(Debug, Clone, Copy)]
+pub struct Sequence<'a> {
+    /// Its controls.
+    pub params: &'a SamplingParams,
+    /// Position of its first target row (the first draft's position).
+    pub position: u64,
+    /// Its number of drafts n (0 = plain sampling of one row); it has n + 1 target rows.
+    pub drafts: usize,
+}
+
+/// What a [`VerifyWorkspace`] is sized for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capacity {
+    /// Vocabulary size V (1..=[`MAX_VOCAB`]).
+    pub vocab: usize,
+    /// Most sequences per batch.
+    pub max_sequences: usize,
+    /// Most drafts per sequence.
+    pub max_drafts: usize,
+    /// Most logit-bias entries per batch, all sequences together.
+    pub max_bias_entries: usize,
+}
+
+/// The device interface: the structs `verify.cu` declares, with the same layout.
+pub mod device {
+    use cudarc::driver::DeviceRepr;
+
+    /// Per-sequence status words (`VSTATUS_WORDS`): code, accepted, error row, error token,
+    /// error value bits, residual row, two reserved.
+    pub const STATUS_WORDS: usize = 8;
+    /// Status: the sequence verified; `emitted` holds accepted + 1 tokens.
+    pub const STATUS_OK: u32 = 0;
+    /// Status: a NaN or +inf logit (row, token, value).
+    pub const STATUS_NONFINITE: u32 = 1;
+    /// Status: a row of only -inf (row).
+    pub const STATUS_EMPTY: u32 = 2;
+    /// Status: a draft token outside the vocabulary (token).
+    pub const STATUS_TOKEN: u32 = 3;
+    /// Status: the host rejected the sequence's controls.
+    pub const STATUS_PARAM: u32 = 4;
+    /// Status: waiting for `verify_residual` (never left after a complete launch).
+    pub const STATUS_PENDING: u32 = 5;
+    /// `Sequence::flags`: the batch has draft logit rows.
+    pub const SEQUENCE_SAMPLED_DRAFTS: u32 = 1;
+    /// Octaves of weight below the top that count (reference MASS_OCTAVES).
+    pub const OCTAVES: usize = 40;
+    /// Fixed u64 words of a row's state before its plan (`RS_PLAN`).
+    pub const ROW_STATE_FIXED_WORDS: usize = 16;
+    /// Octaves a row's pass-1 grid reaches above its anchor (`VHEAD`).
+    pub const GRID_HEADROOM: usize = 64;
+
+    /// `VerifySequence`.
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy, Default, PartialEq)]
+    pub struct Sequence {
+        /// Seed of its draws.
+        pub seed: u64,
+        /// Position of its first target row.
+        pub position: u64,
+        /// 0: greedy.
+        pub temperature: f32,
+        /// 1: off.
+        pub top_p: f32,
+        /// 0: off.
+        pub min_p: f32,
+        /// 0: off (clamped to the vocabulary).
+        pub top_k: u32,
+        /// n.
+        pub drafts: u32,
+        /// Its n + 1 target rows, then (sampled drafts) its n draft rows, in the row table.
+        pub first_row: u32,
+        /// Its first draft token (and draft logit row).
+        pub first_draft: u32,
+        /// Its bias entries `[bias_begin, bias_end)` in the sorted bias arrays.
+        pub bias_begin: u32,
+        /// End of its bias entries.
+        pub bias_end: u32,
+        /// Nonzero: the host rejected its controls.
+        pub host_error: u32,
+        /// [`SEQUENCE_SAMPLED_DRAFTS`].
+        pub flags: u32,
+        /// Zero.
+        pub reserved: u32,
+    }
+
+    /// `VerifyRow`.
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+    pub struct Row {
+        /// Its sequence.
+        pub sequence: u32,
+        /// j: target row j (0..=n) or draft row j (0..n).
+        pub index: u32,
+        /// 1 for a draft row.
+        pub is_draft: u32,
+        /// Its row of the target or draft logits.
+        pub logits_row: u32,
+    }
+
+    /// `VerifyArgs`: device addresses and sizes, the one argument of every kernel.
+    #[repr(C)]
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+    pub struct Args {
+        /// `[target rows][vocab]` f32.
+        pub target_logits: u64,
+        /// `[draft rows][vocab]` f32 (sampled drafts; else any address, unread).
+        pub draft_logits: u64,
+        /// `[draft rows]` u32.
+        pub draft_tokens: u64,
+        /// `[sequences]` [`Sequence`].
+        pub sequences: u64,
+        /// `[rows]` [`Row`].
+        pub rows: u64,
+        /// Bias tokens, sorted per sequence.
+        pub bias_tokens: u64,
+        /// Bias values, in the same order.
+        pub bias_values: u64,
+        /// Scratch: per-block histograms.
+        pub block_hist: u64,
+        /// Scratch: per-block summaries.
+        pub block_summary: u64,
+        /// Scratch: per-row weight grids, zero between launches.
+        pub row_grid: u64,
+        /// Scratch: per-row grid anchors, zero between launches.
+        pub row_anchor: u64,
+        /// Scratch: per-row histograms.
+        pub row_hist: u64,
+        /// Scratch: per-row state.
+        pub row_state: u64,
+        /// Scratch: per-row candidates.
+        pub candidates: u64,
+        /// Scratch: residual sums per sequence and chunk.
+        pub residual_sums: u64,
+        /// Arrival counters, zero between launches.
+        pub counters: u64,
+        /// Out: `[sequences][max_drafts + 1]` emitted tokens.
+        pub emitted: u64,
+        /// Out: `[sequences][STATUS_WORDS]`.
+        pub status: u64,
+        /// In/out: drafted[max_drafts], then accepted[max_drafts] (u64, accumulated).
+        pub stats: u64,
+        /// V.
+        pub vocab: u32,
+        /// Sequences in the batch.
+        pub sequence_count: u32,
+        /// Rows in the batch.
+        pub row_count: u32,
+        /// Stride of `emitted` minus one, length of each `stats` half.
+        pub max_drafts: u32,
+        /// Chunks of `threads_per_block * items_per_thread` logits per row.
+        pub chunks_per_row: u32,
+        /// Chunks each pass-1/pass-2 block streams.
+        pub chunks_per_block: u32,
+        /// Blocks per row of pass 1 and pass 2 (grid x).
+        pub blocks_per_row: u32,
+        /// Zero.
+        pub reserved: u32,
+    }
+
+    // verify.cu asserts the same sizes
+    const _: () = assert!(std::mem::size_of::<Sequence>() == 64);
+    const _: () = assert!(std::mem::size_of::<Row>() == 16);
+    const _: () = assert!(std::mem::size_of::<Args>() == 19 * 8 + 8 * 4);
+
+    // SAFETY: plain-old-data structs of integers and floats, laid out as verify.cu declares them;
+    // all-zero bits are a valid value of each.
+    unsafe impl DeviceRepr for Sequence {}
+    // SAFETY: as above.
+    unsafe impl cudarc::driver::ValidAsZeroBits for Sequence {}
+    // SAFETY: as above.
+    unsafe impl DeviceRepr for Row {}
+    // SAFETY: as above.
+    unsafe impl cudarc::driver::ValidAsZeroBits for Row {}
+    // SAFETY: as above; the addresses are only dereferenced by the kernels.
+    unsafe impl DeviceRepr for Args {}
+}
+
+/// Sizes of every device buffer for a capacity on a target (shared by the CUDA workspace and
+/// anything else that runs the kernels, such as a CPU emulation of them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    /// The capacity.
+    pub capacity: Capacity,
+    /// Logits per chunk (`threads_per_block * items_per_thread`).
+    pub chunk: usize,
+    /// Chunks per row.
+    pub chunks_per_row: usize,
+    /// Histogram buckets per row (`(OCTAVES + 1) * sub_buckets_per_octave`).
+    pub buckets: usize,
+    /// u64 words of a row's pass-1 grid (`(OCTAVES + 1 + GRID_HEADROOM) * sub_buckets_per_octave`).
+    pub grid_words: usize,
+    /// u64 words of one row's state.
+    pub row_words: usize,
+    /// Candidates per row.
+    pub candidates_per_row: usize,
+    /// Most rows: target rows plus draft rows.
+    pub rows: usize,
+    /// Most (row, block) slots of pass 1.
+    pub block_slots: usize,
+    /// Blocks the launch aims at (multiprocessors x blocks_per_sm).
+    pub target_blocks: usize,
+}
+
+impl Layout {
+    /// The layout of `capacity` on a target with these tiles and multiprocessors.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a vocabulary of 0 or above [`MAX_VOCAB`], or sizes that overflow.
+    pub fn new(capacity: Capacity, tiles: &VerifyTiles, multiprocessors: u32) -> Result<Self> {
+        if capacity.vocab == 0 || capacity.vocab > MAX_VOCAB {
+            return Err(Error::invalid(
+                "verify vocabulary",
+                format!(
+                    "{} tokens; the kernels take 1..={MAX_VOCAB}",
+                    capacity.vocab
+                ),
+            ));
+        }
+        let chunk = (tiles.threads_per_block * tiles.items_per_thread) as usize;
+        let buckets = (device::OCTAVES + 1) * tiles.sub_buckets_per_octave as usize;
+        let rows = capacity
+            .max_sequences
+            .checked_mul(2 * capacity.max_drafts + 1)
+            .filter(|&r| r <= u32::MAX as usize / 4)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "verify capacity",
+                    format!("{capacity:?} has more rows than the kernels index"),
+                )
+            })?;
+        let target_blocks = (multiprocessors.max(1) * tiles.blocks_per_sm) as usize;
+        Ok(Self {
+            capacity,
+            chunk,
+            chunks_per_row: capacity.vocab.div_ceil(chunk),
+            buckets,
+            grid_words: (device::OCTAVES + 1 + device::GRID_HEADROOM)
+                * tiles.sub_buckets_per_octave as usize,
+            row_words: device::ROW_STATE_FIXED_WORDS + buckets.div_ceil(64),
+            candidates_per_row: tiles.candidates_per_row as usize,
+            rows,
+            block_slots: target_blocks + rows,
+            target_blocks,
+        })
+    }
+
+    /// Blocks per row and chunks per block of passes 1 and 2 for a batch of `rows` rows: enough
+    /// blocks to fill the device, whole chunks each.
+    pub fn split(&self, rows: usize) -> (usize, usize) {
+        let wanted = self
+            .target_blocks
+            .div_ceil(rows.max(1))
+            .clamp(1, self.chunks_per_row.min(MAX_BLOCKS_PER_ROW));
+        let chunks_per_block = self.chunks_per_row.div_ceil(wanted);
+        (
+            self.chunks_per_row.div_ceil(chunks_per_block),
+            chunks_per_block,
+        )
+    }
+
+    /// u32 counters: one per row, two per sequence.
+    pub fn counters(&self) -> usize {
+        self.rows + 2 * self.capacity.max_sequences
+    }
+
+    /// Length of every buffer [`device::Args`] points at that the workspace owns, in elements.
+    pub fn buffer_lengths(&self) -> BufferLengths {
+        let cap = &self.capacity;
+        BufferLengths {
+            sequences: cap.max_sequences,
+            rows: self.rows,
+            bias: cap.max_bias_entries,
+            block_hist: self.block_slots * self.buckets,
+            block_summary: self.block_slots * 3,
+            row_grid: self.rows * self.grid_words,
+            row_anchor: self.rows,
+            row_hist: self.rows * self.buckets,
+            row_state: self.rows * self.row_words,
+            candidates: self.rows * self.candidates_per_row,
+            residual_sums: cap.max_sequences * self.chunks_per_row,
+            counters: self.counters(),
+            emitted: cap.max_sequences * (cap.max_drafts + 1),
+            status: cap.max_sequences * device::STATUS_WORDS,
+            stats: 2 * cap.max_drafts,
+        }
+    }
+
+    /// The launches [`verify`] makes for `batch`, in order: kernel name and grid (x, y); each
+    /// block has `threads_per_block` threads and no dynamic shared memory.
+    pub fn launches(&self, batch: &Batch) -> Vec<(&'static str, (u32, u32))> {
+        let rows = batch.rows.len() as u32;
+        if rows == 0 {
+            return Vec::new();
+        }
+        let mut out = vec![
+            (KERNEL_HISTOGRAM, (batch.blocks_per_row as u32, rows)),
+            (KERNEL_SELECT, (batch.blocks_per_row as u32, rows)),
+            (KERNEL_FINISH, (1, rows)),
+        ];
+        if batch.kind == DraftKind::Sampled {
+            out.push((
+                KERNEL_RESIDUAL,
+                (self.chunks_per_row as u32, batch.sequences.len() as u32),
+            ));
+        }
+        out
+    }
+}
+
+/// Element counts of the workspace's device buffers ([`Layout::buffer_lengths`]), one field per
+/// [`device::Args`] buffer it owns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BufferLengths {
+    /// [`device::Sequence`] records.
+    pub sequences: usize,
+    /// [`device::Row`] records.
+    pub rows: usize,
+    /// Bias entries (tokens and values each).
+    pub bias: usize,
+    /// u64 per-block histogram words.
+    pub block_hist: usize,
+    /// u64 per-block summary words.
+    pub block_summary: usize,
+    /// u64 per-row grid words.
+    pub row_grid: usize,
+    /// u32 per-row grid anchors.
+    pub row_anchor: usize,
+    /// u64 per-row histogram words.
+    pub row_hist: usize,
+    /// u64 per-row state words.
+    pub row_state: usize,
+    /// u64 candidate words.
+    pub candidates: usize,
+    /// u64 residual sums.
+    pub residual_sums: usize,
+    /// u32 arrival counters.
+    pub counters: usize,
+    /// u32 emitted tokens.
+    pub emitted: usize,
+    /// u32 status words.
+    pub status: usize,
+    /// u64 statistics.
+    pub stats: usize,
+}
+
+/// A batch encoded for the device: what [`VerifyWorkspace::set_batch`] uploads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Batch {
+    /// Per sequence.
+    pub sequences: Vec<device::Sequence>,
+    /// Target rows of every sequence, then its draft rows.
+    pub rows: Vec<device::Row>,
+    /// Bias tokens, sorted per sequence (list order among equal tokens).
+    pub bias_tokens: Vec<u32>,
+    /// Bias values in the same order.
+    pub bias_values: Vec<f32>,
+    /// The host's verdict on each sequence's controls.
+    pub host_errors: Vec<Option<RowError>>,
+    /// Each sequence's controls as given (the CPU backend runs the reference on them).
+    pub params: Vec<SamplingParams>,
+    /// How the drafts were proposed.
+    pub kind: DraftKind,
+    /// Target rows (rows of the target logits).
+    pub target_rows: usize,
+    /// Draft tokens (and draft logit rows).
+    pub draft_rows: usize,
+    /// Blocks per row of passes 1 and 2.
+    pub blocks_per_row: usize,
+    /// Chunks each of those blocks streams.
+    pub chunks_per_block: usize,
+}
+
+impl Batch {
+    /// Encodes `sequences` for `layout`.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when the batch exceeds the capacity (sequences, drafts per sequence,
+    /// bias entries). Bad controls are not errors here: they become that sequence's status.
+    pub fn encode(layout: &Layout, sequences: &[Sequence<'_>], kind: DraftKind) -> Result<Self> {
+        let cap = &layout.capacity;
+        if sequences.len() > cap.max_sequences {
+            return Err(Error::invalid(
+                "verify batch",
+                format!(
+                    "{} sequences; the workspace holds {}",
+                    sequences.len(),
+                    cap.max_sequences
+                ),
+            ));
+        }
+        let mut batch = Batch {
+            sequences: Vec::with_capacity(sequences.len()),
+            rows: Vec::new(),
+            bias_tokens: Vec::new(),
+            bias_values: Vec::new(),
+            host_errors: Vec::with_capacity(sequences.len()),
+            params: sequences.iter().map(|s| s.params.clone()).collect(),
+            kind,
+            target_rows: 0,
+            draft_rows: 0,
+            blocks_per_row: 0,
+            chunks_per_block: 0,
+        };
+        let sampled = kind == DraftKind::Sampled;
+        for (s, seq) in sequences.iter().enumerate() {
+            if seq.drafts > cap.max_drafts {
+                return Err(Error::invalid(
+                    format!("verify sequence {s}"),
+                    format!(
+                        "{} drafts; the workspace holds {}",
+                        seq.drafts, cap.max_drafts
+                    ),
+                ));
+            }
+            let params = seq.params;
+            let host_error = reference::check_params(params, cap.vocab).err();
+            let bias_begin = batch.bias_tokens.len();
+            if host_error.is_none() {
+                let mut bias = params.logit_bias.clone();
+                bias.sort_by_key(|&(token, _)| token); // stable: list order among equals
+                for (token, value) in bias {
+                    batch.bias_tokens.push(token);
+                    batch.bias_values.push(value);
+                }
+            }
+            if batch.bias_tokens.len() > cap.max_bias_entries {
+                return Err(Error::invalid(
+                    "verify batch",
+                    format!(
+                        "{} logit-bias entries so far; the workspace holds {}",
+                        batch.bias_tokens.len(),
+                        cap.max_bias_entries
+                    ),
+                ));
+            }
+            let n = seq.drafts as u32;
+            let first_row = batch.rows.len() as u32;
+            for j in 0..=n {
+                batch.rows.push(device::Row {
+                    sequence: s as u32,
+                    index: j,
+                    is_draft: 0,
+                    logits_row: (batch.target_rows + j as usize) as u32,
+                });
+            }
+            if sampled {
+                for j in 0..n {
+                    batch.rows.push(device::Row {
+                        sequence: s as u32,
+                        index: j,
+                        is_draft: 1,
+                        logits_row: (batch.draft_rows + j as usize) as u32,
+                    });
+                }
+            }
+            batch.sequences.push(device::Sequence {
+                seed: params.seed,
+                position: seq.position,
+                temperature: params.temperature,
+                top_p: params.top_p,
+                min_p: params.min_p,
+                top_k: params.top_k.min(cap.vocab) as u32,
+                drafts: n,
+                first_row,
+                first_draft: batch.draft_rows as u32,
+                bias_begin: bias_begin as u32,
+                bias_end: batch.bias_tokens.len() as u32,
+                host_error: u32::from(host_error.is_some()),
+                flags: if sampled {
+                    device::SEQUENCE_SAMPLED_DRAFTS
+                } else {
+                    0
+                },
+                reserved: 0,
+            });
+            batch.host_errors.push(host_error);
+            batch.target_rows += seq.drafts + 1;
+            batch.draft_rows += seq.drafts;
+        }
+        let (blocks_per_row, chunks_per_block) = layout.split(batch.rows.len());
+        batch.blocks_per_row = blocks_per_row;
+        batch.chunks_per_block = chunks_per_block;
+        Ok(batch)
+    }
+
+    /// The outcome of every sequence from the status and emitted words the kernels wrote.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when a status word is not one the kernels write (a launch that did not
+    /// complete).
+    pub fn decode(
+        &self,
+        layout: &Layout,
+        status: &[u32],
+        emitted: &[u32],
+    ) -> Result<Vec<std::result::Result<Verified, RowError>>> {
+        let stride = layout.capacity.max_drafts + 1;
+        (0..self.sequences.len())
+            .map(|s| {
+                let st = &status[s * device::STATUS_WORDS..(s + 1) * device::STATUS_WORDS];
+                let (row, token) = (st[2] as usize, st[3]);
+                Ok(match st[0] {
+                    device::STATUS_OK => {
+                        let accepted = st[1] as usize;
+                        Ok(Verified {
+                            accepted,
+                            emitted: emitted[s * stride..s * stride + accepted + 1].to_vec(),
+                        })
+                    }
+                    device::STATUS_NONFINITE => Err(RowError::NonFiniteLogit {
+                        row,
+                        token: token as usize,
+                        value: f32::from_bits(st[4]),
+                    }),
+                    device::STATUS_EMPTY => Err(RowError::EmptySupport { row }),
+                    device::STATUS_TOKEN => Err(RowError::TokenOutOfRange {
+                        token,
+                        vocab: layout.capacity.vocab,
+                    }),
+                    device::STATUS_PARAM => Err(self.host_errors[s].clone().ok_or_else(|| {
+                        Error::invalid(
+                            format!("verify sequence {s}"),
+                            "the kernels report a parameter error the host did not find",
+                        )
+                    })?),
+                    code => {
+                        return Err(Error::invalid(
+                            format!("verify sequence {s}"),
+                            format!("status {code} after the launch (incomplete launch?)"),
+                        ));
+                    }
+                })
+            })
+            .collect()
+    }
+
+    /// Rows of both kinds.
+    pub fn row_count(&self) -> usize {
+        self.rows.len()
+    }
+}
+
+/// Device buffers of the CUDA path.
+struct CudaBuffers {
+    sequences: CudaSlice<device::Sequence>,
+    rows: CudaSlice<device::Row>,
+    bias_tokens: CudaSlice<u32>,
+    bias_values: CudaSlice<f32>,
+    block_hist: CudaSlice<u64>,
+    block_summary: CudaSlice<u64>,
+    row_grid: CudaSlice<u64>,
+    row_anchor: CudaSlice<u32>,
+    row_hist: CudaSlice<u64>,
+    row_state: CudaSlice<u64>,
+    candidates: CudaSlice<u64>,
+    residual_sums: CudaSlice<u64>,
+    counters: CudaSlice<u32>,
+    emitted: CudaSlice<u32>,
+    status: CudaSlice<u32>,
+    stats: CudaSlice<u64>,
+}
+
+enum Storage {
+    Host {
+        outcomes: Vec<std::result::Result<Verified, RowError>>,
+        stats: AcceptanceStats,
+    },
+    Cuda(Box<CudaBuffers>),
+}
+
+/// Everything [`verify`] needs on its backend, allocated once: the batch's controls, scratch,
+/// and the outputs (emitted tokens, per-sequence status, acceptance statistics).
+pub struct VerifyWorkspace {
+    layout: Layout,
+    batch: Option<Batch>,
+    storage: Storage,
+}
+
+fn alloc<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    cuda: &CudaBackend,
+    len: usize,
+    what: &str,
+) -> Result<CudaSlice<T>> {
+    cuda.stream()
+        .alloc_zeros(len.max(1))
+        .map_err(|e| Error::cuda(format!("allocate verify {what} ({len} elements)"), e))
+}
+
+impl VerifyWorkspace {
+    /// A workspace for batches up to `capacity` on `backend`.
+    ///
+    /// # Errors
+    /// As [`Layout::new`]; [`Error::Cuda`] when an allocation fails.
+    pub fn new(backend: &Backend, capacity: Capacity) -> Result<Self> {
+        let storage_for = |layout: &Layout| -> Result<Storage> {
+            Ok(match backend {
+                Backend::Cpu => Storage::Host {
+                    outcomes: Vec::new(),
+                    stats: AcceptanceStats {
+                        drafted: vec![0; capacity.max_drafts],
+                        accepted: vec![0; capacity.max_drafts],
+                    },
+                },
+                Backend::Cuda(cuda) => {
+                    let n = layout.buffer_lengths();
+                    Storage::Cuda(Box::new(CudaBuffers {
+                        sequences: alloc(cuda, n.sequences, "sequences")?,
+                        rows: alloc(cuda, n.rows, "rows")?,
+                        bias_tokens: alloc(cuda, n.bias, "bias tokens")?,
+                        bias_values: alloc(cuda, n.bias, "bias values")?,
+                        block_hist: alloc(cuda, n.block_hist, "block histograms")?,
+                        block_summary: alloc(cuda, n.block_summary, "block summaries")?,
+                        row_grid: alloc(cuda, n.row_grid, "row grids")?,
+                        row_anchor: alloc(cuda, n.row_anchor, "row anchors")?,
+                        row_hist: alloc(cuda, n.row_hist, "row histograms")?,
+                        row_state: alloc(cuda, n.row_state, "row state")?,
+                        candidates: alloc(cuda, n.candidates, "candidates")?,
+                        residual_sums: alloc(cuda, n.residual_sums, "residual sums")?,
+                        counters: alloc(cuda, n.counters, "counters")?,
+                        emitted: alloc(cuda, n.emitted, "emitted tokens")?,
+                        status: alloc(cuda, n.status, "status")?,
+                        stats: alloc(cuda, n.stats, "statistics")?,
+                    }))
+                }
+                Backend::Hip(_) => return Err(backend.no_launch_yet(FAMILY)),
+            })
+        };
+        let (tiles, multiprocessors) = match backend {
+            Backend::Cpu => (&crate::target::all()[0].verify, 1),
+            Backend::Cuda(cuda) => (&cuda.target().verify, cuda.multiprocessors()),
+            Backend::Hip(_) => return Err(backend.no_launch_yet(FAMILY)),
+        };
+        let layout = Layout::new(capacity, tiles, multiprocessors)?;
+        let storage = storage_for(&layout)?;
+        Ok(Self {
+            layout,
+            batch: None,
+            storage,
+        })
+    }
+
+    /// The buffer layout.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The batch [`verify`] runs next (and the one it ran last).
+    pub fn batch(&self) -> Option<&Batch> {
+        self.batch.as_ref()
+    }
+
+    /// Sets the batch: each sequence's controls, position and draft count (the target logits
+    /// then hold, per sequence in order, its n + 1 rows; the draft tokens and draft logits its
+    /// n). Copies them to the device; call it before [`verify`], outside any captured graph.
+    ///
+    /// # Errors
+    /// As [`Batch::encode`]; [`Error::Cuda`] when a copy fails.
+    pub fn set_batch(&mut self, sequences: &[Sequence<'_>], kind: DraftKind) -> Result<()> {
+        let batch = Batch::encode(&self.layout, sequences, kind)?;
+        if let Storage::Cuda(buffers) = &mut self.storage {
+            let stream = buffers.sequences.stream().clone();
+            let copy = |what: &str, e| Error::cuda(format!("upload verify {what}"), e);
+            if !batch.sequences.is_empty() {
+                stream
+                    .memcpy_htod(&batch.sequences, &mut buffers.sequences)
+                    .map_err(|e| copy("sequences", e))?;
+                stream
+                    .memcpy_htod(&batch.rows, &mut buffers.rows)
+                    .map_err(|e| copy("rows", e))?;
+            }
+            if !batch.bias_tokens.is_empty() {
+                stream
+                    .memcpy_htod(&batch.bias_tokens, &mut buffers.bias_tokens)
+                    .map_err(|e| copy("bias tokens", e))?;
+                stream
+                    .memcpy_htod(&batch.bias_values, &mut buffers.bias_values)
+                    .map_err(|e| copy("bias values", e))?;
+            }
+        }
+        self.batch = Some(batch);
+        Ok(())
+    }
+
+    /// Each sequence's outcome of the last [`verify`] (waits for it).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] before any batch ran; [`Error::Cuda`] when the copy fails (where an
+    /// asynchronous fault of the kernels shows).
+    pub fn outcomes(&self) -> Result<Vec<std::result::Result<Verified, RowError>>> {
+        let batch = self.batch.as_ref().ok_or_else(no_batch)?;
+        match &self.storage {
+            Storage::Host { outcomes, .. } => Ok(outcomes.clone()),
+            Storage::Cuda(buffers) => {
+                let stream = buffers.status.stream();
+                let status = stream
+                    .clone_dtoh(&buffers.status)
+                    .map_err(|e| Error::cuda("download verify status", e))?;
+                let emitted = stream
+                    .clone_dtoh(&buffers.emitted)
+                    .map_err(|e| Error::cuda("download verify emitted tokens", e))?;
+                batch.decode(&self.layout, &status, &emitted)
+            }
+        }
+    }
+
+    /// Drafted and accepted counts by draft position, summed over every sequence verified
+    /// without error since the workspace was made or [`VerifyWorkspace::reset_stats`] ran
+    /// (`max_drafts` positions).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the copy fails.
+    pub fn stats(&self) -> Result<AcceptanceStats> {
+        match &self.storage {
+            Storage::Host { stats, .. } => Ok(stats.clone()),
+            Storage::Cuda(buffers) => {
+                let words = buffers
+                    .stats
+                    .stream()
+                    .clone_dtoh(&buffers.stats)
+                    .map_err(|e| Error::cuda("download verify statistics", e))?;
+                let n = self.layout.capacity.max_drafts;
+                Ok(AcceptanceStats {
+                    drafted: words[..n].to_vec(),
+                    accepted: words[n..2 * n].to_vec(),
+                })
+            }
+        }
+    }
+
+    /// Zeroes the acceptance statistics.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the memset fails.
+    pub fn reset_stats(&mut self) -> Result<()> {
+        match &mut self.storage {
+            Storage::Host { stats, .. } => {
+                stats.drafted.fill(0);
+                stats.accepted.fill(0);
+            }
+            Storage::Cuda(buffers) => {
+                let stream = buffers.stats.stream().clone();
+                stream
+                    .memset_zeros(&mut buffers.stats)
+                    .map_err(|e| Error::cuda("zero verify statistics", e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The emitted tokens on the device, `[max_sequences][max_drafts + 1]` (CUDA only): sequence
+    /// s's `accepted + 1` tokens start at `s * (max_drafts + 1)`.
+    pub fn emitted_device(&self) -> Option<&CudaSlice<u32>> {
+        match &self.storage {
+            Storage::Cuda(buffers) => Some(&buffers.emitted),
+            Storage::Host { .. } => None,
+        }
+    }
+
+    /// The per-sequence status words on the device, `[max_sequences][device::STATUS_WORDS]`
+    /// (CUDA only): word 0 the code (`device::STATUS_*`), word 1 the accepted count.
+    pub fn status_device(&self) -> Option<&CudaSlice<u32>> {
+        match &self.storage {
+            Storage::Cuda(buffers) => Some(&buffers.status),
+            Storage::Host { .. } => None,
+        }
+    }
+}
+
+fn no_batch() -> Error {
+    Error::invalid("verify workspace", "no batch was set (set_batch first)")
+}
+
+/// Bytes [`verify`] must read at least for the current batch of `workspace`: every target row
+/// (and draft row) of the logits once.
+pub fn logits_bytes(workspace: &VerifyWorkspace) -> u64 {
+    workspace.batch.as_ref().map_or(0, |b| {
+        let rows = b.target_rows
+            + if b.kind == DraftKind::Sampled {
+                b.draft_rows
+            } else {
+                0
+            };
+        (rows * workspace.layout.capacity.vocab * 4) as u64
+    })
+}
+
+/// Verifies (and samples) the workspace's batch: `target_logits` is `[target rows][V]` f32 (each
+/// sequence's n + 1 rows in order), `draft_tokens` its drafts (`[draft rows]`), `draft_logits`
+/// `[draft rows][V]` for [`DraftKind::Sampled`]. Outcomes land in the workspace
+/// ([`VerifyWorkspace::outcomes`], or on the device for a runner that keeps them there); bad
+/// values are per-sequence errors, never tokens. On CUDA: four launches at most, no allocation,
+/// no host synchronisation.
+///
+/// # Errors
+/// [`Error::Invalid`] with no batch set or buffers that disagree with it,
+/// [`Error::BackendMismatch`] for buffers of another backend, [`Error::Compile`] /
+/// [`Error::Cuda`] from the CUDA path.
+pub fn verify(
+    backend: &Backend,
+    workspace: &mut VerifyWorkspace,
+    target_logits: &DeviceVec<f32>,
+    draft_tokens: &DeviceVec<u32>,
+    draft_logits: Option<&DeviceVec<f32>>,
+) -> Result<()> {
+    let layout = workspace.layout;
+    let batch = workspace.batch.as_ref().ok_or_else(no_batch)?;
+    let vocab = layout.capacity.vocab;
+    super::check_len(
+        "verify target logits",
+        target_logits,
+        batch.target_rows * vocab,
+        &format!("[{}, {vocab}]", batch.target_rows),
+    )?;
+    if draft_tokens.len() < batch.draft_rows {
+        return Err(Error::invalid(
+            "verify draft tokens",
+            format!(
+                "{} tokens for a batch of {} drafts",
+                draft_tokens.len(),
+                batch.draft_rows
+            ),
+        ));
+    }
+    let draft_logits = match (batch.kind, draft_logits) {
+        (DraftKind::Sampled, Some(d)) => {
+            super::check_len(
+                "verify draft logits",
+                d,
+                batch.draft_rows * vocab,
+                &format!("[{}, {vocab}]", batch.draft_rows),
+            )?;
+            Some(d)
+        }
+        (DraftKind::Sampled, None) => {
+            return Err(Error::invalid(
+                "verify draft logits",
+                "sampled drafts need their logit rows",
+            ));
+        }
+        (DraftKind::PointMass, _) => None,
+    };
+    match (&mut workspace.storage, backend) {
+        (Storage::Host { outcomes, stats }, Backend::Cpu) => {
+            let DeviceVec::Host(target) = target_logits else {
+                return Err(backend.mismatch("verify target logits", target_logits));
+            };
+            let DeviceVec::Host(tokens) = draft_tokens else {
+                return Err(backend.mismatch("verify draft tokens", draft_tokens));
+            };
+            let draft = match draft_logits {
+                Some(DeviceVec::Host(d)) => Some(d.as_slice()),
+                Some(other) => return Err(backend.mismatch("verify draft logits", other)),
+                None => None,
+            };
+            *outcomes = verify_on_host(batch, vocab, target, tokens, draft, stats);
+            Ok(())
+        }
+        (Storage::Cuda(buffers), Backend::Cuda(cuda)) => {
+            let DeviceVec::Cuda(target) = target_logits else {
+                return Err(backend.mismatch("verify target logits", target_logits));
+            };
+            let DeviceVec::Cuda(tokens) = draft_tokens else {
+                return Err(backend.mismatch("verify draft tokens", draft_tokens));
+            };
+            let draft = match draft_logits {
+                Some(DeviceVec::Cuda(d)) => Some(d),
+                Some(other) => return Err(backend.mismatch("verify draft logits", other)),
+                None => None,
+            };
+            launch(cuda, &layout, batch, buffers, target, tokens, draft)
+        }
+        _ => Err(Error::invalid(
+            "verify workspace",
+            format!("made for another backend than {}", backend.name()),
+        )),
+    }
+}
+
+/// The CPU backend: the reference, sequence by sequence.
+fn verify_on_host(
+    batch: &Batch,
+    vocab: usize,
+    target: &[f32],
+    tokens: &[u32],
+    draft_logits: Option<&[f32]>,
+    stats: &mut AcceptanceStats,
+) -> Vec<std::result::Result<Verified, RowError>> {
+    let mut target_row = 0;
+    batch
+        .sequences
+        .iter()
+        .enumerate()
+        .map(|(s, seq)| {
+            let n = seq.drafts as usize;
+            let first = seq.first_draft as usize;
+            let rows = &target[target_row * vocab..(target_row + n + 1) * vocab];
+            target_row += n + 1;
+            let drafted = &tokens[first..first + n];
+            let drafts = match draft_logits {
+                Some(d) => Drafts::Sampled {
+                    tokens: drafted,
+                    logits: &d[first * vocab..(first + n) * vocab],
+                },
+                None => Drafts::PointMass(drafted),
+            };
+            let outcome = reference::verify(rows, vocab, &drafts, &batch.params[s], seq.position);
+            if let Ok(verified) = &outcome {
+                stats.record(n, verified);
+            }
+            outcome
+        })
+        .collect()
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    cuda: &CudaBackend,
+    layout: &Layout,
+    batch: &Batch,
+    b: &mut CudaBuffers,
+    target: &CudaSlice<f32>,
+    tokens: &CudaSlice<u32>,
+    draft: Option<&CudaSlice<f32>>,
+) -> Result<()> {
+    let rows = batch.row_count();
+    if rows == 0 {
+        return Ok(());
+    }
+    let stream = cuda.stream();
+    let rows32 = super::check_u32("verify rows", rows)?;
+    if rows32 > 65_535 {
+        return Err(Error::invalid(
+            "verify batch",
+            format!("{rows} rows; one launch takes at most 65535"),
+        ));
+    }
+    // SAFETY (all device_ptr calls): the guards are kept until the launches are queued; the
+    // backend disabled event tracking, so they record nothing.
+    let (target_ptr, _g0) = target.device_ptr(stream);
+    let (tokens_ptr, _g1) = tokens.device_ptr(stream);
+    let (draft_ptr, _g2) = draft.unwrap_or(target).device_ptr(stream);
+    let (sequences, _g3) = b.sequences.device_ptr(stream);
+    let (rows_ptr, _g4) = b.rows.device_ptr(stream);
+    let (bias_tokens, _g5) = b.bias_tokens.device_ptr(stream);
+    let (bias_values, _g6) = b.bias_values.device_ptr(stream);
+    let (block_hist, _g7) = b.block_hist.device_ptr(stream);
+    let (block_summary, _g8) = b.block_summary.device_ptr(stream);
+    let (row_grid, _g17) = b.row_grid.device_ptr(stream);
+    let (row_anchor, _g18) = b.row_anchor.device_ptr(stream);
+    let (row_hist, _g9) = b.row_hist.device_ptr(stream);
+    let (row_state, _g10) = b.row_state.device_ptr(stream);
+    let (candidates, _g11) = b.candidates.device_ptr(stream);
+    let (residual_sums, _g12) = b.residual_sums.device_ptr(stream);
+    let (counters, _g13) = b.counters.device_ptr(stream);
+    let (emitted, _g14) = b.emitted.device_ptr(stream);
+    let (status, _g15) = b.status.device_ptr(stream);
+    let (stats, _g16) = b.stats.device_ptr(stream);
+    let args = device::Args {
+        target_logits: target_ptr,
+        draft_logits: draft_ptr,
+        draft_tokens: tokens_ptr,
+        sequences,
+        rows: rows_ptr,
+        bias_tokens,
+        bias_values,
+        block_hist,
+        block_summary,
+        row_grid,
+        row_anchor,
+        row_hist,
+        row_state,
+        candidates,
+        residual_sums,
+        counters,
+        emitted,
+        status,
+        stats,
+        vocab: layout.capacity.vocab as u32,
+        sequence_count: batch.sequences.len() as u32,
+        row_count: rows32,
+        max_drafts: layout.capacity.max_drafts as u32,
+        chunks_per_row: layout.chunks_per_row as u32,
+        chunks_per_block: batch.chunks_per_block as u32,
+        blocks_per_row: batch.blocks_per_row as u32,
+        reserved: 0,
+    };
+    let threads = cuda.target().verify.threads_per_block;
+    for (kernel, (x, y)) in layout.launches(batch) {
+        let function = cuda.function(FAMILY, kernel)?;
+        let mut builder = stream.launch_builder(&function);
+        builder.arg(&args);
+        let config = LaunchConfig {
+            grid_dim: (x, y, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `Args` is the kernels' one argument, laid out as verify.cu declares it; every
+        // address points into a buffer sized by `layout` for this batch (checked above), and
+        // the buffers outlive the launch (frees are stream-ordered).
+        unsafe { builder.launch(config) }.map_err(|e| {
+            Error::cuda(
+                format!(
+                    "launch {kernel} for {rows} rows of {}",
+                    layout.capacity.vocab
+                ),
+                e,
+            )
+        })?;
+    }
+    Ok(())
+}

@@ -1,0 +1,244 @@
+//! Bench of the `verify` family on the CUDA device: batched speculative verification of B
+//! sequences with n drafts each at V = 248320 fp32 logits, every sampling control on
+//! (temperature 0.7, top-k 50, top-p 0.9, min-p 0.05, eight logit-bias entries), point-mass
+//! drafts (a greedy drafter such as the MTP head) and sampled drafts (with their logit rows),
+//! beside the device copy bandwidth measured in the same run.
+//!
+//! Each case is timed as decode runs it: `LAUNCHES` back-to-back calls of `verify::verify`
+//! captured in one CUDA graph, each on its own copy of the logits (enough copies to exceed the L2
+//! cache where memory allows; the smallest batches still partly hit L2), replayed between CUDA
+//! events; the figure is the median time per call. "bytes" is the logits read once (target rows,
+//! and draft rows for sampled drafts); "1 pass" is those bytes at the copy bandwidth; the goal is
+//! at most 2 passes + 5 us.
+//!
+//! Run: `cargo bench --bench verify` on a CUDA host (prints one skip line elsewhere).
+
+mod common;
+
+use common::{COPY_BYTES, LAUNCHES, bench_graph};
+use fp4spec::backend::{Backend, DeviceVec};
+use fp4spec::kernels::verify::{
+    self, Capacity, DraftKind, SamplingParams, Sequence, VerifyWorkspace,
+};
+use fp4spec::rng::SplitMix64;
+
+const VOCAB: usize = 248_320;
+const BATCHES: [usize; 3] = [1, 8, 64];
+const DRAFTS: [usize; 3] = [1, 2, 4];
+/// Distinct logit rows the cases are tiled from (generating 300 MB of normals would dominate).
+const POOL_ROWS: usize = 24;
+/// Logit bytes the copies of one case must cover: several times the H200's 50 MB L2.
+const ROTATION_BYTES: usize = 256 << 20;
+
+/// Every control on, at values a chat deployment uses.
+fn all_controls(seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.7,
+        top_k: 50,
+        top_p: 0.9,
+        min_p: 0.05,
+        logit_bias: vec![
+            (3, 2.0),
+            (17, -1.5),
+            (99, f32::NEG_INFINITY),
+            (1234, 0.5),
+            (1234, 0.25),
+            (20_000, 1.0),
+            (5, -0.5),
+            (77, 3.0),
+        ],
+        seed,
+    }
+}
+
+/// Rows shaped like a language model's: a broad bulk and eight strong candidates.
+fn pool(rng: &mut SplitMix64) -> Vec<Vec<f32>> {
+    (0..POOL_ROWS)
+        .map(|_| {
+            let mut row = rng.normal_vec(VOCAB, 2.0);
+            for k in 0..8 {
+                row[(rng.next_u64() % VOCAB as u64) as usize] = 12.0 - k as f32;
+            }
+            row
+        })
+        .collect()
+}
+
+struct Row {
+    kind: DraftKind,
+    batch: usize,
+    drafts: usize,
+    bytes: u64,
+    seconds: f64,
+    accepted: f64,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bench_case(
+    criterion: &mut criterion::Criterion,
+    backend: &Backend,
+    rows_pool: &[Vec<f32>],
+    rng: &mut SplitMix64,
+    kind: DraftKind,
+    batch: usize,
+    drafts: usize,
+    out: &mut Vec<Row>,
+) {
+    let Backend::Cuda(cuda) = backend else {
+        unreachable!("CUDA bench")
+    };
+    let params: Vec<SamplingParams> = (0..batch).map(|s| all_controls(s as u64)).collect();
+    let sequences: Vec<Sequence> = params
+        .iter()
+        .enumerate()
+        .map(|(s, p)| Sequence {
+            params: p,
+            position: 1000 + 7 * s as u64,
+            drafts,
+        })
+        .collect();
+    let target_rows = batch * (drafts + 1);
+    let mut target = Vec::with_capacity(target_rows * VOCAB);
+    let mut tokens = Vec::with_capacity(batch * drafts);
+    let mut draft_logits = Vec::new();
+    for s in 0..batch {
+        for j in 0..=drafts {
+            let row = &rows_pool[(s * 5 + j) % rows_pool.len()];
+            target.extend_from_slice(row);
+            if j < drafts {
+                // mostly the target's favourite, as a good drafter proposes
+                let best = verify::reference::greedy_token(row, &params[s], j).expect("row");
+                tokens.push(if rng.next_u64() % 4 == 0 {
+                    (rng.next_u64() % VOCAB as u64) as u32
+                } else {
+                    best
+                });
+                if kind == DraftKind::Sampled {
+                    let mut d = row.clone();
+                    d.iter_mut().step_by(5).for_each(|v| *v += 1.0);
+                    draft_logits.extend_from_slice(&d);
+                }
+            }
+        }
+    }
+    let capacity = Capacity {
+        vocab: VOCAB,
+        max_sequences: batch,
+        max_drafts: drafts,
+        max_bias_entries: params.iter().map(|p| p.logit_bias.len()).sum(),
+    };
+    let mut ws = VerifyWorkspace::new(backend, capacity).expect("workspace");
+    ws.set_batch(&sequences, kind).expect("set_batch");
+    let bytes = verify::logits_bytes(&ws);
+    let copies = ROTATION_BYTES.div_ceil(bytes as usize).clamp(1, LAUNCHES);
+    let targets: Vec<DeviceVec<f32>> = (0..copies)
+        .map(|_| backend.upload(&target).expect("upload target logits"))
+        .collect();
+    let drafts_dev: Vec<DeviceVec<f32>> = if kind == DraftKind::Sampled {
+        (0..copies)
+            .map(|_| backend.upload(&draft_logits).expect("upload draft logits"))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let tokens_dev = backend.upload(&tokens).expect("upload draft tokens");
+    let name = format!("{kind:?}_B{batch}_n{drafts}");
+    let seconds = bench_graph(criterion, cuda, "verify", &name, bytes, |i| {
+        let draft = drafts_dev.get(i % copies);
+        verify::verify(backend, &mut ws, &targets[i % copies], &tokens_dev, draft).expect("verify")
+    });
+    let outcomes = ws.outcomes().expect("outcomes");
+    let accepted = outcomes
+        .iter()
+        .map(|o| o.as_ref().expect("a verified sequence").accepted as f64)
+        .sum::<f64>()
+        / batch as f64;
+    out.push(Row {
+        kind,
+        batch,
+        drafts,
+        bytes,
+        seconds,
+        accepted,
+    });
+}
+
+fn main() {
+    let Some(backend) = common::cuda_or_skip("verify") else {
+        return;
+    };
+    let Backend::Cuda(cuda) = &backend else {
+        unreachable!("asked for CUDA")
+    };
+    let mut criterion = common::criterion();
+    println!(
+        "device: {} ({} SMs)",
+        backend.describe(),
+        cuda.multiprocessors()
+    );
+    let copy_gbs = common::copy_bandwidth_gbs(&mut criterion, cuda);
+    let mut rng = SplitMix64::new(0x5eed);
+    let rows_pool = pool(&mut rng);
+    let mut rows = Vec::new();
+    for kind in [DraftKind::PointMass, DraftKind::Sampled] {
+        for batch in BATCHES {
+            for drafts in DRAFTS {
+                bench_case(
+                    &mut criterion,
+                    &backend,
+                    &rows_pool,
+                    &mut rng,
+                    kind,
+                    batch,
+                    drafts,
+                    &mut rows,
+                );
+            }
+        }
+    }
+    criterion.final_summary();
+
+    println!(
+        "\ndevice-to-device copy: {copy_gbs:.0} GB/s (bytes read + written, {} MiB each way)",
+        COPY_BYTES >> 20
+    );
+    println!(
+        "V = {VOCAB}, all controls on; bytes = logits read once; 1 pass = bytes / copy bandwidth; goal = 2 passes + 5 us"
+    );
+    println!(
+        "{:<9} {:>3} {:>2} {:>10} {:>8} {:>8} {:>6} {:>7} {:>8} {:>5} {:>9}",
+        "drafts",
+        "B",
+        "n",
+        "bytes",
+        "us",
+        "1 pass",
+        "GB/s",
+        "of copy",
+        "goal us",
+        "met",
+        "accepted"
+    );
+    for row in &rows {
+        let gbs = row.bytes as f64 / row.seconds / 1e9;
+        let pass = row.bytes as f64 / (copy_gbs * 1e9);
+        let goal = 2.0 * pass + 5e-6;
+        println!(
+            "{:<9} {:>3} {:>2} {:>10} {:>8.2} {:>8.2} {:>6.0} {:>6.1}% {:>8.2} {:>5} {:>9.2}",
+            match row.kind {
+                DraftKind::PointMass => "point",
+                DraftKind::Sampled => "sampled",
+            },
+            row.batch,
+            row.drafts,
+            row.bytes,
+            row.seconds * 1e6,
+            pass * 1e6,
+            gbs,
+            100.0 * gbs / copy_gbs,
+            goal * 1e6,
+            if row.seconds <= goal { "yes" } else { "no" },
+            row.accepted
+        );
+    }
+}

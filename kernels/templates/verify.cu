@@ -1,0 +1,1668 @@
+// Family `verify`: batched speculative verification and plain sampling with every sampling
+// control honoured (rendered for {{ target.name }}). The CPU reference is the definition, bit
+// for bit: src/kernels/verify/reference.rs. Launch and device interface:
+// src/kernels/verify/mod.rs (the structs below are its `device` module).
+//
+// One launch of each kernel serves the whole batch (rows of every sequence; per-sequence controls
+// in `VerifySequence`):
+//   verify_histogram  pass 1 over the logits. Blocks of a row histogram its tokens by weight
+//                     bucket (octave x sub-bucket; per bucket the token count and the exact sum
+//                     of the 24-bit weight mantissas, so histograms of different blocks add
+//                     exactly once aligned on octaves), add them atomically into the row's grid
+//                     (anchored at the first block's top octave), and find the argmax and the
+//                     first bad logit. The row's last block turns the grid into the histogram
+//                     below the row's top octave and plans: which buckets hold the top-k, top-p,
+//                     min-p cuts and the draw, from the exact bucket counts and weights.
+//   verify_select     pass 2 over the logits. Blocks collect the tokens of the planned buckets
+//                     (and count what min-p and the probe token need).
+//   verify_finish     one block per row finishes it exactly: sorts the candidates, resolves
+//                     every cut and the draw inside its bucket (or, when a bucket was not
+//                     collected, by radix rounds over the row); the sequence's last row walks
+//                     the acceptance chain. Its own kernel so that pass 2 streams at the
+//                     occupancy of its few registers.
+//   verify_residual   only for sampled drafts after a rejection: the residual max(0, p - q) of
+//                     the two rows, drawn by token id.
+// No sort of the vocabulary, no allocation, no host synchronisation: capturable in a graph.
+{% include "common/prelude.cuh" %}
+{% if target.warp_size != 32 %}
+#error "verify.cu assumes 32-lane warps (u32 ballots)"
+{% endif %}
+
+#define VT {{ target.verify.threads_per_block }}
+{#- NVIDIA: no __launch_bounds__, under which ptxas 13.0 spilled verify_finish and
+    verify_residual (without it they take 106 and 96 registers and spill nothing); AMD needs the
+    bound, or the compiler sizes VGPRs for 1024-lane work-groups. #}
+{%- if target.vendor == "amd" %}{% set bounds = "FP4_LAUNCH_BOUNDS(VT) " %}{% else %}{% set bounds = "" %}{% endif %}
+#define VI {{ target.verify.items_per_thread }}
+#define VG {{ target.verify.sub_buckets_per_octave }}
+#define VCAP {{ target.verify.candidates_per_row }}
+#define VCHUNK (VT * VI)
+#define VWARPS (VT / FP4_WARP_SIZE)
+#define VOCT 40                               // reference.rs MASS_OCTAVES
+#define VNB ((VOCT + 1) * VG)                 // buckets, the top one first
+#define VPLAN_WORDS ((VNB + 63) / 64)
+#define VMAX_BLOCKS_PER_ROW 256
+#define VMAX_WINDOWS 8
+#define VHEAD 64                              // octaves a row's grid reaches above its anchor
+#define VGRID ((VOCT + 1 + VHEAD) * VG)
+#define VNONE 0xffffffffu
+#define VNO_OCTAVE ((i32)0x80000000)
+#define VKAPPA_ALL ((1ull << 52) - 1)
+#define VCOUNT_SHIFT 44                       // packed bucket: count << 44 | sum of mantissas
+
+// Per-sequence status (mod.rs decodes it).
+#define VSTATUS_OK 0u
+#define VSTATUS_NONFINITE 1u
+#define VSTATUS_EMPTY 2u
+#define VSTATUS_TOKEN 3u
+#define VSTATUS_PARAM 4u
+#define VSTATUS_PENDING 5u
+#define VSTATUS_WORDS 8                       // code, accepted, error row, token, value bits, residual row
+#define VSEQ_SAMPLED_DRAFTS 1u
+
+// Row state, u64 words (written by the kernels, read only by them).
+#define RS_STATUS 0        // lo status, hi error token
+#define RS_VALUE 1         // lo error value bits, hi argmax
+#define RS_TOP 2           // lo top octave, hi top mantissa
+#define RS_PROBE 3         // lo probe bucket (VNONE: weight 0 or no probe), hi probe logit bits
+#define RS_MINP 4          // lo first bucket min-p does not keep whole, hi end of its partial buckets
+#define RS_PASS2 5         // lo candidates collected, hi tokens before the probe in its bucket
+#define RS_PASS2_MINP 6    // lo min-p survivors in the partial buckets, hi flags
+#define RS_BEFORE_MASS 7   // mantissa sum before the probe in its bucket
+#define RS_MASS 8          // u128: kept weight S (8, 9)
+#define RS_PROBE_W 10      // u128: probe weight (pass 1), its kept weight (pass 2) (10, 11)
+#define RS_PROBE_BEFORE 12 // u128: kept weight before the probe (12, 13)
+#define RS_CUT 14          // lo bucket of the last kept token, hi drawn token
+#define RS_CUT_KAPPA 15    // kappa of the last kept token (VKAPPA_ALL: its bucket is kept whole)
+#define RS_PLAN 16         // VPLAN_WORDS words: buckets pass 2 collects
+#define VROW_WORDS (RS_PLAN + VPLAN_WORDS)
+#define VFLAG_STREAM 1u
+// Marks the rare paths (a CPU emulation of the kernels counts them): VTRACE_RADIX per radix
+// fallback of the finish, VTRACE_SPILL per pass-1 block whose top lies above its row's grid.
+#define VTRACE_RADIX 0
+#define VTRACE_SPILL 1
+#ifndef VERIFY_TRACE
+#define VERIFY_TRACE(what)
+#endif
+
+typedef long long i64;
+
+// ---- portability: what this family needs beyond common/prelude.cuh ----
+{% if target.vendor == "nvidia" %}
+#define VERIFY_NOINLINE __device__ __noinline__
+FP4_DEVICE void block_sync() { __syncthreads(); }
+FP4_DEVICE void device_fence() { __threadfence(); }
+FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return atomicAdd(p, v); }
+FP4_DEVICE u32 atomic_cas_u32(u32* p, u32 expected, u32 desired) { return atomicCAS(p, expected, desired); }
+FP4_DEVICE u64 atomic_add_u64(u64* p, u64 v) {
+    return atomicAdd(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
+}
+FP4_DEVICE u32 shfl_u32(u32 v, u32 src) { return __shfl_sync(0xffffffffu, v, (int)src); }
+FP4_DEVICE u32 ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
+FP4_DEVICE u32 popcount(u32 v) { return (u32)__popc(v); }
+FP4_DEVICE u32 lowest_bit(u32 v) { return (u32)(__ffs((int)v) - 1); }
+// data other blocks of this launch wrote: past L1
+FP4_DEVICE u64 load_shared_u64(const u64* p) { return __ldcg(reinterpret_cast<const unsigned long long*>(p)); }
+FP4_DEVICE u32 load_shared_u32(const u32* p) { return __ldcg(reinterpret_cast<const unsigned int*>(p)); }
+// correctly rounded, never contracted into a fused multiply-add: the reference's arithmetic
+FP4_DEVICE float mul32(float a, float b) { return __fmul_rn(a, b); }
+FP4_DEVICE float fma32(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+FP4_DEVICE float add32(float a, float b) { return __fadd_rn(a, b); }
+FP4_DEVICE float sub32(float a, float b) { return __fsub_rn(a, b); }
+FP4_DEVICE float div32(float a, float b) { return __fdiv_rn(a, b); }
+FP4_DEVICE double mul64(double a, double b) { return __dmul_rn(a, b); }
+FP4_DEVICE double add64(double a, double b) { return __dadd_rn(a, b); }
+FP4_DEVICE double sub64(double a, double b) { return __dsub_rn(a, b); }
+FP4_DEVICE double div64(double a, double b) { return __ddiv_rn(a, b); }
+FP4_DEVICE double u64_to_f64(u64 v) { return __ull2double_rn((unsigned long long)v); }
+FP4_DEVICE u64 f64_to_u64_nearest(double v) { return (u64)__double2ull_rn(v); }
+FP4_DEVICE double floor64(double v) { return floor(v); }
+FP4_DEVICE float floor32(float v) { return floorf(v); }
+FP4_DEVICE float min32(float a, float b) { return fminf(a, b); }
+FP4_DEVICE float max32(float a, float b) { return fmaxf(a, b); }
+FP4_DEVICE double bits_to_f64(u64 b) { return __longlong_as_double((long long)b); }
+FP4_DEVICE u64 mul_hi_u64(u64 a, u64 b) { return (u64)__umul64hi((unsigned long long)a, (unsigned long long)b); }
+{% else %}
+// HIP contracts a * b + c into an FMA unless told not to; the reference never does.
+#pragma clang fp contract(off)
+#define VERIFY_NOINLINE __device__ __attribute__((noinline))
+FP4_DEVICE void block_sync() {
+    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+    __builtin_amdgcn_s_barrier();
+    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+}
+FP4_DEVICE void device_fence() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent"); }
+FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) {
+    return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+FP4_DEVICE u64 atomic_add_u64(u64* p, u64 v) {
+    return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+FP4_DEVICE u32 atomic_cas_u32(u32* p, u32 expected, u32 desired) {
+    __hip_atomic_compare_exchange_strong(p, &expected, desired, __ATOMIC_RELAXED, __ATOMIC_RELAXED,
+                                         __HIP_MEMORY_SCOPE_AGENT);
+    return expected;
+}
+FP4_DEVICE u32 shfl_u32(u32 v, u32 src) {
+    return (u32)__builtin_amdgcn_ds_bpermute((int)(src << 2), (int)v);
+}
+FP4_DEVICE u32 ballot(bool p) { return (u32)__builtin_amdgcn_ballot_w32(p); }
+FP4_DEVICE u32 popcount(u32 v) { return (u32)__builtin_popcount(v); }
+FP4_DEVICE u32 lowest_bit(u32 v) { return (u32)__builtin_ctz(v); }
+FP4_DEVICE u64 load_shared_u64(const u64* p) {
+    return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+FP4_DEVICE u32 load_shared_u32(const u32* p) {
+    return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+FP4_DEVICE float mul32(float a, float b) { return a * b; }
+FP4_DEVICE float fma32(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+FP4_DEVICE float add32(float a, float b) { return a + b; }
+FP4_DEVICE float sub32(float a, float b) { return a - b; }
+FP4_DEVICE float div32(float a, float b) { return a / b; }
+FP4_DEVICE double mul64(double a, double b) { return a * b; }
+FP4_DEVICE double add64(double a, double b) { return a + b; }
+FP4_DEVICE double sub64(double a, double b) { return a - b; }
+FP4_DEVICE double div64(double a, double b) { return a / b; }
+FP4_DEVICE double u64_to_f64(u64 v) { return (double)v; }
+FP4_DEVICE u64 f64_to_u64_nearest(double v) { return (u64)__builtin_rint(v); }
+FP4_DEVICE double floor64(double v) { return __builtin_floor(v); }
+FP4_DEVICE float floor32(float v) { return __builtin_floorf(v); }
+FP4_DEVICE float min32(float a, float b) { return __builtin_fminf(a, b); }
+FP4_DEVICE float max32(float a, float b) { return __builtin_fmaxf(a, b); }
+FP4_DEVICE double bits_to_f64(u64 b) { return __builtin_bit_cast(double, b); }
+FP4_DEVICE u64 mul_hi_u64(u64 a, u64 b) { return (u64)(((unsigned __int128)a * b) >> 64); }
+{% endif %}
+FP4_DEVICE u32 warp_index() { return thread_x() / FP4_WARP_SIZE; }
+FP4_DEVICE u32 lane_index() { return thread_x() % FP4_WARP_SIZE; }
+FP4_DEVICE u64 shfl_u64(u64 v, u32 src) {
+    return (u64)shfl_u32((u32)v, src) | ((u64)shfl_u32((u32)(v >> 32), src) << 32);
+}
+FP4_DEVICE u32 umin(u32 a, u32 b) { return a < b ? a : b; }
+
+/// Unsigned 128-bit integers for weights (NVRTC has no __int128 without an extra flag).
+struct u128 {
+    u64 lo, hi;
+};
+FP4_DEVICE u128 w128(u64 v) { return {v, 0}; }
+FP4_DEVICE u128 operator+(u128 a, u128 b) { return {a.lo + b.lo, a.hi + b.hi + (a.lo + b.lo < a.lo ? 1ull : 0ull)}; }
+FP4_DEVICE u128 operator-(u128 a, u128 b) { return {a.lo - b.lo, a.hi - b.hi - (a.lo < b.lo ? 1ull : 0ull)}; }
+FP4_DEVICE u128& operator+=(u128& a, u128 b) { return a = a + b; }
+FP4_DEVICE bool operator==(u128 a, u128 b) { return a.lo == b.lo && a.hi == b.hi; }
+FP4_DEVICE bool operator!=(u128 a, u128 b) { return !(a == b); }
+FP4_DEVICE bool operator<(u128 a, u128 b) { return a.hi < b.hi || (a.hi == b.hi && a.lo < b.lo); }
+FP4_DEVICE bool operator>(u128 a, u128 b) { return b < a; }
+FP4_DEVICE bool operator<=(u128 a, u128 b) { return !(b < a); }
+FP4_DEVICE bool operator>=(u128 a, u128 b) { return !(a < b); }
+FP4_DEVICE u128 operator<<(u128 a, u32 s) {
+    if (s == 0) return a;
+    if (s >= 128) return {0, 0};
+    if (s >= 64) return {0, a.lo << (s - 64)};
+    return {a.lo << s, (a.hi << s) | (a.lo >> (64 - s))};
+}
+FP4_DEVICE u128 operator>>(u128 a, u32 s) {
+    if (s == 0) return a;
+    if (s >= 128) return {0, 0};
+    if (s >= 64) return {a.hi >> (s - 64), 0};
+    return {(a.lo >> s) | (a.hi << (64 - s)), a.hi >> s};
+}
+/// a * m; the product must fit 128 bits.
+FP4_DEVICE u128 mul_u32(u128 a, u32 m) { return {a.lo * m, a.hi * m + mul_hi_u64(a.lo, m)}; }
+FP4_DEVICE float f32_inf() { return bits_to_f32(0x7f800000u); }
+
+// ---- the device interface (mod.rs `device`: the same layout, repr(C)) ----
+struct VerifySequence {
+    u64 seed;
+    u64 position;       // position of the sequence's first target row
+    float temperature;  // 0: greedy
+    float top_p;
+    float min_p;
+    u32 top_k;          // 0: off
+    u32 drafts;         // n
+    u32 first_row;      // its n + 1 target rows, then (sampled drafts) its n draft rows
+    u32 first_draft;    // its draft tokens (and draft logit rows)
+    u32 bias_begin;     // its logit bias, sorted by token (list order among equal tokens)
+    u32 bias_end;
+    u32 host_error;     // nonzero: the host rejected its controls; nothing runs
+    u32 flags;          // VSEQ_SAMPLED_DRAFTS
+    u32 reserved;
+};
+
+struct VerifyRow {
+    u32 sequence;
+    u32 index;          // j: target row j (0..=n) or draft row j (0..n)
+    u32 is_draft;
+    u32 logits_row;     // row of target_logits or draft_logits
+};
+
+struct VerifyArgs {
+    const float* target_logits;     // [target rows][vocab]
+    const float* draft_logits;      // [draft rows][vocab] (sampled drafts)
+    const u32* draft_tokens;        // [draft rows]
+    const VerifySequence* sequences;
+    const VerifyRow* rows;
+    const u32* bias_tokens;
+    const float* bias_values;
+    u64* block_hist;                // [rows * blocks_per_row][VNB] (blocks above their row's grid)
+    u64* block_summary;             // [rows * blocks_per_row][3]
+    u64* row_grid;                  // [rows][VGRID], zero between launches
+    u32* row_anchor;                // [rows], zero between launches
+    u64* row_hist;                  // [rows][VNB]
+    u64* row_state;                 // [rows][VROW_WORDS]
+    u64* candidates;                // [rows][VCAP]: logit bits << 32 | token
+    u64* residual_sums;             // [sequences][chunks_per_row]
+    u32* counters;                  // [rows + 2 * sequences], zero between launches
+    u32* emitted;                   // [sequences][max_drafts + 1]
+    u32* status;                    // [sequences][VSTATUS_WORDS]
+    u64* stats;                     // drafted[max_drafts], then accepted[max_drafts]
+    u32 vocab;
+    u32 sequence_count;
+    u32 row_count;
+    u32 max_drafts;
+    u32 chunks_per_row;
+    u32 chunks_per_block;           // verify_histogram / verify_select: chunks each block streams
+    u32 blocks_per_row;
+    u32 reserved;
+};
+
+// the layout mod.rs `device` mirrors
+static_assert(sizeof(VerifySequence) == 64, "VerifySequence layout");
+static_assert(sizeof(VerifyRow) == 16, "VerifyRow layout");
+static_assert(sizeof(VerifyArgs) == 19 * 8 + 8 * 4, "VerifyArgs layout");
+
+// ---- the reference's arithmetic, bit for bit ----
+#define LOG2_E_BITS 0x3fb8aa3bu
+
+/// reference.rs exp2_mantissa: min(2, p(f)) * 2^23, p the degree-8 Taylor polynomial of 2^f by
+/// Horner with correctly rounded fused multiply-adds.
+FP4_DEVICE u32 exp2_mantissa(float f) {
+    float p = bits_to_f32(0x35b16011u);
+    p = fma32(p, f, bits_to_f32(0x377fe5feu));
+    p = fma32(p, f, bits_to_f32(0x39218489u));
+    p = fma32(p, f, bits_to_f32(0x3aaec3ffu));
+    p = fma32(p, f, bits_to_f32(0x3c1d955bu));
+    p = fma32(p, f, bits_to_f32(0x3d635847u));
+    p = fma32(p, f, bits_to_f32(0x3e75fdf0u));
+    p = fma32(p, f, bits_to_f32(0x3f317218u));
+    p = fma32(p, f, bits_to_f32(0x3f800000u));
+    return (u32)mul32(min32(p, 2.0f), 8388608.0f);
+}
+
+struct TokenParts {
+    i32 octave;  // k = floor(y)
+    u32 sub;     // floor(f * VG): the sub-bucket
+    float frac;  // f = y - k
+};
+
+/// reference.rs octave_mantissa (and the sub-bucket, which only the kernels use).
+FP4_DEVICE TokenParts token_parts(float z, float scale) {
+    const float y = min32(max32(mul32(z, scale), -1073741824.0f), 1073741824.0f);
+    const float k = floor32(y);
+    TokenParts p;
+    p.octave = (i32)k;
+    p.frac = sub32(y, k);
+    p.sub = (u32)floor32(mul32(p.frac, (float)VG));
+    return p;
+}
+
+/// Octaves below the row's top, or -1 when the token weighs nothing.
+FP4_DEVICE i32 octaves_below(i32 top, i32 octave) {
+    const i64 below = (i64)top - (i64)octave;
+    return below <= VOCT ? (i32)below : -1;
+}
+FP4_DEVICE u32 bucket_index(i32 below, u32 sub) { return (u32)below * VG + (VG - 1 - sub); }
+FP4_DEVICE i32 bucket_below(u32 bucket) { return (i32)(bucket / VG); }
+FP4_DEVICE u32 bucket_sub(u32 bucket) { return VG - 1 - bucket % VG; }
+FP4_DEVICE u32 packed_count(u64 packed) { return (u32)(packed >> VCOUNT_SHIFT); }
+FP4_DEVICE u64 packed_mantissas(u64 packed) { return packed & ((1ull << VCOUNT_SHIFT) - 1); }
+/// A mantissa sum of bucket `bucket` as weight.
+FP4_DEVICE u128 bucket_weight(u64 mantissas, u32 bucket) {
+    return w128(mantissas) << (VOCT - bucket_below(bucket));
+}
+FP4_DEVICE double pow2(i32 e) { return bits_to_f64((u64)(1023 + e) << 52); }
+
+/// Ascending with z; -0 never reaches it (canonicalised on load).
+FP4_DEVICE u32 order_key(float z) {
+    const u32 u = f32_to_bits(z);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+FP4_DEVICE float key_to_f32(u32 key) {
+    return bits_to_f32((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+/// Ascending kappa = the order within a bucket: z descending, then token ascending.
+FP4_DEVICE u64 kappa_of(float z, u32 token) { return ((u64)(u32)~order_key(z) << 20) | token; }
+FP4_DEVICE float kappa_logit(u64 kappa) { return key_to_f32(~(u32)(kappa >> 20)); }
+/// Largest z, then lowest token, as the largest code; 0 = nothing.
+FP4_DEVICE u64 argmax_code(float z, u32 token) { return ((u64)order_key(z) << 32) | (u32)~token; }
+
+/// reference.rs uniform_bits / uniform.
+FP4_DEVICE u64 uniform_bits(u64 seed, u64 position, u64 stream, u64 token) {
+    u64 z = seed ^ (position * 0x9e3779b97f4a7c15ull) ^ (stream * 0xd1b54a32d192ed03ull) ^
+            (token * 0x8cb92ba72f3d8dd7ull);
+    for (int i = 0; i < 2; ++i) {
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        z ^= z >> 31;
+    }
+    return z >> 11;
+}
+#define STREAM_ACCEPT 0ull
+#define STREAM_TOKEN 1ull
+FP4_DEVICE double uniform01(u64 seed, u64 position, u64 stream) {
+    return mul64(add64(u64_to_f64(uniform_bits(seed, position, stream, 0)), 0.5), 0x1p-53);
+}
+
+/// reference.rs mass_to_f64.
+FP4_DEVICE double mass_to_f64(u128 x) {
+    return add64(mul64(u64_to_f64(x.hi), 18446744073709551616.0), u64_to_f64(x.lo));
+}
+/// A non-negative integral double as u128, exactly.
+FP4_DEVICE u128 f64_to_u128(double t) {
+    if (t < 18446744073709551616.0) return w128((u64)t);
+    const double hi = floor64(mul64(t, 0x1p-64));
+    return {(u64)sub64(t, mul64(hi, 18446744073709551616.0)), (u64)hi};
+}
+/// reference.rs draw_target.
+FP4_DEVICE u128 draw_target(double u, u128 total) {
+    const u128 t = f64_to_u128(floor64(mul64(u, mass_to_f64(total))));
+    return t < total ? t : total - w128(1);
+}
+/// reference.rs top_p_need: ceil(top_p * mass), exactly.
+FP4_DEVICE u128 top_p_need(float top_p, u128 mass) {
+    const u32 bits = f32_to_bits(top_p);
+    const i32 exponent = (i32)((bits >> 23) & 0xffu);
+    const u32 mantissa = exponent == 0 ? (bits & 0x7fffffu) : ((bits & 0x7fffffu) | 0x800000u);
+    const i32 power = exponent == 0 ? -149 : exponent - 150;
+    const u128 product = mul_u32(mass, mantissa);
+    if (power >= 0) return product << power;
+    const u32 shift = (u32)-power;
+    if (shift >= 128) return w128(product != w128(0) ? 1 : 0);
+    const u128 quotient = product >> shift;
+    return quotient + w128((quotient << shift) != product ? 1 : 0);
+}
+/// reference.rs passes_min_p.
+FP4_DEVICE bool passes_min_p(u32 mantissa, i32 below, float min_p, u32 top_mantissa) {
+    return mul64((double)mantissa, pow2(-below)) >= mul64((double)min_p, (double)top_mantissa);
+}
+
+// ---- rows ----
+FP4_DEVICE bool row_is_processed(const VerifySequence& seq, const VerifyRow& row) {
+    return seq.host_error == 0 && (row.is_draft == 0 || seq.temperature > 0.0f);
+}
+FP4_DEVICE u32 rows_of(const VerifySequence& seq) {
+    return seq.drafts + 1 + ((seq.flags & VSEQ_SAMPLED_DRAFTS) ? seq.drafts : 0);
+}
+
+/// One row's logits with its sequence's bias and temperature.
+struct RowView {
+    const float* logits;
+    const u32* bias_tokens;
+    const float* bias_values;
+    u32 bias_begin;
+    u32 bias_end;
+    u32 vocab;
+    u32 chunks;
+    float scale;  // log2(e) / T (0 for greedy)
+};
+
+FP4_DEVICE RowView row_view(const VerifyArgs& a, const VerifyRow& row, const VerifySequence& seq) {
+    RowView v;
+    const float* base = row.is_draft ? a.draft_logits : a.target_logits;
+    v.logits = base + (u64)row.logits_row * a.vocab;
+    v.bias_tokens = a.bias_tokens;
+    v.bias_values = a.bias_values;
+    v.bias_begin = seq.bias_begin;
+    v.bias_end = seq.bias_end;
+    v.vocab = a.vocab;
+    v.chunks = a.chunks_per_row;
+    v.scale = seq.temperature > 0.0f ? div32(bits_to_f32(LOG2_E_BITS), seq.temperature) : 0.0f;
+    return v;
+}
+
+/// First bias entry at or after `token`.
+FP4_DEVICE u32 first_bias_at(const RowView& v, u32 token) {
+    u32 lo = v.bias_begin, hi = v.bias_end;
+    while (lo < hi) {
+        const u32 mid = (lo + hi) / 2;
+        if (v.bias_tokens[mid] < token) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/// The biased logit of one token (reference.rs biased, step 1); `raw` gets the logit itself.
+FP4_DEVICE float biased_logit(const RowView& v, u32 token, float* raw) {
+    const float x = v.logits[token];
+    float z = x;
+    for (u32 i = first_bias_at(v, token); i < v.bias_end && v.bias_tokens[i] == token; ++i)
+        z = add32(z, v.bias_values[i]);
+    *raw = x;
+    return add32(z, 0.0f);
+}
+
+/// Chunk `chunk` of a row with the bias applied: element e = chunk * VCHUNK + thread_x() + VT * j
+/// is z[j]. Bit j of the result marks a bad element (NaN or +inf logit, or +inf after the bias);
+/// bad and out-of-vocabulary elements read as -inf.
+FP4_DEVICE u32 load_chunk(const RowView& v, u32 chunk, float (&z)[VI]) {
+    const u32 base = chunk * VCHUNK;
+    const float inf = f32_inf();
+    u32 bad = 0;
+    #pragma unroll
+    for (int j = 0; j < VI; ++j) {
+        const u32 e = base + thread_x() + VT * j;
+        const float x = e < v.vocab ? v.logits[e] : -inf;
+        if (x != x || x == inf) bad |= 1u << j;
+        z[j] = x;
+    }
+    for (u32 i = first_bias_at(v, base); i < v.bias_end; ++i) {
+        const u32 token = v.bias_tokens[i];
+        if (token >= base + VCHUNK) break;
+        const u32 offset = token - base;
+        if (offset % VT != thread_x()) continue;
+        const u32 slot = offset / VT;
+        const float b = v.bias_values[i];
+        #pragma unroll
+        for (int j = 0; j < VI; ++j)
+            if ((u32)j == slot) z[j] = add32(z[j], b);
+    }
+    #pragma unroll
+    for (int j = 0; j < VI; ++j) {
+        if (z[j] == inf) bad |= 1u << j;
+        z[j] = (bad >> j) & 1u ? -inf : add32(z[j], 0.0f);
+    }
+    return bad;
+}
+
+// ---- block-wide helpers (every thread gets the result) ----
+#define VOP_MAX 0
+#define VOP_MIN 1
+#define VOP_SUM 2
+FP4_DEVICE u64 combine(u64 a, u64 b, int op) {
+    return op == VOP_MAX ? (a > b ? a : b) : op == VOP_MIN ? (a < b ? a : b) : a + b;
+}
+/// `scratch`: VWARPS + 1 words of shared memory.
+FP4_DEVICE u64 block_reduce(u64 v, int op, u64* scratch) {
+    for (u32 offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1)
+        v = combine(v, shfl_u64(v, lane_index() ^ offset), op);
+    if (lane_index() == 0) scratch[warp_index()] = v;
+    block_sync();
+    if (warp_index() == 0) {
+        u64 w = lane_index() < VWARPS ? scratch[lane_index()] : (op == VOP_MIN ? ~0ull : 0ull);
+        for (u32 offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1)
+            w = combine(w, shfl_u64(w, lane_index() ^ offset), op);
+        if (lane_index() == 0) scratch[VWARPS] = w;
+    }
+    block_sync();
+    const u64 result = scratch[VWARPS];
+    block_sync();
+    return result;
+}
+
+/// Exclusive prefix sums over the VNB buckets of a packed histogram (shared or global):
+/// count[b] and weight[b] are the tokens and weight of the buckets before b; [VNB] the totals.
+FP4_DEVICE void scan_histogram(const u64* hist, u32* count, u128* weight, u32* warp_count,
+                               u128* warp_weight) {
+    const u32 per = (VNB + VT - 1) / VT;
+    const u32 first = thread_x() * per;
+    u32 c = 0;
+    u128 w = w128(0);
+    for (u32 i = 0; i < per; ++i) {
+        const u32 b = first + i;
+        if (b < VNB) {
+            const u64 h = hist[b];
+            c += packed_count(h);
+            w += bucket_weight(packed_mantissas(h), b);
+        }
+    }
+    u32 ci = c;
+    u128 wi = w;
+    for (u32 offset = 1; offset < FP4_WARP_SIZE; offset <<= 1) {
+        const u32 src = lane_index() >= offset ? lane_index() - offset : lane_index();
+        const u32 co = shfl_u32(ci, src);
+        const u128 wo = {shfl_u64(wi.lo, src), shfl_u64(wi.hi, src)};
+        if (lane_index() >= offset) {
+            ci += co;
+            wi += wo;
+        }
+    }
+    if (lane_index() == FP4_WARP_SIZE - 1) {
+        warp_count[warp_index()] = ci;
+        warp_weight[warp_index()] = wi;
+    }
+    block_sync();
+    u32 ce = ci - c;
+    u128 we = wi - w;
+    for (u32 k = 0; k < warp_index(); ++k) {
+        ce += warp_count[k];
+        we += warp_weight[k];
+    }
+    for (u32 i = 0; i < per; ++i) {
+        const u32 b = first + i;
+        if (b < VNB) {
+            const u64 h = hist[b];
+            count[b] = ce;
+            weight[b] = we;
+            ce += packed_count(h);
+            we += bucket_weight(packed_mantissas(h), b);
+        }
+    }
+    if (thread_x() == VT - 1) {
+        count[VNB] = ce;
+        weight[VNB] = we;
+    }
+    block_sync();
+}
+
+/// First bucket whose tokens reach past rank `rank` (0-based): count[b + 1] > rank.
+FP4_DEVICE u32 bucket_of_rank(const u32* count, u32 rank) {
+    u32 lo = 0, hi = VNB - 1;
+    while (lo < hi) {
+        const u32 mid = (lo + hi) / 2;
+        if (count[mid + 1] > rank) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
+/// First bucket whose running weight reaches `need`: weight[b + 1] >= need.
+FP4_DEVICE u32 bucket_reaching(const u128* weight, u128 need) {
+    u32 lo = 0, hi = VNB - 1;
+    while (lo < hi) {
+        const u32 mid = (lo + hi) / 2;
+        if (weight[mid + 1] >= need) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
+/// First bucket whose running weight exceeds `t`: weight[b + 1] > t.
+FP4_DEVICE u32 bucket_exceeding(const u128* weight, u128 t) {
+    u32 lo = 0, hi = VNB - 1;
+    while (lo < hi) {
+        const u32 mid = (lo + hi) / 2;
+        if (weight[mid + 1] > t) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
+
+FP4_DEVICE bool plan_has(const u64* plan, u32 bucket) { return (plan[bucket >> 6] >> (bucket & 63)) & 1ull; }
+
+// ============================================================================================
+// verify_histogram: pass 1.
+// ============================================================================================
+struct HistogramShared {
+    u64 hist[VNB];
+    u32 count[VNB + 1];
+    u128 weight[VNB + 1];
+    u128 warp_weight[VWARPS];
+    u32 warp_count[VWARPS];
+    i32 block_top[VMAX_BLOCKS_PER_ROW];  // of the blocks that wrote their own histogram
+    u32 block_index[VMAX_BLOCKS_PER_ROW];
+    u32 spilled;
+    i32 anchor;
+    u64 scratch[VWARPS + 1];
+    u32 window_lo[VMAX_WINDOWS];
+    u32 window_hi[VMAX_WINDOWS];
+    u32 windows;
+    u32 last;
+};
+
+/// The planner's bucket windows (thread 0): added in order of need, each kept only while the
+/// tokens of all kept windows fit the candidate space. Kept as sorted, disjoint intervals.
+struct Plan {
+    HistogramShared& sh;
+    u32 lo[VMAX_WINDOWS], hi[VMAX_WINDOWS];
+    u32 count;
+    u32 tokens;  // in the union
+    FP4_DEVICE explicit Plan(HistogramShared& shared) : sh(shared), count(0), tokens(0) {}
+    FP4_DEVICE u32 tokens_in(u32 first, u32 last) const { return sh.count[last + 1] - sh.count[first]; }
+    FP4_DEVICE void add(u32 first, u32 last) {
+        if (first > last || last >= VNB) return;
+        // merge [first, last] with the intervals it touches
+        u32 merged_lo = first, merged_hi = last, merged_tokens = 0, keep = 0;
+        u32 new_lo[VMAX_WINDOWS + 1], new_hi[VMAX_WINDOWS + 1];
+        bool placed = false;
+        for (u32 i = 0; i < count; ++i) {
+            if (hi[i] + 1 < merged_lo) {
+                new_lo[keep] = lo[i];
+                new_hi[keep++] = hi[i];
+            } else if (lo[i] > merged_hi + 1) {
+                if (!placed) {
+                    new_lo[keep] = merged_lo;
+                    new_hi[keep++] = merged_hi;
+                    placed = true;
+                }
+                new_lo[keep] = lo[i];
+                new_hi[keep++] = hi[i];
+            } else {
+                merged_lo = lo[i] < merged_lo ? lo[i] : merged_lo;
+                merged_hi = hi[i] > merged_hi ? hi[i] : merged_hi;
+                merged_tokens += tokens_in(lo[i], hi[i]);
+            }
+        }
+        if (!placed) {
+            new_lo[keep] = merged_lo;
+            new_hi[keep++] = merged_hi;
+        }
+        const u32 total = tokens - merged_tokens + tokens_in(merged_lo, merged_hi);
+        if (total > VCAP || keep > VMAX_WINDOWS) return;
+        for (u32 i = 0; i < keep; ++i) {
+            lo[i] = new_lo[i];
+            hi[i] = new_hi[i];
+        }
+        count = keep;
+        tokens = total;
+    }
+    /// The buckets of the draw targets [t_lo + shift, t_hi + shift], below `total`.
+    FP4_DEVICE void add_draws(u128 t_lo, u128 t_hi, u128 shift, u128 total) {
+        u128 a = t_lo + shift, b = t_hi + shift;
+        if (a >= total) a = total - w128(1);
+        if (b >= total) b = total - w128(1);
+        add(bucket_exceeding(sh.weight, a), bucket_exceeding(sh.weight, b));
+    }
+    FP4_DEVICE void finish() {
+        for (u32 i = 0; i < count; ++i) {
+            sh.window_lo[i] = lo[i];
+            sh.window_hi[i] = hi[i];
+        }
+        sh.windows = count;
+    }
+};
+
+/// Moves the block histogram `shift` buckets down (its top octave rose); what falls off the
+/// bottom weighs nothing against the new top.
+FP4_DEVICE void shift_histogram(HistogramShared& sh, u32 shift) {
+    const u32 per = (VNB + VT - 1) / VT;
+    u64 old[(VNB + VT - 1) / VT];
+    for (u32 i = 0; i < per; ++i) {
+        const u32 b = thread_x() + i * VT;
+        old[i] = b < VNB ? sh.hist[b] : 0;
+    }
+    block_sync();
+    for (u32 i = 0; i < per; ++i) {
+        const u32 b = thread_x() + i * VT;
+        if (b < VNB) sh.hist[b] = 0;
+    }
+    block_sync();
+    for (u32 i = 0; i < per; ++i) {
+        const u32 b = thread_x() + i * VT;
+        if (b < VNB && b + shift < VNB) sh.hist[b + shift] = old[i];
+    }
+    block_sync();
+}
+
+/// Pass 1 of one row's chunks [first, end): bad logits, argmax, and (sampling) the weight
+/// histogram relative to the block's top octave. Returns the block's top octave.
+FP4_DEVICE i32 histogram_chunks(const RowView& v, bool sampling, u32 first, u32 end,
+                                HistogramShared& sh, u64& best, u32& bad) {
+    i32 top = VNO_OCTAVE;
+    for (u32 chunk = first; chunk < end; ++chunk) {
+        float z[VI];
+        const u32 bad_bits = load_chunk(v, chunk, z);
+        u64 chunk_best = 0;
+        #pragma unroll
+        for (int j = 0; j < VI; ++j) {
+            const u32 e = chunk * VCHUNK + thread_x() + VT * j;
+            if ((bad_bits >> j) & 1u) bad = umin(bad, e);
+            else if (z[j] > -f32_inf()) {
+                const u64 code = argmax_code(z[j], e);
+                chunk_best = code > chunk_best ? code : chunk_best;
+            }
+        }
+        best = chunk_best > best ? chunk_best : best;
+        if (!sampling) continue;
+        const u64 chunk_top = block_reduce(chunk_best, VOP_MAX, sh.scratch);
+        if (chunk_top == 0) continue;
+        const i32 k = token_parts(key_to_f32((u32)(chunk_top >> 32)), v.scale).octave;
+        if (top == VNO_OCTAVE) top = k;
+        else if (k > top) {
+            const i64 rise = ((i64)k - (i64)top) * VG;
+            shift_histogram(sh, rise < VNB ? (u32)rise : VNB);
+            top = k;
+        }
+        #pragma unroll
+        for (int j = 0; j < VI; ++j) {
+            if (!(z[j] > -f32_inf())) continue;
+            const TokenParts p = token_parts(z[j], v.scale);
+            const i32 below = octaves_below(top, p.octave);
+            if (below < 0) continue;
+            atomic_add_u64(&sh.hist[bucket_index(below, p.sub)],
+                           (1ull << VCOUNT_SHIFT) | exp2_mantissa(p.frac));
+        }
+        block_sync();
+    }
+    return top;
+}
+
+/// The planner (pass 1's last block of a sampled row): which buckets pass 2 collects so that
+/// every cut and the draw resolve from candidates. Bounds only; pass 2's finish is exact
+/// whatever this picks (a bucket it misses is resolved by radix rounds over the row).
+VERIFY_NOINLINE void plan_row(const VerifyArgs& a, const VerifyRow& row, const VerifySequence& seq,
+                         const RowView& v, u64* state, i32 top, u32 top_mantissa,
+                         HistogramShared& sh) {
+    scan_histogram(sh.hist, sh.count, sh.weight, sh.warp_count, sh.warp_weight);
+    // min-p: buckets [0, keep_end) pass whole, [keep_end, partial_end) in part, the rest not
+    u32 keep_end = VNB, partial_end = 0;
+    {
+        u64 first_not_kept = VNB, last_partial = 0;
+        if (seq.min_p > 0.0f) {
+            for (u32 b = thread_x(); b < VNB; b += VT) {
+                const i32 below = bucket_below(b);
+                const u32 sub = bucket_sub(b);
+                const u32 low = exp2_mantissa(mul32((float)sub, 1.0f / (float)VG));
+                const u32 high = exp2_mantissa(mul32((float)(sub + 1), 1.0f / (float)VG));
+                const bool whole = passes_min_p(low, below, seq.min_p, top_mantissa);
+                const bool none = !passes_min_p(high, below, seq.min_p, top_mantissa);
+                if (!whole && b < first_not_kept) first_not_kept = b;
+                if (!whole && !none) last_partial = b + 1;
+            }
+        }
+        keep_end = (u32)block_reduce(first_not_kept, VOP_MIN, sh.scratch);
+        partial_end = (u32)block_reduce(last_partial, VOP_MAX, sh.scratch);
+        if (partial_end < keep_end) partial_end = keep_end;
+    }
+    // the probe: the draft token this row's verdict needs the weight of
+    const bool has_probe = row.is_draft || row.index < seq.drafts;
+    u32 probe_bucket = VNONE;
+    float probe_z = 0.0f;
+    u128 probe_weight = w128(0);
+    if (has_probe) {
+        const u32 x = a.draft_tokens[seq.first_draft + row.index];
+        if (x < a.vocab) {
+            float raw;
+            probe_z = biased_logit(v, x, &raw);
+            if (probe_z > -f32_inf()) {
+                const TokenParts p = token_parts(probe_z, v.scale);
+                const i32 below = octaves_below(top, p.octave);
+                if (below >= 0) {
+                    probe_bucket = bucket_index(below, p.sub);
+                    probe_weight = w128(exp2_mantissa(p.frac)) << (VOCT - below);
+                }
+            }
+        }
+    }
+    if (thread_x() == 0) {
+        const u32 n = sh.count[VNB];
+        const u32 lk = seq.top_k > 0 && seq.top_k < n ? seq.top_k : n;
+        Plan plan(sh);
+        // the kept count L and weight S, bounded by whole buckets
+        u128 sk_lo, sk_hi;
+        u32 top_k_bucket = VNONE;
+        {
+            const u32 b = bucket_of_rank(sh.count, lk - 1);
+            if (lk == sh.count[b + 1]) sk_lo = sk_hi = sh.weight[b + 1];
+            else {
+                sk_lo = sh.weight[b];
+                sk_hi = sh.weight[b + 1];
+                top_k_bucket = b;
+            }
+        }
+        u32 lp_lo = n, lp_hi = n, p1 = 1, p2 = 0;
+        if (seq.top_p < 1.0f) {
+            p1 = bucket_reaching(sh.weight, top_p_need(seq.top_p, sk_lo > w128(0) ? sk_lo : w128(1)));
+            p2 = bucket_reaching(sh.weight, top_p_need(seq.top_p, sk_hi));
+            lp_lo = sh.count[p1] + 1;
+            lp_hi = sh.count[p2 + 1];
+        }
+        const u32 lm_lo = seq.min_p > 0.0f ? sh.count[keep_end] : n;
+        const u32 lm_hi = seq.min_p > 0.0f ? sh.count[partial_end] : n;
+        u32 l_lo = umin(lk, umin(lp_lo, lm_lo)), l_hi = umin(lk, umin(lp_hi, lm_hi));
+        if (l_lo < 1) l_lo = 1;
+        if (l_hi < l_lo) l_hi = l_lo;
+        const u32 c1 = bucket_of_rank(sh.count, l_lo - 1), c2 = bucket_of_rank(sh.count, l_hi - 1);
+        // windows, most needed first; each is taken while all taken fit the candidate space
+        if (!(l_lo == l_hi && l_hi == sh.count[c2 + 1])) plan.add(c1, c2);
+        if (seq.top_p < 1.0f) {
+            if (top_k_bucket != VNONE) plan.add(top_k_bucket, top_k_bucket);
+            plan.add(p1, p2);
+        }
+        if (!row.is_draft) {
+            // the draw: t(R) for R = S, or (a rejected point-mass draft x) R = S - w(x) with the
+            // targets at or past x moved up by w(x); whether x is kept may still be open
+            const double u = uniform01(seq.seed, seq.position + row.index, STREAM_TOKEN);
+            const u128 one = w128(1);
+            const u128 s_lo = sh.weight[c1] > w128(0) ? sh.weight[c1] : one, s_hi = sh.weight[c2 + 1];
+            const bool residual = row.index < seq.drafts && !(seq.flags & VSEQ_SAMPLED_DRAFTS);
+            bool maybe_kept = false, maybe_dropped = true;
+            if (residual && probe_bucket != VNONE) {
+                maybe_kept = sh.count[probe_bucket] < l_hi;
+                maybe_dropped = sh.count[probe_bucket + 1] > l_lo;
+            }
+            if (maybe_dropped) plan.add_draws(draw_target(u, s_lo), draw_target(u, s_hi), w128(0), s_hi);
+            if (maybe_kept) {
+                const u128 r_hi = s_hi > probe_weight ? s_hi - probe_weight : w128(0);
+                const u128 r_lo = s_lo > probe_weight ? s_lo - probe_weight : w128(0);
+                if (r_hi > w128(0)) {
+                    const u128 t_lo = draw_target(u, r_lo > w128(0) ? r_lo : one), t_hi = draw_target(u, r_hi);
+                    plan.add_draws(t_lo, t_hi, w128(0), s_hi);
+                    plan.add_draws(t_lo, t_hi, probe_weight, s_hi);
+                }
+                if (r_lo == w128(0)) plan.add_draws(draw_target(u, s_lo), draw_target(u, s_hi), w128(0), s_hi);
+            }
+        }
+        plan.finish();
+    }
+    block_sync();
+    u64 marked_tokens = 0;
+    for (u32 w = thread_x(); w < VPLAN_WORDS; w += VT) {
+        u64 bits = 0;
+        for (u32 i = 0; i < 64; ++i) {
+            const u32 b = w * 64 + i;
+            bool marked = false;
+            for (u32 r = 0; r < sh.windows; ++r) marked = marked || (b >= sh.window_lo[r] && b <= sh.window_hi[r]);
+            if (marked && b < VNB && sh.count[b + 1] > sh.count[b]) {
+                bits |= 1ull << i;
+                marked_tokens += sh.count[b + 1] - sh.count[b];
+            }
+        }
+        state[RS_PLAN + w] = bits;
+    }
+    marked_tokens = block_reduce(marked_tokens, VOP_SUM, sh.scratch);
+    if (thread_x() == 0) {
+        const bool stream = marked_tokens > 0 || probe_bucket != VNONE || partial_end > keep_end;
+        state[RS_PROBE] = (u64)probe_bucket | ((u64)f32_to_bits(probe_z) << 32);
+        state[RS_MINP] = (u64)keep_end | ((u64)partial_end << 32);
+        state[RS_PASS2] = 0;
+        state[RS_PASS2_MINP] = (u64)(stream ? VFLAG_STREAM : 0u) << 32;
+        state[RS_BEFORE_MASS] = 0;
+        state[RS_PROBE_W] = probe_weight.lo;
+        state[RS_PROBE_W + 1] = probe_weight.hi;
+    }
+}
+
+FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
+    __shared__ HistogramShared sh;
+    const u32 r = block_y();
+    const VerifyRow row = a.rows[r];
+    const VerifySequence seq = a.sequences[row.sequence];
+    if (!row_is_processed(seq, row)) return;
+    const RowView v = row_view(a, row, seq);
+    const bool sampling = seq.temperature > 0.0f;
+    for (u32 b = thread_x(); b < VNB; b += VT) sh.hist[b] = 0;
+    block_sync();
+    const u32 first = block_x() * a.chunks_per_block;
+    const u32 end = umin(first + a.chunks_per_block, a.chunks_per_row);
+    u64 best = 0;
+    u32 bad = VNONE;
+    const i32 top = histogram_chunks(v, sampling, first, end, sh, best, bad);
+    best = block_reduce(best, VOP_MAX, sh.scratch);
+    bad = (u32)block_reduce(bad, VOP_MIN, sh.scratch);
+    // the histogram joins the row's grid, anchored at the first block's top octave; a block whose
+    // top is more than VHEAD octaves above the anchor keeps its own for the last block to merge
+    const u64 slot = (u64)r * a.blocks_per_row + block_x();
+    u64* grid = a.row_grid + (u64)r * VGRID;
+    bool spilled = false;
+    if (sampling && top != VNO_OCTAVE) {
+        if (thread_x() == 0) {
+            const u32 mine = (u32)top + 0x80000000u;
+            const u32 seen = atomic_cas_u32(&a.row_anchor[r], 0u, mine);
+            sh.anchor = (i32)((seen == 0 ? mine : seen) - 0x80000000u);
+        }
+        block_sync();
+        const i32 anchor = sh.anchor;
+        spilled = (i64)top - (i64)anchor > VHEAD;
+        if (spilled) {
+            if (thread_x() == 0) VERIFY_TRACE(VTRACE_SPILL);
+            for (u32 b = thread_x(); b < VNB; b += VT) a.block_hist[slot * VNB + b] = sh.hist[b];
+        } else {
+            for (u32 b = thread_x(); b < VNB; b += VT) {
+                const u64 h = sh.hist[b];
+                // octave row of the grid; below it the tokens weigh nothing against the row's top
+                const i64 grid_row = ((i64)top - bucket_below(b)) - ((i64)anchor - VOCT);
+                if (h != 0 && grid_row >= 0) atomic_add_u64(&grid[grid_row * VG + bucket_sub(b)], h);
+            }
+        }
+    }
+    if (thread_x() == 0) {
+        a.block_summary[slot * 3] = best;
+        a.block_summary[slot * 3 + 1] = (u64)(u32)top | ((u64)bad << 32);
+        a.block_summary[slot * 3 + 2] = spilled ? 1 : 0;
+    }
+    // the row's last block merges and plans
+    device_fence();
+    block_sync();
+    if (thread_x() == 0) {
+        sh.last = atomic_add_u32(&a.counters[r], 1) == a.blocks_per_row - 1;
+        sh.spilled = 0;
+    }
+    block_sync();
+    if (!sh.last) return;
+    device_fence();
+    u64 row_best = 0, row_bad = ~0ull, row_top = 0;
+    for (u32 k = thread_x(); k < a.blocks_per_row; k += VT) {
+        const u64* summary = &a.block_summary[((u64)r * a.blocks_per_row + k) * 3];
+        const u64 s0 = load_shared_u64(summary), s1 = load_shared_u64(summary + 1);
+        row_best = s0 > row_best ? s0 : row_best;
+        row_bad = (s1 >> 32) < row_bad ? (s1 >> 32) : row_bad;
+        if (load_shared_u64(summary + 2)) {
+            const u32 at = atomic_add_u32(&sh.spilled, 1);
+            sh.block_top[at] = (i32)(u32)s1;
+            sh.block_index[at] = k;
+        }
+        // offset so that the unsigned max is the signed max
+        const u64 t = (u64)((u32)s1 ^ 0x80000000u);
+        row_top = t > row_top ? t : row_top;
+    }
+    row_best = block_reduce(row_best, VOP_MAX, sh.scratch);
+    row_bad = block_reduce(row_bad, VOP_MIN, sh.scratch);
+    const i32 k_top = (i32)((u32)block_reduce(row_top, VOP_MAX, sh.scratch) ^ 0x80000000u);
+    u64* state = a.row_state + (u64)r * VROW_WORDS;
+    if (sampling && k_top != VNO_OCTAVE) {
+        const u32 anchor_word = load_shared_u32(&a.row_anchor[r]);
+        const i64 grid_bottom = (i64)(i32)(anchor_word - 0x80000000u) - VOCT;
+        for (u32 b = thread_x(); b < VNB; b += VT) {
+            u64 sum = 0;
+            const i64 grid_row = ((i64)k_top - bucket_below(b)) - grid_bottom;
+            if (anchor_word != 0 && grid_row >= 0 && grid_row <= VOCT + VHEAD)
+                sum += load_shared_u64(&grid[grid_row * VG + bucket_sub(b)]);
+            for (u32 i = 0; i < sh.spilled; ++i) {
+                const i64 shift = ((i64)k_top - (i64)sh.block_top[i]) * VG;
+                if ((i64)b >= shift) {
+                    const u64 at = ((u64)r * a.blocks_per_row + sh.block_index[i]) * VNB + (b - (u32)shift);
+                    sum += load_shared_u64(&a.block_hist[at]);
+                }
+            }
+            a.row_hist[(u64)r * VNB + b] = sum;
+            sh.hist[b] = sum;
+        }
+        block_sync();
+        for (u32 i = thread_x(); i < VGRID; i += VT) grid[i] = 0;
+        if (thread_x() == 0) a.row_anchor[r] = 0;
+    }
+    block_sync();
+    u32 status = VSTATUS_OK, error_token = 0, error_value = 0;
+    if (row_bad != ~0ull && (u32)row_bad != VNONE) {
+        status = VSTATUS_NONFINITE;
+        error_token = (u32)row_bad;
+        float raw;
+        const float z = biased_logit(v, error_token, &raw);
+        error_value = f32_to_bits((raw != raw || raw == f32_inf()) ? raw : z);
+    } else if (row_best == 0) {
+        status = VSTATUS_EMPTY;
+    }
+    const u32 argmax = ~(u32)row_best;
+    u32 top_mantissa = 0;
+    if (status == VSTATUS_OK && sampling)
+        top_mantissa = exp2_mantissa(token_parts(key_to_f32((u32)(row_best >> 32)), v.scale).frac);
+    if (thread_x() == 0) {
+        state[RS_STATUS] = (u64)status | ((u64)error_token << 32);
+        state[RS_VALUE] = (u64)error_value | ((u64)argmax << 32);
+        state[RS_TOP] = (u64)(u32)k_top | ((u64)top_mantissa << 32);
+        state[RS_PASS2_MINP] = 0;
+        a.counters[r] = 0;
+    }
+    if (status == VSTATUS_OK && sampling) plan_row(a, row, seq, v, state, k_top, top_mantissa, sh);
+}
+
+// ============================================================================================
+// verify_select: pass 2, the exact finish of each row, the acceptance chain of each sequence.
+// ============================================================================================
+struct SelectShared {
+    u64 plan[VPLAN_WORDS];
+    u64 scratch[VWARPS + 1];
+};
+
+struct FinishShared {
+    u32 count[VNB + 1];
+    u128 weight[VNB + 1];
+    u128 warp_weight[VWARPS];
+    u32 warp_count[VWARPS];
+    u64 keys[VCAP];      // candidates: bucket << 52 | kappa
+    u64 sorted[VCAP];
+    u64 prefix[VCAP];    // inclusive mantissa sums of the sorted candidates
+    u32 bin_count[256];
+    u64 bin_mass[256];
+    u64 scratch[VWARPS + 1];
+    u32 hit;
+    u32 pick;
+    u32 pick_count;
+    u64 pick_mass;
+    u64 pick_own;
+    u32 last;
+};
+
+{% if target.vendor == "nvidia" %}
+static_assert(sizeof(FinishShared) <= 48 * 1024, "verify.candidates_per_row too large for static shared memory");
+{% endif %}
+#define VSELECT_RANK 0       // the token of rank `value` (0-based)
+#define VSELECT_REACH 1      // the first token whose running mantissa sum reaches `value`
+#define VSELECT_EXCEED 2     // the first token whose running mantissa sum exceeds `value`
+
+/// A token inside its bucket: rank, mantissa sum up to and including it, kappa.
+struct Selected {
+    u32 rank;
+    u64 mass;
+    u64 kappa;
+};
+
+/// The slow path: radix rounds over the whole row on the kappa bits of the bucket's tokens
+/// (for a bucket that pass 2 did not collect). One block; 7 scans of the row.
+VERIFY_NOINLINE Selected select_by_scan(const RowView& v, i32 top, u32 bucket, int mode, u64 value,
+                                   FinishShared& sh) {
+    if (thread_x() == 0) VERIFY_TRACE(VTRACE_RADIX);
+    u64 prefix = 0;
+    u32 rank = 0;
+    u64 mass = 0;
+    u32 decided = 0;  // high kappa bits fixed so far
+    for (int round = 0; round < 7; ++round) {
+        const u32 width = round < 6 ? 8 : 4;
+        const u32 shift = 52 - decided - width;
+        for (u32 i = thread_x(); i < 256; i += VT) {
+            sh.bin_count[i] = 0;
+            sh.bin_mass[i] = 0;
+        }
+        block_sync();
+        for (u32 chunk = 0; chunk < v.chunks; ++chunk) {
+            float z[VI];
+            load_chunk(v, chunk, z);
+            #pragma unroll
+            for (int j = 0; j < VI; ++j) {
+                if (!(z[j] > -f32_inf())) continue;
+                const TokenParts p = token_parts(z[j], v.scale);
+                const i32 below = octaves_below(top, p.octave);
+                if (below < 0 || bucket_index(below, p.sub) != bucket) continue;
+                const u64 kappa = kappa_of(z[j], chunk * VCHUNK + thread_x() + VT * j);
+                if ((kappa >> (shift + width)) != (prefix >> (shift + width))) continue;
+                const u32 digit = (u32)(kappa >> shift) & ((1u << width) - 1);
+                atomic_add_u32(&sh.bin_count[digit], 1);
+                atomic_add_u64(&sh.bin_mass[digit], exp2_mantissa(p.frac));
+            }
+        }
+        block_sync();
+        if (thread_x() == 0) {
+            // the first non-empty digit (ascending kappa = the order) that holds the target
+            u32 c_before = 0, pick = 0;
+            u64 m_before = 0;
+            for (u32 d = 0; d < (1u << width); ++d) {
+                const u32 c = sh.bin_count[d];
+                if (c == 0) continue;
+                const u64 m = sh.bin_mass[d];
+                pick = d;
+                const bool here = mode == VSELECT_RANK ? value < (u64)c_before + c
+                                  : mode == VSELECT_REACH ? value <= m_before + m
+                                                          : value < m_before + m;
+                if (here) break;
+                c_before += c;
+                m_before += m;
+            }
+            sh.pick = pick;
+            sh.pick_count = c_before;
+            sh.pick_mass = m_before;
+            sh.pick_own = sh.bin_mass[pick];
+        }
+        block_sync();
+        prefix |= (u64)sh.pick << shift;
+        rank += sh.pick_count;
+        mass += sh.pick_mass;
+        value -= mode == VSELECT_RANK ? (u64)sh.pick_count : sh.pick_mass;
+        decided += width;
+        block_sync();
+    }
+    Selected s;
+    s.rank = rank;
+    s.mass = mass + sh.pick_own;
+    s.kappa = prefix;
+    return s;
+}
+
+/// First sorted candidate at or after key `key`.
+FP4_DEVICE u32 lower_bound(const u64* sorted, u32 n, u64 key) {
+    u32 lo = 0, hi = n;
+    while (lo < hi) {
+        const u32 mid = (lo + hi) / 2;
+        if (sorted[mid] < key) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/// A token inside bucket `bucket` (holding `tokens` tokens): from the candidates when pass 2
+/// collected the whole bucket, else by scanning the row.
+VERIFY_NOINLINE Selected select_in_bucket(const RowView& v, i32 top, u32 bucket, u32 tokens, int mode,
+                                     u64 value, u32 n, FinishShared& sh) {
+    const u32 s = lower_bound(sh.sorted, n, (u64)bucket << 52);
+    const u32 e = lower_bound(sh.sorted, n, (u64)(bucket + 1) << 52);
+    if (e - s != tokens || tokens == 0) return select_by_scan(v, top, bucket, mode, value, sh);
+    const u64 base = s > 0 ? sh.prefix[s - 1] : 0;
+    Selected out;
+    if (mode == VSELECT_RANK) {
+        const u32 i = s + (u32)value;
+        out.rank = (u32)value;
+        out.mass = sh.prefix[i] - base;
+        out.kappa = sh.sorted[i] & VKAPPA_ALL;
+        return out;
+    }
+    if (thread_x() == 0) sh.hit = e;
+    block_sync();
+    for (u32 i = s + thread_x(); i < e; i += VT) {
+        const u64 incl = sh.prefix[i] - base;
+        const u64 excl = i > s ? sh.prefix[i - 1] - base : 0;
+        const bool hit = mode == VSELECT_REACH ? (incl >= value && excl < value)
+                                               : (incl > value && excl <= value);
+        if (hit) sh.hit = i;
+    }
+    block_sync();
+    const u32 i = sh.hit;
+    block_sync();
+    if (i == e) return select_by_scan(v, top, bucket, mode, value, sh);
+    out.rank = i - s;
+    out.mass = sh.prefix[i] - base;
+    out.kappa = sh.sorted[i] & VKAPPA_ALL;
+    return out;
+}
+
+/// Weight of the first `kept` tokens of the order, and where the last of them sits.
+struct Prefix {
+    u128 weight;
+    u32 bucket;
+    u64 kappa;  // VKAPPA_ALL: the bucket ends with it
+};
+
+FP4_DEVICE Prefix prefix_of(const RowView& v, i32 top, u32 kept, u32 n, FinishShared& sh) {
+    const u32 b = bucket_of_rank(sh.count, kept - 1);
+    const u32 tokens = sh.count[b + 1] - sh.count[b];
+    const u32 r = kept - 1 - sh.count[b];
+    Prefix out;
+    out.bucket = b;
+    if (r + 1 == tokens) {
+        out.weight = sh.weight[b + 1];
+        out.kappa = VKAPPA_ALL;
+        return out;
+    }
+    const Selected s = select_in_bucket(v, top, b, tokens, VSELECT_RANK, r, n, sh);
+    out.weight = sh.weight[b] + bucket_weight(s.mass, b);
+    out.kappa = s.kappa;
+    return out;
+}
+
+/// The token of the order whose running weight first exceeds `t`.
+FP4_DEVICE u32 token_at(const RowView& v, i32 top, u128 t, u32 n, FinishShared& sh) {
+    const u32 b = bucket_exceeding(sh.weight, t);
+    const u32 bits = (u32)(VOCT - bucket_below(b));
+    const u64 rem = ((t - sh.weight[b]) >> bits).lo;
+    const Selected s = select_in_bucket(v, top, b, sh.count[b + 1] - sh.count[b], VSELECT_EXCEED, rem, n, sh);
+    return (u32)(s.kappa & 0xfffffu);
+}
+
+/// Pass 2's finish of one sampled row: the cuts, the kept weight, the probe, the draw.
+FP4_DEVICE void finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row, const VerifySequence& seq,
+                           FinishShared& sh) {
+    u64* state = a.row_state + (u64)r * VROW_WORDS;
+    const RowView v = row_view(a, row, seq);
+    const i32 top = (i32)(u32)state[RS_TOP];
+    scan_histogram(a.row_hist + (u64)r * VNB, sh.count, sh.weight, sh.warp_count, sh.warp_weight);
+    // candidates, sorted by (bucket, kappa) through their ranks
+    const u64 pass2 = load_shared_u64(&state[RS_PASS2]);
+    const u32 n = umin((u32)pass2, VCAP);
+    for (u32 i = thread_x(); i < n; i += VT) {
+        const u64 c = load_shared_u64(&a.candidates[(u64)r * VCAP + i]);
+        const float z = bits_to_f32((u32)(c >> 32));
+        const TokenParts p = token_parts(z, v.scale);
+        const u32 b = bucket_index(octaves_below(top, p.octave), p.sub);
+        sh.keys[i] = ((u64)b << 52) | kappa_of(z, (u32)c);
+    }
+    block_sync();
+    for (u32 i = thread_x(); i < n; i += VT) {
+        const u64 key = sh.keys[i];
+        u32 rank = 0;
+        for (u32 j = 0; j < n; ++j) rank += sh.keys[j] < key ? 1u : 0u;
+        sh.sorted[rank] = key;
+    }
+    block_sync();
+    {
+        // inclusive mantissa sums over the sorted candidates, one contiguous run per thread
+        const u32 per = (VCAP + VT - 1) / VT;
+        const u32 first = thread_x() * per;
+        u64 own = 0;
+        for (u32 i = first; i < first + per && i < n; ++i) {
+            const float z = kappa_logit(sh.sorted[i] & VKAPPA_ALL);
+            sh.prefix[i] = exp2_mantissa(token_parts(z, v.scale).frac);
+            own += sh.prefix[i];
+        }
+        u64 incl = own;
+        for (u32 offset = 1; offset < FP4_WARP_SIZE; offset <<= 1) {
+            const u32 src = lane_index() >= offset ? lane_index() - offset : lane_index();
+            const u64 o = shfl_u64(incl, src);
+            if (lane_index() >= offset) incl += o;
+        }
+        if (lane_index() == FP4_WARP_SIZE - 1) sh.scratch[warp_index()] = incl;
+        block_sync();
+        u64 running = incl - own;
+        for (u32 k = 0; k < warp_index(); ++k) running += sh.scratch[k];
+        for (u32 i = first; i < first + per && i < n; ++i) {
+            running += sh.prefix[i];
+            sh.prefix[i] = running;
+        }
+        block_sync();
+    }
+    const u32 tokens = sh.count[VNB];
+    const u32 lk = seq.top_k > 0 && seq.top_k < tokens ? seq.top_k : tokens;
+    u32 lp = tokens;
+    if (seq.top_p < 1.0f) {
+        const u128 need = top_p_need(seq.top_p, prefix_of(v, top, lk, n, sh).weight);
+        const u32 b = bucket_reaching(sh.weight, need);
+        const u32 bits = (u32)(VOCT - bucket_below(b));
+        const u128 rem = need - sh.weight[b];
+        const u64 rem_mantissas = ((rem + ((w128(1) << bits) - w128(1))) >> bits).lo;
+        const Selected s = select_in_bucket(v, top, b, sh.count[b + 1] - sh.count[b], VSELECT_REACH,
+                                            rem_mantissas, n, sh);
+        lp = sh.count[b] + s.rank + 1;
+    }
+    u32 lm = tokens;
+    if (seq.min_p > 0.0f) {
+        const u64 minp = state[RS_MINP];
+        const u32 keep_end = (u32)minp, partial_end = (u32)(minp >> 32);
+        lm = sh.count[keep_end];
+        if (partial_end > keep_end) lm += (u32)load_shared_u64(&state[RS_PASS2_MINP]);
+    }
+    const u32 kept = umin(lk, umin(lp, lm));
+    const Prefix cut = prefix_of(v, top, kept, n, sh);
+    // the probe's kept weight and the kept weight before it
+    const u64 probe = state[RS_PROBE];
+    const u32 probe_bucket = (u32)probe;
+    u128 probe_weight = w128(0), before_probe = w128(0);
+    if (probe_bucket != VNONE) {
+        const u32 rank = sh.count[probe_bucket] + (u32)(pass2 >> 32);
+        if (rank < kept) {
+            probe_weight = {state[RS_PROBE_W], state[RS_PROBE_W + 1]};
+            before_probe = sh.weight[probe_bucket] +
+                           bucket_weight(load_shared_u64(&state[RS_BEFORE_MASS]), probe_bucket);
+        }
+    }
+    // the draw: the bonus / plain draw, or the correction of a rejected point-mass draft
+    u32 drawn = VNONE;
+    if (!row.is_draft) {
+        const double u = uniform01(seq.seed, seq.position + row.index, STREAM_TOKEN);
+        u128 t;
+        const u128 rest = cut.weight - probe_weight;
+        if (row.index < seq.drafts && !(seq.flags & VSEQ_SAMPLED_DRAFTS) && rest > w128(0)) {
+            t = draw_target(u, rest);
+            if (probe_weight > w128(0) && t >= before_probe) t += probe_weight;
+        } else {
+            t = draw_target(u, cut.weight);
+        }
+        drawn = token_at(v, top, t, n, sh);
+    }
+    if (thread_x() == 0) {
+        state[RS_MASS] = cut.weight.lo;
+        state[RS_MASS + 1] = cut.weight.hi;
+        state[RS_PROBE_W] = probe_weight.lo;
+        state[RS_PROBE_W + 1] = probe_weight.hi;
+        state[RS_PROBE_BEFORE] = before_probe.lo;
+        state[RS_PROBE_BEFORE + 1] = before_probe.hi;
+        state[RS_CUT] = (u64)cut.bucket | ((u64)drawn << 32);
+        state[RS_CUT_KAPPA] = cut.kappa;
+    }
+    block_sync();
+}
+
+/// The first RS_PLAN state words of a sequence's rows, and its drafts: in shared memory when
+/// they fit (prefetched by the whole block), else read from global memory one by one.
+struct SequenceRows {
+    const u64* rows;     // row i's words at rows + i * stride
+    u32 stride;
+    bool shared;
+    const u32* drafts;
+    FP4_DEVICE u64 word(u32 row, u32 index) const {
+        const u64* p = rows + (u64)row * stride + index;
+        return shared ? *p : load_shared_u64(p);
+    }
+    FP4_DEVICE u128 wide(u32 row, u32 index) const { return {word(row, index), word(row, index + 1)}; }
+};
+
+/// Block-wide: brings sequence `s`'s row words and drafts into shared memory when they fit.
+FP4_DEVICE SequenceRows gather_sequence(const VerifyArgs& a, const VerifySequence& seq, FinishShared& sh) {
+    SequenceRows out;
+    const u32 rows = rows_of(seq);
+    const u64* global_rows = a.row_state + (u64)seq.first_row * VROW_WORDS;
+    if (rows * RS_PLAN > VCAP || seq.drafts > 256) {
+        out.rows = global_rows;
+        out.stride = VROW_WORDS;
+        out.shared = false;
+        out.drafts = a.draft_tokens + seq.first_draft;
+        return out;
+    }
+    for (u32 i = thread_x(); i < rows * RS_PLAN; i += VT)
+        sh.keys[i] = load_shared_u64(&global_rows[(u64)(i / RS_PLAN) * VROW_WORDS + i % RS_PLAN]);
+    for (u32 i = thread_x(); i < seq.drafts; i += VT) sh.bin_count[i] = a.draft_tokens[seq.first_draft + i];
+    block_sync();
+    out.rows = sh.keys;
+    out.stride = RS_PLAN;
+    out.shared = true;
+    out.drafts = sh.bin_count;
+    return out;
+}
+
+/// The acceptance chain of one sequence (thread 0 of its last row's block): the reference's
+/// walk, reading rows in order and only as far as the outcome needs them.
+VERIFY_NOINLINE void finish_sequence(const VerifyArgs& a, u32 s, const SequenceRows& rows) {
+    const VerifySequence seq = a.sequences[s];
+    u32* out = a.emitted + (u64)s * (a.max_drafts + 1);
+    u32* st = a.status + (u64)s * VSTATUS_WORDS;
+    const u32* drafts = rows.drafts;
+    const u32 n = seq.drafts;
+    const bool sampled = (seq.flags & VSEQ_SAMPLED_DRAFTS) != 0;
+    u32 code = VSTATUS_OK, accepted = 0, error_row = 0, error_token = 0, error_value = 0, residual = 0;
+    for (u32 j = 0; j < n; ++j) {
+        if (drafts[j] >= a.vocab) {
+            code = VSTATUS_TOKEN;
+            error_token = drafts[j];
+            break;
+        }
+    }
+    if (code == VSTATUS_OK && seq.host_error != 0) code = VSTATUS_PARAM;
+    for (u32 j = 0; code == VSTATUS_OK; ++j) {
+        const u64 p_status = rows.word(j, RS_STATUS);
+        if ((u32)p_status != VSTATUS_OK) {
+            code = (u32)p_status;
+            error_row = j;
+            error_token = (u32)(p_status >> 32);
+            error_value = (u32)rows.word(j, RS_VALUE);
+            break;
+        }
+        if (seq.temperature == 0.0f) {
+            const u32 best = (u32)(rows.word(j, RS_VALUE) >> 32);
+            if (j == n || best != drafts[j]) {
+                out[j] = best;
+                accepted = j;
+                break;
+            }
+            out[j] = drafts[j];
+            continue;
+        }
+        const u32 drawn = (u32)(rows.word(j, RS_CUT) >> 32);
+        if (j == n) {
+            out[j] = drawn;
+            accepted = n;
+            break;
+        }
+        const double u = uniform01(seq.seed, seq.position + j, STREAM_ACCEPT);
+        const double w_p = mass_to_f64(rows.wide(j, RS_PROBE_W));
+        const double s_p = mass_to_f64(rows.wide(j, RS_MASS));
+        bool accept;
+        if (sampled) {
+            const u32 q = n + 1 + j;
+            const u64 q_status = rows.word(q, RS_STATUS);
+            if ((u32)q_status != VSTATUS_OK) {
+                code = (u32)q_status;
+                error_row = j;
+                error_token = (u32)(q_status >> 32);
+                error_value = (u32)rows.word(q, RS_VALUE);
+                break;
+            }
+            const u128 w_q = rows.wide(q, RS_PROBE_W);
+            accept = w_q > w128(0) && mul64(u, mul64(mass_to_f64(w_q), s_p)) <
+                                          mul64(w_p, mass_to_f64(rows.wide(q, RS_MASS)));
+        } else {
+            accept = mul64(u, s_p) < w_p;
+        }
+        if (accept) {
+            out[j] = drafts[j];
+            continue;
+        }
+        accepted = j;
+        if (sampled) {
+            code = VSTATUS_PENDING;
+            residual = j;
+        } else {
+            out[j] = drawn;
+        }
+        break;
+    }
+    if (code == VSTATUS_OK || code == VSTATUS_PENDING) {
+        for (u32 i = 0; i < n; ++i) {
+            atomic_add_u64(&a.stats[i], 1);
+            if (i < accepted) atomic_add_u64(&a.stats[a.max_drafts + i], 1);
+        }
+    }
+    st[0] = code;
+    st[1] = accepted;
+    st[2] = error_row;
+    st[3] = error_token;
+    st[4] = error_value;
+    st[5] = residual;
+}
+
+/// Pass 2 over one block's chunks: collects the planned buckets' tokens, and counts the tokens
+/// before the probe in its bucket and the min-p survivors of the partial buckets.
+FP4_DEVICE void select_chunks(const VerifyArgs& a, u32 r, const VerifySequence& seq, const RowView& v,
+                              u64* state, SelectShared& sh) {
+    const i32 top = (i32)(u32)state[RS_TOP];
+    const u32 top_mantissa = (u32)(state[RS_TOP] >> 32);
+    const u64 probe = state[RS_PROBE];
+    const u32 probe_bucket = (u32)probe;
+    const float probe_z = bits_to_f32((u32)(probe >> 32));
+    const VerifyRow row = a.rows[r];
+    const u32 probe_token = probe_bucket != VNONE ? a.draft_tokens[seq.first_draft + row.index] : VNONE;
+    const u64 minp = state[RS_MINP];
+    const u32 keep_end = (u32)minp, partial_end = (u32)(minp >> 32);
+    for (u32 w = thread_x(); w < VPLAN_WORDS; w += VT) sh.plan[w] = state[RS_PLAN + w];
+    block_sync();
+    u32* collected = reinterpret_cast<u32*>(&state[RS_PASS2]);
+    u64 before = 0, before_mass = 0, survivors = 0;
+    const u32 first = block_x() * a.chunks_per_block;
+    const u32 end = umin(first + a.chunks_per_block, a.chunks_per_row);
+    for (u32 chunk = first; chunk < end; ++chunk) {
+        float z[VI];
+        load_chunk(v, chunk, z);
+        #pragma unroll
+        for (int j = 0; j < VI; ++j) {
+            const u32 e = chunk * VCHUNK + thread_x() + VT * j;
+            u32 b = VNONE;
+            TokenParts p;
+            i32 below = -1;
+            if (z[j] > -f32_inf()) {
+                p = token_parts(z[j], v.scale);
+                below = octaves_below(top, p.octave);
+                if (below >= 0) b = bucket_index(below, p.sub);
+            }
+            const bool take = b != VNONE && plan_has(sh.plan, b);
+            const u32 mask = ballot(take);
+            if (mask != 0) {
+                const u32 leader = lowest_bit(mask);
+                u32 base = 0;
+                if (lane_index() == leader) base = atomic_add_u32(collected, popcount(mask));
+                base = shfl_u32(base, leader);
+                const u32 slot = base + popcount(mask & ((1u << lane_index()) - 1));
+                if (take && slot < VCAP)
+                    a.candidates[(u64)r * VCAP + slot] = ((u64)f32_to_bits(z[j]) << 32) | e;
+            }
+            if (b == VNONE) continue;
+            const bool ahead = b == probe_bucket && (z[j] > probe_z || (z[j] == probe_z && e < probe_token));
+            const bool partial = b >= keep_end && b < partial_end;
+            if (ahead || partial) {
+                const u32 m = exp2_mantissa(p.frac);
+                if (ahead) {
+                    before += 1;
+                    before_mass += m;
+                }
+                if (partial && passes_min_p(m, below, seq.min_p, top_mantissa)) survivors += 1;
+            }
+        }
+    }
+    before = block_reduce(before, VOP_SUM, sh.scratch);
+    before_mass = block_reduce(before_mass, VOP_SUM, sh.scratch);
+    survivors = block_reduce(survivors, VOP_SUM, sh.scratch);
+    if (thread_x() == 0) {
+        if (before) atomic_add_u32(collected + 1, (u32)before);
+        if (before_mass) atomic_add_u64(&state[RS_BEFORE_MASS], before_mass);
+        if (survivors) atomic_add_u32(reinterpret_cast<u32*>(&state[RS_PASS2_MINP]), (u32)survivors);
+    }
+}
+
+FP4_KERNEL void {{ bounds }}verify_select(const VerifyArgs a) {
+    __shared__ SelectShared sh;
+    const u32 r = block_y();
+    const VerifyRow row = a.rows[r];
+    const VerifySequence seq = a.sequences[row.sequence];
+    u64* state = a.row_state + (u64)r * VROW_WORDS;
+    if (!row_is_processed(seq, row) || !(seq.temperature > 0.0f)) return;
+    if ((u32)state[RS_STATUS] != VSTATUS_OK || !((state[RS_PASS2_MINP] >> 32) & VFLAG_STREAM)) return;
+    select_chunks(a, r, seq, row_view(a, row, seq), state, sh);
+}
+
+/// One block per row: the exact finish of a sampled row, then (the sequence's last row) the
+/// acceptance chain.
+FP4_KERNEL void {{ bounds }}verify_finish(const VerifyArgs a) {
+    __shared__ FinishShared sh;
+    const u32 r = block_y();
+    const VerifyRow row = a.rows[r];
+    const VerifySequence seq = a.sequences[row.sequence];
+    const u64* state = a.row_state + (u64)r * VROW_WORDS;
+    if (row_is_processed(seq, row) && seq.temperature > 0.0f && (u32)state[RS_STATUS] == VSTATUS_OK)
+        finish_row(a, r, row, seq, sh);
+    device_fence();
+    block_sync();
+    u32* done = &a.counters[a.row_count + row.sequence];
+    if (thread_x() == 0) sh.last = atomic_add_u32(done, 1) == rows_of(seq) - 1;
+    block_sync();
+    if (!sh.last) return;
+    device_fence();
+    const SequenceRows rows = gather_sequence(a, seq, sh);
+    if (thread_x() == 0) {
+        finish_sequence(a, row.sequence, rows);
+        *done = 0;
+    }
+}
+
+// ============================================================================================
+// verify_residual: the correction of a rejected sampled draft, max(0, p - q) by token id.
+// ============================================================================================
+/// What a row's finish left for the residual: its weights' scale and its cut.
+struct Side {
+    RowView view;
+    i32 top;
+    u32 cut_bucket;
+    u64 cut_kappa;
+    double inverse;  // 1 / f64(S)
+};
+
+FP4_DEVICE Side side_of(const VerifyArgs& a, u32 r, const VerifySequence& seq) {
+    const VerifyRow row = a.rows[r];
+    const u64* state = a.row_state + (u64)r * VROW_WORDS;
+    Side s;
+    s.view = row_view(a, row, seq);
+    s.top = (i32)(u32)state[RS_TOP];
+    s.cut_bucket = (u32)state[RS_CUT];
+    s.cut_kappa = state[RS_CUT_KAPPA];
+    s.inverse = div64(1.0, mass_to_f64({state[RS_MASS], state[RS_MASS + 1]}));
+    return s;
+}
+
+/// f64 of a token's kept weight (0 when filtered out): M * 2^(40 - below), exact.
+FP4_DEVICE double kept_weight(const Side& s, float z, u32 token) {
+    if (!(z > -f32_inf())) return 0.0;
+    const TokenParts p = token_parts(z, s.view.scale);
+    const i32 below = octaves_below(s.top, p.octave);
+    if (below < 0) return 0.0;
+    const u32 b = bucket_index(below, p.sub);
+    if (b > s.cut_bucket || (b == s.cut_bucket && kappa_of(z, token) > s.cut_kappa)) return 0.0;
+    return mul64((double)exp2_mantissa(p.frac), pow2(VOCT - below));
+}
+
+/// reference.rs residual: round((p - q) * 2^62) where positive, for token `e` of logits zp, zq.
+FP4_DEVICE u64 residual_of(const Side& p, const Side& q, float zp, float zq, u32 e) {
+    const double d = sub64(mul64(kept_weight(p, zp, e), p.inverse), mul64(kept_weight(q, zq, e), q.inverse));
+    return d > 0.0 ? f64_to_u64_nearest(mul64(d, 0x1p62)) : 0;
+}
+
+struct ResidualShared {
+    u64 scratch[VWARPS + 1];
+    u64 warp_sum[VWARPS];
+    u32 last;
+    u32 chunk;
+    u64 offset;
+    u32 token;
+};
+
+FP4_KERNEL void {{ bounds }}verify_residual(const VerifyArgs a) {
+    __shared__ ResidualShared sh;
+    const u32 s = block_y();
+    u32* st = a.status + (u64)s * VSTATUS_WORDS;
+    if (st[0] != VSTATUS_PENDING) return;
+    const VerifySequence seq = a.sequences[s];
+    const u32 j = st[5];
+    const Side p = side_of(a, seq.first_row + j, seq);
+    const Side q = side_of(a, seq.first_row + seq.drafts + 1 + j, seq);
+    u64 own = 0;
+    {
+        float zp[VI], zq[VI];
+        load_chunk(p.view, block_x(), zp);
+        load_chunk(q.view, block_x(), zq);
+        #pragma unroll
+        for (int i = 0; i < VI; ++i)
+            own += residual_of(p, q, zp[i], zq[i], block_x() * VCHUNK + thread_x() + VT * i);
+    }
+    const u64 total_chunk = block_reduce(own, VOP_SUM, sh.scratch);
+    if (thread_x() == 0) a.residual_sums[(u64)s * a.chunks_per_row + block_x()] = total_chunk;
+    device_fence();
+    block_sync();
+    u32* counter = &a.counters[a.row_count + a.sequence_count + s];
+    if (thread_x() == 0) sh.last = atomic_add_u32(counter, 1) == a.chunks_per_row - 1;
+    block_sync();
+    if (!sh.last) return;
+    device_fence();
+    const u64* sums = a.residual_sums + (u64)s * a.chunks_per_row;
+    u64 part = 0;
+    for (u32 c = thread_x(); c < a.chunks_per_row; c += VT) part += load_shared_u64(&sums[c]);
+    const u64 total = block_reduce(part, VOP_SUM, sh.scratch);
+    const double u = uniform01(seq.seed, seq.position + j, STREAM_TOKEN);
+    if (total == 0) {
+        // no residual weight: the plain draw from p
+        if (thread_x() == 0) {
+            const u64* state = a.row_state + (u64)(seq.first_row + j) * VROW_WORDS;
+            sh.token = (u32)(state[RS_CUT] >> 32);
+        }
+    } else {
+        u64 t = (u64)floor64(mul64(u, u64_to_f64(total)));
+        if (t > total - 1) t = total - 1;
+        if (thread_x() == 0) {
+            u64 running = 0;
+            u32 c = 0;
+            for (; c + 1 < a.chunks_per_row; ++c) {
+                const u64 here = load_shared_u64(&sums[c]);
+                if (running + here > t) break;
+                running += here;
+            }
+            sh.chunk = c;
+            sh.offset = t - running;
+        }
+        block_sync();
+        const u32 chunk = sh.chunk;
+        const u64 local = sh.offset;
+        float zp[VI], zq[VI];
+        load_chunk(p.view, chunk, zp);
+        load_chunk(q.view, chunk, zq);
+        // id order inside a chunk: slab i holds tokens chunk * VCHUNK + VT * i + thread
+        u64 carry = 0;
+        if (thread_x() == 0) sh.token = VNONE;
+        block_sync();
+        #pragma unroll
+        for (int i = 0; i < VI; ++i) {
+            const u32 e = chunk * VCHUNK + VT * (u32)i + thread_x();
+            const u64 mine = residual_of(p, q, zp[i], zq[i], e);
+            u64 incl = mine;
+            for (u32 offset = 1; offset < FP4_WARP_SIZE; offset <<= 1) {
+                const u32 src = lane_index() >= offset ? lane_index() - offset : lane_index();
+                const u64 o = shfl_u64(incl, src);
+                if (lane_index() >= offset) incl += o;
+            }
+            if (lane_index() == FP4_WARP_SIZE - 1) sh.warp_sum[warp_index()] = incl;
+            block_sync();
+            u64 before = carry + incl - mine;
+            u64 slab = 0;
+            for (u32 k = 0; k < VWARPS; ++k) {
+                if (k < warp_index()) before += sh.warp_sum[k];
+                slab += sh.warp_sum[k];
+            }
+            if (mine > 0 && before <= local && local < before + mine) sh.token = e;
+            carry += slab;
+            block_sync();
+        }
+    }
+    block_sync();
+    if (thread_x() == 0) {
+        a.emitted[(u64)s * (a.max_drafts + 1) + j] = sh.token;
+        st[0] = VSTATUS_OK;
+        *counter = 0;
+    }
+}

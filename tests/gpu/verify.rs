@@ -1,0 +1,235 @@
+//! GPU checks of the `verify` family: the CUDA kernels give exactly the reference's outcomes
+//! (same tokens, same accept counts, same errors, same statistics) on random ragged batches with
+//! every control, at V = 248320 and small V, greedy and sampling, point-mass and sampled drafts,
+//! every bad value, through the radix fallback, and replayed from a CUDA graph.
+
+#[path = "../verify_support/batches.rs"]
+mod batches;
+
+use crate::common::{cuda, rng};
+use batches::{Batch, Run, assert_same, on_backend};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use fp4spec::Error;
+use fp4spec::backend::Backend;
+use fp4spec::kernels::verify::{self, DraftKind, SamplingParams, VerifyWorkspace};
+use fp4spec::rng::SplitMix64;
+
+const KINDS: [DraftKind; 2] = [DraftKind::PointMass, DraftKind::Sampled];
+
+/// CUDA against the CPU reference for both kinds of drafts; prints one line per kind.
+fn check(backend: &Backend, what: &str, batch: &Batch, vocab: usize) {
+    for kind in KINDS {
+        let want = on_backend(&Backend::Cpu, batch, vocab, kind);
+        let got = on_backend(backend, batch, vocab, kind);
+        assert_same(&format!("{what} {kind:?}"), batch, vocab, &got, &want);
+        let errors = want.outcomes.iter().filter(|o| o.is_err()).count();
+        println!(
+            "{what} {kind:?}: {} sequences equal ({errors} errors), accepted {:?} of {:?}",
+            want.outcomes.len(),
+            want.stats.accepted,
+            want.stats.drafted
+        );
+    }
+}
+
+#[test]
+fn verify_equals_the_reference_on_random_ragged_batches() {
+    let Some(backend) = cuda("verify_equals_the_reference_on_random_ragged_batches") else {
+        return;
+    };
+    let mut rng = rng("verify random batches");
+    for (vocab, sequences) in [(37usize, 16usize), (1000, 16), (20_000, 8), (248_320, 8)] {
+        let batch = batches::random(&mut rng, vocab, sequences, 4);
+        check(
+            backend,
+            &format!("random V={vocab} B={sequences}"),
+            &batch,
+            vocab,
+        );
+    }
+}
+
+#[test]
+fn verify_equals_the_reference_at_the_bench_shapes() {
+    let Some(backend) = cuda("verify_equals_the_reference_at_the_bench_shapes") else {
+        return;
+    };
+    let mut rng = rng("verify bench shapes");
+    let params = batches::all_controls();
+    for (sequences, drafts) in [(1usize, 1usize), (8, 2), (64, 4)] {
+        let batch = batches::model_like(&mut rng, 248_320, sequences, drafts, &params);
+        check(
+            backend,
+            &format!("all controls B={sequences} n={drafts}"),
+            &batch,
+            248_320,
+        );
+    }
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..batches::all_controls()
+    };
+    let batch = batches::model_like(&mut rng, 248_320, 8, 4, &greedy);
+    check(backend, "greedy B=8 n=4", &batch, 248_320);
+}
+
+#[test]
+fn verify_reports_every_bad_value_as_the_reference_does() {
+    let Some(backend) = cuda("verify_reports_every_bad_value_as_the_reference_does") else {
+        return;
+    };
+    let (batch, vocab) = batches::bad_values(&mut rng("verify bad values"));
+    check(backend, "bad values", &batch, vocab);
+}
+
+/// Rows whose cut and draw buckets hold far more tokens than the candidate space: nearly flat
+/// rows, exactly flat rows (ties broken by id only), bf16 plateaus; the finish resolves them by
+/// radix rounds over the row.
+#[test]
+fn verify_equals_the_reference_through_the_radix_fallback() {
+    let Some(backend) = cuda("verify_equals_the_reference_through_the_radix_fallback") else {
+        return;
+    };
+    let mut rng = rng("verify radix fallback");
+    let vocab = 248_320;
+    let mut batch = Batch::default();
+    let shapes: [fn(&mut SplitMix64, usize) -> Vec<f32>; 3] = [
+        |rng, v| rng.normal_vec(v, 0.001),
+        |_, v| vec![0.25; v],
+        |rng, v| {
+            rng.normal_vec(v, 0.05)
+                .into_iter()
+                .map(|x| half::bf16::from_f32(x).to_f32())
+                .collect()
+        },
+    ];
+    for (s, shape) in shapes.into_iter().enumerate() {
+        for (top_p, top_k, min_p) in [(0.5, 0, 0.0), (1.0, 100_000, 0.0), (0.9, 0, 0.99)] {
+            let rows: Vec<Vec<f32>> = (0..3).map(|_| shape(&mut rng, vocab)).collect();
+            batch.target.extend(rows.iter().flatten());
+            for row in &rows[..2] {
+                batch.tokens.push((rng.next_u64() % vocab as u64) as u32);
+                let mut draft_row = row.clone();
+                draft_row.iter_mut().step_by(7).for_each(|v| *v += 0.001);
+                batch.draft_logits.extend_from_slice(&draft_row);
+            }
+            batch.params.push(SamplingParams {
+                top_p,
+                top_k,
+                min_p,
+                seed: rng.next_u64(),
+                ..SamplingParams::default()
+            });
+            batch.positions.push(s as u64 * 17);
+            batch.drafts.push(2);
+        }
+    }
+    check(backend, "flat rows", &batch, vocab);
+}
+
+/// The launches are captured once into a CUDA graph and replayed; new controls and positions
+/// (same shapes) are uploaded between replays without capturing again.
+#[test]
+fn verify_replays_from_a_cuda_graph() {
+    let Some(backend) = cuda("verify_replays_from_a_cuda_graph") else {
+        return;
+    };
+    let Backend::Cuda(device) = backend else {
+        unreachable!("cuda() opens CUDA")
+    };
+    let mut rng = rng("verify graph");
+    let vocab = 248_320;
+    for kind in KINDS {
+        let mut batch = batches::model_like(&mut rng, vocab, 4, 3, &batches::all_controls());
+        let mut ws = VerifyWorkspace::new(backend, batch.capacity(vocab)).expect("workspace");
+        ws.set_batch(&batch.sequences(), kind).expect("set_batch");
+        let target = backend.upload(&batch.target).expect("upload");
+        let tokens = backend.upload(&batch.tokens).expect("upload");
+        let draft = batch
+            .draft_logits_for(kind)
+            .map(|d| backend.upload(d).expect("upload"));
+        // warm-up outside the capture: compiles and loads the module
+        verify::verify(backend, &mut ws, &target, &tokens, draft.as_ref()).expect("warm-up");
+        let stream = device.stream();
+        stream.synchronize().expect("warm-up");
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .expect("begin capture");
+        verify::verify(backend, &mut ws, &target, &tokens, draft.as_ref())
+            .expect("captured verify");
+        let graph = stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .expect("end capture")
+            .expect("a graph");
+        for replay in 0..2 {
+            if replay == 1 {
+                for (s, position) in batch.positions.iter_mut().enumerate() {
+                    *position += 1000 + s as u64;
+                }
+                for p in &mut batch.params {
+                    p.seed = p.seed.wrapping_mul(31).wrapping_add(7);
+                    p.top_p = 0.8;
+                }
+                ws.set_batch(&batch.sequences(), kind).expect("set_batch");
+            }
+            ws.reset_stats().expect("reset statistics");
+            graph.launch().expect("graph launch");
+            let got = Run {
+                outcomes: ws.outcomes().expect("outcomes"),
+                stats: ws.stats().expect("stats"),
+            };
+            let want = on_backend(&Backend::Cpu, &batch, vocab, kind);
+            assert_same(
+                &format!("graph replay {replay} {kind:?}"),
+                &batch,
+                vocab,
+                &got,
+                &want,
+            );
+            println!(
+                "graph replay {replay} {kind:?}: equal, accepted {:?}",
+                want.stats.accepted
+            );
+        }
+    }
+}
+
+/// Statistics add up over launches until reset; buffers of another backend are errors.
+#[test]
+fn verify_statistics_accumulate_and_foreign_buffers_are_errors() {
+    let Some(backend) = cuda("verify_statistics_accumulate_and_foreign_buffers_are_errors") else {
+        return;
+    };
+    let mut rng = rng("verify statistics");
+    let vocab = 20_000; // the bias of all_controls() reaches token 19999
+    let batch = batches::model_like(&mut rng, vocab, 6, 3, &batches::all_controls());
+    let mut ws = VerifyWorkspace::new(backend, batch.capacity(vocab)).expect("workspace");
+    ws.set_batch(&batch.sequences(), DraftKind::PointMass)
+        .expect("set_batch");
+    let target = backend.upload(&batch.target).expect("upload");
+    let tokens = backend.upload(&batch.tokens).expect("upload");
+    for _ in 0..3 {
+        verify::verify(backend, &mut ws, &target, &tokens, None).expect("verify");
+    }
+    let once = on_backend(&Backend::Cpu, &batch, vocab, DraftKind::PointMass).stats;
+    let three = ws.stats().expect("stats");
+    let tripled: Vec<u64> = once.accepted.iter().map(|a| 3 * a).collect();
+    assert_eq!(
+        three.accepted, tripled,
+        "accepted counts over three launches"
+    );
+    assert_eq!(
+        three.drafted,
+        vec![18; 3],
+        "drafted counts over three launches"
+    );
+    ws.reset_stats().expect("reset");
+    assert!(ws.stats().expect("stats").drafted.iter().all(|&d| d == 0));
+
+    let host_target = Backend::Cpu.upload(&batch.target).expect("host");
+    let err = verify::verify(backend, &mut ws, &host_target, &tokens, None).unwrap_err();
+    assert!(matches!(err, Error::BackendMismatch { .. }), "{err}");
+    let short = backend.upload(&batch.target[..vocab]).expect("upload");
+    let err = verify::verify(backend, &mut ws, &short, &tokens, None).unwrap_err();
+    assert!(matches!(err, Error::Invalid { .. }), "{err}");
+}
