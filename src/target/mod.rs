@@ -3,7 +3,7 @@
 
 mod facts;
 
-pub use facts::{DequantTiles, GemmTiles, Instructions, TargetFacts, Vendor};
+pub use facts::{DequantTiles, GemmTiles, Instructions, MoeTiles, TargetFacts, Vendor};
 
 use crate::error::{Error, Result};
 use std::sync::LazyLock;
