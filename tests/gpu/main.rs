@@ -7,6 +7,7 @@
 
 mod common;
 mod gemm;
+mod moe;
 
 use common::skipped;
 use fp4spec::Error;

@@ -20,6 +20,7 @@ use crate::formats::nvfp4::{BLOCK, E4M3_ONE, Nvfp4Matrix, e2m1_decode, e4m3_deco
 use crate::formats::safetensors::{Checkpoint, TensorRef};
 use crate::kernels::gemm::RowOrder;
 use crate::kernels::gemm::layout::{Bf16Fragments, GROUP_COLS, Nvfp4Fragments, TileGrid};
+use crate::rng::SplitMix64;
 use half::{bf16, f16};
 use safetensors::Dtype;
 
@@ -250,6 +251,34 @@ impl MoeHostWeights {
         };
         weights.check()?;
         Ok(weights)
+    }
+
+    /// Synthetic weights of `shape` for benches and tests (exact for bandwidth and compute, not
+    /// for a model's accuracy), reproducible from `seed`: router rows uniform with RMS
+    /// `2 / sqrt(H)` (logits of standard deviation ~2 for unit inputs), the shared gate (when
+    /// `Is > 0`) `1 / sqrt(H)`; every expert (and the shared expert) in `format`, gate and up of
+    /// RMS `1 / sqrt(H)`, down `1 / sqrt(I)`. NVFP4: uniform random codes, block scales 0.5 ..
+    /// 1.875, one per-tensor scale per matrix (gate's and up's equal). Experts are generated in
+    /// parallel.
+    pub fn synthetic(shape: MoeShape, format: ExpertFormat, seed: u64) -> Self {
+        let mut rng = SplitMix64::new(seed);
+        let h = shape.hidden;
+        let router = uniform_bf16(&mut rng, shape.experts * h, 2.0 / (h as f32).sqrt());
+        let shared_gate = (shape.shared_intermediate > 0)
+            .then(|| uniform_bf16(&mut rng, h, 1.0 / (h as f32).sqrt()));
+        let seeds: Vec<u64> = (0..shape.experts).map(|_| rng.next_u64()).collect();
+        let experts = parallel_map(&seeds, |&seed| {
+            synthetic_expert(&mut SplitMix64::new(seed), format, h, shape.intermediate)
+        });
+        let shared = (shape.shared_intermediate > 0)
+            .then(|| synthetic_expert(&mut rng, format, h, shape.shared_intermediate));
+        Self {
+            shape,
+            router,
+            shared_gate,
+            experts,
+            shared,
+        }
     }
 
     /// The routed experts' format.
@@ -516,6 +545,60 @@ impl MoeHostWeights {
         }
         debug_assert_eq!(layout.down_alpha.len(), experts + layout.shared_experts);
         Ok(layout)
+    }
+}
+
+/// `len` bf16 values uniform in `[-a, a]` with RMS `rms`.
+fn uniform_bf16(rng: &mut SplitMix64, len: usize, rms: f32) -> Vec<bf16> {
+    let a = rms * 3f32.sqrt();
+    (0..len)
+        .map(|_| bf16::from_f32((2.0 * rng.uniform() - 1.0) * a))
+        .collect()
+}
+
+/// RMS of an E2M1 code drawn uniformly from all 16.
+const E2M1_UNIFORM_RMS: f32 = 2.93;
+/// RMS of a block scale drawn uniformly from the E4M3 codes 0x30 ..= 0x3f (0.5 .. 1.875).
+const SYNTHETIC_SCALE_RMS: f32 = 1.15;
+
+/// An NVFP4 `[rows, cols]` of RMS about `rms` (uniform codes and block scales, see
+/// [`MoeHostWeights::synthetic`]).
+fn synthetic_nvfp4(rng: &mut SplitMix64, rows: usize, cols: usize, rms: f32) -> Nvfp4Matrix {
+    let mut packed = vec![0u8; rows * cols / 2];
+    for chunk in packed.chunks_mut(8) {
+        let bits = rng.next_u64().to_le_bytes();
+        chunk.copy_from_slice(&bits[..chunk.len()]);
+    }
+    let scales = (0..rows * cols / BLOCK)
+        .map(|_| 0x30 + (rng.next_u64() % 16) as u8)
+        .collect();
+    Nvfp4Matrix {
+        rows,
+        cols,
+        packed,
+        scales,
+        global_scale: rms / (E2M1_UNIFORM_RMS * SYNTHETIC_SCALE_RMS),
+        input_scale: None,
+    }
+}
+
+fn synthetic_expert(
+    rng: &mut SplitMix64,
+    format: ExpertFormat,
+    h: usize,
+    i: usize,
+) -> ExpertWeights {
+    let (w_in, w_out) = (1.0 / (h as f32).sqrt(), 1.0 / (i as f32).sqrt());
+    match format {
+        ExpertFormat::Nvfp4 => ExpertWeights::Nvfp4 {
+            gate: synthetic_nvfp4(rng, i, h, w_in),
+            up: synthetic_nvfp4(rng, i, h, w_in),
+            down: synthetic_nvfp4(rng, h, i, w_out),
+        },
+        ExpertFormat::Bf16 => ExpertWeights::Bf16 {
+            gate_up: uniform_bf16(rng, 2 * i * h, w_in),
+            down: uniform_bf16(rng, h * i, w_out),
+        },
     }
 }
 
