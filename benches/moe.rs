@@ -132,21 +132,23 @@ impl Baseline {
     }
 }
 
-/// One call's buffers for the baseline: the input, each chosen expert's gathered rows and
-/// outputs, the shared expert's and the router's outputs.
+/// One chosen expert's part of a baseline call: its gathered rows and outputs.
+struct ExpertCall {
+    expert: u32,
+    rows: usize,
+    x: DeviceVec<bf16>,
+    act: DeviceVec<bf16>,
+    out: DeviceVec<bf16>,
+}
+
+/// One call's buffers for the baseline: the input, each chosen expert's part, the shared
+/// expert's and the router's outputs.
 struct BaselineCall {
     x: DeviceVec<bf16>,
     logits: DeviceVec<bf16>,
     shared_act: DeviceVec<bf16>,
     shared_out: DeviceVec<bf16>,
-    /// (expert, rows, gathered X, act, out)
-    experts: Vec<(
-        u32,
-        usize,
-        DeviceVec<bf16>,
-        DeviceVec<bf16>,
-        DeviceVec<bf16>,
-    )>,
+    experts: Vec<ExpertCall>,
 }
 
 fn baseline_call(
@@ -161,24 +163,24 @@ fn baseline_call(
     for (slot, &e) in routing.experts.iter().enumerate() {
         rows.entry(e).or_default().push(slot / k);
     }
-    let mut experts: Vec<_> = rows
+    let mut experts: Vec<ExpertCall> = rows
         .into_iter()
-        .map(|(e, tokens)| {
+        .map(|(expert, tokens)| {
             let gathered: Vec<bf16> = tokens
                 .iter()
                 .flat_map(|&token| x[token * h..(token + 1) * h].iter().copied())
                 .collect();
             let n = tokens.len();
-            (
-                e,
-                n,
-                backend.upload(&gathered).expect("gathered X"),
-                backend.zeros(n * i).expect("act"),
-                backend.zeros(n * h).expect("out"),
-            )
+            ExpertCall {
+                expert,
+                rows: n,
+                x: backend.upload(&gathered).expect("gathered X"),
+                act: backend.zeros(n * i).expect("act"),
+                out: backend.zeros(n * h).expect("out"),
+            }
         })
         .collect();
-    experts.sort_by_key(|entry| entry.0);
+    experts.sort_by_key(|call| call.expert);
     BaselineCall {
         x: backend.upload(x).expect("X"),
         logits: backend.zeros(t * (s.experts + 1)).expect("logits"),
@@ -198,10 +200,26 @@ fn run_baseline(backend: &Backend, w: &Baseline, t: usize, call: &mut BaselineCa
         &mut call.logits,
     )
     .expect("router");
-    for (e, n, x, act, out) in &mut call.experts {
-        let (gate_up, down) = &w.experts[e];
-        gemm::linear(backend, x, *n, gate_up, Epilogue::SiluMul, act).expect("gate_up");
-        gemm::linear(backend, act, *n, down, Epilogue::None, out).expect("down");
+    for part in &mut call.experts {
+        let (gate_up, down) = &w.experts[&part.expert];
+        gemm::linear(
+            backend,
+            &part.x,
+            part.rows,
+            gate_up,
+            Epilogue::SiluMul,
+            &mut part.act,
+        )
+        .expect("gate_up");
+        gemm::linear(
+            backend,
+            &part.act,
+            part.rows,
+            down,
+            Epilogue::None,
+            &mut part.out,
+        )
+        .expect("down");
     }
     let (gate_up, down) = &w.shared;
     gemm::linear(

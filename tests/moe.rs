@@ -124,8 +124,8 @@ fn dense_block(b: &Block, x: &[f32], t: usize) -> (Vec<f64>, Vec<Vec<f64>>) {
         let w: Vec<f64> = (0..experts)
             .map(|e| if kept[e] { p[e] / mass } else { 0.0 })
             .collect();
-        for e in 0..experts {
-            let out = mlp(xt, &b.gate_up[e], &b.down[e], i);
+        for (e, (gate_up, down)) in b.gate_up.iter().zip(&b.down).enumerate() {
+            let out = mlp(xt, gate_up, down, i);
             for (dst, v) in y[token * h..(token + 1) * h].iter_mut().zip(out) {
                 *dst += w[e] * v;
             }
@@ -159,19 +159,16 @@ fn check_against_dense(shape: MoeShape, t: usize, seed: u64) {
     let y = moe::moe_block(shape, &x, t, &routing, |e| b.expert(e), b.shared());
     let (want, dense_weights) = dense_block(&b, &x, t);
     let k = shape.top_k;
-    for token in 0..t {
+    for (token, dense) in dense_weights.iter().enumerate() {
         let experts = &routing.experts[token * k..(token + 1) * k];
         let kept: Vec<u32> = (0..shape.experts as u32)
-            .filter(|&e| dense_weights[token][e as usize] > 0.0)
+            .filter(|&e| dense[e as usize] > 0.0)
             .collect();
         let mut sorted = experts.to_vec();
         sorted.sort_unstable();
         assert_eq!(sorted, kept, "token {token}: experts chosen");
         for (slot, &e) in experts.iter().enumerate() {
-            let (got, want) = (
-                routing.weights[token * k + slot],
-                dense_weights[token][e as usize],
-            );
+            let (got, want) = (routing.weights[token * k + slot], dense[e as usize]);
             assert!(
                 (f64::from(got) - want).abs() <= 1e-6 * want.max(1e-3),
                 "token {token} expert {e}: weight {got} vs dense {want}"
@@ -576,7 +573,7 @@ fn launch_arguments_are_checked() {
     assert!(MoeWorkspace::new(&backend, &weights, 40000).is_err()); // 80000 slots
     let mut workspace = MoeWorkspace::new(&backend, &weights, 4).expect("workspace");
     assert!(workspace.routing(&backend).is_err(), "no block has run yet");
-    let x = backend.upload(&vec![bf16::ONE; 2 * 32]).expect("x");
+    let x = backend.upload(&[bf16::ONE; 2 * 32]).expect("x");
     let mut y = backend.zeros::<bf16>(3 * 32).expect("y");
     let err = family::moe_block(&backend, &weights, &x, 2, None, &mut workspace, &mut y)
         .unwrap_err()

@@ -10,9 +10,10 @@
 // of work items, claimed in order from a counter in global memory by a grid of resident-sized
 // blocks, that hand results to each other through counters:
 //   1. router       (router tile group, token chunk): logits[T][E + 1] in fp32 (row E is the
-//                   shared-expert gate); the last router item to finish routes every token
-//                   (softmax, top-k, renormalisation, sigmoid of the gate) and aligns the slots
-//                   by expert, then raises routing_ready
+//                   shared-expert gate); the last router item of a chunk routes its tokens
+//                   (softmax, top-k, renormalisation, sigmoid of the gate; a warp per token), the
+//                   last chunk to be routed aligns every slot by expert, then raises
+//                   routing_ready
 //   2. shared gate_up  (sub-expert, tile group, token chunk): needs only X
 //   3. routed gate_up  (active expert rank, tile group): waits for routing_ready
 //   4. shared down     (sub-expert, tile group, token chunk): waits for its gate_up
@@ -65,7 +66,8 @@
 #define CONTROL_ROUTING_READY 2u
 #define CONTROL_BLOCKS_DONE 3u
 #define CONTROL_GATE_UP_DONE 4u  // [E + S]: finished gate_up items per rank (sub-experts first)
-// then [down groups]: finished down items per group of DOWN_TILES_PER_ITEM * 16 hidden rows
+// then [down groups]: finished down items per group of DOWN_TILES_PER_ITEM * 16 hidden rows,
+// then [chunks]: finished router items per token chunk
 
 /// Everything one launch needs; mirrors `MoeArgs` in src/kernels/moe/mod.rs field by field.
 struct MoeArgs {
@@ -366,16 +368,13 @@ FP4_DEVICE float warp_max(float v) {
     return v;
 }
 
-/// Routing of every token (one warp per token) and the alignment of the slots by expert, by the
-/// one block that finished the router items last; ends by raising routing_ready.
-template <int ROWS>
-FP4_DEVICE void route_and_align(const MoeArgs& a, MoeShared<ROWS>& sh) {
-    const u32 E = a.experts, k = a.top_k, T = a.tokens, stride = E + 1;
-    const u32 tid = thread_x(), lane = lane_index(), warp = tid / FP4_WARP_SIZE;
+/// Routing of tokens t0 .. t1 (one warp per token), by the block that finished the router
+/// items of their chunk last: top-k ids, renormalised weights, the shared expert's scale.
+FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1) {
+    const u32 E = a.experts, k = a.top_k, stride = E + 1;
+    const u32 lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
     const float minus_infinity = bits_to_f32(0xff800000u);
-    for (u32 e = tid; e < MOE_MAX_EXPERTS; e += MOE_THREADS) sh.route.count[e] = sh.route.fill[e] = 0u;
-    block_barrier();
-    for (u32 t = warp; t < T; t += MOE_WARPS) {
+    for (u32 t = t0 + warp; t < t1; t += MOE_WARPS) {
         const float* row = a.logits + (u64)t * stride;
         float l[MOE_EXPERTS_PER_LANE];
         float top = minus_infinity;
@@ -429,10 +428,20 @@ FP4_DEVICE void route_and_align(const MoeArgs& a, MoeShared<ROWS>& sh) {
         if (lane < k) {
             a.topk_ids[t * k + lane] = mine;
             a.route_weight[t * k + lane] = mine_p / kept;
-            atomic_add_block(&sh.route.count[mine], 1u);
         }
         if (lane == 0) a.shared_scale[t] = a.has_shared_gate ? sigmoid(load_coherent_f32(row + E)) : 1.0f;
     }
+}
+
+/// The alignment of every slot by expert, by the block that routed the last chunk: per expert
+/// its slots (counted here), its rank among the active experts (ascending ids) and first
+/// position; per slot its position, per position its token. Ends by raising routing_ready.
+template <int ROWS>
+FP4_DEVICE void align(const MoeArgs& a, MoeShared<ROWS>& sh) {
+    const u32 E = a.experts, k = a.top_k, T = a.tokens, tid = thread_x();
+    for (u32 e = tid; e < MOE_MAX_EXPERTS; e += MOE_THREADS) sh.route.count[e] = sh.route.fill[e] = 0u;
+    block_barrier();
+    for (u32 s = tid; s < T * k; s += MOE_THREADS) atomic_add_block(&sh.route.count[load_coherent_u32(a.topk_ids + s)], 1u);
     block_barrier();
 
     // Alignment: an exclusive scan over the experts of (active << 16 | slots) gives each active
@@ -466,7 +475,7 @@ FP4_DEVICE void route_and_align(const MoeArgs& a, MoeShared<ROWS>& sh) {
     if (tid == MOE_THREADS - 1) *a.n_active = sh.route.scan[tid] >> 16;
     block_barrier();
     for (u32 s = tid; s < T * k; s += MOE_THREADS) {
-        const u32 e = load_coherent_u32(a.topk_ids + s);  // this block's writes, after a barrier
+        const u32 e = load_coherent_u32(a.topk_ids + s);
         const u32 position = sh.route.offset[e] + atomic_add_block(&sh.route.fill[e], 1u);
         a.sorted_token[position] = s / k;
         a.slot_pos[s] = position;
@@ -476,8 +485,8 @@ FP4_DEVICE void route_and_align(const MoeArgs& a, MoeShared<ROWS>& sh) {
     if (tid == 0) store_release_gpu(a.control + CONTROL_ROUTING_READY, 1u);
 }
 
-/// Router item: logits of router tile group `group` for the tokens of chunk `chunk`; the last
-/// router item to finish routes and aligns every token.
+/// Router item: logits of router tile group `group` for the tokens of chunk `chunk`. The last
+/// router item of the chunk routes its tokens; the last chunk routed aligns them all.
 template <int ROWS, int STAGES>
 FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chunk, MoeShared<ROWS>& sh) {
     const u32 lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
@@ -505,7 +514,10 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
             if (e + 8 < logit_rows) out[e + 8] = bottom;
         });
     }
-    if (block_arrive(a.control + CONTROL_ROUTER_DONE, p.end_router, &sh.flag)) route_and_align<ROWS>(a, sh);
+    u32* const chunk_done = a.control + CONTROL_GATE_UP_DONE + a.experts + a.shared_experts + p.down_groups;
+    if (!block_arrive(chunk_done + chunk, p.router_groups, &sh.flag)) return;
+    route_tokens(a, r0, r0 + rows);
+    if (block_arrive(a.control + CONTROL_ROUTER_DONE, p.chunks, &sh.flag)) align<ROWS>(a, sh);
 }
 
 /// One expert GEMM, gate_up or down: which weights, which rows, and what it waits for.
@@ -689,7 +701,7 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
         }
     }
     if (block_arrive(a.control + CONTROL_BLOCKS_DONE, grid_blocks(), &sh.flag)) {
-        const u32 counters = CONTROL_GATE_UP_DONE + a.experts + S + p.down_groups;
+        const u32 counters = CONTROL_GATE_UP_DONE + a.experts + S + p.down_groups + p.chunks;
         for (u32 i = thread_x(); i < counters; i += MOE_THREADS) a.control[i] = 0u;
     }
 }

@@ -11,6 +11,7 @@
 //!   activation silu(gate) * up rounded to bf16 as the kernel does; then `compare_bf16`: each
 //!   element within bf16 rounding of the output plus 2e-3 of its RMS (fp32 accumulation). NVFP4
 //!   weights decode exactly, so W4A16 has no other error source.
+//!
 //! Outputs start as NaN, so an element the kernel never writes fails.
 
 use crate::common::{cuda, poisoned, rng};
@@ -577,9 +578,11 @@ fn moe_router_ties_go_to_the_lower_id() {
     // inputs aligned with the common row, so the ordering above holds for every token
     let mut cases = random_cases(&mut rng, h, &[4]);
     for token in 0..4 {
-        for c in 0..h {
-            cases[0].x[token * h + c] =
-                bf16::from_f32(common[c].to_f32() * 30.0 + 0.1 * rng.normal());
+        for (slot, c) in cases[0].x[token * h..(token + 1) * h]
+            .iter_mut()
+            .zip(&common)
+        {
+            *slot = bf16::from_f32(c.to_f32() * 30.0 + 0.1 * rng.normal());
         }
     }
     let outcomes = check_block(test, backend, &host, &cases, &mut rng);

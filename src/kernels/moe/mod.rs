@@ -48,6 +48,7 @@ pub struct MoeWeights {
     shape: MoeShape,
     format: ExpertFormat,
     shared_experts: usize,
+    shared_gate: bool,
     expert_bytes: u64,
     shared_bytes: u64,
     router_bytes: u64,
@@ -56,7 +57,7 @@ pub struct MoeWeights {
 
 enum MoeStorage {
     Host(Box<MoeHostWeights>),
-    Cuda(CudaMoe),
+    Cuda(Box<CudaMoe>),
 }
 
 struct CudaMoe {
@@ -115,7 +116,7 @@ impl MoeWeights {
                         upload(cuda, data, what).map(Some)
                     }
                 };
-                MoeStorage::Cuda(CudaMoe {
+                MoeStorage::Cuda(Box::new(CudaMoe {
                     router: upload(cuda, &layout.router, "MoE router fragments")?,
                     has_shared_gate: layout.has_shared_gate,
                     gate_up: upload(cuda, &layout.gate_up, "MoE gate_up fragments")?,
@@ -124,13 +125,14 @@ impl MoeWeights {
                     down_scales: scales(&layout.down_scales, "MoE down scales")?,
                     gate_up_alpha: upload(cuda, &layout.gate_up_alpha, "MoE gate_up alphas")?,
                     down_alpha: upload(cuda, &layout.down_alpha, "MoE down alphas")?,
-                })
+                }))
             }
         };
         Ok(Self {
             shape,
             format: host.format(),
             shared_experts,
+            shared_gate: host.shared_gate.is_some(),
             expert_bytes,
             shared_bytes,
             router_bytes,
@@ -164,7 +166,7 @@ impl MoeWeights {
                     |s: &Option<CudaSlice<u16>>, what: &str| -> Result<Option<CudaSlice<u16>>> {
                         s.as_ref().map(|s| copy(cuda, s, what)).transpose()
                     };
-                MoeStorage::Cuda(CudaMoe {
+                MoeStorage::Cuda(Box::new(CudaMoe {
                     router: copy(cuda, &c.router, "MoE router fragments")?,
                     has_shared_gate: c.has_shared_gate,
                     gate_up: copy(cuda, &c.gate_up, "MoE gate_up fragments")?,
@@ -173,7 +175,7 @@ impl MoeWeights {
                     down_scales: scales(&c.down_scales, "MoE down scales")?,
                     gate_up_alpha: copy(cuda, &c.gate_up_alpha, "MoE gate_up alphas")?,
                     down_alpha: copy(cuda, &c.down_alpha, "MoE down alphas")?,
-                })
+                }))
             }
             (MoeStorage::Cuda(_), Backend::Cpu) => {
                 return Err(Error::BackendMismatch {
@@ -249,6 +251,7 @@ pub struct MoeWorkspace {
     capacity: usize,
     shape: MoeShape,
     shared_experts: usize,
+    shared_gate: bool,
     storage: WorkspaceStorage,
 }
 
@@ -312,8 +315,11 @@ impl MoeWorkspace {
                 };
                 WorkspaceStorage::Cuda(Box::new(CudaWorkspace {
                     // 4 counters, one per expert rank, one per 16 hidden rows (enough for any
-                    // grouping of the down tiles)
-                    control: u32s(4 + e + weights.shared_experts + h.div_ceil(16), "counters")?,
+                    // grouping of the down tiles), one per 8 tokens (the smallest token chunk)
+                    control: u32s(
+                        4 + e + weights.shared_experts + h.div_ceil(16) + capacity.div_ceil(8),
+                        "counters",
+                    )?,
                     topk_ids: u32s(capacity * k, "top-k ids")?,
                     slot_pos: u32s(capacity * k, "slot positions")?,
                     sorted_token: u32s(positions, "sorted tokens")?,
@@ -339,6 +345,7 @@ impl MoeWorkspace {
             capacity,
             shape,
             shared_experts: weights.shared_experts,
+            shared_gate: weights.shared_gate,
             storage,
         })
     }
@@ -350,7 +357,8 @@ impl MoeWorkspace {
 
     /// The routing of the last launch's tokens (the last `capacity`-token chunk of the last
     /// [`moe_block`] call): chosen experts, most probable first, their renormalised weights and
-    /// the shared expert's scales (empty without a shared-expert gate). Waits for the device.
+    /// the shared expert's scales (empty without a shared-expert gate, as in
+    /// [`reference::route`]). Waits for the device.
     ///
     /// # Errors
     /// [`Error::Invalid`] before any call; [`Error::Cuda`] when the copy fails (also where an
@@ -380,7 +388,8 @@ impl MoeWorkspace {
                     top_k: k,
                     experts: read_u32(&w.topk_ids, t * k)?,
                     weights: read_f32(&w.route_weight, t * k)?,
-                    shared_scale: if self.shared_experts > 0 {
+                    // as the reference: the scales exist where a gate does
+                    shared_scale: if self.shared_gate {
                         read_f32(&w.shared_scale, t)?
                     } else {
                         Vec::new()
@@ -463,7 +472,10 @@ pub fn moe_block(
     if let Some(r) = residual {
         check_len("MoE residual", r, t * h, &format!("[{t}, {h}]"))?;
     }
-    if workspace.shape != weights.shape || workspace.shared_experts != weights.shared_experts {
+    if workspace.shape != weights.shape
+        || workspace.shared_experts != weights.shared_experts
+        || workspace.shared_gate != weights.shared_gate
+    {
         return Err(Error::invalid(
             "MoE workspace",
             format!(
@@ -494,7 +506,21 @@ pub fn moe_block(
                 .enumerate()
                 .map(|(index, v)| bf16::from_f32(v + residual.map_or(0.0, |r| r[index].to_f32())))
                 .collect();
-            workspace.storage = WorkspaceStorage::Host(Some(routing));
+            // keep what a device would: the routing of the last `capacity`-token launch
+            let (first, k) = (
+                (t - 1) / workspace.capacity * workspace.capacity,
+                routing.top_k,
+            );
+            workspace.storage = WorkspaceStorage::Host(Some(Routing {
+                top_k: k,
+                experts: routing.experts[first * k..].to_vec(),
+                weights: routing.weights[first * k..].to_vec(),
+                shared_scale: routing
+                    .shared_scale
+                    .get(first..)
+                    .unwrap_or_default()
+                    .to_vec(),
+            }));
             Ok(())
         }
         (Backend::Cuda(cuda), MoeStorage::Cuda(device)) => {
