@@ -190,15 +190,8 @@ fn main() {
     let Some(backend) = common::cuda_or_skip("gemm") else {
         return;
     };
-    let Backend::Cuda(cuda) = &backend else {
-        unreachable!("asked for CUDA")
-    };
+    let cuda = common::announce(&backend);
     let mut criterion = common::criterion();
-    println!(
-        "device: {} ({} SMs)",
-        backend.describe(),
-        cuda.multiprocessors()
-    );
     let blas = CudaBlas::new(cuda.stream().clone()).expect("cuBLAS handle");
 
     let copy_gbs = common::copy_bandwidth_gbs(&mut criterion, cuda);

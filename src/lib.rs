@@ -6,11 +6,13 @@
 //! - [`kernels`]: the kernel families (launch API + CPU reference each) and the table of
 //!   rendered sources.
 //! - [`backend`]: CPU (references) and CUDA (NVRTC + cudarc); HIP compilation.
-//! - [`formats`]: NVFP4 and safetensors checkpoints.
+//! - [`formats`]: NVFP4, safetensors checkpoints and quantisation configs.
+//! - [`checkpoint`]: the checkpoint tools (doctor, MTP graft, NVFP4 quantiser).
 
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod checkpoint;
 pub mod error;
 pub mod formats;
 pub mod kernels;

@@ -269,3 +269,149 @@ fn a_missing_misshaped_or_mistyped_tensor_is_named() {
         "{err}"
     );
 }
+
+// ---- NVFP4 checkpoints as ModelOpt / compressed-tensors write them ----
+
+use fp4spec::formats::quant_config::{Convention, QuantConfig};
+use fp4spec::formats::safetensors::{HeaderCatalog, TensorHeaders};
+use fp4spec::model::weights::ProblemKind;
+
+/// The tiny layout as a header catalogue with the main layers' fused experts in ModelOpt's
+/// fused NVFP4 form (per-expert scales) and the attention linears NVFP4 with input scales.
+fn fused_nvfp4_catalog(drop: &[&str]) -> HeaderCatalog {
+    let file = Path::new("model.safetensors");
+    let mut catalog = HeaderCatalog::new("fixture");
+    for t in tiny_tensors("model.", true, false, true) {
+        let (dtype, shape) = if t.name.ends_with("experts.gate_up_proj") {
+            (Dtype::U8, vec![4, 32, 16])
+        } else if t.name.ends_with("experts.down_proj") {
+            (Dtype::U8, vec![4, 32, 8])
+        } else {
+            (t.dtype, t.shape.clone())
+        };
+        catalog.insert(&t.name, file, dtype, shape);
+        if t.name.ends_with("_proj.weight_scale_2") {
+            let input = t.name.replace("weight_scale_2", "input_scale");
+            catalog.insert(&input, file, Dtype::F32, vec![]);
+        }
+    }
+    for layer in 0..4 {
+        for (proj, rows, cols) in [("gate_up_proj", 32, 32), ("down_proj", 32, 16)] {
+            let p = format!("model.layers.{layer}.mlp.experts.{proj}");
+            catalog.insert(
+                &format!("{p}_weight_scale"),
+                file,
+                Dtype::F8_E4M3,
+                vec![4, rows, cols / 16],
+            );
+            catalog.insert(&format!("{p}_weight_scale_2"), file, Dtype::F32, vec![4]);
+            catalog.insert(&format!("{p}_input_scale"), file, Dtype::F32, vec![4]);
+        }
+    }
+    let names: Vec<String> = drop.iter().map(|s| s.to_string()).collect();
+    let mut kept = HeaderCatalog::new("fixture");
+    for name in catalog.names() {
+        if !names.iter().any(|d| d == name) {
+            let h = catalog.header(name).expect("header");
+            kept.insert(name, file, h.dtype, h.shape.to_vec());
+        }
+    }
+    kept
+}
+
+fn modelopt(exclude: &[&str]) -> QuantConfig {
+    QuantConfig::new(
+        Convention::ModelOpt,
+        "NVFP4",
+        exclude.iter().map(|s| s.to_string()).collect(),
+        "test",
+    )
+    .expect("config")
+}
+
+const EXCLUDE: [&str; 5] = [
+    "lm_head",
+    "*linear_attn*",
+    "*mlp.gate",
+    "*shared_expert*",
+    "mtp.*",
+];
+
+#[test]
+fn fused_nvfp4_experts_with_per_expert_scales_pass() {
+    let catalog = fused_nvfp4_catalog(&[]);
+    let report = weights::check_with(&catalog, &tiny_config(0), Some(&modelopt(&EXCLUDE)))
+        .expect("ModelOpt's fused NVFP4 form");
+    assert_eq!(report.nvfp4_fused_experts, 8);
+    assert_eq!(report.nvfp4_linears, 8, "q, k, v, o of two layers");
+    assert_eq!(report.experts, ExpertLayout::Fused);
+}
+
+#[test]
+fn a_missing_per_expert_scale_is_an_error_naming_the_tensor() {
+    for scale in ["_weight_scale", "_weight_scale_2", "_input_scale"] {
+        let name = format!("model.layers.2.mlp.experts.down_proj{scale}");
+        let catalog = fused_nvfp4_catalog(&[&name]);
+        let err = weights::check_with(&catalog, &tiny_config(0), Some(&modelopt(&EXCLUDE)))
+            .expect_err("missing scale");
+        assert!(
+            matches!(&err, Error::MissingTensor { tensor, .. } if *tensor == name),
+            "{scale}: {err}"
+        );
+        let (_, problems) = weights::problems(&catalog, &tiny_config(0), Some(&modelopt(&EXCLUDE)));
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert_eq!(problems[0].kind, ProblemKind::FusedExpertScaleMissing);
+    }
+    // W4A16 needs no activation scale
+    let catalog = fused_nvfp4_catalog(&["model.layers.2.mlp.experts.down_proj_input_scale"]);
+    let w4a16 = QuantConfig::new(
+        Convention::ModelOpt,
+        "W4A16_NVFP4",
+        EXCLUDE.iter().map(|s| s.to_string()).collect(),
+        "test",
+    )
+    .expect("config");
+    weights::check_with(&catalog, &tiny_config(0), Some(&w4a16)).expect("W4A16");
+}
+
+#[test]
+fn the_exclusion_list_decides_which_linears_are_nvfp4() {
+    let catalog = fused_nvfp4_catalog(&[]);
+    // excluding attention makes its NVFP4 linears wrong
+    let err = weights::check_with(
+        &catalog,
+        &tiny_config(0),
+        Some(&modelopt(&[&EXCLUDE[..], &["*self_attn*"]].concat())),
+    )
+    .expect_err("excluded but quantised");
+    assert!(err.to_string().contains("excludes"), "{err}");
+    // not excluding the shared experts makes their BF16 linears wrong
+    let (_, problems) = weights::problems(
+        &catalog,
+        &tiny_config(0),
+        Some(&modelopt(&[
+            "lm_head",
+            "*linear_attn*",
+            "*mlp.gate",
+            "mtp.*",
+        ])),
+    );
+    assert!(!problems.is_empty());
+    assert!(
+        problems
+            .iter()
+            .all(|p| p.kind == ProblemKind::NotQuantized && p.tensor.contains("shared_expert")),
+        "{problems:?}"
+    );
+    // a parent module excludes its children; without a config each linear is taken as stored
+    let parent = modelopt(&[
+        "lm_head",
+        "*linear_attn*",
+        "*mlp.gate",
+        "*shared_expert",
+        "mtp.*",
+    ]);
+    assert!(parent.excludes("model.layers.0.mlp.shared_expert.up_proj"));
+    weights::check_with(&catalog, &tiny_config(0), Some(&parent)).expect("parent exclusion");
+    weights::check_with(&catalog, &tiny_config(0), None).expect("no config: as stored");
+}

@@ -239,3 +239,21 @@ fn the_command_rejects_bad_input_with_exit_2() {
         assert!(stderr.contains("error"), "{args:?}: {stderr}");
     }
 }
+
+#[test]
+fn a_model_folder_s_quantisation_config_decides_the_precision() {
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let bytes = |name: &str, extra: &[&str]| -> f64 {
+        let dir = fixtures.join(name).display().to_string();
+        let mut args = vec!["roofline", "--model", &dir, "--json"];
+        args.extend_from_slice(extra);
+        let (code, stdout, stderr) = fp4spec(&args);
+        assert_eq!(code, 0, "{stderr}");
+        let report: serde_json::Value = serde_json::from_str(&stdout).expect("JSON");
+        report["bytes_per_token"].as_f64().expect("bytes")
+    };
+    let quantised = bytes("qwen35_nvfp4", &[]);
+    let float = bytes("qwen35_text", &[]);
+    assert!(quantised < float, "{quantised} vs {float}");
+    assert_eq!(quantised, bytes("qwen35_text", &["--precision", "nvfp4"]));
+}

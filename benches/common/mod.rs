@@ -27,6 +27,20 @@ pub fn cuda_or_skip(bench: &str) -> Option<Backend> {
     }
 }
 
+/// The CUDA side of a backend [`cuda_or_skip`] opened, after printing the device line every
+/// bench report starts with.
+pub fn announce(backend: &Backend) -> &CudaBackend {
+    let Backend::Cuda(cuda) = backend else {
+        unreachable!("cuda_or_skip opens CUDA only")
+    };
+    println!(
+        "device: {} ({} SMs)",
+        backend.describe(),
+        cuda.multiprocessors()
+    );
+    cuda
+}
+
 /// Criterion settings for device benches: few, short samples (the device lease is short).
 pub fn criterion() -> Criterion {
     Criterion::default()

@@ -1,4 +1,6 @@
-//! Weight formats: NVFP4 element and block formats, and safetensors checkpoints.
+//! Weight formats: NVFP4 element and block formats, safetensors checkpoints, and the
+//! quantisation config of NVFP4 checkpoints.
 
 pub mod nvfp4;
+pub mod quant_config;
 pub mod safetensors;

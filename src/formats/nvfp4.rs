@@ -119,6 +119,17 @@ pub fn e2m1_half_step(magnitude: f32) -> f32 {
     }
 }
 
+/// ModelOpt's per-tensor scale for a tensor whose largest magnitude is `amax`:
+/// `amax / (6 * 448)`, and 1.0 for an all-zero tensor (so every block scale stays finite).
+/// The same rule gives `input_scale` from an activation amax.
+pub fn modelopt_global_scale(amax: f32) -> f32 {
+    if amax > 0.0 {
+        amax / (E2M1_MAX * E4M3_MAX)
+    } else {
+        1.0
+    }
+}
+
 /// An NVFP4 matrix `[rows, cols]` (row-major, `cols % 16 == 0`):
 /// `value(r, c) = e2m1(packed) * e4m3(scales[r, c / 16]) * global_scale`.
 #[derive(Debug, Clone, PartialEq)]
@@ -194,12 +205,12 @@ impl Nvfp4Matrix {
     pub fn quantize(name: &str, values: &[f32], rows: usize, cols: usize) -> Result<Self> {
         check_values(name, values, rows, cols)?;
         let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let global_scale = if amax > 0.0 {
-            amax / (E2M1_MAX * E4M3_MAX)
-        } else {
-            1.0
-        };
-        Ok(Self::quantize_checked(values, rows, cols, global_scale))
+        Ok(Self::quantize_checked(
+            values,
+            rows,
+            cols,
+            modelopt_global_scale(amax),
+        ))
     }
 
     /// Quantises with a given per-tensor scale (as W4A4 quantises activations with the
@@ -336,6 +347,77 @@ impl Nvfp4Matrix {
             1.0 / inverted,
             input_scale,
         )
+    }
+
+    /// Loads expert `expert` of a fused 3-D ModelOpt NVFP4 expert tensor `name` (`[E, N, K/2]`
+    /// U8), with its per-expert scales `{name}_weight_scale` (F8_E4M3 `[E, N, K/16]`),
+    /// `{name}_weight_scale_2` (F32 `[E]`) and optional `{name}_input_scale` (F32 `[E]`, or a
+    /// scalar shared by all experts).
+    ///
+    /// # Errors
+    /// As [`Nvfp4Matrix::load`]; [`Error::Invalid`] for an expert index out of range.
+    pub fn load_fused_expert(checkpoint: &Checkpoint, name: &str, expert: usize) -> Result<Self> {
+        let weight = checkpoint.tensor(name)?;
+        weight.expect_dtype(&[Dtype::U8])?;
+        let [experts, rows, half_cols] = weight.expect_rank::<3>()?;
+        if expert >= experts {
+            return Err(Error::invalid(
+                format!("tensor `{name}`"),
+                format!("expert {expert} asked of {experts}"),
+            ));
+        }
+        let cols = half_cols * 2;
+        check_cols(name, cols)?;
+        let scale_name = format!("{name}_weight_scale");
+        let scales = checkpoint.tensor(&scale_name)?;
+        scales.expect_dtype(&[Dtype::F8_E4M3])?;
+        scales.expect_shape(&[experts, rows, cols / BLOCK])?;
+        let per_expert = |tensor_name: &str| -> Result<f32> {
+            let t = checkpoint.tensor(tensor_name)?;
+            t.expect_dtype(&[Dtype::F32])?;
+            let values: Vec<f32> = t.to_f32()?;
+            let value = match values.len() {
+                1 => values[0],
+                n if n == experts => values[expert],
+                _ => {
+                    return Err(Error::Shape {
+                        tensor: tensor_name.to_string(),
+                        file: t.file.to_path_buf(),
+                        expected: format!("[{experts}] or a scalar"),
+                        found: t.shape.to_vec(),
+                    });
+                }
+            };
+            checked_global(tensor_name, value)
+        };
+        let global_scale = per_expert(&format!("{name}_weight_scale_2"))?;
+        let input_name = format!("{name}_input_scale");
+        let input_scale = if checkpoint.contains(&input_name) {
+            Some(per_expert(&input_name)?)
+        } else {
+            None
+        };
+        let (code_len, scale_len) = (rows * half_cols, rows * cols / BLOCK);
+        let codes = &weight.data[expert * code_len..(expert + 1) * code_len];
+        let block_scales = &scales.data[expert * scale_len..(expert + 1) * scale_len];
+        if let Some(i) = block_scales.iter().position(|b| b & 0x7f == 0x7f) {
+            return Err(Error::invalid(
+                format!("tensor `{scale_name}` in {}", scales.file.display()),
+                format!(
+                    "block scale [{expert}, {}, {}] is NaN",
+                    i / (cols / BLOCK),
+                    i % (cols / BLOCK)
+                ),
+            ));
+        }
+        Ok(Self {
+            rows,
+            cols,
+            packed: codes.to_vec(),
+            scales: block_scales.to_vec(),
+            global_scale,
+            input_scale,
+        })
     }
 
     fn load_parts(

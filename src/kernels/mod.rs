@@ -4,12 +4,14 @@
 //! bench, named alike. Callers pass a [`Backend`] and never see the
 //! target.
 
+pub mod attention;
 pub mod check;
 pub mod compare;
 pub mod dequant;
 pub mod gdn;
 pub mod gemm;
 pub mod moe;
+pub mod norm;
 pub mod table;
 pub mod verify;
 

@@ -86,6 +86,8 @@ pub struct ModelConfig {
     pub mtp_num_hidden_layers: usize,
     /// Whether lm_head shares the embedding.
     pub tie_word_embeddings: bool,
+    /// End-of-sequence token ids (`eos_token_id`, a number or a list; empty when absent).
+    pub eos_token_ids: Vec<u32>,
 }
 
 /// Where a field is read from, for error messages (`config.json: text_config.hidden_size`).
@@ -144,6 +146,27 @@ impl Fields<'_> {
                     format!("must be a positive number, found {value}"),
                 )),
             },
+        }
+    }
+
+    /// A token id or a list of them; empty when absent.
+    fn token_ids(&self, field: &str) -> Result<Vec<u32>> {
+        let bad = |value: &Value| {
+            Error::invalid(
+                self.name(field),
+                format!("must be a token id or a list of them, found {value}"),
+            )
+        };
+        let id = |value: &Value| {
+            value
+                .as_u64()
+                .and_then(|v| u32::try_from(v).ok())
+                .ok_or_else(|| bad(value))
+        };
+        match self.get(field) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(list)) => list.iter().map(id).collect(),
+            Some(value) => Ok(vec![id(value)?]),
         }
     }
 
@@ -323,6 +346,10 @@ impl ModelConfig {
             mtp_num_hidden_layers: f.count_or(mtp_field, 0)?,
             tie_word_embeddings: top.flag_or("tie_word_embeddings", false)?
                 || f.flag_or("tie_word_embeddings", false)?,
+            eos_token_ids: match f.token_ids("eos_token_id")? {
+                ids if ids.is_empty() => top.token_ids("eos_token_id")?,
+                ids => ids,
+            },
         };
         config.check(f)?;
         Ok(config)

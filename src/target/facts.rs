@@ -53,6 +53,10 @@ pub struct TargetFacts {
     pub dequant: DequantTiles,
     /// Launch parameters of the `gemm` family.
     pub gemm: GemmTiles,
+    /// Launch parameters of the `norm` family.
+    pub norm: NormTiles,
+    /// Launch parameters of the `attention` family.
+    pub attention: AttentionTiles,
     /// Launch parameters of the `moe` family.
     pub moe: MoeTiles,
 }
@@ -103,6 +107,26 @@ pub struct GemmTiles {
     pub mma_min_warps_per_sm: u32,
     /// `gemm_*_mma_*`: the fewest K groups one split may get.
     pub mma_min_groups_per_split: u32,
+}
+
+/// Launch parameters of `rms_norm_residual`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NormTiles {
+    /// Threads per block; one block per row.
+    pub threads_per_block: u32,
+}
+
+/// Launch parameters of the `attention` family.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AttentionTiles {
+    /// `attention_prepare`: warps per block, one (row, head) each.
+    pub prepare_warps_per_block: u32,
+    /// `attention_decode`: KV positions per split (one block per split, KV head and row).
+    pub split_positions: u32,
+    /// `attention_combine_gate`: warps per block, one (row, head) each.
+    pub combine_warps_per_block: u32,
 }
 
 /// Launch parameters of the `moe` family: one persistent launch per MoE block
@@ -204,6 +228,27 @@ impl TargetFacts {
                 "gemm.mma_min_warps_per_sm and gemm.mma_min_groups_per_split must be positive"
                     .into(),
             );
+        }
+        let norm = self.norm.threads_per_block;
+        if norm == 0 || norm > 1024 || norm % self.warp_size != 0 {
+            return fail(format!(
+                "norm.threads_per_block {norm} must be a multiple of warp_size {} in 1..=1024",
+                self.warp_size
+            ));
+        }
+        let a = &self.attention;
+        for (field, warps) in [
+            ("prepare_warps_per_block", a.prepare_warps_per_block),
+            ("combine_warps_per_block", a.combine_warps_per_block),
+        ] {
+            if warps == 0 || warps * self.warp_size > 1024 {
+                return fail(format!(
+                    "attention.{field} {warps}: 1..=1024 threads per block"
+                ));
+            }
+        }
+        if a.split_positions == 0 {
+            return fail("attention.split_positions must be positive".into());
         }
         self.validate_moe()?;
         if !(1..=16).contains(&self.gemm.rows_per_pass) {

@@ -3,7 +3,9 @@
 
 mod facts;
 
-pub use facts::{DequantTiles, GemmTiles, Instructions, MoeTiles, TargetFacts, Vendor};
+pub use facts::{
+    AttentionTiles, DequantTiles, GemmTiles, Instructions, MoeTiles, NormTiles, TargetFacts, Vendor,
+};
 
 use crate::error::{Error, Result};
 use std::sync::LazyLock;

@@ -5,6 +5,7 @@
 //! Inputs are fresh random numbers each run; the seed is printed so a failure can be replayed
 //! with `FP4SPEC_SEED=<seed>`.
 
+mod attention;
 mod common;
 mod gemm;
 mod moe;

@@ -2,6 +2,8 @@
 //!
 //! Exit status: 0 ok, 1 a check failed (or a compiler is missing), 2 bad input or usage.
 
+mod run;
+
 use clap::{Parser, Subcommand};
 use fp4spec::backend::{Backend, BackendKind};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
@@ -13,6 +15,10 @@ use fp4spec::target;
 use half::bf16;
 use std::path::PathBuf;
 use std::process::ExitCode;
+
+mod doctor;
+mod graft_mtp;
+mod quantize;
 
 /// The embedded default GEMM shape: a Qwen3.6-35B-A3B shared-expert gate_up ([1024, 2048]) at
 /// 16 rows (batch x verify rows of a small speculative batch).
@@ -33,6 +39,14 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// The main job: greedy generation on the embedded demo model (code-like and prose-like
+    /// prompts), without speculation and with 1-3 MTP drafts; prints acceptance by draft
+    /// position and tokens per forward, and fails if speculation changes the output.
+    Demo(run::DemoArgs),
+    /// Logits of every input position (and with --mtp the MTP head's), as JSON.
+    Logits(run::LogitsArgs),
+    /// Generate from a prompt, optionally with MTP speculative decoding.
+    Generate(run::GenerateArgs),
     /// List, write out or compile-check the rendered kernels.
     Kernels {
         /// Only these targets (repeatable); default: every target of kernels/targets.toml.
@@ -73,6 +87,13 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Everything wrong with a checkpoint folder (config, quantisation config, index, shard
+    /// headers; never the data), one line per finding with a stable code; exit 1 on findings.
+    Doctor(doctor::Args),
+    /// Graft BASE's MTP head into FINETUNE as the new checkpoint OUT, with the drift report.
+    GraftMtp(graft_mtp::Args),
+    /// BF16 -> NVFP4 (ModelOpt or compressed-tensors), streaming, with the error per tensor.
+    Quantize(quantize::Args),
     /// Run the NVFP4 x bf16 GEMM on a backend with random inputs and compare it with the CPU
     /// reference (default shape: one Qwen3.6-35B-A3B shared-expert gate_up at 16 rows).
     GemmCheck {
@@ -118,6 +139,9 @@ impl From<fp4spec::Error> for Failure {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Demo(args) => run::demo(args),
+        Command::Logits(args) => run::logits(args),
+        Command::Generate(args) => run::generate(args),
         Command::Kernels {
             targets,
             out,
@@ -134,6 +158,9 @@ fn main() -> ExitCode {
             repeat,
         } => gemm_check(&backend, m, n, k, seed, &kernel, repeat),
         Command::Roofline(args) => roofline_command(args),
+        Command::Doctor(args) => doctor::run(args),
+        Command::GraftMtp(args) => graft_mtp::run(args),
+        Command::Quantize(args) => quantize::run(args),
         Command::SpecMetrics {
             source,
             url,
@@ -345,9 +372,11 @@ struct RooflineArgs {
     /// Checkpoint folder whose config.json describes the model (default: Qwen3.6-35B-A3B).
     #[arg(long, value_name = "DIR")]
     model: Option<PathBuf>,
-    /// bf16 or nvfp4 (ModelOpt: experts, shared experts and attention in NVFP4).
-    #[arg(long, default_value = "nvfp4")]
-    precision: String,
+    /// bf16 or nvfp4 (ModelOpt: experts, shared experts and attention in NVFP4). Default: what
+    /// --model's quantisation config says (nvfp4 when it has one, else bf16), or nvfp4 for the
+    /// built-in Qwen3.6-35B-A3B.
+    #[arg(long)]
+    precision: Option<String>,
     /// Sequences decoded together.
     #[arg(long, default_value_t = 1)]
     batch: usize,
@@ -384,7 +413,16 @@ struct RooflineArgs {
 fn roofline_command(args: RooflineArgs) -> Result<(), Failure> {
     use fp4spec::model::config::ModelConfig;
     use fp4spec::roofline::{self, Precision, RowFit, Step};
-    let precision = match args.precision.as_str() {
+    let from_folder = match (&args.precision, &args.model) {
+        (None, Some(dir)) => Some(
+            match fp4spec::formats::quant_config::QuantConfig::load(dir)? {
+                Some(_) => "nvfp4",
+                None => "bf16",
+            },
+        ),
+        _ => None,
+    };
+    let precision = match from_folder.or(args.precision.as_deref()).unwrap_or("nvfp4") {
         "bf16" => Precision::Bf16,
         "nvfp4" => Precision::Nvfp4,
         other => {

@@ -18,10 +18,17 @@ typedef int i32;
 FP4_DEVICE u32 thread_x() { return threadIdx.x; }
 FP4_DEVICE u32 block_x() { return blockIdx.x; }
 FP4_DEVICE u32 block_y() { return blockIdx.y; }
+FP4_DEVICE u32 block_z() { return blockIdx.z; }
 FP4_DEVICE float bits_to_f32(u32 bits) { return __uint_as_float(bits); }
 FP4_DEVICE u32 f32_to_bits(float value) { return __float_as_uint(value); }
 FP4_DEVICE float f32_nan() { return __uint_as_float(0x7fc00000u); }
 FP4_DEVICE float fast_exp(float v) { return __expf(v); }
+/// Every thread of the block waits here; shared-memory writes before are visible after.
+FP4_DEVICE void block_barrier() { __syncthreads(); }
+FP4_DEVICE float sqrt_f32(float v) { return sqrtf(v); }
+FP4_DEVICE float exp2_f32(float v) { return exp2f(v); }
+/// The lanes of a warp wait for each other; their shared-memory writes are visible after.
+FP4_DEVICE void warp_barrier() { __syncwarp(); }
 
 /// Sum over the 32 lanes of a warp; every lane gets the total.
 FP4_DEVICE float warp_sum(float value) {
@@ -57,6 +64,21 @@ FP4_DEVICE float bits_to_f32(u32 bits) { return __builtin_bit_cast(float, bits);
 FP4_DEVICE u32 f32_to_bits(float value) { return __builtin_bit_cast(u32, value); }
 FP4_DEVICE float f32_nan() { return __builtin_nanf(""); }
 FP4_DEVICE float fast_exp(float v) { return __builtin_expf(v); }
+/// Every thread of the block waits here; shared-memory (LDS) writes before are visible after.
+FP4_DEVICE void block_barrier() {
+    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+    __builtin_amdgcn_s_barrier();
+    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+}
+FP4_DEVICE float sqrt_f32(float v) { return __builtin_sqrtf(v); }
+FP4_DEVICE float exp2_f32(float v) { return __builtin_exp2f(v); }
+/// The lanes of a wavefront wait for each other; their LDS writes are visible after.
+FP4_DEVICE void warp_barrier() {
+    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+    __builtin_amdgcn_wave_barrier();
+    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+}
+FP4_DEVICE u32 block_z() { return __builtin_amdgcn_workgroup_id_z(); }
 
 FP4_DEVICE u32 lane_id() {
 {% if target.warp_size == 32 %}

@@ -11,7 +11,6 @@
 {% if target.vendor == "nvidia" %}
 FP4_DEVICE u32 lane_index() { return thread_x() % FP4_WARP_SIZE; }
 FP4_DEVICE u32 grid_blocks() { return gridDim.x; }
-FP4_DEVICE void block_barrier() { __syncthreads(); }
 /// Nothing on NVIDIA: bar.sync followed by one thread's release is cumulative (PTX memory model).
 FP4_DEVICE void release_before_barrier() {}
 /// Nothing on NVIDIA: thread 0's acquire and the barrier order the block's later loads.
@@ -62,11 +61,6 @@ FP4_DEVICE void hang_detected(const char* what, u32 value, u32 target) {
 FP4_DEVICE u32 lane_index() { return lane_id(); }
 FP4_DEVICE u32 grid_blocks() {
     return (__builtin_amdgcn_grid_size_x() + __builtin_amdgcn_workgroup_size_x() - 1) / __builtin_amdgcn_workgroup_size_x();
-}
-FP4_DEVICE void block_barrier() {
-    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
-    __builtin_amdgcn_s_barrier();
-    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
 }
 /// Every thread's global writes reach the device scope (the waves of a workgroup may sit on both
 /// CUs of a WGP, each with its own L0).

@@ -52,6 +52,23 @@ pub fn bf16_gemm_f32(x: &[bf16], m: usize, w: &[bf16], n: usize, k: usize) -> Ve
     y
 }
 
+/// `Y[M, N] = X[M, K] * W[N, K]^T` with f32 activations and weights, f64 accumulation,
+/// unrounded: the fp32 path of the model runner's CPU reference.
+pub fn f32_gemm(x: &[f32], m: usize, w: &[f32], n: usize, k: usize) -> Vec<f32> {
+    let mut y = vec![0.0f32; m * n];
+    for (row, x_row) in x.chunks_exact(k).take(m).enumerate() {
+        for (col, w_row) in w.chunks_exact(k).take(n).enumerate() {
+            let dot: f64 = x_row
+                .iter()
+                .zip(w_row)
+                .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                .sum();
+            y[row * n + col] = dot as f32;
+        }
+    }
+    y
+}
+
 /// `silu(v) = v / (1 + e^-v)`.
 pub fn silu(v: f32) -> f32 {
     v / (1.0 + (-v).exp())

@@ -1,0 +1,127 @@
+//! Bench of the `attention` family on the CUDA device: one decode step of a Qwen3.6-35B-A3B
+//! full-attention layer (16 query heads over 2 KV heads of 256; prepare, split-K attention,
+//! merge + gate) for B sequences at a given context, replayed from a CUDA graph, beside the time
+//! to read the sequences' K and V once at the device copy bandwidth measured in the same run.
+//!
+//! Run: `cargo bench --bench attention` on a CUDA host (prints one skip line elsewhere).
+
+mod common;
+
+use common::bench_graph;
+use fp4spec::kernels::attention::reference::AttentionShape;
+use fp4spec::kernels::attention::{self, GatedAttention, KvCache, RopeTable, Rows, Workspace};
+use fp4spec::rng::SplitMix64;
+use half::bf16;
+
+const SHAPE: AttentionShape = AttentionShape {
+    heads: 16,
+    kv_heads: 2,
+    head_dim: 256,
+};
+const BATCHES: [usize; 3] = [1, 8, 64];
+const CONTEXTS: [usize; 2] = [512, 20000];
+
+fn main() {
+    let Some(backend) = common::cuda_or_skip("attention") else {
+        return;
+    };
+    let cuda = common::announce(&backend);
+    let mut criterion = common::criterion();
+    let copy_gbs = common::copy_bandwidth_gbs(&mut criterion, cuda);
+    let mut rng = SplitMix64::new(0x5eed);
+    let q_norm = backend.upload(&rng.normal_vec(256, 0.3)).expect("q_norm");
+    let k_norm = backend.upload(&rng.normal_vec(256, 0.3)).expect("k_norm");
+    let mut rows_out = Vec::new();
+    for context in CONTEXTS {
+        let capacity = context + 1;
+        let rope = RopeTable::new(&backend, 64, 1e7, capacity).expect("rope");
+        let layer = GatedAttention {
+            shape: SHAPE,
+            q_norm: &q_norm,
+            k_norm: &k_norm,
+            eps: 1e-6,
+            rope: &rope,
+        };
+        for b in BATCHES {
+            // the caches hold random K/V over the context (filled directly: the bench times
+            // the decode step, not a prefill)
+            let len = b * capacity * SHAPE.kv_heads * SHAPE.head_dim;
+            let random = |rng: &mut SplitMix64| -> Vec<bf16> {
+                rng.normal_vec(len, 1.0)
+                    .into_iter()
+                    .map(bf16::from_f32)
+                    .collect()
+            };
+            let mut cache = KvCache::new(&backend, SHAPE, b, capacity).expect("cache");
+            cache.keys = backend.upload(&random(&mut rng)).expect("keys");
+            cache.values = backend.upload(&random(&mut rng)).expect("values");
+            let rows = Rows {
+                count: b,
+                slot: backend
+                    .upload(&(0..b as u32).collect::<Vec<_>>())
+                    .expect("slots"),
+                position: backend.upload(&vec![context as u32; b]).expect("positions"),
+            };
+            let bf = |n: usize, rng: &mut SplitMix64| {
+                backend
+                    .upload(
+                        &rng.normal_vec(n, 1.0)
+                            .into_iter()
+                            .map(bf16::from_f32)
+                            .collect::<Vec<_>>(),
+                    )
+                    .expect("upload")
+            };
+            let q_gate = bf(b * SHAPE.heads * 512, &mut rng);
+            let k = bf(b * SHAPE.kv_heads * 256, &mut rng);
+            let v = bf(b * SHAPE.kv_heads * 256, &mut rng);
+            let mut q = backend.zeros::<f32>(b * SHAPE.heads * 256).expect("q");
+            let mut out = backend.zeros::<bf16>(b * SHAPE.heads * 256).expect("out");
+            let mut workspace = Workspace::new(&backend, SHAPE, b, capacity).expect("workspace");
+            let bytes = b as u64 * attention::kv_bytes(SHAPE, context + 1);
+            let seconds = bench_graph(
+                &mut criterion,
+                cuda,
+                "attention_decode_step",
+                &format!("B{b}_context{context}"),
+                bytes,
+                |_| {
+                    attention::prepare(
+                        &backend, &layer, &q_gate, &k, &v, &rows, &mut cache, &mut q,
+                    )
+                    .expect("prepare");
+                    attention::attend(
+                        &backend,
+                        SHAPE,
+                        &q,
+                        &q_gate,
+                        &cache,
+                        &rows,
+                        &mut workspace,
+                        &mut out,
+                    )
+                    .expect("attend");
+                },
+            );
+            rows_out.push((b, context, bytes, seconds));
+        }
+    }
+    criterion.final_summary();
+    println!("\ndevice-to-device copy: {copy_gbs:.0} GB/s (bytes read + written)");
+    println!(
+        "one decode step of one full-attention layer (prepare + attend + merge/gate); floor = K/V bytes / copy bandwidth"
+    );
+    println!(
+        "{:>3} {:>7} {:>12} {:>9} {:>9} {:>7} {:>8}",
+        "B", "context", "KV bytes", "us", "floor us", "GB/s", "of copy"
+    );
+    for (b, context, bytes, seconds) in rows_out {
+        let gbs = bytes as f64 / seconds / 1e9;
+        println!(
+            "{b:>3} {context:>7} {bytes:>12} {:>9.2} {:>9.2} {gbs:>7.0} {:>7.1}%",
+            seconds * 1e6,
+            bytes as f64 / (copy_gbs * 1e9) * 1e6,
+            100.0 * gbs / copy_gbs
+        );
+    }
+}

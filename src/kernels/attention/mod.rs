@@ -1,0 +1,607 @@
+//! Family `attention`: the gated full attention of Qwen3.5-MoE over a per-sequence KV cache
+//! (`kernels/templates/attention.cu`), for any mix of decode, verify and prefill rows.
+//!
+//! Per layer and step, after the q/k/v projections:
+//! 1. [`prepare`]: per head, the zero-centred q/k RMSNorm, partial NeoX RoPE from a [`RopeTable`]
+//!    (cos/sin computed on the host from the f32 angle, as transformers does), k and v appended
+//!    to the cache at each row's position, q to an f32 buffer;
+//! 2. [`attend`]: each row attends over positions `0 ..= position` of its slot (causal and
+//!    variable-length by construction), split over the sequence in chunks of
+//!    `attention.split_positions` (targets.toml) so long contexts fill the device, one warp per
+//!    query head of a GQA group so K/V rows are fetched once per group; then the splits are
+//!    merged and multiplied by `sigmoid(gate)`, bf16 out for o_proj.
+//!
+//! Bytes a decode row must read at least: its K and V over the context,
+//! `2 * positions * kv_heads * head_dim * 2` ([`kv_bytes`]).
+
+pub mod reference;
+
+use super::{check_len, check_u32};
+use crate::backend::{Backend, DeviceVec};
+use crate::error::{Error, Result};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use half::bf16;
+use reference::AttentionShape;
+
+/// The family name (template and module).
+pub const FAMILY: &str = "attention";
+/// q/k norm + RoPE, KV append.
+pub const KERNEL_PREPARE: &str = "attention_prepare";
+/// Split-K attention over the cache.
+pub const KERNEL_DECODE: &str = "attention_decode";
+/// Merge of the splits and the output gate.
+pub const KERNEL_COMBINE_GATE: &str = "attention_combine_gate";
+/// Largest head dimension the kernels hold in registers.
+pub const MAX_HEAD_DIM: usize = 256;
+/// Largest GQA group (query heads per KV head): one warp each in a block.
+pub const MAX_GROUP: usize = 16;
+
+/// Bytes of K and V one row reads over `positions` positions (bf16 cache).
+pub fn kv_bytes(shape: AttentionShape, positions: usize) -> u64 {
+    (2 * positions * shape.kv_heads * shape.head_dim * 2) as u64
+}
+
+/// cos and sin of every (position, rotary pair): `[positions][rotary_dim / 2][2]` f32.
+pub struct RopeTable {
+    /// Rotated dimensions per head (even).
+    pub rotary_dim: usize,
+    /// Positions covered.
+    pub positions: usize,
+    /// The table on the backend.
+    pub cos_sin: DeviceVec<f32>,
+}
+
+impl RopeTable {
+    /// The table for `positions` positions with base `theta`: the angle `position * inv_freq`
+    /// rounded to f32 (as transformers computes it), its cos and sin in f64, stored f32.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for an odd or zero rotary dimension; [`Error::Cuda`] when the upload
+    /// fails.
+    pub fn new(backend: &Backend, rotary_dim: usize, theta: f64, positions: usize) -> Result<Self> {
+        if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > MAX_HEAD_DIM {
+            return Err(Error::invalid(
+                "rotary dimension",
+                format!("{rotary_dim}: RoPE needs an even count in 2..={MAX_HEAD_DIM}"),
+            ));
+        }
+        let inv_freq = reference::rope_inv_freq(rotary_dim, theta);
+        let mut table = Vec::with_capacity(positions * rotary_dim);
+        for p in 0..positions {
+            for &f in &inv_freq {
+                let (sin, cos) = f64::from(p as f32 * f).sin_cos();
+                table.push(cos as f32);
+                table.push(sin as f32);
+            }
+        }
+        Ok(Self {
+            rotary_dim,
+            positions,
+            cos_sin: backend.upload(&table)?,
+        })
+    }
+}
+
+/// The KV cache of one attention layer for `slots` sequences of up to `capacity` positions:
+/// `[slot][position][kv_head][head_dim]` bf16, keys and values apart.
+pub struct KvCache {
+    /// Sequences it holds.
+    pub slots: usize,
+    /// Positions per sequence.
+    pub capacity: usize,
+    /// Keys.
+    pub keys: DeviceVec<bf16>,
+    /// Values.
+    pub values: DeviceVec<bf16>,
+}
+
+impl KvCache {
+    /// A zeroed cache.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the allocation fails.
+    pub fn new(
+        backend: &Backend,
+        shape: AttentionShape,
+        slots: usize,
+        capacity: usize,
+    ) -> Result<Self> {
+        let len = slots * capacity * shape.kv_heads * shape.head_dim;
+        Ok(Self {
+            slots,
+            capacity,
+            keys: backend.zeros(len)?,
+            values: backend.zeros(len)?,
+        })
+    }
+}
+
+/// Which cache slot and position each row of a step has (on the backend, so a captured graph
+/// replays with new positions copied in).
+pub struct Rows {
+    /// Rows.
+    pub count: usize,
+    /// `[count]` cache slot of each row.
+    pub slot: DeviceVec<u32>,
+    /// `[count]` position of each row.
+    pub position: DeviceVec<u32>,
+}
+
+/// Per-head weights and constants of one gated attention layer.
+pub struct GatedAttention<'a> {
+    /// Heads and sizes.
+    pub shape: AttentionShape,
+    /// `[head_dim]` zero-centred q norm weight (f32).
+    pub q_norm: &'a DeviceVec<f32>,
+    /// `[head_dim]` zero-centred k norm weight (f32).
+    pub k_norm: &'a DeviceVec<f32>,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// The RoPE table.
+    pub rope: &'a RopeTable,
+}
+
+/// Scratch of [`attend`]: the split partials, sized for up to `rows` rows of `capacity`
+/// positions. Allocate once per model; launches never allocate (capturable in a CUDA graph).
+pub struct Workspace {
+    rows: usize,
+    splits: usize,
+    partial_ml: DeviceVec<f32>,
+    partial_acc: DeviceVec<f32>,
+}
+
+/// The splits a cache of `capacity` positions needs on `backend`'s target.
+fn splits_for(backend: &Backend, capacity: usize) -> usize {
+    match backend {
+        Backend::Cpu => 1,
+        Backend::Cuda(c) => capacity
+            .div_ceil(c.target().attention.split_positions as usize)
+            .max(1),
+    }
+}
+
+impl Workspace {
+    /// Scratch for `rows` rows over a cache of `capacity` positions.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the allocation fails.
+    pub fn new(
+        backend: &Backend,
+        shape: AttentionShape,
+        rows: usize,
+        capacity: usize,
+    ) -> Result<Self> {
+        let splits = splits_for(backend, capacity);
+        let parts = rows * shape.heads * splits;
+        Ok(Self {
+            rows,
+            splits,
+            partial_ml: backend.zeros(2 * parts)?,
+            partial_acc: backend.zeros(parts * shape.head_dim)?,
+        })
+    }
+}
+
+fn check_shape(shape: AttentionShape) -> Result<()> {
+    let AttentionShape {
+        heads,
+        kv_heads,
+        head_dim,
+    } = shape;
+    if kv_heads == 0 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP {
+        return Err(Error::invalid(
+            "attention heads",
+            format!(
+                "{heads} query heads over {kv_heads} KV heads: groups of 1..={MAX_GROUP} needed"
+            ),
+        ));
+    }
+    if head_dim == 0 || head_dim > MAX_HEAD_DIM {
+        return Err(Error::invalid(
+            "attention head_dim",
+            format!("{head_dim} outside 1..={MAX_HEAD_DIM}"),
+        ));
+    }
+    Ok(())
+}
+
+fn host<'a, T>(backend: &Backend, what: &str, v: &'a DeviceVec<T>) -> Result<&'a [T]> {
+    match v {
+        DeviceVec::Host(v) => Ok(v),
+        other => Err(backend.mismatch(what, other)),
+    }
+}
+
+fn host_mut<'a, T>(
+    backend: &Backend,
+    what: &str,
+    v: &'a mut DeviceVec<T>,
+) -> Result<&'a mut Vec<T>> {
+    match v {
+        DeviceVec::Host(v) => Ok(v),
+        other => Err(backend.mismatch(what, other)),
+    }
+}
+
+/// Step 1: normalises and rotates q (`q_gate`, `[rows][heads][2 * head_dim]`, query then gate
+/// per head) into `q` (`[rows][heads][head_dim]` f32) and k (`[rows][kv_heads][head_dim]`),
+/// and appends k and v (`[rows][kv_heads][head_dim]`) to `cache` at each row's slot and
+/// position. Positions must be below the cache's and the RoPE table's capacity (the CPU path
+/// checks; on the GPU they are device data the caller keeps in range).
+///
+/// # Errors
+/// [`Error::Invalid`] for buffer lengths that disagree with the shapes, a group or head size the
+/// kernels do not take, or (CPU) a slot or position out of range; [`Error::BackendMismatch`],
+/// [`Error::Compile`] / [`Error::Cuda`].
+#[allow(clippy::too_many_arguments)]
+pub fn prepare(
+    backend: &Backend,
+    layer: &GatedAttention<'_>,
+    q_gate: &DeviceVec<bf16>,
+    k: &DeviceVec<bf16>,
+    v: &DeviceVec<bf16>,
+    rows: &Rows,
+    cache: &mut KvCache,
+    q: &mut DeviceVec<f32>,
+) -> Result<()> {
+    let s = layer.shape;
+    check_shape(s)?;
+    let (n, hd) = (rows.count, s.head_dim);
+    let half = layer.rope.rotary_dim / 2;
+    if layer.rope.rotary_dim > hd {
+        return Err(Error::invalid(
+            "rotary dimension",
+            format!("{} exceeds head_dim {hd}", layer.rope.rotary_dim),
+        ));
+    }
+    check_len(
+        "attention q_gate",
+        q_gate,
+        n * s.heads * 2 * hd,
+        "[rows, heads, 2 * head_dim]",
+    )?;
+    check_len(
+        "attention k",
+        k,
+        n * s.kv_heads * hd,
+        "[rows, kv_heads, head_dim]",
+    )?;
+    check_len(
+        "attention v",
+        v,
+        n * s.kv_heads * hd,
+        "[rows, kv_heads, head_dim]",
+    )?;
+    check_len(
+        "attention q out",
+        q,
+        n * s.heads * hd,
+        "[rows, heads, head_dim]",
+    )?;
+    check_len("q_norm", layer.q_norm, hd, "[head_dim]")?;
+    check_len("k_norm", layer.k_norm, hd, "[head_dim]")?;
+    check_len("row slots", &rows.slot, n, "[rows]")?;
+    check_len("row positions", &rows.position, n, "[rows]")?;
+    if n == 0 {
+        return Ok(());
+    }
+    match backend {
+        Backend::Cpu => {
+            let to_f32 = |v: &[bf16]| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
+            let (qg, kk, vv) = (
+                to_f32(host(backend, "q_gate", q_gate)?),
+                to_f32(host(backend, "k", k)?),
+                to_f32(host(backend, "v", v)?),
+            );
+            let (qn, kn) = (
+                host(backend, "q_norm", layer.q_norm)?,
+                host(backend, "k_norm", layer.k_norm)?,
+            );
+            let (slots, positions) = (
+                host(backend, "slots", &rows.slot)?,
+                host(backend, "positions", &rows.position)?,
+            );
+            let table = host(backend, "RoPE table", &layer.rope.cos_sin)?;
+            let (capacity, cache_slots) = (cache.capacity, cache.slots);
+            let keys = host_mut(backend, "KV cache keys", &mut cache.keys)?;
+            let out = host_mut(backend, "q out", q)?;
+            let kv_row = s.kv_heads * hd;
+            let rotate = |x: &mut [f32], p: usize| {
+                let cs = &table[p * half * 2..(p + 1) * half * 2];
+                for head in x.chunks_exact_mut(hd) {
+                    for j in 0..half {
+                        let (c, sn) = (f64::from(cs[2 * j]), f64::from(cs[2 * j + 1]));
+                        let (a, b) = (f64::from(head[j]), f64::from(head[j + half]));
+                        head[j] = (a * c - b * sn) as f32;
+                        head[j + half] = (b * c + a * sn) as f32;
+                    }
+                }
+            };
+            for r in 0..n {
+                let (slot, pos) = (slots[r] as usize, positions[r] as usize);
+                if slot >= cache_slots || pos >= capacity || pos >= layer.rope.positions {
+                    return Err(Error::invalid(
+                        format!("attention row {r}"),
+                        format!(
+                            "slot {slot} position {pos}: cache holds {cache_slots} slots of {capacity}, RoPE {} positions",
+                            layer.rope.positions
+                        ),
+                    ));
+                }
+                let query: Vec<f32> = qg[r * s.heads * 2 * hd..(r + 1) * s.heads * 2 * hd]
+                    .chunks_exact(2 * hd)
+                    .flat_map(|head| head[..hd].iter().copied())
+                    .collect();
+                let mut query = super::norm::reference::rms_norm(&query, qn, f64::from(layer.eps));
+                rotate(&mut query, pos);
+                out[r * s.heads * hd..(r + 1) * s.heads * hd].copy_from_slice(&query);
+                let mut key = super::norm::reference::rms_norm(
+                    &kk[r * kv_row..(r + 1) * kv_row],
+                    kn,
+                    f64::from(layer.eps),
+                );
+                rotate(&mut key, pos);
+                let at = (slot * capacity + pos) * kv_row;
+                for (dst, src) in keys[at..at + kv_row].iter_mut().zip(&key) {
+                    *dst = bf16::from_f32(*src);
+                }
+            }
+            let values = host_mut(backend, "KV cache values", &mut cache.values)?;
+            for r in 0..n {
+                let at = (slots[r] as usize * capacity + positions[r] as usize) * kv_row;
+                for (dst, src) in values[at..at + kv_row]
+                    .iter_mut()
+                    .zip(&vv[r * kv_row..(r + 1) * kv_row])
+                {
+                    *dst = bf16::from_f32(*src);
+                }
+            }
+            Ok(())
+        }
+        Backend::Cuda(cuda) => {
+            let tiles = &cuda.target().attention;
+            let items = check_u32("attention rows x heads", n * (s.heads + s.kv_heads))?;
+            let grid = items.div_ceil(tiles.prepare_warps_per_block);
+            let (DeviceVec::Cuda(qg), DeviceVec::Cuda(kk), DeviceVec::Cuda(vv)) = (q_gate, k, v)
+            else {
+                return Err(backend.mismatch("attention inputs", q_gate));
+            };
+            let (DeviceVec::Cuda(qn), DeviceVec::Cuda(kn), DeviceVec::Cuda(table)) =
+                (layer.q_norm, layer.k_norm, &layer.rope.cos_sin)
+            else {
+                return Err(backend.mismatch("attention weights", layer.q_norm));
+            };
+            let (DeviceVec::Cuda(slots), DeviceVec::Cuda(positions)) = (&rows.slot, &rows.position)
+            else {
+                return Err(backend.mismatch("attention rows", &rows.slot));
+            };
+            let (DeviceVec::Cuda(keys), DeviceVec::Cuda(values), DeviceVec::Cuda(out)) =
+                (&mut cache.keys, &mut cache.values, q)
+            else {
+                return Err(Error::invalid("attention cache", "not on the CUDA device"));
+            };
+            let (n32, heads, kv, hd32, half32, capacity) = (
+                check_u32("rows", n)?,
+                check_u32("heads", s.heads)?,
+                check_u32("kv heads", s.kv_heads)?,
+                check_u32("head_dim", hd)?,
+                check_u32("rotary half", half)?,
+                check_u32("cache capacity", cache.capacity)?,
+            );
+            let function = cuda.function(FAMILY, KERNEL_PREPARE)?;
+            let config = LaunchConfig {
+                grid_dim: (grid, 1, 1),
+                block_dim: (
+                    tiles.prepare_warps_per_block * cuda.target().warp_size,
+                    1,
+                    1,
+                ),
+                shared_mem_bytes: 0,
+            };
+            let mut launch = cuda.stream().launch_builder(&function);
+            launch
+                .arg(qg)
+                .arg(kk)
+                .arg(vv)
+                .arg(qn)
+                .arg(kn)
+                .arg(table)
+                .arg(slots)
+                .arg(positions)
+                .arg(out)
+                .arg(keys)
+                .arg(values)
+                .arg(&n32)
+                .arg(&heads)
+                .arg(&kv)
+                .arg(&hd32)
+                .arg(&half32)
+                .arg(&capacity)
+                .arg(&layer.eps);
+            // SAFETY: argument order and types match attention.cu; q_gate, k, v, q and the norms
+            // were checked against (rows, heads, kv_heads, head_dim); slots and positions index
+            // the cache and the RoPE table, which the caller keeps in range (documented).
+            unsafe { launch.launch(config) }
+                .map_err(|e| Error::cuda(format!("launch {KERNEL_PREPARE} for {n} rows"), e))?;
+            Ok(())
+        }
+    }
+}
+
+/// Step 2: every row's attention over positions `0 ..= position` of its slot, merged over the
+/// splits and multiplied by `sigmoid(gate)` (the second half of each head in `q_gate`), into
+/// `out` (`[rows][heads * head_dim]` bf16).
+///
+/// # Errors
+/// [`Error::Invalid`] for buffer lengths that disagree with the shapes, a workspace made for
+/// fewer rows or a smaller cache; [`Error::BackendMismatch`], [`Error::Compile`] /
+/// [`Error::Cuda`].
+#[allow(clippy::too_many_arguments)]
+pub fn attend(
+    backend: &Backend,
+    shape: AttentionShape,
+    q: &DeviceVec<f32>,
+    q_gate: &DeviceVec<bf16>,
+    cache: &KvCache,
+    rows: &Rows,
+    workspace: &mut Workspace,
+    out: &mut DeviceVec<bf16>,
+) -> Result<()> {
+    check_shape(shape)?;
+    let (n, hd) = (rows.count, shape.head_dim);
+    check_len(
+        "attention q",
+        q,
+        n * shape.heads * hd,
+        "[rows, heads, head_dim]",
+    )?;
+    check_len(
+        "attention q_gate",
+        q_gate,
+        n * shape.heads * 2 * hd,
+        "[rows, heads, 2 * head_dim]",
+    )?;
+    check_len(
+        "attention out",
+        out,
+        n * shape.heads * hd,
+        "[rows, heads * head_dim]",
+    )?;
+    let splits = splits_for(backend, cache.capacity);
+    if workspace.rows < n || workspace.splits < splits {
+        return Err(Error::invalid(
+            "attention workspace",
+            format!(
+                "made for {} rows and {} splits; this call needs {n} rows and {splits} splits",
+                workspace.rows, workspace.splits
+            ),
+        ));
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    match backend {
+        Backend::Cpu => {
+            let (qv, qg) = (host(backend, "q", q)?, host(backend, "q_gate", q_gate)?);
+            let (slots, positions) = (
+                host(backend, "slots", &rows.slot)?,
+                host(backend, "positions", &rows.position)?,
+            );
+            let to_f32 = |v: &[bf16]| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
+            let (keys, values) = (
+                to_f32(host(backend, "keys", &cache.keys)?),
+                to_f32(host(backend, "values", &cache.values)?),
+            );
+            let o = host_mut(backend, "attention out", out)?;
+            let kv_row = shape.kv_heads * hd;
+            for r in 0..n {
+                let (slot, len) = (slots[r] as usize, positions[r] as usize + 1);
+                let base = slot * cache.capacity * kv_row;
+                let attended = reference::attend(
+                    shape,
+                    &qv[r * shape.heads * hd..(r + 1) * shape.heads * hd],
+                    &keys[base..base + len * kv_row],
+                    &values[base..base + len * kv_row],
+                    len,
+                );
+                for h in 0..shape.heads {
+                    for d in 0..hd {
+                        let g = f64::from(qg[(r * shape.heads + h) * 2 * hd + hd + d].to_f32());
+                        let a = f64::from(attended[h * hd + d]);
+                        o[(r * shape.heads + h) * hd + d] = bf16::from_f64(a / (1.0 + (-g).exp()));
+                    }
+                }
+            }
+            Ok(())
+        }
+        Backend::Cuda(cuda) => {
+            let tiles = &cuda.target().attention;
+            let (DeviceVec::Cuda(qv), DeviceVec::Cuda(qg)) = (q, q_gate) else {
+                return Err(backend.mismatch("attention q", q));
+            };
+            let (DeviceVec::Cuda(keys), DeviceVec::Cuda(values)) = (&cache.keys, &cache.values)
+            else {
+                return Err(backend.mismatch("attention cache", &cache.keys));
+            };
+            let (DeviceVec::Cuda(slots), DeviceVec::Cuda(positions)) = (&rows.slot, &rows.position)
+            else {
+                return Err(backend.mismatch("attention rows", &rows.slot));
+            };
+            let (DeviceVec::Cuda(ml), DeviceVec::Cuda(acc), DeviceVec::Cuda(o)) =
+                (&mut workspace.partial_ml, &mut workspace.partial_acc, out)
+            else {
+                return Err(Error::invalid(
+                    "attention workspace",
+                    "not on the CUDA device",
+                ));
+            };
+            let (n32, heads, kv, hd32, capacity, splits32) = (
+                check_u32("rows", n)?,
+                check_u32("heads", shape.heads)?,
+                check_u32("kv heads", shape.kv_heads)?,
+                check_u32("head_dim", hd)?,
+                check_u32("cache capacity", cache.capacity)?,
+                check_u32("splits", splits)?,
+            );
+            if n32 > 65535 {
+                return Err(Error::invalid(
+                    "attention rows",
+                    format!("{n} rows in one launch (at most 65535)"),
+                ));
+            }
+            let warp = cuda.target().warp_size;
+            let decode = cuda.function(FAMILY, KERNEL_DECODE)?;
+            let mut launch = cuda.stream().launch_builder(&decode);
+            launch
+                .arg(qv)
+                .arg(keys)
+                .arg(values)
+                .arg(slots)
+                .arg(positions)
+                .arg(&mut *ml)
+                .arg(&mut *acc)
+                .arg(&heads)
+                .arg(&kv)
+                .arg(&hd32)
+                .arg(&capacity)
+                .arg(&splits32);
+            let config = LaunchConfig {
+                grid_dim: (splits32, kv, n32),
+                block_dim: ((heads / kv) * warp, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argument order and types match attention.cu; q holds rows x heads x
+            // head_dim, the workspace rows x heads x splits partials (checked above); the cache
+            // is indexed by the rows' slots and positions, which the caller keeps in range.
+            unsafe { launch.launch(config) }.map_err(|e| {
+                Error::cuda(
+                    format!("launch {KERNEL_DECODE} for {n} rows, {splits} splits"),
+                    e,
+                )
+            })?;
+            let combine = cuda.function(FAMILY, KERNEL_COMBINE_GATE)?;
+            let mut launch = cuda.stream().launch_builder(&combine);
+            launch
+                .arg(&*ml)
+                .arg(&*acc)
+                .arg(qg)
+                .arg(positions)
+                .arg(o)
+                .arg(&n32)
+                .arg(&heads)
+                .arg(&hd32)
+                .arg(&splits32);
+            let items = n32 * heads;
+            let config = LaunchConfig {
+                grid_dim: (items.div_ceil(tiles.combine_warps_per_block), 1, 1),
+                block_dim: (tiles.combine_warps_per_block * warp, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: as above; out holds rows x heads x head_dim.
+            unsafe { launch.launch(config) }.map_err(|e| {
+                Error::cuda(format!("launch {KERNEL_COMBINE_GATE} for {n} rows"), e)
+            })?;
+            Ok(())
+        }
+    }
+}

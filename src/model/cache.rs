@@ -1,0 +1,153 @@
+//! Per-sequence caches of the runner: a KV cache for every full-attention layer, the conv window
+//! and recurrent state for every Gated DeltaNet layer, and a KV cache for every MTP layer.
+//!
+//! Speculative verification runs the target over `n + 1` tokens and keeps only the accepted
+//! prefix. A forward can *record*: it remembers where the sequence stood, and each GDN layer keeps
+//! its conv window and recurrent state after every token of the forward; [`SequenceCache::commit`]
+//! then keeps the first `k` tokens (KV caches truncated, GDN state taken from the snapshot after
+//! token `k`), with no undo pass and no recomputation. (The GPU design keeps this contract with
+//! less state traffic; see the `gdn` family.)
+
+use crate::error::{Error, Result};
+use crate::model::config::{LayerKind, ModelConfig};
+
+/// Keys and values of one attention layer for one sequence: `[positions][kv_heads][head_dim]`.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    /// Keys, `positions * row` values.
+    pub keys: Vec<f32>,
+    /// Values, `positions * row` values.
+    pub values: Vec<f32>,
+    /// `kv_heads * head_dim`.
+    pub row: usize,
+}
+
+impl KvCache {
+    fn new(row: usize) -> Self {
+        Self {
+            keys: Vec::new(),
+            values: Vec::new(),
+            row,
+        }
+    }
+
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.keys.len() / self.row
+    }
+
+    /// Whether no position is held.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// Keeps the first `positions`.
+    pub fn truncate(&mut self, positions: usize) {
+        self.keys.truncate(positions * self.row);
+        self.values.truncate(positions * self.row);
+    }
+}
+
+/// The state of one Gated DeltaNet layer for one sequence.
+#[derive(Debug, Clone, Default)]
+pub struct GdnCache {
+    /// The last `kernel - 1` conv inputs, `[kernel - 1][conv_dim]`.
+    pub conv: Vec<f32>,
+    /// The recurrent state, `[Hv][dk][dv]` f32.
+    pub state: Vec<f32>,
+    /// While recording: `(conv, state)` after each token of the current forward.
+    pub snapshots: Vec<(Vec<f32>, Vec<f32>)>,
+}
+
+/// One decoder layer's cache.
+#[derive(Debug, Clone)]
+pub enum LayerCache {
+    /// Full attention.
+    Kv(KvCache),
+    /// Gated DeltaNet.
+    Gdn(GdnCache),
+}
+
+/// Everything one sequence carries between forwards.
+#[derive(Debug, Clone)]
+pub struct SequenceCache {
+    /// One per decoder layer.
+    pub layers: Vec<LayerCache>,
+    /// One per MTP layer.
+    pub mtp: Vec<KvCache>,
+    /// Positions the target has processed.
+    pub len: usize,
+    /// Where the sequence stood before the recorded forward, while one is pending commit.
+    pub recorded_from: Option<usize>,
+}
+
+impl SequenceCache {
+    /// Empty caches for a new sequence of `config`.
+    pub fn new(config: &ModelConfig) -> Self {
+        let kv_row = config.num_key_value_heads * config.head_dim;
+        let state_len = config.linear_num_value_heads
+            * config.linear_key_head_dim
+            * config.linear_value_head_dim;
+        let conv_len = (config.linear_conv_kernel_dim - 1) * config.linear_conv_dim();
+        Self {
+            layers: config
+                .layer_types
+                .iter()
+                .map(|kind| match kind {
+                    LayerKind::FullAttention => LayerCache::Kv(KvCache::new(kv_row)),
+                    LayerKind::LinearAttention => LayerCache::Gdn(GdnCache {
+                        conv: vec![0.0; conv_len],
+                        state: vec![0.0; state_len],
+                        snapshots: Vec::new(),
+                    }),
+                })
+                .collect(),
+            mtp: (0..config.mtp_num_hidden_layers)
+                .map(|_| KvCache::new(kv_row))
+                .collect(),
+            len: 0,
+            recorded_from: None,
+        }
+    }
+
+    /// Positions the MTP head's caches hold (the first MTP layer's).
+    pub fn mtp_len(&self) -> usize {
+        self.mtp.first().map_or(0, KvCache::len)
+    }
+
+    /// Drops MTP positions from `positions` on (rows computed from drafts rather than from the
+    /// target's hidden states).
+    pub fn truncate_mtp(&mut self, positions: usize) {
+        self.mtp.iter_mut().for_each(|kv| kv.truncate(positions));
+    }
+
+    /// After a recorded forward of `t` tokens, keeps the first `keep` (1 ..= t) of them.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when no recorded forward is pending or `keep` is out of range.
+    pub fn commit(&mut self, keep: usize) -> Result<()> {
+        let from = self.recorded_from.take().ok_or_else(|| {
+            Error::invalid("commit", "no recorded forward is pending for this sequence")
+        })?;
+        let processed = self.len - from;
+        if keep == 0 || keep > processed {
+            return Err(Error::invalid(
+                "commit",
+                format!("keep {keep} of {processed} recorded tokens (1 ..= {processed})"),
+            ));
+        }
+        for layer in &mut self.layers {
+            match layer {
+                LayerCache::Kv(kv) => kv.truncate(from + keep),
+                LayerCache::Gdn(gdn) => {
+                    let (conv, state) = std::mem::take(&mut gdn.snapshots[keep - 1]);
+                    gdn.conv = conv;
+                    gdn.state = state;
+                    gdn.snapshots.clear();
+                }
+            }
+        }
+        self.len = from + keep;
+        Ok(())
+    }
+}

@@ -1,0 +1,212 @@
+//! The model commands from the outside: `fp4spec logits` and `generate` on a fixture, and bad
+//! checkpoints (a missing tensor, a wrong shape, `mtp.fc.weight` missing beside `mtp.layers.*`,
+//! an unknown model_type) refused with exit status 2 and a message naming the problem.
+
+use safetensors::tensor::TensorView;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+fn fp4spec(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_fp4spec"))
+        .args(args)
+        .output()
+        .expect("run fp4spec");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A copy of the text fixture in `dir` with its tensors passed through `edit` (return `None` to
+/// drop a tensor, or new bytes and shape) and its config through `config`.
+fn broken_copy(
+    dir: &Path,
+    edit: impl Fn(&str, &[usize]) -> Option<Option<Vec<usize>>>,
+    config: impl Fn(String) -> String,
+) {
+    let src = fixture("qwen35_text");
+    let bytes = std::fs::read(src.join("model.safetensors")).expect("fixture shard");
+    let file = safetensors::SafeTensors::deserialize(&bytes).expect("fixture parses");
+    let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in file.tensors() {
+        match edit(&name, view.shape()) {
+            None => {}
+            Some(None) => owned.push((
+                name,
+                view.dtype(),
+                view.shape().to_vec(),
+                view.data().to_vec(),
+            )),
+            Some(Some(shape)) => {
+                let len = shape.iter().product::<usize>() * view.dtype().bitsize() / 8;
+                owned.push((name, view.dtype(), shape, vec![0u8; len]));
+            }
+        }
+    }
+    let views: Vec<(String, TensorView<'_>)> = owned
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).expect("view")))
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).expect("write");
+    let text = std::fs::read_to_string(src.join("config.json")).expect("config");
+    std::fs::write(dir.join("config.json"), config(text)).expect("write config");
+}
+
+#[test]
+fn logits_and_generate_run_on_a_fixture() {
+    let dir = fixture("qwen35_text");
+    let dir = dir.to_str().expect("utf-8 path");
+    let (code, stdout, stderr) = fp4spec(&["logits", "--model", dir, "--ids", "1,2,3", "--mtp"]);
+    assert_eq!(code, 0, "{stderr}");
+    let json: serde_json::Value = serde_json::from_str(&stdout).expect("JSON");
+    assert_eq!(json["vocab_size"], 320);
+    assert_eq!(json["logits"].as_array().map(Vec::len), Some(3));
+    assert_eq!(json["mtp_logits"].as_array().map(Vec::len), Some(2));
+    let (code, stdout, stderr) = fp4spec(&[
+        "generate",
+        "--model",
+        dir,
+        "--ids",
+        "5,6,7",
+        "--max-new-tokens",
+        "8",
+        "--spec-tokens",
+        "2",
+        "--temperature",
+        "0.7",
+        "--top-k",
+        "50",
+        "--min-p",
+        "0.01",
+        "--logit-bias",
+        "3=2.5",
+        "--seed",
+        "9",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let json: serde_json::Value = serde_json::from_str(&stdout).expect("JSON");
+    let generated = json["ids"].as_array().map_or(0, Vec::len);
+    assert!((1..=8).contains(&generated), "{stdout}");
+    assert!(json["acceptance_per_position"].is_array(), "{stdout}");
+}
+
+#[test]
+fn bad_checkpoints_and_inputs_exit_2_naming_the_problem() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let case = |name: &str| {
+        let d = tmp.path().join(name);
+        std::fs::create_dir(&d).expect("mkdir");
+        d
+    };
+    let run = |dir: &Path| {
+        fp4spec(&[
+            "generate",
+            "--model",
+            dir.to_str().expect("utf-8"),
+            "--ids",
+            "1",
+        ])
+    };
+
+    let d = case("no_fc");
+    broken_copy(&d, |n, _| (n != "mtp.fc.weight").then_some(None), |c| c);
+    let (code, _, err) = run(&d);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("mtp.fc.weight") && err.contains("missing"),
+        "{err}"
+    );
+
+    let d = case("no_norm");
+    broken_copy(
+        &d,
+        |n, _| (n != "model.layers.2.input_layernorm.weight").then_some(None),
+        |c| c,
+    );
+    let (code, _, err) = run(&d);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("model.layers.2.input_layernorm.weight"),
+        "{err}"
+    );
+
+    let d = case("bad_shape");
+    broken_copy(
+        &d,
+        |n, s| Some((n == "model.layers.1.self_attn.k_proj.weight").then(|| vec![s[0] + 1, s[1]])),
+        |c| c,
+    );
+    let (code, _, err) = run(&d);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("model.layers.1.self_attn.k_proj.weight") && err.contains("shape"),
+        "{err}"
+    );
+
+    let d = case("unknown_type");
+    broken_copy(
+        &d,
+        |_, _| Some(None),
+        |c| c.replace("qwen3_5_moe_text", "llama"),
+    );
+    let (code, _, err) = run(&d);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("model_type") && err.contains("llama"), "{err}");
+
+    let good = fixture("qwen35_text");
+    let good = good.to_str().expect("utf-8");
+    for (args, needle) in [
+        (
+            vec!["logits", "--model", good, "--ids", "1,x"],
+            "`x` is not a token id",
+        ),
+        (
+            vec!["logits", "--model", good, "--ids", "1,320"],
+            "outside the vocabulary",
+        ),
+        (
+            vec!["generate", "--model", good, "--prompt", "hi"],
+            "no tokenizer",
+        ),
+        (
+            vec![
+                "generate",
+                "--model",
+                good,
+                "--ids",
+                "1",
+                "--logit-bias",
+                "7",
+            ],
+            "ID=BIAS",
+        ),
+        (
+            vec![
+                "generate",
+                "--model",
+                good,
+                "--ids",
+                "1",
+                "--temperature",
+                "-1",
+            ],
+            "temperature",
+        ),
+        (
+            vec!["logits", "--model", good, "--ids", "1", "--backend", "cuda"],
+            "no CUDA path",
+        ),
+    ] {
+        let (code, _, err) = fp4spec(&args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}

@@ -1,0 +1,286 @@
+//! GPU checks of the `norm` and `attention` families against their CPU launch paths (which run
+//! the references) on fresh random inputs: the real Qwen3.6 head shape and awkward ones, decode,
+//! verify and prefill rows in one call, contexts longer than one split.
+
+use crate::common::{cuda, random_bf16, rng};
+use fp4spec::backend::{Backend, DeviceVec};
+use fp4spec::kernels::attention::reference::AttentionShape;
+use fp4spec::kernels::attention::{self, GatedAttention, KvCache, RopeTable, Rows, Workspace};
+use fp4spec::kernels::compare::compare_bf16;
+use fp4spec::kernels::norm;
+use fp4spec::rng::SplitMix64;
+use half::bf16;
+
+#[test]
+fn rms_norm_residual_matches_the_reference() {
+    let Some(gpu) = cuda("rms_norm_residual_matches_the_reference") else {
+        return;
+    };
+    let mut rng = rng("norm");
+    for (rows, dim) in [(1, 2048), (7, 2048), (64, 2048), (3, 100), (5, 4096)] {
+        let residual = rng.normal_vec(rows * dim, 1.0);
+        let delta = random_bf16(&mut rng, rows * dim);
+        let weight = rng.normal_vec(dim, 0.3);
+        for with_delta in [false, true] {
+            let run = |backend: &Backend| -> (Vec<f32>, Vec<bf16>) {
+                let mut r = backend.upload(&residual).expect("upload");
+                let d = backend.upload(&delta).expect("upload");
+                let w = backend.upload(&weight).expect("upload");
+                let mut out = backend
+                    .upload(&vec![bf16::NAN; rows * dim])
+                    .expect("upload");
+                norm::rms_norm_residual(
+                    backend,
+                    &mut r,
+                    with_delta.then_some(&d),
+                    &w,
+                    1e-6,
+                    &mut out,
+                    rows,
+                )
+                .expect("norm");
+                (
+                    backend.download(&r).expect("r"),
+                    backend.download(&out).expect("out"),
+                )
+            };
+            let (cpu_r, cpu_out) = run(&Backend::Cpu);
+            let (gpu_r, gpu_out) = run(gpu);
+            // the residual sum is one fp32 addition per element on both sides: exact
+            assert!(
+                cpu_r
+                    .iter()
+                    .zip(&gpu_r)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "[{rows}, {dim}] delta {with_delta}: residual differs"
+            );
+            let want: Vec<f32> = cpu_out.iter().map(|v| v.to_f32()).collect();
+            let agreement = compare_bf16(&gpu_out, &want);
+            println!("norm [{rows}, {dim}] delta {with_delta}: {agreement}");
+            assert!(agreement.passed(), "norm [{rows}, {dim}]: {agreement}");
+        }
+    }
+}
+
+/// One attention layer's step on a backend: history rows fill the cache, then the test rows run
+/// prepare + attend. Returns (q, keys, out).
+struct Scenario {
+    shape: AttentionShape,
+    rotary_dim: usize,
+    capacity: usize,
+    /// (slot, first position, rows) of the history pass, then of the test pass.
+    history: Vec<(u32, u32, usize)>,
+    step: Vec<(u32, u32, usize)>,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+}
+
+fn rows_of(plan: &[(u32, u32, usize)]) -> (Vec<u32>, Vec<u32>) {
+    let mut slots = Vec::new();
+    let mut positions = Vec::new();
+    for &(slot, first, n) in plan {
+        for i in 0..n as u32 {
+            slots.push(slot);
+            positions.push(first + i);
+        }
+    }
+    (slots, positions)
+}
+
+struct Inputs {
+    q_gate: Vec<bf16>,
+    k: Vec<bf16>,
+    v: Vec<bf16>,
+}
+
+fn inputs(rng: &mut SplitMix64, shape: AttentionShape, rows: usize) -> Inputs {
+    Inputs {
+        q_gate: random_bf16(rng, rows * shape.heads * 2 * shape.head_dim),
+        k: random_bf16(rng, rows * shape.kv_heads * shape.head_dim),
+        v: random_bf16(rng, rows * shape.kv_heads * shape.head_dim),
+    }
+}
+
+fn run(
+    backend: &Backend,
+    s: &Scenario,
+    history: &Inputs,
+    step: &Inputs,
+) -> (Vec<f32>, Vec<bf16>, Vec<bf16>) {
+    let shape = s.shape;
+    let rope = RopeTable::new(backend, s.rotary_dim, 1e7, s.capacity).expect("rope");
+    let q_norm = backend.upload(&s.q_norm).expect("q_norm");
+    let k_norm = backend.upload(&s.k_norm).expect("k_norm");
+    let layer = GatedAttention {
+        shape,
+        q_norm: &q_norm,
+        k_norm: &k_norm,
+        eps: 1e-6,
+        rope: &rope,
+    };
+    let slots = 1 + s
+        .history
+        .iter()
+        .chain(&s.step)
+        .map(|p| p.0)
+        .max()
+        .unwrap_or(0) as usize;
+    let mut cache = KvCache::new(backend, shape, slots, s.capacity).expect("cache");
+    let mut last = None;
+    for (plan, data) in [(&s.history, history), (&s.step, step)] {
+        let (slot, position) = rows_of(plan);
+        let rows = Rows {
+            count: slot.len(),
+            slot: backend.upload(&slot).expect("slots"),
+            position: backend.upload(&position).expect("positions"),
+        };
+        let n = rows.count;
+        let q_gate = backend.upload(&data.q_gate).expect("q_gate");
+        let mut q = backend
+            .upload(&vec![f32::NAN; n * shape.heads * shape.head_dim])
+            .expect("q");
+        attention::prepare(
+            backend,
+            &layer,
+            &q_gate,
+            &backend.upload(&data.k).expect("k"),
+            &backend.upload(&data.v).expect("v"),
+            &rows,
+            &mut cache,
+            &mut q,
+        )
+        .expect("prepare");
+        let mut workspace = Workspace::new(backend, shape, n, s.capacity).expect("workspace");
+        let mut out = backend
+            .upload(&vec![bf16::NAN; n * shape.heads * shape.head_dim])
+            .expect("out");
+        attention::attend(
+            backend,
+            shape,
+            &q,
+            &q_gate,
+            &cache,
+            &rows,
+            &mut workspace,
+            &mut out,
+        )
+        .expect("attend");
+        last = Some((
+            backend.download(&q).expect("q"),
+            backend.download(&out).expect("out"),
+        ));
+    }
+    let (q, out) = last.expect("two passes");
+    (q, backend.download(&cache.keys).expect("keys"), out)
+}
+
+fn check(test: &str, s: Scenario) {
+    let Some(gpu) = cuda(test) else {
+        return;
+    };
+    let mut rng = rng(test);
+    let history_rows: usize = s.history.iter().map(|p| p.2).sum();
+    let step_rows: usize = s.step.iter().map(|p| p.2).sum();
+    let history = inputs(&mut rng, s.shape, history_rows);
+    let step = inputs(&mut rng, s.shape, step_rows);
+    let (cpu_q, cpu_keys, cpu_out) = run(&Backend::Cpu, &s, &history, &step);
+    let (gpu_q, gpu_keys, gpu_out) = run(gpu, &s, &history, &step);
+    let q_err = cpu_q
+        .iter()
+        .zip(&gpu_q)
+        .map(|(a, b)| ((a - b).abs() / a.abs().max(1e-3)) as f64)
+        .fold(0.0, f64::max);
+    println!("{test}: q max rel err {q_err:.2e}");
+    assert!(
+        q_err < 1e-4 && gpu_q.iter().all(|v| v.is_finite()),
+        "{test}: q off by {q_err:.2e}"
+    );
+    let want_keys: Vec<f32> = cpu_keys.iter().map(|v| v.to_f32()).collect();
+    let keys = compare_bf16(&gpu_keys, &want_keys);
+    println!("{test}: cached keys {keys}");
+    assert!(keys.passed(), "{test}: cached keys {keys}");
+    let want: Vec<f32> = cpu_out.iter().map(|v| v.to_f32()).collect();
+    let agreement = compare_bf16(&gpu_out, &want);
+    println!("{test}: gated output {agreement}");
+    assert!(agreement.passed(), "{test}: gated output {agreement}");
+}
+
+fn norms(rng: &mut SplitMix64, head_dim: usize) -> (Vec<f32>, Vec<f32>) {
+    (rng.normal_vec(head_dim, 0.3), rng.normal_vec(head_dim, 0.3))
+}
+
+#[test]
+fn attention_real_shape_decode_verify_prefill() {
+    let shape = AttentionShape {
+        heads: 16,
+        kv_heads: 2,
+        head_dim: 256,
+    };
+    let (q_norm, k_norm) = norms(&mut SplitMix64::new(1), 256);
+    check(
+        "attention_real_shape_decode_verify_prefill",
+        Scenario {
+            shape,
+            rotary_dim: 64,
+            capacity: 1300,
+            // slot 0: 1100 tokens of context (5 splits), slot 1: 500, slot 2: empty
+            history: vec![(0, 0, 1100), (1, 0, 500)],
+            // a decode row, three verify rows, a 37-token prefill
+            step: vec![(0, 1100, 1), (1, 500, 3), (2, 0, 37)],
+            q_norm,
+            k_norm,
+        },
+    );
+}
+
+#[test]
+fn attention_awkward_shapes() {
+    for (heads, kv_heads, head_dim, rotary_dim) in [(4, 2, 32, 8), (6, 6, 96, 96), (12, 1, 160, 40)]
+    {
+        let shape = AttentionShape {
+            heads,
+            kv_heads,
+            head_dim,
+        };
+        let (q_norm, k_norm) = norms(&mut SplitMix64::new(2), head_dim);
+        check(
+            &format!("attention_awkward_{heads}x{kv_heads}x{head_dim}"),
+            Scenario {
+                shape,
+                rotary_dim,
+                capacity: 600,
+                history: vec![(1, 0, 257)],
+                step: vec![(0, 0, 1), (1, 257, 2), (0, 1, 5)],
+                q_norm,
+                k_norm,
+            },
+        );
+    }
+}
+
+#[test]
+fn attention_rejects_bad_shapes() {
+    let Some(gpu) = cuda("attention_rejects_bad_shapes") else {
+        return;
+    };
+    let shape = AttentionShape {
+        heads: 34,
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    let err = Workspace::new(gpu, shape, 1, 10)
+        .and_then(|mut w| {
+            let rows = Rows {
+                count: 1,
+                slot: gpu.upload(&[0u32])?,
+                position: gpu.upload(&[0u32])?,
+            };
+            let cache = KvCache::new(gpu, shape, 1, 10)?;
+            let q = gpu.upload(&vec![0.0f32; 34 * 64])?;
+            let q_gate = gpu.upload(&vec![bf16::ZERO; 34 * 128])?;
+            let mut out: DeviceVec<bf16> = gpu.zeros(34 * 64)?;
+            attention::attend(gpu, shape, &q, &q_gate, &cache, &rows, &mut w, &mut out)
+        })
+        .expect_err("a group of 17 query heads per KV head");
+    assert!(err.to_string().contains("groups of 1..=16"), "{err}");
+}
