@@ -859,3 +859,104 @@ fn a_missing_nvfp4_scale_is_an_error_naming_the_tensor() {
         .to_string();
     assert!(err.contains("experts.0.gate_proj"), "{err}");
 }
+
+/// Rows `first .. first + count` of an NVFP4 matrix (its scales kept).
+fn nvfp4_row_slice(m: &Nvfp4Matrix, first: usize, count: usize) -> Nvfp4Matrix {
+    let (bytes, blocks) = (m.cols / 2, m.cols / 16);
+    Nvfp4Matrix {
+        rows: count,
+        cols: m.cols,
+        packed: m.packed[first * bytes..(first + count) * bytes].to_vec(),
+        scales: m.scales[first * blocks..(first + count) * blocks].to_vec(),
+        global_scale: m.global_scale,
+        input_scale: m.input_scale,
+    }
+}
+
+/// A fused 3-D NVFP4 expert tensor `name` (`[E, N, K/2]`) with its per-expert scales.
+fn fused_nvfp4_tensors(out: &mut Vec<Tensor>, name: &str, matrices: &[Nvfp4Matrix]) {
+    let (e, rows, cols) = (matrices.len(), matrices[0].rows, matrices[0].cols);
+    let cat =
+        |f: &dyn Fn(&Nvfp4Matrix) -> Vec<u8>| matrices.iter().flat_map(f).collect::<Vec<u8>>();
+    out.push(tensor(
+        name.into(),
+        Dtype::U8,
+        &[e, rows, cols / 2],
+        cat(&|m| m.packed.clone()),
+    ));
+    out.push(tensor(
+        format!("{name}_weight_scale"),
+        Dtype::F8_E4M3,
+        &[e, rows, cols / 16],
+        cat(&|m| m.scales.clone()),
+    ));
+    out.push(tensor(
+        format!("{name}_weight_scale_2"),
+        Dtype::F32,
+        &[e],
+        cat(&|m| m.global_scale.to_le_bytes().to_vec()),
+    ));
+    out.push(tensor(
+        format!("{name}_input_scale"),
+        Dtype::F32,
+        &[e],
+        cat(&|m| m.input_scale.expect("input scale").to_le_bytes().to_vec()),
+    ));
+}
+
+#[test]
+fn the_loader_reads_fused_nvfp4_experts_with_their_own_scales() {
+    let s = shape(4, 2, 32, 16, 16);
+    let prefix = "model.language_model.layers.0.mlp.";
+    let mut rng = SplitMix64::new(18);
+    let mut host = host_block(&mut rng, s, ExpertFormat::Nvfp4, ExpertFormat::Nvfp4);
+    // each expert's [gate; up] quantised as one matrix: one scale_2 per expert for both
+    let gate_ups: Vec<Nvfp4Matrix> = (0..4).map(|_| nvfp4(&mut rng, 32, 32, 0.3)).collect();
+    let downs: Vec<Nvfp4Matrix> = (0..4).map(|_| nvfp4(&mut rng, 32, 16, 0.4)).collect();
+    for (e, (gate_up, down)) in gate_ups.iter().zip(&downs).enumerate() {
+        host.experts[e] = ExpertWeights::Nvfp4 {
+            gate: nvfp4_row_slice(gate_up, 0, 16),
+            up: nvfp4_row_slice(gate_up, 16, 16),
+            down: down.clone(),
+        };
+    }
+    let mut tensors = vec![bf16_tensor(
+        format!("{prefix}gate.weight"),
+        &[4, 32],
+        &host.router,
+    )];
+    tensors.push(bf16_tensor(
+        format!("{prefix}shared_expert_gate.weight"),
+        &[1, 32],
+        host.shared_gate.as_ref().expect("gate"),
+    ));
+    fused_nvfp4_tensors(
+        &mut tensors,
+        &format!("{prefix}experts.gate_up_proj"),
+        &gate_ups,
+    );
+    fused_nvfp4_tensors(&mut tensors, &format!("{prefix}experts.down_proj"), &downs);
+    expert_tensors(
+        &mut tensors,
+        &format!("{prefix}shared_expert."),
+        host.shared.as_ref().expect("shared"),
+        32,
+        16,
+        false,
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let checkpoint = write(dir.path(), &tensors);
+    assert_eq!(
+        MoeHostWeights::load(&checkpoint, prefix, s).expect("load"),
+        host
+    );
+    // a missing per-expert scale is named
+    let missing = format!("{prefix}experts.down_proj_weight_scale_2");
+    let tensors: Vec<Tensor> = tensors.into_iter().filter(|t| t.name != missing).collect();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let checkpoint = write(dir.path(), &tensors);
+    match MoeHostWeights::load(&checkpoint, prefix, s) {
+        Err(Error::MissingTensor { tensor, .. }) => assert_eq!(tensor, missing),
+        other => panic!("{other:?}"),
+    }
+}

@@ -403,8 +403,10 @@ impl MoeHostWeights {
 
     /// Loads the block under `prefix` (e.g. `model.layers.3.mlp.`): `gate.weight` `[E, H]`,
     /// optional `shared_expert_gate.weight` `[1, H]`, the routed experts fused
-    /// (`experts.gate_up_proj` `[E, 2I, H]`, `experts.down_proj` `[E, H, I]`, float) or per
-    /// expert (`experts.{e}.{gate,up,down}_proj`, float `.weight` or NVFP4 in the ModelOpt or
+    /// (`experts.gate_up_proj` `[E, 2I, H]`, `experts.down_proj` `[E, H, I]`: float, or NVFP4
+    /// codes `[E, N, K/2]` with per-expert `{name}_weight_scale` / `_weight_scale_2` /
+    /// `_input_scale` as [`Nvfp4Matrix::load_fused_expert`] reads them) or per expert
+    /// (`experts.{e}.{gate,up,down}_proj`, float `.weight` or NVFP4 in the ModelOpt or
     /// compressed-tensors convention, every expert with its own scales), and the shared expert
     /// (`shared_expert.{gate,up,down}_proj`) when `shape.shared_intermediate > 0`. Float tensors
     /// may be BF16, F16 or F32 (rounded to bf16).
@@ -430,7 +432,22 @@ impl MoeHostWeights {
             None
         };
         let fused = format!("{prefix}experts.gate_up_proj");
-        let routed = if checkpoint.contains(&fused) {
+        let routed = if checkpoint.contains(&fused) && checkpoint.tensor(&fused)?.dtype == Dtype::U8
+        {
+            // fused NVFP4: `[E, 2I, H/2]` codes with per-expert scales (`{name}_weight_scale`,
+            // `{name}_weight_scale_2`, ...); gate and up share each expert's per-tensor scale
+            let down_name = format!("{prefix}experts.down_proj");
+            (0..experts)
+                .map(|e| {
+                    let gate_up = fused_nvfp4_expert(checkpoint, &fused, e, 2 * i, h)?;
+                    Ok(ExpertWeights::Nvfp4 {
+                        gate: nvfp4_rows(&gate_up, 0, i),
+                        up: nvfp4_rows(&gate_up, i, i),
+                        down: fused_nvfp4_expert(checkpoint, &down_name, e, h, i)?,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?
+        } else if checkpoint.contains(&fused) {
             let gate_up = checkpoint.expect(&fused, &FLOAT, &[experts, 2 * i, h])?;
             let down = checkpoint.expect(
                 &format!("{prefix}experts.down_proj"),
@@ -664,6 +681,30 @@ fn load_linear(
     }
     let tensor = checkpoint.expect(&weight, &FLOAT, &[rows, cols])?;
     Ok(LoadedLinear::Float(bf16_elements(&tensor, 0, rows * cols)))
+}
+
+/// Expert `expert` of the fused NVFP4 tensor `name`, checked to be `[rows, cols]`.
+fn fused_nvfp4_expert(
+    checkpoint: &Checkpoint,
+    name: &str,
+    expert: usize,
+    rows: usize,
+    cols: usize,
+) -> Result<Nvfp4Matrix> {
+    let matrix = Nvfp4Matrix::load_fused_expert(checkpoint, name, expert)?;
+    if (matrix.rows, matrix.cols) != (rows, cols) {
+        let tensor = checkpoint.tensor(name)?;
+        return Err(Error::Shape {
+            tensor: name.to_string(),
+            file: tensor.file.to_path_buf(),
+            expected: format!(
+                "[E, {rows}, {}] (NVFP4 codes of [{rows}, {cols}] per expert)",
+                cols / 2
+            ),
+            found: tensor.shape.to_vec(),
+        });
+    }
+    Ok(matrix)
 }
 
 /// One expert's `gate_proj`, `up_proj`, `down_proj` under `prefix` (`...experts.7.`), all float
