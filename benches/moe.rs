@@ -380,15 +380,8 @@ fn main() {
     let Some(backend) = common::cuda_or_skip("moe") else {
         return;
     };
-    let Backend::Cuda(cuda) = &backend else {
-        unreachable!("asked for CUDA")
-    };
+    let cuda = common::announce(&backend);
     let mut criterion = common::criterion();
-    println!(
-        "device: {} ({} SMs)",
-        backend.describe(),
-        cuda.multiprocessors()
-    );
     let copy_gbs = common::copy_bandwidth_gbs(&mut criterion, cuda);
     let mut rng = SplitMix64::new(0x0e5e);
     let mut rows = Vec::new();
