@@ -15,15 +15,16 @@
 //                   last chunk to be routed aligns every slot by expert, then raises
 //                   routing_ready
 //   2. shared gate_up  (sub-expert, tile group, token chunk): needs only X
-//   3. routed gate_up  (active expert rank, tile group): waits for routing_ready
+//   then, laid out by the routing (a block that claims one first waits for routing_ready):
+//   3. routed gate_up  (active expert rank, tile group)
 //   4. shared down     (sub-expert, tile group, token chunk): waits for its gate_up
 //   5. routed down     (active expert rank, tile group): issues its weight loads first, then
 //                   waits for its expert's gate_up; the last down item of a group of hidden rows
 //                   combines those rows for every token.
 // A block only ever waits for lower-numbered items, and items are claimed in order, so the
 // lowest unfinished item can always proceed: no deadlock, whatever number of blocks is resident.
-// Ranks of experts nobody chose return at once; there are only min(E, T * k) of them. Every
-// active expert's weights are read exactly once per launch (once per ROWS tokens it got).
+// Experts nobody chose have no items at all. Every active expert's weights are read once from
+// DRAM per launch (an expert with more than ROWS tokens re-reads its tiles from L2 per pass).
 //
 // Positions: the shared expert (Is columns) runs as S = ceil(Is / I) sub-experts of I columns
 // (zero-padded), weight index E + c, positions c * T + t; routed expert slots follow from S * T,
@@ -112,8 +113,8 @@ struct Plan {
     u32 gate_up_tiles, gate_up_groups;
     u32 down_tiles, down_groups;
     u32 hidden_k_groups, inter_k_groups;
-    u32 ranks;           // min(E, T * k): routed ranks that may be active
-    u32 end_router, end_shared_gate_up, end_gate_up, end_shared_down, end_down;
+    u32 end_router, end_shared_gate_up;  // the items before the routing is known
+    u32 shared_down_items;
 };
 
 FP4_DEVICE u32 div_up(u32 a, u32 b) { return (a + b - 1) / b; }
@@ -132,12 +133,9 @@ FP4_DEVICE Plan make_plan(const MoeArgs& a) {
     p.down_groups = div_up(p.down_tiles, DOWN_TILES_PER_ITEM);
     p.hidden_k_groups = div_up(a.hidden, GROUP_COLS);
     p.inter_k_groups = div_up(a.inter, GROUP_COLS);
-    p.ranks = min_u32(a.experts, a.tokens * a.top_k);
     p.end_router = p.router_groups * p.chunks;
     p.end_shared_gate_up = p.end_router + a.shared_experts * p.gate_up_groups * p.chunks;
-    p.end_gate_up = p.end_shared_gate_up + p.ranks * p.gate_up_groups;
-    p.end_shared_down = p.end_gate_up + a.shared_experts * p.down_groups * p.chunks;
-    p.end_down = p.end_shared_down + p.ranks * p.down_groups;
+    p.shared_down_items = a.shared_experts * p.down_groups * p.chunks;
     return p;
 }
 
@@ -197,12 +195,13 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
     float c[MT][4];
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) c[mt][0] = c[mt][1] = c[mt][2] = c[mt][3] = 0.0f;
-    const u64 tile_base = tile * k_groups * 32 + lane;
+    // lane indices fit 32 bits (the host checks the weights hold under 2^32 of them)
+    const u32 tile_base = (u32)tile * k_groups * 32 + lane;
     typename W::Group ring[STAGES];
     #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
         const u32 group = first + s * step;
-        if (group < end) ring[s] = w.load(tile_base + (u64)group * 32);
+        if (group < end) ring[s] = w.load(tile_base + group * 32);
     }
     if (wait_counter) block_wait_at_least(wait_counter, wait_target, "the gate_up items of an expert");
     const u32 m_tiles = (rows + 7) / 8;
@@ -236,7 +235,7 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
                     }
                 }
                 const u32 next = group + STAGES * step;
-                if (next < end) ring[s] = w.load(tile_base + (u64)next * 32);
+                if (next < end) ring[s] = w.load(tile_base + next * 32);
             }
         }
     }
@@ -325,6 +324,18 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
 // The block, written once for every target on top of TileAcc / tile_product.
 // ============================================================================================
 
+/// One expert GEMM, gate_up or down: which weights, which rows, and what it waits for.
+struct ExpertJob {
+    bool gate_up;            // gate_up (X = x rows, out act) or down (X = act rows, out partial)
+    u32 expert;              // weight index: a routed expert id, or E + c for shared sub-expert c
+    u32 group;               // tile group
+    u32 position0;           // position of row 0
+    u32 r_begin, r_end;      // rows of this item, in passes of ROWS
+    bool gathered;           // gate_up: the token of row r is sorted_token[position0 + r] (else r)
+    const u32* wait_counter; // down: weights in flight, then wait for *wait_counter >= wait_target
+    u32 wait_target;
+};
+
 /// Block-shared scratch: the cross-warp sums of a tile, or the routing tables (never both live).
 template <int ROWS>
 struct MoeShared {
@@ -337,8 +348,9 @@ struct MoeShared {
             u32 scan[MOE_THREADS];        // per-thread sums, then their inclusive scan
         } route;
     };
-    u32 item;  // the item the block works on (thread 0 claims it)
-    u32 flag;  // block_arrive's answer
+    ExpertJob job;  // the expert item the block works on
+    u32 item;       // the item the block works on (thread 0 claims it)
+    u32 flag;       // block_arrive's answer
 };
 
 /// Adds the partial sums of a tile's `parts` warps into its first warp (in warp order, so the
@@ -520,17 +532,6 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
     if (block_arrive(a.control + CONTROL_ROUTER_DONE, p.chunks, &sh.flag)) align<ROWS>(a, sh);
 }
 
-/// One expert GEMM, gate_up or down: which weights, which rows, and what it waits for.
-struct ExpertJob {
-    bool gate_up;            // gate_up (X = x rows, out act) or down (X = act rows, out partial)
-    u32 expert;              // weight index: a routed expert id, or E + c for shared sub-expert c
-    u32 group;               // tile group
-    u32 position0;           // position of row 0
-    u32 r_begin, r_end;      // rows of this item, in passes of ROWS
-    bool gathered;           // gate_up: the token of row r is sorted_token[position0 + r] (else r)
-    const u32* wait_counter; // down: weights in flight, then wait for *wait_counter >= wait_target
-    u32 wait_target;
-};
 
 /// One expert GEMM item. gate_up: act[position] = bf16(silu(gate) * up); down: partial[position]
 /// = the fp32 down output. One call site for both kinds (the K loop is the same code), so the
@@ -639,7 +640,15 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
         block_barrier();
         const u32 item = sh.item;
         block_barrier();
-        if (item >= p.end_down) break;
+        // the items past the shared gate_up are laid out by the routing: routed gate_up
+        // (n_active ranks), shared down, routed down (n_active ranks); past them, none
+        u32 n_active = 0u, routed = 0u;
+        if (item >= p.end_shared_gate_up) {
+            block_wait_at_least(a.control + CONTROL_ROUTING_READY, 1u, "routing");
+            n_active = load_coherent_u32(a.n_active);  // uniform: read after the barrier
+            routed = item - p.end_shared_gate_up;
+            if (routed >= n_active * (p.gate_up_groups + p.down_groups) + p.shared_down_items) break;
+        }
         // claim the following item now: its round trip hides behind this one
         if (thread_x() == 0) next = atomic_add_relaxed_gpu(a.control + CONTROL_NEXT_ITEM, 1u);
         if (item < p.end_router) {
@@ -647,19 +656,39 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
             continue;
         }
         ExpertJob job;
-        job.gate_up = item < p.end_gate_up;
         job.wait_counter = nullptr;
         job.wait_target = 0u;
         u32* done;  // the counter this item signals
-        if (item < p.end_shared_gate_up || (item >= p.end_gate_up && item < p.end_shared_down)) {
-            // a shared sub-expert: rows are tokens of one chunk, positions c * T + t
-            const u32 groups = job.gate_up ? p.gate_up_groups : p.down_groups;
-            const u32 i = item - (job.gate_up ? p.end_router : p.end_gate_up), per_expert = groups * p.chunks;
-            const u32 c = i / per_expert;
+        u32 shared_item = 0u, rank = 0u;
+        bool shared;
+        if (item < p.end_shared_gate_up) {
+            job.gate_up = true;
+            shared = true;
+            shared_item = item - p.end_router;
+        } else if (routed < n_active * p.gate_up_groups) {
+            job.gate_up = true;
+            shared = false;
+            rank = routed / p.gate_up_groups;
+            job.group = routed % p.gate_up_groups;
+        } else if (routed < n_active * p.gate_up_groups + p.shared_down_items) {
+            job.gate_up = false;
+            shared = true;
+            shared_item = routed - n_active * p.gate_up_groups;
+        } else {
+            job.gate_up = false;
+            shared = false;
+            const u32 i = routed - n_active * p.gate_up_groups - p.shared_down_items;
+            rank = i / p.down_groups;
+            job.group = i % p.down_groups;
+        }
+        if (shared) {
+            // a shared sub-expert: rows are the tokens of one chunk, positions c * T + t
+            const u32 per_expert = (job.gate_up ? p.gate_up_groups : p.down_groups) * p.chunks;
+            const u32 c = shared_item / per_expert;
             job.expert = a.experts + c;
-            job.group = i % per_expert / p.chunks;
+            job.group = shared_item % per_expert / p.chunks;
             job.position0 = c * a.tokens;
-            job.r_begin = (i % p.chunks) * ROWS;
+            job.r_begin = (shared_item % p.chunks) * ROWS;
             job.r_end = min_u32(a.tokens, job.r_begin + ROWS);
             job.gathered = false;
             if (job.gate_up) {
@@ -670,13 +699,7 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
                 done = down_done + job.group;
             }
         } else {
-            // a routed rank: its expert, rows and positions come from the routing
-            const u32 groups = job.gate_up ? p.gate_up_groups : p.down_groups;
-            const u32 i = item - (job.gate_up ? p.end_shared_gate_up : p.end_shared_down);
-            const u32 rank = i / groups;
-            job.group = i % groups;
-            block_wait_at_least(a.control + CONTROL_ROUTING_READY, 1u, "routing");
-            if (rank >= load_coherent_u32(a.n_active)) continue;  // uniform: read after the barrier
+            // an active expert's rank: its expert, rows and positions come from the routing
             job.expert = load_coherent_u32(a.active_expert + rank);
             job.position0 = load_coherent_u32(a.active_offset + rank);
             job.r_begin = 0u;
@@ -690,14 +713,14 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
                 done = down_done + job.group;
             }
         }
-        expert_item<W, ROWS, STAGES>(a, p, job, sh);
+        // the job goes through shared memory: read where used, not held in registers
+        if (thread_x() == 0) sh.job = job;
+        block_barrier();
+        expert_item<W, ROWS, STAGES>(a, p, sh.job, sh);
         if (job.gate_up) {
             block_signal(done);
-        } else {
-            // the arrival count needs the number of active experts (shared items may get here
-            // before routing is done)
-            block_wait_at_least(a.control + CONTROL_ROUTING_READY, 1u, "routing");
-            if (block_arrive(done, load_coherent_u32(a.n_active) + S * p.chunks, &sh.flag)) combine(a, job.group);
+        } else if (block_arrive(done, n_active + S * p.chunks, &sh.flag)) {
+            combine(a, job.group);
         }
     }
     if (block_arrive(a.control + CONTROL_BLOCKS_DONE, grid_blocks(), &sh.flag)) {

@@ -109,6 +109,14 @@ impl MoeWeights {
             Backend::Cuda(cuda) => {
                 check_kernel_shape(cuda, shape)?;
                 let layout = host.kernel_layout()?;
+                // the kernels index fragment lanes with 32 bits
+                for (what, words) in [
+                    ("MoE router fragments", layout.router.len()),
+                    ("MoE gate_up fragments", layout.gate_up.len()),
+                    ("MoE down fragments", layout.down.len()),
+                ] {
+                    check_u32(what, words)?;
+                }
                 let scales = |data: &[u16], what: &str| -> Result<Option<CudaSlice<u16>>> {
                     if data.is_empty() {
                         Ok(None)
