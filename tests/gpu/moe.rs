@@ -6,7 +6,7 @@
 //!   where two router logits are closer than the fp32 accumulation can separate (`tie_tolerance`
 //!   below, reported as "near ties"); the weights must sum to 1, descend, and match the
 //!   reference softmax of the chosen experts within what that logit error allows; the shared
-//!   expert's scale within 1e-5.
+//!   expert's scale within what the same error allows through the sigmoid.
 //! - Output: against the reference evaluated with the GPU's routing, in f64, with each expert
 //!   activation silu(gate) * up rounded to bf16 as the kernel does; then `compare_bf16`: each
 //!   element within bf16 rounding of the output plus 2e-3 of its RMS (fp32 accumulation). NVFP4
@@ -277,16 +277,20 @@ fn check_routing(
         }
         if let Some(gate) = &r.gate {
             let xt = &x[token * h..(token + 1) * h];
-            let logit: f64 = xt
+            let (logit, abs) = xt
                 .iter()
                 .zip(gate)
-                .map(|(a, b)| f64::from(*a) * f64::from(*b))
-                .sum();
+                .fold((0.0f64, 0.0f64), |(l, a), (x, g)| {
+                    let p = f64::from(*x) * f64::from(*g);
+                    (l + p, a + p.abs())
+                });
             let scale = 1.0 / (1.0 + (-logit).exp());
             let got = gpu.shared_scale[token];
+            // the gate logit carries the router's fp32 error; sigmoid's slope is at most 1/4
+            let tolerance = 0.25 * 1e-4 * abs + 1e-6;
             assert!(
-                (f64::from(got) - scale).abs() <= 1e-5,
-                "{test}: token {token}: shared expert scale {got} vs reference {scale}"
+                (f64::from(got) - scale).abs() <= tolerance,
+                "{test}: token {token}: shared expert scale {got} vs reference {scale} (tolerance {tolerance:.1e})"
             );
         }
     }

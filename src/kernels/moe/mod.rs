@@ -11,7 +11,11 @@
 //!   renormalisation / shared gate, alignment by expert on the device, grouped gate_up with
 //!   `silu(gate) * up` fused, grouped down, weighted combine plus the shared expert and an
 //!   optional residual), capturable in a CUDA graph: no allocation, no host synchronisation.
-//!   Experts nobody chose are never read; every chosen expert's weights are read once per launch.
+//!   Experts nobody chose cost nothing (they get no work items); every chosen expert's weights
+//!   are read once from DRAM per launch (an expert with more tokens than a pass, 8, re-reads its
+//!   tiles from L2). Work items are claimed in order from a counter, so the kernel cannot
+//!   deadlock whatever number of its blocks is resident; a wait longer than 4 s traps (a launch
+//!   error naming the wait on stdout) instead of hanging.
 //! - gfx1151 has the same kernels on WMMA (compiled and checked; no HIP runtime yet).
 //!
 //! Numerics: bf16 operands, fp32 accumulation; `silu(gate) * up` is rounded to bf16 before the
