@@ -57,6 +57,8 @@ pub struct TargetFacts {
     pub norm: NormTiles,
     /// Launch parameters of the `attention` family.
     pub attention: AttentionTiles,
+    /// Launch parameters of the `gdn` family.
+    pub gdn: GdnTiles,
     /// Launch parameters of the `moe` family.
     pub moe: MoeTiles,
 }
@@ -127,6 +129,23 @@ pub struct AttentionTiles {
     pub split_positions: u32,
     /// `attention_combine_gate`: warps per block, one (row, head) each.
     pub combine_warps_per_block: u32,
+}
+
+/// Launch parameters of the `gdn` family (Gated DeltaNet).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GdnTiles {
+    /// `gdn_step`: threads per block.
+    pub step_threads: u32,
+    /// `gdn_step`: value columns (of one head's state) per block; each thread holds 4 of them.
+    pub step_dv_per_block: u32,
+    /// `gdn_step`: most tokens per sequence in one step (and pending from the last one).
+    pub step_max_tokens: u32,
+    /// `gdn_chunk_state_*`: value columns per block (16 or 32; 16 when dv is not a multiple).
+    pub chunk_dv_per_block: u32,
+    /// `gdn_chunk_state_*`: chunks of operands staged ahead in shared memory (cp.async); 0 reads
+    /// them from global memory (targets without `cp.async` / `ldmatrix`).
+    pub chunk_stages: u32,
 }
 
 /// Launch parameters of the `moe` family: one persistent launch per MoE block
@@ -249,6 +268,35 @@ impl TargetFacts {
         }
         if a.split_positions == 0 {
             return fail("attention.split_positions must be positive".into());
+        }
+        let gdn = &self.gdn;
+        let lanes = gdn.step_dv_per_block / 4;
+        if !matches!(gdn.step_dv_per_block, 4 | 8 | 16 | 32 | 64 | 128)
+            || lanes > self.warp_size
+            || gdn.step_threads % self.warp_size != 0
+            || gdn.step_threads > 1024
+            || gdn.step_threads / lanes.max(1) == 0
+            || 128 % (gdn.step_threads / lanes.max(1)) != 0
+        {
+            return fail(format!(
+                "gdn.step_threads {} and gdn.step_dv_per_block {}: the block must be whole warps \
+                 and its row groups (threads / (dv_per_block / 4)) must divide 128",
+                gdn.step_threads, gdn.step_dv_per_block
+            ));
+        }
+        if !(1..=16).contains(&gdn.step_max_tokens) {
+            return fail("gdn.step_max_tokens must be in 1..=16 (shared memory per token)".into());
+        }
+        if !matches!(gdn.chunk_dv_per_block, 16 | 32) {
+            return fail("gdn.chunk_dv_per_block must be 16 or 32".into());
+        }
+        let staged = self.instructions.mma_sync_bf16 && self.instructions.cp_async;
+        if (staged && !(1..=3).contains(&gdn.chunk_stages)) || (!staged && gdn.chunk_stages != 0) {
+            return fail(format!(
+                "gdn.chunk_stages {}: 1..=3 where mma.sync and cp.async exist (ldmatrix reads \
+                 shared memory), 0 elsewhere",
+                gdn.chunk_stages
+            ));
         }
         self.validate_moe()?;
         if !(1..=16).contains(&self.gemm.rows_per_pass) {

@@ -7,6 +7,7 @@
 
 mod attention;
 mod common;
+mod gdn;
 mod gemm;
 mod moe;
 

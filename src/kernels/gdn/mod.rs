@@ -1,5 +1,1545 @@
-//! Family `gdn`: Gated DeltaNet linear attention. So far the CPU reference (conv1d + SiLU and its
-//! window, gates, L2 norms, the gated delta rule recurrent and chunked, the gated RMSNorm), the
-//! definition the prefill, decode and speculative-verify kernels will reproduce.
+//! Family `gdn`: Gated DeltaNet linear attention (`kernels/templates/gdn.cu`), from the raw
+//! projection rows (`in_proj_qkv`, `in_proj_a`, `in_proj_b`, `in_proj_z`) to the rows
+//! `out_proj` consumes: conv1d + SiLU, the split into q, k, v, L2 norms and q scale, the gates,
+//! the gated delta rule, and the gated RMSNorm, fused into the kernels that consume them. The
+//! CPU backend runs [`reference`](mod@reference); CUDA runs the kernels below.
+//!
+//! # Kernels
+//! - [`step`] (`gdn_step_dk{128,256}`): decode or speculative verify of `m` tokens per sequence
+//!   for a batch, one launch. One block per (value head, `step_dv_per_block` value columns, sequence), so a
+//!   single sequence at the real shape spreads its 2 MiB state over 256 blocks; the block's
+//!   state slice lives in registers (16-byte loads and stores, read once and written once per
+//!   step); each token costs one reduction of `(S^T k, S^T q)` (warp shuffles, then one
+//!   barrier), since `o = e^g S^T q + u (k . q)` needs no second pass. The gated RMSNorm needs
+//!   the whole head: the last of the head's blocks to finish applies it (an arrival counter per
+//!   (sequence, head), reset by that block), so a decode step stays one launch.
+//! - [`prefill`]: chunk 64 in the WY / UT form on tensor cores (`mma.sync` bf16, fp32
+//!   accumulation; a lane-by-lane fallback of the same fragment layout on gfx1151), for a
+//!   variable-length batch given by `cu_seqlens`, continuing each sequence from its slot (state,
+//!   conv window, pending tokens). `gdn_chunk_prepare_*` runs every (chunk, head) in parallel:
+//!   conv, norms, gates, `K K^T`, `Q K^T`, the 64x64 triangular inverse (fp32), `W`, `U`, `M`
+//!   to a [`ChunkWorkspace`]. `gdn_chunk_state_*` walks each sequence's chunks in order, one
+//!   block per (head, `chunk_dv_per_block` value columns): the columns of the state are
+//!   independent, so the sequential part runs on 32 x 4..8 blocks; the state slice stays in the
+//!   accumulator registers (fp32) and is rounded to bf16 only as an MMA operand. The gated
+//!   RMSNorm is then `gdn_gated_norm` over the rows (a separate pass: a head's columns are
+//!   spread over blocks).
+//! - [`Sequences::commit`] (`gdn_commit`): the bookkeeping after a step.
+//!
+//! # The cache and the speculative step
+//! A [`GdnCache`] holds, per sequence slot: the state `[Hv][dk][dv]` fp32; and a ring of
+//! [`GdnCache::ring_len`] token positions (indexed by absolute position modulo the ring) with
+//! the raw qkv row (bf16; the conv window is the last `kernel - 1` of them) and, for verified
+//! tokens, the replay data: the normalised k `[Hk][dk]`, `u = beta (v - (e^g S)^T k)`
+//! `[Hv][dv]` and g `[Hv]` (fp32). [`Sequences`] says, per sequence of a batch, its slot, its
+//! position (tokens committed) and how many of them are *pending*: accepted but not yet folded
+//! into the state, which holds the state after `position - pending` tokens (a slot whose
+//! folded position is 0 is read as the zero state).
+//!
+//! A verify step of `n + 1` tokens replays the pending tokens (`S = e^g S + k u^T`: a rank-1
+//! update per token, no reduction), stores that state (the pre-verify state), runs the new
+//! tokens producing every output, and records each one's replay data at its position. The
+//! runner then commits any accepted count `a` in `0..=n+1`: `position += a`, `pending = a`.
+//! Nothing is undone and no prefix is recomputed: the next step (verify, decode or prefill)
+//! replays the `a` accepted tokens at its start, and the rejected positions are overwritten. The
+//! conv window follows the same rule for free: it is the ring's last `kernel - 1` rows before
+//! `position`. A decode step folds its tokens (commit with [`StepMode::Decode`]: pending 0).
+//!
+//! Why this design (the cost goal: verify with `n + 1 = 3` at most 1.3x a decode step, whose
+//! floor is reading and writing the 2 MiB state once): vLLM writes the state after every
+//! verified token (`n + 1` writes: 2x a decode step's traffic at `n + 1 = 3`, 3x at 5);
+//! keeping two states and selecting by acceptance doubles the slot memory and still writes a
+//! full state. Here a step reads the state once and writes it once whatever `n` is; the extra
+//! traffic is the replay data, `(Hk dk + Hv dv + Hv) * 4` = 24.1 KiB per token per layer
+//! written and read back (1.2% of the state per token), and the extra work is the replay's
+//! `pending` fused multiply-adds per state element, overlapped with the state's load.
+//!
+//! # Layouts
+//! Projection rows are bf16 [`Rows`] (any row stride, so fused projections work): qkv `[rows]
+//! [conv_dim]` (q `Hk dk`, k `Hk dk`, v `Hv dv`), a and b `[rows][Hv]`, z `[rows][Hv dv]`; the
+//! step's row of token `t` of sequence `b` is `b * m + t`, prefill's rows are the sequences'
+//! tokens one after another (`cu_seqlens`). Outputs are bf16 `[rows][Hv dv]`. Parameters are
+//! f32 ([`GdnParams`]).
+//!
+//! # Limits and checks
+//! dk and dv are multiples of 16, dk at most 256 ([`step`]) and 64 or 128 ([`prefill`], the
+//! instantiated chunk kernels); the step takes at most `gdn.step_max_tokens` tokens per sequence
+//! (targets.toml). The kernels are checked against the CPU backend on a GPU
+//! (`tests/gpu/gdn.rs`) and, without one, by running the rendered sources of sm_90a, sm_121a
+//! and gfx1151 on the CPU with the MMA fragments emulated (`tests/gdn_emulated.rs`).
 
 pub mod reference;
+
+pub use reference::{GdnShape, StepMode};
+
+use super::{check_len, check_u32};
+use crate::backend::cuda::CudaBackend;
+use crate::backend::{Backend, DeviceVec};
+use crate::error::{Error, Result};
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+/// The family name (template and module).
+pub const FAMILY: &str = "gdn";
+/// Tokens per chunk of the prefill kernels.
+pub const CHUNK: usize = 64;
+/// Largest dk of the step kernel (its shared-memory tiles).
+pub const STEP_MAX_DK: usize = 256;
+/// The dk values the prefill kernels are instantiated for.
+pub const CHUNK_DK: [usize; 2] = [64, 128];
+
+/// Bytes of one sequence's recurrent state (fp32): what a decode step must read and write.
+pub fn state_bytes(shape: GdnShape) -> u64 {
+    4 * shape.state_len() as u64
+}
+
+/// Floating-point operations of the chunked prefill of `tokens` tokens (the tensor-core
+/// products of both passes: `K K^T`, `Q K^T`, `W`, `U` per chunk and head; `W S`, `Q S`,
+/// `M V'`, `K^T V'` per chunk, head and value column), counting a multiply-add as 2.
+pub fn chunk_flops(shape: GdnShape, tokens: usize) -> f64 {
+    let (c, dk, dv) = (CHUNK as f64, shape.dk as f64, shape.dv as f64);
+    let per_token_head = 2.0 * (2.0 * c * dk + c * dk + c * dv + 2.0 * dk * dv + c * dv + dk * dv);
+    per_token_head * shape.value_heads as f64 * tokens as f64
+}
+
+/// Checks that a shape is one the kernels take.
+fn check_shape(shape: GdnShape) -> Result<()> {
+    let GdnShape {
+        key_heads,
+        value_heads,
+        dk,
+        dv,
+    } = shape;
+    if key_heads == 0 || value_heads % key_heads != 0 {
+        return Err(Error::invalid(
+            "gdn shape",
+            format!("{value_heads} value heads are not a multiple of {key_heads} key heads"),
+        ));
+    }
+    if dk == 0 || dk % 16 != 0 || dk > STEP_MAX_DK || dv == 0 || dv % 16 != 0 {
+        return Err(Error::invalid(
+            "gdn shape",
+            format!(
+                "dk = {dk}, dv = {dv}: both must be positive multiples of 16, dk at most {STEP_MAX_DK}"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// One layer's parameters on a backend, as f32.
+pub struct GdnParams {
+    shape: GdnShape,
+    kernel: usize,
+    eps: f32,
+    conv_weight: DeviceVec<f32>,
+    a_log: DeviceVec<f32>,
+    dt_bias: DeviceVec<f32>,
+    norm_weight: DeviceVec<f32>,
+}
+
+impl GdnParams {
+    /// Uploads a layer's parameters: `conv_weight` `[conv_dim][kernel]` (`conv1d.weight` without
+    /// its middle axis), `a_log` and `dt_bias` `[Hv]`, `norm_weight` `[dv]`, the gated RMSNorm's
+    /// `eps`.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a shape the kernels do not take, a kernel width outside 1..=8, or
+    /// a buffer whose length disagrees with the shape; [`Error::Cuda`] when an upload fails.
+    #[allow(clippy::too_many_arguments)]
+    pub fn upload(
+        backend: &Backend,
+        shape: GdnShape,
+        kernel: usize,
+        conv_weight: &[f32],
+        a_log: &[f32],
+        dt_bias: &[f32],
+        norm_weight: &[f32],
+        eps: f32,
+    ) -> Result<Self> {
+        check_shape(shape)?;
+        if !(1..=8).contains(&kernel) {
+            return Err(Error::invalid(
+                "gdn conv kernel width",
+                format!("{kernel} is outside 1..=8"),
+            ));
+        }
+        for (what, len, want) in [
+            (
+                "gdn conv1d.weight",
+                conv_weight.len(),
+                shape.conv_dim() * kernel,
+            ),
+            ("gdn A_log", a_log.len(), shape.value_heads),
+            ("gdn dt_bias", dt_bias.len(), shape.value_heads),
+            ("gdn norm.weight", norm_weight.len(), shape.dv),
+        ] {
+            if len != want {
+                return Err(Error::invalid(
+                    what,
+                    format!("{len} values, expected {want} for {shape:?} and kernel {kernel}"),
+                ));
+            }
+        }
+        Ok(Self {
+            shape,
+            kernel,
+            eps,
+            conv_weight: backend.upload(conv_weight)?,
+            a_log: backend.upload(a_log)?,
+            dt_bias: backend.upload(dt_bias)?,
+            norm_weight: backend.upload(norm_weight)?,
+        })
+    }
+
+    /// The layer's head shape.
+    pub fn shape(&self) -> GdnShape {
+        self.shape
+    }
+
+    /// The conv kernel width.
+    pub fn kernel(&self) -> usize {
+        self.kernel
+    }
+}
+
+/// One layer's per-sequence state on a backend: see the module docs for the layout.
+pub struct GdnCache {
+    shape: GdnShape,
+    kernel: usize,
+    slots: usize,
+    max_step_tokens: usize,
+    ring_len: usize,
+    state: DeviceVec<f32>,
+    conv: DeviceVec<bf16>,
+    ring_k: DeviceVec<f32>,
+    ring_u: DeviceVec<f32>,
+    ring_g: DeviceVec<f32>,
+    o_scratch: DeviceVec<f32>,
+    counters: DeviceVec<u32>,
+}
+
+impl GdnCache {
+    /// Zeroed slots for `slots` sequences of a layer with conv width `kernel`, for steps of at
+    /// most `max_step_tokens` tokens per sequence.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a shape the kernels do not take, no slots, or more step tokens
+    /// than the target's `gdn.step_max_tokens`; [`Error::Cuda`] when an allocation fails.
+    pub fn new(
+        backend: &Backend,
+        shape: GdnShape,
+        kernel: usize,
+        slots: usize,
+        max_step_tokens: usize,
+    ) -> Result<Self> {
+        check_shape(shape)?;
+        let most = match backend {
+            Backend::Cpu => 16,
+            Backend::Cuda(cuda) => cuda.target().gdn.step_max_tokens as usize,
+        };
+        if slots == 0 || max_step_tokens == 0 || max_step_tokens > most || kernel == 0 {
+            return Err(Error::invalid(
+                "gdn cache",
+                format!(
+                    "{slots} slots, {max_step_tokens} tokens per step, kernel {kernel}: needs at \
+                     least one slot and 1..={most} tokens per step"
+                ),
+            ));
+        }
+        // written positions [pos, pos + m) never alias read ones [pos - max(kernel - 1, pending), pos)
+        let ring_len = (kernel - 1).max(max_step_tokens) + max_step_tokens;
+        let (hk, hv, dk, dv) = (shape.key_heads, shape.value_heads, shape.dk, shape.dv);
+        Ok(Self {
+            shape,
+            kernel,
+            slots,
+            max_step_tokens,
+            ring_len,
+            state: backend.zeros(slots * shape.state_len())?,
+            conv: backend.zeros(slots * ring_len * shape.conv_dim())?,
+            ring_k: backend.zeros(slots * ring_len * hk * dk)?,
+            ring_u: backend.zeros(slots * ring_len * hv * dv)?,
+            ring_g: backend.zeros(slots * ring_len * hv)?,
+            o_scratch: backend.zeros(slots * max_step_tokens * hv * dv)?,
+            counters: backend.zeros(slots * hv)?,
+        })
+    }
+
+    /// Positions kept per slot (`max(kernel - 1, m) + m` for `m` tokens per step).
+    pub fn ring_len(&self) -> usize {
+        self.ring_len
+    }
+
+    /// Sequence slots.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Most tokens per sequence and step.
+    pub fn max_step_tokens(&self) -> usize {
+        self.max_step_tokens
+    }
+
+    fn check_slot(&self, slot: usize) -> Result<()> {
+        if slot >= self.slots {
+            return Err(Error::invalid(
+                "gdn slot",
+                format!("{slot} is not below the cache's {} slots", self.slots),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Puts a sequence into `slot` at `position`: its state `[Hv][dk][dv]` (the state after
+    /// `position` tokens, nothing pending) and conv window `[kernel - 1][conv_dim]` (the raw qkv
+    /// rows of the positions before `position`, oldest first). Used to restore a sequence and by
+    /// tests; the [`Sequences`] entry must say `position` with 0 pending.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a slot past the cache or buffers that disagree with the shape;
+    /// [`Error::Cuda`] when a copy fails.
+    pub fn set_sequence(
+        &mut self,
+        backend: &Backend,
+        slot: usize,
+        position: usize,
+        state: &[f32],
+        window: &[bf16],
+    ) -> Result<()> {
+        self.check_slot(slot)?;
+        let (size, channels, rows) = (
+            self.shape.state_len(),
+            self.shape.conv_dim(),
+            self.kernel - 1,
+        );
+        if state.len() != size || window.len() != rows * channels {
+            return Err(Error::invalid(
+                "gdn sequence",
+                format!(
+                    "state of {} and window of {} values; expected {size} and {}",
+                    state.len(),
+                    window.len(),
+                    rows * channels
+                ),
+            ));
+        }
+        write_range(backend, &mut self.state, slot * size, state)?;
+        for r in 0..rows {
+            let Some(p) = (position + r).checked_sub(rows) else {
+                continue; // before the sequence's start: read as zeros, never stored
+            };
+            let at = (slot * self.ring_len + p % self.ring_len) * channels;
+            write_range(
+                backend,
+                &mut self.conv,
+                at,
+                &window[r * channels..(r + 1) * channels],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The state stored in `slot` (after `position - pending` tokens of its sequence).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a slot past the cache, [`Error::Cuda`] when the copy fails.
+    pub fn state(&self, backend: &Backend, slot: usize) -> Result<Vec<f32>> {
+        self.check_slot(slot)?;
+        let size = self.shape.state_len();
+        read_range(backend, &self.state, slot * size, size)
+    }
+
+    /// The conv window of `slot` at `position`: the raw qkv rows of the `kernel - 1` positions
+    /// before it, `[kernel - 1][conv_dim]`, zeros before the sequence's start.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a slot past the cache, [`Error::Cuda`] when the copy fails.
+    pub fn conv_window(
+        &self,
+        backend: &Backend,
+        slot: usize,
+        position: usize,
+    ) -> Result<Vec<bf16>> {
+        self.check_slot(slot)?;
+        let (rows, channels) = (self.kernel - 1, self.shape.conv_dim());
+        let mut window = Vec::with_capacity(rows * channels);
+        for r in 0..rows {
+            match (position + r).checked_sub(rows) {
+                Some(p) => {
+                    let at = (slot * self.ring_len + p % self.ring_len) * channels;
+                    window.extend(read_range(backend, &self.conv, at, channels)?);
+                }
+                None => window.extend(std::iter::repeat_n(bf16::ZERO, channels)),
+            }
+        }
+        Ok(window)
+    }
+}
+
+/// The ring rows of the `kernel - 1` positions before `position` (None before position 0).
+fn window_rows<'a>(
+    conv: &'a [bf16],
+    cache: &GdnCache,
+    slot: usize,
+    position: usize,
+) -> Vec<Option<&'a [bf16]>> {
+    let (rows, channels) = (cache.kernel - 1, cache.shape.conv_dim());
+    (0..rows)
+        .map(|r| {
+            (position + r).checked_sub(rows).map(|p| {
+                let at = (slot * cache.ring_len + p % cache.ring_len) * channels;
+                &conv[at..at + channels]
+            })
+        })
+        .collect()
+}
+
+fn read_range<T: cudarc::driver::DeviceRepr + Clone + Default>(
+    backend: &Backend,
+    buffer: &DeviceVec<T>,
+    at: usize,
+    len: usize,
+) -> Result<Vec<T>> {
+    match buffer {
+        DeviceVec::Host(v) => Ok(v[at..at + len].to_vec()),
+        DeviceVec::Cuda(s) => {
+            let Backend::Cuda(cuda) = backend else {
+                return Err(backend.mismatch("gdn cache", buffer));
+            };
+            cuda.stream()
+                .clone_dtoh(&s.slice(at..at + len))
+                .map_err(|e| Error::cuda(format!("read {len} values of the gdn cache"), e))
+        }
+    }
+}
+
+fn write_range<T: cudarc::driver::DeviceRepr + Clone>(
+    backend: &Backend,
+    buffer: &mut DeviceVec<T>,
+    at: usize,
+    values: &[T],
+) -> Result<()> {
+    match buffer {
+        DeviceVec::Host(v) => {
+            v[at..at + values.len()].clone_from_slice(values);
+            Ok(())
+        }
+        DeviceVec::Cuda(s) => {
+            let Backend::Cuda(cuda) = backend else {
+                return Err(backend.mismatch("gdn cache", buffer));
+            };
+            let mut view = s.slice_mut(at..at + values.len());
+            cuda.stream().memcpy_htod(values, &mut view).map_err(|e| {
+                Error::cuda(
+                    format!("copy {} values into the gdn cache", values.len()),
+                    e,
+                )
+            })
+        }
+    }
+}
+
+/// How many tokens each sequence of a step accepted.
+#[derive(Clone, Copy)]
+pub enum Accepted<'a> {
+    /// The same count for every sequence (a decode step: its `m`; a flush: 0).
+    All(u32),
+    /// One count per sequence, e.g. written by the verification kernel.
+    PerSequence(&'a DeviceVec<u32>),
+}
+
+/// A batch of sequences: per sequence its cache slot, its position (tokens committed) and its
+/// pending count (accepted tokens not yet folded into the state).
+pub struct Sequences {
+    slots: DeviceVec<u32>,
+    positions: DeviceVec<u32>,
+    pending: DeviceVec<u32>,
+}
+
+impl Sequences {
+    /// Sequences in `slots` at `positions`, nothing pending.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when the lists differ in length or are empty, [`Error::Cuda`] when an
+    /// upload fails.
+    pub fn new(backend: &Backend, slots: &[u32], positions: &[u32]) -> Result<Self> {
+        if slots.len() != positions.len() || slots.is_empty() {
+            return Err(Error::invalid(
+                "gdn sequences",
+                format!(
+                    "{} slots and {} positions: one each per sequence, at least one",
+                    slots.len(),
+                    positions.len()
+                ),
+            ));
+        }
+        Ok(Self {
+            slots: backend.upload(slots)?,
+            positions: backend.upload(positions)?,
+            pending: backend.zeros(slots.len())?,
+        })
+    }
+
+    /// Sequences in the batch.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Whether the batch is empty (never: [`Sequences::new`] refuses it).
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// The positions, downloaded.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the copy fails.
+    pub fn positions(&self, backend: &Backend) -> Result<Vec<u32>> {
+        backend.download(&self.positions)
+    }
+
+    /// The pending counts, downloaded.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the copy fails.
+    pub fn pending(&self, backend: &Backend) -> Result<Vec<u32>> {
+        backend.download(&self.pending)
+    }
+
+    /// After a step: `position += accepted`; `pending = accepted` after a verify step (they wait
+    /// for the next step's replay), 0 after a decode step, a prefill or a flush (`mode` is
+    /// [`StepMode::Decode`] for those). One launch for every layer of the model (the layers
+    /// share positions).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when a per-sequence count list has the wrong length,
+    /// [`Error::BackendMismatch`] / [`Error::Cuda`] from the CUDA path.
+    pub fn commit(
+        &mut self,
+        backend: &Backend,
+        accepted: Accepted<'_>,
+        mode: StepMode,
+    ) -> Result<()> {
+        let count = self.len();
+        if let Accepted::PerSequence(a) = accepted {
+            check_len("gdn accepted counts", a, count, &format!("[{count}]"))?;
+        }
+        let fold = mode == StepMode::Decode;
+        match backend {
+            Backend::Cpu => {
+                let (DeviceVec::Host(positions), DeviceVec::Host(pending)) =
+                    (&mut self.positions, &mut self.pending)
+                else {
+                    return Err(backend.mismatch("gdn sequences", &self.slots));
+                };
+                for i in 0..count {
+                    let a = match accepted {
+                        Accepted::All(a) => a,
+                        Accepted::PerSequence(DeviceVec::Host(v)) => v[i],
+                        Accepted::PerSequence(other) => {
+                            return Err(backend.mismatch("gdn accepted counts", other));
+                        }
+                    };
+                    positions[i] = positions[i].wrapping_add(a);
+                    pending[i] = if fold { 0 } else { a };
+                }
+                Ok(())
+            }
+            Backend::Cuda(cuda) => {
+                let (uniform, accepted_ptr) = match accepted {
+                    Accepted::All(a) => (a, 0u64),
+                    Accepted::PerSequence(v) => {
+                        (0, device_ptr(cuda, backend, v, "gdn accepted counts")?)
+                    }
+                };
+                let positions = device_ptr(cuda, backend, &self.positions, "gdn positions")?;
+                let pending = device_ptr(cuda, backend, &self.pending, "gdn pending counts")?;
+                let (count32, fold32) = (check_u32("gdn sequences", count)?, u32::from(fold));
+                let function = cuda.function(FAMILY, "gdn_commit")?;
+                let mut launch = cuda.stream().launch_builder(&function);
+                launch
+                    .arg(&positions)
+                    .arg(&pending)
+                    .arg(&accepted_ptr)
+                    .arg(&uniform)
+                    .arg(&count32)
+                    .arg(&fold32);
+                // SAFETY: matches gdn_commit(positions, pending, accepted, uniform, count, fold);
+                // every array holds `count` elements (accepted checked above).
+                unsafe {
+                    launch.launch(LaunchConfig {
+                        grid_dim: (count32.div_ceil(128), 1, 1),
+                        block_dim: (128, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
+                }
+                .map_err(|e| Error::cuda(format!("launch gdn_commit for {count} sequences"), e))?;
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Rows of a bf16 matrix inside a buffer: element (row, col) at `offset + row * stride + col`.
+#[derive(Clone, Copy)]
+pub struct Rows<'a> {
+    /// The buffer.
+    pub data: &'a DeviceVec<bf16>,
+    /// Elements before row 0's first column.
+    pub offset: usize,
+    /// Elements from one row to the next.
+    pub stride: usize,
+}
+
+impl<'a> Rows<'a> {
+    /// A matrix whose rows are `width` elements, back to back.
+    pub fn packed(data: &'a DeviceVec<bf16>, width: usize) -> Self {
+        Self {
+            data,
+            offset: 0,
+            stride: width,
+        }
+    }
+
+    fn check(&self, what: &str, rows: usize, width: usize, aligned: bool) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        let need = self.offset + (rows - 1) * self.stride + width;
+        if self.stride < width || self.data.len() < need {
+            return Err(Error::invalid(
+                what,
+                format!(
+                    "{rows} rows of {width} at offset {} stride {} need {need} elements; the buffer has {}",
+                    self.offset,
+                    self.stride,
+                    self.data.len()
+                ),
+            ));
+        }
+        if aligned && (self.offset % 8 != 0 || self.stride % 8 != 0) {
+            return Err(Error::invalid(
+                what,
+                format!(
+                    "offset {} and stride {} must be multiples of 8 (16-byte loads)",
+                    self.offset, self.stride
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn host_rows(&self, rows: std::ops::Range<usize>, width: usize) -> Result<Vec<f32>> {
+        let DeviceVec::Host(v) = self.data else {
+            return Err(Backend::Cpu.mismatch("gdn projection rows", self.data));
+        };
+        Ok(rows
+            .flat_map(|r| {
+                v[self.offset + r * self.stride..][..width]
+                    .iter()
+                    .map(|x| x.to_f32())
+            })
+            .collect())
+    }
+}
+
+/// The projection rows of a call.
+#[derive(Clone, Copy)]
+pub struct Projections<'a> {
+    /// `in_proj_qkv` rows, `[rows][conv_dim]`.
+    pub qkv: Rows<'a>,
+    /// `in_proj_a` rows, `[rows][Hv]`.
+    pub a: Rows<'a>,
+    /// `in_proj_b` rows, `[rows][Hv]`.
+    pub b: Rows<'a>,
+    /// `in_proj_z` rows, `[rows][Hv dv]`: with them the outputs go through the gated RMSNorm,
+    /// without them they are the raw recurrence outputs.
+    pub z: Option<Rows<'a>>,
+}
+
+impl Projections<'_> {
+    fn check(&self, shape: GdnShape, rows: usize) -> Result<()> {
+        self.qkv
+            .check("gdn qkv rows", rows, shape.conv_dim(), true)?;
+        self.a.check("gdn a rows", rows, shape.value_heads, false)?;
+        self.b.check("gdn b rows", rows, shape.value_heads, false)?;
+        if let Some(z) = &self.z {
+            z.check("gdn z rows", rows, shape.value_heads * shape.dv, false)?;
+        }
+        Ok(())
+    }
+}
+
+fn device_ptr<T>(
+    cuda: &CudaBackend,
+    backend: &Backend,
+    v: &DeviceVec<T>,
+    what: &str,
+) -> Result<u64> {
+    match v {
+        DeviceVec::Cuda(s) => Ok(s.device_ptr(cuda.stream()).0),
+        DeviceVec::Host(_) => Err(backend.mismatch(what, v)),
+    }
+}
+
+fn rows_ptr(cuda: &CudaBackend, backend: &Backend, rows: &Rows<'_>, what: &str) -> Result<u64> {
+    Ok(device_ptr(cuda, backend, rows.data, what)? + 2 * rows.offset as u64)
+}
+
+/// The host-side view of a cache slot as the reference's [`reference::SequenceCache`].
+fn host_sequence(
+    cache: &GdnCache,
+    host: &HostCache<'_>,
+    slot: usize,
+    position: usize,
+    pending: usize,
+) -> reference::SequenceCache {
+    let shape = cache.shape;
+    let size = shape.state_len();
+    let state = if position > pending {
+        host.state[slot * size..(slot + 1) * size].to_vec()
+    } else {
+        vec![0.0; size]
+    };
+    let window = window_rows(host.conv, cache, slot, position)
+        .into_iter()
+        .flat_map(|row| match row {
+            Some(r) => r.iter().map(|x| x.to_f32()).collect(),
+            None => vec![0.0; shape.conv_dim()],
+        })
+        .collect();
+    let mut seq = reference::SequenceCache::new(state, window, position);
+    let (kw, uw, gw) = (
+        shape.key_heads * shape.dk,
+        shape.value_heads * shape.dv,
+        shape.value_heads,
+    );
+    for c in 0..pending {
+        let at = slot * cache.ring_len + (position - pending + c) % cache.ring_len;
+        seq.pending.push(reference::PendingToken {
+            k: host.ring_k[at * kw..(at + 1) * kw].to_vec(),
+            u: host.ring_u[at * uw..(at + 1) * uw].to_vec(),
+            g: host.ring_g[at * gw..(at + 1) * gw].to_vec(),
+        });
+    }
+    seq
+}
+
+struct HostCache<'a> {
+    state: &'a [f32],
+    conv: &'a [bf16],
+    ring_k: &'a [f32],
+    ring_u: &'a [f32],
+    ring_g: &'a [f32],
+}
+
+/// The CPU backend of [`step`] and [`prefill`]: each sequence through the reference, the
+/// results written back in the kernels' layout. `rows[b]` are sequence b's input rows;
+/// `prefill` stores only the last `kernel - 1` raw rows (as the prefill kernels do).
+#[allow(clippy::too_many_arguments)]
+fn cpu_run(
+    backend: &Backend,
+    params: &GdnParams,
+    cache: &mut GdnCache,
+    seqs: &Sequences,
+    inputs: &Projections<'_>,
+    rows: &[std::ops::Range<usize>],
+    mode: StepMode,
+    prefill: bool,
+    out: &mut DeviceVec<bf16>,
+) -> Result<()> {
+    let host = |v: &DeviceVec<u32>| match v {
+        DeviceVec::Host(h) => Ok(h.clone()),
+        other => Err(backend.mismatch("gdn sequences", other)),
+    };
+    let (slots, positions, pending) = (
+        host(&seqs.slots)?,
+        host(&seqs.positions)?,
+        host(&seqs.pending)?,
+    );
+    let param_host = |v: &DeviceVec<f32>| match v {
+        DeviceVec::Host(h) => Ok(h.clone()),
+        other => Err(backend.mismatch("gdn parameters", other)),
+    };
+    let (conv_weight, a_log, dt_bias, norm_weight) = (
+        param_host(&params.conv_weight)?,
+        param_host(&params.a_log)?,
+        param_host(&params.dt_bias)?,
+        param_host(&params.norm_weight)?,
+    );
+    let layer = reference::LayerParams {
+        conv_weight: &conv_weight,
+        kernel: params.kernel,
+        a_log: &a_log,
+        dt_bias: &dt_bias,
+        norm_weight: &norm_weight,
+        eps: f64::from(params.eps),
+    };
+    let shape = cache.shape;
+    let (channels, width) = (shape.conv_dim(), shape.value_heads * shape.dv);
+    let (kw, uw, gw) = (
+        shape.key_heads * shape.dk,
+        shape.value_heads * shape.dv,
+        shape.value_heads,
+    );
+    let mut results = Vec::new();
+    {
+        let buffers = (
+            &cache.state,
+            &cache.conv,
+            &cache.ring_k,
+            &cache.ring_u,
+            &cache.ring_g,
+        );
+        let (
+            DeviceVec::Host(state),
+            DeviceVec::Host(conv),
+            DeviceVec::Host(ring_k),
+            DeviceVec::Host(ring_u),
+            DeviceVec::Host(ring_g),
+        ) = buffers
+        else {
+            return Err(backend.mismatch("gdn cache", &cache.state));
+        };
+        let view = HostCache {
+            state,
+            conv,
+            ring_k,
+            ring_u,
+            ring_g,
+        };
+        for (b, range) in rows.iter().enumerate() {
+            let slot = slots[b] as usize;
+            if slot >= cache.slots {
+                return Err(Error::invalid(
+                    "gdn slot",
+                    format!(
+                        "sequence {b} names slot {slot}; the cache has {}",
+                        cache.slots
+                    ),
+                ));
+            }
+            let (pos, pend) = (positions[b] as usize, pending[b] as usize);
+            if pend > pos || pend > cache.max_step_tokens {
+                return Err(Error::invalid(
+                    "gdn pending",
+                    format!("sequence {b}: {pend} pending tokens at position {pos}"),
+                ));
+            }
+            let mut seq = host_sequence(cache, &view, slot, pos, pend);
+            let qkv = inputs.qkv.host_rows(range.clone(), channels)?;
+            let a = inputs.a.host_rows(range.clone(), shape.value_heads)?;
+            let bv = inputs.b.host_rows(range.clone(), shape.value_heads)?;
+            let z = match &inputs.z {
+                Some(z) => Some(z.host_rows(range.clone(), width)?),
+                None => None,
+            };
+            let raw = reference::RawInputs {
+                t: range.len(),
+                qkv: &qkv,
+                a: &a,
+                b: &bv,
+                z: z.as_deref(),
+            };
+            let outputs = seq.step(shape, layer, raw, mode);
+            results.push((slot, pos, range.clone(), seq, outputs));
+        }
+    }
+    let (
+        DeviceVec::Host(state),
+        DeviceVec::Host(conv),
+        DeviceVec::Host(ring_k),
+        DeviceVec::Host(ring_u),
+        DeviceVec::Host(ring_g),
+        DeviceVec::Host(out),
+    ) = (
+        &mut cache.state,
+        &mut cache.conv,
+        &mut cache.ring_k,
+        &mut cache.ring_u,
+        &mut cache.ring_g,
+        out,
+    )
+    else {
+        return Err(backend.mismatch("gdn output", &cache.state));
+    };
+    let (size, ring_len) = (shape.state_len(), cache.ring_len);
+    for (slot, pos, range, seq, outputs) in results {
+        state[slot * size..(slot + 1) * size].copy_from_slice(&seq.state);
+        let t = range.len();
+        let first_kept = if prefill {
+            t.saturating_sub(params.kernel - 1)
+        } else {
+            0
+        };
+        for i in first_kept..t {
+            let at = slot * ring_len + (pos + i) % ring_len;
+            let row = inputs
+                .qkv
+                .host_rows(range.start + i..range.start + i + 1, channels)?;
+            for (dst, v) in conv[at * channels..(at + 1) * channels].iter_mut().zip(row) {
+                *dst = bf16::from_f32(v);
+            }
+        }
+        if mode == StepMode::Verify {
+            for (i, (_, token)) in seq.verified().iter().enumerate() {
+                let at = slot * ring_len + (pos + i) % ring_len;
+                ring_k[at * kw..(at + 1) * kw].copy_from_slice(&token.k);
+                ring_u[at * uw..(at + 1) * uw].copy_from_slice(&token.u);
+                ring_g[at * gw..(at + 1) * gw].copy_from_slice(&token.g);
+            }
+        }
+        for (i, v) in outputs.iter().enumerate() {
+            out[range.start * width + i] = bf16::from_f32(*v);
+        }
+    }
+    Ok(())
+}
+
+/// One step of `m` tokens for every sequence of `seqs` (row `b * m + t` of the projections and
+/// of `out`, bf16 `[B m][Hv dv]`): decode ([`StepMode::Decode`]: the state after the tokens is
+/// stored) or speculative verify ([`StepMode::Verify`]: the pre-verify state is kept and each
+/// token's replay data recorded). Every sequence's pending tokens are replayed first. Follow it
+/// with [`Sequences::commit`]. `m = 0` with `Decode` is a flush (see [`flush`]).
+///
+/// # Errors
+/// [`Error::Invalid`] when the params, cache and shapes disagree, `m` exceeds the cache's
+/// `max_step_tokens`, the batch exceeds the cache's slots, or a buffer is too short;
+/// [`Error::BackendMismatch`] / [`Error::Compile`] / [`Error::Cuda`] from the backends. On CUDA
+/// a slot past the cache makes its sequence's blocks do nothing (device data is not read back).
+#[allow(clippy::too_many_arguments)]
+pub fn step(
+    backend: &Backend,
+    params: &GdnParams,
+    cache: &mut GdnCache,
+    seqs: &Sequences,
+    m: usize,
+    inputs: &Projections<'_>,
+    mode: StepMode,
+    out: &mut DeviceVec<bf16>,
+) -> Result<()> {
+    let shape = params.shape;
+    check_call(params, cache)?;
+    let count = seqs.len();
+    if m > cache.max_step_tokens || count > cache.slots {
+        return Err(Error::invalid(
+            "gdn step",
+            format!(
+                "{count} sequences of {m} tokens; the cache takes at most {} of {}",
+                cache.slots, cache.max_step_tokens
+            ),
+        ));
+    }
+    let rows = count * m;
+    inputs.check(shape, rows)?;
+    let width = shape.value_heads * shape.dv;
+    if rows > 0 {
+        check_len(
+            "gdn output",
+            out,
+            rows * width,
+            &format!("[{rows}, {width}]"),
+        )?;
+    }
+    match backend {
+        Backend::Cpu => {
+            let ranges: Vec<_> = (0..count).map(|b| b * m..(b + 1) * m).collect();
+            cpu_run(
+                backend, params, cache, seqs, inputs, &ranges, mode, false, out,
+            )
+        }
+        Backend::Cuda(cuda) => step_cuda(cuda, backend, params, cache, seqs, m, inputs, mode, out),
+    }
+}
+
+/// Folds every sequence's pending tokens into its state (a decode step of 0 tokens, then the
+/// commit): needed only to read a state back after a verify step.
+///
+/// # Errors
+/// As [`step`] and [`Sequences::commit`].
+pub fn flush(
+    backend: &Backend,
+    params: &GdnParams,
+    cache: &mut GdnCache,
+    seqs: &mut Sequences,
+) -> Result<()> {
+    // no rows are read; a one-element buffer because a device allocation of 0 bytes fails
+    let empty = backend.zeros::<bf16>(1)?;
+    let rows = Rows::packed(&empty, 1);
+    let inputs = Projections {
+        qkv: rows,
+        a: rows,
+        b: rows,
+        z: None,
+    };
+    let mut out = backend.zeros::<bf16>(1)?;
+    step(
+        backend,
+        params,
+        cache,
+        seqs,
+        0,
+        &inputs,
+        StepMode::Decode,
+        &mut out,
+    )?;
+    seqs.commit(backend, Accepted::All(0), StepMode::Decode)
+}
+
+fn check_call(params: &GdnParams, cache: &GdnCache) -> Result<()> {
+    if params.shape != cache.shape || params.kernel != cache.kernel {
+        return Err(Error::invalid(
+            "gdn cache",
+            format!(
+                "built for {:?} kernel {}, the parameters are {:?} kernel {}",
+                cache.shape, cache.kernel, params.shape, params.kernel
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn step_cuda(
+    cuda: &CudaBackend,
+    backend: &Backend,
+    params: &GdnParams,
+    cache: &mut GdnCache,
+    seqs: &Sequences,
+    m: usize,
+    inputs: &Projections<'_>,
+    mode: StepMode,
+    out: &mut DeviceVec<bf16>,
+) -> Result<()> {
+    let shape = params.shape;
+    let tiles = &cuda.target().gdn;
+    let dv_per_block = tiles.step_dv_per_block as usize;
+    if shape.dv % dv_per_block != 0 {
+        return Err(Error::invalid(
+            "gdn step",
+            format!(
+                "dv = {} is not a multiple of the target's gdn.step_dv_per_block {dv_per_block}",
+                shape.dv
+            ),
+        ));
+    }
+    let count = seqs.len();
+    let p = |v: &DeviceVec<f32>, what: &str| device_ptr(cuda, backend, v, what);
+    let z_ptr = match &inputs.z {
+        Some(z) => rows_ptr(cuda, backend, z, "gdn z rows")?,
+        None => 0,
+    };
+    let z_stride = inputs.z.map_or(0, |z| z.stride);
+    let args_u32 = [
+        check_u32("gdn qkv stride", inputs.qkv.stride)?,
+        check_u32("gdn a stride", inputs.a.stride)?,
+        check_u32("gdn b stride", inputs.b.stride)?,
+        check_u32("gdn z stride", z_stride)?,
+    ];
+    let (qkv, a, b) = (
+        rows_ptr(cuda, backend, &inputs.qkv, "gdn qkv rows")?,
+        rows_ptr(cuda, backend, &inputs.a, "gdn a rows")?,
+        rows_ptr(cuda, backend, &inputs.b, "gdn b rows")?,
+    );
+    let pointers = [
+        p(&params.conv_weight, "gdn conv1d.weight")?,
+        p(&params.a_log, "gdn A_log")?,
+        p(&params.dt_bias, "gdn dt_bias")?,
+        p(&params.norm_weight, "gdn norm.weight")?,
+    ];
+    let cache_ptrs = [
+        p(&cache.state, "gdn state")?,
+        device_ptr(cuda, backend, &cache.conv, "gdn conv ring")?,
+        p(&cache.ring_k, "gdn ring k")?,
+        p(&cache.ring_u, "gdn ring u")?,
+        p(&cache.ring_g, "gdn ring g")?,
+    ];
+    let seq_ptrs = [
+        device_ptr(cuda, backend, &seqs.slots, "gdn slots")?,
+        device_ptr(cuda, backend, &seqs.positions, "gdn positions")?,
+        device_ptr(cuda, backend, &seqs.pending, "gdn pending counts")?,
+    ];
+    let outs = [
+        device_ptr(cuda, backend, out, "gdn output")?,
+        p(&cache.o_scratch, "gdn output scratch")?,
+        device_ptr(cuda, backend, &cache.counters, "gdn counters")?,
+    ];
+    let dims = [
+        shape.key_heads,
+        shape.value_heads,
+        shape.dk,
+        shape.dv,
+        params.kernel,
+        cache.ring_len,
+        cache.slots,
+        m,
+        usize::from(mode == StepMode::Verify),
+    ]
+    .map(|d| d as u32);
+    let grid_x = check_u32(
+        "gdn step blocks",
+        shape.value_heads * shape.dv / dv_per_block,
+    )?;
+    let grid_y = check_u32("gdn step sequences", count)?;
+    if grid_y > 65535 {
+        return Err(Error::invalid(
+            "gdn step",
+            format!("{count} sequences; at most 65535 per launch"),
+        ));
+    }
+    let kernel = if shape.dk <= 128 {
+        "gdn_step_dk128"
+    } else {
+        "gdn_step_dk256"
+    };
+    let function = cuda.function(FAMILY, kernel)?;
+    let mut launch = cuda.stream().launch_builder(&function);
+    launch
+        .arg(&qkv)
+        .arg(&args_u32[0])
+        .arg(&a)
+        .arg(&args_u32[1])
+        .arg(&b)
+        .arg(&args_u32[2])
+        .arg(&z_ptr)
+        .arg(&args_u32[3]);
+    for ptr in &pointers {
+        launch.arg(ptr);
+    }
+    launch.arg(&params.eps);
+    for ptr in cache_ptrs.iter().chain(&seq_ptrs).chain(&outs) {
+        launch.arg(ptr);
+    }
+    for d in &dims {
+        launch.arg(d);
+    }
+    // SAFETY: argument order and types match gdn_step_dk*'s signature (dk within its tiles). The
+    // projection rows and the output were checked against (B m) rows; the cache holds `slots` slots of ring_len
+    // positions and a scratch / counters for slots * max_step_tokens rows (B <= slots, m <=
+    // max_step_tokens checked); slots past the cache are skipped by the kernel, positions index
+    // the ring modulo its length, pending counts are clamped to the shared-memory tiles.
+    unsafe {
+        launch.launch(LaunchConfig {
+            grid_dim: (grid_x, grid_y, 1),
+            block_dim: (tiles.step_threads, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+    .map_err(|e| Error::cuda(format!("launch {kernel} B={count} m={m} {shape:?}"), e))?;
+    Ok(())
+}
+
+/// The prefill's intermediate tensors, sized for up to `max_tokens` tokens in up to
+/// `max_sequences` sequences per call (empty on the CPU backend).
+pub struct ChunkWorkspace {
+    shape: GdnShape,
+    max_chunks: usize,
+    max_sequences: usize,
+    q: DeviceVec<bf16>,
+    k: DeviceVec<bf16>,
+    w: DeviceVec<bf16>,
+    u: DeviceVec<bf16>,
+    m: DeviceVec<bf16>,
+    gamma: DeviceVec<f32>,
+    cu_seqlens: DeviceVec<u32>,
+    /// What `cu_seqlens` holds: a call with the same batch copies nothing (so repeated calls
+    /// can be captured in a CUDA graph after the first).
+    uploaded: Vec<u32>,
+    /// Kernels whose dynamic shared-memory limit was raised, and to what (set once, so repeated
+    /// calls stay capturable).
+    smem_allowed: Vec<(String, usize)>,
+}
+
+impl ChunkWorkspace {
+    /// A workspace for calls of up to `max_tokens` tokens in up to `max_sequences` sequences:
+    /// about `28 KiB` per token at the real shape (`(2 Hk dk + Hv (dk + dv + 64)) * 2 + Hv * 4`
+    /// bytes per chunk row).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a shape the kernels do not take, [`Error::Cuda`] when an
+    /// allocation fails.
+    pub fn new(
+        backend: &Backend,
+        shape: GdnShape,
+        max_tokens: usize,
+        max_sequences: usize,
+    ) -> Result<Self> {
+        check_shape(shape)?;
+        let max_chunks = max_tokens.div_ceil(CHUNK) + max_sequences;
+        let rows = match backend {
+            Backend::Cpu => 0,
+            Backend::Cuda(_) => max_chunks * CHUNK,
+        };
+        let (hk, hv, dk, dv) = (shape.key_heads, shape.value_heads, shape.dk, shape.dv);
+        Ok(Self {
+            shape,
+            max_chunks,
+            max_sequences,
+            q: backend.zeros(rows * hk * dk)?,
+            k: backend.zeros(rows * hk * dk)?,
+            w: backend.zeros(rows * hv * dk)?,
+            u: backend.zeros(rows * hv * dv)?,
+            m: backend.zeros(rows * hv * CHUNK)?,
+            gamma: backend.zeros(rows * hv)?,
+            cu_seqlens: backend.zeros(max_sequences + 1)?,
+            uploaded: Vec::new(),
+            smem_allowed: Vec::new(),
+        })
+    }
+}
+
+/// Dynamic shared-memory bytes of `gdn_chunk_prepare_dk{dk}` for value heads of `dv` (the
+/// carve-up at the kernel's start).
+pub fn chunk_prepare_smem(dk: usize, dv: usize) -> usize {
+    let ldx = dk.max(dv) + 8;
+    CHUNK * ldx * 2 + CHUNK * (dk + 8) * 2 + CHUNK * (CHUNK + 8) * 4 + (2 * CHUNK + 3 * 256) * 4
+}
+
+/// Dynamic shared-memory bytes of `gdn_chunk_state_dk{dk}_dv{dvs}` with `stages` chunks of
+/// operands staged ahead.
+pub fn chunk_state_smem(dk: usize, dvs: usize, stages: usize) -> usize {
+    let ldv = dvs + 8;
+    let stage = (3 * CHUNK * (dk + 8) + CHUNK * (CHUNK + 8) + CHUNK * ldv) * 2 + CHUNK * 4;
+    dk * ldv * 2 + 2 * CHUNK * ldv * 2 + stages * stage
+}
+
+/// Prefill of a batch of sequences: sequence `b` has tokens `cu_seqlens[b]..cu_seqlens[b + 1]`
+/// of the projection rows and of `out` (bf16 `[T][Hv dv]`, T = `cu_seqlens[B]`), and continues
+/// from its slot at its position (state, conv window and pending tokens; position 0 is a fresh
+/// sequence). Stores each sequence's final state and conv window; follow it with
+/// [`Sequences::commit`] with the sequences' lengths and [`StepMode::Decode`].
+///
+/// # Errors
+/// [`Error::Invalid`] when `cu_seqlens` is not a non-decreasing list of B + 1 offsets from 0,
+/// the call exceeds the workspace, dk is not one the kernels are instantiated for
+/// ([`CHUNK_DK`]), a buffer is too short, or the kernels' shared memory exceeds the target's;
+/// [`Error::BackendMismatch`] / [`Error::Compile`] / [`Error::Cuda`] from the backends.
+#[allow(clippy::too_many_arguments)]
+pub fn prefill(
+    backend: &Backend,
+    params: &GdnParams,
+    cache: &mut GdnCache,
+    workspace: &mut ChunkWorkspace,
+    seqs: &Sequences,
+    cu_seqlens: &[u32],
+    inputs: &Projections<'_>,
+    out: &mut DeviceVec<bf16>,
+) -> Result<()> {
+    let shape = params.shape;
+    check_call(params, cache)?;
+    let count = seqs.len();
+    if cu_seqlens.len() != count + 1
+        || cu_seqlens[0] != 0
+        || cu_seqlens.windows(2).any(|w| w[1] < w[0])
+    {
+        return Err(Error::invalid(
+            "gdn cu_seqlens",
+            format!(
+                "{cu_seqlens:?}: needs {} non-decreasing offsets starting at 0",
+                count + 1
+            ),
+        ));
+    }
+    let tokens = cu_seqlens[count] as usize;
+    let chunks: usize = cu_seqlens
+        .windows(2)
+        .map(|w| ((w[1] - w[0]) as usize).div_ceil(CHUNK))
+        .sum();
+    if workspace.shape != shape || chunks > workspace.max_chunks || count > workspace.max_sequences
+    {
+        return Err(Error::invalid(
+            "gdn chunk workspace",
+            format!(
+                "{count} sequences in {chunks} chunks of {shape:?}; the workspace holds {} sequences, {} chunks of {:?}",
+                workspace.max_sequences, workspace.max_chunks, workspace.shape
+            ),
+        ));
+    }
+    inputs.check(shape, tokens)?;
+    let width = shape.value_heads * shape.dv;
+    check_len(
+        "gdn output",
+        out,
+        tokens * width,
+        &format!("[{tokens}, {width}]"),
+    )?;
+    match backend {
+        Backend::Cpu => {
+            let ranges: Vec<_> = cu_seqlens
+                .windows(2)
+                .map(|w| w[0] as usize..w[1] as usize)
+                .collect();
+            cpu_run(
+                backend,
+                params,
+                cache,
+                seqs,
+                inputs,
+                &ranges,
+                StepMode::Decode,
+                true,
+                out,
+            )
+        }
+        Backend::Cuda(cuda) => prefill_cuda(
+            cuda, backend, params, cache, workspace, seqs, cu_seqlens, chunks, inputs, out,
+        ),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn prefill_cuda(
+    cuda: &CudaBackend,
+    backend: &Backend,
+    params: &GdnParams,
+    cache: &mut GdnCache,
+    workspace: &mut ChunkWorkspace,
+    seqs: &Sequences,
+    cu_seqlens: &[u32],
+    chunks: usize,
+    inputs: &Projections<'_>,
+    out: &mut DeviceVec<bf16>,
+) -> Result<()> {
+    let shape = params.shape;
+    let (dk, dv) = (shape.dk, shape.dv);
+    if !CHUNK_DK.contains(&dk) {
+        return Err(Error::invalid(
+            "gdn prefill",
+            format!("dk = {dk}: the chunked kernels are instantiated for dk in {CHUNK_DK:?}"),
+        ));
+    }
+    let target = cuda.target();
+    let preferred = target.gdn.chunk_dv_per_block as usize;
+    let dvs = if dv % preferred == 0 { preferred } else { 16 };
+    let stages = target.gdn.chunk_stages as usize;
+    let smem = [
+        chunk_prepare_smem(dk, dv),
+        chunk_state_smem(dk, dvs, stages),
+    ];
+    if let Some(too_big) = smem
+        .iter()
+        .find(|b| **b > target.max_shared_bytes_per_block as usize)
+    {
+        return Err(Error::invalid(
+            "gdn prefill",
+            format!(
+                "{shape:?} needs {too_big} bytes of shared memory per block; {} has {}",
+                target.name, target.max_shared_bytes_per_block
+            ),
+        ));
+    }
+    let count = seqs.len();
+    let tokens = cu_seqlens[count] as usize;
+    if workspace.uploaded != cu_seqlens {
+        let DeviceVec::Cuda(cu) = &mut workspace.cu_seqlens else {
+            return Err(backend.mismatch("gdn chunk workspace", &workspace.cu_seqlens));
+        };
+        let mut view = cu.slice_mut(0..count + 1);
+        cuda.stream()
+            .memcpy_htod(cu_seqlens, &mut view)
+            .map_err(|e| Error::cuda("copy cu_seqlens to the device", e))?;
+        workspace.uploaded = cu_seqlens.to_vec();
+    }
+    let p = |v: &DeviceVec<f32>, what: &str| device_ptr(cuda, backend, v, what);
+    let b16 = |v: &DeviceVec<bf16>, what: &str| device_ptr(cuda, backend, v, what);
+    let (qkv, a, b) = (
+        rows_ptr(cuda, backend, &inputs.qkv, "gdn qkv rows")?,
+        rows_ptr(cuda, backend, &inputs.a, "gdn a rows")?,
+        rows_ptr(cuda, backend, &inputs.b, "gdn b rows")?,
+    );
+    let strides = [
+        check_u32("gdn qkv stride", inputs.qkv.stride)?,
+        check_u32("gdn a stride", inputs.a.stride)?,
+        check_u32("gdn b stride", inputs.b.stride)?,
+    ];
+    let ws = [
+        b16(&workspace.q, "gdn workspace")?,
+        b16(&workspace.k, "gdn workspace")?,
+        b16(&workspace.w, "gdn workspace")?,
+        b16(&workspace.u, "gdn workspace")?,
+        b16(&workspace.m, "gdn workspace")?,
+        p(&workspace.gamma, "gdn workspace")?,
+    ];
+    let cu = device_ptr(cuda, backend, &workspace.cu_seqlens, "gdn workspace")?;
+    let (slots, positions, pending) = (
+        device_ptr(cuda, backend, &seqs.slots, "gdn slots")?,
+        device_ptr(cuda, backend, &seqs.positions, "gdn positions")?,
+        device_ptr(cuda, backend, &seqs.pending, "gdn pending counts")?,
+    );
+    let (conv_w, a_log, dt_bias) = (
+        p(&params.conv_weight, "gdn conv1d.weight")?,
+        p(&params.a_log, "gdn A_log")?,
+        p(&params.dt_bias, "gdn dt_bias")?,
+    );
+    let state = p(&cache.state, "gdn state")?;
+    let conv = b16(&cache.conv, "gdn conv ring")?;
+    let (ring_k, ring_u, ring_g) = (
+        p(&cache.ring_k, "gdn ring k")?,
+        p(&cache.ring_u, "gdn ring u")?,
+        p(&cache.ring_g, "gdn ring g")?,
+    );
+    let out_ptr = b16(out, "gdn output")?;
+    let [hk, hv, dv32, kernel, ring_len, n_slots, count32] = [
+        shape.key_heads,
+        shape.value_heads,
+        dv,
+        params.kernel,
+        cache.ring_len,
+        cache.slots,
+        count,
+    ]
+    .map(|d| d as u32);
+    if count32 > 65535 {
+        return Err(Error::invalid(
+            "gdn prefill",
+            format!("{count} sequences; at most 65535 per launch"),
+        ));
+    }
+    let set_smem = |allowed: &mut Vec<(String, usize)>,
+                    function: &cudarc::driver::CudaFunction,
+                    bytes: usize,
+                    name: &str| {
+        if allowed.iter().any(|(n, b)| n == name && *b >= bytes) {
+            return Ok(());
+        }
+        function
+            .set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .map_err(|e| {
+                Error::cuda(
+                    format!("allow {bytes} bytes of shared memory for {name}"),
+                    e,
+                )
+            })?;
+        allowed.retain(|(n, _)| n != name);
+        allowed.push((name.to_string(), bytes));
+        Ok::<(), Error>(())
+    };
+
+    if chunks > 0 {
+        let name = format!("gdn_chunk_prepare_dk{dk}");
+        let function = cuda.function(FAMILY, &name)?;
+        set_smem(&mut workspace.smem_allowed, &function, smem[0], &name)?;
+        let mut launch = cuda.stream().launch_builder(&function);
+        launch
+            .arg(&qkv)
+            .arg(&strides[0])
+            .arg(&a)
+            .arg(&strides[1])
+            .arg(&b)
+            .arg(&strides[2])
+            .arg(&conv_w)
+            .arg(&a_log)
+            .arg(&dt_bias)
+            .arg(&conv)
+            .arg(&cu)
+            .arg(&slots)
+            .arg(&positions);
+        for ptr in &ws {
+            launch.arg(ptr);
+        }
+        launch
+            .arg(&hk)
+            .arg(&hv)
+            .arg(&dv32)
+            .arg(&kernel)
+            .arg(&ring_len)
+            .arg(&count32);
+        // SAFETY: matches gdn_chunk_prepare_dk*'s signature. cu_seqlens (validated on the host,
+        // copied above) partitions the checked projection rows; the workspace holds at least
+        // `chunks` chunks; the grid covers exactly `chunks` chunks; shared memory as computed by
+        // chunk_prepare_smem and allowed above.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (check_u32("gdn chunks", chunks)?, hv, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: smem[0] as u32,
+            })
+        }
+        .map_err(|e| Error::cuda(format!("launch {name} chunks={chunks} {shape:?}"), e))?;
+    }
+
+    let name = format!("gdn_chunk_state_dk{dk}_dv{dvs}");
+    let function = cuda.function(FAMILY, &name)?;
+    set_smem(&mut workspace.smem_allowed, &function, smem[1], &name)?;
+    let mut launch = cuda.stream().launch_builder(&function);
+    for ptr in &ws {
+        launch.arg(ptr);
+    }
+    launch
+        .arg(&qkv)
+        .arg(&strides[0])
+        .arg(&state)
+        .arg(&conv)
+        .arg(&ring_k)
+        .arg(&ring_u)
+        .arg(&ring_g)
+        .arg(&cu)
+        .arg(&slots)
+        .arg(&positions)
+        .arg(&pending)
+        .arg(&out_ptr)
+        .arg(&hk)
+        .arg(&hv)
+        .arg(&dv32)
+        .arg(&kernel)
+        .arg(&ring_len)
+        .arg(&n_slots);
+    // SAFETY: matches gdn_chunk_state_dk*_dv*'s signature; the workspace was filled by the
+    // prepare pass for the same cu_seqlens; `out` holds T rows; slots past the cache are skipped
+    // by the kernel; shared memory as computed by chunk_state_smem and allowed above.
+    unsafe {
+        launch.launch(LaunchConfig {
+            grid_dim: (
+                check_u32("gdn state blocks", shape.value_heads * dv / dvs)?,
+                count32,
+                1,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem[1] as u32,
+        })
+    }
+    .map_err(|e| Error::cuda(format!("launch {name} B={count} T={tokens} {shape:?}"), e))?;
+
+    if let Some(z) = &inputs.z {
+        if tokens > 0 {
+            let z_ptr = rows_ptr(cuda, backend, z, "gdn z rows")?;
+            let z_stride = check_u32("gdn z stride", z.stride)?;
+            let norm_w = p(&params.norm_weight, "gdn norm.weight")?;
+            let rows = check_u32("gdn rows", tokens)?;
+            let tasks = tokens as u64 * shape.value_heads as u64;
+            let function = cuda.function(FAMILY, "gdn_gated_norm")?;
+            let mut launch = cuda.stream().launch_builder(&function);
+            launch
+                .arg(&out_ptr)
+                .arg(&z_ptr)
+                .arg(&z_stride)
+                .arg(&norm_w)
+                .arg(&params.eps)
+                .arg(&rows)
+                .arg(&hv)
+                .arg(&dv32);
+            let grid = u32::try_from(tasks.div_ceil(4)).map_err(|_| {
+                Error::invalid(
+                    "gdn prefill",
+                    format!("{tokens} rows are too many for one norm launch"),
+                )
+            })?;
+            // SAFETY: matches gdn_gated_norm(out, z, z_stride, norm_w, eps, rows, hv, dv); out and
+            // z were checked for T rows.
+            unsafe {
+                launch.launch(LaunchConfig {
+                    grid_dim: (grid, 1, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .map_err(|e| Error::cuda(format!("launch gdn_gated_norm T={tokens}"), e))?;
+        }
+    }
+    Ok(())
+}

@@ -288,3 +288,306 @@ pub fn gated_rmsnorm(o: &[f32], z: &[f32], weight: &[f32], dim: usize, eps: f64)
     }
     y
 }
+
+// ---- the whole layer core from raw projections, and the speculative step ----
+//
+// What the GPU kernels compute per token from the raw projections (`in_proj_qkv`, `in_proj_a`,
+// `in_proj_b`, `in_proj_z` rows): conv1d + SiLU over the qkv channels, the split into q, k, v,
+// the L2 norms and the q scale, the gates, the gated delta rule, and (with z) the gated RMSNorm.
+// The speculative step keeps the pre-verify state and records, per verified token, what a
+// replay needs (the normalised k, the delta `u = beta (v - S^T k)` and the log decay g), so
+// committing any accepted count is bookkeeping and the next step replays the accepted tokens
+// with `S = e^g S + k u^T` (no reduction, no recompute of the prefix).
+
+/// Per-layer parameters of the fused core, as f32.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerParams<'a> {
+    /// Depthwise conv weights `[conv_dim][kernel]` (`conv1d.weight` without its middle axis).
+    pub conv_weight: &'a [f32],
+    /// Conv kernel width (4 in Qwen3.5).
+    pub kernel: usize,
+    /// `A_log`, `[Hv]`.
+    pub a_log: &'a [f32],
+    /// `dt_bias`, `[Hv]`.
+    pub dt_bias: &'a [f32],
+    /// `norm.weight`, `[dv]`.
+    pub norm_weight: &'a [f32],
+    /// The gated RMSNorm's epsilon (`rms_norm_eps`).
+    pub eps: f64,
+}
+
+impl GdnShape {
+    /// Channels of the conv (q, k and v): `2 Hk dk + Hv dv`.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_heads * self.dk + self.value_heads * self.dv
+    }
+}
+
+/// Raw projection rows of `t` tokens.
+#[derive(Debug, Clone, Copy)]
+pub struct RawInputs<'a> {
+    /// Tokens.
+    pub t: usize,
+    /// `in_proj_qkv` rows, `[t][conv_dim]` (q, k, v channels).
+    pub qkv: &'a [f32],
+    /// `in_proj_a` rows, `[t][Hv]`.
+    pub a: &'a [f32],
+    /// `in_proj_b` rows, `[t][Hv]`.
+    pub b: &'a [f32],
+    /// `in_proj_z` rows, `[t][Hv * dv]`: with them the outputs go through the gated RMSNorm,
+    /// without them they are the raw recurrence outputs.
+    pub z: Option<&'a [f32]>,
+}
+
+/// q (normalised and scaled), k (normalised), v, g and beta of `t` tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FrontEnd {
+    /// `[t][Hk][dk]`.
+    pub q: Vec<f32>,
+    /// `[t][Hk][dk]`.
+    pub k: Vec<f32>,
+    /// `[t][Hv][dv]`.
+    pub v: Vec<f32>,
+    /// `[t][Hv]`.
+    pub g: Vec<f32>,
+    /// `[t][Hv]`.
+    pub beta: Vec<f32>,
+}
+
+impl FrontEnd {
+    /// The gated delta rule's inputs.
+    pub fn inputs(&self, t: usize) -> DeltaInputs<'_> {
+        DeltaInputs {
+            t,
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            g: &self.g,
+            beta: &self.beta,
+        }
+    }
+}
+
+/// Conv + SiLU from `window` (`[kernel - 1][conv_dim]`, updated), the split, the norms and the
+/// gates of `raw.t` tokens.
+pub fn front_end(
+    shape: GdnShape,
+    params: LayerParams<'_>,
+    raw: RawInputs<'_>,
+    window: &mut [f32],
+) -> FrontEnd {
+    let t = raw.t;
+    let channels = shape.conv_dim();
+    let mixed = conv1d_silu(
+        raw.qkv,
+        t,
+        channels,
+        params.conv_weight,
+        params.kernel,
+        window,
+    );
+    let key_width = shape.key_heads * shape.dk;
+    let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+    for row in mixed.chunks_exact(channels) {
+        q.extend_from_slice(&row[..key_width]);
+        k.extend_from_slice(&row[key_width..2 * key_width]);
+        v.extend_from_slice(&row[2 * key_width..]);
+    }
+    l2_normalize(&mut q, shape.dk, 1.0 / (shape.dk as f64).sqrt());
+    l2_normalize(&mut k, shape.dk, 1.0);
+    let (mut g, mut beta) = (Vec::new(), Vec::new());
+    let heads = shape.value_heads;
+    for step in 0..t {
+        let range = step * heads..(step + 1) * heads;
+        let (gs, bs) = gates(
+            &raw.a[range.clone()],
+            &raw.b[range],
+            params.a_log,
+            params.dt_bias,
+        );
+        g.extend(gs);
+        beta.extend(bs);
+    }
+    FrontEnd { q, k, v, g, beta }
+}
+
+/// The whole core for `raw.t` tokens of one sequence: [`front_end`], the gated delta rule
+/// ([`chunked`] with `chunk`, else [`recurrent`]) from `state` (updated), and the gated RMSNorm
+/// when `raw.z` is given. Returns `[t][Hv][dv]`.
+pub fn layer_core(
+    shape: GdnShape,
+    params: LayerParams<'_>,
+    raw: RawInputs<'_>,
+    window: &mut [f32],
+    state: &mut [f32],
+    chunk: Option<usize>,
+) -> Vec<f32> {
+    let front = front_end(shape, params, raw, window);
+    let o = match chunk {
+        Some(c) => chunked(shape, front.inputs(raw.t), state, c),
+        None => recurrent(shape, front.inputs(raw.t), state),
+    };
+    match raw.z {
+        Some(z) => gated_rmsnorm(&o, z, params.norm_weight, shape.dv, params.eps),
+        None => o,
+    }
+}
+
+/// What a replay of one verified token needs: `S = e^g S + k u^T` per value head.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PendingToken {
+    /// The normalised key, `[Hk][dk]`.
+    pub k: Vec<f32>,
+    /// `u = beta (v - (e^g S)^T k)`, `[Hv][dv]`.
+    pub u: Vec<f32>,
+    /// Log decays, `[Hv]`.
+    pub g: Vec<f32>,
+}
+
+/// How a step treats its tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepMode {
+    /// Every token is final: the state after all of them is stored.
+    Decode,
+    /// The tokens are speculative: the state before them is kept (after replaying the pending
+    /// tokens) and each token's replay data is recorded; [`SequenceCache::commit`] then accepts
+    /// any prefix of them.
+    Verify,
+}
+
+/// One sequence's GDN cache with the kernels' semantics.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SequenceCache {
+    /// The recurrent state `[Hv][dk][dv]` after `position - pending.len()` tokens.
+    pub state: Vec<f32>,
+    /// Raw qkv inputs of the `kernel - 1` positions before `position`, `[kernel - 1][conv_dim]`.
+    pub window: Vec<f32>,
+    /// Tokens accepted but not yet folded into `state`, oldest first.
+    pub pending: Vec<PendingToken>,
+    /// Tokens the sequence has committed (the position of the next token).
+    pub position: usize,
+    /// The last verify step's tokens: raw qkv rows and replay data, until committed.
+    verified: Vec<(Vec<f32>, PendingToken)>,
+}
+
+impl SequenceCache {
+    /// A sequence at `position` with this state and conv window and nothing pending.
+    pub fn new(state: Vec<f32>, window: Vec<f32>, position: usize) -> Self {
+        Self {
+            state,
+            window,
+            pending: Vec::new(),
+            position,
+            verified: Vec::new(),
+        }
+    }
+
+    /// The last verify step's tokens not yet committed: raw qkv row and replay data each.
+    pub fn verified(&self) -> &[(Vec<f32>, PendingToken)] {
+        &self.verified
+    }
+
+    /// Folds the pending tokens into the state: `S = e^g S + k u^T`, oldest first.
+    pub fn replay_pending(&mut self, shape: GdnShape) {
+        let pending = std::mem::take(&mut self.pending);
+        per_head_state(shape, &mut self.state, |h, kh, s| {
+            for token in &pending {
+                let decay = f64::from(token.g[h]).exp();
+                let k = &token.k[kh * shape.dk..(kh + 1) * shape.dk];
+                let u = &token.u[h * shape.dv..(h + 1) * shape.dv];
+                for (i, ki) in k.iter().enumerate() {
+                    for (j, uj) in u.iter().enumerate() {
+                        let x = &mut s[i * shape.dv + j];
+                        *x = decay * *x + f64::from(*ki) * f64::from(*uj);
+                    }
+                }
+            }
+        });
+    }
+
+    /// One step of `raw.t` tokens: replays the pending tokens, then runs the new ones
+    /// token by token. `Decode` stores the state after them and advances the position;
+    /// `Verify` keeps the state before them and records them for [`SequenceCache::commit`].
+    /// Returns the outputs `[t][Hv][dv]` (gated-normalised when `raw.z` is given).
+    pub fn step(
+        &mut self,
+        shape: GdnShape,
+        params: LayerParams<'_>,
+        raw: RawInputs<'_>,
+        mode: StepMode,
+    ) -> Vec<f32> {
+        self.replay_pending(shape);
+        let mut window = self.window.clone();
+        let front = front_end(shape, params, raw, &mut window);
+        let (hk, hv, dk, dv) = (shape.key_heads, shape.value_heads, shape.dk, shape.dv);
+        let mut state = self.state.clone();
+        let mut o = vec![0.0f32; raw.t * hv * dv];
+        let mut tokens = Vec::with_capacity(raw.t);
+        for step in 0..raw.t {
+            let mut u = vec![0.0f32; hv * dv];
+            per_head_state(shape, &mut state, |h, kh, s| {
+                let q = &front.q[(step * hk + kh) * dk..][..dk];
+                let k = &front.k[(step * hk + kh) * dk..][..dk];
+                let v = &front.v[(step * hv + h) * dv..][..dv];
+                let decay = f64::from(front.g[step * hv + h]).exp();
+                let beta = f64::from(front.beta[step * hv + h]);
+                s.iter_mut().for_each(|x| *x *= decay);
+                for j in 0..dv {
+                    let sk: f64 = (0..dk).map(|i| s[i * dv + j] * f64::from(k[i])).sum();
+                    let uj = beta * (f64::from(v[j]) - sk);
+                    u[h * dv + j] = uj as f32;
+                    for i in 0..dk {
+                        s[i * dv + j] += f64::from(k[i]) * uj;
+                    }
+                    let oj: f64 = (0..dk).map(|i| s[i * dv + j] * f64::from(q[i])).sum();
+                    o[(step * hv + h) * dv + j] = oj as f32;
+                }
+            });
+            let channels = shape.conv_dim();
+            tokens.push((
+                raw.qkv[step * channels..(step + 1) * channels].to_vec(),
+                PendingToken {
+                    k: front.k[step * hk * dk..(step + 1) * hk * dk].to_vec(),
+                    u,
+                    g: front.g[step * hv..(step + 1) * hv].to_vec(),
+                },
+            ));
+        }
+        match mode {
+            StepMode::Decode => {
+                self.state = state;
+                self.window = window;
+                self.position += raw.t;
+                self.verified.clear();
+            }
+            StepMode::Verify => self.verified = tokens,
+        }
+        match raw.z {
+            Some(z) => gated_rmsnorm(&o, z, params.norm_weight, dv, params.eps),
+            None => o,
+        }
+    }
+
+    /// Accepts the first `accepted` tokens of the last verify step (0..=its token count): they
+    /// become pending, the position advances by `accepted`, and the conv window ends at the
+    /// last accepted token. The state is not touched.
+    ///
+    /// # Panics
+    /// When `accepted` exceeds the tokens of the last verify step (a caller's bug).
+    pub fn commit(&mut self, accepted: usize) {
+        assert!(
+            accepted <= self.verified.len(),
+            "commit {accepted} of {} verified tokens",
+            self.verified.len()
+        );
+        let keep = self.window.len();
+        let mut history = std::mem::take(&mut self.window);
+        for (row, token) in self.verified.drain(..).take(accepted) {
+            history.extend_from_slice(&row);
+            self.pending.push(token);
+        }
+        self.window = history[history.len() - keep..].to_vec();
+        self.position += accepted;
+        self.verified.clear();
+    }
+}

@@ -1,0 +1,906 @@
+// Family `gdn`: Gated DeltaNet linear attention from the raw projections (rendered for
+// {{ target.name }}). CPU reference: src/kernels/gdn/reference.rs. Launch and the design notes
+// (cache layout, the speculative step, why each kernel is shaped as it is): src/kernels/gdn/mod.rs.
+//
+// Kernels, in the order of a forward:
+//   gdn_chunk_prepare_dk{64,128}            prefill, per (chunk of 64, value head): conv + SiLU,
+//                                            L2 norms, gates, the WY/UT transform (tensor cores)
+//   gdn_chunk_state_dk{64,128}_dv{16,32}   prefill, per (value head, dv slice, sequence): the
+//                                            sequential pass over chunks (tensor cores), outputs,
+//                                            final state, conv window
+//   gdn_gated_norm                          prefill: w * rmsnorm(o) * silu(z) in place
+//   gdn_step_dk{128,256}                    decode / speculative verify, per (value head, dv
+//                                            slice, sequence): everything in one launch
+//   gdn_commit                              sequence bookkeeping after a step
+{% include "common/prelude.cuh" %}
+{% include "common/block_mma.cuh" %}
+
+#define CHUNK 64
+#define CHUNK_THREADS 128
+#define CHUNK_STAGES {{ target.gdn.chunk_stages }}
+#define STEP_THREADS {{ target.gdn.step_threads }}
+#define STEP_DV {{ target.gdn.step_dv_per_block }}
+#define STEP_MAX_TOKENS {{ target.gdn.step_max_tokens }}
+#define STEP_WARPS (STEP_THREADS / FP4_WARP_SIZE)
+#define STEP_COL_LANES (STEP_DV / 4)
+#define STEP_ROW_GROUPS (STEP_THREADS / STEP_COL_LANES)
+#define NORM_THREADS 128
+#define COMMIT_THREADS 128
+
+// ---- what differs between vendors in this family ----
+{% if target.vendor == "nvidia" %}
+FP4_DEVICE void block_barrier() { __syncthreads(); }
+FP4_DEVICE float shfl_xor(float v, u32 mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return atomicAdd(p, v); }
+FP4_DEVICE void fence_device() { __threadfence(); }
+/// A load that sees other blocks' writes made visible by their fence (bypasses L1).
+FP4_DEVICE float load_coherent(const float* p) { return __ldcg(p); }
+FP4_DEVICE float exp_f32(float v) { return expf(v); }
+FP4_DEVICE float log_f32(float v) { return logf(v); }
+FP4_DEVICE float rsqrt_f32(float v) { return rsqrtf(v); }
+#define GDN_SHARED extern __shared__ __align__(16) unsigned char
+// gdn_step_*: at least one block per SM is all it asks (ptxas otherwise spilled a word to keep
+// its register count down on sm_90a)
+#define STEP_BOUNDS STEP_THREADS, 1
+{% else %}
+FP4_DEVICE void block_barrier() {
+    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+    __builtin_amdgcn_s_barrier();
+    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+}
+FP4_DEVICE float shfl_xor(float v, u32 mask) {
+    const int other = __builtin_amdgcn_ds_bpermute((int)((lane_id() ^ mask) << 2), __builtin_bit_cast(int, v));
+    return __builtin_bit_cast(float, other);
+}
+FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
+FP4_DEVICE void fence_device() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent"); }
+FP4_DEVICE float load_coherent(const float* p) { return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
+FP4_DEVICE float exp_f32(float v) { return __builtin_expf(v); }
+FP4_DEVICE float log_f32(float v) { return __builtin_logf(v); }
+FP4_DEVICE float rsqrt_f32(float v) { return __builtin_amdgcn_rsqf(v); }
+#define GDN_SHARED extern __attribute__((shared)) __attribute__((aligned(16))) unsigned char
+#define STEP_BOUNDS STEP_THREADS
+{% endif %}
+// ---- end of vendor differences ----
+
+typedef long long i64;
+FP4_DEVICE u32 min_u32(u32 a, u32 b) { return a < b ? a : b; }
+FP4_DEVICE float silu_f32(float v) { return v / (1.0f + exp_f32(-v)); }
+/// ln(1 + e^v) without a log1p: e^v below -15 (where 1 + e^v rounds to 1), v above 20.
+FP4_DEVICE float softplus_f32(float v) { return v > 20.0f ? v : (v < -15.0f ? exp_f32(v) : log_f32(1.0f + exp_f32(v))); }
+FP4_DEVICE u32 pack_bf16x2(float lo, float hi) { return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16); }
+/// g = -exp(A_log) softplus(a + dt_bias) (log decay), beta = sigmoid(b).
+FP4_DEVICE void gdn_gates(float a, float b, float a_log, float dt_bias, float& g, float& beta) {
+    g = -exp_f32(a_log) * softplus_f32(a + dt_bias);
+    beta = 1.0f / (1.0f + exp_f32(-b));
+}
+
+/// The raw qkv input of channel `ch` at chunk-relative row `row` (may be negative): rows at or
+/// after the sequence's first new row come from the inputs, earlier ones from the conv ring by
+/// absolute position, positions before 0 are zero.
+struct ConvSource {
+    const u16* qkv; u32 stride;      // the call's input rows
+    i32 first_row;                   // input row of the sequence's first new token
+    i32 rel0;                        // row 0 relative to the sequence's first new token
+    i64 position0;                   // absolute position of the sequence's first new token
+    const u16* ring; u32 ring_len; u32 conv_dim;  // ring slot base of the sequence
+    FP4_DEVICE const u16* at(i32 row, u32 ch) const {
+        const i32 rel = rel0 + row;
+        if (rel >= 0) return qkv + (u64)(first_row + rel) * stride + ch;
+        const i64 position = position0 + rel;
+        if (position < 0) return nullptr;
+        return ring + (u64)(position % ring_len) * conv_dim + ch;
+    }
+    /// 8 consecutive channels (ch % 8 == 0, rows 16-byte aligned), zeros before position 0.
+    FP4_DEVICE void load8(i32 row, u32 ch, float (&x)[8]) const {
+        const u16* p = at(row, ch);
+        if (p == nullptr) {
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) x[i] = 0.0f;
+            return;
+        }
+        const u32x4 v = load_u32x4(p);
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) { x[2 * i] = bf16_to_f32((u16)(w[i] & 0xffffu)); x[2 * i + 1] = bf16_to_f32((u16)(w[i] >> 16)); }
+    }
+    FP4_DEVICE float load1(i32 row, u32 ch) const {
+        const u16* p = at(row, ch);
+        return p == nullptr ? 0.0f : bf16_to_f32(*p);
+    }
+};
+
+/// silu(conv) of 8 channels at chunk-relative `row`: sum_j w[c][j] x[row - (kernel - 1) + j].
+FP4_DEVICE void conv8_silu(const ConvSource& src, const float* __restrict__ conv_w, u32 kernel, i32 row, u32 ch, float (&y)[8]) {
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) y[i] = 0.0f;
+    for (u32 j = 0; j < kernel; ++j) {
+        float x[8];
+        src.load8(row - (i32)(kernel - 1) + (i32)j, ch, x);
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) y[i] += conv_w[(u64)(ch + i) * kernel + j] * x[i];
+    }
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) y[i] = silu_f32(y[i]);
+}
+
+/// Which chunk of which sequence workspace chunk `slot` is: scans cu_seqlens (chunks of 64 per
+/// sequence, the last one partial). Returns false when `slot` is past the last chunk.
+FP4_DEVICE bool find_chunk(const u32* __restrict__ cu_seqlens, u32 sequences, u32 slot, u32& seq, u32& local) {
+    u32 before = 0;
+    for (u32 i = 0; i < sequences; ++i) {
+        const u32 chunks = (cu_seqlens[i + 1] - cu_seqlens[i] + CHUNK - 1) / CHUNK;
+        if (slot < before + chunks) { seq = i; local = slot - before; return true; }
+        before += chunks;
+    }
+    return false;
+}
+
+/// The first workspace chunk of sequence `seq`.
+FP4_DEVICE u32 first_chunk(const u32* __restrict__ cu_seqlens, u32 seq) {
+    u32 before = 0;
+    for (u32 i = 0; i < seq; ++i) before += (cu_seqlens[i + 1] - cu_seqlens[i] + CHUNK - 1) / CHUNK;
+    return before;
+}
+
+/// One warp: out[j] = w[j] * o[j] * rsqrt(mean(o^2) + eps) * silu(z[j]) over `dv` elements; `o`
+/// is fp32 (coherent loads: other blocks wrote it) or, with `o_bf16`, the bf16 row of `out`.
+FP4_DEVICE void gated_norm_row(const float* o, const u16* o_bf16, const u16* __restrict__ z,
+                               const float* __restrict__ w, u32 dv, float eps, u16* out) {
+    const u32 lane = thread_x() % FP4_WARP_SIZE;
+    float sum = 0.0f;
+    for (u32 j = lane; j < dv; j += FP4_WARP_SIZE) {
+        const float v = o != nullptr ? load_coherent(o + j) : bf16_to_f32(o_bf16[j]);
+        sum += v * v;
+    }
+    const float inv = rsqrt_f32(warp_sum(sum) / (float)dv + eps);
+    for (u32 j = lane; j < dv; j += FP4_WARP_SIZE) {
+        const float v = o != nullptr ? load_coherent(o + j) : bf16_to_f32(o_bf16[j]);
+        out[j] = f32_to_bf16(w[j] * v * inv * silu_f32(bf16_to_f32(z[j])));
+    }
+}
+
+// ============================================================================================
+// gdn_step_dk*: decode (every token final) or speculative verify (tokens provisional) of `m` tokens
+// for each of a batch of sequences, from the raw projection rows (row b * m + t). One block per
+// (value head h, slice of STEP_DV value columns, sequence b); the slice of the state
+// (dk x STEP_DV fp32) lives in registers: thread (row group tr, column quad tc) holds rows
+// tr + STEP_ROW_GROUPS * r, columns 4 tc .. 4 tc + 3, loaded and stored with 16-byte accesses.
+//
+//  1. issue the state loads (the folded position positions[b] - pending[b] > 0, else zeros);
+//  2. front end of the m new tokens into shared memory: conv + SiLU (window from the inputs and
+//     the conv ring), the factors of the L2 norms and q scale (applied where q and k are used),
+//     k.q, gates; the replay data (k, u, g) of the pending tokens from the ring; the raw rows
+//     (and in verify mode k and g) written to the ring at the new tokens' positions, each
+//     element by one designated block;
+//  3. replay the pending tokens: S = e^g S + k u^T (no reduction);
+//  4. verify: store the state now (after the replay: the pre-verify state);
+//  5. per new token: one reduction of (S^T k, S^T q) over dk (warp shuffles, then across warps
+//     through double-buffered shared memory: one barrier per token); u = beta (v - e^g S^T k),
+//     o = e^g S^T q + u (k.q), S = e^g S + k u^T; verify: u to the ring;
+//  6. decode: store the state after the tokens (after the arrival of step 7 when there is one);
+//  7. outputs: raw o as bf16, or through the gated RMSNorm by the last block of (b, h) to
+//     finish (o slices in fp32 scratch, an arrival counter per (b, h), reset by that block).
+// The ring is sized by the host so the positions written ([pos, pos + m)) never alias those read
+// ([pos - max(kernel - 1, pending), pos)).
+// ============================================================================================
+template <int MAX_DK>
+struct StepShared {
+    float q[STEP_MAX_TOKENS][MAX_DK];
+    float k[STEP_MAX_TOKENS][MAX_DK];
+    float pk[STEP_MAX_TOKENS][MAX_DK];
+    float v[STEP_MAX_TOKENS][STEP_DV];
+    float pu[STEP_MAX_TOKENS][STEP_DV];
+    float g[STEP_MAX_TOKENS], beta[STEP_MAX_TOKENS], kq[STEP_MAX_TOKENS], pg[STEP_MAX_TOKENS];
+    float rq[STEP_MAX_TOKENS], rk[STEP_MAX_TOKENS];
+    float red[2][STEP_WARPS][2][STEP_DV];
+    u32 last;
+};
+
+{% for max_dk in [128, 256] %}
+// gdn_step_dk{{ max_dk }}: dk up to {{ max_dk }} (registers and shared memory sized for it)
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
+    const u16* __restrict__ qkv, u32 qkv_stride, const u16* __restrict__ a_in, u32 a_stride,
+    const u16* __restrict__ b_in, u32 b_stride, const u16* __restrict__ z, u32 z_stride,
+    const float* __restrict__ conv_w, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+    const float* __restrict__ norm_w, float eps,
+    float* state, u16* conv_ring, float* ring_k, float* ring_u, float* ring_g,
+    const u32* __restrict__ slots, const u32* __restrict__ positions, const u32* __restrict__ pending,
+    u16* out, float* o_scratch, u32* counters,
+    u32 hk, u32 hv, u32 dk, u32 dv, u32 kernel, u32 ring_len, u32 n_slots, u32 m, u32 verify) {
+    constexpr int STEP_MAX_ROWS = {{ max_dk }} / STEP_ROW_GROUPS;
+    __shared__ StepShared<{{ max_dk }}> sh;
+    const u32 tid = thread_x();
+    const u32 warp = tid / FP4_WARP_SIZE, lane = tid % FP4_WARP_SIZE;
+    const u32 splits = dv / STEP_DV;
+    const u32 h = block_x() / splits, split = block_x() % splits;
+    const u32 j0 = split * STEP_DV;
+    const u32 b = block_y();
+    const u32 ratio = hv / hk, kh = h / ratio;
+    const u32 slot = slots[b];
+    if (slot >= n_slots) return;  // a caller's bad slot: touch nothing (uniform per block)
+    const u32 pos = positions[b];
+    const u32 pend = min_u32(pending[b], (u32)STEP_MAX_TOKENS);
+    const u32 conv_dim = 2 * hk * dk + hv * dv;
+    const u32 tc = tid % STEP_COL_LANES, tr = tid / STEP_COL_LANES;
+    // row `row` of this block's state slice (columns j0 + 4 tc .. + 3)
+    auto state_at = [&](u32 row) { return state + ((u64)slot * hv + h) * dk * dv + (u64)row * dv + j0 + 4 * tc; };
+
+    // 1. the state slice
+    float s[STEP_MAX_ROWS][4];
+    const bool has_state = pos > pend;
+    #pragma unroll
+    for (int r = 0; r < STEP_MAX_ROWS; ++r) {
+        const u32 row = tr + STEP_ROW_GROUPS * r;
+        if (has_state && row < dk) {
+            const u32x4 v = load_u32x4(state_at(row));
+            s[r][0] = bits_to_f32(v.x); s[r][1] = bits_to_f32(v.y); s[r][2] = bits_to_f32(v.z); s[r][3] = bits_to_f32(v.w);
+        } else {
+            s[r][0] = s[r][1] = s[r][2] = s[r][3] = 0.0f;
+        }
+    }
+
+    // 2. front end
+    const ConvSource src{qkv, qkv_stride, (i32)(b * m), 0, (i64)pos, conv_ring + (u64)slot * ring_len * conv_dim, ring_len, conv_dim};
+    const bool qk_writer = h % ratio == 0;  // first value head of the key group writes q/k data
+    for (u32 idx = tid; idx < m * dk; idx += STEP_THREADS) {
+        const u32 t = idx / dk, i = idx % dk;
+        #pragma unroll
+        for (int part = 0; part < 2; ++part) {
+            const u32 ch = part * hk * dk + kh * dk + i;
+            float acc = 0.0f;
+            for (u32 j = 0; j < kernel; ++j) acc += conv_w[(u64)ch * kernel + j] * src.load1((i32)t - (i32)(kernel - 1) + (i32)j, ch);
+            (part == 0 ? sh.q : sh.k)[t][i] = silu_f32(acc);
+            if (qk_writer && i % splits == split)
+                conv_ring[((u64)slot * ring_len + (pos + t) % ring_len) * conv_dim + ch] = qkv[(u64)(b * m + t) * qkv_stride + ch];
+        }
+    }
+    for (u32 idx = tid; idx < m * STEP_DV; idx += STEP_THREADS) {
+        const u32 t = idx / STEP_DV, jj = idx % STEP_DV;
+        const u32 ch = 2 * hk * dk + h * dv + j0 + jj;
+        float acc = 0.0f;
+        for (u32 j = 0; j < kernel; ++j) acc += conv_w[(u64)ch * kernel + j] * src.load1((i32)t - (i32)(kernel - 1) + (i32)j, ch);
+        sh.v[t][jj] = silu_f32(acc);
+        conv_ring[((u64)slot * ring_len + (pos + t) % ring_len) * conv_dim + ch] = qkv[(u64)(b * m + t) * qkv_stride + ch];
+    }
+    if (tid < m) {
+        float g, beta;
+        gdn_gates(bf16_to_f32(a_in[(u64)(b * m + tid) * a_stride + h]), bf16_to_f32(b_in[(u64)(b * m + tid) * b_stride + h]),
+                  a_log[h], dt_bias[h], g, beta);
+        sh.g[tid] = g;
+        sh.beta[tid] = beta;
+        if (verify && split == 0) ring_g[((u64)slot * ring_len + (pos + tid) % ring_len) * hv + h] = g;
+    }
+    for (u32 idx = tid; idx < pend * dk; idx += STEP_THREADS) {
+        const u32 c = idx / dk, i = idx % dk;
+        const u64 at = (u64)slot * ring_len + (pos - pend + c) % ring_len;
+        sh.pk[c][i] = ring_k[at * hk * dk + kh * dk + i];
+        if (i < STEP_DV) sh.pu[c][i] = ring_u[at * hv * dv + h * dv + j0 + i];
+        if (i == 0) sh.pg[c] = ring_g[at * hv + h];
+    }
+    block_barrier();
+    // norms and k.q: warp w takes tokens w, w + STEP_WARPS, ...
+    for (u32 t = warp; t < m; t += STEP_WARPS) {
+        float qq = 0.0f, kk = 0.0f, kq = 0.0f;
+        for (u32 i = lane; i < dk; i += FP4_WARP_SIZE) {
+            const float qv = sh.q[t][i], kv = sh.k[t][i];
+            qq += qv * qv; kk += kv * kv; kq += kv * qv;
+        }
+        qq = warp_sum(qq); kk = warp_sum(kk); kq = warp_sum(kq);
+        if (lane == 0) {
+            const float rq = rsqrt_f32(qq + 1e-6f) * rsqrt_f32((float)dk), rk = rsqrt_f32(kk + 1e-6f);
+            sh.rq[t] = rq; sh.rk[t] = rk; sh.kq[t] = kq * rq * rk;
+        }
+    }
+    block_barrier();
+    // q and k stay raw in shared memory: the token loop scales its sums by rq, rk and k by rk
+    if (verify && qk_writer)
+        for (u32 idx = tid; idx < m * dk; idx += STEP_THREADS) {
+            const u32 t = idx / dk, i = idx % dk;
+            if (i % splits == split)
+                ring_k[((u64)slot * ring_len + (pos + t) % ring_len) * hk * dk + kh * dk + i] = sh.k[t][i] * sh.rk[t];
+        }
+
+    // 3. replay the pending tokens
+    for (u32 c = 0; c < pend; ++c) {
+        const float decay = exp_f32(sh.pg[c]);
+        #pragma unroll
+        for (int r = 0; r < STEP_MAX_ROWS; ++r) {
+            const u32 row = tr + STEP_ROW_GROUPS * r;
+            const float kr = row < dk ? sh.pk[c][row] : 0.0f;
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) s[r][e] = decay * s[r][e] + kr * sh.pu[c][4 * tc + e];
+        }
+    }
+    // 4. verify keeps the pre-verify state
+    if (verify) {
+        #pragma unroll
+        for (int r = 0; r < STEP_MAX_ROWS; ++r) {
+            const u32 row = tr + STEP_ROW_GROUPS * r;
+            if (row < dk) store_u32x4(state_at(row), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
+        }
+    }
+
+    // 5. the new tokens
+    const bool norm = z != nullptr;
+    for (u32 t = 0; t < m; ++t) {
+        float sk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        #pragma unroll
+        for (int r = 0; r < STEP_MAX_ROWS; ++r) {
+            const u32 row = tr + STEP_ROW_GROUPS * r;
+            if (row < dk) {
+                const float kr = sh.k[t][row], qr = sh.q[t][row];
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) { sk[e] += s[r][e] * kr; sq[e] += s[r][e] * qr; }
+            }
+        }
+        #pragma unroll
+        for (u32 off = STEP_COL_LANES; off < FP4_WARP_SIZE; off *= 2) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) { sk[e] += shfl_xor(sk[e], off); sq[e] += shfl_xor(sq[e], off); }
+        }
+        if (lane < STEP_COL_LANES) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) { sh.red[t % 2][warp][0][4 * tc + e] = sk[e]; sh.red[t % 2][warp][1][4 * tc + e] = sq[e]; }
+        }
+        block_barrier();
+        float tk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, tq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (u32 w = 0; w < STEP_WARPS; ++w) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) { tk[e] += sh.red[t % 2][w][0][4 * tc + e]; tq[e] += sh.red[t % 2][w][1][4 * tc + e]; }
+        }
+        const float decay = exp_f32(sh.g[t]), beta = sh.beta[t], kq = sh.kq[t], rk = sh.rk[t], rq = sh.rq[t];
+        float u[4], o[4];
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            u[e] = beta * (sh.v[t][4 * tc + e] - decay * rk * tk[e]);
+            o[e] = decay * rq * tq[e] + u[e] * kq;
+        }
+        #pragma unroll
+        for (int r = 0; r < STEP_MAX_ROWS; ++r) {
+            const u32 row = tr + STEP_ROW_GROUPS * r;
+            const float kr = row < dk ? sh.k[t][row] * rk : 0.0f;
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) s[r][e] = decay * s[r][e] + kr * u[e];
+        }
+        if (tr == 0) {
+            const u64 row = (u64)(b * m + t);
+            const u32 col = h * dv + j0 + 4 * tc;
+            if (norm) {
+                store_u32x4(o_scratch + row * hv * dv + col, {f32_to_bits(o[0]), f32_to_bits(o[1]), f32_to_bits(o[2]), f32_to_bits(o[3])});
+            } else {
+                u16* dst = out + row * hv * dv + col;
+                *reinterpret_cast<u32x2*>(dst) = {pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3])};
+            }
+            if (verify) {
+                float* dst = ring_u + ((u64)slot * ring_len + (pos + t) % ring_len) * hv * dv + h * dv + j0 + 4 * tc;
+                store_u32x4(dst, {f32_to_bits(u[0]), f32_to_bits(u[1]), f32_to_bits(u[2]), f32_to_bits(u[3])});
+            }
+        }
+    }
+
+    // 6. decode folds the tokens into the state; with the norm, after the arrival below, so the
+    //    fence before it waits for the o slices only, not for the state's stores too
+    auto store_state = [&]() {
+        #pragma unroll
+        for (int r = 0; r < STEP_MAX_ROWS; ++r) {
+            const u32 row = tr + STEP_ROW_GROUPS * r;
+            if (row < dk) store_u32x4(state_at(row), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
+        }
+    };
+    if (!norm || m == 0) {  // uniform per block
+        if (!verify) store_state();
+        return;
+    }
+
+    // 7. the gated RMSNorm needs the whole head: the last of the head's blocks applies it
+    fence_device();
+    block_barrier();
+    if (tid == 0) {
+        const u32 arrived = atomic_add_u32(counters + (u64)b * hv + h, 1u);
+        sh.last = arrived == splits - 1 ? 1u : 0u;
+    }
+    block_barrier();
+    if (!verify) store_state();
+    if (sh.last == 0) return;
+    fence_device();
+    for (u32 t = warp; t < m; t += STEP_WARPS) {
+        const u64 row = (u64)(b * m + t);
+        gated_norm_row(o_scratch + row * hv * dv + h * dv, nullptr, z + row * z_stride + h * dv, norm_w, dv, eps,
+                       out + row * hv * dv + h * dv);
+    }
+    if (tid == 0) counters[(u64)b * hv + h] = 0;  // ready for the next launch
+}
+{% endfor %}
+
+// gdn_commit: after a step, positions[i] += accepted[i] (or `uniform` when accepted is null);
+// pending[i] = accepted (verify: the accepted tokens wait in the ring for the next step's replay)
+// or 0 (fold: decode, prefill and flush stored the state after their tokens).
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(COMMIT_THREADS) gdn_commit(u32* positions, u32* pending, const u32* accepted,
+                                                             u32 uniform, u32 count, u32 fold) {
+    const u32 i = block_x() * COMMIT_THREADS + thread_x();
+    if (i >= count) return;
+    const u32 a = accepted != nullptr ? accepted[i] : uniform;
+    positions[i] += a;
+    pending[i] = fold ? 0u : a;
+}
+
+// gdn_gated_norm: rows x value heads of `out` (raw o in bf16, written by the state pass) become
+// w * rmsnorm(o) * silu(z), in place; one warp per (row, head).
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) gdn_gated_norm(u16* out, const u16* __restrict__ z, u32 z_stride,
+                                                               const float* __restrict__ norm_w, float eps,
+                                                               u32 rows, u32 hv, u32 dv) {
+    const u64 task = (u64)block_x() * (NORM_THREADS / FP4_WARP_SIZE) + thread_x() / FP4_WARP_SIZE;
+    if (task >= (u64)rows * hv) return;  // whole warps
+    const u64 row = task / hv, h = task % hv;
+    u16* o = out + row * hv * dv + h * dv;
+    gated_norm_row(nullptr, o, z + row * z_stride + h * dv, norm_w, dv, eps, o);
+}
+
+// ============================================================================================
+// Prefill, chunk 64, WY / UT form (../shared/reference/kernels.md), in two tensor-core passes
+// over a workspace, for a batch of sequences given by cu_seqlens (chunks never span sequences;
+// a sequence's last chunk is zero-padded to 64 rows).
+//
+// gdn_chunk_prepare_dk{DK}: one block (4 warps) per (workspace chunk, value head h), all chunks
+// in parallel. Conv + SiLU of the chunk's q, k (key head h / ratio) and v (head h) channels from
+// the raw rows (history from earlier rows or the conv ring), L2 norms and q scale (bf16 tiles in
+// shared memory), gates and gamma = cumsum(g); then on tensor cores (warp w: rows 16w..16w+15):
+//   K K^T -> A = strictly_lower(diag(beta) K K^T * Gamma)  (fp32, shared)
+//   Q K^T -> M = lower(Q K^T * Gamma)                       (bf16, workspace)
+// T = (I + A)^-1 in fp32 (16x16 diagonal blocks by column substitution, off-diagonal blocks by
+// block rows), T_w = T diag(beta e^gamma), T_u = T diag(beta) in bf16, and
+//   W = T_w K, U = T_u V   (bf16, workspace), and gamma (fp32, workspace).
+// Padded rows get beta = 0 and g = 0, so their W, U, M rows are zero and gamma stays at the
+// chunk's last value.
+// ============================================================================================
+#define PAD 8  // bf16 elements of row padding: rows 16-byte aligned, ldmatrix conflict-free
+
+{% for dk in [64, 128] %}
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_prepare_dk{{ dk }}(
+    const u16* __restrict__ qkv, u32 qkv_stride, const u16* __restrict__ a_in, u32 a_stride,
+    const u16* __restrict__ b_in, u32 b_stride,
+    const float* __restrict__ conv_w, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+    const u16* __restrict__ conv_ring, const u32* __restrict__ cu_seqlens, const u32* __restrict__ slots,
+    const u32* __restrict__ positions,
+    u16* ws_q, u16* ws_k, u16* ws_w, u16* ws_u, u16* ws_m, float* ws_gamma,
+    u32 hk, u32 hv, u32 dv, u32 kernel, u32 ring_len, u32 sequences) {
+    constexpr u32 DK = {{ dk }};
+    constexpr u32 LDK = DK + PAD;
+    constexpr u32 LDA = CHUNK + PAD;  // fp32 A / T rows; the same bytes hold T_w and T_u (bf16) later
+    GDN_SHARED smem[];
+    const u32 ldx = (DK > dv ? DK : dv) + PAD;
+    u16* xa = reinterpret_cast<u16*>(smem);                        // [64][ldx]: q, then v
+    u16* xb = xa + CHUNK * ldx;                                    // [64][LDK]: k
+    float* a_s = reinterpret_cast<float*>(xb + CHUNK * LDK);       // [64][LDA] fp32
+    u16* tw_s = reinterpret_cast<u16*>(a_s);                       // [64][LDA] bf16 (after T)
+    u16* tu_s = tw_s + CHUNK * LDA;                                // [64][LDA] bf16
+    float* gam_s = a_s + CHUNK * LDA;                              // [64]
+    float* beta_s = gam_s + CHUNK;                                 // [64]
+    float* p_s = beta_s + CHUNK;                                   // [3][16][16] block products
+
+    const u32 tid = thread_x(), warp = tid / FP4_WARP_SIZE, lane = tid % FP4_WARP_SIZE;
+    const u32 chunk = block_x(), h = block_y();
+    u32 seq, local;
+    if (!find_chunk(cu_seqlens, sequences, chunk, seq, local)) return;
+    const u32 ratio = hv / hk, kh = h / ratio;
+    const u32 conv_dim = 2 * hk * DK + hv * dv;
+    const u32 len = cu_seqlens[seq + 1] - cu_seqlens[seq];
+    const u32 valid = min_u32((u32)CHUNK, len - local * CHUNK);
+    const u32 row0 = cu_seqlens[seq] + local * CHUNK;
+    const ConvSource src{qkv, qkv_stride, (i32)cu_seqlens[seq], (i32)(local * CHUNK), (i64)positions[seq],
+                         conv_ring + (u64)slots[seq] * ring_len * conv_dim, ring_len, conv_dim};
+
+    // conv + SiLU + L2 norms of q and k: the DK / 8 lanes of a row are adjacent in one warp
+    constexpr u32 GROUPS = DK / 8;
+    const bool qk_writer = h % ratio == 0;
+    u16* q_out = ws_q + ((u64)chunk * hk + kh) * CHUNK * DK;
+    u16* k_out = ws_k + ((u64)chunk * hk + kh) * CHUNK * DK;
+    for (u32 idx = tid; idx < CHUNK * GROUPS; idx += CHUNK_THREADS) {
+        const u32 row = idx / GROUPS, ch = 8 * (idx % GROUPS);
+        float q[8], k[8];
+        const bool live = row < valid;
+        if (live) {
+            conv8_silu(src, conv_w, kernel, (i32)row, kh * DK + ch, q);
+            conv8_silu(src, conv_w, kernel, (i32)row, hk * DK + kh * DK + ch, k);
+        } else {
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) q[i] = k[i] = 0.0f;
+        }
+        float qq = 0.0f, kk = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) { qq += q[i] * q[i]; kk += k[i] * k[i]; }
+        #pragma unroll
+        for (u32 off = 1; off < GROUPS; off *= 2) { qq += shfl_xor(qq, off); kk += shfl_xor(kk, off); }
+        const float rq = rsqrt_f32(qq + 1e-6f) * rsqrt_f32((float)DK), rk = rsqrt_f32(kk + 1e-6f);
+        const u32x4 qv = {pack_bf16x2(q[0] * rq, q[1] * rq), pack_bf16x2(q[2] * rq, q[3] * rq), pack_bf16x2(q[4] * rq, q[5] * rq), pack_bf16x2(q[6] * rq, q[7] * rq)};
+        const u32x4 kv = {pack_bf16x2(k[0] * rk, k[1] * rk), pack_bf16x2(k[2] * rk, k[3] * rk), pack_bf16x2(k[4] * rk, k[5] * rk), pack_bf16x2(k[6] * rk, k[7] * rk)};
+        store_u32x4(xa + row * ldx + ch, qv);
+        store_u32x4(xb + row * LDK + ch, kv);
+        if (qk_writer) {
+            store_u32x4(q_out + row * DK + ch, qv);
+            store_u32x4(k_out + row * DK + ch, kv);
+        }
+    }
+    // gates: g and beta per row (zero past the sequence), gamma by a plain prefix sum
+    if (tid < CHUNK) {
+        float g = 0.0f, beta = 0.0f;
+        if (tid < valid)
+            gdn_gates(bf16_to_f32(a_in[(u64)(row0 + tid) * a_stride + h]), bf16_to_f32(b_in[(u64)(row0 + tid) * b_stride + h]),
+                      a_log[h], dt_bias[h], g, beta);
+        gam_s[tid] = g;
+        beta_s[tid] = beta;
+    }
+    block_barrier();
+    float gamma_mine = 0.0f;
+    if (tid < CHUNK) for (u32 i = 0; i <= tid; ++i) gamma_mine += gam_s[i];
+    block_barrier();
+    if (tid < CHUNK) {
+        gam_s[tid] = gamma_mine;
+        ws_gamma[((u64)chunk * hv + h) * CHUNK + tid] = gamma_mine;
+    }
+    block_barrier();
+
+    // K K^T and Q K^T on tensor cores: warp w owns rows 16w .. 16w + 15, all 64 columns
+    {
+        float kk[8][4], qk[8][4];
+        #pragma unroll
+        for (int nb = 0; nb < 8; ++nb)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) kk[nb][e] = qk[nb][e] = 0.0f;
+        #pragma unroll
+        for (u32 k0 = 0; k0 < DK; k0 += 16) {
+            if (ldx == LDK) {
+                mma_k16_pair<8, true>(kk, xb, qk, xa, LDK, 16 * warp, k0, xb, LDK, 0);
+            } else {
+                mma_k16<8, false, true>(kk, xb, LDK, 16 * warp, k0, xb, LDK, 0);
+                mma_k16<8, false, true>(qk, xa, ldx, 16 * warp, k0, xb, LDK, 0);
+            }
+        }
+        u16* m_out = ws_m + ((u64)chunk * hv + h) * CHUNK * CHUNK;
+        #pragma unroll
+        for (int nb = 0; nb < 8; ++nb) {
+            #pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const u32 i = 16 * warp + acc_row(lane, 2 * half);
+                float mv[2];
+                #pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const u32 j = acc_col(lane, nb, e);
+                    const float decay = j <= i ? exp_f32(gam_s[i] - gam_s[j]) : 0.0f;
+                    a_s[i * LDA + j] = j < i ? beta_s[i] * kk[nb][2 * half + e] * decay : 0.0f;
+                    mv[e] = qk[nb][2 * half + e] * decay;
+                }
+                *reinterpret_cast<u32*>(m_out + i * CHUNK + acc_col(lane, nb, 0)) = pack_bf16x2(mv[0], mv[1]);
+            }
+        }
+    }
+    block_barrier();
+
+    // v (into q's tile, free now) and the diagonal 16x16 blocks of T by column substitution
+    for (u32 idx = tid; idx < CHUNK * (dv / 8); idx += CHUNK_THREADS) {
+        const u32 row = idx / (dv / 8), ch = 8 * (idx % (dv / 8));
+        float v[8];
+        if (row < valid) {
+            conv8_silu(src, conv_w, kernel, (i32)row, 2 * hk * DK + h * dv + ch, v);
+        } else {
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+        }
+        store_u32x4(xa + row * ldx + ch, {pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7])});
+    }
+    float x[16];
+    const u32 column = tid % CHUNK, base = 16 * (column / 16), lc = column % 16;
+    if (tid < CHUNK) {
+        #pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            float sum = i == (int)lc ? 1.0f : 0.0f;
+            #pragma unroll
+            for (int j = 0; j < i; ++j) sum -= a_s[(base + i) * LDA + base + j] * x[j];
+            x[i] = i < (int)lc ? 0.0f : sum;
+        }
+    }
+    block_barrier();
+    if (tid < CHUNK) {
+        #pragma unroll
+        for (int i = 0; i < 16; ++i) a_s[(base + i) * LDA + base + lc] = x[i];
+    }
+    block_barrier();
+    // block rows 1..3: T_ij = -T_ii sum_{k=j}^{i-1} A_ik T_kj
+    for (u32 bi = 1; bi < 4; ++bi) {
+        for (u32 e = tid; e < bi * 256; e += CHUNK_THREADS) {
+            const u32 bj = e / 256, r = (e / 16) % 16, c = e % 16;
+            float sum = 0.0f;
+            for (u32 bk = bj; bk < bi; ++bk)
+                for (u32 kk = 0; kk < 16; ++kk) sum += a_s[(16 * bi + r) * LDA + 16 * bk + kk] * a_s[(16 * bk + kk) * LDA + 16 * bj + c];
+            p_s[e] = sum;
+        }
+        block_barrier();
+        for (u32 e = tid; e < bi * 256; e += CHUNK_THREADS) {
+            const u32 bj = e / 256, r = (e / 16) % 16, c = e % 16;
+            float sum = 0.0f;
+            for (u32 kk = 0; kk < 16; ++kk) sum -= a_s[(16 * bi + r) * LDA + 16 * bi + kk] * p_s[bj * 256 + kk * 16 + c];
+            a_s[(16 * bi + r) * LDA + 16 * bj + c] = sum;
+        }
+        block_barrier();
+    }
+    // T_w = T diag(beta e^gamma), T_u = T diag(beta), bf16, over the same bytes
+    float tv[CHUNK * CHUNK / CHUNK_THREADS];
+    #pragma unroll
+    for (u32 e = 0; e < CHUNK * CHUNK / CHUNK_THREADS; ++e) {
+        const u32 idx = tid + e * CHUNK_THREADS;
+        tv[e] = a_s[(idx / CHUNK) * LDA + idx % CHUNK];
+    }
+    block_barrier();
+    #pragma unroll
+    for (u32 e = 0; e < CHUNK * CHUNK / CHUNK_THREADS; ++e) {
+        const u32 idx = tid + e * CHUNK_THREADS, i = idx / CHUNK, j = idx % CHUNK;
+        tw_s[i * LDA + j] = f32_to_bf16(tv[e] * beta_s[j] * exp_f32(gam_s[j]));
+        tu_s[i * LDA + j] = f32_to_bf16(tv[e] * beta_s[j]);
+    }
+    block_barrier();
+
+    // W = T_w K and U = T_u V on tensor cores (T lower triangular: k-blocks up to the warp's own)
+    u16* w_out = ws_w + ((u64)chunk * hv + h) * CHUNK * DK;
+    for (u32 n0 = 0; n0 < DK; n0 += 64) {
+        float acc[8][4];
+        #pragma unroll
+        for (int nb = 0; nb < 8; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
+        for (u32 k0 = 0; k0 <= 16 * warp; k0 += 16) mma_k16<8, false, false>(acc, tw_s, LDA, 16 * warp, k0, xb, LDK, n0);
+        #pragma unroll
+        for (int nb = 0; nb < 8; ++nb)
+            #pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const u32 i = 16 * warp + acc_row(lane, 2 * half);
+                *reinterpret_cast<u32*>(w_out + i * DK + n0 + acc_col(lane, nb, 0)) = pack_bf16x2(acc[nb][2 * half], acc[nb][2 * half + 1]);
+            }
+    }
+    u16* u_out = ws_u + ((u64)chunk * hv + h) * CHUNK * dv;
+    for (u32 n0 = 0; n0 < dv; n0 += 16) {
+        float acc[2][4];
+        #pragma unroll
+        for (int nb = 0; nb < 2; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
+        for (u32 k0 = 0; k0 <= 16 * warp; k0 += 16) mma_k16<2, false, false>(acc, tu_s, LDA, 16 * warp, k0, xa, ldx, n0);
+        #pragma unroll
+        for (int nb = 0; nb < 2; ++nb)
+            #pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const u32 i = 16 * warp + acc_row(lane, 2 * half);
+                *reinterpret_cast<u32*>(u_out + i * dv + n0 + acc_col(lane, nb, 0)) = pack_bf16x2(acc[nb][2 * half], acc[nb][2 * half + 1]);
+            }
+    }
+}
+{% endfor %}
+
+// ============================================================================================
+// gdn_chunk_state_dk{DK}_dv{DVS}: one block (4 warps) per (value head h, slice of DVS value
+// columns, sequence), walking the sequence's chunks in order. The state slice (DK x DVS fp32)
+// stays in registers in the accumulator layout (warp w owns rows 16 (w + 4 i)), with a bf16 copy
+// in shared memory as the B operand. Per chunk (operands staged CHUNK_STAGES chunks ahead with
+// cp.async where the target has it):
+//   X = W S, Y = Q S                     (warp w: rows 16w..16w+15)
+//   V' = U - X, O = e^gamma Y            (V' and e^(gamma_last - gamma) V' to shared, bf16)
+//   O += M V'                             (causal: k-blocks up to the warp's own)
+//   S = e^gamma_last S + K^T (e^(gamma_last - gamma) V')
+// O goes to `out` as bf16 (raw; gdn_gated_norm applies the gated RMSNorm when asked). Before the
+// chunks: the initial state (the folded position > 0) with the pending tokens replayed; after:
+// the final state to the slot and the last kernel - 1 raw rows to the conv ring (designated
+// channels per block; the prepare pass, which reads the ring, has finished).
+// ============================================================================================
+{% if target.instructions.cp_async %}
+// ---- cp.async instructions ----
+FP4_DEVICE void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(shared_address(dst)), "l"(src));
+}
+FP4_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+FP4_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+// ---- end of cp.async instructions ----
+{% endif %}
+
+{% for dk in [64, 128] %}{% for dvs in [16, 32] %}
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{ dvs }}(
+    const u16* __restrict__ ws_q, const u16* __restrict__ ws_k, const u16* __restrict__ ws_w,
+    const u16* __restrict__ ws_u, const u16* __restrict__ ws_m, const float* __restrict__ ws_gamma,
+    const u16* __restrict__ qkv, u32 qkv_stride,
+    float* state, u16* conv_ring, const float* __restrict__ ring_k, const float* __restrict__ ring_u,
+    const float* __restrict__ ring_g,
+    const u32* __restrict__ cu_seqlens, const u32* __restrict__ slots, const u32* __restrict__ positions,
+    const u32* __restrict__ pending, u16* out,
+    u32 hk, u32 hv, u32 dv, u32 kernel, u32 ring_len, u32 n_slots) {
+    constexpr u32 DK = {{ dk }}, DVS = {{ dvs }}, NB = DVS / 8, MB = DK / 64;
+    constexpr u32 LDK = DK + PAD, LDM = CHUNK + PAD, LDV = DVS + PAD;
+    GDN_SHARED smem[];
+    const u32 tid = thread_x(), warp = tid / FP4_WARP_SIZE, lane = tid % FP4_WARP_SIZE;
+    const u32 splits = dv / DVS;
+    const u32 h = block_x() / splits, split = block_x() % splits, j0 = split * DVS;
+    const u32 seq = block_y();
+    const u32 ratio = hv / hk, kh = h / ratio;
+    const u32 slot = slots[seq];
+    if (slot >= n_slots) return;
+    const u32 conv_dim = 2 * hk * DK + hv * dv;
+    const u32 row_first = cu_seqlens[seq], len = cu_seqlens[seq + 1] - row_first;
+    const u32 pos = positions[seq], pend = pending[seq];
+    const u32 chunk_first = first_chunk(cu_seqlens, seq), chunks = (len + CHUNK - 1) / CHUNK;
+
+    u16* sb_s = reinterpret_cast<u16*>(smem);  // [DK][LDV]: S as bf16
+    u16* vp_s = sb_s + DK * LDV;                // [64][LDV]: V'
+    u16* vq_s = vp_s + CHUNK * LDV;             // [64][LDV]: e^(gamma_last - gamma) V'
+    unsigned char* stage_base = reinterpret_cast<unsigned char*>(vq_s + CHUNK * LDV);
+    constexpr u32 STAGE_BYTES = (3 * CHUNK * LDK + CHUNK * LDM + CHUNK * LDV) * 2 + CHUNK * 4;
+
+    // the conv window after the call: raw rows of the last kernel - 1 positions, by position
+    {
+        const u32 end = pos + len, from = end - min_u32(len, kernel - 1);
+        for (u32 p = from; p < end; ++p) {
+            const u16* src = qkv + (u64)(row_first + p - pos) * qkv_stride;
+            u16* dst = conv_ring + ((u64)slot * ring_len + p % ring_len) * conv_dim;
+            for (u32 c = tid; c < DVS; c += CHUNK_THREADS) dst[2 * hk * DK + h * dv + j0 + c] = src[2 * hk * DK + h * dv + j0 + c];
+            if (h % ratio == 0)
+                for (u32 c = split + splits * tid; c < DK; c += splits * CHUNK_THREADS) {
+                    dst[kh * DK + c] = src[kh * DK + c];
+                    dst[hk * DK + kh * DK + c] = src[hk * DK + kh * DK + c];
+                }
+        }
+    }
+
+    // the initial state, with the pending tokens replayed
+    float s[MB][NB][4];
+    float* s_base = state + (u64)slot * hv * DK * dv + (u64)h * DK * dv + j0;
+    #pragma unroll
+    for (u32 mb = 0; mb < MB; ++mb)
+        #pragma unroll
+        for (u32 nb = 0; nb < NB; ++nb)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const u32 i = 16 * (warp + 4 * mb) + acc_row(lane, e), j = acc_col(lane, nb, e);
+                s[mb][nb][e] = pos > pend ? s_base[(u64)i * dv + j] : 0.0f;
+            }
+    for (u32 c = 0; c < pend; ++c) {
+        const u64 at = (u64)slot * ring_len + (pos - pend + c) % ring_len;
+        const float decay = exp_f32(ring_g[at * hv + h]);
+        #pragma unroll
+        for (u32 mb = 0; mb < MB; ++mb)
+            #pragma unroll
+            for (u32 nb = 0; nb < NB; ++nb)
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const u32 i = 16 * (warp + 4 * mb) + acc_row(lane, e), j = acc_col(lane, nb, e);
+                    s[mb][nb][e] = decay * s[mb][nb][e] + ring_k[at * hk * DK + kh * DK + i] * ring_u[at * hv * dv + h * dv + j0 + j];
+                }
+    }
+    // S as the B operand
+    auto store_sb = [&]() {
+        #pragma unroll
+        for (u32 mb = 0; mb < MB; ++mb)
+            #pragma unroll
+            for (u32 nb = 0; nb < NB; ++nb)
+                #pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const u32 i = 16 * (warp + 4 * mb) + acc_row(lane, 2 * half);
+                    *reinterpret_cast<u32*>(sb_s + i * LDV + acc_col(lane, nb, 0)) = pack_bf16x2(s[mb][nb][2 * half], s[mb][nb][2 * half + 1]);
+                }
+    };
+    store_sb();
+
+    // where chunk c's operands are: a shared-memory stage, or (no stages) the workspace itself
+    struct Operands { const u16 *w, *q, *k, *m, *u; const float* gamma; u32 ldk, ldm, ldu; };
+    auto global_operands = [&](u32 c) {
+        const u64 ch = chunk_first + c;
+        return Operands{ws_w + (ch * hv + h) * CHUNK * DK, ws_q + (ch * hk + kh) * CHUNK * DK, ws_k + (ch * hk + kh) * CHUNK * DK,
+                        ws_m + (ch * hv + h) * CHUNK * CHUNK, ws_u + (ch * hv + h) * CHUNK * dv + j0, ws_gamma + (ch * hv + h) * CHUNK,
+                        DK, CHUNK, dv};
+    };
+{% if target.gdn.chunk_stages > 0 %}
+    auto stage_operands = [&](u32 c) {
+        unsigned char* base = stage_base + (c % CHUNK_STAGES) * STAGE_BYTES;
+        const u16* w = reinterpret_cast<const u16*>(base);
+        const u16* q = w + CHUNK * LDK;
+        const u16* k = q + CHUNK * LDK;
+        const u16* m = k + CHUNK * LDK;
+        const u16* u = m + CHUNK * LDM;
+        const float* gamma = reinterpret_cast<const float*>(u + CHUNK * LDV);
+        return Operands{w, q, k, m, u, gamma, LDK, LDM, LDV};
+    };
+    auto load_stage = [&](u32 c) {
+        if (c < chunks) {
+            const Operands g = global_operands(c), d = stage_operands(c);
+            for (u32 e = tid; e < CHUNK * DK / 8; e += CHUNK_THREADS) {
+                const u32 r = e / (DK / 8), col = 8 * (e % (DK / 8));
+                cp_async16((void*)(d.w + r * LDK + col), g.w + r * DK + col);
+                cp_async16((void*)(d.q + r * LDK + col), g.q + r * DK + col);
+                cp_async16((void*)(d.k + r * LDK + col), g.k + r * DK + col);
+            }
+            for (u32 e = tid; e < CHUNK * CHUNK / 8; e += CHUNK_THREADS) {
+                const u32 r = e / (CHUNK / 8), col = 8 * (e % (CHUNK / 8));
+                cp_async16((void*)(d.m + r * LDM + col), g.m + r * CHUNK + col);
+            }
+            for (u32 e = tid; e < CHUNK * DVS / 8; e += CHUNK_THREADS) {
+                const u32 r = e / (DVS / 8), col = 8 * (e % (DVS / 8));
+                cp_async16((void*)(d.u + r * LDV + col), g.u + (u64)r * dv + col);
+            }
+            if (tid < CHUNK / 4) cp_async16((void*)(d.gamma + 4 * tid), g.gamma + 4 * tid);
+        }
+        cp_async_commit();  // one group per chunk, empty past the end, so the wait count is fixed
+    };
+    #pragma unroll
+    for (u32 c = 0; c < CHUNK_STAGES; ++c) load_stage(c);
+{% endif %}
+    block_barrier();
+
+    for (u32 c = 0; c < chunks; ++c) {
+{% if target.gdn.chunk_stages > 0 %}
+        cp_async_wait<CHUNK_STAGES - 1>();
+        block_barrier();
+        const Operands op = stage_operands(c);
+{% else %}
+        const Operands op = global_operands(c);
+{% endif %}
+        const u32 valid = min_u32((u32)CHUNK, len - c * CHUNK);
+        const float gamma_last = op.gamma[CHUNK - 1];
+        // X = W S and Y = Q S
+        float x[NB][4], y[NB][4];
+        #pragma unroll
+        for (u32 nb = 0; nb < NB; ++nb)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) x[nb][e] = y[nb][e] = 0.0f;
+        #pragma unroll
+        for (u32 k0 = 0; k0 < DK; k0 += 16) mma_k16_pair<NB, false>(x, op.w, y, op.q, op.ldk, 16 * warp, k0, sb_s, LDV, 0);
+        // V' = U - X, O = e^gamma Y
+        #pragma unroll
+        for (u32 nb = 0; nb < NB; ++nb)
+            #pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const u32 i = 16 * warp + acc_row(lane, 2 * half), j = acc_col(lane, nb, 0);
+                const float gi = op.gamma[i], tail = exp_f32(gamma_last - gi), head = exp_f32(gi);
+                float vp[2];
+                #pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    vp[e] = bf16_to_f32(op.u[i * op.ldu + j + e]) - x[nb][2 * half + e];
+                    y[nb][2 * half + e] *= head;
+                }
+                *reinterpret_cast<u32*>(vp_s + i * LDV + j) = pack_bf16x2(vp[0], vp[1]);
+                *reinterpret_cast<u32*>(vq_s + i * LDV + j) = pack_bf16x2(vp[0] * tail, vp[1] * tail);
+            }
+        block_barrier();
+        // O += M V', then out
+        for (u32 k0 = 0; k0 <= 16 * warp; k0 += 16) mma_k16<NB, false, false>(y, op.m, op.ldm, 16 * warp, k0, vp_s, LDV, 0);
+        #pragma unroll
+        for (u32 nb = 0; nb < NB; ++nb)
+            #pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const u32 i = 16 * warp + acc_row(lane, 2 * half);
+                if (i < valid)
+                    *reinterpret_cast<u32*>(out + (u64)(row_first + c * CHUNK + i) * hv * dv + h * dv + j0 + acc_col(lane, nb, 0)) =
+                        pack_bf16x2(y[nb][2 * half], y[nb][2 * half + 1]);
+            }
+        // S = e^gamma_last S + K^T V''
+        const float decay = exp_f32(gamma_last);
+        #pragma unroll
+        for (u32 mb = 0; mb < MB; ++mb) {
+            #pragma unroll
+            for (u32 nb = 0; nb < NB; ++nb)
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) s[mb][nb][e] *= decay;
+            #pragma unroll
+            for (u32 k0 = 0; k0 < CHUNK; k0 += 16) mma_k16<NB, true, false>(s[mb], op.k, op.ldk, 16 * (warp + 4 * mb), k0, vq_s, LDV, 0);
+        }
+        store_sb();
+        block_barrier();  // S, V' and the stage buffer are free again
+{% if target.gdn.chunk_stages > 0 %}
+        load_stage(c + CHUNK_STAGES);
+{% endif %}
+    }
+
+    // the final state
+    #pragma unroll
+    for (u32 mb = 0; mb < MB; ++mb)
+        #pragma unroll
+        for (u32 nb = 0; nb < NB; ++nb)
+            #pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const u32 i = 16 * (warp + 4 * mb) + acc_row(lane, 2 * half), j = acc_col(lane, nb, 0);
+                *reinterpret_cast<u32x2*>(s_base + (u64)i * dv + j) = {f32_to_bits(s[mb][nb][2 * half]), f32_to_bits(s[mb][nb][2 * half + 1])};
+            }
+}
+{% endfor %}{% endfor %}

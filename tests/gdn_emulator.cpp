@@ -1,0 +1,261 @@
+// Host emulation of the `gdn` kernels for tests/gdn_emulated.rs: the rendered source of a target
+// is compiled for the CPU with the sections below in place of its vendor layers, and run with
+// one OS thread per GPU thread of a block (blocks one after another), barriers and warp
+// shuffles emulated with std::barrier. On NVIDIA renders ldmatrix and mma.sync are emulated
+// from the PTX ISA's fragment layouts, so the kernels' fragment addressing is what is tested;
+// cp.async copies at once. Sections start at `//@@ name` lines; the test splices them in.
+
+//@@ portability
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef int i32;
+#define FP4_WARP_SIZE 32
+#define FP4_KERNEL extern "C"
+#define FP4_DEVICE inline
+#define FP4_LAUNCH_BOUNDS(...)
+#define __restrict__ __restrict
+#define __shared__ static
+
+namespace emu {
+struct Thread { u32 tid, bx, by; };
+inline thread_local Thread self;
+inline unsigned char* dynamic_smem = nullptr;
+inline std::barrier<>* block = nullptr;
+inline std::vector<std::unique_ptr<std::barrier<>>> warps;
+inline u64 exchange[32][32][8];  // [warp][lane][word]
+inline void warp_sync() { warps[self.tid / 32]->arrive_and_wait(); }
+inline u64* mine() { return exchange[self.tid / 32][self.tid % 32]; }
+inline u64* of(u32 lane) { return exchange[self.tid / 32][lane]; }
+}  // namespace emu
+
+FP4_DEVICE u32 thread_x() { return emu::self.tid; }
+FP4_DEVICE u32 block_x() { return emu::self.bx; }
+FP4_DEVICE u32 block_y() { return emu::self.by; }
+FP4_DEVICE u32 lane_id() { return emu::self.tid % 32; }
+FP4_DEVICE float bits_to_f32(u32 b) { float f; std::memcpy(&f, &b, 4); return f; }
+FP4_DEVICE u32 f32_to_bits(float f) { u32 b; std::memcpy(&b, &f, 4); return b; }
+FP4_DEVICE float f32_nan() { return NAN; }
+FP4_DEVICE float fast_exp(float v) { return std::exp(v); }
+FP4_DEVICE float emu_shfl_xor(float v, u32 mask) {
+    emu::mine()[0] = f32_to_bits(v);
+    emu::warp_sync();
+    const float r = bits_to_f32((u32)emu::of(lane_id() ^ mask)[0]);
+    emu::warp_sync();
+    return r;
+}
+FP4_DEVICE float warp_sum(float value) {
+    for (u32 off = 16; off > 0; off >>= 1) value += emu_shfl_xor(value, off);
+    return value;
+}
+FP4_DEVICE float bf16_to_f32(u16 bits) { return bits_to_f32((u32)bits << 16); }
+FP4_DEVICE u16 f32_to_bf16(float value) {
+    const u32 bits = f32_to_bits(value);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (u16)((bits >> 16) | 0x40u);
+    return (u16)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+struct alignas(8) u32x2 { u32 x, y; };
+struct alignas(16) u32x4 { u32 x, y, z, w; };
+FP4_DEVICE u32x2 load_u32x2(const void* p) { u32x2 v; std::memcpy(&v, p, 8); return v; }
+FP4_DEVICE u32x4 load_u32x4(const void* p) { u32x4 v; std::memcpy(&v, p, 16); return v; }
+FP4_DEVICE void store_u32x4(void* p, u32x4 v) { std::memcpy(p, &v, 16); }
+
+//@@ vendor
+FP4_DEVICE void block_barrier() { emu::block->arrive_and_wait(); }
+FP4_DEVICE float shfl_xor(float v, u32 mask) { return emu_shfl_xor(v, mask); }
+FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+FP4_DEVICE void fence_device() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+FP4_DEVICE float load_coherent(const float* p) { return *p; }
+FP4_DEVICE float exp_f32(float v) { return std::exp(v); }
+FP4_DEVICE float log_f32(float v) { return std::log(v); }
+FP4_DEVICE float rsqrt_f32(float v) { return 1.0f / std::sqrt(v); }
+#define STEP_BOUNDS STEP_THREADS
+
+//@@ mma
+// ldmatrix .x4: lanes 8q .. 8q + 7 give the row addresses of matrix q; lane l receives of each
+// matrix row l / 4, elements 2 (l % 4) and + 1 (.trans: rows 2 (l % 4) and + 1, element l / 4).
+FP4_DEVICE void emu_ldmatrix(u32 (&r)[4], const void* p, bool trans) {
+    emu::mine()[0] = (u64)(uintptr_t)p;
+    emu::warp_sync();
+    const u32 lane = lane_id();
+    for (u32 q = 0; q < 4; ++q) {
+        u16 e[2];
+        for (u32 h = 0; h < 2; ++h) {
+            if (trans) {
+                const u16* row = (const u16*)(uintptr_t)emu::of(q * 8 + 2 * (lane % 4) + h)[0];
+                e[h] = row[lane / 4];
+            } else {
+                const u16* row = (const u16*)(uintptr_t)emu::of(q * 8 + lane / 4)[0];
+                e[h] = row[2 * (lane % 4) + h];
+            }
+        }
+        r[q] = (u32)e[0] | ((u32)e[1] << 16);
+    }
+    emu::warp_sync();
+}
+FP4_DEVICE void ldmatrix_x4(u32 (&r)[4], const void* p) { emu_ldmatrix(r, p, false); }
+FP4_DEVICE void ldmatrix_x4_trans(u32 (&r)[4], const void* p) { emu_ldmatrix(r, p, true); }
+// mma.m16n8k16.row.col bf16: lane (g = l / 4, t = l % 4) holds A[g][2t..], A[g+8][2t..],
+// A[g][2t+8..], A[g+8][2t+8..]; B[2t..][g], B[2t+8..][g]; C[g][2t..] and C[g+8][2t..].
+FP4_DEVICE void mma_bf16_m16n8k16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    u64* me = emu::mine();
+    for (int i = 0; i < 4; ++i) me[i] = a[i];
+    me[4] = b0;
+    me[5] = b1;
+    emu::warp_sync();
+    float A[16][16], B[16][8];
+    auto lo = [](u64 w) { return bf16_to_f32((u16)(w & 0xffffu)); };
+    auto hi = [](u64 w) { return bf16_to_f32((u16)((w >> 16) & 0xffffu)); };
+    for (u32 l = 0; l < 32; ++l) {
+        const u64* f = emu::of(l);
+        const u32 g = l / 4, t = l % 4;
+        A[g][2 * t] = lo(f[0]); A[g][2 * t + 1] = hi(f[0]);
+        A[g + 8][2 * t] = lo(f[1]); A[g + 8][2 * t + 1] = hi(f[1]);
+        A[g][2 * t + 8] = lo(f[2]); A[g][2 * t + 9] = hi(f[2]);
+        A[g + 8][2 * t + 8] = lo(f[3]); A[g + 8][2 * t + 9] = hi(f[3]);
+        B[2 * t][g] = lo(f[4]); B[2 * t + 1][g] = hi(f[4]);
+        B[2 * t + 8][g] = lo(f[5]); B[2 * t + 9][g] = hi(f[5]);
+    }
+    emu::warp_sync();
+    const u32 lane = lane_id(), g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+        const u32 row = g + 8 * (i / 2), col = 2 * t + (i % 2);
+        float sum = 0.0f;
+        for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][col];
+        c[i] += sum;
+    }
+}
+FP4_DEVICE u32 shared_address(const void*) { return 0; }
+
+//@@ cp_async
+FP4_DEVICE void cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+FP4_DEVICE void cp_async_commit() {}
+template <int N>
+FP4_DEVICE void cp_async_wait() {}
+
+//@@ driver
+// Commands (little-endian) from argv[1]: 1 = buffer (u32 id, u64 bytes, bytes), 2 = launch
+// (u32 name length, name, u32 grid x, grid y, threads, shared bytes, u32 args, per argument u32
+// kind (0 pointer: u64 id << 40 | byte offset, 1 null, 2 u32, 3 f32 bits) and u64 value),
+// 3 = dump (u32 id) to argv[2] as (u32 id, u64 bytes, bytes).
+namespace emu {
+struct Arg { u32 kind; u64 value; };
+inline std::vector<std::vector<unsigned char>> buffers(1);
+
+template <class T>
+T get(const Arg& a) {
+    if constexpr (std::is_pointer_v<T>) {
+        if (a.kind == 1) return nullptr;
+        if (a.kind != 0) { std::fprintf(stderr, "argument kind %u where a pointer is expected\n", a.kind); std::exit(3); }
+        auto& buffer = buffers.at(a.value >> 40);
+        return reinterpret_cast<T>(buffer.data() + (a.value & ((1ull << 40) - 1)));
+    } else if constexpr (std::is_same_v<T, float>) {
+        if (a.kind != 3) { std::fprintf(stderr, "argument kind %u where f32 is expected\n", a.kind); std::exit(3); }
+        return bits_to_f32((u32)a.value);
+    } else {
+        if (a.kind != 2) { std::fprintf(stderr, "argument kind %u where u32 is expected\n", a.kind); std::exit(3); }
+        return (T)a.value;
+    }
+}
+
+template <class... Ts, size_t... I>
+void call(void (*f)(Ts...), const std::vector<Arg>& a, std::index_sequence<I...>) { f(get<Ts>(a[I])...); }
+
+template <class... Ts>
+std::function<void(const std::vector<Arg>&)> kernel(void (*f)(Ts...)) {
+    return [f](const std::vector<Arg>& a) {
+        if (a.size() != sizeof...(Ts)) { std::fprintf(stderr, "%zu arguments for a kernel of %zu\n", a.size(), sizeof...(Ts)); std::exit(3); }
+        call(f, a, std::index_sequence_for<Ts...>{});
+    };
+}
+}  // namespace emu
+
+int main(int argc, char** argv) {
+    if (argc != 3) return 2;
+    std::map<std::string, std::function<void(const std::vector<emu::Arg>&)>> kernels = {
+        {"gdn_step_dk128", emu::kernel(gdn_step_dk128)},
+        {"gdn_step_dk256", emu::kernel(gdn_step_dk256)},
+        {"gdn_commit", emu::kernel(gdn_commit)},
+        {"gdn_gated_norm", emu::kernel(gdn_gated_norm)},
+        {"gdn_chunk_prepare_dk64", emu::kernel(gdn_chunk_prepare_dk64)},
+        {"gdn_chunk_prepare_dk128", emu::kernel(gdn_chunk_prepare_dk128)},
+        {"gdn_chunk_state_dk64_dv16", emu::kernel(gdn_chunk_state_dk64_dv16)},
+        {"gdn_chunk_state_dk64_dv32", emu::kernel(gdn_chunk_state_dk64_dv32)},
+        {"gdn_chunk_state_dk128_dv16", emu::kernel(gdn_chunk_state_dk128_dv16)},
+        {"gdn_chunk_state_dk128_dv32", emu::kernel(gdn_chunk_state_dk128_dv32)},
+    };
+    FILE* in = std::fopen(argv[1], "rb");
+    FILE* out = std::fopen(argv[2], "wb");
+    if (!in || !out) return 2;
+    auto read = [&](void* p, size_t n) {
+        if (std::fread(p, 1, n, in) != n) { std::fprintf(stderr, "truncated command file\n"); std::exit(3); }
+    };
+    auto u32_ = [&]() { u32 v; read(&v, 4); return v; };
+    auto u64_ = [&]() { u64 v; read(&v, 8); return v; };
+    for (;;) {
+        u32 op;
+        if (std::fread(&op, 1, 4, in) != 4) break;
+        if (op == 1) {
+            const u32 id = u32_();
+            const u64 bytes = u64_();
+            if (emu::buffers.size() <= id) emu::buffers.resize(id + 1);
+            emu::buffers[id].resize(bytes + 64);  // slack: 16-byte loads at a row's end stay inside
+            read(emu::buffers[id].data(), bytes);
+            emu::buffers[id].resize(bytes);
+            emu::buffers[id].reserve(bytes + 64);
+        } else if (op == 2) {
+            std::string name(u32_(), '\0');
+            read(name.data(), name.size());
+            const u32 gx = u32_(), gy = u32_(), threads = u32_(), smem = u32_(), n = u32_();
+            std::vector<emu::Arg> args(n);
+            for (auto& a : args) { a.kind = u32_(); a.value = u64_(); }
+            auto found = kernels.find(name);
+            if (found == kernels.end()) { std::fprintf(stderr, "no kernel %s\n", name.c_str()); return 3; }
+            std::vector<unsigned char> shared(smem + 16);
+            emu::dynamic_smem = shared.data() + (16 - (uintptr_t)shared.data() % 16) % 16;
+            std::barrier<> block(threads);
+            emu::block = &block;
+            emu::warps.clear();
+            for (u32 w = 0; w < threads / 32; ++w) emu::warps.push_back(std::make_unique<std::barrier<>>(32));
+            std::vector<std::thread> pool;
+            for (u32 t = 0; t < threads; ++t) {
+                pool.emplace_back([&, t] {
+                    for (u32 by = 0; by < gy; ++by)
+                        for (u32 bx = 0; bx < gx; ++bx) {
+                            emu::self = {t, bx, by};
+                            found->second(args);
+                            block.arrive_and_wait();
+                        }
+                });
+            }
+            for (auto& th : pool) th.join();
+        } else if (op == 3) {
+            const u32 id = u32_();
+            const u64 bytes = emu::buffers.at(id).size();
+            std::fwrite(&id, 4, 1, out);
+            std::fwrite(&bytes, 8, 1, out);
+            std::fwrite(emu::buffers[id].data(), 1, bytes, out);
+        } else {
+            std::fprintf(stderr, "unknown command %u\n", op);
+            return 3;
+        }
+    }
+    std::fclose(out);
+    return 0;
+}

@@ -1,0 +1,897 @@
+//! GPU checks of the `gdn` family: every launch on CUDA against the same launch on the CPU
+//! backend (the reference, f64 inside) on the same random bf16 projections, at the real head
+//! shape (Hk 16, Hv 32, dk = dv = 128) and awkward ones (dk != dv, dv = 48, one key head, T = 1,
+//! T = 65, batches of different lengths, sequences continuing from a state, a verify step's
+//! pending tokens replayed by the next decode or prefill).
+//!
+//! Tolerances, from the arithmetic:
+//! - decode / verify (`gdn_step`, fp32 throughout): states within `5e-5 * max|S|` (sums of
+//!   dk = 128 fp32 products per token, about 1e-6 relative each, over a handful of tokens);
+//!   outputs are bf16 on both sides, so one bf16 ulp of either rounding (`|want| / 64`) plus
+//!   `2e-3 * rms` for the fp32 sums before it;
+//! - prefill (`gdn_chunk_*`, bf16 tensor-core operands with fp32 accumulation): q, k, v, W, U,
+//!   M, T and the state enter the products rounded to bf16 (2^-9 relative each); the errors of
+//!   64..128-term products average out, so elements stay within `|want| / 16 + 3e-2 * rms` and
+//!   the whole tensor within 1.5e-2 relative L2 (typical runs are several times below); gated
+//!   outputs twice that per element (see CHUNK_GATED).
+//!
+//! `gdn_peers` compares with transformers and fla on the GPU host: see
+//! tools/reference/gdn_peers.py.
+
+use crate::common::{cuda, rng};
+use fp4spec::backend::{Backend, DeviceVec};
+use fp4spec::kernels::gdn::{
+    self, Accepted, ChunkWorkspace, GdnCache, GdnParams, GdnShape, Projections, Rows, Sequences,
+    StepMode,
+};
+use fp4spec::rng::SplitMix64;
+use half::bf16;
+
+const KERNEL: usize = 4;
+
+const REAL: GdnShape = GdnShape {
+    key_heads: 16,
+    value_heads: 32,
+    dk: 128,
+    dv: 128,
+};
+
+/// How close two tensors must be (see the module docs).
+#[derive(Clone, Copy)]
+struct Tolerance {
+    /// Per element: `|got - want| <= elem_rel * |want| + rms_rel * rms(want) + max_rel * max|want|`.
+    elem_rel: f64,
+    rms_rel: f64,
+    max_rel: f64,
+    /// The whole tensor: `||got - want|| / ||want||`.
+    l2: f64,
+}
+
+const STEP_OUT: Tolerance = Tolerance {
+    elem_rel: 1.0 / 64.0,
+    rms_rel: 2e-3,
+    max_rel: 0.0,
+    l2: 5e-3,
+};
+const STEP_STATE: Tolerance = Tolerance {
+    elem_rel: 0.0,
+    rms_rel: 0.0,
+    max_rel: 5e-5,
+    l2: 1e-5,
+};
+const CHUNK_OUT: Tolerance = Tolerance {
+    elem_rel: 1.0 / 16.0,
+    rms_rel: 3e-2,
+    max_rel: 0.0,
+    l2: 1.5e-2,
+};
+/// Gated outputs after a chunked prefill: the norm divides each row and head by its own rms, so a
+/// row whose o is small (U - W S cancelling) carries the bf16 error floor of the larger terms at
+/// the scale of the normalised output (seen in the emulation, tests/gdn_emulated.rs); the raw
+/// outputs are held to CHUNK_OUT.
+const CHUNK_GATED: Tolerance = Tolerance {
+    elem_rel: 1.0 / 8.0,
+    rms_rel: 1e-1,
+    max_rel: 0.0,
+    l2: 3e-2,
+};
+const CHUNK_STATE: Tolerance = Tolerance {
+    elem_rel: 1.0 / 16.0,
+    rms_rel: 3e-2,
+    max_rel: 0.0,
+    l2: 1.5e-2,
+};
+
+/// Compares and panics with what, where (via `locate`), expected and got.
+fn check(what: &str, got: &[f32], want: &[f32], tol: Tolerance, locate: &dyn Fn(usize) -> String) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
+    let n = want.len().max(1) as f64;
+    let rms = (want.iter().map(|w| f64::from(*w).powi(2)).sum::<f64>() / n).sqrt();
+    let max = want.iter().fold(0.0f64, |m, w| m.max(f64::from(w.abs())));
+    let (mut diff2, mut want2, mut worst, mut bad) = (0.0, 0.0, (0usize, 0.0f64), 0usize);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let (g, w) = (f64::from(*g), f64::from(*w));
+        let err = if g.is_finite() {
+            (g - w).abs()
+        } else {
+            f64::INFINITY
+        };
+        let allowed = tol.elem_rel * w.abs() + tol.rms_rel * rms + tol.max_rel * max + 1e-30;
+        if err > allowed {
+            bad += 1;
+        }
+        if err / allowed > worst.1 {
+            worst = (i, err / allowed);
+        }
+        diff2 += if err.is_finite() {
+            err * err
+        } else {
+            f64::INFINITY
+        };
+        want2 += w * w;
+    }
+    let l2 = (diff2 / want2.max(1e-300)).sqrt();
+    let summary = format!(
+        "{what}: rel L2 {l2:.2e} (limit {:.1e}), worst at {} got {} want {} ({:.2} of its allowance), \
+         {bad} of {} elements outside",
+        tol.l2,
+        locate(worst.0),
+        got[worst.0],
+        want[worst.0],
+        worst.1,
+        want.len()
+    );
+    println!("{summary}");
+    assert!(bad == 0 && l2 <= tol.l2, "{summary}");
+}
+
+fn to_f32(v: &[bf16]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
+}
+
+/// A random layer (f32 parameters as the API takes them).
+struct Layer {
+    shape: GdnShape,
+    conv_weight: Vec<f32>,
+    a_log: Vec<f32>,
+    dt_bias: Vec<f32>,
+    norm_weight: Vec<f32>,
+}
+
+impl Layer {
+    fn random(rng: &mut SplitMix64, shape: GdnShape) -> Self {
+        Self {
+            shape,
+            conv_weight: rng.normal_vec(shape.conv_dim() * KERNEL, 0.5),
+            a_log: (0..shape.value_heads)
+                .map(|h| (h as f32 * 0.3).ln_1p() - 1.0)
+                .collect(),
+            dt_bias: rng.normal_vec(shape.value_heads, 0.5),
+            norm_weight: rng
+                .normal_vec(shape.dv, 0.1)
+                .into_iter()
+                .map(|w| 1.0 + w)
+                .collect(),
+        }
+    }
+}
+
+/// Random projection rows (bf16), shared by both sides.
+struct Rowset {
+    rows: usize,
+    qkv: Vec<bf16>,
+    a: Vec<bf16>,
+    b: Vec<bf16>,
+    z: Vec<bf16>,
+}
+
+fn random_bf16(rng: &mut SplitMix64, len: usize) -> Vec<bf16> {
+    rng.normal_vec(len, 1.0)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect()
+}
+
+impl Rowset {
+    fn random(rng: &mut SplitMix64, shape: GdnShape, rows: usize) -> Self {
+        Self {
+            rows,
+            qkv: random_bf16(rng, rows * shape.conv_dim()),
+            a: random_bf16(rng, rows * shape.value_heads),
+            b: random_bf16(rng, rows * shape.value_heads),
+            z: random_bf16(rng, rows * shape.value_heads * shape.dv),
+        }
+    }
+}
+
+/// One backend's view of a scenario: parameters, cache, sequences, workspace.
+struct Side {
+    backend: Backend,
+    params: GdnParams,
+    cache: GdnCache,
+    seqs: Sequences,
+    workspace: ChunkWorkspace,
+}
+
+impl Side {
+    fn new(
+        backend: &Backend,
+        layer: &Layer,
+        slots: usize,
+        max_m: usize,
+        seq_slots: &[u32],
+        positions: &[u32],
+    ) -> Self {
+        let shape = layer.shape;
+        Self {
+            backend: backend.clone(),
+            params: GdnParams::upload(
+                backend,
+                shape,
+                KERNEL,
+                &layer.conv_weight,
+                &layer.a_log,
+                &layer.dt_bias,
+                &layer.norm_weight,
+                1e-6,
+            )
+            .expect("params"),
+            cache: GdnCache::new(backend, shape, KERNEL, slots, max_m).expect("cache"),
+            seqs: Sequences::new(backend, seq_slots, positions).expect("sequences"),
+            workspace: ChunkWorkspace::new(backend, shape, 512, seq_slots.len())
+                .expect("workspace"),
+        }
+    }
+
+    /// Runs a step or a prefill (`cu_seqlens` given) on these rows; returns the outputs.
+    fn run(
+        &mut self,
+        rows: &Rowset,
+        m: usize,
+        cu_seqlens: Option<&[u32]>,
+        mode: StepMode,
+        gated: bool,
+    ) -> Vec<f32> {
+        let shape = self.params.shape();
+        let b = &self.backend;
+        let (qkv, a, bb, z) = (
+            b.upload(&rows.qkv).expect("upload"),
+            b.upload(&rows.a).expect("upload"),
+            b.upload(&rows.b).expect("upload"),
+            b.upload(&rows.z).expect("upload"),
+        );
+        let projections = Projections {
+            qkv: Rows::packed(&qkv, shape.conv_dim()),
+            a: Rows::packed(&a, shape.value_heads),
+            b: Rows::packed(&bb, shape.value_heads),
+            z: gated.then(|| Rows::packed(&z, shape.value_heads * shape.dv)),
+        };
+        let width = shape.value_heads * shape.dv;
+        let mut out = b
+            .upload(&vec![bf16::NAN; rows.rows * width])
+            .expect("poisoned output");
+        match cu_seqlens {
+            Some(cu) => gdn::prefill(
+                b,
+                &self.params,
+                &mut self.cache,
+                &mut self.workspace,
+                &self.seqs,
+                cu,
+                &projections,
+                &mut out,
+            )
+            .expect("prefill"),
+            None => gdn::step(
+                b,
+                &self.params,
+                &mut self.cache,
+                &self.seqs,
+                m,
+                &projections,
+                mode,
+                &mut out,
+            )
+            .expect("step"),
+        }
+        to_f32(&b.download(&out).expect("download output"))
+    }
+
+    fn commit(&mut self, accepted: &[u32], mode: StepMode) {
+        let counts = self.backend.upload(accepted).expect("upload");
+        self.seqs
+            .commit(&self.backend, Accepted::PerSequence(&counts), mode)
+            .expect("commit");
+    }
+}
+
+/// The same scenario on the CPU backend and on CUDA.
+struct Twin {
+    shape: GdnShape,
+    cpu: Side,
+    gpu: Side,
+}
+
+impl Twin {
+    /// Sequences in `seq_slots` at `positions`, each with a random state and conv window.
+    fn new(
+        rng: &mut SplitMix64,
+        gpu: &Backend,
+        shape: GdnShape,
+        slots: usize,
+        max_m: usize,
+        seq_slots: &[u32],
+        positions: &[u32],
+    ) -> Self {
+        let layer = Layer::random(rng, shape);
+        let mut twin = Self {
+            shape,
+            cpu: Side::new(&Backend::Cpu, &layer, slots, max_m, seq_slots, positions),
+            gpu: Side::new(gpu, &layer, slots, max_m, seq_slots, positions),
+        };
+        for (&slot, &position) in seq_slots.iter().zip(positions) {
+            let state = rng.normal_vec(shape.state_len(), 0.3);
+            let window = random_bf16(rng, (KERNEL - 1) * shape.conv_dim());
+            for side in [&mut twin.cpu, &mut twin.gpu] {
+                side.cache
+                    .set_sequence(
+                        &side.backend,
+                        slot as usize,
+                        position as usize,
+                        &state,
+                        &window,
+                    )
+                    .expect("set sequence");
+            }
+        }
+        twin
+    }
+
+    fn locate_rows(&self) -> impl Fn(usize) -> String {
+        let (hv, dv) = (self.shape.value_heads, self.shape.dv);
+        move |i| {
+            format!(
+                "(row {}, head {}, column {})",
+                i / (hv * dv),
+                (i / dv) % hv,
+                i % dv
+            )
+        }
+    }
+
+    fn compare_outputs(&self, what: &str, cpu: &[f32], gpu: &[f32], tol: Tolerance) {
+        check(what, gpu, cpu, tol, &self.locate_rows());
+    }
+
+    /// Flushes both sides and compares every sequence's state and conv window.
+    fn compare_caches(&mut self, what: &str, state_tol: Tolerance) {
+        for side in [&mut self.cpu, &mut self.gpu] {
+            gdn::flush(&side.backend, &side.params, &mut side.cache, &mut side.seqs)
+                .expect("flush");
+        }
+        let positions = self
+            .cpu
+            .seqs
+            .positions(&self.cpu.backend)
+            .expect("positions");
+        assert_eq!(
+            positions,
+            self.gpu
+                .seqs
+                .positions(&self.gpu.backend)
+                .expect("positions"),
+            "{what}: positions after the commits"
+        );
+        let slots: Vec<usize> = (0..self.cpu.cache.slots()).collect();
+        let (dk, dv) = (self.shape.dk, self.shape.dv);
+        for slot in slots {
+            let want = self
+                .cpu
+                .cache
+                .state(&self.cpu.backend, slot)
+                .expect("state");
+            let got = self
+                .gpu
+                .cache
+                .state(&self.gpu.backend, slot)
+                .expect("state");
+            let locate = move |i: usize| {
+                format!(
+                    "(slot {slot}, head {}, row {}, column {})",
+                    i / (dk * dv),
+                    (i / dv) % dk,
+                    i % dv
+                )
+            };
+            check(
+                &format!("{what}: state of slot {slot}"),
+                &got,
+                &want,
+                state_tol,
+                &locate,
+            );
+        }
+    }
+
+    fn compare_windows(&self, what: &str, seq_slots: &[u32]) {
+        let positions = self
+            .cpu
+            .seqs
+            .positions(&self.cpu.backend)
+            .expect("positions");
+        for (&slot, &position) in seq_slots.iter().zip(&positions) {
+            let want = self
+                .cpu
+                .cache
+                .conv_window(&self.cpu.backend, slot as usize, position as usize)
+                .expect("window");
+            let got = self
+                .gpu
+                .cache
+                .conv_window(&self.gpu.backend, slot as usize, position as usize)
+                .expect("window");
+            assert!(
+                want == got,
+                "{what}: conv window of slot {slot} at position {position} differs (first at {:?})",
+                want.iter().zip(&got).position(|(w, g)| w != g)
+            );
+        }
+    }
+}
+
+/// Decode steps (m = 1 with the gated norm, then m = 2 without) for three sequences, one of
+/// them fresh and one at position 1 (a partly empty conv window).
+#[test]
+fn gdn_decode_matches_the_cpu_reference() {
+    let Some(gpu) = cuda("gdn_decode_matches_the_cpu_reference") else {
+        return;
+    };
+    let mut rng = rng("gdn_decode");
+    let shapes = [
+        REAL,
+        GdnShape {
+            key_heads: 4,
+            value_heads: 8,
+            dk: 64,
+            dv: 128,
+        },
+        GdnShape {
+            key_heads: 2,
+            value_heads: 4,
+            dk: 128,
+            dv: 48,
+        },
+        GdnShape {
+            key_heads: 1,
+            value_heads: 3,
+            dk: 32,
+            dv: 16,
+        },
+    ];
+    for shape in shapes {
+        let seq_slots = [2u32, 0, 4];
+        let mut twin = Twin::new(&mut rng, gpu, shape, 5, 2, &seq_slots, &[9, 0, 1]);
+        for (step, (m, gated)) in [(1, true), (1, true), (1, true), (2, false)]
+            .into_iter()
+            .enumerate()
+        {
+            let rows = Rowset::random(&mut rng, shape, 3 * m);
+            let want = twin.cpu.run(&rows, m, None, StepMode::Decode, gated);
+            let got = twin.gpu.run(&rows, m, None, StepMode::Decode, gated);
+            twin.compare_outputs(
+                &format!("{shape:?} decode step {step} (m = {m}, gated {gated})"),
+                &want,
+                &got,
+                STEP_OUT,
+            );
+            for side in [&mut twin.cpu, &mut twin.gpu] {
+                side.commit(&[m as u32; 3], StepMode::Decode);
+            }
+        }
+        twin.compare_caches(&format!("{shape:?} after decode"), STEP_STATE);
+        twin.compare_windows(&format!("{shape:?} after decode"), &seq_slots);
+    }
+}
+
+/// verify(n + 1) then commit(k) for every k (the two sequences accept k and n + 1 - k), then a
+/// decode step that replays the accepted tokens: outputs, states and windows against the CPU.
+#[test]
+fn gdn_verify_then_commit_every_k_matches_the_cpu_reference() {
+    let Some(gpu) = cuda("gdn_verify_then_commit_every_k_matches_the_cpu_reference") else {
+        return;
+    };
+    let mut rng = rng("gdn_verify");
+    for shape in [
+        REAL,
+        GdnShape {
+            key_heads: 4,
+            value_heads: 8,
+            dk: 64,
+            dv: 128,
+        },
+    ] {
+        for tokens in [3usize, 5] {
+            for k in 0..=tokens {
+                let seq_slots = [1u32, 0];
+                let mut twin = Twin::new(&mut rng, gpu, shape, 2, tokens, &seq_slots, &[9, 0]);
+                let what = format!("{shape:?} n+1={tokens} accepted ({k}, {})", tokens - k);
+                let rows = Rowset::random(&mut rng, shape, 2 * tokens);
+                let want = twin.cpu.run(&rows, tokens, None, StepMode::Verify, true);
+                let got = twin.gpu.run(&rows, tokens, None, StepMode::Verify, true);
+                twin.compare_outputs(&format!("{what}: verify outputs"), &want, &got, STEP_OUT);
+                let accepted = [k as u32, (tokens - k) as u32];
+                for side in [&mut twin.cpu, &mut twin.gpu] {
+                    side.commit(&accepted, StepMode::Verify);
+                }
+                let rows = Rowset::random(&mut rng, shape, 2);
+                let want = twin.cpu.run(&rows, 1, None, StepMode::Decode, true);
+                let got = twin.gpu.run(&rows, 1, None, StepMode::Decode, true);
+                twin.compare_outputs(
+                    &format!("{what}: decode after the commit"),
+                    &want,
+                    &got,
+                    STEP_OUT,
+                );
+                for side in [&mut twin.cpu, &mut twin.gpu] {
+                    side.commit(&[1, 1], StepMode::Decode);
+                }
+                twin.compare_caches(&what, STEP_STATE);
+                twin.compare_windows(&what, &seq_slots);
+            }
+        }
+    }
+}
+
+/// Chunked prefill of batches of sequences of different lengths (T = 1, 65, 130, a chunk
+/// exactly, 7) continuing from states at nonzero positions, with and without the gated norm,
+/// then a decode step from the prefilled state; one case continues after a verify step whose
+/// accepted tokens the prefill replays.
+#[test]
+fn gdn_prefill_matches_the_cpu_reference() {
+    let Some(gpu) = cuda("gdn_prefill_matches_the_cpu_reference") else {
+        return;
+    };
+    let mut rng = rng("gdn_prefill");
+    let cases: [(GdnShape, &[u32], &[u32]); 5] = [
+        (REAL, &[1], &[0]),
+        (REAL, &[65], &[5]),
+        (REAL, &[130, 1, 64, 7], &[0, 3, 12, 0]),
+        (
+            GdnShape {
+                key_heads: 4,
+                value_heads: 8,
+                dk: 64,
+                dv: 128,
+            },
+            &[100, 3],
+            &[2, 0],
+        ),
+        (
+            GdnShape {
+                key_heads: 2,
+                value_heads: 2,
+                dk: 128,
+                dv: 48,
+            },
+            &[70, 0, 129],
+            &[0, 4, 1],
+        ),
+    ];
+    for (shape, lengths, positions) in cases {
+        let count = lengths.len();
+        let seq_slots: Vec<u32> = (0..count as u32).rev().collect();
+        let mut cu = vec![0u32];
+        for l in lengths {
+            cu.push(cu.last().copied().unwrap_or(0) + l);
+        }
+        for gated in [false, true] {
+            let what = format!("{shape:?} lengths {lengths:?} from {positions:?} gated {gated}");
+            let mut twin = Twin::new(&mut rng, gpu, shape, count, 3, &seq_slots, positions);
+            let rows = Rowset::random(&mut rng, shape, cu[count] as usize);
+            let want = twin.cpu.run(&rows, 0, Some(&cu), StepMode::Decode, gated);
+            let got = twin.gpu.run(&rows, 0, Some(&cu), StepMode::Decode, gated);
+            let tol = if gated { CHUNK_GATED } else { CHUNK_OUT };
+            twin.compare_outputs(&format!("{what}: prefill outputs"), &want, &got, tol);
+            for side in [&mut twin.cpu, &mut twin.gpu] {
+                side.commit(lengths, StepMode::Decode);
+            }
+            twin.compare_windows(&format!("{what}: after prefill"), &seq_slots);
+            let rows = Rowset::random(&mut rng, shape, count);
+            let want = twin.cpu.run(&rows, 1, None, StepMode::Decode, gated);
+            let got = twin.gpu.run(&rows, 1, None, StepMode::Decode, gated);
+            twin.compare_outputs(&format!("{what}: decode after prefill"), &want, &got, tol);
+            for side in [&mut twin.cpu, &mut twin.gpu] {
+                side.commit(&vec![1; count], StepMode::Decode);
+            }
+            twin.compare_caches(&what, CHUNK_STATE);
+        }
+    }
+    // a verify step, two tokens accepted, then a prefill that replays them first
+    let seq_slots = [0u32];
+    let mut twin = Twin::new(&mut rng, gpu, REAL, 1, 3, &seq_slots, &[9]);
+    let rows = Rowset::random(&mut rng, REAL, 3);
+    let want = twin.cpu.run(&rows, 3, None, StepMode::Verify, true);
+    let got = twin.gpu.run(&rows, 3, None, StepMode::Verify, true);
+    twin.compare_outputs("verify before prefill", &want, &got, STEP_OUT);
+    for side in [&mut twin.cpu, &mut twin.gpu] {
+        side.commit(&[2], StepMode::Verify);
+    }
+    let rows = Rowset::random(&mut rng, REAL, 70);
+    let want = twin
+        .cpu
+        .run(&rows, 0, Some(&[0, 70]), StepMode::Decode, true);
+    let got = twin
+        .gpu
+        .run(&rows, 0, Some(&[0, 70]), StepMode::Decode, true);
+    twin.compare_outputs("prefill after verify (2 pending)", &want, &got, CHUNK_GATED);
+    for side in [&mut twin.cpu, &mut twin.gpu] {
+        side.commit(&[70], StepMode::Decode);
+    }
+    twin.compare_windows("prefill after verify", &seq_slots);
+    twin.compare_caches("prefill after verify", CHUNK_STATE);
+}
+
+/// Buffers of the wrong backend are errors, not faults.
+#[test]
+fn gdn_buffers_from_another_backend_are_errors() {
+    let Some(gpu) = cuda("gdn_buffers_from_another_backend_are_errors") else {
+        return;
+    };
+    let shape = GdnShape {
+        key_heads: 1,
+        value_heads: 1,
+        dk: 16,
+        dv: 16,
+    };
+    let layer = Layer::random(&mut SplitMix64::new(1), shape);
+    let mut side = Side::new(gpu, &layer, 1, 1, &[0], &[0]);
+    let host = Backend::Cpu
+        .upload(&vec![bf16::ZERO; shape.conv_dim()])
+        .expect("host");
+    let projections = Projections {
+        qkv: Rows::packed(&host, shape.conv_dim()),
+        a: Rows::packed(&host, 1),
+        b: Rows::packed(&host, 1),
+        z: None,
+    };
+    let mut out: DeviceVec<bf16> = gpu.zeros(16).expect("zeros");
+    let err = gdn::step(
+        gpu,
+        &side.params,
+        &mut side.cache,
+        &side.seqs,
+        1,
+        &projections,
+        StepMode::Decode,
+        &mut out,
+    )
+    .expect_err("host rows on a CUDA call");
+    assert!(
+        matches!(err, fp4spec::Error::BackendMismatch { .. }),
+        "{err}"
+    );
+}
+
+// ---- the peers: transformers and fla on the GPU host (tools/reference/gdn_peers.py) ----
+
+/// Median microseconds per call of `call`: `graph` captures 16 calls in a CUDA graph and
+/// replays it (launch overhead as in decode), else calls run back to back between events.
+fn time_calls(backend: &Backend, graph: bool, mut call: impl FnMut()) -> f64 {
+    use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let Backend::Cuda(cuda) = backend else {
+        return f64::NAN;
+    };
+    let stream = cuda.stream();
+    const CALLS: usize = 16;
+    for _ in 0..CALLS {
+        call();
+    }
+    stream.synchronize().expect("warm-up");
+    let captured = if graph {
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .expect("begin capture");
+        for _ in 0..CALLS {
+            call();
+        }
+        let g = stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .expect("end capture")
+            .expect("a captured graph");
+        g.upload().expect("upload graph");
+        Some(g)
+    } else {
+        None
+    };
+    let mut samples = Vec::new();
+    for _ in 0..11 {
+        let start = stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .expect("event");
+        match &captured {
+            Some(g) => g.launch().expect("graph launch"),
+            None => (0..CALLS).for_each(|_| call()),
+        }
+        let end = stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .expect("event");
+        samples.push(f64::from(start.elapsed_ms(&end).expect("event timing")) * 1e3 / CALLS as f64);
+    }
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
+/// (max |a - b|, that over max |b|).
+fn max_diff(a: &[f32], b: &[f32]) -> (f64, f64) {
+    let d = a
+        .iter()
+        .zip(b)
+        .fold(0.0f64, |m, (x, y)| m.max(f64::from((x - y).abs())));
+    let scale = b.iter().fold(0.0f64, |m, y| m.max(f64::from(y.abs())));
+    (d, d / scale.max(1e-30))
+}
+
+/// Runs our kernels on the cases `tools/reference/gdn_peers.py` wrote to `$FP4SPEC_GDN_PEERS`
+/// and prints outputs and final states against fla and transformers, with the times of all
+/// three. Fails when we differ from fla by more than the prefill tolerance's scale (bf16
+/// operands on both sides: 3e-2 of the largest value).
+#[test]
+fn gdn_peers() {
+    let Ok(dir) = std::env::var("FP4SPEC_GDN_PEERS") else {
+        crate::common::skipped(
+            "gdn_peers",
+            "FP4SPEC_GDN_PEERS is not set (tools/reference/gdn_peers.py sets it)",
+        );
+        return;
+    };
+    let Some(gpu) = cuda("gdn_peers") else { return };
+    let dir = std::path::PathBuf::from(dir);
+    let manifest: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("manifest.json")).expect("manifest.json"),
+    )
+    .expect("manifest json");
+    let position = manifest["position"].as_u64().expect("position") as u32;
+    let shape = REAL;
+    let mut conv_weight = vec![0.0f32; shape.conv_dim() * KERNEL];
+    for c in 0..shape.conv_dim() {
+        conv_weight[c * KERNEL + KERNEL - 1] = 1.0;
+    }
+    println!("peers: {}", manifest["versions"]);
+    println!(
+        "{:<16} {:>10} {:>10} {:>10} {:>10} | {:>19} {:>19} | {:>19} {:>19} | {:>19} {:>19}",
+        "case",
+        "ours us",
+        "fla us",
+        "hf chunk",
+        "hf recur",
+        "o vs fla abs/rel",
+        "S vs fla abs/rel",
+        "o vs hf-chunk",
+        "S vs hf-chunk",
+        "o vs hf-recur",
+        "S vs hf-recur"
+    );
+    let mut failures = Vec::new();
+    for case in manifest["cases"].as_array().expect("cases") {
+        let name = case["name"].as_str().expect("name");
+        let decode = case["decode"].as_bool().expect("decode");
+        let lengths: Vec<u32> = case["lengths"]
+            .as_array()
+            .expect("lengths")
+            .iter()
+            .map(|l| l.as_u64().expect("length") as u32)
+            .collect();
+        let file = fp4spec::formats::safetensors::Checkpoint::open(
+            dir.join(case["file"].as_str().expect("file")),
+        )
+        .expect("case file");
+        let get = |n: &str| {
+            file.tensor(n)
+                .and_then(|t| t.to_f32())
+                .unwrap_or_else(|e| panic!("{name}: {e}"))
+        };
+        let has = |n: &str| file.contains(n);
+        let layer = Layer {
+            shape,
+            conv_weight: conv_weight.clone(),
+            a_log: get("A_log"),
+            dt_bias: get("dt_bias"),
+            norm_weight: vec![1.0; shape.dv],
+        };
+        let count = lengths.len();
+        let rows: usize = lengths.iter().map(|l| *l as usize).sum();
+        let slots: Vec<u32> = (0..count as u32).collect();
+        let mut side = Side::new(gpu, &layer, count, 1, &slots, &vec![position; count]);
+        side.workspace = ChunkWorkspace::new(gpu, shape, rows.max(1), count).expect("workspace");
+        let initial = get("initial_state");
+        let size = shape.state_len();
+        for i in 0..count {
+            let window = vec![bf16::ZERO; (KERNEL - 1) * shape.conv_dim()];
+            side.cache
+                .set_sequence(
+                    gpu,
+                    i,
+                    position as usize,
+                    &initial[i * size..(i + 1) * size],
+                    &window,
+                )
+                .expect("set sequence");
+        }
+        let rowset = Rowset {
+            rows,
+            qkv: get("qkv").into_iter().map(bf16::from_f32).collect(),
+            a: get("a").into_iter().map(bf16::from_f32).collect(),
+            b: get("b").into_iter().map(bf16::from_f32).collect(),
+            z: Vec::new(),
+        };
+        let mut cu = vec![0u32];
+        for l in &lengths {
+            cu.push(cu.last().copied().unwrap_or(0) + l);
+        }
+        let ours = if decode {
+            side.run(&rowset, 1, None, StepMode::Decode, false)
+        } else {
+            side.run(&rowset, 0, Some(&cu), StepMode::Decode, false)
+        };
+        let states: Vec<f32> = (0..count)
+            .flat_map(|i| side.cache.state(gpu, i).expect("state"))
+            .collect();
+        // time ours on the same inputs (the state keeps evolving in place: timing only)
+        let up = |v: &[bf16]| gpu.upload(v).expect("upload");
+        let (qkv, a, b) = (up(&rowset.qkv), up(&rowset.a), up(&rowset.b));
+        let projections = Projections {
+            qkv: Rows::packed(&qkv, shape.conv_dim()),
+            a: Rows::packed(&a, shape.value_heads),
+            b: Rows::packed(&b, shape.value_heads),
+            z: None,
+        };
+        let mut out: DeviceVec<bf16> = gpu
+            .zeros(rows * shape.value_heads * shape.dv)
+            .expect("output");
+        let us = time_calls(gpu, decode, || {
+            if decode {
+                gdn::step(
+                    gpu,
+                    &side.params,
+                    &mut side.cache,
+                    &side.seqs,
+                    1,
+                    &projections,
+                    StepMode::Decode,
+                    &mut out,
+                )
+                .expect("step");
+            } else {
+                gdn::prefill(
+                    gpu,
+                    &side.params,
+                    &mut side.cache,
+                    &mut side.workspace,
+                    &side.seqs,
+                    &cu,
+                    &projections,
+                    &mut out,
+                )
+                .expect("prefill");
+            }
+        });
+        let times = &case["times_ms"];
+        let peer_us = |k: &str| times[k].as_f64().map_or(f64::NAN, |ms| ms * 1e3);
+        let fla_key = if decode {
+            "fla_fused_recurrent"
+        } else {
+            "fla_chunk"
+        };
+        let mut cells = Vec::new();
+        for peer in ["fla", "hf_chunk", "hf_recurrent"] {
+            if has(&format!("{peer}_o")) {
+                let (o, s) = (
+                    max_diff(&ours, &get(&format!("{peer}_o"))),
+                    max_diff(&states, &get(&format!("{peer}_state"))),
+                );
+                if peer == "fla" && (o.1 > 3e-2 || s.1 > 3e-2) {
+                    failures.push(format!(
+                        "{name}: vs fla o {:.2e} state {:.2e} (relative to the largest value)",
+                        o.1, s.1
+                    ));
+                }
+                cells.push(format!(
+                    "{:>9.2e}/{:<9.2e} {:>9.2e}/{:<9.2e}",
+                    o.0, o.1, s.0, s.1
+                ));
+            } else {
+                cells.push(format!("{:>19} {:>19}", "-", "-"));
+            }
+        }
+        println!(
+            "{:<16} {:>10.1} {:>10.1} {:>10.1} {:>10.1} | {}",
+            name,
+            us,
+            peer_us(fla_key),
+            peer_us("hf_chunk"),
+            peer_us("hf_recurrent"),
+            cells.join(" | ")
+        );
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
