@@ -4,6 +4,7 @@
 // lane) one 16-byte load is the lane's A fragment for the group's four MMAs. The NVFP4 decode is
 // exact: a fragment value is e2m1 * s * 2^-7 (s the e5m3 block scale), so the caller multiplies
 // by global_scale * 2^7 after accumulation.
+// ---- inline PTX of the mma building blocks ----
 FP4_DEVICE void mma_m16n8k16_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 { %0, %1, %2, %3}, { %4, %5, %6, %7}, { %8, %9}, { %0, %1, %2, %3};\n"
@@ -17,12 +18,6 @@ FP4_DEVICE u32 mul_bf16x2(u32 a, u32 b) {
     return d;
 }
 
-/// Two e2m1 nibbles (bits 12..15 and 28..31 of `w`) -> bf16x2 of e2m1 * 2^-126.
-FP4_DEVICE u32 e2m1x2_to_bf16x2_scaled(u32 w) { return (w & 0x80008000u) | ((w >> 6) & 0x01C001C0u); }
-
-/// A re-encoded scale byte -> bf16x2 {s * 2^119, s * 2^119}.
-FP4_DEVICE u32 scale_to_bf16x2(u32 byte) { return byte * 0x00100010u + 0x76007600u; }
-
 /// Streaming loads: weights are read exactly once, keep them out of L1.
 FP4_DEVICE u32x4 load_stream_u32x4(const void* p) {
     u32x4 v;
@@ -35,6 +30,13 @@ FP4_DEVICE u32 load_stream_u16(const void* p) {
     asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
     return v;
 }
+// ---- end of inline PTX of the mma building blocks ----
+
+/// Two e2m1 nibbles (bits 12..15 and 28..31 of `w`) -> bf16x2 of e2m1 * 2^-126.
+FP4_DEVICE u32 e2m1x2_to_bf16x2_scaled(u32 w) { return (w & 0x80008000u) | ((w >> 6) & 0x01C001C0u); }
+
+/// A re-encoded scale byte -> bf16x2 {s * 2^119, s * 2^119}.
+FP4_DEVICE u32 scale_to_bf16x2(u32 byte) { return byte * 0x00100010u + 0x76007600u; }
 
 /// One K group (64 columns) of one lane's weights, as loaded.
 struct Nvfp4Group { u32x4 w; u32 scales; };

@@ -8,6 +8,7 @@
 // bug (a lost signal or a deadlock): the kernel traps, so the host sees a launch error instead of
 // a hang.
 #define FP4_WATCHDOG_SECONDS 4ull
+// ---- sync vendor primitives ----
 {% if target.vendor == "nvidia" %}
 FP4_DEVICE u32 lane_index() { return thread_x() % FP4_WARP_SIZE; }
 FP4_DEVICE u32 grid_blocks() { return gridDim.x; }
@@ -101,6 +102,7 @@ FP4_DEVICE u64 wall_clock() { return __builtin_readsteadycounter(); }
 #define FP4_WALL_CLOCK_PER_SECOND 100000000ull
 FP4_DEVICE void hang_detected(const char*, u32, u32) { __builtin_trap(); }
 {% endif %}
+// ---- end of sync vendor primitives ----
 
 /// Thread 0 waits until `*counter >= target` (acquire), then the whole block proceeds. Every
 /// thread of the block must call it.
