@@ -92,6 +92,25 @@ pub enum Error {
         source: cudarc::driver::DriverError,
     },
 
+    /// The HIP backend cannot start: a build without the `hip` feature, no HIP runtime library,
+    /// a runtime of another HIP version than the bindings, no device, or a device this crate
+    /// has no target for.
+    #[error("HIP backend unavailable: {0}")]
+    HipUnavailable(String),
+
+    /// A HIP runtime call failed.
+    #[error("HIP: {op}: {name} ({code}): {message}")]
+    Hip {
+        /// The operation, naming the kernel or buffer involved.
+        op: String,
+        /// The `hipError_t` value.
+        code: u32,
+        /// Its name (`hipErrorOutOfMemory`, ...).
+        name: String,
+        /// The runtime's description of it.
+        message: String,
+    },
+
     /// A cuBLAS call failed.
     #[error("cuBLAS: {op}: {source}")]
     Cublas {

@@ -260,11 +260,11 @@ pub fn fetch(url: &str) -> Result<String> {
     stream
         .set_read_timeout(Some(std::time::Duration::from_secs(10)))
         .map_err(|e| Error::io(url, e))?;
-    write!(
-        stream,
-        "GET {path} HTTP/1.0\r\nHost: {authority}\r\nAccept: text/plain\r\n\r\n"
-    )
-    .map_err(|e| Error::io(url, e))?;
+    // one write: a test server (and some real ones) read the request with a single recv
+    let request = format!("GET {path} HTTP/1.0\r\nHost: {authority}\r\nAccept: text/plain\r\n\r\n");
+    stream
+        .write_all(request.as_bytes())
+        .map_err(|e| Error::io(url, e))?;
     let mut response = String::new();
     stream
         .read_to_string(&mut response)

@@ -151,7 +151,13 @@ fn the_command_reads_files_stdin_and_a_local_server() {
     let server = std::thread::spawn(move || {
         let (mut stream, _) = listener.accept().expect("accept");
         let mut request = [0u8; 1024];
-        let n = stream.read(&mut request).expect("read request");
+        // a request may arrive in several segments: read up to its blank line
+        let mut n = 0;
+        while !request[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+            let got = stream.read(&mut request[n..]).expect("read request");
+            assert!(got > 0, "the client closed before the end of its request");
+            n += got;
+        }
         assert!(String::from_utf8_lossy(&request[..n]).starts_with("GET /metrics HTTP/1.0"));
         write!(
             stream,

@@ -29,7 +29,6 @@
 
 // ---- what differs between vendors in this family ----
 {% if target.vendor == "nvidia" %}
-FP4_DEVICE void block_barrier() { __syncthreads(); }
 FP4_DEVICE float shfl_xor(float v, u32 mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return atomicAdd(p, v); }
 FP4_DEVICE void fence_device() { __threadfence(); }
@@ -43,11 +42,6 @@ FP4_DEVICE float rsqrt_f32(float v) { return rsqrtf(v); }
 // its register count down on sm_90a)
 #define STEP_BOUNDS STEP_THREADS, 1
 {% else %}
-FP4_DEVICE void block_barrier() {
-    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
-    __builtin_amdgcn_s_barrier();
-    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
-}
 FP4_DEVICE float shfl_xor(float v, u32 mask) {
     const int other = __builtin_amdgcn_ds_bpermute((int)((lane_id() ^ mask) << 2), __builtin_bit_cast(int, v));
     return __builtin_bit_cast(float, other);

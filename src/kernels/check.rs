@@ -4,7 +4,7 @@
 
 use crate::backend::KernelResources;
 use crate::backend::cuda::nvrtc;
-use crate::backend::hip::clang;
+use crate::backend::hip::{clang, code_object};
 use crate::kernels::table::{self, RenderedSource};
 use crate::target::{TargetFacts, Vendor};
 
@@ -85,10 +85,15 @@ fn check_amd(target: &TargetFacts, sources: &[&RenderedSource], rows: &mut Vec<C
         let outcome = match &compiler {
             Err(e) => Err(CheckStatus::CompilerMissing(e.to_string())),
             Ok(clang_path) => clang::compile(clang_path, source, target)
-                .map(|out| Compiled {
-                    present: out.resources.iter().map(|r| r.kernel.clone()).collect(),
-                    resources: out.resources,
-                    log: out.log,
+                .and_then(|out| {
+                    // present = the kernel's entry, descriptor and metadata are in the code
+                    // object, which is for this target
+                    let object = code_object::check(&out.object, source, target)?;
+                    Ok(Compiled {
+                        present: object.kernels.iter().map(|k| k.name.clone()).collect(),
+                        resources: out.resources,
+                        log: out.log,
+                    })
                 })
                 .map_err(|e| CheckStatus::Failed(e.to_string())),
         };
@@ -97,7 +102,7 @@ fn check_amd(target: &TargetFacts, sources: &[&RenderedSource], rows: &mut Vec<C
             source,
             outcome,
             rows,
-            "clang reported no resources for the kernel",
+            "the code object has no metadata for",
         );
     }
 }

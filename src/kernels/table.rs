@@ -14,6 +14,10 @@ pub struct RenderedSource {
     pub kernels: &'static [&'static str],
     /// The complete, self-contained source text.
     pub source: &'static str,
+    /// The AMDGPU code object compiled from `source` at build time (AMD targets, `hip` feature,
+    /// a clang >= 19 found by build.rs); `None` otherwise, and the HIP backend compiles the
+    /// source at run time.
+    pub code_object: Option<&'static [u8]>,
 }
 
 include!(concat!(env!("OUT_DIR"), "/kernel_table.rs"));

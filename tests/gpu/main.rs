@@ -6,6 +6,7 @@
 //! with `FP4SPEC_SEED=<seed>`.
 
 mod attention;
+mod backend;
 mod common;
 mod gdn;
 mod gemm;

@@ -66,7 +66,7 @@ enum Command {
     /// The main job for now: `kernels --check` for every target, then `gemm-check` on the best
     /// available backend at the default shape.
     Selftest {
-        /// auto (CUDA when present, else CPU), cpu or cuda.
+        /// auto (CUDA when present, else HIP, else CPU), cpu, cuda or hip.
         #[arg(long, default_value = "auto")]
         backend: String,
     },
@@ -97,7 +97,7 @@ enum Command {
     /// Run the NVFP4 x bf16 GEMM on a backend with random inputs and compare it with the CPU
     /// reference (default shape: one Qwen3.6-35B-A3B shared-expert gate_up at 16 rows).
     GemmCheck {
-        /// auto (CUDA when present, else CPU), cpu or cuda.
+        /// auto (CUDA when present, else HIP, else CPU), cpu, cuda or hip.
         #[arg(long, default_value = "auto")]
         backend: String,
         /// Rows of X.
@@ -231,8 +231,8 @@ fn kernels(
     }
     let rows = check::check(&selected);
     println!(
-        "{:<9} {:<9} {:<26} {:<8} {:>5} {:>5} {:>6} {:>6}  detail",
-        "target", "family", "kernel", "status", "regs", "sregs", "spill", "stack"
+        "{:<9} {:<9} {:<26} {:<8} {:>5} {:>5} {:>6} {:>6} {:>6}  detail",
+        "target", "family", "kernel", "status", "regs", "sregs", "spill", "stack", "lds"
     );
     let (mut failed, mut missing) = (0, 0);
     for (index, row) in rows.iter().enumerate() {
@@ -250,7 +250,7 @@ fn kernels(
             }
         };
         println!(
-            "{:<9} {:<9} {:<26} {:<8} {:>5} {:>5} {:>6} {:>6}  {detail}",
+            "{:<9} {:<9} {:<26} {:<8} {:>5} {:>5} {:>6} {:>6} {:>6}  {detail}",
             row.target,
             row.family,
             row.kernel,
@@ -258,7 +258,8 @@ fn kernels(
             num(r.registers),
             num(r.scalar_registers),
             num(r.spill_bytes),
-            num(r.stack_bytes)
+            num(r.stack_bytes),
+            num(r.shared_bytes)
         );
         let last_of_family = rows
             .get(index + 1)

@@ -1,17 +1,24 @@
 //! The CUDA backend: one context and stream on a device, the device's target from
 //! `kernels/targets.toml`, and a lazily filled module cache (one module per kernel family,
-//! compiled by NVRTC for the device's own architecture, CUBINs cached on disk).
+//! compiled by NVRTC for the device's own architecture, CUBINs cached on disk). Launches come
+//! through the vendor-neutral [`Backend::launch`](crate::backend::Backend::launch) (raw
+//! `cuLaunchKernel`) or, in families not moved onto it yet, through cudarc's launch builder.
 
 pub mod cublas;
 pub mod nvrtc;
 
+use crate::backend::{KernelArg, LaunchDims, MAX_KERNEL_ARGS, check_arg_backends, check_arg_sizes};
 use crate::error::{Error, Result};
 use crate::kernels::table;
 use crate::target::{self, TargetFacts};
+use cudarc::driver::sys::{CUresult, cudaError_enum};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+
+/// The first driver with `cuFuncGetParamInfo` (12.4), as `cuDriverGetVersion` encodes it.
+const PARAM_INFO_DRIVER: i32 = 12040;
 
 /// A CUDA device ready to run this crate's kernels.
 pub struct CudaBackend {
@@ -22,7 +29,16 @@ pub struct CudaBackend {
     include_dir: PathBuf,
     multiprocessors: u32,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    launch_targets: Mutex<HashMap<(&'static str, &'static str), Arc<LaunchTarget>>>,
+    driver_version: i32,
     split_k: Mutex<SplitKScratch>,
+}
+
+/// A kernel as [`CudaBackend::launch`] needs it: the function and, where the driver can say,
+/// the byte size of each parameter.
+struct LaunchTarget {
+    function: CudaFunction,
+    param_sizes: Option<Vec<usize>>,
 }
 
 /// Device scratch for split-K reductions: fp32 partial sums and one arrival counter per output
@@ -51,6 +67,11 @@ impl CudaBackend {
         })?;
         let count = cudarc::driver::result::device::get_count()
             .map_err(|e| Error::cuda("count devices", e))?;
+        let mut driver_version = 0;
+        // SAFETY: one valid out-pointer.
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) }
+            .result()
+            .map_err(|e| Error::cuda("read the driver version", e))?;
         if ordinal as i32 >= count {
             return Err(Error::CudaUnavailable(format!(
                 "device {ordinal} requested, {count} CUDA device(s) present"
@@ -93,6 +114,8 @@ impl CudaBackend {
             include_dir,
             multiprocessors,
             modules: Mutex::new(HashMap::new()),
+            launch_targets: Mutex::new(HashMap::new()),
+            driver_version,
             split_k: Mutex::new(SplitKScratch {
                 partials: None,
                 counters: None,
@@ -182,6 +205,93 @@ impl CudaBackend {
         })
     }
 
+    /// The function and parameter sizes of `kernel`, looked up once.
+    fn launch_target(
+        &self,
+        family: &'static str,
+        kernel: &'static str,
+    ) -> Result<Arc<LaunchTarget>> {
+        let mut targets = self
+            .launch_targets
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(target) = targets.get(&(family, kernel)) {
+            return Ok(target.clone());
+        }
+        let function = self.function(family, kernel)?;
+        let param_sizes =
+            if self.driver_version >= PARAM_INFO_DRIVER {
+                Some(param_sizes(&function).map_err(|e| {
+                    Error::cuda(format!("read the parameters of kernel `{kernel}`"), e)
+                })?)
+            } else {
+                None
+            };
+        let target = Arc::new(LaunchTarget {
+            function,
+            param_sizes,
+        });
+        targets.insert((family, kernel), target.clone());
+        Ok(target)
+    }
+
+    /// Queues `kernel` of `family` on the stream with `cuLaunchKernel` (see
+    /// [`Backend::launch`](crate::backend::Backend::launch)); the arguments are checked against
+    /// the kernel's parameter sizes when the driver reports them (12.4+).
+    ///
+    /// # Safety
+    /// The kernel must stay within the buffers passed for this grid and these scalars.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for arguments that do not fit the kernel,
+    /// [`Error::BackendMismatch`] for buffers of another backend, [`Error::Compile`] /
+    /// [`Error::Cuda`] when compiling, loading or launching fails.
+    pub unsafe fn launch(
+        &self,
+        family: &'static str,
+        kernel: &'static str,
+        dims: &LaunchDims,
+        args: &[KernelArg<'_>],
+    ) -> Result<()> {
+        let target = self.launch_target(family, kernel)?;
+        if let Some(sizes) = &target.param_sizes {
+            check_arg_sizes(kernel, sizes, args).map_err(|reason| {
+                Error::invalid(
+                    format!("launch of `{kernel}` ({family}, {})", self.target.name),
+                    reason,
+                )
+            })?;
+        }
+        check_arg_backends("cuda", kernel, args)?;
+        let mut params = [std::ptr::null_mut(); MAX_KERNEL_ARGS];
+        for (slot, arg) in params.iter_mut().zip(args) {
+            *slot = arg.value_ptr();
+        }
+        let op = || {
+            format!(
+                "launch {kernel} ({family}) grid {:?} block {:?} shared {} bytes",
+                dims.grid, dims.block, dims.shared_bytes
+            )
+        };
+        self.context
+            .bind_to_thread()
+            .map_err(|e| Error::cuda(op(), e))?;
+        // SAFETY: one pointer per parameter, each to a value of the parameter's size (checked
+        // above where the driver reports sizes) living in `args` for the call; the caller
+        // vouches for the indexing.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                target.function.cu_function(),
+                dims.grid,
+                dims.block,
+                dims.shared_bytes,
+                self.stream.cu_stream(),
+                &mut params[..args.len()],
+            )
+        }
+        .map_err(|e| Error::cuda(op(), e))
+    }
+
     fn module(&self, family: &'static str) -> Result<Arc<CudaModule>> {
         let mut modules = self
             .modules
@@ -209,4 +319,30 @@ impl CudaBackend {
         modules.insert(family, module.clone());
         Ok(module)
     }
+}
+
+/// The byte size of each parameter of `function`, from `cuFuncGetParamInfo` (which answers
+/// `CUDA_ERROR_INVALID_VALUE` past the last one).
+fn param_sizes(
+    function: &CudaFunction,
+) -> std::result::Result<Vec<usize>, cudarc::driver::DriverError> {
+    let mut sizes = Vec::new();
+    for index in 0..=MAX_KERNEL_ARGS {
+        let (mut offset, mut size) = (0usize, 0usize);
+        // SAFETY: a loaded function and two valid out-pointers.
+        let result: CUresult = unsafe {
+            cudarc::driver::sys::cuFuncGetParamInfo(
+                function.cu_function(),
+                index,
+                &mut offset,
+                &mut size,
+            )
+        };
+        if result == cudaError_enum::CUDA_ERROR_INVALID_VALUE {
+            break;
+        }
+        result.result()?;
+        sizes.push(size);
+    }
+    Ok(sizes)
 }

@@ -1,7 +1,8 @@
 //! clang for amdgcn: compiles a rendered HIP source for a gfx target with no ROCm install
-//! (`-x hip -nogpuinc -nogpulib --cuda-device-only`) and reads clang's per-kernel resource
-//! remarks (VGPRs, SGPRs, scratch, spills, LDS).
+//! (`-x hip -nogpuinc -nogpulib --cuda-device-only`, flags in [`toolchain`]) into a code object,
+//! and reads clang's per-kernel resource remarks (VGPRs, SGPRs, scratch, spills, LDS).
 
+use super::toolchain;
 use crate::backend::KernelResources;
 use crate::error::{Error, Result};
 use crate::kernels::table::RenderedSource;
@@ -10,14 +11,12 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// The oldest clang whose amdgcn backend knows gfx1151 well enough (LLVM 17 added it; 19 is
-/// what the checks run with).
-pub const MIN_CLANG_MAJOR: u32 = 19;
+pub use super::toolchain::MIN_CLANG_MAJOR;
 
 /// What clang produced for one source.
 #[derive(Debug, Clone)]
 pub struct ClangOutput {
-    /// The device object clang wrote.
+    /// The code object clang wrote (an AMDGPU ELF, loadable with `hipModuleLoadData`).
     pub object: Vec<u8>,
     /// clang's diagnostics (the resource remarks).
     pub log: String,
@@ -32,47 +31,7 @@ pub struct ClangOutput {
 /// # Errors
 /// [`Error::Invalid`] (what = "HIP compiler") listing what was tried.
 pub fn find() -> Result<PathBuf> {
-    let mut candidates: Vec<PathBuf> = Vec::new();
-    if let Some(clang) = std::env::var_os("FP4SPEC_HIP_CLANG") {
-        candidates.push(clang.into());
-    }
-    for var in ["ROCM_PATH", "HIP_PATH"] {
-        if let Some(root) = std::env::var_os(var) {
-            candidates.push(PathBuf::from(root).join("llvm/bin/clang++"));
-        }
-    }
-    candidates.extend(
-        [
-            "clang++-19",
-            "clang++-20",
-            "clang++-21",
-            "clang++-22",
-            "clang++",
-        ]
-        .map(PathBuf::from),
-    );
-    let mut tried = Vec::new();
-    for candidate in &candidates {
-        match major_version(candidate) {
-            Some(major) if major >= MIN_CLANG_MAJOR => return Ok(candidate.clone()),
-            Some(major) => tried.push(format!("{} (clang {major}, too old)", candidate.display())),
-            None => tried.push(format!("{} (not found)", candidate.display())),
-        }
-    }
-    Err(Error::invalid(
-        "HIP compiler",
-        format!(
-            "no clang >= {MIN_CLANG_MAJOR} for amdgcn; tried {} (install clang-19 and lld-19, or `source tools/toolchains.sh`)",
-            tried.join(", ")
-        ),
-    ))
-}
-
-fn major_version(clang: &PathBuf) -> Option<u32> {
-    let output = Command::new(clang).arg("--version").output().ok()?;
-    let text = String::from_utf8_lossy(&output.stdout);
-    let after = text.split("clang version ").nth(1)?;
-    after.split('.').next()?.trim().parse().ok()
+    toolchain::find_clang().map_err(|tried| Error::invalid("HIP compiler", tried))
 }
 
 /// Compiles `source` for `target` with `clang` at -O3 and collects the resource remarks.
@@ -124,23 +83,12 @@ fn run(
     let output = dir.join(format!("{}.{extension}", source.family));
     std::fs::write(&input, source.source).map_err(|e| Error::io(&input, e))?;
     let run = Command::new(clang)
-        .args([
-            "-x",
-            "hip",
-            &format!("--offload-arch={}", target.compiler_arch),
-        ])
-        .args([
-            "-nogpuinc",
-            "-nogpulib",
-            "--cuda-device-only",
-            "-O3",
-            "-std=c++17",
+        .args(toolchain::device_args(
+            &target.compiler_arch,
             mode,
-        ])
-        .arg("-Rpass-analysis=kernel-resource-usage")
-        .arg(&input)
-        .arg("-o")
-        .arg(&output)
+            &input,
+            &output,
+        ))
         .output()
         .map_err(|e| Error::io(clang, e))?;
     let log = String::from_utf8_lossy(&run.stderr).into_owned();

@@ -157,6 +157,9 @@ fn splits_for(backend: &Backend, capacity: usize) -> usize {
         Backend::Cuda(c) => capacity
             .div_ceil(c.target().attention.split_positions as usize)
             .max(1),
+        Backend::Hip(h) => capacity
+            .div_ceil(h.target().attention.split_positions as usize)
+            .max(1),
     }
 }
 
@@ -358,6 +361,9 @@ pub fn prepare(
             }
             Ok(())
         }
+        // Transitional: this family still launches through cudarc; it runs on HIP once it
+        // moves onto Backend::launch.
+        Backend::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
         Backend::Cuda(cuda) => {
             let tiles = &cuda.target().attention;
             let items = check_u32("attention rows x heads", n * (s.heads + s.kv_heads))?;
@@ -514,6 +520,9 @@ pub fn attend(
             }
             Ok(())
         }
+        // Transitional: this family still launches through cudarc; it runs on HIP once it
+        // moves onto Backend::launch.
+        Backend::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
         Backend::Cuda(cuda) => {
             let tiles = &cuda.target().attention;
             let (DeviceVec::Cuda(qv), DeviceVec::Cuda(qg)) = (q, q_gate) else {

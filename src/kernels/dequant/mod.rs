@@ -34,6 +34,9 @@ pub fn dequant_nvfp4(backend: &Backend, w: &Nvfp4Weights, out: &mut DeviceVec<bf
             *out = reference::dequant_nvfp4_bf16(view);
             Ok(())
         }
+        // Transitional: this family still launches through cudarc; it runs on HIP once it
+        // moves onto Backend::launch.
+        Backend::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
         Backend::Cuda(cuda) => {
             let (DeviceVec::Cuda(packed), DeviceVec::Cuda(scales)) = (&w.packed, &w.scales) else {
                 return Err(backend.mismatch("NVFP4 weights", &w.packed));

@@ -74,7 +74,7 @@ pub use reference::{GdnShape, StepMode};
 
 use super::{check_len, check_u32};
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{Backend, DeviceVec};
+use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
 use crate::error::{Error, Result};
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
@@ -238,6 +238,7 @@ impl GdnCache {
         let most = match backend {
             Backend::Cpu => 16,
             Backend::Cuda(cuda) => cuda.target().gdn.step_max_tokens as usize,
+            Backend::Hip(_) => return Err(backend.no_launch_yet(FAMILY)),
         };
         if slots == 0 || max_step_tokens == 0 || max_step_tokens > most || kernel == 0 {
             return Err(Error::invalid(
@@ -412,6 +413,7 @@ fn read_range<T: cudarc::driver::DeviceRepr + Clone + Default>(
                 .clone_dtoh(&s.slice(at..at + len))
                 .map_err(|e| Error::cuda(format!("read {len} values of the gdn cache"), e))
         }
+        DeviceVec::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
     }
 }
 
@@ -438,6 +440,7 @@ fn write_range<T: cudarc::driver::DeviceRepr + Clone>(
                 )
             })
         }
+        DeviceVec::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
     }
 }
 
@@ -547,36 +550,30 @@ impl Sequences {
                 }
                 Ok(())
             }
-            Backend::Cuda(cuda) => {
-                let (uniform, accepted_ptr) = match accepted {
-                    Accepted::All(a) => (a, 0u64),
-                    Accepted::PerSequence(v) => {
-                        (0, device_ptr(cuda, backend, v, "gdn accepted counts")?)
-                    }
+            Backend::Cuda(_) | Backend::Hip(_) => {
+                let (uniform, accepted_arg) = match accepted {
+                    Accepted::All(a) => (a, KernelArg::optional_input::<u32>(None)),
+                    Accepted::PerSequence(v) => (0, KernelArg::input(v)),
                 };
-                let positions = device_ptr(cuda, backend, &self.positions, "gdn positions")?;
-                let pending = device_ptr(cuda, backend, &self.pending, "gdn pending counts")?;
                 let (count32, fold32) = (check_u32("gdn sequences", count)?, u32::from(fold));
-                let function = cuda.function(FAMILY, "gdn_commit")?;
-                let mut launch = cuda.stream().launch_builder(&function);
-                launch
-                    .arg(&positions)
-                    .arg(&pending)
-                    .arg(&accepted_ptr)
-                    .arg(&uniform)
-                    .arg(&count32)
-                    .arg(&fold32);
+                let args = [
+                    KernelArg::output(&mut self.positions),
+                    KernelArg::output(&mut self.pending),
+                    accepted_arg,
+                    KernelArg::u32(uniform),
+                    KernelArg::u32(count32),
+                    KernelArg::u32(fold32),
+                ];
                 // SAFETY: matches gdn_commit(positions, pending, accepted, uniform, count, fold);
                 // every array holds `count` elements (accepted checked above).
                 unsafe {
-                    launch.launch(LaunchConfig {
-                        grid_dim: (count32.div_ceil(128), 1, 1),
-                        block_dim: (128, 1, 1),
-                        shared_mem_bytes: 0,
-                    })
+                    backend.launch(
+                        FAMILY,
+                        "gdn_commit",
+                        &LaunchDims::linear(count32.div_ceil(128), 128),
+                        &args,
+                    )
                 }
-                .map_err(|e| Error::cuda(format!("launch gdn_commit for {count} sequences"), e))?;
-                Ok(())
             }
         }
     }
@@ -680,7 +677,7 @@ fn device_ptr<T>(
 ) -> Result<u64> {
     match v {
         DeviceVec::Cuda(s) => Ok(s.device_ptr(cuda.stream()).0),
-        DeviceVec::Host(_) => Err(backend.mismatch(what, v)),
+        DeviceVec::Host(_) | DeviceVec::Hip(_) => Err(backend.mismatch(what, v)),
     }
 }
 
@@ -951,6 +948,7 @@ pub fn step(
             )
         }
         Backend::Cuda(cuda) => step_cuda(cuda, backend, params, cache, seqs, m, inputs, mode, out),
+        Backend::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
     }
 }
 
@@ -1171,6 +1169,7 @@ impl ChunkWorkspace {
         let rows = match backend {
             Backend::Cpu => 0,
             Backend::Cuda(_) => max_chunks * CHUNK,
+            Backend::Hip(_) => return Err(backend.no_launch_yet(FAMILY)),
         };
         let (hk, hv, dk, dv) = (shape.key_heads, shape.value_heads, shape.dk, shape.dv);
         Ok(Self {
@@ -1286,6 +1285,7 @@ pub fn prefill(
         Backend::Cuda(cuda) => prefill_cuda(
             cuda, backend, params, cache, workspace, seqs, cu_seqlens, chunks, inputs, out,
         ),
+        Backend::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
     }
 }
 

@@ -86,6 +86,9 @@ pub fn nvfp4_gemm(
             *y = reference::nvfp4_gemm(x, m, view);
             Ok(())
         }
+        // Transitional: this family still launches through cudarc; it runs on HIP once it
+        // moves onto Backend::launch.
+        Backend::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
         Backend::Cuda(cuda) => {
             let (DeviceVec::Cuda(packed), DeviceVec::Cuda(scales)) = (&w.packed, &w.scales) else {
                 return Err(backend.mismatch("NVFP4 weights", &w.packed));
@@ -255,6 +258,9 @@ impl Linear {
         }
         let fragments = Nvfp4Fragments::new(matrix, row_order)?;
         let storage = match backend {
+            // Transitional: the gemm family has no HIP launch yet (weights are laid out for
+            // its cudarc launches).
+            Backend::Hip(_) => return Err(backend.no_launch_yet(FAMILY)),
             Backend::Cpu => LinearStorage::HostNvfp4(matrix.clone()),
             Backend::Cuda(cuda) => LinearStorage::CudaNvfp4 {
                 words: upload(cuda, &fragments.words, "NVFP4 weight words")?,
@@ -305,6 +311,9 @@ impl Linear {
         })?;
         let fragments = layout::W4a4Fragments::new(matrix, row_order)?;
         let storage = match backend {
+            // Transitional: the gemm family has no HIP launch yet (weights are laid out for
+            // its cudarc launches).
+            Backend::Hip(_) => return Err(backend.no_launch_yet(FAMILY)),
             Backend::Cpu => LinearStorage::HostW4a4 {
                 matrix: matrix.clone(),
                 input_scale,
@@ -348,6 +357,9 @@ impl Linear {
     ) -> Result<Self> {
         let fragments = Bf16Fragments::new(values, rows, cols, row_order)?;
         let storage = match backend {
+            // Transitional: the gemm family has no HIP launch yet (weights are laid out for
+            // its cudarc launches).
+            Backend::Hip(_) => return Err(backend.no_launch_yet(FAMILY)),
             Backend::Cpu => LinearStorage::HostBf16(values.to_vec()),
             Backend::Cuda(cuda) => LinearStorage::CudaBf16 {
                 words: upload(cuda, &fragments.words, "bf16 weight words")?,
@@ -485,6 +497,9 @@ pub fn linear(
             *y = result.into_iter().map(bf16::from_f32).collect();
             Ok(())
         }
+        // Transitional: this family still launches through cudarc; it runs on HIP once it
+        // moves onto Backend::launch.
+        Backend::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
         Backend::Cuda(cuda) => linear_cuda(cuda, backend, x, m, w, &epilogue, y),
     }
 }
