@@ -3,12 +3,12 @@
 // Launch: src/kernels/gemm/mod.rs.
 {% include "common/prelude.cuh" %}
 {% include "common/nvfp4.cuh" %}
+{% include "common/activations.cuh" %}
 
 // Epilogues of the tensor-core kernels (src/kernels/gemm/mod.rs: Epilogue::kernel_code).
 #define EPILOGUE_NONE 0u
 #define EPILOGUE_RESIDUAL 1u
 #define EPILOGUE_SILU_MUL 2u
-FP4_DEVICE float silu(float v) { return v / (1.0f + fast_exp(-v)); }
 
 #define GEMV_WARPS {{ target.gemm.warps_per_block }}
 #define GEMV_ROWS {{ target.gemm.rows_per_pass }}
@@ -90,75 +90,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_ge
 // ============================================================================================
 #define MMA_WARPS {{ target.gemm.mma_warps_per_block }}
 
-FP4_DEVICE void mma_m16n8k16_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 { %0, %1, %2, %3}, { %4, %5, %6, %7}, { %8, %9}, { %0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-FP4_DEVICE u32 mul_bf16x2(u32 a, u32 b) {
-    u32 d;
-    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-
-/// Two e2m1 nibbles (bits 12..15 and 28..31 of `w`) -> bf16x2 of e2m1 * 2^-126.
-FP4_DEVICE u32 e2m1x2_to_bf16x2_scaled(u32 w) { return (w & 0x80008000u) | ((w >> 6) & 0x01C001C0u); }
-
-/// A re-encoded scale byte -> bf16x2 {s * 2^119, s * 2^119}.
-FP4_DEVICE u32 scale_to_bf16x2(u32 byte) { return byte * 0x00100010u + 0x76007600u; }
-
-/// Streaming loads: weights are read exactly once, keep them out of L1.
-FP4_DEVICE u32x4 load_stream_u32x4(const void* p) {
-    u32x4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 { %0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-FP4_DEVICE u32 load_stream_u16(const void* p) {
-    unsigned short v;
-    asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
-    return v;
-}
-
-/// One K group (64 columns) of one lane's weights, as loaded.
-struct Nvfp4Group { u32x4 w; u32 scales; };
-struct Bf16Group { u32x4 w[4]; };
-
-struct Nvfp4Weights {
-    static constexpr bool PREFETCH_X = false;
-    const u32x4* words;   // [n_tiles][k_groups][32]
-    const u16* scales;    // [n_tiles][k_groups][32]
-    typedef Nvfp4Group Group;
-    FP4_DEVICE Group load(u64 index) const { return {load_stream_u32x4(words + index), load_stream_u16(scales + index)}; }
-    /// The four A registers of MMA j of a group.
-    FP4_DEVICE void fragment(const Group& group, int j, u32 (&a)[4]) const {
-        const u32 word = j == 0 ? group.w.x : j == 1 ? group.w.y : j == 2 ? group.w.z : group.w.w;
-        const u32 scale_g = scale_to_bf16x2(group.scales & 0xffu);
-        const u32 scale_g8 = scale_to_bf16x2(group.scales >> 8);
-        a[0] = mul_bf16x2(e2m1x2_to_bf16x2_scaled(word), scale_g);
-        a[1] = mul_bf16x2(e2m1x2_to_bf16x2_scaled(word << 4), scale_g8);
-        a[2] = mul_bf16x2(e2m1x2_to_bf16x2_scaled(word << 8), scale_g);
-        a[3] = mul_bf16x2(e2m1x2_to_bf16x2_scaled(word << 12), scale_g8);
-    }
-};
-
-struct Bf16Weights {
-    static constexpr bool PREFETCH_X = true;
-    const u32x4* words;   // [n_tiles][k_groups][32][4]
-    typedef Bf16Group Group;
-    FP4_DEVICE Group load(u64 index) const {
-        Group group;
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) group.w[j] = load_stream_u32x4(words + index * 4 + j);
-        return group;
-    }
-    FP4_DEVICE void fragment(const Group& group, int j, u32 (&a)[4]) const {
-        a[0] = group.w[j].x; a[1] = group.w[j].y; a[2] = group.w[j].z; a[3] = group.w[j].w;
-    }
-};
-
+{% include "common/mma.cuh" %}
 
 /// Writes one lane's 16 x (8 * MT) tile of fp32 results: scaled by alpha, with the epilogue.
 template <int MT>
@@ -483,50 +415,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_nvfp4_nvfp4_mm
 // Compiled and checked here; not run (no AMD GPU is reachable from this project).
 // ============================================================================================
 #define WMMA_WAVES {{ target.gemm.mma_warps_per_block }}
-typedef short v16s __attribute__((ext_vector_type(16)));
-typedef float v8f __attribute__((ext_vector_type(8)));
-
-
-/// 16 bf16 (raw bits, 32 bytes) as a WMMA operand; zeros when `valid` is false.
-FP4_DEVICE v16s load_bf16x16(const u16* p, bool valid) {
-    v16s v;
-    if (!valid) {
-        #pragma unroll
-        for (int i = 0; i < 16; ++i) v[i] = 0;
-        return v;
-    }
-    const u32x4 lo = load_u32x4(p), hi = load_u32x4(p + 8);
-    const u32 words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        v[2 * i] = (short)(words[i] & 0xffffu);
-        v[2 * i + 1] = (short)(words[i] >> 16);
-    }
-    return v;
-}
-
-struct WmmaNvfp4Weights {
-    const u32x4* words;  // [n_tiles][k_groups][16 rows][2]: 32 bytes of nibbles
-    const u32* scales;   // [n_tiles][k_groups][16 rows]: four e4m3 bytes
-    /// Block j (0..3) of the group at `index` (= (tile * k_groups + group) * 16 + row).
-    FP4_DEVICE v16s block(u64 index, int j) const {
-        const u32x4 q = load_u32x4(words + index * 2 + j / 2);
-        const u32 lo = (j % 2 == 0) ? q.x : q.z, hi = (j % 2 == 0) ? q.y : q.w;
-        const float scale = e4m3_to_f32((scales[index] >> (8 * j)) & 0xffu);
-        v16s v;
-        #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const u32 nibble = ((i < 8 ? lo : hi) >> (4 * (i % 8))) & 15u;
-            v[i] = (short)f32_to_bf16(e2m1_to_f32(nibble) * scale);
-        }
-        return v;
-    }
-};
-
-struct WmmaBf16Weights {
-    const u16* words;  // [n_tiles][k_groups][16 rows][64]
-    FP4_DEVICE v16s block(u64 index, int j) const { return load_bf16x16(words + index * 64 + 16 * j, true); }
-};
+{% include "common/wmma.cuh" %}
 
 template <class Weights, int MT>
 FP4_DEVICE void gemm_wmma(const u16* __restrict__ x, Weights weights, float alpha, u16* y, const u16* residual,

@@ -61,6 +61,8 @@ pub struct TargetFacts {
     pub gdn: GdnTiles,
     /// Launch parameters of the `verify` family.
     pub verify: VerifyTiles,
+    /// Launch parameters of the `moe` family.
+    pub moe: MoeTiles,
 }
 
 /// Which instruction classes exist on a target (templates branch on these, never on names).
@@ -163,6 +165,36 @@ pub struct VerifyTiles {
     pub candidates_per_row: u32,
     /// Blocks per multiprocessor the launch aims its grid at.
     pub blocks_per_sm: u32,
+}
+
+/// Launch parameters of the `moe` family: one persistent launch per MoE block
+/// (`moe_{nvfp4,bf16}_m{rows}`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MoeTiles {
+    /// Warps per block (a power of two).
+    pub warps_per_block: u32,
+    /// Resident blocks per multiprocessor the grid is sized for (and the kernels' launch bounds).
+    pub blocks_per_sm: u32,
+    /// Warps splitting the K groups of one 16-row router tile (a power of two dividing
+    /// `warps_per_block`; an item holds the rest as tiles).
+    pub router_warps_per_tile: u32,
+    /// As `router_warps_per_tile`, for the experts' gate_up tiles.
+    pub gate_up_warps_per_tile: u32,
+    /// As `router_warps_per_tile`, for the experts' down tiles.
+    pub down_warps_per_tile: u32,
+    /// NVFP4 expert weights: 64-wide K groups in flight per warp.
+    pub stages_nvfp4: u32,
+    /// bf16 expert weights: 64-wide K groups in flight per warp.
+    pub stages_bf16: u32,
+    /// Router weights (bf16): 64-wide K groups in flight per warp.
+    pub router_stages: u32,
+    /// Tokens per pass of the kernel variants (ascending multiples of 8); an expert with more
+    /// tokens than its variant's pass takes several passes.
+    pub token_rows: Vec<u32>,
+    /// The most routed experts a block may have (a multiple of the warp size, at most 32 per
+    /// lane: the top-k keeps one bit per expert).
+    pub max_experts: u32,
 }
 
 impl TargetTable {
@@ -313,10 +345,75 @@ impl TargetFacts {
                     .into(),
             );
         }
+        self.validate_moe()?;
         if !(1..=16).contains(&self.gemm.rows_per_pass) {
             return fail(format!(
                 "gemm.rows_per_pass {} outside 1..=16 (register accumulators)",
                 self.gemm.rows_per_pass
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_moe(&self) -> Result<(), String> {
+        let fail = |what: String| {
+            Err(format!(
+                "kernels/targets.toml: target `{}`: moe.{what}",
+                self.name
+            ))
+        };
+        let m = &self.moe;
+        let threads = m.warps_per_block * self.warp_size;
+        if !m.warps_per_block.is_power_of_two() || threads > 1024 {
+            return fail(format!(
+                "warps_per_block {} must be a power of two with at most 1024 threads",
+                m.warps_per_block
+            ));
+        }
+        if m.blocks_per_sm == 0 {
+            return fail("blocks_per_sm must be positive".into());
+        }
+        for (name, warps) in [
+            ("router_warps_per_tile", m.router_warps_per_tile),
+            ("gate_up_warps_per_tile", m.gate_up_warps_per_tile),
+            ("down_warps_per_tile", m.down_warps_per_tile),
+        ] {
+            if !warps.is_power_of_two() || warps > m.warps_per_block {
+                return fail(format!(
+                    "{name} {warps} must be a power of two dividing warps_per_block {}",
+                    m.warps_per_block
+                ));
+            }
+        }
+        for (name, stages) in [
+            ("stages_nvfp4", m.stages_nvfp4),
+            ("stages_bf16", m.stages_bf16),
+            ("router_stages", m.router_stages),
+        ] {
+            if !(1..=8).contains(&stages) {
+                return fail(format!(
+                    "{name} {stages} outside 1..=8 (registers per stage)"
+                ));
+            }
+        }
+        if m.token_rows.is_empty()
+            || m.token_rows.windows(2).any(|w| w[0] >= w[1])
+            || m.token_rows
+                .iter()
+                .any(|r| *r == 0 || r % 8 != 0 || *r > 64)
+        {
+            return fail(format!(
+                "token_rows {:?} must be ascending multiples of 8 in 8..=64",
+                m.token_rows
+            ));
+        }
+        if m.max_experts == 0
+            || m.max_experts % self.warp_size != 0
+            || m.max_experts > 32 * self.warp_size
+        {
+            return fail(format!(
+                "max_experts {} must be a positive multiple of warp_size {} and at most 32 per lane",
+                m.max_experts, self.warp_size
             ));
         }
         Ok(())

@@ -4,8 +4,8 @@
 mod facts;
 
 pub use facts::{
-    AttentionTiles, DequantTiles, GdnTiles, GemmTiles, Instructions, NormTiles, TargetFacts,
-    Vendor, VerifyTiles,
+    AttentionTiles, DequantTiles, GdnTiles, GemmTiles, Instructions, MoeTiles, NormTiles,
+    TargetFacts, Vendor, VerifyTiles,
 };
 
 use crate::error::{Error, Result};

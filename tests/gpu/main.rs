@@ -10,6 +10,7 @@ mod backend;
 mod common;
 mod gdn;
 mod gemm;
+mod moe;
 mod verify;
 
 use common::skipped;

@@ -104,6 +104,20 @@ pub fn expert_mlp_accumulate(
     scale: f64,
     out: &mut [f64],
 ) {
+    expert_mlp_accumulate_with(x, expert, intermediate, scale, out, |act| act);
+}
+
+/// [`expert_mlp_accumulate`] with every activation `silu(gate) * up` passed through `round`
+/// before the down projection (the GPU kernels round it to bf16, as the GEMM family's
+/// `silu(gate) * up` epilogue does).
+pub fn expert_mlp_accumulate_with(
+    x: &[f32],
+    expert: ExpertRef<'_>,
+    intermediate: usize,
+    scale: f64,
+    out: &mut [f64],
+    round: impl Fn(f64) -> f64,
+) {
     let h = x.len();
     let act: Vec<f64> = (0..intermediate)
         .map(|i| {
@@ -112,7 +126,7 @@ pub fn expert_mlp_accumulate(
                 x,
                 &expert.gate_up[(intermediate + i) * h..(intermediate + i + 1) * h],
             );
-            gate * sigmoid(gate) * up
+            round(gate * sigmoid(gate) * up)
         })
         .collect();
     for (row, slot) in out.iter_mut().enumerate() {
@@ -132,6 +146,20 @@ pub fn moe_block<'a>(
     expert: impl Fn(usize) -> ExpertRef<'a>,
     shared: Option<ExpertRef<'_>>,
 ) -> Vec<f32> {
+    moe_block_with(shape, x, t, routing, expert, shared, |act| act)
+}
+
+/// [`moe_block`] with every expert activation passed through `round`
+/// ([`expert_mlp_accumulate_with`]).
+pub fn moe_block_with<'a>(
+    shape: MoeShape,
+    x: &[f32],
+    t: usize,
+    routing: &Routing,
+    expert: impl Fn(usize) -> ExpertRef<'a>,
+    shared: Option<ExpertRef<'_>>,
+    round: impl Fn(f64) -> f64 + Copy,
+) -> Vec<f32> {
     let (h, k) = (shape.hidden, shape.top_k);
     let mut y = vec![0.0f32; t * h];
     let mut acc = vec![0.0f64; h];
@@ -141,11 +169,18 @@ pub fn moe_block<'a>(
         for slot in 0..k {
             let e = routing.experts[token * k + slot] as usize;
             let w = routing.weights[token * k + slot] as f64;
-            expert_mlp_accumulate(xt, expert(e), shape.intermediate, w, &mut acc);
+            expert_mlp_accumulate_with(xt, expert(e), shape.intermediate, w, &mut acc, round);
         }
         if let Some(shared) = shared {
             let scale = routing.shared_scale.get(token).copied().unwrap_or(1.0) as f64;
-            expert_mlp_accumulate(xt, shared, shape.shared_intermediate, scale, &mut acc);
+            expert_mlp_accumulate_with(
+                xt,
+                shared,
+                shape.shared_intermediate,
+                scale,
+                &mut acc,
+                round,
+            );
         }
         for (dst, &v) in y[token * h..(token + 1) * h].iter_mut().zip(&acc) {
             *dst = v as f32;

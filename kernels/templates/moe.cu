@@ -1,0 +1,742 @@
+// Family `moe`: the sparse mixture-of-experts block of Qwen3.5-MoE in ONE persistent launch
+// (rendered for {{ target.name }}): router logits, fp32 softmax / top-k / renormalisation /
+// shared-expert gate, alignment of the (token, expert) slots by expert, the grouped gate_up GEMM
+// with silu(gate) * up fused, the grouped down GEMM, and the weighted combine over the k experts
+// plus the shared expert (plus an optional residual), bf16 out.
+// CPU reference: src/kernels/moe/reference.rs. Launch and weight layouts: src/kernels/moe/mod.rs.
+//
+// Why one launch: at decode sizes the whole block reads ~17 MB (NVFP4, T = 1), 4 us at the
+// H200's bandwidth, while every extra dependent launch costs about 2 us. So the block is a list
+// of work items, claimed in order from a counter in global memory by a grid of resident-sized
+// blocks, that hand results to each other through counters:
+//   1. router       (router tile group, token chunk): logits[T][E + 1] in fp32 (row E is the
+//                   shared-expert gate); the last router item of a chunk routes its tokens
+//                   (softmax, top-k, renormalisation, sigmoid of the gate; a warp per token), the
+//                   last chunk to be routed aligns every slot by expert, then raises
+//                   routing_ready
+//   2. shared gate_up  (sub-expert, tile group, token chunk): needs only X
+//   then, laid out by the routing (a block that claims one first waits for routing_ready):
+//   3. routed gate_up  (active expert rank, tile group)
+//   4. shared down     (sub-expert, tile group, token chunk): waits for its gate_up
+//   5. routed down     (active expert rank, tile group): issues its weight loads first, then
+//                   waits for its expert's gate_up; the last down item of a group of hidden rows
+//                   combines those rows for every token.
+// A block only ever waits for lower-numbered items, and items are claimed in order, so the
+// lowest unfinished item can always proceed: no deadlock, whatever number of blocks is resident.
+// Experts nobody chose have no items at all. Every active expert's weights are read once from
+// DRAM per launch (an expert with more than ROWS tokens re-reads its tiles from L2 per pass).
+//
+// Positions: the shared expert (Is columns) runs as S = ceil(Is / I) sub-experts of I columns
+// (zero-padded), weight index E + c, positions c * T + t; routed expert slots follow from S * T,
+// grouped by expert in rank order. act[position][I] is silu(gate) * up rounded to bf16 (as the
+// GEMM family's epilogue), partial[position][H] the expert's down output in fp32; the combine
+// adds partials in slot order (deterministic).
+//
+// Weights: the layouts of src/kernels/gemm/layout.rs, experts concatenated
+// ([E + S][tiles][K groups]...), gate_up in RowOrder::GateUp; alphas per expert (gate rows, up
+// rows, down) carry the per-tensor scales (NVFP4 fragments on mma.sync: global * 2^7; WMMA
+// fragments: global; bf16: 1).
+{% include "common/prelude.cuh" %}
+{% include "common/nvfp4.cuh" %}
+{% include "common/activations.cuh" %}
+{% include "common/sync.cuh" %}
+
+#define MOE_WARPS {{ target.moe.warps_per_block }}
+#define MOE_THREADS (MOE_WARPS * FP4_WARP_SIZE)
+#define MOE_MAX_EXPERTS {{ target.moe.max_experts }}
+#define MOE_EXPERTS_PER_LANE (MOE_MAX_EXPERTS / FP4_WARP_SIZE)
+// warps sharing one 16-row weight tile (they split its K groups); tiles per item = the rest
+#define ROUTER_WARPS_PER_TILE {{ target.moe.router_warps_per_tile }}
+#define GATE_UP_WARPS_PER_TILE {{ target.moe.gate_up_warps_per_tile }}
+#define DOWN_WARPS_PER_TILE {{ target.moe.down_warps_per_tile }}
+#define ROUTER_TILES_PER_ITEM (MOE_WARPS / ROUTER_WARPS_PER_TILE)
+#define GATE_UP_TILES_PER_ITEM (MOE_WARPS / GATE_UP_WARPS_PER_TILE)
+#define DOWN_TILES_PER_ITEM (MOE_WARPS / DOWN_WARPS_PER_TILE)
+#define TILE_ROWS 16
+#define GROUP_COLS 64
+{% if target.vendor == "nvidia" %}
+// __launch_bounds__(threads, blocks per SM): the grid is sized for that many resident blocks
+#define MOE_BOUNDS MOE_THREADS, {{ target.moe.blocks_per_sm }}
+{% else %}
+#define MOE_BOUNDS MOE_THREADS
+{% endif %}
+
+// Counters in `control` (zero between launches: the last block to leave resets them).
+#define CONTROL_NEXT_ITEM 0u
+#define CONTROL_ROUTER_DONE 1u
+#define CONTROL_ROUTING_READY 2u
+#define CONTROL_BLOCKS_DONE 3u
+#define CONTROL_GATE_UP_DONE 4u  // [E + S]: finished gate_up items per rank (sub-experts first)
+// then [down groups]: finished down items per group of DOWN_TILES_PER_ITEM * 16 hidden rows,
+// then [chunks]: finished router items per token chunk
+
+/// Everything one launch needs; mirrors `MoeArgs` in src/kernels/moe/mod.rs field by field.
+struct MoeArgs {
+    const u16* x;             // [T][H] bf16
+    const u16* residual;      // [T][H] bf16, or null
+    u16* y;                   // [T][H] bf16
+    const void* router;       // [E + g][H] router rows (+ the shared gate row), bf16 fragments
+    const void* gate_up;      // [E + S] experts' [2I][H] in RowOrder::GateUp, fragments
+    const void* gate_up_scales;  // NVFP4 block scales of gate_up (null for bf16)
+    const void* down;         // [E + S] experts' [H][I], fragments
+    const void* down_scales;  // NVFP4 block scales of down (null for bf16)
+    const float* gate_up_alpha;  // [E + S][2]: multiplier of the gate rows, of the up rows
+    const float* down_alpha;  // [E + S]
+    u32* control;             // counters, see CONTROL_*
+    u32* topk_ids;            // [T][k] chosen experts, most probable first
+    u32* slot_pos;            // [T][k] position of each slot
+    u32* sorted_token;        // [positions] token of each routed position
+    u32* active_expert;       // [E] expert id of each active rank (ascending ids)
+    u32* active_offset;       // [E] first position of each active rank
+    u32* active_count;        // [E] tokens of each active rank
+    u32* n_active;            // [1] active experts
+    float* logits;            // [T][E + 1]
+    float* route_weight;      // [T][k] renormalised probabilities
+    float* shared_scale;      // [T] sigmoid(shared gate), 1 without a gate
+    float* partial;           // [positions][H] fp32 down outputs
+    u16* act;                 // [positions][I] bf16 silu(gate) * up
+    u32 tokens;               // T (> 0)
+    u32 experts;              // E (<= MOE_MAX_EXPERTS)
+    u32 top_k;                // k (<= warp size, <= E)
+    u32 hidden;               // H (multiple of 16)
+    u32 inter;                // I (multiple of 16)
+    u32 shared_experts;       // S
+    u32 has_shared_gate;      // 1 when router row E is the shared expert's gate
+    u32 unused;               // keeps the size a multiple of 8 on both sides
+};
+static_assert(sizeof(MoeArgs) == 216, "MoeArgs must match src/kernels/moe/mod.rs");
+
+/// Item counts of one launch, derived from the sizes (the host only sizes the grid).
+struct Plan {
+    u32 chunks;          // token chunks of ROWS (shared-expert and router items)
+    u32 router_tiles, router_groups;
+    u32 gate_up_tiles, gate_up_groups;
+    u32 down_tiles, down_groups;
+    u32 hidden_k_groups, inter_k_groups;
+    u32 end_router, end_shared_gate_up;  // the items before the routing is known
+    u32 shared_down_items;
+};
+
+FP4_DEVICE u32 div_up(u32 a, u32 b) { return (a + b - 1) / b; }
+FP4_DEVICE u32 min_u32(u32 a, u32 b) { return a < b ? a : b; }
+FP4_DEVICE float max_f32(float a, float b) { return a > b ? a : b; }  // operands are never NaN here
+
+template <int ROWS>
+FP4_DEVICE Plan make_plan(const MoeArgs& a) {
+    Plan p;
+    p.chunks = div_up(a.tokens, ROWS);
+    p.router_tiles = div_up(a.experts + a.has_shared_gate, TILE_ROWS);
+    p.router_groups = div_up(p.router_tiles, ROUTER_TILES_PER_ITEM);
+    p.gate_up_tiles = div_up(a.inter, TILE_ROWS / 2);  // RowOrder::GateUp: 8 gate + 8 up rows
+    p.gate_up_groups = div_up(p.gate_up_tiles, GATE_UP_TILES_PER_ITEM);
+    p.down_tiles = div_up(a.hidden, TILE_ROWS);
+    p.down_groups = div_up(p.down_tiles, DOWN_TILES_PER_ITEM);
+    p.hidden_k_groups = div_up(a.hidden, GROUP_COLS);
+    p.inter_k_groups = div_up(a.inter, GROUP_COLS);
+    p.end_router = p.router_groups * p.chunks;
+    p.end_shared_gate_up = p.end_router + a.shared_experts * p.gate_up_groups * p.chunks;
+    p.shared_down_items = a.shared_experts * p.down_groups * p.chunks;
+    return p;
+}
+
+{% if target.instructions.mma_sync_bf16 %}
+// ============================================================================================
+// Tile products on mma.sync m16n8k16 (as gemm.cu's gemm_mma): the weight tile is the A operand,
+// the tokens the B operand, 8 per n8 tile, so a pass of ROWS tokens costs ROWS / 8 MMAs per
+// weight fragment and n8 tiles past the pass's rows are skipped.
+// ============================================================================================
+{% include "common/mma.cuh" %}
+typedef Bf16Weights RouterWeights;
+typedef Nvfp4Weights ExpertNvfp4;
+typedef Bf16Weights ExpertBf16;
+/// The weight accessor over fragment arrays `words` (and NVFP4 block `scales`).
+template <class W> FP4_DEVICE W weights_at(const void* words, const void* scales);
+template <> FP4_DEVICE Nvfp4Weights weights_at<Nvfp4Weights>(const void* words, const void* scales) {
+    return {static_cast<const u32x4*>(words), static_cast<const u16*>(scales)};
+}
+template <> FP4_DEVICE Bf16Weights weights_at<Bf16Weights>(const void* words, const void*) {
+    return {static_cast<const u32x4*>(words)};
+}
+
+/// One lane's share of a 16-row weight tile x ROWS tokens: C registers of n8 tile mt at
+/// v[4 mt .. 4 mt + 3] (rows g, g / g + 8 of the tile; tokens 8 mt + 2t, + 1).
+template <int ROWS>
+struct TileAcc {
+    static constexpr int MT = ROWS / 8;
+    static constexpr int FLOATS = MT * 4;
+    /// Token rows of the pass this lane loads X for: x_row(i) for i < X_ROWS.
+    static constexpr int X_ROWS = MT;
+    float v[FLOATS];
+    FP4_DEVICE static u32 x_row(int i, u32 lane) { return i * 8 + lane / 4; }
+    /// f(token row of the pass, tile row r in 0..8, value of tile row r, value of tile row r + 8)
+    template <class F>
+    FP4_DEVICE void for_each_pair(u32 lane, F f) const {
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            #pragma unroll
+            for (int half = 0; half < 2; ++half)
+                f(mt * 8 + 2 * (lane % 4) + half, lane / 4, v[mt * 4 + half], v[mt * 4 + 2 + half]);
+        }
+    }
+};
+
+/// This warp's partial product of weight tile `tile` (of a [tiles][k_groups][32] fragment array)
+/// with up to ROWS token rows, over the K groups first, first + step, ... < end. x_rows[i] is the
+/// bf16 row of token row TileAcc::x_row(i) (null past the pass). With `wait_counter`, the weight
+/// loads of the first STAGES groups are issued before the block waits for
+/// `*wait_counter >= wait_target` (the X rows are produced by other blocks). Every warp of the
+/// block must call it (the wait is a block barrier).
+template <class W, int ROWS, int STAGES>
+FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k,
+                             const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
+                             const u32* wait_counter, u32 wait_target, TileAcc<ROWS>& acc) {
+    constexpr int MT = ROWS / 8;
+    const u32 lane = lane_index(), t = lane % 4;
+    float c[MT][4];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) c[mt][0] = c[mt][1] = c[mt][2] = c[mt][3] = 0.0f;
+    // lane indices fit 32 bits (the host checks the weights hold under 2^32 of them)
+    const u32 tile_base = (u32)tile * k_groups * 32 + lane;
+    typename W::Group ring[STAGES];
+    #pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+        const u32 group = first + s * step;
+        if (group < end) ring[s] = w.load(tile_base + group * 32);
+    }
+    if (wait_counter) block_wait_at_least(wait_counter, wait_target, "the gate_up items of an expert");
+    const u32 m_tiles = (rows + 7) / 8;
+    for (u32 base = first; base < end; base += STAGES * step) {
+        #pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            const u32 group = base + s * step;
+            if (group < end) {
+                const u32 col = group * GROUP_COLS + 16 * t;
+                u32x4 xs[MT][2];
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    if (x_rows[mt] != nullptr && col < k) {
+                        xs[mt][0] = load_coherent_u32x4(x_rows[mt] + col);
+                        xs[mt][1] = load_coherent_u32x4(x_rows[mt] + col + 8);
+                    } else {
+                        xs[mt][0] = xs[mt][1] = {0u, 0u, 0u, 0u};
+                    }
+                }
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    u32 a[4];
+                    w.fragment(ring[s], j, a);
+                    #pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        if (mt < m_tiles) {  // warp-uniform
+                            const u32x4& q = xs[mt][j / 2];
+                            mma_m16n8k16_bf16(c[mt], a[0], a[1], a[2], a[3], (j % 2 == 0) ? q.x : q.z,
+                                              (j % 2 == 0) ? q.y : q.w);
+                        }
+                    }
+                }
+                const u32 next = group + STAGES * step;
+                if (next < end) ring[s] = w.load(tile_base + next * 32);
+            }
+        }
+    }
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) acc.v[mt * 4 + i] = c[mt][i];
+}
+{% elif target.instructions.wmma_bf16 %}
+// ============================================================================================
+// Tile products on v_wmma_f32_16x16x16_bf16 (as gemm.cu's gemm_wmma): the weight tile is the A
+// operand, 16 tokens the B operand; a WMMA is one NVFP4 block, decoded exactly in f32. No weight
+// ring (compiled and checked here, never run: no AMD GPU is reachable from this project).
+// ============================================================================================
+{% include "common/wmma.cuh" %}
+typedef WmmaBf16Weights RouterWeights;
+typedef WmmaNvfp4Weights ExpertNvfp4;
+typedef WmmaBf16Weights ExpertBf16;
+template <class W> FP4_DEVICE W weights_at(const void* words, const void* scales);
+template <> FP4_DEVICE WmmaNvfp4Weights weights_at<WmmaNvfp4Weights>(const void* words, const void* scales) {
+    return {static_cast<const u32x4*>(words), static_cast<const u32*>(scales)};
+}
+template <> FP4_DEVICE WmmaBf16Weights weights_at<WmmaBf16Weights>(const void* words, const void*) {
+    return {static_cast<const u16*>(words)};
+}
+
+/// One lane's share of a 16-row weight tile x ROWS tokens: D element e of token tile mt at
+/// v[8 mt + e] (tile row 2 (e % 4) + lane / 16 (+ 8 for e >= 4), token 16 mt + lane % 16).
+template <int ROWS>
+struct TileAcc {
+    static constexpr int MT = (ROWS + 15) / 16;
+    static constexpr int FLOATS = MT * 8;
+    static constexpr int X_ROWS = MT;
+    float v[FLOATS];
+    FP4_DEVICE static u32 x_row(int i, u32 lane) { return i * 16 + lane % 16; }
+    template <class F>
+    FP4_DEVICE void for_each_pair(u32 lane, F f) const {
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) f(mt * 16 + lane % 16, 2 * e + lane / 16, v[mt * 8 + e], v[mt * 8 + e + 4]);
+        }
+    }
+};
+
+/// As the NVIDIA version: this wave's partial product of weight tile `tile` (of a
+/// [tiles][k_groups][16 rows] fragment array) with up to ROWS token rows.
+template <class W, int ROWS, int STAGES>
+FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k,
+                             const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
+                             const u32* wait_counter, u32 wait_target, TileAcc<ROWS>& acc) {
+    constexpr int MT = (ROWS + 15) / 16;
+    const u32 lane = lane_index(), r = lane % 16;
+    v8f sums[MT];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int e = 0; e < 8; ++e) sums[mt][e] = 0.0f;
+    if (wait_counter) block_wait_at_least(wait_counter, wait_target, "the gate_up items of an expert");
+    const u32 m_tiles = (rows + 15) / 16;
+    for (u32 group = first; group < end; group += step) {
+        const u64 index = (tile * k_groups + group) * 16 + r;
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 col = group * GROUP_COLS + 16 * j;
+            if (col >= k) break;  // uniform: K is a multiple of 16
+            const v16s a = w.block(index, j);
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (mt < m_tiles) {  // wave-uniform
+                    const bool valid = x_rows[mt] != nullptr;
+                    const v16s b = load_bf16x16(valid ? x_rows[mt] + col : x_rows[mt], valid);
+                    sums[mt] = __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32(a, b, sums[mt]);
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int e = 0; e < 8; ++e) acc.v[mt * 8 + e] = sums[mt][e];
+}
+{% endif %}
+
+// ============================================================================================
+// The block, written once for every target on top of TileAcc / tile_product.
+// ============================================================================================
+
+/// One expert GEMM, gate_up or down: which weights, which rows, and what it waits for.
+struct ExpertJob {
+    bool gate_up;            // gate_up (X = x rows, out act) or down (X = act rows, out partial)
+    u32 expert;              // weight index: a routed expert id, or E + c for shared sub-expert c
+    u32 group;               // tile group
+    u32 position0;           // position of row 0
+    u32 r_begin, r_end;      // rows of this item, in passes of ROWS
+    bool gathered;           // gate_up: the token of row r is sorted_token[position0 + r] (else r)
+    const u32* wait_counter; // down: weights in flight, then wait for *wait_counter >= wait_target
+    u32 wait_target;
+};
+
+/// Block-shared scratch: the cross-warp sums of a tile, or the routing tables (never both live).
+template <int ROWS>
+struct MoeShared {
+    union {
+        float part_sums[MOE_WARPS][TileAcc<ROWS>::FLOATS][FP4_WARP_SIZE];
+        struct {
+            u32 count[MOE_MAX_EXPERTS];   // slots per expert
+            u32 offset[MOE_MAX_EXPERTS];  // first position per expert
+            u32 fill[MOE_MAX_EXPERTS];    // positions handed out per expert
+            u32 scan[MOE_THREADS];        // per-thread sums, then their inclusive scan
+        } route;
+    };
+    ExpertJob job;  // the expert item the block works on
+    u32 item;       // the item the block works on (thread 0 claims it)
+    u32 flag;       // block_arrive's answer
+};
+
+/// Adds the partial sums of a tile's `parts` warps into its first warp (in warp order, so the
+/// result does not depend on timing). Every warp of the block must call it.
+template <int ROWS>
+FP4_DEVICE void reduce_parts(TileAcc<ROWS>& acc, u32 warp, u32 part, u32 parts, MoeShared<ROWS>& sh) {
+    if (parts == 1) return;
+    const u32 lane = lane_index();
+    if (part > 0) {
+        #pragma unroll
+        for (int i = 0; i < TileAcc<ROWS>::FLOATS; ++i) sh.part_sums[warp][i][lane] = acc.v[i];
+    }
+    block_barrier();
+    if (part == 0) {
+        for (u32 w = warp + 1; w < warp + parts; ++w) {
+            #pragma unroll
+            for (int i = 0; i < TileAcc<ROWS>::FLOATS; ++i) acc.v[i] += sh.part_sums[w][i][lane];
+        }
+    }
+    block_barrier();
+}
+
+FP4_DEVICE float warp_max(float v) {
+    #pragma unroll
+    for (int offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1)
+        v = max_f32(v, bits_to_f32(shuffle_xor(f32_to_bits(v), offset)));
+    return v;
+}
+
+/// Routing of tokens t0 .. t1 (one warp per token), by the block that finished the router
+/// items of their chunk last: top-k ids, renormalised weights, the shared expert's scale.
+FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1) {
+    const u32 E = a.experts, k = a.top_k, stride = E + 1;
+    const u32 lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
+    const float minus_infinity = bits_to_f32(0xff800000u);
+    for (u32 t = t0 + warp; t < t1; t += MOE_WARPS) {
+        const float* row = a.logits + (u64)t * stride;
+        float l[MOE_EXPERTS_PER_LANE];
+        float top = minus_infinity;
+        #pragma unroll
+        for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) {
+            const u32 e = i * FP4_WARP_SIZE + lane;
+            float v = e < E ? load_coherent_f32(row + e) : minus_infinity;
+            if (!(v == v)) v = minus_infinity;  // a NaN logit (NaN input) is never preferred
+            l[i] = v;
+            top = max_f32(top, v);
+        }
+        top = warp_max(top);
+        float total = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i)
+            if (i * FP4_WARP_SIZE + lane < E) total += fast_exp(l[i] - top);
+        total = warp_sum(total);
+        // top-k by repeated arg-max over the logits (softmax is monotone in them), ties to the
+        // lower expert id; lane j keeps choice j
+        u32 taken = 0u, mine = 0u;
+        float mine_p = 0.0f, kept = 0.0f;
+        for (u32 j = 0; j < k; ++j) {
+            float best = minus_infinity;
+            u32 best_e = 0xffffffffu;
+            #pragma unroll
+            for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) {
+                const u32 e = i * FP4_WARP_SIZE + lane;
+                if (e < E && !((taken >> i) & 1u) && (best_e == 0xffffffffu || l[i] > best)) {
+                    best = l[i];
+                    best_e = e;
+                }
+            }
+            #pragma unroll
+            for (int offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1) {
+                const float other = bits_to_f32(shuffle_xor(f32_to_bits(best), offset));
+                const u32 other_e = shuffle_xor(best_e, offset);
+                if (other_e != 0xffffffffu &&
+                    (best_e == 0xffffffffu || other > best || (other == best && other_e < best_e))) {
+                    best = other;
+                    best_e = other_e;
+                }
+            }
+            if (best_e % FP4_WARP_SIZE == lane) taken |= 1u << (best_e / FP4_WARP_SIZE);
+            const float probability = fast_exp(best - top) / total;
+            kept += probability;
+            if (lane == j) {
+                mine = best_e;
+                mine_p = probability;
+            }
+        }
+        if (lane < k) {
+            a.topk_ids[t * k + lane] = mine;
+            a.route_weight[t * k + lane] = mine_p / kept;
+        }
+        if (lane == 0) a.shared_scale[t] = a.has_shared_gate ? sigmoid(load_coherent_f32(row + E)) : 1.0f;
+    }
+}
+
+/// The alignment of every slot by expert, by the block that routed the last chunk: per expert
+/// its slots (counted here), its rank among the active experts (ascending ids) and first
+/// position; per slot its position, per position its token. Ends by raising routing_ready.
+template <int ROWS>
+FP4_DEVICE void align(const MoeArgs& a, MoeShared<ROWS>& sh) {
+    const u32 E = a.experts, k = a.top_k, T = a.tokens, tid = thread_x();
+    for (u32 e = tid; e < MOE_MAX_EXPERTS; e += MOE_THREADS) sh.route.count[e] = sh.route.fill[e] = 0u;
+    block_barrier();
+    for (u32 s = tid; s < T * k; s += MOE_THREADS) atomic_add_block(&sh.route.count[load_coherent_u32(a.topk_ids + s)], 1u);
+    block_barrier();
+
+    // Alignment: an exclusive scan over the experts of (active << 16 | slots) gives each active
+    // expert its rank (ascending ids) and its first position (slot counts stay below 2^16: the
+    // host caps T * k).
+    const u32 per_thread = div_up(E, MOE_THREADS);
+    const u32 begin = tid * per_thread, end = min_u32(E, begin + per_thread);
+    u32 sum = 0u;
+    for (u32 e = begin; e < end; ++e) sum += (sh.route.count[e] ? 0x10000u : 0u) + sh.route.count[e];
+    sh.route.scan[tid] = sum;
+    block_barrier();
+    for (u32 offset = 1; offset < MOE_THREADS; offset <<= 1) {
+        const u32 before = tid >= offset ? sh.route.scan[tid - offset] : 0u;
+        block_barrier();
+        sh.route.scan[tid] += before;
+        block_barrier();
+    }
+    u32 running = tid > 0 ? sh.route.scan[tid - 1] : 0u;
+    const u32 first_routed = a.shared_experts * T;
+    for (u32 e = begin; e < end; ++e) {
+        const u32 count = sh.route.count[e];
+        if (count) {
+            const u32 rank = running >> 16, offset = first_routed + (running & 0xffffu);
+            a.active_expert[rank] = e;
+            a.active_offset[rank] = offset;
+            a.active_count[rank] = count;
+            sh.route.offset[e] = offset;
+            running += 0x10000u + count;
+        }
+    }
+    if (tid == MOE_THREADS - 1) *a.n_active = sh.route.scan[tid] >> 16;
+    block_barrier();
+    for (u32 s = tid; s < T * k; s += MOE_THREADS) {
+        const u32 e = load_coherent_u32(a.topk_ids + s);
+        const u32 position = sh.route.offset[e] + atomic_add_block(&sh.route.fill[e], 1u);
+        a.sorted_token[position] = s / k;
+        a.slot_pos[s] = position;
+    }
+    release_before_barrier();
+    block_barrier();
+    if (tid == 0) store_release_gpu(a.control + CONTROL_ROUTING_READY, 1u);
+}
+
+/// Router item: logits of router tile group `group` for the tokens of chunk `chunk`. The last
+/// router item of the chunk routes its tokens; the last chunk routed aligns them all.
+template <int ROWS, int STAGES>
+FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chunk, MoeShared<ROWS>& sh) {
+    const u32 lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
+    const u32 part = warp % ROUTER_WARPS_PER_TILE;
+    const u32 tile = group * ROUTER_TILES_PER_ITEM + warp / ROUTER_WARPS_PER_TILE;
+    const bool active = tile < p.router_tiles;
+    const u32 r0 = chunk * ROWS, rows = min_u32(ROWS, a.tokens - r0);
+    const u16* x_rows[TileAcc<ROWS>::X_ROWS];
+    #pragma unroll
+    for (int i = 0; i < TileAcc<ROWS>::X_ROWS; ++i) {
+        const u32 row = TileAcc<ROWS>::x_row(i, lane);
+        x_rows[i] = row < rows ? a.x + (u64)(r0 + row) * a.hidden : nullptr;
+    }
+    TileAcc<ROWS> acc;
+    tile_product<RouterWeights, ROWS, STAGES>(weights_at<RouterWeights>(a.router, nullptr), tile, p.hidden_k_groups, part, ROUTER_WARPS_PER_TILE,
+                                              active ? p.hidden_k_groups : 0u, a.hidden, x_rows, rows, nullptr, 0u, acc);
+    reduce_parts<ROWS>(acc, warp, part, ROUTER_WARPS_PER_TILE, sh);
+    if (active && part == 0) {
+        const u32 logit_rows = a.experts + a.has_shared_gate, stride = a.experts + 1;
+        acc.for_each_pair(lane, [&](u32 row, u32 r, float top, float bottom) {
+            if (row >= rows) return;
+            float* out = a.logits + (u64)(r0 + row) * stride;
+            const u32 e = tile * TILE_ROWS + r;
+            if (e < logit_rows) out[e] = top;
+            if (e + 8 < logit_rows) out[e + 8] = bottom;
+        });
+    }
+    u32* const chunk_done = a.control + CONTROL_GATE_UP_DONE + a.experts + a.shared_experts + p.down_groups;
+    if (!block_arrive(chunk_done + chunk, p.router_groups, &sh.flag)) return;
+    route_tokens(a, r0, r0 + rows);
+    if (block_arrive(a.control + CONTROL_ROUTER_DONE, p.chunks, &sh.flag)) align<ROWS>(a, sh);
+}
+
+
+/// One expert GEMM item. gate_up: act[position] = bf16(silu(gate) * up); down: partial[position]
+/// = the fp32 down output. One call site for both kinds (the K loop is the same code), so the
+/// compiler keeps one copy of the tile product in registers.
+template <class W, int ROWS, int STAGES>
+FP4_DEVICE void expert_item(const MoeArgs& a, const Plan& p, const ExpertJob& job, MoeShared<ROWS>& sh) {
+    const u32 lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
+    const u32 warps_per_tile = job.gate_up ? GATE_UP_WARPS_PER_TILE : DOWN_WARPS_PER_TILE;
+    const u32 n_tiles = job.gate_up ? p.gate_up_tiles : p.down_tiles;
+    const u32 k = job.gate_up ? a.hidden : a.inter;
+    const u32 k_groups = job.gate_up ? p.hidden_k_groups : p.inter_k_groups;
+    const u32 part = warp % warps_per_tile;
+    const u32 tile = job.group * (MOE_WARPS / warps_per_tile) + warp / warps_per_tile;
+    const bool active = tile < n_tiles;
+    const W weights = job.gate_up ? weights_at<W>(a.gate_up, a.gate_up_scales) : weights_at<W>(a.down, a.down_scales);
+    const float alpha0 = job.gate_up ? a.gate_up_alpha[2 * job.expert] : a.down_alpha[job.expert];
+    const float alpha1 = job.gate_up ? a.gate_up_alpha[2 * job.expert + 1] : alpha0;
+    for (u32 r0 = job.r_begin; r0 < job.r_end; r0 += ROWS) {
+        const u32 rows = min_u32(ROWS, job.r_end - r0);
+        const u16* x_rows[TileAcc<ROWS>::X_ROWS];
+        #pragma unroll
+        for (int i = 0; i < TileAcc<ROWS>::X_ROWS; ++i) {
+            const u32 row = TileAcc<ROWS>::x_row(i, lane);
+            if (row >= rows) {
+                x_rows[i] = nullptr;
+            } else if (job.gate_up) {
+                const u32 token =
+                    job.gathered ? load_coherent_u32(a.sorted_token + job.position0 + r0 + row) : r0 + row;
+                x_rows[i] = a.x + (u64)token * a.hidden;
+            } else {
+                x_rows[i] = a.act + (u64)(job.position0 + r0 + row) * a.inter;
+            }
+        }
+        TileAcc<ROWS> acc;
+        tile_product<W, ROWS, STAGES>(weights, (u64)job.expert * n_tiles + tile, k_groups, part, warps_per_tile,
+                                      active ? k_groups : 0u, k, x_rows, rows,
+                                      r0 == job.r_begin ? job.wait_counter : nullptr, job.wait_target, acc);
+        reduce_parts<ROWS>(acc, warp, part, warps_per_tile, sh);
+        if (active && part == 0) {
+            acc.for_each_pair(lane, [&](u32 row, u32 r, float top, float bottom) {
+                if (row >= rows) return;
+                const u64 position = job.position0 + r0 + row;
+                if (job.gate_up) {
+                    // tile rows r / r + 8 are gate / up row 8 * tile + r
+                    const u32 column = tile * (TILE_ROWS / 2) + r;
+                    if (column < a.inter)
+                        a.act[position * a.inter + column] = f32_to_bf16(silu(top * alpha0) * (bottom * alpha1));
+                } else {
+                    const u32 h = tile * TILE_ROWS + r;
+                    float* out = a.partial + position * a.hidden;
+                    if (h < a.hidden) out[h] = top * alpha0;
+                    if (h + 8 < a.hidden) out[h + 8] = bottom * alpha0;
+                }
+            });
+        }
+        block_barrier();  // part_sums is reused by the next pass
+    }
+}
+
+/// The output rows of down group `group` for every token: the routing-weighted sum of the
+/// token's k expert outputs in slot order, plus the shared-expert scale times the sum of its
+/// sub-experts, plus the residual, rounded once to bf16.
+FP4_DEVICE void combine(const MoeArgs& a, u32 group) {
+    const u32 H = a.hidden, T = a.tokens, k = a.top_k;
+    const u32 h0 = group * DOWN_TILES_PER_ITEM * TILE_ROWS;
+    const u32 width = min_u32(DOWN_TILES_PER_ITEM * TILE_ROWS, H - h0);
+    for (u32 i = thread_x(); i < T * width; i += MOE_THREADS) {
+        const u32 t = i / width, h = h0 + i % width;
+        float sum = 0.0f;
+        for (u32 j = 0; j < k; ++j) {
+            const u32 s = t * k + j;
+            const u32 position = load_coherent_u32(a.slot_pos + s);
+            sum += load_coherent_f32(a.route_weight + s) * load_coherent_f32(a.partial + (u64)position * H + h);
+        }
+        if (a.shared_experts > 0) {
+            float shared = 0.0f;
+            for (u32 c = 0; c < a.shared_experts; ++c)
+                shared += load_coherent_f32(a.partial + ((u64)c * T + t) * H + h);
+            sum += load_coherent_f32(a.shared_scale + t) * shared;
+        }
+        if (a.residual != nullptr) sum += bf16_to_f32(a.residual[(u64)t * H + h]);
+        a.y[(u64)t * H + h] = f32_to_bf16(sum);
+    }
+}
+
+/// The whole block: claims items until none are left; the last block out resets the counters.
+template <class W, int ROWS, int STAGES, int ROUTER_STAGES>
+FP4_DEVICE void moe_block(const MoeArgs& args) {
+    // The arguments and the plan live in shared memory and are read where used: kept in
+    // registers across the item loop, they would crowd out the tile products'.
+    __shared__ MoeShared<ROWS> sh;
+    __shared__ MoeArgs a;
+    __shared__ Plan p;
+    if (thread_x() == 0) {
+        a = args;
+        p = make_plan<ROWS>(args);
+    }
+    block_barrier();
+    const u32 S = a.shared_experts;
+    u32* const gate_up_done = a.control + CONTROL_GATE_UP_DONE;
+    u32* const down_done = gate_up_done + a.experts + S;
+    u32 next = 0u;
+    if (thread_x() == 0) next = atomic_add_relaxed_gpu(a.control + CONTROL_NEXT_ITEM, 1u);
+    for (;;) {
+        if (thread_x() == 0) sh.item = next;
+        block_barrier();
+        const u32 item = sh.item;
+        block_barrier();
+        // the items past the shared gate_up are laid out by the routing: routed gate_up
+        // (n_active ranks), shared down, routed down (n_active ranks); past them, none
+        u32 n_active = 0u, routed = 0u;
+        if (item >= p.end_shared_gate_up) {
+            block_wait_at_least(a.control + CONTROL_ROUTING_READY, 1u, "routing");
+            n_active = load_coherent_u32(a.n_active);  // uniform: read after the barrier
+            routed = item - p.end_shared_gate_up;
+            if (routed >= n_active * (p.gate_up_groups + p.down_groups) + p.shared_down_items) break;
+        }
+        // claim the following item now: its round trip hides behind this one
+        if (thread_x() == 0) next = atomic_add_relaxed_gpu(a.control + CONTROL_NEXT_ITEM, 1u);
+        if (item < p.end_router) {
+            router_item<ROWS, ROUTER_STAGES>(a, p, item / p.chunks, item % p.chunks, sh);
+            continue;
+        }
+        ExpertJob job;
+        job.wait_counter = nullptr;
+        job.wait_target = 0u;
+        u32* done;  // the counter this item signals
+        u32 shared_item = 0u, rank = 0u;
+        bool shared;
+        if (item < p.end_shared_gate_up) {
+            job.gate_up = true;
+            shared = true;
+            shared_item = item - p.end_router;
+        } else if (routed < n_active * p.gate_up_groups) {
+            job.gate_up = true;
+            shared = false;
+            rank = routed / p.gate_up_groups;
+            job.group = routed % p.gate_up_groups;
+        } else if (routed < n_active * p.gate_up_groups + p.shared_down_items) {
+            job.gate_up = false;
+            shared = true;
+            shared_item = routed - n_active * p.gate_up_groups;
+        } else {
+            job.gate_up = false;
+            shared = false;
+            const u32 i = routed - n_active * p.gate_up_groups - p.shared_down_items;
+            rank = i / p.down_groups;
+            job.group = i % p.down_groups;
+        }
+        if (shared) {
+            // a shared sub-expert: rows are the tokens of one chunk, positions c * T + t
+            const u32 per_expert = (job.gate_up ? p.gate_up_groups : p.down_groups) * p.chunks;
+            const u32 c = shared_item / per_expert;
+            job.expert = a.experts + c;
+            job.group = shared_item % per_expert / p.chunks;
+            job.position0 = c * a.tokens;
+            job.r_begin = (shared_item % p.chunks) * ROWS;
+            job.r_end = min_u32(a.tokens, job.r_begin + ROWS);
+            job.gathered = false;
+            if (job.gate_up) {
+                done = gate_up_done + c;
+            } else {
+                job.wait_counter = gate_up_done + c;
+                job.wait_target = p.gate_up_groups * p.chunks;
+                done = down_done + job.group;
+            }
+        } else {
+            // an active expert's rank: its expert, rows and positions come from the routing
+            job.expert = load_coherent_u32(a.active_expert + rank);
+            job.position0 = load_coherent_u32(a.active_offset + rank);
+            job.r_begin = 0u;
+            job.r_end = load_coherent_u32(a.active_count + rank);
+            job.gathered = true;
+            if (job.gate_up) {
+                done = gate_up_done + S + rank;
+            } else {
+                job.wait_counter = gate_up_done + S + rank;
+                job.wait_target = p.gate_up_groups;
+                done = down_done + job.group;
+            }
+        }
+        // the job goes through shared memory: read where used, not held in registers
+        if (thread_x() == 0) sh.job = job;
+        block_barrier();
+        expert_item<W, ROWS, STAGES>(a, p, sh.job, sh);
+        if (job.gate_up) {
+            block_signal(done);
+        } else if (block_arrive(done, n_active + S * p.chunks, &sh.flag)) {
+            combine(a, job.group);
+        }
+    }
+    if (block_arrive(a.control + CONTROL_BLOCKS_DONE, grid_blocks(), &sh.flag)) {
+        const u32 counters = CONTROL_GATE_UP_DONE + a.experts + S + p.down_groups + p.chunks;
+        for (u32 i = thread_x(); i < counters; i += MOE_THREADS) a.control[i] = 0u;
+    }
+}
+
+// Kernels: expert weights NVFP4 or bf16, ROWS tokens per pass (the host picks the smallest
+// variant that holds T; an expert with more tokens takes more passes).
+{% for rows in target.moe.token_rows %}
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_nvfp4_m{{ rows }}(MoeArgs a) {
+    moe_block<ExpertNvfp4, {{ rows }}, {{ target.moe.stages_nvfp4 }}, {{ target.moe.router_stages }}>(a);
+}
+
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_bf16_m{{ rows }}(MoeArgs a) {
+    moe_block<ExpertBf16, {{ rows }}, {{ target.moe.stages_bf16 }}, {{ target.moe.router_stages }}>(a);
+}
+{% endfor %}

@@ -1,0 +1,670 @@
+//! The `moe` kernels run on the CPU: the source rendered for sm_90a (mma.sync emulated as in
+//! tests/gdn_emulator.cpp) and for gfx1151 (WMMA emulated) is compiled for the host with
+//! tests/moe_emulator.cpp in place of its vendor layers and run with the arguments
+//! src/kernels/moe/mod.rs passes (the same MoeArgs, block size and kernel layout), against the
+//! CPU reference. One OS thread per GPU thread, blocks one after another: the persistent kernel
+//! lets the first block do every item (they are claimed in order), so this checks the item
+//! decoding, routing, alignment, fragment addressing, passes, combine and the counters' reset
+//! where no GPU is available; it cannot see races between blocks or timing.
+//!
+//! Needs a C++20 compiler (`$CXX`, else clang++-19 or clang++: the gfx1151 source uses clang's
+//! vector extensions).
+
+use fp4spec::formats::nvfp4::Nvfp4Matrix;
+use fp4spec::kernels::compare;
+use fp4spec::kernels::gemm::RowOrder;
+use fp4spec::kernels::gemm::layout::{WmmaBf16Fragments, WmmaNvfp4Fragments};
+use fp4spec::kernels::moe::reference::{self, ExpertRef, MoeShape, Routing};
+use fp4spec::kernels::moe::{ExpertFormat, ExpertWeights, MoeHostWeights};
+use fp4spec::kernels::table;
+use fp4spec::rng::SplitMix64;
+use fp4spec::target;
+use half::bf16;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Mutex, OnceLock};
+
+const EMULATOR: &str = include_str!("moe_emulator.cpp");
+/// The portability layer and mma.sync emulation this emulator builds on.
+const GDN_EMULATOR: &str = include_str!("gdn_emulator.cpp");
+
+// ---- building the host binary of a target's rendered source ----
+
+/// The text of section `name` (from its `//@@ name` line to the next) of an emulator file.
+fn section<'a>(file: &'a str, name: &str) -> &'a str {
+    let marker = format!("//@@ {name}\n");
+    let start = file
+        .find(&marker)
+        .unwrap_or_else(|| panic!("emulator section {name}"))
+        + marker.len();
+    let end = file[start..]
+        .find("//@@ ")
+        .map_or(file.len(), |e| start + e);
+    &file[start..end]
+}
+
+/// Replaces the lines from the one starting with `begin` to the one containing `end`.
+fn splice(source: &str, begin: &str, end: &str, with: &str) -> String {
+    let a = source
+        .find(begin)
+        .unwrap_or_else(|| panic!("no `{begin}` in the rendered source"));
+    let b = a + source[a..]
+        .find(end)
+        .unwrap_or_else(|| panic!("no `{end}` after `{begin}`"));
+    let b = b + source[b..].find('\n').map_or(source.len() - b, |n| n + 1);
+    format!("{}{}{}", &source[..a], with, &source[b..])
+}
+
+fn compiler() -> String {
+    if let Ok(cxx) = std::env::var("CXX") {
+        return cxx;
+    }
+    for candidate in ["clang++-19", "clang++"] {
+        if Command::new(candidate)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
+            return candidate.to_string();
+        }
+    }
+    panic!("no clang++ (set CXX, or install clang++-19): the moe emulation needs one");
+}
+
+/// The emulator binary for `target_name` (built once per test process).
+fn emulator(target_name: &'static str) -> PathBuf {
+    static BUILT: OnceLock<Mutex<HashMap<&'static str, PathBuf>>> = OnceLock::new();
+    let mut built = BUILT
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(path) = built.get(target_name) {
+        return path.clone();
+    }
+    let rendered = table::rendered(target_name, "moe").expect("moe rendered");
+    let mut source = splice(
+        rendered.source,
+        "// ---- fp4spec portability layer",
+        "// ---- end of portability layer ----",
+        section(GDN_EMULATOR, "portability"),
+    );
+    source = splice(
+        &source,
+        "// ---- sync vendor primitives ----",
+        "// ---- end of sync vendor primitives ----",
+        &format!("#include <chrono>\n{}", section(EMULATOR, "sync")),
+    );
+    if source.contains("// ---- inline PTX of the mma building blocks ----") {
+        source = splice(
+            &source,
+            "// ---- inline PTX of the mma building blocks ----",
+            "// ---- end of inline PTX of the mma building blocks ----",
+            &format!(
+                "{}{}",
+                section(GDN_EMULATOR, "mma"),
+                section(EMULATOR, "mma_adapters")
+            ),
+        );
+    }
+    if source.contains("// ---- end of WMMA operand loaders ----") {
+        source = splice(
+            &source,
+            "// ---- end of WMMA operand loaders ----",
+            "// ---- end of WMMA operand loaders ----",
+            section(EMULATOR, "wmma"),
+        );
+    }
+    let table_entries: String = rendered
+        .kernels
+        .iter()
+        .map(|k| format!("        {{\"{k}\", {k}}},\n"))
+        .collect();
+    source.push_str(section(EMULATOR, "driver"));
+    source = source.replace(
+        "    std::map<std::string, void (*)(MoeArgs)> kernels = {\n",
+        &format!("    std::map<std::string, void (*)(MoeArgs)> kernels = {{\n{table_entries}"),
+    );
+    let dir = std::env::temp_dir().join(format!(
+        "fp4spec-moe-emulator-{}-{target_name}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let (cpp, exe) = (dir.join("moe_host.cpp"), dir.join("moe_host"));
+    std::fs::write(&cpp, &source).expect("write host source");
+    let output = Command::new(compiler())
+        .args([
+            "-std=c++20",
+            "-O1",
+            "-fno-strict-aliasing",
+            "-pthread",
+            "-w",
+            "-o",
+        ])
+        .arg(&exe)
+        .arg(&cpp)
+        .output()
+        .expect("run the C++ compiler");
+    assert!(
+        output.status.success(),
+        "the {target_name} moe source does not compile for the host ({}):\n{}",
+        cpp.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    built.insert(target_name, exe.clone());
+    exe
+}
+
+// ---- the command stream ----
+
+#[derive(Default)]
+struct Emu {
+    commands: Vec<u8>,
+    next: u32,
+}
+
+impl Emu {
+    /// A buffer holding `bytes`; its argument value (id << 40).
+    fn buffer(&mut self, bytes: Vec<u8>) -> u64 {
+        self.next += 1;
+        self.commands.extend(1u32.to_le_bytes());
+        self.commands.extend(self.next.to_le_bytes());
+        self.commands.extend((bytes.len() as u64).to_le_bytes());
+        self.commands.extend(bytes);
+        u64::from(self.next) << 40
+    }
+
+    fn zeros(&mut self, bytes: usize) -> u64 {
+        self.buffer(vec![0; bytes])
+    }
+
+    fn launch(&mut self, name: &str, grid: u32, threads: u32, args: &[u64; 31]) {
+        let c = &mut self.commands;
+        c.extend(2u32.to_le_bytes());
+        c.extend((name.len() as u32).to_le_bytes());
+        c.extend(name.as_bytes());
+        c.extend(grid.to_le_bytes());
+        c.extend(threads.to_le_bytes());
+        for a in args {
+            c.extend(a.to_le_bytes());
+        }
+    }
+
+    fn dump(&mut self, buffer: u64) {
+        self.commands.extend(3u32.to_le_bytes());
+        self.commands.extend(((buffer >> 40) as u32).to_le_bytes());
+    }
+
+    /// Runs the commands; the dumped buffers in order.
+    fn run(&self, exe: &Path, test: &str) -> Vec<Vec<u8>> {
+        let dir =
+            std::env::temp_dir().join(format!("fp4spec-moe-run-{}-{test}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let (input, output) = (dir.join("commands"), dir.join("dumps"));
+        std::fs::write(&input, &self.commands).expect("write commands");
+        let mut child = Command::new(exe)
+            .arg(&input)
+            .arg(&output)
+            .spawn()
+            .expect("run the emulator");
+        // a barrier the kernel's threads do not all reach would hang: give up after a while
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                break status;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                panic!(
+                    "{test}: the emulated kernel did not finish in 600 s (a barrier not every thread reaches?)"
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        assert!(status.success(), "{test}: the emulator failed ({status})");
+        let bytes = std::fs::read(&output).expect("read dumps");
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut dumps = Vec::new();
+        let mut at = 0;
+        while at < bytes.len() {
+            let len = u64::from_le_bytes(bytes[at + 4..at + 12].try_into().expect("8")) as usize;
+            dumps.push(bytes[at + 12..at + 12 + len].to_vec());
+            at += 12 + len;
+        }
+        dumps
+    }
+}
+
+fn bytes_of<T: Copy>(values: &[T], to: impl Fn(T) -> Vec<u8>) -> Vec<u8> {
+    values.iter().flat_map(|v| to(*v)).collect()
+}
+
+fn u32s(bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+// ---- the weights as each target's kernels read them ----
+
+/// Router words, gate_up / down words and scales, alphas and S, for `target_name`: the CUDA
+/// layout of [`MoeHostWeights::kernel_layout`], or for gfx1151 the GEMM family's WMMA layouts
+/// of the same experts (alpha = the per-tensor scale: WMMA decodes e2m1 * e4m3 exactly).
+struct Layout {
+    router: Vec<u8>,
+    gate_up: Vec<u8>,
+    gate_up_scales: Option<Vec<u8>>,
+    down: Vec<u8>,
+    down_scales: Option<Vec<u8>>,
+    gate_up_alpha: Vec<f32>,
+    down_alpha: Vec<f32>,
+    shared_experts: usize,
+}
+
+fn layout(host: &MoeHostWeights, target_name: &str) -> Layout {
+    let cuda = host.kernel_layout().expect("kernel layout");
+    let le32 = |v: u32| v.to_le_bytes().to_vec();
+    let le16 = |v: u16| v.to_le_bytes().to_vec();
+    if target::by_name(target_name)
+        .expect("target")
+        .instructions
+        .mma_sync_bf16
+    {
+        return Layout {
+            router: bytes_of(&cuda.router, le32),
+            gate_up: bytes_of(&cuda.gate_up, le32),
+            gate_up_scales: (!cuda.gate_up_scales.is_empty())
+                .then(|| bytes_of(&cuda.gate_up_scales, le16)),
+            down: bytes_of(&cuda.down, le32),
+            down_scales: (!cuda.down_scales.is_empty()).then(|| bytes_of(&cuda.down_scales, le16)),
+            gate_up_alpha: cuda.gate_up_alpha,
+            down_alpha: cuda.down_alpha,
+            shared_experts: cuda.shared_experts,
+        };
+    }
+    // WMMA: the same units (routed experts, then shared sub-experts) decoded back from the CUDA
+    // layout would lose nothing for bf16; for NVFP4 the units are rebuilt from the host matrices
+    let s = host.shape;
+    let (h, i) = (s.hidden, s.intermediate);
+    let mut router = host.router.clone();
+    if let Some(gate) = &host.shared_gate {
+        router.extend_from_slice(gate);
+    }
+    let rows = router.len() / h;
+    let router = WmmaBf16Fragments::new(&router, rows, h, RowOrder::Plain).expect("router");
+    let mut l = Layout {
+        router: bytes_of(&router.values, le16),
+        gate_up: Vec::new(),
+        gate_up_scales: None,
+        down: Vec::new(),
+        down_scales: None,
+        gate_up_alpha: Vec::new(),
+        down_alpha: Vec::new(),
+        shared_experts: cuda.shared_experts,
+    };
+    let units = s.experts + cuda.shared_experts;
+    for unit in 0..units {
+        match (host.format(), unit < s.experts) {
+            (ExpertFormat::Nvfp4, true) => {
+                let ExpertWeights::Nvfp4 { gate, up, down } = &host.experts[unit] else {
+                    unreachable!("NVFP4 block")
+                };
+                let mut packed = gate.packed.clone();
+                packed.extend_from_slice(&up.packed);
+                let mut scales = gate.scales.clone();
+                scales.extend_from_slice(&up.scales);
+                let gate_up = Nvfp4Matrix {
+                    rows: 2 * i,
+                    cols: h,
+                    packed,
+                    scales,
+                    global_scale: 1.0,
+                    input_scale: None,
+                };
+                let gu = WmmaNvfp4Fragments::new(&gate_up, RowOrder::GateUp).expect("gate_up");
+                let dn = WmmaNvfp4Fragments::new(down, RowOrder::Plain).expect("down");
+                l.gate_up.extend(bytes_of(&gu.words, le32));
+                l.gate_up_scales
+                    .get_or_insert_with(Vec::new)
+                    .extend(bytes_of(&gu.scales, le32));
+                l.down.extend(bytes_of(&dn.words, le32));
+                l.down_scales
+                    .get_or_insert_with(Vec::new)
+                    .extend(bytes_of(&dn.scales, le32));
+                l.gate_up_alpha.extend([gate.global_scale, up.global_scale]);
+                l.down_alpha.push(down.global_scale);
+            }
+            (ExpertFormat::Bf16, _) => {
+                // the unit exactly as the kernels multiply with it, in bf16 with alpha 1
+                let (gate_up, down) = cuda.unit_dense(unit).expect("unit");
+                let to_bf16 = |v: &[f32]| v.iter().map(|x| bf16::from_f32(*x)).collect::<Vec<_>>();
+                let gu = WmmaBf16Fragments::new(&to_bf16(&gate_up), 2 * i, h, RowOrder::GateUp)
+                    .expect("gate_up");
+                let dn =
+                    WmmaBf16Fragments::new(&to_bf16(&down), h, i, RowOrder::Plain).expect("down");
+                l.gate_up.extend(bytes_of(&gu.values, le16));
+                l.down.extend(bytes_of(&dn.values, le16));
+                l.gate_up_alpha.extend([1.0, 1.0]);
+                l.down_alpha.push(1.0);
+            }
+            (ExpertFormat::Nvfp4, false) => {
+                panic!("the gfx1151 emulation covers NVFP4 blocks without a shared expert")
+            }
+        }
+    }
+    l
+}
+
+// ---- one block on the emulator ----
+
+/// What the emulated launches produced.
+struct Emulated {
+    /// Y after the first and after the second launch (same inputs).
+    y: [Vec<bf16>; 2],
+    routing: Routing,
+    /// The counters after the launches: all zero when every launch reset them.
+    control: Vec<u32>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn emulate(
+    test: &str,
+    target_name: &'static str,
+    host: &MoeHostWeights,
+    x: &[bf16],
+    t: usize,
+    residual: Option<&[bf16]>,
+    grid: u32,
+) -> Emulated {
+    let s = host.shape;
+    let facts = target::by_name(target_name).expect("target");
+    let rows = facts
+        .moe
+        .token_rows
+        .iter()
+        .copied()
+        .find(|&r| r as usize >= t)
+        .unwrap_or(*facts.moe.token_rows.last().expect("token rows"));
+    let format = match host.format() {
+        ExpertFormat::Nvfp4 => "nvfp4",
+        ExpertFormat::Bf16 => "bf16",
+    };
+    let l = layout(host, target_name);
+    let (e, k, h, i, sh) = (
+        s.experts,
+        s.top_k,
+        s.hidden,
+        s.intermediate,
+        l.shared_experts,
+    );
+    let positions = t * (k + sh);
+    let mut emu = Emu::default();
+    let bf = |v: &[bf16]| bytes_of(v, |x| x.to_le_bytes().to_vec());
+    let fl = |v: &[f32]| bytes_of(v, |x| x.to_le_bytes().to_vec());
+    let x_buf = emu.buffer(bf(x));
+    let residual_buf = residual.map_or(0, |r| emu.buffer(bf(r)));
+    let y_buf = emu.zeros(2 * t * h);
+    let router = emu.buffer(l.router.clone());
+    let gate_up = emu.buffer(l.gate_up.clone());
+    let gate_up_scales = l.gate_up_scales.clone().map_or(0, |v| emu.buffer(v));
+    let down = emu.buffer(l.down.clone());
+    let down_scales = l.down_scales.clone().map_or(0, |v| emu.buffer(v));
+    let gate_up_alpha = emu.buffer(fl(&l.gate_up_alpha));
+    let down_alpha = emu.buffer(fl(&l.down_alpha));
+    // as MoeWorkspace::new sizes it
+    let control = emu.zeros(4 * (4 + e + sh + h.div_ceil(16) + t.div_ceil(8)));
+    let topk_ids = emu.zeros(4 * t * k);
+    let slot_pos = emu.zeros(4 * t * k);
+    let sorted_token = emu.zeros(4 * positions);
+    let active_expert = emu.zeros(4 * e);
+    let active_offset = emu.zeros(4 * e);
+    let active_count = emu.zeros(4 * e);
+    let n_active = emu.zeros(4);
+    let logits = emu.zeros(4 * t * (e + 1));
+    let route_weight = emu.zeros(4 * t * k);
+    let shared_scale = emu.zeros(4 * t);
+    let partial = emu.zeros(4 * positions * h);
+    let act = emu.zeros(2 * positions * i);
+    let args: [u64; 31] = [
+        x_buf,
+        residual_buf,
+        y_buf,
+        router,
+        gate_up,
+        gate_up_scales,
+        down,
+        down_scales,
+        gate_up_alpha,
+        down_alpha,
+        control,
+        topk_ids,
+        slot_pos,
+        sorted_token,
+        active_expert,
+        active_offset,
+        active_count,
+        n_active,
+        logits,
+        route_weight,
+        shared_scale,
+        partial,
+        act,
+        t as u64,
+        e as u64,
+        k as u64,
+        h as u64,
+        i as u64,
+        sh as u64,
+        u64::from(host.shared_gate.is_some()),
+        0,
+    ];
+    let kernel = format!("moe_{format}_m{rows}");
+    let threads = facts.moe.warps_per_block * facts.warp_size;
+    emu.launch(&kernel, grid, threads, &args);
+    emu.dump(y_buf);
+    emu.launch(&kernel, grid, threads, &args);
+    for buffer in [y_buf, topk_ids, route_weight, shared_scale, control] {
+        emu.dump(buffer);
+    }
+    let dumps = emu.run(&emulator(target_name), test);
+    let to_bf16 = |b: &[u8]| -> Vec<bf16> {
+        b.chunks_exact(2)
+            .map(|p| bf16::from_le_bytes([p[0], p[1]]))
+            .collect()
+    };
+    Emulated {
+        y: [to_bf16(&dumps[0]), to_bf16(&dumps[1])],
+        routing: Routing {
+            top_k: k,
+            experts: u32s(&dumps[2]),
+            weights: f32s(&dumps[3]),
+            shared_scale: if host.shared_gate.is_some() {
+                f32s(&dumps[4])
+            } else {
+                Vec::new()
+            },
+        },
+        control: u32s(&dumps[5]),
+    }
+}
+
+/// Runs the block on the emulator and checks it against the reference: the same experts per
+/// token, weights and shared scales within fp32 rounding, the output within bf16 rounding of the
+/// reference evaluated with the emulated routing (activations rounded to bf16 as the kernel
+/// does), two launches bit-identical, and every counter back to zero.
+fn check(
+    test: &str,
+    target_name: &'static str,
+    host: &MoeHostWeights,
+    x: &[bf16],
+    t: usize,
+    r: Option<&[bf16]>,
+    grid: u32,
+) {
+    let s = host.shape;
+    let got = emulate(test, target_name, host, x, t, r, grid);
+    let label = format!("{test} {target_name} {:?} T={t} grid={grid}", host.format());
+    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    let router: Vec<f32> = host.router.iter().map(|v| v.to_f32()).collect();
+    let gate: Option<Vec<f32>> = host
+        .shared_gate
+        .as_ref()
+        .map(|g| g.iter().map(|v| v.to_f32()).collect());
+    let want = reference::route(s, &xf, t, &router, gate.as_deref());
+    let k = s.top_k;
+    for token in 0..t {
+        assert_eq!(
+            &got.routing.experts[token * k..(token + 1) * k],
+            &want.experts[token * k..(token + 1) * k],
+            "{label}: token {token} experts (emulated vs reference, in order)"
+        );
+        for slot in 0..k {
+            let (g, w) = (
+                got.routing.weights[token * k + slot],
+                want.weights[token * k + slot],
+            );
+            assert!(
+                (g - w).abs() <= 1e-5,
+                "{label}: token {token} slot {slot} weight {g} vs {w}"
+            );
+        }
+        if let Some(w) = want.shared_scale.get(token) {
+            let g = got.routing.shared_scale[token];
+            assert!(
+                (g - w).abs() <= 1e-5,
+                "{label}: token {token} shared scale {g} vs {w}"
+            );
+        }
+    }
+    let dense: Vec<(Vec<f32>, Vec<f32>)> = host.experts.iter().map(ExpertWeights::dense).collect();
+    let shared = host.shared.as_ref().map(ExpertWeights::dense);
+    let mut reference_y = reference::moe_block_with(
+        s,
+        &xf,
+        t,
+        &got.routing,
+        |e| ExpertRef {
+            gate_up: &dense[e].0,
+            down: &dense[e].1,
+        },
+        shared
+            .as_ref()
+            .map(|(gate_up, down)| ExpertRef { gate_up, down }),
+        |v| f64::from(bf16::from_f64(v).to_f32()),
+    );
+    if let Some(r) = r {
+        for (w, r) in reference_y.iter_mut().zip(r) {
+            *w += r.to_f32();
+        }
+    }
+    let agreement = compare::compare_bf16(&got.y[1], &reference_y);
+    println!("{label}: {agreement}");
+    assert!(agreement.passed(), "{label}: {agreement}");
+    let differ = got.y[0]
+        .iter()
+        .zip(&got.y[1])
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    assert_eq!(
+        differ, 0,
+        "{label}: the second launch differs in {differ} elements (counters not reset?)"
+    );
+    assert!(
+        got.control.iter().all(|&c| c == 0),
+        "{label}: counters left after the launches: {:?}",
+        got.control
+    );
+}
+
+fn shape(
+    experts: usize,
+    top_k: usize,
+    hidden: usize,
+    intermediate: usize,
+    shared: usize,
+) -> MoeShape {
+    MoeShape {
+        experts,
+        top_k,
+        hidden,
+        intermediate,
+        shared_intermediate: shared,
+    }
+}
+
+fn inputs(seed: u64, len: usize) -> Vec<bf16> {
+    SplitMix64::new(seed)
+        .normal_vec(len, 1.0)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect()
+}
+
+/// E = 8, k = 2, H = 272 and I = 48 (K not a multiple of 64), Is = 80 (two sub-experts, one
+/// padded): NVFP4 at T = 9 (two token chunks) with a residual, bf16 at T = 1 without a gate on a
+/// grid of two blocks (the second finds no work and resets the counters).
+#[test]
+fn the_sm90a_kernels_run_emulated() {
+    let s = shape(8, 2, 272, 48, 80);
+    let nvfp4 = MoeHostWeights::synthetic(s, ExpertFormat::Nvfp4, 1);
+    let (x, r) = (inputs(2, 9 * 272), inputs(3, 9 * 272));
+    check("awkward", "sm_90a", &nvfp4, &x, 9, Some(&r), 1);
+    let mut bf16_block = MoeHostWeights::synthetic(s, ExpertFormat::Bf16, 4);
+    bf16_block.shared_gate = None;
+    check(
+        "no gate",
+        "sm_90a",
+        &bf16_block,
+        &inputs(5, 272),
+        1,
+        None,
+        2,
+    );
+}
+
+/// 32 experts, top-4, no shared expert; expert 5 gets all 20 tokens (three passes of 8).
+#[test]
+fn the_sm90a_kernels_run_emulated_with_a_crowded_expert() {
+    let (s, t) = (shape(32, 4, 64, 32, 0), 20);
+    let mut host = MoeHostWeights::synthetic(s, ExpertFormat::Bf16, 6);
+    // expert 5's router row leans on input column 0, which every token sets high
+    for (c, v) in host.router[5 * 64..6 * 64].iter_mut().enumerate() {
+        *v = bf16::from_f32(if c == 0 { 4.0 } else { 0.0 });
+    }
+    let mut x = inputs(7, t * 64);
+    for token in 0..t {
+        x[token * 64] = bf16::from_f32(6.0);
+    }
+    let got = emulate("crowded", "sm_90a", &host, &x, t, None, 1);
+    let count = got.routing.experts.iter().filter(|&&e| e == 5).count();
+    assert_eq!(count, t, "expert 5 should get every token");
+    check("crowded", "sm_90a", &host, &x, t, None, 1);
+}
+
+/// The gfx1151 source (WMMA tile products) on the same kinds of blocks.
+#[test]
+fn the_gfx1151_kernels_run_emulated() {
+    let s = shape(8, 2, 272, 48, 0);
+    let nvfp4 = MoeHostWeights::synthetic(s, ExpertFormat::Nvfp4, 9);
+    let (x, r) = (inputs(10, 9 * 272), inputs(11, 9 * 272));
+    check("wmma nvfp4", "gfx1151", &nvfp4, &x, 9, Some(&r), 1);
+    let s = shape(8, 2, 272, 48, 80);
+    let bf16_block = MoeHostWeights::synthetic(s, ExpertFormat::Bf16, 12);
+    check(
+        "wmma bf16",
+        "gfx1151",
+        &bf16_block,
+        &inputs(13, 3 * 272),
+        3,
+        None,
+        2,
+    );
+}
