@@ -89,7 +89,9 @@ typedef long long i64;
 
 // ---- portability: what this family needs beyond common/prelude.cuh ----
 {% if target.vendor == "nvidia" %}
-#define VERIFY_NOINLINE __device__ __noinline__
+// Functions that run once per row or sequence, off the streaming loops: out of line, so that
+// their registers do not weigh on the kernels' streaming code.
+#define VERIFY_RARE __device__ __noinline__
 FP4_DEVICE void block_sync() { __syncthreads(); }
 FP4_DEVICE void device_fence() { __threadfence(); }
 FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return atomicAdd(p, v); }
@@ -125,7 +127,11 @@ FP4_DEVICE u64 mul_hi_u64(u64 a, u64 b) { return (u64)__umul64hi((unsigned long 
 {% else %}
 // HIP contracts a * b + c into an FMA unless told not to; the reference never does.
 #pragma clang fp contract(off)
-#define VERIFY_NOINLINE __device__ __attribute__((noinline))
+// Functions that run once per row or sequence: inlined. As calls they cost scratch memory under
+// the AMDGPU calling convention (every object a callee gets by reference, VerifyArgs, RowView,
+// ..., is copied to the caller's private stack, 496 bytes per lane in verify_histogram and 256
+// in verify_finish), and the callee's registers count against the kernel either way.
+#define VERIFY_RARE FP4_DEVICE
 FP4_DEVICE void block_sync() {
     __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
     __builtin_amdgcn_s_barrier();
@@ -604,22 +610,42 @@ struct HistogramShared {
     u32 window_hi[VMAX_WINDOWS];
     u32 windows;
     u32 last;
+{%- if target.vendor == "amd" %}
+    u32 merge_lo[VMAX_WINDOWS + 1];  // Plan::add's merged intervals (see Plan)
+    u32 merge_hi[VMAX_WINDOWS + 1];
+{%- endif %}
 };
 
 /// The planner's bucket windows (thread 0): added in order of need, each kept only while the
 /// tokens of all kept windows fit the candidate space. Kept as sorted, disjoint intervals.
 struct Plan {
     HistogramShared& sh;
+{%- if target.vendor == "amd" %}
+    // In shared memory (only thread 0 plans): the AMD compiler keeps arrays indexed at run time
+    // in scratch memory, not registers. lo and hi are the block's windows themselves (finish()
+    // copies them onto themselves).
+    u32 *lo, *hi;
+    u32 count;
+    u32 tokens;  // in the union
+    FP4_DEVICE explicit Plan(HistogramShared& shared)
+        : sh(shared), lo(shared.window_lo), hi(shared.window_hi), count(0), tokens(0) {}
+{%- else %}
     u32 lo[VMAX_WINDOWS], hi[VMAX_WINDOWS];
     u32 count;
     u32 tokens;  // in the union
     FP4_DEVICE explicit Plan(HistogramShared& shared) : sh(shared), count(0), tokens(0) {}
+{%- endif %}
     FP4_DEVICE u32 tokens_in(u32 first, u32 last) const { return sh.count[last + 1] - sh.count[first]; }
     FP4_DEVICE void add(u32 first, u32 last) {
         if (first > last || last >= VNB) return;
         // merge [first, last] with the intervals it touches
         u32 merged_lo = first, merged_hi = last, merged_tokens = 0, keep = 0;
+{%- if target.vendor == "amd" %}
+        u32* new_lo = sh.merge_lo;
+        u32* new_hi = sh.merge_hi;
+{%- else %}
         u32 new_lo[VMAX_WINDOWS + 1], new_hi[VMAX_WINDOWS + 1];
+{%- endif %}
         bool placed = false;
         for (u32 i = 0; i < count; ++i) {
             if (hi[i] + 1 < merged_lo) {
@@ -736,7 +762,7 @@ FP4_DEVICE i32 histogram_chunks(const RowView& v, bool sampling, u32 first, u32 
 /// The planner (pass 1's last block of a sampled row): which buckets pass 2 collects so that
 /// every cut and the draw resolve from candidates. Bounds only; pass 2's finish is exact
 /// whatever this picks (a bucket it misses is resolved by radix rounds over the row).
-VERIFY_NOINLINE void plan_row(const VerifyArgs& a, const VerifyRow& row, const VerifySequence& seq,
+VERIFY_RARE void plan_row(const VerifyArgs& a, const VerifyRow& row, const VerifySequence& seq,
                          const RowView& v, u64* state, i32 top, u32 top_mantissa,
                          HistogramShared& sh) {
     scan_histogram(sh.hist, sh.count, sh.weight, sh.warp_count, sh.warp_weight);
@@ -1036,7 +1062,7 @@ struct Selected {
 
 /// The slow path: radix rounds over the whole row on the kappa bits of the bucket's tokens
 /// (for a bucket that pass 2 did not collect). One block; 7 scans of the row.
-VERIFY_NOINLINE Selected select_by_scan(const RowView& v, i32 top, u32 bucket, int mode, u64 value,
+VERIFY_RARE Selected select_by_scan(const RowView& v, i32 top, u32 bucket, int mode, u64 value,
                                    FinishShared& sh) {
     if (thread_x() == 0) VERIFY_TRACE(VTRACE_RADIX);
     u64 prefix = 0;
@@ -1117,7 +1143,7 @@ FP4_DEVICE u32 lower_bound(const u64* sorted, u32 n, u64 key) {
 
 /// A token inside bucket `bucket` (holding `tokens` tokens): from the candidates when pass 2
 /// collected the whole bucket, else by scanning the row.
-VERIFY_NOINLINE Selected select_in_bucket(const RowView& v, i32 top, u32 bucket, u32 tokens, int mode,
+VERIFY_RARE Selected select_in_bucket(const RowView& v, i32 top, u32 bucket, u32 tokens, int mode,
                                      u64 value, u32 n, FinishShared& sh) {
     const u32 s = lower_bound(sh.sorted, n, (u64)bucket << 52);
     const u32 e = lower_bound(sh.sorted, n, (u64)(bucket + 1) << 52);
@@ -1334,7 +1360,7 @@ FP4_DEVICE SequenceRows gather_sequence(const VerifyArgs& a, const VerifySequenc
 
 /// The acceptance chain of one sequence (thread 0 of its last row's block): the reference's
 /// walk, reading rows in order and only as far as the outcome needs them.
-VERIFY_NOINLINE void finish_sequence(const VerifyArgs& a, u32 s, const SequenceRows& rows) {
+VERIFY_RARE void finish_sequence(const VerifyArgs& a, u32 s, const SequenceRows& rows) {
     const VerifySequence seq = a.sequences[s];
     u32* out = a.emitted + (u64)s * (a.max_drafts + 1);
     u32* st = a.status + (u64)s * VSTATUS_WORDS;

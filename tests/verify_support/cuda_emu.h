@@ -226,6 +226,8 @@ inline T exchange(T value, unsigned src_lane) {
 #define __restrict__
 
 inline void __syncthreads() { emu::sync_block(); }
+// the whole warp (the kernels call it with every lane; common/prelude.cuh warp_barrier)
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::sync_warp(); }
 inline void __threadfence() {}
 template <class T>
 inline T __shfl_sync(unsigned, T v, int src) { return emu::exchange(v, (unsigned)src); }
