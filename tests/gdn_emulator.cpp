@@ -64,6 +64,13 @@ FP4_DEVICE float warp_sum(float value) {
     for (u32 off = 16; off > 0; off >>= 1) value += emu_shfl_xor(value, off);
     return value;
 }
+FP4_DEVICE float warp_max(float value) {
+    for (u32 off = 16; off > 0; off >>= 1) {
+        const float other = emu_shfl_xor(value, off);
+        value = other > value ? other : value;
+    }
+    return value;
+}
 FP4_DEVICE float bf16_to_f32(u16 bits) { return bits_to_f32((u32)bits << 16); }
 FP4_DEVICE u16 f32_to_bf16(float value) {
     const u32 bits = f32_to_bits(value);

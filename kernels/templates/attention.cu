@@ -95,9 +95,95 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_PREPARE_WARPS * FP4_WARP_SIZE) attention_
     }
 }
 
-// grid (splits, kv_heads, rows), one warp per query head of the group. Scores are taken in base
-// 2 (q pre-scaled by log2(e) / sqrt(head_dim)); ATTN_UNROLL positions per step keep several
-// K rows and warp reductions in flight.
+/// `E` bf16 values at `p` as floats (16-, 8- or 4-byte loads where E allows; `p` is aligned to
+/// E elements because head rows start at multiples of head_dim = 32 E).
+template <int E>
+FP4_DEVICE void load_bf16_row(float (&dst)[E], const u16* p) {
+    if constexpr (E % 8 == 0) {
+        #pragma unroll
+        for (int c = 0; c < E / 8; ++c) {
+            const u32x4 v = load_u32x4(p + 8 * c);
+            const u32 w[4] = {v.x, v.y, v.z, v.w};
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                dst[8 * c + 2 * i] = bits_to_f32(w[i] << 16);
+                dst[8 * c + 2 * i + 1] = bits_to_f32(w[i] & 0xffff0000u);
+            }
+        }
+    } else if constexpr (E % 4 == 0) {
+        #pragma unroll
+        for (int c = 0; c < E / 4; ++c) {
+            const u32x2 v = load_u32x2(p + 4 * c);
+            dst[4 * c] = bits_to_f32(v.x << 16);
+            dst[4 * c + 1] = bits_to_f32(v.x & 0xffff0000u);
+            dst[4 * c + 2] = bits_to_f32(v.y << 16);
+            dst[4 * c + 3] = bits_to_f32(v.y & 0xffff0000u);
+        }
+    } else {
+        #pragma unroll
+        for (int i = 0; i < E; ++i) dst[i] = bf16_to_f32(p[i]);
+    }
+}
+
+// The body of attention_decode for head_dim = 32 E: lane l owns dimensions [l E, l E + E).
+// Every step issues the K and V rows of ATTN_UNROLL positions before using any of them (V does
+// not depend on the scores), so a warp keeps 2 * ATTN_UNROLL row loads in flight.
+template <int E>
+FP4_DEVICE void decode_split(const float* q_row, const u16* k_base, const u16* v_base, u64 stride,
+                             u32 start, u32 end, u32 lane, float* ml, float* acc_out) {
+    const float scale = LOG2E / sqrt_f32((float)(E * FP4_WARP_SIZE));
+    float qr[E], acc[E];
+    #pragma unroll
+    for (int i = 0; i < E; ++i) {
+        qr[i] = q_row[lane * E + i] * scale;
+        acc[i] = 0.0f;
+    }
+    float m = neg_inf(), l = 0.0f;
+    for (u32 p = start; p < end; p += ATTN_UNROLL) {
+        // positions past the end repeat the last one (uniform control flow) and get weight 0
+        // through a score of -inf
+        float kf[ATTN_UNROLL][E], vf[ATTN_UNROLL][E];
+        #pragma unroll
+        for (int u = 0; u < ATTN_UNROLL; ++u) {
+            const u64 at = (u64)(p + u < end ? p + u : end - 1) * stride + lane * E;
+            load_bf16_row<E>(kf[u], k_base + at);
+            load_bf16_row<E>(vf[u], v_base + at);
+        }
+        float s[ATTN_UNROLL];
+        float m_new = m;
+        #pragma unroll
+        for (int u = 0; u < ATTN_UNROLL; ++u) {
+            float dot = 0.0f;
+            #pragma unroll
+            for (int i = 0; i < E; ++i) dot += qr[i] * kf[u][i];
+            s[u] = warp_sum(dot);
+            if (p + u >= end) s[u] = neg_inf();
+            m_new = s[u] > m_new ? s[u] : m_new;
+        }
+        const float correction = exp2_f32(m - m_new);
+        l *= correction;
+        #pragma unroll
+        for (int i = 0; i < E; ++i) acc[i] *= correction;
+        #pragma unroll
+        for (int u = 0; u < ATTN_UNROLL; ++u) {
+            const float w = exp2_f32(s[u] - m_new);
+            l += w;
+            #pragma unroll
+            for (int i = 0; i < E; ++i) acc[i] += w * vf[u][i];
+        }
+        m = m_new;
+    }
+    if (lane == 0) {
+        ml[0] = m;
+        ml[1] = l;
+    }
+    #pragma unroll
+    for (int i = 0; i < E; ++i) acc_out[lane * E + i] = acc[i];
+}
+
+// grid (splits, kv_heads, rows), one warp per query head of the group; head_dim a multiple of
+// 32 up to 256 (checked on the host). Scores are taken in base 2 (q pre-scaled by
+// log2(e) / sqrt(head_dim)).
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(16 * FP4_WARP_SIZE) attention_decode(
     const float* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
     const u32* __restrict__ row_slot, const u32* __restrict__ row_pos,
@@ -119,67 +205,22 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(16 * FP4_WARP_SIZE) attention_decode(
         return;
     }
     const u32 end = start + ATTN_SPLIT < len ? start + ATTN_SPLIT : len;
-    const float scale = LOG2E / sqrt_f32((float)head_dim);
-    float qr[ATTN_MAX_ELEMS], acc[ATTN_MAX_ELEMS];
-    const float* q_row = q + ((u64)row * heads + head) * head_dim;
-    #pragma unroll
-    for (int i = 0; i < ATTN_MAX_ELEMS; ++i) {
-        const u32 d = i * FP4_WARP_SIZE + lane;
-        qr[i] = d < head_dim ? q_row[d] * scale : 0.0f;
-        acc[i] = 0.0f;
-    }
     const u64 stride = (u64)kv_heads * head_dim;
     const u64 base = ((u64)row_slot[row] * capacity * kv_heads + kv_head) * head_dim;
-    float m = neg_inf(), l = 0.0f;
-    for (u32 p = start; p < end; p += ATTN_UNROLL) {
-        // positions past the end repeat the last one (uniform control flow, no spills) and get
-        // weight 0 through a score of -inf
-        float s[ATTN_UNROLL];
-        #pragma unroll
-        for (int u = 0; u < ATTN_UNROLL; ++u) {
-            const u32 at = p + u < end ? p + u : end - 1;
-            const u16* k_row = k_cache + base + (u64)at * stride;
-            float dot = 0.0f;
-            #pragma unroll
-            for (int i = 0; i < ATTN_MAX_ELEMS; ++i) {
-                const u32 d = i * FP4_WARP_SIZE + lane;
-                if (d < head_dim) dot += qr[i] * bf16_to_f32(k_row[d]);
-            }
-            s[u] = dot;
-        }
-        float m_new = m;
-        #pragma unroll
-        for (int u = 0; u < ATTN_UNROLL; ++u) {
-            s[u] = warp_sum(s[u]);
-            if (p + u >= end) s[u] = neg_inf();
-            m_new = s[u] > m_new ? s[u] : m_new;
-        }
-        const float correction = exp2_f32(m - m_new);
-        l *= correction;
-        #pragma unroll
-        for (int i = 0; i < ATTN_MAX_ELEMS; ++i) acc[i] *= correction;
-        #pragma unroll
-        for (int u = 0; u < ATTN_UNROLL; ++u) {
-            const float w = exp2_f32(s[u] - m_new);
-            l += w;
-            const u32 at = p + u < end ? p + u : end - 1;
-            const u16* v_row = v_cache + base + (u64)at * stride;
-            #pragma unroll
-            for (int i = 0; i < ATTN_MAX_ELEMS; ++i) {
-                const u32 d = i * FP4_WARP_SIZE + lane;
-                if (d < head_dim) acc[i] += w * bf16_to_f32(v_row[d]);
-            }
-        }
-        m = m_new;
-    }
-    if (lane == 0) {
-        partial_ml[2 * part] = m;
-        partial_ml[2 * part + 1] = l;
-    }
-    #pragma unroll
-    for (int i = 0; i < ATTN_MAX_ELEMS; ++i) {
-        const u32 d = i * FP4_WARP_SIZE + lane;
-        if (d < head_dim) partial_acc[part * head_dim + d] = acc[i];
+    const float* q_row = q + ((u64)row * heads + head) * head_dim;
+    float* ml = partial_ml + 2 * part;
+    float* acc = partial_acc + part * head_dim;
+    const u16* k = k_cache + base;
+    const u16* v = v_cache + base;
+    switch (head_dim / FP4_WARP_SIZE) {
+        case 1: decode_split<1>(q_row, k, v, stride, start, end, lane, ml, acc); break;
+        case 2: decode_split<2>(q_row, k, v, stride, start, end, lane, ml, acc); break;
+        case 3: decode_split<3>(q_row, k, v, stride, start, end, lane, ml, acc); break;
+        case 4: decode_split<4>(q_row, k, v, stride, start, end, lane, ml, acc); break;
+        case 5: decode_split<5>(q_row, k, v, stride, start, end, lane, ml, acc); break;
+        case 6: decode_split<6>(q_row, k, v, stride, start, end, lane, ml, acc); break;
+        case 7: decode_split<7>(q_row, k, v, stride, start, end, lane, ml, acc); break;
+        default: decode_split<8>(q_row, k, v, stride, start, end, lane, ml, acc); break;
     }
 }
 
@@ -195,13 +236,21 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_COMBINE_WARPS * FP4_WARP_SIZE) attention_
     const u32 row = item / heads, head = item % heads;
     const u32 used = (row_pos[row] + ATTN_SPLIT) / ATTN_SPLIT;  // splits holding positions
     const u64 first = (u64)item * splits;
+    // max and rescaled sum over the splits, lanes taking splits in turn
     float m = neg_inf();
-    for (u32 s = 0; s < used; ++s) m = partial_ml[2 * (first + s)] > m ? partial_ml[2 * (first + s)] : m;
+    for (u32 s = lane; s < used; s += FP4_WARP_SIZE) {
+        const float ms = partial_ml[2 * (first + s)];
+        m = ms > m ? ms : m;
+    }
+    m = warp_max(m);
     float total = 0.0f;
-    for (u32 s = 0; s < used; ++s) total += partial_ml[2 * (first + s) + 1] * exp2_f32(partial_ml[2 * (first + s)] - m);
+    for (u32 s = lane; s < used; s += FP4_WARP_SIZE)
+        total += partial_ml[2 * (first + s) + 1] * exp2_f32(partial_ml[2 * (first + s)] - m);
+    total = warp_sum(total);
     const u16* gate = q_gate + ((u64)row * heads + head) * 2 * head_dim + head_dim;
     for (u32 d = lane; d < head_dim; d += FP4_WARP_SIZE) {
         float o = 0.0f;
+        #pragma unroll 4
         for (u32 s = 0; s < used; ++s)
             o += partial_acc[(first + s) * head_dim + d] * exp2_f32(partial_ml[2 * (first + s)] - m);
         const float g = bf16_to_f32(gate[d]);

@@ -373,13 +373,6 @@ FP4_DEVICE void reduce_parts(TileAcc<ROWS>& acc, u32 warp, u32 part, u32 parts, 
     block_barrier();
 }
 
-FP4_DEVICE float warp_max(float v) {
-    #pragma unroll
-    for (int offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1)
-        v = max_f32(v, bits_to_f32(shuffle_xor(f32_to_bits(v), offset)));
-    return v;
-}
-
 /// Routing of tokens t0 .. t1 (one warp per token), by the block that finished the router
 /// items of their chunk last: top-k ids, renormalised weights, the shared expert's scale.
 FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1) {

@@ -38,6 +38,16 @@ FP4_DEVICE float warp_sum(float value) {
     return value;
 }
 
+/// Maximum over the 32 lanes of a warp; every lane gets it.
+FP4_DEVICE float warp_max(float value) {
+    #pragma unroll
+    for (int offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, value, offset);
+        value = other > value ? other : value;
+    }
+    return value;
+}
+
 /// bf16 (raw bits) to f32: exact.
 FP4_DEVICE float bf16_to_f32(u16 bits) { return __uint_as_float((u32)bits << 16); }
 /// f32 to bf16 (raw bits), round to nearest even, NaN stays NaN.
@@ -95,6 +105,18 @@ FP4_DEVICE float warp_sum(float value) {
     for (int offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1) {
         const int other = __builtin_amdgcn_ds_bpermute((int)((lane ^ offset) << 2), __builtin_bit_cast(int, value));
         value += __builtin_bit_cast(float, other);
+    }
+    return value;
+}
+
+/// Maximum over the lanes of a wavefront; every lane gets it.
+FP4_DEVICE float warp_max(float value) {
+    const u32 lane = lane_id();
+    #pragma unroll
+    for (int offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        const int other = __builtin_amdgcn_ds_bpermute((int)((lane ^ offset) << 2), __builtin_bit_cast(int, value));
+        const float o = __builtin_bit_cast(float, other);
+        value = o > value ? o : value;
     }
     return value;
 }

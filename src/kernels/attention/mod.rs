@@ -199,10 +199,10 @@ fn check_shape(shape: AttentionShape) -> Result<()> {
             ),
         ));
     }
-    if head_dim == 0 || head_dim > MAX_HEAD_DIM {
+    if head_dim == 0 || head_dim > MAX_HEAD_DIM || head_dim % 32 != 0 {
         return Err(Error::invalid(
             "attention head_dim",
-            format!("{head_dim} outside 1..={MAX_HEAD_DIM}"),
+            format!("{head_dim}: a multiple of 32 (one warp's lanes) up to {MAX_HEAD_DIM}"),
         ));
     }
     Ok(())
