@@ -17,9 +17,8 @@
 pub mod reference;
 
 use super::{check_len, check_u32};
-use crate::backend::{Backend, DeviceVec};
+use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
 use crate::error::{Error, Result};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 use reference::AttentionShape;
 
@@ -152,15 +151,11 @@ pub struct Workspace {
 
 /// The splits a cache of `capacity` positions needs on `backend`'s target.
 fn splits_for(backend: &Backend, capacity: usize) -> usize {
-    match backend {
-        Backend::Cpu => 1,
-        Backend::Cuda(c) => capacity
-            .div_ceil(c.target().attention.split_positions as usize)
-            .max(1),
-        Backend::Hip(h) => capacity
-            .div_ceil(h.target().attention.split_positions as usize)
-            .max(1),
-    }
+    backend.target().map_or(1, |t| {
+        capacity
+            .div_ceil(t.attention.split_positions as usize)
+            .max(1)
+    })
 }
 
 impl Workspace {
@@ -361,75 +356,41 @@ pub fn prepare(
             }
             Ok(())
         }
-        // Transitional: this family still launches through cudarc; it runs on HIP once it
-        // moves onto Backend::launch.
-        Backend::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
-        Backend::Cuda(cuda) => {
-            let tiles = &cuda.target().attention;
+        Backend::Cuda(_) | Backend::Hip(_) => {
+            let target = backend
+                .target()
+                .ok_or_else(|| backend.mismatch("attention q_gate", q_gate))?;
+            let tiles = &target.attention;
             let items = check_u32("attention rows x heads", n * (s.heads + s.kv_heads))?;
-            let grid = items.div_ceil(tiles.prepare_warps_per_block);
-            let (DeviceVec::Cuda(qg), DeviceVec::Cuda(kk), DeviceVec::Cuda(vv)) = (q_gate, k, v)
-            else {
-                return Err(backend.mismatch("attention inputs", q_gate));
-            };
-            let (DeviceVec::Cuda(qn), DeviceVec::Cuda(kn), DeviceVec::Cuda(table)) =
-                (layer.q_norm, layer.k_norm, &layer.rope.cos_sin)
-            else {
-                return Err(backend.mismatch("attention weights", layer.q_norm));
-            };
-            let (DeviceVec::Cuda(slots), DeviceVec::Cuda(positions)) = (&rows.slot, &rows.position)
-            else {
-                return Err(backend.mismatch("attention rows", &rows.slot));
-            };
-            let (DeviceVec::Cuda(keys), DeviceVec::Cuda(values), DeviceVec::Cuda(out)) =
-                (&mut cache.keys, &mut cache.values, q)
-            else {
-                return Err(Error::invalid("attention cache", "not on the CUDA device"));
-            };
-            let (n32, heads, kv, hd32, half32, capacity) = (
-                check_u32("rows", n)?,
-                check_u32("heads", s.heads)?,
-                check_u32("kv heads", s.kv_heads)?,
-                check_u32("head_dim", hd)?,
-                check_u32("rotary half", half)?,
-                check_u32("cache capacity", cache.capacity)?,
+            let dims = LaunchDims::linear(
+                items.div_ceil(tiles.prepare_warps_per_block),
+                tiles.prepare_warps_per_block * target.warp_size,
             );
-            let function = cuda.function(FAMILY, KERNEL_PREPARE)?;
-            let config = LaunchConfig {
-                grid_dim: (grid, 1, 1),
-                block_dim: (
-                    tiles.prepare_warps_per_block * cuda.target().warp_size,
-                    1,
-                    1,
-                ),
-                shared_mem_bytes: 0,
-            };
-            let mut launch = cuda.stream().launch_builder(&function);
-            launch
-                .arg(qg)
-                .arg(kk)
-                .arg(vv)
-                .arg(qn)
-                .arg(kn)
-                .arg(table)
-                .arg(slots)
-                .arg(positions)
-                .arg(out)
-                .arg(keys)
-                .arg(values)
-                .arg(&n32)
-                .arg(&heads)
-                .arg(&kv)
-                .arg(&hd32)
-                .arg(&half32)
-                .arg(&capacity)
-                .arg(&layer.eps);
-            // SAFETY: argument order and types match attention.cu; q_gate, k, v, q and the norms
-            // were checked against (rows, heads, kv_heads, head_dim); slots and positions index
-            // the cache and the RoPE table, which the caller keeps in range (documented).
-            unsafe { launch.launch(config) }
-                .map_err(|e| Error::cuda(format!("launch {KERNEL_PREPARE} for {n} rows"), e))?;
-            Ok(())
+            let args = [
+                KernelArg::input(q_gate),
+                KernelArg::input(k),
+                KernelArg::input(v),
+                KernelArg::input(layer.q_norm),
+                KernelArg::input(layer.k_norm),
+                KernelArg::input(&layer.rope.cos_sin),
+                KernelArg::input(&rows.slot),
+                KernelArg::input(&rows.position),
+                KernelArg::output(q),
+                KernelArg::output(&mut cache.keys),
+                KernelArg::output(&mut cache.values),
+                KernelArg::u32(check_u32("rows", n)?),
+                KernelArg::u32(check_u32("heads", s.heads)?),
+                KernelArg::u32(check_u32("kv heads", s.kv_heads)?),
+                KernelArg::u32(check_u32("head_dim", hd)?),
+                KernelArg::u32(check_u32("rotary half", half)?),
+                KernelArg::u32(check_u32("cache capacity", cache.capacity)?),
+                KernelArg::f32(layer.eps),
+            ];
+            // SAFETY: the arguments are attention_prepare's parameters in order; q_gate, k, v,
+            // q and the norms were checked against (rows, heads, kv_heads, head_dim); slots and
+            // positions index the cache and the RoPE table, which the caller keeps in range
+            // (documented).
+            unsafe { backend.launch(FAMILY, KERNEL_PREPARE, &dims, &args) }
         }
     }
 }
@@ -520,36 +481,15 @@ pub fn attend(
             }
             Ok(())
         }
-        // Transitional: this family still launches through cudarc; it runs on HIP once it
-        // moves onto Backend::launch.
-        Backend::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
-        Backend::Cuda(cuda) => {
-            let tiles = &cuda.target().attention;
-            let (DeviceVec::Cuda(qv), DeviceVec::Cuda(qg)) = (q, q_gate) else {
-                return Err(backend.mismatch("attention q", q));
-            };
-            let (DeviceVec::Cuda(keys), DeviceVec::Cuda(values)) = (&cache.keys, &cache.values)
-            else {
-                return Err(backend.mismatch("attention cache", &cache.keys));
-            };
-            let (DeviceVec::Cuda(slots), DeviceVec::Cuda(positions)) = (&rows.slot, &rows.position)
-            else {
-                return Err(backend.mismatch("attention rows", &rows.slot));
-            };
-            let (DeviceVec::Cuda(ml), DeviceVec::Cuda(acc), DeviceVec::Cuda(o)) =
-                (&mut workspace.partial_ml, &mut workspace.partial_acc, out)
-            else {
-                return Err(Error::invalid(
-                    "attention workspace",
-                    "not on the CUDA device",
-                ));
-            };
-            let (n32, heads, kv, hd32, capacity, splits32) = (
+        Backend::Cuda(_) | Backend::Hip(_) => {
+            let target = backend
+                .target()
+                .ok_or_else(|| backend.mismatch("attention q", q))?;
+            let (n32, heads, kv, hd32, splits32) = (
                 check_u32("rows", n)?,
                 check_u32("heads", shape.heads)?,
                 check_u32("kv heads", shape.kv_heads)?,
                 check_u32("head_dim", hd)?,
-                check_u32("cache capacity", cache.capacity)?,
                 check_u32("splits", splits)?,
             );
             if n32 > 65535 {
@@ -558,59 +498,47 @@ pub fn attend(
                     format!("{n} rows in one launch (at most 65535)"),
                 ));
             }
-            let warp = cuda.target().warp_size;
-            let decode = cuda.function(FAMILY, KERNEL_DECODE)?;
-            let mut launch = cuda.stream().launch_builder(&decode);
-            launch
-                .arg(qv)
-                .arg(keys)
-                .arg(values)
-                .arg(slots)
-                .arg(positions)
-                .arg(&mut *ml)
-                .arg(&mut *acc)
-                .arg(&heads)
-                .arg(&kv)
-                .arg(&hd32)
-                .arg(&capacity)
-                .arg(&splits32);
-            let config = LaunchConfig {
-                grid_dim: (splits32, kv, n32),
-                block_dim: ((heads / kv) * warp, 1, 1),
-                shared_mem_bytes: 0,
+            let warp = target.warp_size;
+            let decode = LaunchDims {
+                grid: (splits32, kv, n32),
+                block: ((heads / kv) * warp, 1, 1),
+                shared_bytes: 0,
             };
-            // SAFETY: argument order and types match attention.cu; q holds rows x heads x
-            // head_dim, the workspace rows x heads x splits partials (checked above); the cache
-            // is indexed by the rows' slots and positions, which the caller keeps in range.
-            unsafe { launch.launch(config) }.map_err(|e| {
-                Error::cuda(
-                    format!("launch {KERNEL_DECODE} for {n} rows, {splits} splits"),
-                    e,
-                )
-            })?;
-            let combine = cuda.function(FAMILY, KERNEL_COMBINE_GATE)?;
-            let mut launch = cuda.stream().launch_builder(&combine);
-            launch
-                .arg(&*ml)
-                .arg(&*acc)
-                .arg(qg)
-                .arg(positions)
-                .arg(o)
-                .arg(&n32)
-                .arg(&heads)
-                .arg(&hd32)
-                .arg(&splits32);
-            let items = n32 * heads;
-            let config = LaunchConfig {
-                grid_dim: (items.div_ceil(tiles.combine_warps_per_block), 1, 1),
-                block_dim: (tiles.combine_warps_per_block * warp, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let args = [
+                KernelArg::input(q),
+                KernelArg::input(&cache.keys),
+                KernelArg::input(&cache.values),
+                KernelArg::input(&rows.slot),
+                KernelArg::input(&rows.position),
+                KernelArg::output(&mut workspace.partial_ml),
+                KernelArg::output(&mut workspace.partial_acc),
+                KernelArg::u32(heads),
+                KernelArg::u32(kv),
+                KernelArg::u32(hd32),
+                KernelArg::u32(check_u32("cache capacity", cache.capacity)?),
+                KernelArg::u32(splits32),
+            ];
+            // SAFETY: the arguments are attention_decode's parameters in order; q holds rows x
+            // heads x head_dim, the workspace rows x heads x splits partials (checked above);
+            // the cache is indexed by the rows' slots and positions, which the caller keeps in
+            // range.
+            unsafe { backend.launch(FAMILY, KERNEL_DECODE, &decode, &args) }?;
+            let combine_warps = target.attention.combine_warps_per_block;
+            let combine =
+                LaunchDims::linear((n32 * heads).div_ceil(combine_warps), combine_warps * warp);
+            let args = [
+                KernelArg::input(&workspace.partial_ml),
+                KernelArg::input(&workspace.partial_acc),
+                KernelArg::input(q_gate),
+                KernelArg::input(&rows.position),
+                KernelArg::output(out),
+                KernelArg::u32(n32),
+                KernelArg::u32(heads),
+                KernelArg::u32(hd32),
+                KernelArg::u32(splits32),
+            ];
             // SAFETY: as above; out holds rows x heads x head_dim.
-            unsafe { launch.launch(config) }.map_err(|e| {
-                Error::cuda(format!("launch {KERNEL_COMBINE_GATE} for {n} rows"), e)
-            })?;
-            Ok(())
+            unsafe { backend.launch(FAMILY, KERNEL_COMBINE_GATE, &combine, &args) }
         }
     }
 }

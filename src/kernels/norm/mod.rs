@@ -7,9 +7,8 @@
 pub mod reference;
 
 use super::{check_len, check_u32};
-use crate::backend::{Backend, DeviceVec};
+use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
 use crate::error::{Error, Result};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
 /// The family name (template and module).
@@ -60,42 +59,28 @@ pub fn rms_norm_residual(
             *o = normed.into_iter().map(bf16::from_f32).collect();
             Ok(())
         }
-        // Transitional: this family still launches through cudarc; it runs on HIP once it
-        // moves onto Backend::launch.
-        Backend::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
-        Backend::Cuda(cuda) => {
-            let (DeviceVec::Cuda(r), DeviceVec::Cuda(w), DeviceVec::Cuda(o)) =
-                (&mut *residual, weight, &mut *out)
-            else {
-                return Err(backend.mismatch("norm buffers", residual));
-            };
+        Backend::Cuda(_) | Backend::Hip(_) => {
+            let target = backend
+                .target()
+                .ok_or_else(|| backend.mismatch("norm residual", residual))?;
             let dim32 = check_u32("norm width", dim)?;
             let grid = u32::try_from(rows)
                 .ok()
                 .filter(|&g| g < i32::MAX as u32)
                 .ok_or_else(|| Error::invalid("norm rows", format!("{rows} rows in one launch")))?;
-            let function = cuda.function(FAMILY, KERNEL_RMS_NORM_RESIDUAL)?;
-            let config = LaunchConfig {
-                grid_dim: (grid, 1, 1),
-                block_dim: (cuda.target().norm.threads_per_block, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut launch = cuda.stream().launch_builder(&function);
-            launch.arg(r);
-            let no_delta: u64 = 0;
-            match delta {
-                Some(DeviceVec::Cuda(d)) => launch.arg(d),
-                Some(other) => return Err(backend.mismatch("norm delta", other)),
-                None => launch.arg(&no_delta),
-            };
-            launch.arg(w).arg(&eps).arg(o).arg(&dim32);
-            // SAFETY: argument order and types match norm.cu; every buffer holds rows * dim
-            // elements (checked above) and the kernel indexes row < rows, i < dim only; a null
-            // delta is a 64-bit zero in the pointer's place.
-            unsafe { launch.launch(config) }.map_err(|e| {
-                Error::cuda(format!("launch {KERNEL_RMS_NORM_RESIDUAL} on {shape}"), e)
-            })?;
-            Ok(())
+            let dims = LaunchDims::linear(grid, target.norm.threads_per_block);
+            let args = [
+                KernelArg::output(residual),
+                KernelArg::optional_input(delta),
+                KernelArg::input(weight),
+                KernelArg::f32(eps),
+                KernelArg::output(out),
+                KernelArg::u32(dim32),
+            ];
+            // SAFETY: the arguments are norm.cu's parameters in order; every buffer holds
+            // rows * dim elements (checked above) and the kernel indexes row < rows, i < dim
+            // only; no delta is the null pointer, which the kernel tests.
+            unsafe { backend.launch(FAMILY, KERNEL_RMS_NORM_RESIDUAL, &dims, &args) }
         }
     }
 }
