@@ -4,10 +4,9 @@
 pub mod reference;
 
 use super::{Nvfp4Weights, check_len};
-use crate::backend::{Backend, DeviceVec};
+use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::BLOCK;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
 /// The family name (template and module).
@@ -34,21 +33,15 @@ pub fn dequant_nvfp4(backend: &Backend, w: &Nvfp4Weights, out: &mut DeviceVec<bf
             *out = reference::dequant_nvfp4_bf16(view);
             Ok(())
         }
-        // Transitional: this family still launches through cudarc; it runs on HIP once it
-        // moves onto Backend::launch.
-        Backend::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
-        Backend::Cuda(cuda) => {
-            let (DeviceVec::Cuda(packed), DeviceVec::Cuda(scales)) = (&w.packed, &w.scales) else {
-                return Err(backend.mismatch("NVFP4 weights", &w.packed));
-            };
-            let DeviceVec::Cuda(out) = out else {
-                return Err(backend.mismatch("dequant output", out));
-            };
+        Backend::Cuda(_) | Backend::Hip(_) => {
+            let target = backend
+                .target()
+                .ok_or_else(|| backend.mismatch("NVFP4 weights", &w.packed))?;
             let blocks = (w.rows * w.cols / BLOCK) as u64;
             if blocks == 0 {
                 return Ok(());
             }
-            let threads = cuda.target().dequant.threads_per_block;
+            let threads = target.dequant.threads_per_block;
             let grid = blocks.div_ceil(threads as u64);
             let grid = u32::try_from(grid)
                 .ok()
@@ -59,28 +52,23 @@ pub fn dequant_nvfp4(backend: &Backend, w: &Nvfp4Weights, out: &mut DeviceVec<bf
                         format!("{shape} needs {grid} blocks, more than a launch allows"),
                     )
                 })?;
-            let function = cuda.function(FAMILY, KERNEL_DEQUANT_NVFP4_BF16)?;
-            let config = LaunchConfig {
-                grid_dim: (grid, 1, 1),
-                block_dim: (threads, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut launch = cuda.stream().launch_builder(&function);
-            launch
-                .arg(packed)
-                .arg(scales)
-                .arg(&w.global_scale)
-                .arg(out)
-                .arg(&blocks);
-            // SAFETY: argument types and order match the kernel's signature in dequant.cu; the
-            // buffer lengths were checked above against the block count the kernel indexes.
-            unsafe { launch.launch(config) }.map_err(|e| {
-                crate::error::Error::cuda(
-                    format!("launch {KERNEL_DEQUANT_NVFP4_BF16} on {shape}"),
-                    e,
+            let args = [
+                KernelArg::input(&w.packed),
+                KernelArg::input(&w.scales),
+                KernelArg::f32(w.global_scale),
+                KernelArg::output(out),
+                KernelArg::u64(blocks),
+            ];
+            // SAFETY: the arguments are dequant.cu's parameters in order; the buffer lengths
+            // were checked above against the block count the kernel indexes.
+            unsafe {
+                backend.launch(
+                    FAMILY,
+                    KERNEL_DEQUANT_NVFP4_BF16,
+                    &LaunchDims::linear(grid, threads),
+                    &args,
                 )
-            })?;
-            Ok(())
+            }
         }
     }
 }
