@@ -2,7 +2,10 @@
 //! sequences with n drafts each at V = 248320 fp32 logits, every sampling control on
 //! (temperature 0.7, top-k 50, top-p 0.9, min-p 0.05, eight logit-bias entries), point-mass
 //! drafts (a greedy drafter such as the MTP head) and sampled drafts (with their logit rows),
-//! beside the device copy bandwidth measured in the same run.
+//! beside the device copy bandwidth measured in the same run. Greedy cases (the same controls at
+//! temperature 0: pass 1 finds the argmax, pass 2 and the row finish do nothing) measure the
+//! floor of the launches and their fixed latency chains; the sampled cases' excess over them is
+//! the cost of the sampling machinery (histogram, plan, pass 2, exact finish).
 //!
 //! Each case is timed as decode runs it: `LAUNCHES` back-to-back calls of `verify::verify`
 //! captured in one CUDA graph, each on its own copy of the logits (enough copies to exceed the L2
@@ -64,7 +67,32 @@ fn pool(rng: &mut SplitMix64) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// [`all_controls`] at temperature 0 (the bias still applies).
+fn greedy(seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        ..all_controls(seed)
+    }
+}
+
+/// Which controls a case runs: a name for the table and the controls of sequence s.
+#[derive(Clone, Copy)]
+struct Controls {
+    name: &'static str,
+    params: fn(u64) -> SamplingParams,
+}
+
+const ALL_CONTROLS: Controls = Controls {
+    name: "all",
+    params: all_controls,
+};
+const GREEDY: Controls = Controls {
+    name: "greedy",
+    params: greedy,
+};
+
 struct Row {
+    controls: &'static str,
     kind: DraftKind,
     batch: usize,
     drafts: usize,
@@ -79,6 +107,7 @@ fn bench_case(
     backend: &Backend,
     rows_pool: &[Vec<f32>],
     rng: &mut SplitMix64,
+    controls: Controls,
     kind: DraftKind,
     batch: usize,
     drafts: usize,
@@ -87,7 +116,7 @@ fn bench_case(
     let Backend::Cuda(cuda) = backend else {
         unreachable!("CUDA bench")
     };
-    let params: Vec<SamplingParams> = (0..batch).map(|s| all_controls(s as u64)).collect();
+    let params: Vec<SamplingParams> = (0..batch).map(|s| (controls.params)(s as u64)).collect();
     let sequences: Vec<Sequence> = params
         .iter()
         .enumerate()
@@ -142,7 +171,10 @@ fn bench_case(
         Vec::new()
     };
     let tokens_dev = backend.upload(&tokens).expect("upload draft tokens");
-    let name = format!("{kind:?}_B{batch}_n{drafts}");
+    let name = match controls.name {
+        "all" => format!("{kind:?}_B{batch}_n{drafts}"),
+        other => format!("{kind:?}_{other}_B{batch}_n{drafts}"),
+    };
     let seconds = bench_graph(criterion, cuda, "verify", &name, bytes, |i| {
         let draft = drafts_dev.get(i % copies);
         verify::verify(backend, &mut ws, &targets[i % copies], &tokens_dev, draft).expect("verify")
@@ -154,6 +186,7 @@ fn bench_case(
         .sum::<f64>()
         / batch as f64;
     out.push(Row {
+        controls: controls.name,
         kind,
         batch,
         drafts,
@@ -188,6 +221,7 @@ fn main() {
                     &backend,
                     &rows_pool,
                     &mut rng,
+                    ALL_CONTROLS,
                     kind,
                     batch,
                     drafts,
@@ -196,6 +230,20 @@ fn main() {
             }
         }
     }
+    // the floor: greedy rows (draft rows are not read, so point-mass drafts only)
+    for batch in BATCHES {
+        bench_case(
+            &mut criterion,
+            &backend,
+            &rows_pool,
+            &mut rng,
+            GREEDY,
+            DraftKind::PointMass,
+            batch,
+            1,
+            &mut rows,
+        );
+    }
     criterion.final_summary();
 
     println!(
@@ -203,10 +251,11 @@ fn main() {
         COPY_BYTES >> 20
     );
     println!(
-        "V = {VOCAB}, all controls on; bytes = logits read once; 1 pass = bytes / copy bandwidth; goal = 2 passes + 5 us"
+        "V = {VOCAB}; controls: all = every control on, greedy = the same at temperature 0; bytes = logits read once; 1 pass = bytes / copy bandwidth; goal = 2 passes + 5 us"
     );
     println!(
-        "{:<9} {:>3} {:>2} {:>10} {:>8} {:>8} {:>6} {:>7} {:>8} {:>5} {:>9}",
+        "{:<8} {:<9} {:>3} {:>2} {:>10} {:>8} {:>8} {:>6} {:>7} {:>8} {:>5} {:>9}",
+        "controls",
         "drafts",
         "B",
         "n",
@@ -224,7 +273,8 @@ fn main() {
         let pass = row.bytes as f64 / (copy_gbs * 1e9);
         let goal = 2.0 * pass + 5e-6;
         println!(
-            "{:<9} {:>3} {:>2} {:>10} {:>8.2} {:>8.2} {:>6.0} {:>6.1}% {:>8.2} {:>5} {:>9.2}",
+            "{:<8} {:<9} {:>3} {:>2} {:>10} {:>8.2} {:>8.2} {:>6.0} {:>6.1}% {:>8.2} {:>5} {:>9.2}",
+            row.controls,
             match row.kind {
                 DraftKind::PointMass => "point",
                 DraftKind::Sampled => "sampled",

@@ -280,6 +280,24 @@ fn processing_follows_the_documented_order_and_ties() {
     );
 }
 
+/// `f = y - k` rounds to 1 just below zero: such a token is the heaviest of octave -1, never
+/// heavier than the lightest of octave 0.
+#[test]
+fn a_logit_just_below_zero_is_the_top_of_the_octave_below() {
+    let c = verify::log2_scale(1.0);
+    let top_of_octave_below = verify::exp2_mantissa(1.0);
+    assert!((1 << 23..=1 << 24).contains(&top_of_octave_below));
+    for z in [-1e-12f32, -1e-40, -2e-8] {
+        assert_eq!(
+            verify::octave_mantissa(z, c),
+            (-1, top_of_octave_below),
+            "z = {z:e}"
+        );
+        assert!(verify::weight(-1, top_of_octave_below, 0) <= verify::weight(0, 1 << 23, 0));
+    }
+    assert_eq!(verify::octave_mantissa(0.0, c), (0, 1 << 23));
+}
+
 #[test]
 fn draws_are_keyed_on_seed_and_position_only() {
     let mut rng = SplitMix64::new(4);
@@ -756,6 +774,26 @@ fn emulated_kernels_equal_the_reference_through_the_radix_fallback() {
         trace.radix_fallbacks > 50,
         "the fallback ran only {trace:?}"
     );
+}
+
+/// Logits just below zero weigh as the top of octave -1 (f rounds to 1), in the candidates'
+/// path (20000 tokens, the device's tiles) and the radix fallback (tiny tiles).
+#[test]
+fn emulated_kernels_equal_the_reference_when_logits_straddle_zero() {
+    let mut rng = SplitMix64::new(17);
+    let batch = batches::straddling_zero(&mut rng, 20_000, 6, 3);
+    check_emulated("straddling zero", &sm90_tiles(), 20_000, &batch, &[132, 1]);
+    let batch = batches::straddling_zero(&mut rng, 3001, 4, 2);
+    check_emulated("straddling zero", &tiny_tiles(), 3001, &batch, &[4]);
+}
+
+/// The GPU's flat-row batch (tests/gpu/verify.rs) at the seed that failed on the H200.
+#[test]
+fn emulated_kernels_equal_the_reference_on_flat_rows() {
+    let mut rng = SplitMix64::new(16_347_963_035_196_152_572);
+    let vocab = 248_320;
+    let batch = batches::flat_rows(&mut rng, vocab);
+    check_emulated("flat rows", &sm90_tiles(), vocab, &batch, &[132]);
 }
 
 #[test]

@@ -296,8 +296,8 @@ FP4_DEVICE u32 exp2_mantissa(float f) {
 
 struct TokenParts {
     i32 octave;  // k = floor(y)
-    u32 sub;     // floor(f * VG): the sub-bucket
-    float frac;  // f = y - k
+    u32 sub;     // min(floor(f * VG), VG - 1): the sub-bucket
+    float frac;  // f = y - k, rounded: 1 for -2^-25 <= y < 0
 };
 
 /// reference.rs octave_mantissa (and the sub-bucket, which only the kernels use).
@@ -307,7 +307,10 @@ FP4_DEVICE TokenParts token_parts(float z, float scale) {
     TokenParts p;
     p.octave = (i32)k;
     p.frac = sub32(y, k);
-    p.sub = (u32)floor32(mul32(p.frac, (float)VG));
+    // f rounds up to 1 for y just below 0: the token is the heaviest of octave k (mantissa
+    // exp2_mantissa(1)), in its top sub-bucket; floor(f * VG) = VG would name a bucket of the
+    // octave above, whose weights are twice as large
+    p.sub = umin((u32)floor32(mul32(p.frac, (float)VG)), VG - 1);
     return p;
 }
 

@@ -1,7 +1,8 @@
 //! GPU checks of the `verify` family: the CUDA kernels give exactly the reference's outcomes
 //! (same tokens, same accept counts, same errors, same statistics) on random ragged batches with
 //! every control, at V = 248320 and small V, greedy and sampling, point-mass and sampled drafts,
-//! every bad value, through the radix fallback, and replayed from a CUDA graph.
+//! every bad value, through the radix fallback, with logits just below zero, and replayed from a
+//! CUDA graph.
 
 #[path = "../verify_support/batches.rs"]
 mod batches;
@@ -12,7 +13,6 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use fp4spec::Error;
 use fp4spec::backend::Backend;
 use fp4spec::kernels::verify::{self, DraftKind, SamplingParams, VerifyWorkspace};
-use fp4spec::rng::SplitMix64;
 
 const KINDS: [DraftKind; 2] = [DraftKind::PointMass, DraftKind::Sampled];
 
@@ -92,39 +92,27 @@ fn verify_equals_the_reference_through_the_radix_fallback() {
     };
     let mut rng = rng("verify radix fallback");
     let vocab = 248_320;
-    let mut batch = Batch::default();
-    let shapes: [fn(&mut SplitMix64, usize) -> Vec<f32>; 3] = [
-        |rng, v| rng.normal_vec(v, 0.001),
-        |_, v| vec![0.25; v],
-        |rng, v| {
-            rng.normal_vec(v, 0.05)
-                .into_iter()
-                .map(|x| half::bf16::from_f32(x).to_f32())
-                .collect()
-        },
-    ];
-    for (s, shape) in shapes.into_iter().enumerate() {
-        for (top_p, top_k, min_p) in [(0.5, 0, 0.0), (1.0, 100_000, 0.0), (0.9, 0, 0.99)] {
-            let rows: Vec<Vec<f32>> = (0..3).map(|_| shape(&mut rng, vocab)).collect();
-            batch.target.extend(rows.iter().flatten());
-            for row in &rows[..2] {
-                batch.tokens.push((rng.next_u64() % vocab as u64) as u32);
-                let mut draft_row = row.clone();
-                draft_row.iter_mut().step_by(7).for_each(|v| *v += 0.001);
-                batch.draft_logits.extend_from_slice(&draft_row);
-            }
-            batch.params.push(SamplingParams {
-                top_p,
-                top_k,
-                min_p,
-                seed: rng.next_u64(),
-                ..SamplingParams::default()
-            });
-            batch.positions.push(s as u64 * 17);
-            batch.drafts.push(2);
-        }
-    }
+    let batch = batches::flat_rows(&mut rng, vocab);
     check(backend, "flat rows", &batch, vocab);
+}
+
+/// Logits just below zero (`f = y - k` rounds to 1: the top of octave -1), some rows topped by
+/// one of them; the candidates' path and the radix fallback.
+#[test]
+fn verify_equals_the_reference_when_logits_straddle_zero() {
+    let Some(backend) = cuda("verify_equals_the_reference_when_logits_straddle_zero") else {
+        return;
+    };
+    let mut rng = rng("verify straddling zero");
+    for (vocab, sequences) in [(20_000usize, 16usize), (248_320, 8)] {
+        let batch = batches::straddling_zero(&mut rng, vocab, sequences, 3);
+        check(
+            backend,
+            &format!("straddling zero V={vocab} B={sequences}"),
+            &batch,
+            vocab,
+        );
+    }
 }
 
 /// The launches are captured once into a CUDA graph and replayed; new controls and positions

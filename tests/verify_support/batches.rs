@@ -237,6 +237,106 @@ pub fn spiked(rng: &mut SplitMix64, vocab: usize, sequences: usize, drafts: usiz
     b
 }
 
+/// Logits just below zero, whose `y = z * log2(e) / T` lies in `[-2^-25, 0)` at every
+/// temperature used here: `f = y - k` rounds to 1 there, the heaviest weight of octave -1 (the
+/// kernels once filed these tokens in a bucket of the octave above). Every fourth token of a
+/// broad, narrow or nearly flat row becomes one of them, zero, or a tiny positive logit (in
+/// rows with no logit above zero, one of them is the top token). Controls keep such tokens in
+/// play (temperature 0.05 to 1.3, top-k off or above them, top-p and min-p loose or cutting
+/// among them); drafts are random tokens, draft rows the target rows with every third logit
+/// raised.
+pub fn straddling_zero(
+    rng: &mut SplitMix64,
+    vocab: usize,
+    sequences: usize,
+    max_drafts: usize,
+) -> Batch {
+    // the first six lie below zero
+    const NEAR_ZERO: [f32; 8] = [-1e-12, -1e-10, -2e-10, -3e-10, -1e-20, -1e-40, 0.0, 1e-12];
+    let mut b = Batch::default();
+    for _ in 0..sequences {
+        let mut pick = |n: u64| rng.next_u64() % n;
+        let params = SamplingParams {
+            temperature: [1.0, 0.7, 1.3, 0.05][pick(4) as usize],
+            top_k: [0, vocab / 2, vocab][pick(3) as usize],
+            top_p: [1.0, 0.9, 0.5][pick(3) as usize],
+            min_p: [0.0, 0.05, 0.99][pick(3) as usize],
+            logit_bias: Vec::new(),
+            seed: pick(u64::MAX),
+        };
+        let n = (rng.next_u64() % (max_drafts as u64 + 1)) as usize;
+        let rows: Vec<Vec<f32>> = (0..=n)
+            .map(|_| {
+                let shape = rng.next_u64() % 4;
+                let mut row = rng.normal_vec(vocab, [1.0, 0.01, 0.0001, 0.01][shape as usize]);
+                // shape 3: no logit above zero, so the row's top token is one of them
+                let (near, negate) = if shape == 3 { (6, true) } else { (8, false) };
+                if negate {
+                    row.iter_mut().for_each(|v| *v = -v.abs());
+                }
+                for v in row.iter_mut().step_by(4) {
+                    *v = NEAR_ZERO[(rng.next_u64() % near) as usize];
+                }
+                row
+            })
+            .collect();
+        let drafts: Vec<(u32, Vec<f32>)> = (0..n)
+            .map(|j| {
+                let token = (rng.next_u64() % vocab as u64) as u32;
+                let mut draft_row = rows[j].clone();
+                for v in draft_row.iter_mut().skip(1).step_by(3) {
+                    *v += 0.001;
+                }
+                (token, draft_row)
+            })
+            .collect();
+        let position = rng.next_u64() % 1_000_000;
+        b.push(params, position, &rows, &drafts);
+    }
+    b
+}
+
+/// Rows whose cut and draw buckets hold far more tokens than the candidate space, three
+/// sequences (two drafts each) per shape: nearly flat rows (N(0, 0.001)), exactly flat rows
+/// (ties broken by id only), bf16 plateaus (N(0, 0.05) rounded); each shape with top-p 0.5,
+/// top-k 100000, and top-p 0.9 with min-p 0.99. Draft rows are the target rows with every
+/// seventh logit raised by 0.001. The finish resolves them by radix rounds over the row.
+pub fn flat_rows(rng: &mut SplitMix64, vocab: usize) -> Batch {
+    let mut batch = Batch::default();
+    let shapes: [fn(&mut SplitMix64, usize) -> Vec<f32>; 3] = [
+        |rng, v| rng.normal_vec(v, 0.001),
+        |_, v| vec![0.25; v],
+        |rng, v| {
+            rng.normal_vec(v, 0.05)
+                .into_iter()
+                .map(|x| half::bf16::from_f32(x).to_f32())
+                .collect()
+        },
+    ];
+    for (s, shape) in shapes.into_iter().enumerate() {
+        for (top_p, top_k, min_p) in [(0.5, 0, 0.0), (1.0, 100_000, 0.0), (0.9, 0, 0.99)] {
+            let rows: Vec<Vec<f32>> = (0..3).map(|_| shape(rng, vocab)).collect();
+            batch.target.extend(rows.iter().flatten());
+            for row in &rows[..2] {
+                batch.tokens.push((rng.next_u64() % vocab as u64) as u32);
+                let mut draft_row = row.clone();
+                draft_row.iter_mut().step_by(7).for_each(|v| *v += 0.001);
+                batch.draft_logits.extend_from_slice(&draft_row);
+            }
+            batch.params.push(SamplingParams {
+                top_p,
+                top_k,
+                min_p,
+                seed: rng.next_u64(),
+                ..SamplingParams::default()
+            });
+            batch.positions.push(s as u64 * 17);
+            batch.drafts.push(2);
+        }
+    }
+    batch
+}
+
 /// Every control on, at values a chat deployment uses.
 pub fn all_controls() -> SamplingParams {
     SamplingParams {

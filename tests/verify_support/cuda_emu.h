@@ -1,6 +1,7 @@
 // A CPU emulation of the CUDA dialect the rendered NVIDIA sources use, for running kernels on
 // a machine without a GPU (tests/verify.rs). Host C++20, one OS thread:
-// - each CUDA thread of a block is a fiber with its own stack; blocks run one after another;
+// - each CUDA thread of a block is a fiber with its own stack; blocks run one after another, in
+//   a shuffled order (so the block that arrives last at a counter is not always the same one);
 // - __syncthreads and the warp exchanges behind __shfl_sync / __ballot_sync are real barriers:
 //   a fiber runs until it reaches one, then the next runnable fiber runs (in a shuffled order
 //   each round, so a missing barrier reads stale shared memory instead of passing by luck);
@@ -114,6 +115,18 @@ inline void sync_warp() {
     yield_to_scheduler();
 }
 
+/// Sets `v` to a random permutation of 0..v.size() (Fisher-Yates on the generator `rng`).
+inline void shuffle(std::vector<unsigned>& v, unsigned long long& rng) {
+    for (unsigned i = 0; i < v.size(); ++i) v[i] = i;
+    for (unsigned i = (unsigned)v.size(); i > 1; --i) {
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        const unsigned k = (unsigned)((rng >> 33) % i);
+        const unsigned tmp = v[i - 1];
+        v[i - 1] = v[k];
+        v[k] = tmp;
+    }
+}
+
 /// Runs `body` as a grid of grid_x * grid_y blocks of `threads` threads. Returns 0, or 1 after
 /// printing why the launch could not complete.
 inline int launch(unsigned grid_x, unsigned grid_y, unsigned threads, std::function<void()> body) {
@@ -130,65 +143,60 @@ inline int launch(unsigned grid_x, unsigned grid_y, unsigned threads, std::funct
     grid_dim() = {grid_x, grid_y, 1};
     block_dim() = {threads, 1, 1};
     std::vector<unsigned> order(threads);
-    for (unsigned by = 0; by < grid_y; ++by) {
-        for (unsigned bx = 0; bx < grid_x; ++bx) {
-            block_idx() = {bx, by, 0};
-            b.block_arrived = 0;
-            for (unsigned t = 0; t < threads; ++t) {
-                Fiber& f = b.fibers[t];
-                f.thread_idx = {t, 0, 0};
-                f.started = false;
-                f.done = false;
-                f.waiting = 0;
-                getcontext(&f.start);
-                f.start.uc_stack.ss_sp = f.stack.data();
-                f.start.uc_stack.ss_size = f.stack.size();
-                f.start.uc_link = nullptr;
-                makecontext(&f.start, fiber_entry, 0);
+    // the blocks in a random order (a fixed generator: reproducible runs)
+    std::vector<unsigned> blocks(grid_x * grid_y);
+    shuffle(blocks, b.rng);
+    for (const unsigned block_number : blocks) {
+        const unsigned bx = block_number % grid_x, by = block_number / grid_x;
+        block_idx() = {bx, by, 0};
+        b.block_arrived = 0;
+        for (unsigned t = 0; t < threads; ++t) {
+            Fiber& f = b.fibers[t];
+            f.thread_idx = {t, 0, 0};
+            f.started = false;
+            f.done = false;
+            f.waiting = 0;
+            getcontext(&f.start);
+            f.start.uc_stack.ss_sp = f.stack.data();
+            f.start.uc_stack.ss_size = f.stack.size();
+            f.start.uc_link = nullptr;
+            makecontext(&f.start, fiber_entry, 0);
+        }
+        for (;;) {
+            // one round: every runnable fiber runs to its next barrier, in a shuffled order
+            shuffle(order, b.rng);
+            bool ran = false, all_done = true;
+            for (unsigned i = 0; i < threads; ++i) {
+                Fiber& f = b.fibers[order[i]];
+                if (f.done) continue;
+                all_done = false;
+                if (f.waiting != 0) continue;
+                ran = true;
+                b.current = &f;
+                if (!_setjmp(b.scheduler)) {
+                    if (!f.started) {
+                        f.started = true;
+                        ucontext_t here;
+                        // first entry on the fiber's own stack; it comes back by longjmp
+                        swapcontext(&here, &f.start);
+                    } else {
+                        _longjmp(f.resume, 1);
+                    }
+                }
             }
-            for (;;) {
-                // one round: every runnable fiber runs to its next barrier, in a shuffled order
-                for (unsigned t = 0; t < threads; ++t) order[t] = t;
-                for (unsigned t = threads; t > 1; --t) {
-                    b.rng = b.rng * 6364136223846793005ull + 1442695040888963407ull;
-                    const unsigned k = (unsigned)((b.rng >> 33) % t);
-                    const unsigned tmp = order[t - 1];
-                    order[t - 1] = order[k];
-                    order[k] = tmp;
+            if (all_done) break;
+            if (!ran) {
+                unsigned done = 0, at_block = 0, at_warp = 0;
+                for (Fiber& f : b.fibers) {
+                    done += f.done;
+                    at_block += f.waiting == 1;
+                    at_warp += f.waiting == 2;
                 }
-                bool ran = false, all_done = true;
-                for (unsigned i = 0; i < threads; ++i) {
-                    Fiber& f = b.fibers[order[i]];
-                    if (f.done) continue;
-                    all_done = false;
-                    if (f.waiting != 0) continue;
-                    ran = true;
-                    b.current = &f;
-                    if (!_setjmp(b.scheduler)) {
-                        if (!f.started) {
-                            f.started = true;
-                            ucontext_t here;
-                            // first entry on the fiber's own stack; it comes back by longjmp
-                            swapcontext(&here, &f.start);
-                        } else {
-                            _longjmp(f.resume, 1);
-                        }
-                    }
-                }
-                if (all_done) break;
-                if (!ran) {
-                    unsigned done = 0, at_block = 0, at_warp = 0;
-                    for (Fiber& f : b.fibers) {
-                        done += f.done;
-                        at_block += f.waiting == 1;
-                        at_warp += f.waiting == 2;
-                    }
-                    std::fprintf(stderr,
-                                 "emulation: block (%u, %u) cannot go on: %u threads exited, %u wait "
-                                 "at __syncthreads, %u at a warp exchange\n",
-                                 bx, by, done, at_block, at_warp);
-                    return 1;
-                }
+                std::fprintf(stderr,
+                             "emulation: block (%u, %u) cannot go on: %u threads exited, %u wait "
+                             "at __syncthreads, %u at a warp exchange\n",
+                             bx, by, done, at_block, at_warp);
+                return 1;
             }
         }
     }

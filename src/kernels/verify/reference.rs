@@ -22,11 +22,12 @@
 //! **Order**: token i comes before token j when `z_i > z_j`, or `z_i == z_j` and `i < j`.
 //!
 //! **Weights** (temperature T > 0): `c = log2(e) / T` (f32), `y = clamp(z * c, -2^30, 2^30)` (f32),
-//! `k = floor(y)`, `f = y - k` (exact), `P = min(2, p(f))` where `p` is the degree-8 Taylor
-//! polynomial of `2^f` evaluated by Horner with correctly rounded f32 fused multiply-adds
-//! (positive coefficients, so `P` never decreases as `z` grows), `M = P * 2^23` (an integer in `[2^23, 2^24]`). With `K` the largest
-//! `k` of the row, the weight is the integer `w = M * 2^(40 - (K - k))` when `K - k <= 40`, else
-//! 0 (a token below `2^-40` of the most probable one is never drawn); a `-inf` logit has weight 0.
+//! `k = floor(y)`, `f = y - k` (f32, in `[0, 1]`: it rounds to 1 when `-2^-25 <= y < 0`),
+//! `P = min(2, p(f))` where `p` is the degree-8 Taylor polynomial of `2^f` evaluated by Horner
+//! with correctly rounded f32 fused multiply-adds (positive coefficients, so `P` never decreases
+//! as `z` grows), `M = P * 2^23` (an integer in `[2^23, 2^24]`). With `K` the largest `k` of the
+//! row, the weight is the integer `w = M * 2^(40 - (K - k))` when `K - k <= 40`, else 0 (a token
+//! below `2^-40` of the most probable one is never drawn); a `-inf` logit has weight 0.
 //! Weights and their sums are `u128`, so sums do not depend on the order they are taken in.
 //!
 //! **Draws**: a sample is the inverse CDF in the order above: with `u = uniform(seed, position,
