@@ -42,7 +42,7 @@ dev machine's /work/main/.whl copied next to the repository:
     python3 tools/reference/gdn_peers.py --wheels .whl --out /tmp/gdn_peers \\
         --rust-test .gpu/tests/gpu-<hash>
 The wheels (flash-linear-attention 0.6.0, fla-core 0.6.0, einops 0.8.1; pure Python) are
-unpacked into a temporary folder on sys.path: nothing is installed. --device cpu runs the
+unpacked into a temporary folder on fla's worker's sys.path: nothing is installed. --device cpu runs the
 transformers peers on the CPU (fla then reports that it needs CUDA): a check of everything but
 the GPU.
 """
@@ -267,12 +267,13 @@ def context_usable(torch, device):
 def worker(args):
     """Runs one peer on the named cases; writes `<case>.<peer>.safetensors` and one JSON line per
     case to `<peer>.jsonl` in --out. Exits EXIT_CONTEXT_LOST after an error that broke CUDA."""
-    if args.wheels:
+    peer, device = args.worker, args.device
+    if args.wheels and peer == "fla":
+        # only fla's worker: transformers' workers then never import fla (nor its kernels)
         unpack_wheels(args.wheels)
     import torch
     from safetensors.torch import load_file, save_file
 
-    peer, device = args.worker, args.device
     rules = transformers_rules() if peer != "fla" else None
     if peer == "fla" and device != "cuda":
         # fla's kernels are Triton GPU kernels: say so per case rather than crash in Triton
@@ -363,7 +364,14 @@ def run_peer(args, peer, names):
             break
         print(f"  {peer} {crashed}: failed; rerunning it alone with CUDA_LAUNCH_BLOCKING=1 to name the kernel",
               flush=True)
-        run_worker(args, peer, [crashed], blocking=True)
+        before = sum(1 for _ in open(os.path.join(args.out, f"{peer}.jsonl")))
+        status, stderr = run_worker(args, peer, [crashed], blocking=True)
+        if sum(1 for _ in open(os.path.join(args.out, f"{peer}.jsonl"))) == before:
+            # the rerun died before recording: its stderr names the failing call
+            with open(os.path.join(args.out, f"{peer}.jsonl"), "a") as f:
+                f.write(json.dumps({"case": crashed, "peer": peer, "blocking": True,
+                                    "error": f"worker exited with status {status}",
+                                    "traceback": stderr}) + "\n")
         remaining = remaining[remaining.index(crashed) + 1:]
     return read_records(args.out, peer)
 
@@ -453,12 +461,12 @@ def main():
             }
         save_file(tensors, os.path.join(args.out, entry["file"]))
         manifest["cases"].append(entry)
-        times = ", ".join(f"{k} {v:.3f} ms" for k, v in entry["times_ms"].items())
+        parts = [", ".join(f"{k} {v:.3f} ms" for k, v in entry["times_ms"].items()) or "no times"]
         versus = entry.get("fla_vs_hf_chunk")
-        versus = (f"; fla vs transformers chunk: o {versus['o_max_abs']:.2e}, state {versus['state_max_abs']:.2e}"
-                  if versus else "")
-        errors = "".join(f"; {p} FAILED: {m}" for p, m in entry["errors"].items())
-        print(f"{name}: {times}{versus}{errors}", flush=True)
+        if versus:
+            parts.append(f"fla vs transformers chunk: o {versus['o_max_abs']:.2e}, state {versus['state_max_abs']:.2e}")
+        parts += [f"{p} FAILED: {m}" for p, m in entry["errors"].items()]
+        print(f"{name}: " + "; ".join(parts), flush=True)
     with open(os.path.join(args.out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     print(f"wrote {len(cases)} cases to {args.out}")
