@@ -23,6 +23,7 @@
 #define STEP_MAX_TOKENS {{ target.gdn.step_max_tokens }}
 #define STEP_WARPS (STEP_THREADS / FP4_WARP_SIZE)
 #define STEP_COL_LANES (STEP_DV / 4)
+#define PENDING_GROUP 4
 #define STEP_ROW_GROUPS (STEP_THREADS / STEP_COL_LANES)
 #define NORM_THREADS 128
 #define COMMIT_THREADS 128
@@ -318,12 +319,30 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
         sh.beta[tid] = beta;
         if (verify && split == 0) ring_g[((u64)slot * ring_len + (pos + tid) % ring_len) * hv + h] = g;
     }
-    for (u32 idx = tid; idx < pend * dk; idx += STEP_THREADS) {
-        const u32 c = idx / dk, i = idx % dk;
-        const u64 at = (u64)slot * ring_len + (pos - pend + c) % ring_len;
-        sh.pk[c][i] = ring_k[at * hk * dk + kh * dk + i];
-        if (i < STEP_DV) sh.pu[c][i] = ring_u[at * hv * dv + h * dv + j0 + i];
-        if (i == 0) sh.pg[c] = ring_g[at * hv + h];
+    // the pending tokens' replay data, PENDING_GROUP rows of the block's threads loaded before
+    // any is stored (a load followed by its store per row made each pending token a round trip)
+    for (u32 base = 0; base < pend * dk; base += PENDING_GROUP * STEP_THREADS) {
+        float pk[PENDING_GROUP], pu[PENDING_GROUP], pg[PENDING_GROUP];
+        #pragma unroll
+        for (u32 r = 0; r < PENDING_GROUP; ++r) {
+            const u32 idx = base + r * STEP_THREADS + tid, c = idx / dk, i = idx % dk;
+            pk[r] = pu[r] = pg[r] = 0.0f;
+            if (idx < pend * dk) {
+                const u64 at = (u64)slot * ring_len + (pos - pend + c) % ring_len;
+                pk[r] = ring_k[at * hk * dk + kh * dk + i];
+                if (i < STEP_DV) pu[r] = ring_u[at * hv * dv + h * dv + j0 + i];
+                if (i == 0) pg[r] = ring_g[at * hv + h];
+            }
+        }
+        #pragma unroll
+        for (u32 r = 0; r < PENDING_GROUP; ++r) {
+            const u32 idx = base + r * STEP_THREADS + tid, c = idx / dk, i = idx % dk;
+            if (idx < pend * dk) {
+                sh.pk[c][i] = pk[r];
+                if (i < STEP_DV) sh.pu[c][i] = pu[r];
+                if (i == 0) sh.pg[c] = pg[r];
+            }
+        }
     }
     block_barrier();
     // norms and k.q: warp w takes tokens w, w + STEP_WARPS, ...
