@@ -23,6 +23,7 @@
 #define STEP_MAX_TOKENS {{ target.gdn.step_max_tokens }}
 #define STEP_WARPS (STEP_THREADS / FP4_WARP_SIZE)
 #define STEP_COL_LANES (STEP_DV / 4)
+#define PENDING_GROUP 4
 #define STEP_ROW_GROUPS (STEP_THREADS / STEP_COL_LANES)
 #define NORM_THREADS 128
 #define COMMIT_THREADS 128
@@ -38,9 +39,10 @@ FP4_DEVICE float exp_f32(float v) { return expf(v); }
 FP4_DEVICE float log_f32(float v) { return logf(v); }
 FP4_DEVICE float rsqrt_f32(float v) { return rsqrtf(v); }
 #define GDN_SHARED extern __shared__ __align__(16) unsigned char
-// gdn_step_*: at least one block per SM is all it asks (ptxas otherwise spilled a word to keep
-// its register count down on sm_90a)
-#define STEP_BOUNDS STEP_THREADS, 1
+// gdn_step_*: five blocks per SM (at most 102 registers; 92 on sm_90a at dk 128, no spills): at
+// large batches the step streams states through as many blocks as are resident, and with its
+// front-end loads issued together (conv_silu_n) ptxas took 100 registers, four blocks per SM
+#define STEP_BOUNDS STEP_THREADS, 5
 {% else %}
 FP4_DEVICE float shfl_xor(float v, u32 mask) {
     const int other = __builtin_amdgcn_ds_bpermute((int)((lane_id() ^ mask) << 2), __builtin_bit_cast(int, v));
@@ -116,6 +118,43 @@ FP4_DEVICE void conv8_silu(const ConvSource& src, const float* __restrict__ conv
     }
     #pragma unroll
     for (int i = 0; i < 8; ++i) y[i] = silu_f32(y[i]);
+}
+
+/// Conv taps whose loads the step issues together (Qwen3.5's kernel is 4: one group).
+#define CONV_TAP_GROUP 4
+
+/// silu(conv) of the N channels `ch` at row `row` (one value each): the inputs and weights of a
+/// group of taps are all loaded before any is used, so they are in flight together; interleaving
+/// loads and sums made each tap a dependent memory round trip (the decode step's front end is a
+/// latency chain, not bandwidth). Taps past `kernel` add w = 0 times x = 0; the sum runs over
+/// the taps in order, as before.
+template <int N>
+FP4_DEVICE void conv_silu_n(const ConvSource& src, const float* __restrict__ conv_w, u32 kernel, i32 row,
+                            const u32 (&ch)[N], float (&y)[N]) {
+    float acc[N];
+    #pragma unroll
+    for (int n = 0; n < N; ++n) acc[n] = 0.0f;
+    for (u32 j0 = 0; j0 < kernel; j0 += CONV_TAP_GROUP) {
+        float x[N][CONV_TAP_GROUP], w[N][CONV_TAP_GROUP];
+        #pragma unroll
+        for (int n = 0; n < N; ++n)
+            #pragma unroll
+            for (u32 jj = 0; jj < CONV_TAP_GROUP; ++jj) {
+                const u32 j = j0 + jj;
+                x[n][jj] = 0.0f;
+                w[n][jj] = 0.0f;
+                if (j < kernel) {
+                    w[n][jj] = conv_w[(u64)ch[n] * kernel + j];
+                    x[n][jj] = src.load1(row - (i32)(kernel - 1) + (i32)j, ch[n]);
+                }
+            }
+        #pragma unroll
+        for (int n = 0; n < N; ++n)
+            #pragma unroll
+            for (u32 jj = 0; jj < CONV_TAP_GROUP; ++jj) acc[n] += w[n][jj] * x[n][jj];
+    }
+    #pragma unroll
+    for (int n = 0; n < N; ++n) y[n] = silu_f32(acc[n]);
 }
 
 /// Which chunk of which sequence workspace chunk `slot` is: scans cu_seqlens (chunks of 64 per
@@ -234,43 +273,76 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
         }
     }
 
-    // 2. front end
+    // 2. front end: every load of a pass is issued before its first use (the step is a latency
+    //    chain at small batches: a block's lifetime, not the state's bytes, sets its cost)
+    float gate_in[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // a, b, A_log, dt_bias of token tid
+    if (tid < m) {
+        gate_in[0] = bf16_to_f32(a_in[(u64)(b * m + tid) * a_stride + h]);
+        gate_in[1] = bf16_to_f32(b_in[(u64)(b * m + tid) * b_stride + h]);
+        gate_in[2] = a_log[h];
+        gate_in[3] = dt_bias[h];
+    }
     const ConvSource src{qkv, qkv_stride, (i32)(b * m), 0, (i64)pos, conv_ring + (u64)slot * ring_len * conv_dim, ring_len, conv_dim};
     const bool qk_writer = h % ratio == 0;  // first value head of the key group writes q/k data
     for (u32 idx = tid; idx < m * dk; idx += STEP_THREADS) {
         const u32 t = idx / dk, i = idx % dk;
-        #pragma unroll
-        for (int part = 0; part < 2; ++part) {
-            const u32 ch = part * hk * dk + kh * dk + i;
-            float acc = 0.0f;
-            for (u32 j = 0; j < kernel; ++j) acc += conv_w[(u64)ch * kernel + j] * src.load1((i32)t - (i32)(kernel - 1) + (i32)j, ch);
-            (part == 0 ? sh.q : sh.k)[t][i] = silu_f32(acc);
-            if (qk_writer && i % splits == split)
-                conv_ring[((u64)slot * ring_len + (pos + t) % ring_len) * conv_dim + ch] = qkv[(u64)(b * m + t) * qkv_stride + ch];
+        const u32 ch[2] = {kh * dk + i, hk * dk + kh * dk + i};
+        const bool ring_writer = qk_writer && i % splits == split;
+        u16 raw[2] = {0, 0};
+        if (ring_writer) {
+            raw[0] = qkv[(u64)(b * m + t) * qkv_stride + ch[0]];
+            raw[1] = qkv[(u64)(b * m + t) * qkv_stride + ch[1]];
+        }
+        float y[2];
+        conv_silu_n<2>(src, conv_w, kernel, (i32)t, ch, y);
+        sh.q[t][i] = y[0];
+        sh.k[t][i] = y[1];
+        if (ring_writer) {
+            u16* dst = conv_ring + ((u64)slot * ring_len + (pos + t) % ring_len) * conv_dim;
+            dst[ch[0]] = raw[0];
+            dst[ch[1]] = raw[1];
         }
     }
     for (u32 idx = tid; idx < m * STEP_DV; idx += STEP_THREADS) {
         const u32 t = idx / STEP_DV, jj = idx % STEP_DV;
-        const u32 ch = 2 * hk * dk + h * dv + j0 + jj;
-        float acc = 0.0f;
-        for (u32 j = 0; j < kernel; ++j) acc += conv_w[(u64)ch * kernel + j] * src.load1((i32)t - (i32)(kernel - 1) + (i32)j, ch);
-        sh.v[t][jj] = silu_f32(acc);
-        conv_ring[((u64)slot * ring_len + (pos + t) % ring_len) * conv_dim + ch] = qkv[(u64)(b * m + t) * qkv_stride + ch];
+        const u32 ch[1] = {2 * hk * dk + h * dv + j0 + jj};
+        const u16 raw = qkv[(u64)(b * m + t) * qkv_stride + ch[0]];
+        float y[1];
+        conv_silu_n<1>(src, conv_w, kernel, (i32)t, ch, y);
+        sh.v[t][jj] = y[0];
+        conv_ring[((u64)slot * ring_len + (pos + t) % ring_len) * conv_dim + ch[0]] = raw;
     }
     if (tid < m) {
         float g, beta;
-        gdn_gates(bf16_to_f32(a_in[(u64)(b * m + tid) * a_stride + h]), bf16_to_f32(b_in[(u64)(b * m + tid) * b_stride + h]),
-                  a_log[h], dt_bias[h], g, beta);
+        gdn_gates(gate_in[0], gate_in[1], gate_in[2], gate_in[3], g, beta);
         sh.g[tid] = g;
         sh.beta[tid] = beta;
         if (verify && split == 0) ring_g[((u64)slot * ring_len + (pos + tid) % ring_len) * hv + h] = g;
     }
-    for (u32 idx = tid; idx < pend * dk; idx += STEP_THREADS) {
-        const u32 c = idx / dk, i = idx % dk;
-        const u64 at = (u64)slot * ring_len + (pos - pend + c) % ring_len;
-        sh.pk[c][i] = ring_k[at * hk * dk + kh * dk + i];
-        if (i < STEP_DV) sh.pu[c][i] = ring_u[at * hv * dv + h * dv + j0 + i];
-        if (i == 0) sh.pg[c] = ring_g[at * hv + h];
+    // the pending tokens' replay data, PENDING_GROUP rows of the block's threads loaded before
+    // any is stored (a load followed by its store per row made each pending token a round trip)
+    for (u32 base = 0; base < pend * dk; base += PENDING_GROUP * STEP_THREADS) {
+        float pk[PENDING_GROUP], pu[PENDING_GROUP], pg[PENDING_GROUP];
+        #pragma unroll
+        for (u32 r = 0; r < PENDING_GROUP; ++r) {
+            const u32 idx = base + r * STEP_THREADS + tid, c = idx / dk, i = idx % dk;
+            pk[r] = pu[r] = pg[r] = 0.0f;
+            if (idx < pend * dk) {
+                const u64 at = (u64)slot * ring_len + (pos - pend + c) % ring_len;
+                pk[r] = ring_k[at * hk * dk + kh * dk + i];
+                if (i < STEP_DV) pu[r] = ring_u[at * hv * dv + h * dv + j0 + i];
+                if (i == 0) pg[r] = ring_g[at * hv + h];
+            }
+        }
+        #pragma unroll
+        for (u32 r = 0; r < PENDING_GROUP; ++r) {
+            const u32 idx = base + r * STEP_THREADS + tid, c = idx / dk, i = idx % dk;
+            if (idx < pend * dk) {
+                sh.pk[c][i] = pk[r];
+                if (i < STEP_DV) sh.pu[c][i] = pu[r];
+                if (i == 0) sh.pg[c] = pg[r];
+            }
+        }
     }
     block_barrier();
     // norms and k.q: warp w takes tokens w, w + STEP_WARPS, ...

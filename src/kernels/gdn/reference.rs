@@ -2,6 +2,8 @@
 //! ../shared/reference/qwen3_5_moe.md): the causal depthwise conv1d + SiLU with its state window,
 //! the gates, the per-head L2 norms, the gated delta rule in its recurrent form and in its
 //! chunked (WY / UT transform) form, and the gated RMSNorm. f64 inside, f32 at the interfaces.
+//! Beside the chunked form, [`chunked_rounding_scale`]: how far the chunk kernels' bf16 operands
+//! can move each of its results (the GPU tests' allowances follow from it).
 //!
 //! Layouts (row-major): q, k `[T][Hk][dk]`, v `[T][Hv][dv]`, g and beta `[T][Hv]`, state
 //! `[Hv][dk][dv]`, outputs `[T][Hv][dv]`. Value head h reads key head `h / (Hv / Hk)`.
@@ -172,6 +174,140 @@ pub fn recurrent(shape: GdnShape, input: DeltaInputs<'_>, state: &mut [f32]) -> 
     out
 }
 
+/// One chunk of one value head in the WY / UT form (f64): the chunk's q, k, v, beta and
+/// cumulative log decays gamma, and `W = T (beta * e^gamma * K)`, `U = T (beta * V)` with
+/// `T = (I + A)^-1`, `A = strictly_lower(diag(beta) (K K^T * Gamma))`.
+struct UtChunk {
+    q: Vec<Vec<f64>>,
+    k: Vec<Vec<f64>>,
+    v: Vec<Vec<f64>>,
+    beta: Vec<f64>,
+    gamma: Vec<f64>,
+    w: Vec<Vec<f64>>,
+    u: Vec<Vec<f64>>,
+}
+
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+impl UtChunk {
+    /// Tokens `start .. start + len` of value head `h` (key head `kh`).
+    fn new(
+        shape: GdnShape,
+        input: &DeltaInputs<'_>,
+        h: usize,
+        kh: usize,
+        start: usize,
+        len: usize,
+    ) -> Self {
+        let (key_heads, value_heads, dk, dv) =
+            (shape.key_heads, shape.value_heads, shape.dk, shape.dv);
+        let at = |x: &[f32], width: usize, heads: usize, head: usize, i: usize| -> Vec<f64> {
+            x[((start + i) * heads + head) * width..][..width]
+                .iter()
+                .map(|v| f64::from(*v))
+                .collect()
+        };
+        let q: Vec<Vec<f64>> = (0..len)
+            .map(|i| at(input.q, dk, key_heads, kh, i))
+            .collect();
+        let k: Vec<Vec<f64>> = (0..len)
+            .map(|i| at(input.k, dk, key_heads, kh, i))
+            .collect();
+        let v: Vec<Vec<f64>> = (0..len)
+            .map(|i| at(input.v, dv, value_heads, h, i))
+            .collect();
+        let beta: Vec<f64> = (0..len)
+            .map(|i| f64::from(input.beta[(start + i) * value_heads + h]))
+            .collect();
+        let gamma: Vec<f64> = (0..len)
+            .scan(0.0f64, |acc, i| {
+                *acc += f64::from(input.g[(start + i) * value_heads + h]);
+                Some(*acc)
+            })
+            .collect();
+        let mut chunk = Self {
+            q,
+            k,
+            v,
+            beta,
+            gamma,
+            w: Vec::new(),
+            u: Vec::new(),
+        };
+        chunk.w = chunk.solve(
+            (0..len)
+                .map(|i| {
+                    let f = chunk.beta[i] * chunk.gamma[i].exp();
+                    chunk.k[i].iter().map(|x| f * x).collect()
+                })
+                .collect(),
+        );
+        chunk.u = chunk.solve(
+            (0..len)
+                .map(|i| chunk.v[i].iter().map(|x| chunk.beta[i] * x).collect())
+                .collect(),
+        );
+        chunk
+    }
+
+    fn len(&self) -> usize {
+        self.gamma.len()
+    }
+
+    /// `A[i][j]` (j < i).
+    fn a(&self, i: usize, j: usize) -> f64 {
+        self.beta[i] * dot(&self.k[i], &self.k[j]) * (self.gamma[i] - self.gamma[j]).exp()
+    }
+
+    /// `(I + A) X = B` by forward substitution.
+    fn solve(&self, rhs: Vec<Vec<f64>>) -> Vec<Vec<f64>> {
+        let mut x: Vec<Vec<f64>> = Vec::with_capacity(rhs.len());
+        for (i, mut row) in rhs.into_iter().enumerate() {
+            for (j, xj) in x.iter().enumerate() {
+                let aij = self.a(i, j);
+                row.iter_mut().zip(xj).for_each(|(r, xv)| *r -= aij * xv);
+            }
+            x.push(row);
+        }
+        x
+    }
+
+    /// `T = (I + A)^-1` (lower triangular), by rows.
+    fn transform(&self) -> Vec<Vec<f64>> {
+        let n = self.len();
+        self.solve(
+            (0..n)
+                .map(|i| (0..n).map(|j| f64::from(u8::from(i == j))).collect())
+                .collect(),
+        )
+    }
+
+    /// `M[i][c] = (q_i . k_c) e^(gamma_i - gamma_c)` for c <= i.
+    fn m(&self, i: usize, c: usize) -> f64 {
+        dot(&self.q[i], &self.k[c]) * (self.gamma[i] - self.gamma[c]).exp()
+    }
+
+    /// `V' = U - W S` for a head's state `s` (`[dk][dv]`).
+    fn v_new(&self, s: &[f64], dv: usize) -> Vec<Vec<f64>> {
+        (0..self.len())
+            .map(|i| {
+                (0..dv)
+                    .map(|j| {
+                        self.u[i][j]
+                            - self.w[i]
+                                .iter()
+                                .enumerate()
+                                .map(|(d, w)| w * s[d * dv + j])
+                                .sum::<f64>()
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+}
+
 /// The chunked (WY / UT transform) form, `chunk` tokens at a time: per chunk with cumulative log
 /// decays gamma, `A = strictly_lower(diag(beta) (K K^T * Gamma))`, `T = (I + A)^-1` by forward
 /// substitution, `W = T (beta * e^gamma * K)`, `U = T (beta * V)`; across chunks
@@ -184,86 +320,30 @@ pub fn chunked(
     chunk: usize,
 ) -> Vec<f32> {
     let GdnShape {
-        key_heads,
         value_heads,
         dk,
         dv,
+        ..
     } = shape;
     let mut out = vec![0.0f32; input.t * value_heads * dv];
     per_head_state(shape, state, |h, kh, s| {
         for start in (0..input.t).step_by(chunk.max(1)) {
             let len = chunk.min(input.t - start);
-            let at = |x: &[f32], width: usize, heads: usize, head: usize, i: usize| -> Vec<f64> {
-                x[((start + i) * heads + head) * width..][..width]
-                    .iter()
-                    .map(|v| f64::from(*v))
-                    .collect()
-            };
-            let q: Vec<Vec<f64>> = (0..len)
-                .map(|i| at(input.q, dk, key_heads, kh, i))
-                .collect();
-            let k: Vec<Vec<f64>> = (0..len)
-                .map(|i| at(input.k, dk, key_heads, kh, i))
-                .collect();
-            let v: Vec<Vec<f64>> = (0..len)
-                .map(|i| at(input.v, dv, value_heads, h, i))
-                .collect();
-            let beta: Vec<f64> = (0..len)
-                .map(|i| f64::from(input.beta[(start + i) * value_heads + h]))
-                .collect();
-            let gamma: Vec<f64> = (0..len)
-                .scan(0.0f64, |acc, i| {
-                    *acc += f64::from(input.g[(start + i) * value_heads + h]);
-                    Some(*acc)
-                })
-                .collect();
-            let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
-            // (I + A) X = B by forward substitution, A strictly lower
-            let a = |i: usize, j: usize| beta[i] * dot(&k[i], &k[j]) * (gamma[i] - gamma[j]).exp();
-            let solve = |rhs: Vec<Vec<f64>>| -> Vec<Vec<f64>> {
-                let mut x: Vec<Vec<f64>> = Vec::with_capacity(len);
-                for (i, mut row) in rhs.into_iter().enumerate() {
-                    for (j, xj) in x.iter().enumerate() {
-                        let aij = a(i, j);
-                        row.iter_mut().zip(xj).for_each(|(r, xv)| *r -= aij * xv);
-                    }
-                    x.push(row);
-                }
-                x
-            };
-            let w = solve(
-                (0..len)
-                    .map(|i| k[i].iter().map(|x| beta[i] * gamma[i].exp() * x).collect())
-                    .collect(),
-            );
-            let u = solve(
-                (0..len)
-                    .map(|i| v[i].iter().map(|x| beta[i] * x).collect())
-                    .collect(),
-            );
-            // V' = U - W S
-            let v_new: Vec<Vec<f64>> = (0..len)
-                .map(|i| {
-                    (0..dv)
-                        .map(|j| u[i][j] - (0..dk).map(|d| w[i][d] * s[d * dv + j]).sum::<f64>())
-                        .collect()
-                })
-                .collect();
+            let c = UtChunk::new(shape, &input, h, kh, start, len);
+            let v_new = c.v_new(s, dv);
             for i in 0..len {
                 for j in 0..dv {
                     let inter: f64 =
-                        gamma[i].exp() * (0..dk).map(|d| q[i][d] * s[d * dv + j]).sum::<f64>();
-                    let intra: f64 = (0..=i)
-                        .map(|c| dot(&q[i], &k[c]) * (gamma[i] - gamma[c]).exp() * v_new[c][j])
-                        .sum();
+                        c.gamma[i].exp() * (0..dk).map(|d| c.q[i][d] * s[d * dv + j]).sum::<f64>();
+                    let intra: f64 = (0..=i).map(|x| c.m(i, x) * v_new[x][j]).sum();
                     out[((start + i) * value_heads + h) * dv + j] = (inter + intra) as f32;
                 }
             }
-            let last = gamma[len - 1];
+            let last = c.gamma[len - 1];
             for d in 0..dk {
                 for j in 0..dv {
                     let update: f64 = (0..len)
-                        .map(|c| k[c][d] * (last - gamma[c]).exp() * v_new[c][j])
+                        .map(|x| c.k[x][d] * (last - c.gamma[x]).exp() * v_new[x][j])
                         .sum();
                     s[d * dv + j] = last.exp() * s[d * dv + j] + update;
                 }
@@ -271,6 +351,151 @@ pub fn chunked(
         }
     });
     out
+}
+
+/// How far the chunk kernels' roundings can move [`chunked`]'s results, per element: the chunk
+/// kernels (`gdn_chunk_prepare_*`, `gdn_chunk_state_*`) multiply bf16 operands with fp32
+/// accumulation, and each rounding to bf16 perturbs its value `x` by `x * delta`, `|delta| <=
+/// 2^-8`. To first order an output's error is a sum of such perturbations, each scaled by
+/// what multiplies it, so with independent deltas of standard deviation `sigma` it has the
+/// standard deviation `sigma * sqrt(sum of squared scaled terms)`. The square root is returned
+/// (`out`, `[t][Hv][dv]`, and the final state, `[Hv][dk][dv]`), following the kernels'
+/// roundings per chunk (q, k and v; `T diag(beta e^gamma)`, `T diag(beta)`; W, U and M; S as an
+/// operand; `V' = U - W S` for `M V'` and `e^(gamma_last - gamma) V'` for the state update),
+/// with the errors of W, U, V' and of the fp32 state carried into what uses them, chunk after
+/// chunk. Left out, as second order: the error of T from the rounded k in `K K^T` (a few percent
+/// of W's own rounding at these magnitudes) and fp32 accumulation (2^-24 relative per term).
+///
+/// The rounding of the outputs themselves (bf16, `|o| 2^-9`) is not included. The scale follows
+/// the magnitudes of the terms, not of the result: a row that continues from a large state
+/// carries the error of `Q S` and `W S` even where the output cancels to nearly zero.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoundingScale {
+    /// Per output, `[t][Hv][dv]`.
+    pub out: Vec<f64>,
+    /// Per element of the final state, `[Hv][dk][dv]`.
+    pub state: Vec<f64>,
+}
+
+/// [`RoundingScale`] of [`chunked`] on these inputs from `state` (`[Hv][dk][dv]`, an exact fp32
+/// start: the kernels load it and replay pending tokens in fp32), `chunk` tokens per chunk.
+pub fn chunked_rounding_scale(
+    shape: GdnShape,
+    input: DeltaInputs<'_>,
+    state: &[f32],
+    chunk: usize,
+) -> RoundingScale {
+    let GdnShape {
+        value_heads,
+        dk,
+        dv,
+        ..
+    } = shape;
+    let size = dk * dv;
+    let mut out = vec![0.0f64; input.t * value_heads * dv];
+    let mut state_scale = vec![0.0f64; value_heads * size];
+    for h in 0..value_heads {
+        let kh = shape.key_head(h);
+        let mut s: Vec<f64> = state[h * size..(h + 1) * size]
+            .iter()
+            .map(|v| f64::from(*v))
+            .collect();
+        // the variance (in units of sigma^2) of the fp32 state's error
+        let mut vs = vec![0.0f64; size];
+        for start in (0..input.t).step_by(chunk.max(1)) {
+            let len = chunk.min(input.t - start);
+            let c = UtChunk::new(shape, &input, h, kh, start, len);
+            let t = c.transform();
+            let sq = |x: f64| x * x;
+            // W = T_w K and U = T_u V: their own rounding, T_w's or T_u's, and k's or v's
+            let var_rows = |product: &[Vec<f64>], factor: &dyn Fn(usize) -> f64, x: &[Vec<f64>]| {
+                (0..len)
+                    .map(|i| {
+                        (0..x[0].len())
+                            .map(|d| {
+                                sq(product[i][d])
+                                    + 2.0
+                                        * (0..=i)
+                                            .map(|e| sq(t[i][e] * factor(e) * x[e][d]))
+                                            .sum::<f64>()
+                            })
+                            .collect::<Vec<f64>>()
+                    })
+                    .collect::<Vec<_>>()
+            };
+            let var_w = var_rows(&c.w, &|e| c.beta[e] * c.gamma[e].exp(), &c.k);
+            let var_u = var_rows(&c.u, &|e| c.beta[e], &c.v);
+            // S as the bf16 operand: its rounding plus the state's error so far
+            let var_s_op: Vec<f64> = s.iter().zip(&vs).map(|(x, v)| sq(*x) + v).collect();
+            let v_new = c.v_new(&s, dv);
+            // V' = U - W S before its rounding
+            let var_vp: Vec<Vec<f64>> = (0..len)
+                .map(|i| {
+                    (0..dv)
+                        .map(|j| {
+                            var_u[i][j]
+                                + (0..dk)
+                                    .map(|d| {
+                                        var_w[i][d] * sq(s[d * dv + j])
+                                            + sq(c.w[i][d]) * var_s_op[d * dv + j]
+                                    })
+                                    .sum::<f64>()
+                        })
+                        .collect()
+                })
+                .collect();
+            // M = (Q K^T * Gamma): its rounding, q's and k's
+            let var_m = |i: usize, x: usize| {
+                let decay = sq((c.gamma[i] - c.gamma[x]).exp());
+                sq(c.m(i, x))
+                    + 2.0 * decay * (0..dk).map(|d| sq(c.q[i][d] * c.k[x][d])).sum::<f64>()
+            };
+            for i in 0..len {
+                let m: Vec<(f64, f64)> = (0..=i).map(|x| (c.m(i, x), var_m(i, x))).collect();
+                let head = sq(c.gamma[i].exp());
+                for j in 0..dv {
+                    // e^gamma Q S: q's rounding and S's as an operand
+                    let inter: f64 = head
+                        * (0..dk)
+                            .map(|d| sq(c.q[i][d]) * (sq(s[d * dv + j]) + var_s_op[d * dv + j]))
+                            .sum::<f64>();
+                    // M V': M's error, V's error and its rounding
+                    let intra: f64 = m
+                        .iter()
+                        .enumerate()
+                        .map(|(x, (mv, var))| {
+                            var * sq(v_new[x][j]) + sq(*mv) * (var_vp[x][j] + sq(v_new[x][j]))
+                        })
+                        .sum();
+                    out[((start + i) * value_heads + h) * dv + j] = (inter + intra).sqrt();
+                }
+            }
+            // S = e^gamma_last S + K^T (e^(gamma_last - gamma) V'): k's rounding, the rounding of
+            // the scaled V' and V's error
+            let last = c.gamma[len - 1];
+            for d in 0..dk {
+                for j in 0..dv {
+                    let mut update = 0.0;
+                    let mut var = 0.0;
+                    for x in 0..len {
+                        let tail = (last - c.gamma[x]).exp();
+                        update += c.k[x][d] * tail * v_new[x][j];
+                        var += sq(tail * c.k[x][d]) * (2.0 * sq(v_new[x][j]) + var_vp[x][j]);
+                    }
+                    let at = d * dv + j;
+                    s[at] = last.exp() * s[at] + update;
+                    vs[at] = sq(last.exp()) * vs[at] + var;
+                }
+            }
+        }
+        for (dst, v) in state_scale[h * size..(h + 1) * size].iter_mut().zip(&vs) {
+            *dst = v.sqrt();
+        }
+    }
+    RoundingScale {
+        out,
+        state: state_scale,
+    }
 }
 
 /// The gated RMSNorm after the recurrence, per head of `dim`: `w * rmsnorm(o) * silu(z)` with
@@ -590,4 +815,75 @@ impl SequenceCache {
         self.position += accepted;
         self.verified.clear();
     }
+}
+
+/// bf16's unit roundoff: a rounding to bf16 moves a value by at most this fraction of it.
+pub const BF16_UNIT_ROUNDOFF: f64 = 1.0 / 256.0;
+
+/// How far the chunk kernels' prefill of `raw.t` tokens of one sequence may be from the
+/// reference, per element: outputs `[t][Hv][dv]` (through the gated RMSNorm when `raw.z` is
+/// given) and the state after them `[Hv][dk][dv]`, for the sequence `seq` (its pending tokens
+/// replayed first, as the kernels do). Each element may differ by `sigmas` standard deviations of
+/// [`chunked_rounding_scale`] (a rounding's relative error has a standard deviation of at most
+/// `u / sqrt(3)`, u = 2^-8) plus the rounding of the result: bf16 outputs on both sides
+/// (`u |o|`), fp32 states (`2^-20 |s|`). The gated outputs `y = w o / r silu(z)`,
+/// `r = sqrt(mean(o^2) + eps)`, move by `w silu(z) / r (do - o (o . do) / (dv r^2))`, within
+/// `|w silu(z)| / r (|do| + |o| rms(do) / r)` (Cauchy-Schwarz), plus y's own rounding.
+pub fn chunked_allowance(
+    shape: GdnShape,
+    params: LayerParams<'_>,
+    raw: RawInputs<'_>,
+    seq: &SequenceCache,
+    chunk: usize,
+    sigmas: f64,
+) -> (Vec<f64>, Vec<f64>) {
+    let u = BF16_UNIT_ROUNDOFF;
+    let sigma = sigmas * u / 3f64.sqrt();
+    let mut seq = seq.clone();
+    seq.replay_pending(shape);
+    let mut window = seq.window.clone();
+    let front = front_end(shape, params, raw, &mut window);
+    let scale = chunked_rounding_scale(shape, front.inputs(raw.t), &seq.state, chunk);
+    let mut state = seq.state.clone();
+    let o = chunked(shape, front.inputs(raw.t), &mut state, chunk);
+    let raw_allowed: Vec<f64> = o
+        .iter()
+        .zip(&scale.out)
+        .map(|(o, s)| f64::from(o.abs()) * u + sigma * s)
+        .collect();
+    let out = match raw.z {
+        None => raw_allowed,
+        Some(z) => {
+            let dim = shape.dv;
+            let mut out = Vec::with_capacity(o.len());
+            for ((head, allowed), gate) in o
+                .chunks_exact(dim)
+                .zip(raw_allowed.chunks_exact(dim))
+                .zip(z.chunks_exact(dim))
+            {
+                let mean = head.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / dim as f64;
+                let r = (mean + params.eps).sqrt();
+                let rms_allowed = (allowed.iter().map(|x| x * x).sum::<f64>() / dim as f64).sqrt();
+                for ((o, allowed), (w, z)) in head
+                    .iter()
+                    .zip(allowed)
+                    .zip(params.norm_weight.iter().zip(gate))
+                {
+                    let factor = f64::from(*w) * silu(f64::from(*z));
+                    let o = f64::from(*o);
+                    let y = factor * o / r;
+                    out.push(
+                        factor.abs() / r * (allowed + o.abs() * rms_allowed / r) + y.abs() * u,
+                    );
+                }
+            }
+            out
+        }
+    };
+    let state = state
+        .iter()
+        .zip(&scale.state)
+        .map(|(s, e)| f64::from(s.abs()) * 2f64.powi(-20) + sigma * e)
+        .collect();
+    (out, state)
 }
