@@ -108,22 +108,32 @@ pub fn nvfp4_gemm(
                 block: (tiles.warps_per_block * target.warp_size, 1, 1),
                 shared_bytes: 0,
             };
-            let args = [
-                KernelArg::input(x),
-                KernelArg::input(&w.packed),
-                KernelArg::input(&w.scales),
-                KernelArg::f32(w.global_scale),
-                KernelArg::output(y),
-                KernelArg::u32(m32),
-                KernelArg::u32(n32),
-                KernelArg::u32(k32),
-            ];
-            // SAFETY: the arguments are gemm_nvfp4_bf16_gemv's parameters in order (x, packed,
-            // scales, global_scale, y, m, n, k); X, Y and W lengths were checked against
-            // (m, n, k) above, which is all the kernel indexes.
+            let args = gemv_arguments(x, w, y, [m32, n32, k32]);
+            // SAFETY: gemm_nvfp4_bf16_gemv's parameters in order (gemv_arguments); X, Y and W
+            // lengths were checked against (m, n, k) above, which is all the kernel indexes.
             unsafe { backend.launch(FAMILY, KERNEL_GEMM_NVFP4_BF16_GEMV, &dims, &args) }
         }
     }
+}
+
+/// `gemm_nvfp4_bf16_gemv`'s arguments in its parameter order (x, packed, scales, global_scale,
+/// y, m, n, k).
+fn gemv_arguments<'a>(
+    x: &'a DeviceVec<bf16>,
+    w: &'a Nvfp4Weights,
+    y: &'a mut DeviceVec<bf16>,
+    [m, n, k]: [u32; 3],
+) -> [KernelArg<'a>; 8] {
+    [
+        KernelArg::input(x),
+        KernelArg::input(&w.packed),
+        KernelArg::input(&w.scales),
+        KernelArg::f32(w.global_scale),
+        KernelArg::output(y),
+        KernelArg::u32(m),
+        KernelArg::u32(n),
+        KernelArg::u32(k),
+    ]
 }
 
 /// The target of a device backend (the CPU backend has none: a device launch was asked of it).
@@ -749,15 +759,227 @@ fn linear_device(
     }
 }
 
-/// The residual rows `range` of a launch, or the null pointer without one.
-fn residual_rows<'a>(
-    residual: Option<&'a DeviceVec<bf16>>,
-    range: std::ops::Range<usize>,
-) -> Result<KernelArg<'a>> {
-    match residual {
-        Some(r) => KernelArg::input_range(r, range),
-        None => Ok(KernelArg::optional_input::<bf16>(None)),
+/// The rows `start .. start + rows` of one tensor-core launch: X (`[m, k]`), Y and the residual
+/// (`[m, n]`, or the null pointer), and their count.
+#[derive(Clone, Copy)]
+struct ChunkArgs<'a> {
+    x: KernelArg<'a>,
+    y: KernelArg<'a>,
+    residual: KernelArg<'a>,
+    rows: u32,
+}
+
+impl<'a> ChunkArgs<'a> {
+    /// # Errors
+    /// [`Error::Invalid`] when the rows are not within the buffers.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        x: &'a DeviceVec<bf16>,
+        y: &'a mut DeviceVec<bf16>,
+        residual: Option<&'a DeviceVec<bf16>>,
+        start: usize,
+        rows: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<Self> {
+        let out = start * n..(start + rows) * n;
+        Ok(Self {
+            x: KernelArg::input_range(x, start * k..(start + rows) * k)?,
+            residual: match residual {
+                Some(r) => KernelArg::input_range(r, out.clone())?,
+                None => KernelArg::optional_input::<bf16>(None),
+            },
+            y: KernelArg::output_range(y, out)?,
+            rows: check_u32("gemm rows per launch", rows)?,
+        })
     }
+}
+
+/// The sizes the tensor-core kernels take after M: N (output columns), K, the weight's tiles and
+/// K groups, and the epilogue code.
+#[derive(Clone, Copy)]
+struct TileShape {
+    n: u32,
+    k: u32,
+    n_tiles: u32,
+    k_groups: u32,
+    epilogue: u32,
+}
+
+impl TileShape {
+    /// # Errors
+    /// [`Error::Invalid`] for a dimension past the kernels' 32-bit range.
+    fn new(w: &Linear, epilogue: &Epilogue<'_>) -> Result<Self> {
+        Ok(Self {
+            n: check_u32("linear N", w.out_features())?,
+            k: check_u32("linear K", w.grid.cols)?,
+            n_tiles: check_u32("linear tiles", w.grid.n_tiles)?,
+            k_groups: check_u32("linear K groups", w.grid.k_groups)?,
+            epilogue: epilogue.kernel_code(),
+        })
+    }
+}
+
+/// How an mma.sync launch shares K: the split-K scratch (null pointers when K is not split) and
+/// the plan's groups per split and warps per tile.
+#[derive(Clone, Copy)]
+struct SplitArgs<'a> {
+    partials: KernelArg<'a>,
+    counters: KernelArg<'a>,
+    groups_per_split: u32,
+    warps_per_tile: u32,
+}
+
+/// `gemm_nvfp4_bf16_mma_m*`'s arguments in its parameter order (x, words, scales, alpha, y,
+/// residual, partials, counters, m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile,
+/// epilogue).
+fn mma_nvfp4_arguments<'a>(
+    c: ChunkArgs<'a>,
+    words: &'a DeviceVec<u32>,
+    scales: &'a DeviceVec<u16>,
+    global_scale: f32,
+    split: SplitArgs<'a>,
+    s: TileShape,
+) -> [KernelArg<'a>; 16] {
+    [
+        c.x,
+        KernelArg::input(words),
+        KernelArg::input(scales),
+        // the fragments hold e2m1 * scale * 2^-7 (layout.rs)
+        KernelArg::f32(global_scale * 128.0),
+        c.y,
+        c.residual,
+        split.partials,
+        split.counters,
+        KernelArg::u32(c.rows),
+        KernelArg::u32(s.n),
+        KernelArg::u32(s.k),
+        KernelArg::u32(s.n_tiles),
+        KernelArg::u32(s.k_groups),
+        KernelArg::u32(split.groups_per_split),
+        KernelArg::u32(split.warps_per_tile),
+        KernelArg::u32(s.epilogue),
+    ]
+}
+
+/// `gemm_bf16_bf16_mma_m*`'s arguments in its parameter order (x, words, alpha, y, residual,
+/// partials, counters, m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile, epilogue).
+fn mma_bf16_arguments<'a>(
+    c: ChunkArgs<'a>,
+    words: &'a DeviceVec<u32>,
+    split: SplitArgs<'a>,
+    s: TileShape,
+) -> [KernelArg<'a>; 15] {
+    [
+        c.x,
+        KernelArg::input(words),
+        KernelArg::f32(1.0),
+        c.y,
+        c.residual,
+        split.partials,
+        split.counters,
+        KernelArg::u32(c.rows),
+        KernelArg::u32(s.n),
+        KernelArg::u32(s.k),
+        KernelArg::u32(s.n_tiles),
+        KernelArg::u32(s.k_groups),
+        KernelArg::u32(split.groups_per_split),
+        KernelArg::u32(split.warps_per_tile),
+        KernelArg::u32(s.epilogue),
+    ]
+}
+
+/// `gemm_nvfp4_bf16_wmma_m*`'s arguments in its parameter order (x, words, scales, alpha, y,
+/// residual, m, n, k, n_tiles, k_groups, epilogue).
+fn wmma_nvfp4_arguments<'a>(
+    c: ChunkArgs<'a>,
+    words: &'a DeviceVec<u32>,
+    scales: &'a DeviceVec<u32>,
+    global_scale: f32,
+    s: TileShape,
+) -> [KernelArg<'a>; 12] {
+    [
+        c.x,
+        KernelArg::input(words),
+        KernelArg::input(scales),
+        // the kernel decodes e2m1 * e4m3 exactly; the per-tensor scale is alpha
+        KernelArg::f32(global_scale),
+        c.y,
+        c.residual,
+        KernelArg::u32(c.rows),
+        KernelArg::u32(s.n),
+        KernelArg::u32(s.k),
+        KernelArg::u32(s.n_tiles),
+        KernelArg::u32(s.k_groups),
+        KernelArg::u32(s.epilogue),
+    ]
+}
+
+/// `gemm_bf16_bf16_wmma_m*`'s arguments in its parameter order (x, words, alpha, y, residual, m,
+/// n, k, n_tiles, k_groups, epilogue).
+fn wmma_bf16_arguments<'a>(
+    c: ChunkArgs<'a>,
+    values: &'a DeviceVec<u16>,
+    s: TileShape,
+) -> [KernelArg<'a>; 11] {
+    [
+        c.x,
+        KernelArg::input(values),
+        KernelArg::f32(1.0),
+        c.y,
+        c.residual,
+        KernelArg::u32(c.rows),
+        KernelArg::u32(s.n),
+        KernelArg::u32(s.k),
+        KernelArg::u32(s.n_tiles),
+        KernelArg::u32(s.k_groups),
+        KernelArg::u32(s.epilogue),
+    ]
+}
+
+/// `quantize_nvfp4_rows`'s arguments in its parameter order (x, input_scale, packed, scales,
+/// blocks).
+fn quantize_arguments<'a>(
+    x: &'a DeviceVec<bf16>,
+    input_scale: f32,
+    packed: &'a mut DeviceVec<u8>,
+    scales: &'a mut DeviceVec<u8>,
+    blocks: u64,
+) -> [KernelArg<'a>; 5] {
+    [
+        KernelArg::input(x),
+        KernelArg::f32(input_scale),
+        KernelArg::output(packed),
+        KernelArg::output(scales),
+        KernelArg::u64(blocks),
+    ]
+}
+
+/// `gemm_nvfp4_nvfp4_mma_m*`'s arguments in its parameter order (xq, xs, words, w_scales,
+/// alpha, y, residual, m, n, k, n_tiles, k_groups, epilogue): `c.x` is unused, the activations
+/// are the quantised `codes` and `code_scales` of the chunk's rows.
+fn w4a4_arguments<'a>(
+    codes: KernelArg<'a>,
+    code_scales: KernelArg<'a>,
+    c: ChunkArgs<'a>,
+    weights: W4a4Weights<'a>,
+    s: TileShape,
+) -> [KernelArg<'a>; 13] {
+    [
+        codes,
+        code_scales,
+        KernelArg::input(weights.words),
+        KernelArg::input(weights.scales),
+        KernelArg::f32(weights.input_scale * weights.global_scale),
+        c.y,
+        c.residual,
+        KernelArg::u32(c.rows),
+        KernelArg::u32(s.n),
+        KernelArg::u32(s.k),
+        KernelArg::u32(s.n_tiles),
+        KernelArg::u32(s.k_groups),
+        KernelArg::u32(s.epilogue),
+    ]
 }
 
 /// The mma.sync path: `gemm_*_bf16_mma_m*` in chunks of [`MMA_MAX_ROWS`] rows, partitioned by
@@ -783,16 +1005,13 @@ fn linear_mma(
         tiles.mma_min_warps_per_sm,
         tiles.mma_min_groups_per_split,
     );
+    let shape = TileShape::new(w, epilogue)?;
     let (k, n_out) = (w.grid.cols, w.out_features());
-    let (n32, k32) = (check_u32("linear N", n_out)?, check_u32("linear K", k)?);
-    let (n_tiles, k_groups) = (
-        check_u32("linear tiles", w.grid.n_tiles)?,
-        check_u32("linear K groups", w.grid.k_groups)?,
-    );
-    let epilogue_code = epilogue.kernel_code();
     let dims = LaunchDims {
         grid: (
-            n_tiles.div_ceil(tiles.mma_warps_per_block / plan.warps_per_tile),
+            shape
+                .n_tiles
+                .div_ceil(tiles.mma_warps_per_block / plan.warps_per_tile),
             plan.splits,
             1,
         ),
@@ -814,22 +1033,15 @@ fn linear_mma(
             Some(s) => (s.partials.as_mut(), s.counters.as_mut()),
             None => (None, None),
         };
-        let x_rows = KernelArg::input_range(x, start * k..(start + rows) * k)?;
-        let out_rows = start * n_out..(start + rows) * n_out;
-        let residual_rows = residual_rows(residual, out_rows.clone())?;
-        let y_rows = KernelArg::output_range(y, out_rows)?;
-        let m_rows = KernelArg::u32(rows as u32); // <= MMA_MAX_ROWS
-        let shape = [
-            KernelArg::u32(n32),
-            KernelArg::u32(k32),
-            KernelArg::u32(n_tiles),
-            KernelArg::u32(k_groups),
-            KernelArg::u32(plan.groups_per_split),
-            KernelArg::u32(plan.warps_per_tile),
-            KernelArg::u32(epilogue_code),
-        ];
+        let split = SplitArgs {
+            partials: KernelArg::optional_output(partials),
+            counters: KernelArg::optional_output(counters),
+            groups_per_split: plan.groups_per_split,
+            warps_per_tile: plan.warps_per_tile,
+        };
+        let chunk = ChunkArgs::new(x, y, residual, start, rows, k, n_out)?;
         // Both kernels index only what is checked here: X, Y and the residual were checked
-        // against (m, n, k) and the chunk's ranges lie within them; the weights were laid out
+        // against (m, n, k) and the chunk's rows lie within them; the weights were laid out
         // for (n_tiles, k_groups); with splits > 1 the scratch holds
         // n_tiles * splits * 32 * 4 * m_tiles floats and n_tiles zeroed counters, and its guard
         // is held until the launch is queued.
@@ -840,52 +1052,16 @@ fn linear_mma(
                 global_scale,
             } => {
                 let kernel = variant(&MMA_NVFP4_KERNELS, 8, rows)?;
-                let args = [
-                    x_rows,
-                    KernelArg::input(words),
-                    KernelArg::input(scales),
-                    // the fragments hold e2m1 * scale * 2^-7 (layout.rs)
-                    KernelArg::f32(global_scale * 128.0),
-                    y_rows,
-                    residual_rows,
-                    KernelArg::optional_output(partials),
-                    KernelArg::optional_output(counters),
-                    m_rows,
-                    shape[0],
-                    shape[1],
-                    shape[2],
-                    shape[3],
-                    shape[4],
-                    shape[5],
-                    shape[6],
-                ];
-                // SAFETY: gemm_nvfp4_bf16_mma_m*'s parameters in order (x, words, scales, alpha,
-                // y, residual, partials, counters, m, n, k, n_tiles, k_groups, groups_per_split,
-                // warps_per_tile, epilogue); bounds as above.
+                let args = mma_nvfp4_arguments(chunk, words, scales, global_scale, split, shape);
+                // SAFETY: gemm_nvfp4_bf16_mma_m*'s parameters in order (mma_nvfp4_arguments);
+                // bounds as above.
                 unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
             }
             MmaWeights::Bf16 { words } => {
                 let kernel = variant(&MMA_BF16_KERNELS, 8, rows)?;
-                let args = [
-                    x_rows,
-                    KernelArg::input(words),
-                    KernelArg::f32(1.0),
-                    y_rows,
-                    residual_rows,
-                    KernelArg::optional_output(partials),
-                    KernelArg::optional_output(counters),
-                    m_rows,
-                    shape[0],
-                    shape[1],
-                    shape[2],
-                    shape[3],
-                    shape[4],
-                    shape[5],
-                    shape[6],
-                ];
-                // SAFETY: gemm_bf16_bf16_mma_m*'s parameters in order (x, words, alpha, y,
-                // residual, partials, counters, m, n, k, n_tiles, k_groups, groups_per_split,
-                // warps_per_tile, epilogue); bounds as above.
+                let args = mma_bf16_arguments(chunk, words, split, shape);
+                // SAFETY: gemm_bf16_bf16_mma_m*'s parameters in order (mma_bf16_arguments);
+                // bounds as above.
                 unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
             }
         }
@@ -909,33 +1085,18 @@ fn linear_wmma(
 ) -> Result<()> {
     let target = device_target(backend)?;
     let tiles = &target.gemm;
+    let shape = TileShape::new(w, epilogue)?;
     let (k, n_out) = (w.grid.cols, w.out_features());
-    let (n32, k32) = (check_u32("linear N", n_out)?, check_u32("linear K", k)?);
-    let (n_tiles, k_groups) = (
-        check_u32("linear tiles", w.grid.n_tiles)?,
-        check_u32("linear K groups", w.grid.k_groups)?,
-    );
-    let epilogue_code = KernelArg::u32(epilogue.kernel_code());
     let dims = LaunchDims::linear(
-        n_tiles.div_ceil(tiles.mma_warps_per_block),
+        shape.n_tiles.div_ceil(tiles.mma_warps_per_block),
         tiles.mma_warps_per_block * target.warp_size,
     );
     for start in (0..m).step_by(MMA_MAX_ROWS) {
         let rows = (m - start).min(MMA_MAX_ROWS);
-        let x_rows = KernelArg::input_range(x, start * k..(start + rows) * k)?;
-        let out_rows = start * n_out..(start + rows) * n_out;
-        let residual_rows = residual_rows(residual, out_rows.clone())?;
-        let y_rows = KernelArg::output_range(y, out_rows)?;
-        let shape = [
-            KernelArg::u32(rows as u32), // <= MMA_MAX_ROWS
-            KernelArg::u32(n32),
-            KernelArg::u32(k32),
-            KernelArg::u32(n_tiles),
-            KernelArg::u32(k_groups),
-        ];
+        let chunk = ChunkArgs::new(x, y, residual, start, rows, k, n_out)?;
         // Both kernels index only what is checked here: X, Y and the residual were checked
-        // against (m, n, k) and the chunk's ranges lie within them; the weights were laid out
-        // for (n_tiles, k_groups) (layout.rs, Wmma*).
+        // against (m, n, k) and the chunk's rows lie within them; the weights were laid out for
+        // (n_tiles, k_groups) (layout.rs, Wmma*).
         match weights {
             WmmaWeights::Nvfp4 {
                 words,
@@ -943,42 +1104,16 @@ fn linear_wmma(
                 global_scale,
             } => {
                 let kernel = variant(&WMMA_NVFP4_KERNELS, 16, rows)?;
-                let args = [
-                    x_rows,
-                    KernelArg::input(words),
-                    KernelArg::input(scales),
-                    // the kernel decodes e2m1 * e4m3 exactly; the per-tensor scale is alpha
-                    KernelArg::f32(global_scale),
-                    y_rows,
-                    residual_rows,
-                    shape[0],
-                    shape[1],
-                    shape[2],
-                    shape[3],
-                    shape[4],
-                    epilogue_code,
-                ];
-                // SAFETY: gemm_nvfp4_bf16_wmma_m*'s parameters in order (x, words, scales,
-                // alpha, y, residual, m, n, k, n_tiles, k_groups, epilogue); bounds as above.
+                let args = wmma_nvfp4_arguments(chunk, words, scales, global_scale, shape);
+                // SAFETY: gemm_nvfp4_bf16_wmma_m*'s parameters in order
+                // (wmma_nvfp4_arguments); bounds as above.
                 unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
             }
             WmmaWeights::Bf16 { values } => {
                 let kernel = variant(&WMMA_BF16_KERNELS, 16, rows)?;
-                let args = [
-                    x_rows,
-                    KernelArg::input(values),
-                    KernelArg::f32(1.0),
-                    y_rows,
-                    residual_rows,
-                    shape[0],
-                    shape[1],
-                    shape[2],
-                    shape[3],
-                    shape[4],
-                    epilogue_code,
-                ];
-                // SAFETY: gemm_bf16_bf16_wmma_m*'s parameters in order (x, words, alpha, y,
-                // residual, m, n, k, n_tiles, k_groups, epilogue); bounds as above.
+                let args = wmma_bf16_arguments(chunk, values, shape);
+                // SAFETY: gemm_bf16_bf16_wmma_m*'s parameters in order (wmma_bf16_arguments);
+                // bounds as above.
                 unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
             }
         }
@@ -1003,67 +1138,48 @@ fn linear_w4a4(
     let (k, n_out) = (w.grid.cols, w.out_features());
     let blocks = (m * k / 16) as u64;
     let mut packed = backend.zeros::<u8>(m * k / 2)?;
-    let mut x_scales = backend.zeros::<u8>(m * k / 16)?;
+    let mut code_scales = backend.zeros::<u8>(m * k / 16)?;
     let grid = u32::try_from(blocks.div_ceil(u64::from(QUANTIZE_THREADS))).map_err(|_| {
         Error::invalid(
             "W4A4 activations",
             format!("[{m}, {k}] is too large for one launch"),
         )
     })?;
-    {
-        let args = [
-            KernelArg::input(x),
-            KernelArg::f32(weights.input_scale),
-            KernelArg::output(&mut packed),
-            KernelArg::output(&mut x_scales),
-            KernelArg::u64(blocks),
-        ];
-        // SAFETY: quantize_nvfp4_rows(x, input_scale, packed, scales, blocks); X holds
-        // blocks * 16 bf16, the outputs blocks * 8 and blocks bytes.
-        unsafe {
-            backend.launch(
-                FAMILY,
-                KERNEL_QUANTIZE_NVFP4_ROWS,
-                &LaunchDims::linear(grid, QUANTIZE_THREADS),
-                &args,
-            )
-        }?;
-    }
+    let args = quantize_arguments(
+        x,
+        weights.input_scale,
+        &mut packed,
+        &mut code_scales,
+        blocks,
+    );
+    // SAFETY: quantize_nvfp4_rows's parameters in order (quantize_arguments); X holds
+    // blocks * 16 bf16, the outputs blocks * 8 and blocks bytes.
+    unsafe {
+        backend.launch(
+            FAMILY,
+            KERNEL_QUANTIZE_NVFP4_ROWS,
+            &LaunchDims::linear(grid, QUANTIZE_THREADS),
+            &args,
+        )
+    }?;
 
     let tiles = &target.gemm;
-    let alpha = weights.input_scale * weights.global_scale;
-    let (n32, k32) = (check_u32("linear N", n_out)?, check_u32("linear K", k)?);
-    let (n_tiles, k_groups) = (
-        check_u32("linear tiles", w.grid.n_tiles)?,
-        check_u32("linear K groups", w.grid.k_groups)?,
-    );
+    let shape = TileShape::new(w, epilogue)?;
     let dims = LaunchDims::linear(
-        n_tiles.div_ceil(tiles.mma_warps_per_block),
+        shape.n_tiles.div_ceil(tiles.mma_warps_per_block),
         tiles.mma_warps_per_block * target.warp_size,
     );
     for start in (0..m).step_by(W4A4_MAX_ROWS) {
         let rows = (m - start).min(W4A4_MAX_ROWS);
         let kernel = variant(&W4A4_KERNELS, 8, rows)?;
-        let out_rows = start * n_out..(start + rows) * n_out;
-        let args = [
-            KernelArg::input_range(&packed, start * k / 2..(start + rows) * k / 2)?,
-            KernelArg::input_range(&x_scales, start * k / 16..(start + rows) * k / 16)?,
-            KernelArg::input(weights.words),
-            KernelArg::input(weights.scales),
-            KernelArg::f32(alpha),
-            KernelArg::output_range(y, out_rows.clone())?,
-            residual_rows(residual, out_rows)?,
-            KernelArg::u32(rows as u32), // <= W4A4_MAX_ROWS
-            KernelArg::u32(n32),
-            KernelArg::u32(k32),
-            KernelArg::u32(n_tiles),
-            KernelArg::u32(k_groups),
-            KernelArg::u32(epilogue.kernel_code()),
-        ];
-        // SAFETY: gemm_nvfp4_nvfp4_mma_m*'s parameters in order (xq, xs, words, w_scales, alpha,
-        // y, residual, m, n, k, n_tiles, k_groups, epilogue); the codes and scales hold `rows`
-        // quantised rows of K, the weights were laid out for (n_tiles, k_groups), Y and the
-        // residual were checked against (m, n).
+        let codes = KernelArg::input_range(&packed, start * k / 2..(start + rows) * k / 2)?;
+        let row_scales =
+            KernelArg::input_range(&code_scales, start * k / 16..(start + rows) * k / 16)?;
+        let chunk = ChunkArgs::new(x, y, residual, start, rows, k, n_out)?;
+        let args = w4a4_arguments(codes, row_scales, chunk, weights, shape);
+        // SAFETY: gemm_nvfp4_nvfp4_mma_m*'s parameters in order (w4a4_arguments); the codes and
+        // scales hold `rows` quantised rows of K, the weights were laid out for (n_tiles,
+        // k_groups), Y and the residual were checked against (m, n).
         unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
     }
     Ok(())
@@ -1072,8 +1188,108 @@ fn linear_w4a4(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::table;
+    use crate::kernels::{launch_check, table};
     use crate::target;
+
+    /// Every launch's argument list (the functions the launches build them with) meets the
+    /// compiled kernel's parameters on every target whose instructions select it: count, kinds
+    /// and scalar widths (sm_90a / sm_121a: the PTX parameter types; gfx1151: the code object's
+    /// metadata through the HIP launch check).
+    #[test]
+    fn every_argument_list_meets_the_compiled_kernels_parameters() {
+        let x = DeviceVec::Host(vec![bf16::ZERO; 64]);
+        let mut y = DeviceVec::Host(vec![bf16::ZERO; 64]);
+        let residual = DeviceVec::Host(vec![bf16::ZERO; 64]);
+        let words = DeviceVec::Host(vec![0u32; 8]);
+        let scales_u16 = DeviceVec::Host(vec![0u16; 8]);
+        let scales_u32 = DeviceVec::Host(vec![0u32; 8]);
+        let values = DeviceVec::Host(vec![0u16; 8]);
+        let mut partials = DeviceVec::Host(vec![0f32; 8]);
+        let mut counters = DeviceVec::Host(vec![0u32; 8]);
+        let (mut codes, mut code_scales) =
+            (DeviceVec::Host(vec![0u8; 8]), DeviceVec::Host(vec![0u8; 1]));
+        let plain = Nvfp4Weights {
+            rows: 1,
+            cols: 16,
+            packed: DeviceVec::Host(vec![0u8; 8]),
+            scales: DeviceVec::Host(vec![0u8; 1]),
+            global_scale: 1.0,
+        };
+        let w4a4 = W4a4Weights {
+            words: &words,
+            scales: &scales_u32,
+            global_scale: 1.0,
+            input_scale: 1.0,
+        };
+        let shape = TileShape {
+            n: 1,
+            k: 16,
+            n_tiles: 1,
+            k_groups: 1,
+            epilogue: 0,
+        };
+        let mut failures = Vec::new();
+        let mut check = |target: &str, kernel: &str, args: &[KernelArg<'_>]| {
+            if let Err(e) = launch_check::check_arguments(target, FAMILY, kernel, args) {
+                failures.push(e);
+            }
+        };
+        for t in target::all() {
+            let name = t.name.as_str();
+            let args = gemv_arguments(&x, &plain, &mut y, [1, 1, 16]);
+            check(name, KERNEL_GEMM_NVFP4_BF16_GEMV, &args);
+            let kernels: &[&str] = match TensorCore::for_target(t).expect("tensor cores") {
+                TensorCore::MmaSync => &[&MMA_NVFP4_KERNELS[..], &MMA_BF16_KERNELS[..]].concat(),
+                TensorCore::Wmma => &[&WMMA_NVFP4_KERNELS[..], &WMMA_BF16_KERNELS[..]].concat(),
+            };
+            for &kernel in kernels {
+                let chunk = ChunkArgs::new(&x, &mut y, Some(&residual), 0, 1, 16, 1).expect("rows");
+                let split = SplitArgs {
+                    partials: KernelArg::optional_output(Some(&mut partials)),
+                    counters: KernelArg::optional_output(Some(&mut counters)),
+                    groups_per_split: 1,
+                    warps_per_tile: 1,
+                };
+                if MMA_NVFP4_KERNELS.contains(&kernel) {
+                    check(
+                        name,
+                        kernel,
+                        &mma_nvfp4_arguments(chunk, &words, &scales_u16, 1.0, split, shape),
+                    );
+                } else if MMA_BF16_KERNELS.contains(&kernel) {
+                    check(
+                        name,
+                        kernel,
+                        &mma_bf16_arguments(chunk, &words, split, shape),
+                    );
+                } else if WMMA_NVFP4_KERNELS.contains(&kernel) {
+                    check(
+                        name,
+                        kernel,
+                        &wmma_nvfp4_arguments(chunk, &words, &scales_u32, 1.0, shape),
+                    );
+                } else {
+                    check(name, kernel, &wmma_bf16_arguments(chunk, &values, shape));
+                }
+            }
+            if t.instructions.mma_block_scaled_fp4 {
+                let args = quantize_arguments(&x, 1.0, &mut codes, &mut code_scales, 1);
+                check(name, KERNEL_QUANTIZE_NVFP4_ROWS, &args);
+                for kernel in W4A4_KERNELS {
+                    let chunk = ChunkArgs::new(&x, &mut y, None, 0, 1, 16, 1).expect("rows");
+                    let args = w4a4_arguments(
+                        KernelArg::input(&codes),
+                        KernelArg::input(&code_scales),
+                        chunk,
+                        w4a4,
+                        shape,
+                    );
+                    check(name, kernel, &args);
+                }
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
 
     /// Every kernel a launch names is defined by the gemm source of each target whose
     /// instructions select it (a misspelt name would only show on that device).

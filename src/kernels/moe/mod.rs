@@ -554,6 +554,53 @@ fn moe_kernel(target: &TargetFacts, format: ExpertFormat, rows: u32) -> Result<&
         })
 }
 
+/// `moe_{nvfp4,bf16}_m*`'s arguments in their parameter order (MOE_PARAMETERS in moe.cu): the
+/// chunk's `[x, residual, y]`, the weights (router, gate_up, gate_up_scales, down, down_scales,
+/// gate_up_alpha, down_alpha), the workspace (control, topk_ids, slot_pos, sorted_token,
+/// active_expert, active_offset, active_count, n_active, logits, route_weight, shared_scale,
+/// partial, act), then tokens and `sizes` (experts, top_k, hidden, inter, shared_experts,
+/// has_shared_gate).
+fn moe_arguments<'a>(
+    [x, residual, y]: [KernelArg<'a>; 3],
+    weights: &'a DeviceMoe,
+    w: &'a mut DeviceWorkspace,
+    tokens: u32,
+    sizes: [u32; 6],
+) -> [KernelArg<'a>; 30] {
+    [
+        x,
+        residual,
+        y,
+        KernelArg::input(&weights.router),
+        KernelArg::input(&weights.gate_up),
+        KernelArg::optional_input(weights.gate_up_scales.as_ref()),
+        KernelArg::input(&weights.down),
+        KernelArg::optional_input(weights.down_scales.as_ref()),
+        KernelArg::input(&weights.gate_up_alpha),
+        KernelArg::input(&weights.down_alpha),
+        KernelArg::output(&mut w.control),
+        KernelArg::output(&mut w.topk_ids),
+        KernelArg::output(&mut w.slot_pos),
+        KernelArg::output(&mut w.sorted_token),
+        KernelArg::output(&mut w.active_expert),
+        KernelArg::output(&mut w.active_offset),
+        KernelArg::output(&mut w.active_count),
+        KernelArg::output(&mut w.n_active),
+        KernelArg::output(&mut w.logits),
+        KernelArg::output(&mut w.route_weight),
+        KernelArg::output(&mut w.shared_scale),
+        KernelArg::output(&mut w.partial),
+        KernelArg::output(&mut w.act),
+        KernelArg::u32(tokens),
+        KernelArg::u32(sizes[0]),
+        KernelArg::u32(sizes[1]),
+        KernelArg::u32(sizes[2]),
+        KernelArg::u32(sizes[3]),
+        KernelArg::u32(sizes[4]),
+        KernelArg::u32(sizes[5]),
+    ]
+}
+
 /// The device path of [`moe_block`] (shapes checked by the caller): one launch of
 /// `moe_{format}_m{rows}` per `capacity` tokens.
 fn moe_block_device(
@@ -591,12 +638,12 @@ fn moe_block_device(
         tiles.warps_per_block * target.warp_size,
     );
     let sizes = [
-        KernelArg::u32(check_u32("MoE experts", shape.experts)?),
-        KernelArg::u32(check_u32("MoE top-k", shape.top_k)?),
-        KernelArg::u32(check_u32("MoE hidden size", shape.hidden)?),
-        KernelArg::u32(check_u32("MoE intermediate size", shape.intermediate)?),
-        KernelArg::u32(check_u32("MoE shared experts", weights.shared_experts)?),
-        KernelArg::u32(u32::from(device.has_shared_gate)),
+        check_u32("MoE experts", shape.experts)?,
+        check_u32("MoE top-k", shape.top_k)?,
+        check_u32("MoE hidden size", shape.hidden)?,
+        check_u32("MoE intermediate size", shape.intermediate)?,
+        check_u32("MoE shared experts", weights.shared_experts)?,
+        u32::from(device.has_shared_gate),
     ];
     let h = shape.hidden;
     for start in (0..t).step_by(capacity) {
@@ -614,46 +661,18 @@ fn moe_block_device(
             Some(r) => KernelArg::input_range(r, chunk.clone())?,
             None => KernelArg::optional_input::<bf16>(None),
         };
-        let args = [
+        let io = [
             KernelArg::input_range(x, chunk.clone())?,
             residual_rows,
             KernelArg::output_range(y, chunk)?,
-            KernelArg::input(&device.router),
-            KernelArg::input(&device.gate_up),
-            KernelArg::optional_input(device.gate_up_scales.as_ref()),
-            KernelArg::input(&device.down),
-            KernelArg::optional_input(device.down_scales.as_ref()),
-            KernelArg::input(&device.gate_up_alpha),
-            KernelArg::input(&device.down_alpha),
-            KernelArg::output(&mut w.control),
-            KernelArg::output(&mut w.topk_ids),
-            KernelArg::output(&mut w.slot_pos),
-            KernelArg::output(&mut w.sorted_token),
-            KernelArg::output(&mut w.active_expert),
-            KernelArg::output(&mut w.active_offset),
-            KernelArg::output(&mut w.active_count),
-            KernelArg::output(&mut w.n_active),
-            KernelArg::output(&mut w.logits),
-            KernelArg::output(&mut w.route_weight),
-            KernelArg::output(&mut w.shared_scale),
-            KernelArg::output(&mut w.partial),
-            KernelArg::output(&mut w.act),
-            KernelArg::u32(tokens as u32), // <= capacity, checked against 16-bit slot counts
-            sizes[0],
-            sizes[1],
-            sizes[2],
-            sizes[3],
-            sizes[4],
-            sizes[5],
         ];
-        // SAFETY: the arguments are moe_{nvfp4,bf16}_m*'s parameters in order (x, residual, y,
-        // router, gate_up, gate_up_scales, down, down_scales, gate_up_alpha, down_alpha, control,
-        // topk_ids, slot_pos, sorted_token, active_expert, active_offset, active_count, n_active,
-        // logits, route_weight, shared_scale, partial, act, tokens, experts, top_k, hidden,
-        // inter, shared_experts, has_shared_gate; moe.cu); X, Y and the residual hold t * H bf16
-        // (checked by the caller) and the chunk lies within them; the weights were laid out for
-        // this shape and the target's tensor core, and the workspace sized for `capacity`
-        // tokens of it (shape checked by the caller); its counters are zero between launches.
+        // tokens <= capacity, checked against 16-bit slot counts
+        let args = moe_arguments(io, device, w, tokens as u32, sizes);
+        // SAFETY: moe_{nvfp4,bf16}_m*'s parameters in order (moe_arguments); X, Y and the
+        // residual hold t * H bf16 (checked by the caller) and the chunk lies within them; the
+        // weights were laid out for this shape and the target's tensor core, and the workspace
+        // sized for `capacity` tokens of it (shape checked by the caller); its counters are
+        // zero between launches.
         unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
         w.last_tokens = tokens;
     }
@@ -663,7 +682,66 @@ fn moe_block_device(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::launch_check;
     use crate::target;
+
+    /// The launch's argument list (built by [`moe_arguments`]) meets every target's compiled
+    /// kernels: count, kinds and scalar widths (PTX types on the NVIDIA targets, the code
+    /// object's metadata through the HIP launch check on gfx1151), with and without NVFP4
+    /// scales and a residual.
+    #[test]
+    fn the_argument_list_meets_the_compiled_kernels_parameters() {
+        let u32s = || DeviceVec::Host(vec![0u32; 4]);
+        let f32s = || DeviceVec::Host(vec![0f32; 4]);
+        let weights = DeviceMoe {
+            router: u32s(),
+            has_shared_gate: true,
+            gate_up: u32s(),
+            gate_up_scales: Some(DeviceVec::Host(vec![0u8; 4])),
+            down: u32s(),
+            down_scales: Some(DeviceVec::Host(vec![0u8; 4])),
+            gate_up_alpha: f32s(),
+            down_alpha: f32s(),
+        };
+        let mut workspace = DeviceWorkspace {
+            control: u32s(),
+            topk_ids: u32s(),
+            slot_pos: u32s(),
+            sorted_token: u32s(),
+            active_expert: u32s(),
+            active_offset: u32s(),
+            active_count: u32s(),
+            n_active: u32s(),
+            logits: f32s(),
+            route_weight: f32s(),
+            shared_scale: f32s(),
+            partial: f32s(),
+            act: DeviceVec::Host(vec![bf16::ZERO; 4]),
+            last_tokens: 0,
+        };
+        let x = DeviceVec::Host(vec![bf16::ZERO; 4]);
+        let mut y = DeviceVec::Host(vec![bf16::ZERO; 4]);
+        let mut failures = Vec::new();
+        for t in target::all() {
+            for &rows in &t.moe.token_rows {
+                for (format, residual) in
+                    [(ExpertFormat::Nvfp4, Some(&x)), (ExpertFormat::Bf16, None)]
+                {
+                    let kernel = moe_kernel(t, format, rows).expect("rendered");
+                    let io = [
+                        KernelArg::input(&x),
+                        KernelArg::optional_input(residual),
+                        KernelArg::output(&mut y),
+                    ];
+                    let args = moe_arguments(io, &weights, &mut workspace, 1, [8, 2, 64, 32, 0, 1]);
+                    if let Err(e) = launch_check::check_arguments(&t.name, FAMILY, kernel, &args) {
+                        failures.push(e);
+                    }
+                }
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
 
     /// Every variant a launch can pick (each target's `moe.token_rows`, both formats) is a kernel
     /// of the target's rendered source; other row counts are refused by name.
