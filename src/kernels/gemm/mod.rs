@@ -60,7 +60,7 @@ pub fn nvfp4_gemm_bytes(m: usize, w: &Nvfp4Weights) -> u64 {
 /// # Errors
 /// [`Error::Invalid`] when a buffer's length disagrees with the shapes or a dimension exceeds
 /// the kernels' range, [`Error::BackendMismatch`] when buffers live elsewhere,
-/// [`Error::Compile`] / [`Error::Cuda`] from the CUDA path.
+/// [`Error::Compile`] / [`Error::Cuda`] / [`Error::Hip`] from the device path.
 pub fn nvfp4_gemm(
     backend: &Backend,
     x: &DeviceVec<bf16>,
@@ -473,8 +473,8 @@ impl Linear {
 /// # Errors
 /// [`Error::Invalid`] when a buffer's length disagrees with the shapes, the epilogue does not
 /// fit the weight's row order, or a dimension exceeds the kernels' range;
-/// [`Error::BackendMismatch`] when buffers live elsewhere; [`Error::Compile`] / [`Error::Cuda`]
-/// from the CUDA path.
+/// [`Error::BackendMismatch`] when buffers or the weight live elsewhere; [`Error::Compile`] /
+/// [`Error::Cuda`] / [`Error::Hip`] from the device path.
 pub fn linear(
     backend: &Backend,
     x: &DeviceVec<bf16>,
