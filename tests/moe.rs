@@ -306,6 +306,7 @@ use fp4spec::Error;
 use fp4spec::backend::Backend;
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
 use fp4spec::formats::safetensors::Checkpoint;
+use fp4spec::kernels::gemm::TensorCore;
 use fp4spec::kernels::moe::{
     self as family, ExpertFormat, ExpertWeights, FusedBlock, MoeHostWeights, MoeWeights,
     MoeWorkspace,
@@ -485,18 +486,27 @@ fn expected_unit(host: &MoeHostWeights, unit: usize) -> (Vec<f32>, Vec<f32>) {
     (part, part_down)
 }
 
+/// Both tensor cores' layouts (mma.sync for CUDA, WMMA for gfx1151) decode back to the weights.
 #[test]
 fn the_kernel_layout_decodes_back_to_the_weights() {
     // Is = 80 with I = 32: the shared expert runs as 3 sub-experts, the last one half padding
     let s = shape(4, 2, 80, 32, 80);
-    for (format, shared_format) in [
-        (ExpertFormat::Bf16, ExpertFormat::Bf16),
-        (ExpertFormat::Nvfp4, ExpertFormat::Nvfp4),
-        (ExpertFormat::Bf16, ExpertFormat::Nvfp4),
+    for (format, shared_format, tensor_core) in [
+        (ExpertFormat::Bf16, ExpertFormat::Bf16, TensorCore::MmaSync),
+        (
+            ExpertFormat::Nvfp4,
+            ExpertFormat::Nvfp4,
+            TensorCore::MmaSync,
+        ),
+        (ExpertFormat::Bf16, ExpertFormat::Nvfp4, TensorCore::MmaSync),
+        (ExpertFormat::Bf16, ExpertFormat::Bf16, TensorCore::Wmma),
+        (ExpertFormat::Nvfp4, ExpertFormat::Nvfp4, TensorCore::Wmma),
+        (ExpertFormat::Bf16, ExpertFormat::Nvfp4, TensorCore::Wmma),
     ] {
         let mut rng = SplitMix64::new(13);
         let host = host_block(&mut rng, s, format, shared_format);
-        let layout = host.kernel_layout().expect("layout");
+        let layout = host.kernel_layout(tensor_core).expect("layout");
+        assert_eq!(layout.tensor_core, tensor_core);
         assert_eq!(layout.shared_experts, 3);
         assert_eq!(layout.units(), s.experts + 3);
         assert!(layout.has_shared_gate);
@@ -518,7 +528,8 @@ fn the_kernel_layout_decodes_back_to_the_weights() {
                     };
                     assert!(
                         ok,
-                        "{format:?}/{shared_format:?} unit {unit} {what}[{index}]: {g} vs {w}"
+                        "{tensor_core:?} {format:?}/{shared_format:?} unit {unit} {what}[{index}]: \
+                         {g} vs {w}"
                     );
                 }
             }

@@ -1,8 +1,9 @@
 //! The `moe` kernels run on the CPU: the source rendered for sm_90a (mma.sync emulated as in
 //! tests/gdn_emulator.cpp) and for gfx1151 (WMMA emulated) is compiled for the host with
 //! tests/moe_emulator.cpp in place of its vendor layers and run with the arguments
-//! src/kernels/moe/mod.rs passes (the same MoeArgs, block size and kernel layout), against the
-//! CPU reference. One OS thread per GPU thread, blocks one after another: the persistent kernel
+//! src/kernels/moe/mod.rs passes (the same parameters, block size and kernel layout: the
+//! library's [`MoeHostWeights::kernel_layout`] for the target's tensor core), against the CPU
+//! reference. One OS thread per GPU thread, blocks one after another: the persistent kernel
 //! lets the first block do every item (they are claimed in order), so this checks the item
 //! decoding, routing, alignment, fragment addressing, passes, combine and the counters' reset
 //! where no GPU is available; it cannot see races between blocks or timing.
@@ -10,10 +11,8 @@
 //! Needs a C++20 compiler (`$CXX`, else clang++-19 or clang++: the gfx1151 source uses clang's
 //! vector extensions).
 
-use fp4spec::formats::nvfp4::Nvfp4Matrix;
 use fp4spec::kernels::compare;
-use fp4spec::kernels::gemm::RowOrder;
-use fp4spec::kernels::gemm::layout::{WmmaBf16Fragments, WmmaNvfp4Fragments};
+use fp4spec::kernels::gemm::TensorCore;
 use fp4spec::kernels::moe::reference::{self, ExpertRef, MoeShape, Routing};
 use fp4spec::kernels::moe::{ExpertFormat, ExpertWeights, MoeHostWeights};
 use fp4spec::kernels::table;
@@ -122,8 +121,8 @@ fn emulator(target_name: &'static str) -> PathBuf {
         .collect();
     source.push_str(section(EMULATOR, "driver"));
     source = source.replace(
-        "    std::map<std::string, void (*)(MoeArgs)> kernels = {\n",
-        &format!("    std::map<std::string, void (*)(MoeArgs)> kernels = {{\n{table_entries}"),
+        "    std::map<std::string, MoeKernel> kernels = {\n",
+        &format!("    std::map<std::string, MoeKernel> kernels = {{\n{table_entries}"),
     );
     let dir = std::env::temp_dir().join(format!(
         "fp4spec-moe-emulator-{}-{target_name}",
@@ -178,7 +177,7 @@ impl Emu {
         self.buffer(vec![0; bytes])
     }
 
-    fn launch(&mut self, name: &str, grid: u32, threads: u32, args: &[u64; 31]) {
+    fn launch(&mut self, name: &str, grid: u32, threads: u32, args: &[u64; 30]) {
         let c = &mut self.commands;
         c.extend(2u32.to_le_bytes());
         c.extend((name.len() as u32).to_le_bytes());
@@ -255,9 +254,9 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
 
 // ---- the weights as each target's kernels read them ----
 
-/// Router words, gate_up / down words and scales, alphas and S, for `target_name`: the CUDA
-/// layout of [`MoeHostWeights::kernel_layout`], or for gfx1151 the GEMM family's WMMA layouts
-/// of the same experts (alpha = the per-tensor scale: WMMA decodes e2m1 * e4m3 exactly).
+/// Router words, gate_up / down words and scale bytes, alphas and S: the layout
+/// src/kernels/moe/mod.rs uploads for `target_name` ([`MoeHostWeights::kernel_layout`] for the
+/// target's tensor core), as bytes.
 struct Layout {
     router: Vec<u8>,
     gate_up: Vec<u8>,
@@ -270,97 +269,20 @@ struct Layout {
 }
 
 fn layout(host: &MoeHostWeights, target_name: &str) -> Layout {
-    let cuda = host.kernel_layout().expect("kernel layout");
+    let facts = target::by_name(target_name).expect("target");
+    let tensor_core = TensorCore::for_target(facts).expect("a tensor-core target");
+    let l = host.kernel_layout(tensor_core).expect("kernel layout");
     let le32 = |v: u32| v.to_le_bytes().to_vec();
-    let le16 = |v: u16| v.to_le_bytes().to_vec();
-    if target::by_name(target_name)
-        .expect("target")
-        .instructions
-        .mma_sync_bf16
-    {
-        return Layout {
-            router: bytes_of(&cuda.router, le32),
-            gate_up: bytes_of(&cuda.gate_up, le32),
-            gate_up_scales: (!cuda.gate_up_scales.is_empty())
-                .then(|| bytes_of(&cuda.gate_up_scales, le16)),
-            down: bytes_of(&cuda.down, le32),
-            down_scales: (!cuda.down_scales.is_empty()).then(|| bytes_of(&cuda.down_scales, le16)),
-            gate_up_alpha: cuda.gate_up_alpha,
-            down_alpha: cuda.down_alpha,
-            shared_experts: cuda.shared_experts,
-        };
+    Layout {
+        router: bytes_of(&l.router, le32),
+        gate_up: bytes_of(&l.gate_up, le32),
+        gate_up_scales: (!l.gate_up_scales.is_empty()).then(|| l.gate_up_scales.clone()),
+        down: bytes_of(&l.down, le32),
+        down_scales: (!l.down_scales.is_empty()).then(|| l.down_scales.clone()),
+        gate_up_alpha: l.gate_up_alpha,
+        down_alpha: l.down_alpha,
+        shared_experts: l.shared_experts,
     }
-    // WMMA: the same units (routed experts, then shared sub-experts) decoded back from the CUDA
-    // layout would lose nothing for bf16; for NVFP4 the units are rebuilt from the host matrices
-    let s = host.shape;
-    let (h, i) = (s.hidden, s.intermediate);
-    let mut router = host.router.clone();
-    if let Some(gate) = &host.shared_gate {
-        router.extend_from_slice(gate);
-    }
-    let rows = router.len() / h;
-    let router = WmmaBf16Fragments::new(&router, rows, h, RowOrder::Plain).expect("router");
-    let mut l = Layout {
-        router: bytes_of(&router.values, le16),
-        gate_up: Vec::new(),
-        gate_up_scales: None,
-        down: Vec::new(),
-        down_scales: None,
-        gate_up_alpha: Vec::new(),
-        down_alpha: Vec::new(),
-        shared_experts: cuda.shared_experts,
-    };
-    let units = s.experts + cuda.shared_experts;
-    for unit in 0..units {
-        match (host.format(), unit < s.experts) {
-            (ExpertFormat::Nvfp4, true) => {
-                let ExpertWeights::Nvfp4 { gate, up, down } = &host.experts[unit] else {
-                    unreachable!("NVFP4 block")
-                };
-                let mut packed = gate.packed.clone();
-                packed.extend_from_slice(&up.packed);
-                let mut scales = gate.scales.clone();
-                scales.extend_from_slice(&up.scales);
-                let gate_up = Nvfp4Matrix {
-                    rows: 2 * i,
-                    cols: h,
-                    packed,
-                    scales,
-                    global_scale: 1.0,
-                    input_scale: None,
-                };
-                let gu = WmmaNvfp4Fragments::new(&gate_up, RowOrder::GateUp).expect("gate_up");
-                let dn = WmmaNvfp4Fragments::new(down, RowOrder::Plain).expect("down");
-                l.gate_up.extend(bytes_of(&gu.words, le32));
-                l.gate_up_scales
-                    .get_or_insert_with(Vec::new)
-                    .extend(bytes_of(&gu.scales, le32));
-                l.down.extend(bytes_of(&dn.words, le32));
-                l.down_scales
-                    .get_or_insert_with(Vec::new)
-                    .extend(bytes_of(&dn.scales, le32));
-                l.gate_up_alpha.extend([gate.global_scale, up.global_scale]);
-                l.down_alpha.push(down.global_scale);
-            }
-            (ExpertFormat::Bf16, _) => {
-                // the unit exactly as the kernels multiply with it, in bf16 with alpha 1
-                let (gate_up, down) = cuda.unit_dense(unit).expect("unit");
-                let to_bf16 = |v: &[f32]| v.iter().map(|x| bf16::from_f32(*x)).collect::<Vec<_>>();
-                let gu = WmmaBf16Fragments::new(&to_bf16(&gate_up), 2 * i, h, RowOrder::GateUp)
-                    .expect("gate_up");
-                let dn =
-                    WmmaBf16Fragments::new(&to_bf16(&down), h, i, RowOrder::Plain).expect("down");
-                l.gate_up.extend(bytes_of(&gu.values, le16));
-                l.down.extend(bytes_of(&dn.values, le16));
-                l.gate_up_alpha.extend([1.0, 1.0]);
-                l.down_alpha.push(1.0);
-            }
-            (ExpertFormat::Nvfp4, false) => {
-                panic!("the gfx1151 emulation covers NVFP4 blocks without a shared expert")
-            }
-        }
-    }
-    l
 }
 
 // ---- one block on the emulator ----
@@ -433,7 +355,7 @@ fn emulate(
     let shared_scale = emu.zeros(4 * t);
     let partial = emu.zeros(4 * positions * h);
     let act = emu.zeros(2 * positions * i);
-    let args: [u64; 31] = [
+    let args: [u64; 30] = [
         x_buf,
         residual_buf,
         y_buf,
@@ -464,7 +386,6 @@ fn emulate(
         i as u64,
         sh as u64,
         u64::from(host.shared_gate.is_some()),
-        0,
     ];
     let kernel = format!("moe_{format}_m{rows}");
     let threads = facts.moe.warps_per_block * facts.warp_size;
@@ -649,10 +570,11 @@ fn the_sm90a_kernels_run_emulated_with_a_crowded_expert() {
     check("crowded", "sm_90a", &host, &x, t, None, 1);
 }
 
-/// The gfx1151 source (WMMA tile products) on the same kinds of blocks.
+/// The gfx1151 source (WMMA tile products) on the same kinds of blocks, shared experts (two
+/// sub-experts, one padded) in both formats.
 #[test]
 fn the_gfx1151_kernels_run_emulated() {
-    let s = shape(8, 2, 272, 48, 0);
+    let s = shape(8, 2, 272, 48, 80);
     let nvfp4 = MoeHostWeights::synthetic(s, ExpertFormat::Nvfp4, 9);
     let (x, r) = (inputs(10, 9 * 272), inputs(11, 9 * 272));
     check("wmma nvfp4", "gfx1151", &nvfp4, &x, 9, Some(&r), 1);

@@ -92,8 +92,9 @@ FP4_DEVICE v8f emu_wmma(v16s a, v16s b, v8f c) {
 
 //@@ driver
 // Commands (little-endian) from argv[1]: 1 = buffer (u32 id, u64 bytes, bytes); 2 = launch (u32
-// name length, name, u32 grid, u32 threads, then the 31 fields of MoeArgs as u64: pointers as
-// id << 40 | byte offset, 0 for null); 3 = dump (u32 id) to argv[2] as (u32 id, u64 bytes, bytes).
+// name length, name, u32 grid, u32 threads, then the kernel's 30 parameters (MOE_PARAMETERS) as
+// u64: pointers as id << 40 | byte offset, 0 for null); 3 = dump (u32 id) to argv[2] as (u32 id,
+// u64 bytes, bytes).
 namespace emu {
 inline std::vector<std::vector<unsigned char>> buffers(1);
 inline void* pointer(u64 v) {
@@ -105,7 +106,8 @@ inline void* pointer(u64 v) {
 int main(int argc, char** argv) {
     if (argc != 3) return 2;
     // the test adds one {"name", name} entry per kernel of the rendered source
-    std::map<std::string, void (*)(MoeArgs)> kernels = {
+    using MoeKernel = void (*)(MOE_PARAMETERS);
+    std::map<std::string, MoeKernel> kernels = {
     };
     FILE* in = std::fopen(argv[1], "rb");
     FILE* out = std::fopen(argv[2], "wb");
@@ -128,40 +130,8 @@ int main(int argc, char** argv) {
             std::string name(u32_(), '\0');
             read(name.data(), name.size());
             const u32 grid = u32_(), threads = u32_();
-            u64 f[31];
+            u64 f[30];
             for (auto& v : f) v = u64_();
-            MoeArgs a;
-            a.x = (const u16*)emu::pointer(f[0]);
-            a.residual = (const u16*)emu::pointer(f[1]);
-            a.y = (u16*)emu::pointer(f[2]);
-            a.router = emu::pointer(f[3]);
-            a.gate_up = emu::pointer(f[4]);
-            a.gate_up_scales = emu::pointer(f[5]);
-            a.down = emu::pointer(f[6]);
-            a.down_scales = emu::pointer(f[7]);
-            a.gate_up_alpha = (const float*)emu::pointer(f[8]);
-            a.down_alpha = (const float*)emu::pointer(f[9]);
-            a.control = (u32*)emu::pointer(f[10]);
-            a.topk_ids = (u32*)emu::pointer(f[11]);
-            a.slot_pos = (u32*)emu::pointer(f[12]);
-            a.sorted_token = (u32*)emu::pointer(f[13]);
-            a.active_expert = (u32*)emu::pointer(f[14]);
-            a.active_offset = (u32*)emu::pointer(f[15]);
-            a.active_count = (u32*)emu::pointer(f[16]);
-            a.n_active = (u32*)emu::pointer(f[17]);
-            a.logits = (float*)emu::pointer(f[18]);
-            a.route_weight = (float*)emu::pointer(f[19]);
-            a.shared_scale = (float*)emu::pointer(f[20]);
-            a.partial = (float*)emu::pointer(f[21]);
-            a.act = (u16*)emu::pointer(f[22]);
-            a.tokens = (u32)f[23];
-            a.experts = (u32)f[24];
-            a.top_k = (u32)f[25];
-            a.hidden = (u32)f[26];
-            a.inter = (u32)f[27];
-            a.shared_experts = (u32)f[28];
-            a.has_shared_gate = (u32)f[29];
-            a.unused = (u32)f[30];
             auto found = kernels.find(name);
             if (found == kernels.end()) { std::fprintf(stderr, "no kernel %s\n", name.c_str()); return 3; }
             emu::grid_blocks = grid;
@@ -174,7 +144,18 @@ int main(int argc, char** argv) {
                 pool.emplace_back([&, t] {
                     for (u32 bx = 0; bx < grid; ++bx) {
                         emu::self = {t, bx, 0};
-                        found->second(a);
+                        found->second((const u16*)emu::pointer(f[0]), (const u16*)emu::pointer(f[1]),
+                                      (u16*)emu::pointer(f[2]), emu::pointer(f[3]), emu::pointer(f[4]),
+                                      emu::pointer(f[5]), emu::pointer(f[6]), emu::pointer(f[7]),
+                                      (const float*)emu::pointer(f[8]), (const float*)emu::pointer(f[9]),
+                                      (u32*)emu::pointer(f[10]), (u32*)emu::pointer(f[11]),
+                                      (u32*)emu::pointer(f[12]), (u32*)emu::pointer(f[13]),
+                                      (u32*)emu::pointer(f[14]), (u32*)emu::pointer(f[15]),
+                                      (u32*)emu::pointer(f[16]), (u32*)emu::pointer(f[17]),
+                                      (float*)emu::pointer(f[18]), (float*)emu::pointer(f[19]),
+                                      (float*)emu::pointer(f[20]), (float*)emu::pointer(f[21]),
+                                      (u16*)emu::pointer(f[22]), (u32)f[23], (u32)f[24], (u32)f[25],
+                                      (u32)f[26], (u32)f[27], (u32)f[28], (u32)f[29]);
                         block.arrive_and_wait();
                     }
                 });

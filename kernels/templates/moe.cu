@@ -3,7 +3,8 @@
 // shared-expert gate, alignment of the (token, expert) slots by expert, the grouped gate_up GEMM
 // with silu(gate) * up fused, the grouped down GEMM, and the weighted combine over the k experts
 // plus the shared expert (plus an optional residual), bf16 out.
-// CPU reference: src/kernels/moe/reference.rs. Launch and weight layouts: src/kernels/moe/mod.rs.
+// CPU reference: src/kernels/moe/reference.rs. Launch: src/kernels/moe/mod.rs; weight layouts:
+// src/kernels/moe/weights.rs.
 //
 // Why one launch: at decode sizes the whole block reads ~17 MB (NVFP4, T = 1), 4 us at the
 // H200's bandwidth, while every extra dependent launch costs about 2 us. So the block is a list
@@ -70,7 +71,7 @@
 // then [down groups]: finished down items per group of DOWN_TILES_PER_ITEM * 16 hidden rows,
 // then [chunks]: finished router items per token chunk
 
-/// Everything one launch needs; mirrors `MoeArgs` in src/kernels/moe/mod.rs field by field.
+/// Everything one launch needs: the kernels' parameters (MOE_PARAMETERS), gathered.
 struct MoeArgs {
     const u16* x;             // [T][H] bf16
     const u16* residual;      // [T][H] bf16, or null
@@ -102,9 +103,23 @@ struct MoeArgs {
     u32 inter;                // I (multiple of 16)
     u32 shared_experts;       // S
     u32 has_shared_gate;      // 1 when router row E is the shared expert's gate
-    u32 unused;               // keeps the size a multiple of 8 on both sides
 };
-static_assert(sizeof(MoeArgs) == 216, "MoeArgs must match src/kernels/moe/mod.rs");
+
+// The kernels' parameters: MoeArgs's fields one by one, in order (src/kernels/moe/mod.rs passes
+// them in this order; separate parameters, so each launch is checked argument by argument).
+#define MOE_PARAMETERS                                                                              \
+    const u16* x, const u16* residual, u16* y, const void* router, const void* gate_up,           \
+        const void* gate_up_scales, const void* down, const void* down_scales,                     \
+        const float* gate_up_alpha, const float* down_alpha, u32* control, u32* topk_ids,          \
+        u32* slot_pos, u32* sorted_token, u32* active_expert, u32* active_offset,                  \
+        u32* active_count, u32* n_active, float* logits, float* route_weight, float* shared_scale, \
+        float* partial, u16* act, u32 tokens, u32 experts, u32 top_k, u32 hidden, u32 inter,      \
+        u32 shared_experts, u32 has_shared_gate
+#define MOE_ARGUMENTS                                                                               \
+    MoeArgs{x, residual, y, router, gate_up, gate_up_scales, down, down_scales, gate_up_alpha,     \
+            down_alpha, control, topk_ids, slot_pos, sorted_token, active_expert, active_offset,   \
+            active_count, n_active, logits, route_weight, shared_scale, partial, act, tokens,      \
+            experts, top_k, hidden, inter, shared_experts, has_shared_gate}
 
 /// Item counts of one launch, derived from the sizes (the host only sizes the grid).
 struct Plan {
@@ -725,11 +740,11 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
 // Kernels: expert weights NVFP4 or bf16, ROWS tokens per pass (the host picks the smallest
 // variant that holds T; an expert with more tokens takes more passes).
 {% for rows in target.moe.token_rows %}
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_nvfp4_m{{ rows }}(MoeArgs a) {
-    moe_block<ExpertNvfp4, {{ rows }}, {{ target.moe.stages_nvfp4 }}, {{ target.moe.router_stages }}>(a);
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_nvfp4_m{{ rows }}(MOE_PARAMETERS) {
+    moe_block<ExpertNvfp4, {{ rows }}, {{ target.moe.stages_nvfp4 }}, {{ target.moe.router_stages }}>(MOE_ARGUMENTS);
 }
 
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_bf16_m{{ rows }}(MoeArgs a) {
-    moe_block<ExpertBf16, {{ rows }}, {{ target.moe.stages_bf16 }}, {{ target.moe.router_stages }}>(a);
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_bf16_m{{ rows }}(MOE_PARAMETERS) {
+    moe_block<ExpertBf16, {{ rows }}, {{ target.moe.stages_bf16 }}, {{ target.moe.router_stages }}>(MOE_ARGUMENTS);
 }
 {% endfor %}

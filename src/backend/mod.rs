@@ -19,7 +19,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 /// Which backend to use.
@@ -232,6 +232,39 @@ impl Backend {
         }
     }
 
+    /// The split-K scratch of the device, grown to at least `partials` floats and `counters`
+    /// counters (a growth allocates zeroed memory; later calls of the same or smaller sizes do
+    /// not allocate, so launches using it stay capturable). Hold the guard across the launch
+    /// that uses it: one launch at a time owns the scratch.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] on the CPU backend (it has no device scratch), [`Error::Cuda`] /
+    /// [`Error::Hip`] when an allocation fails.
+    pub fn split_k_scratch(
+        &self,
+        partials: usize,
+        counters: usize,
+    ) -> Result<MutexGuard<'_, SplitKScratch>> {
+        let cell = match self {
+            Self::Cpu => {
+                return Err(Error::invalid(
+                    "split-K scratch",
+                    "the CPU backend has no device scratch",
+                ));
+            }
+            Self::Cuda(c) => c.split_k_scratch(),
+            Self::Hip(h) => h.split_k_scratch(),
+        };
+        let mut scratch = cell.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if scratch.partials.as_ref().is_none_or(|p| p.len() < partials) {
+            scratch.partials = Some(self.zeros(partials.max(1))?);
+        }
+        if scratch.counters.as_ref().is_none_or(|c| c.len() < counters) {
+            scratch.counters = Some(self.zeros(counters.max(1))?);
+        }
+        Ok(scratch)
+    }
+
     /// The error a family returns from a backend it has no launch for yet (transitional: the
     /// families move onto [`Backend::launch`], which serves every backend).
     pub(crate) fn no_launch_yet(&self, family: &str) -> Error {
@@ -372,6 +405,20 @@ impl<T> DeviceVec<T> {
     }
 }
 
+/// Device scratch for split-K reductions, one per device backend ([`Backend::split_k_scratch`]):
+/// fp32 partial sums and one arrival counter per output tile. Counters are zero between launches
+/// (the last arriving warp of a tile resets its own).
+#[derive(Default)]
+pub struct SplitKScratch {
+    /// Partial sums, at least as many as the largest launch so far asked for.
+    pub partials: Option<DeviceVec<f32>>,
+    /// Arrival counters, zero-initialised.
+    pub counters: Option<DeviceVec<u32>>,
+}
+
+/// A device backend's split-K scratch, empty until the first launch that splits K.
+pub(crate) type SplitKCell = Mutex<SplitKScratch>;
+
 /// The most arguments one launch passes.
 pub const MAX_KERNEL_ARGS: usize = 32;
 
@@ -469,6 +516,17 @@ impl<'a> KernelArg<'a> {
     pub fn optional_input<T>(buffer: Option<&'a DeviceVec<T>>) -> Self {
         match buffer {
             Some(buffer) => Self::input(buffer),
+            None => Self::from_value(ArgValue::Pointer {
+                address: 0,
+                backend: None,
+            }),
+        }
+    }
+
+    /// A buffer the kernel writes when present, the null pointer when not.
+    pub fn optional_output<T>(buffer: Option<&'a mut DeviceVec<T>>) -> Self {
+        match buffer {
+            Some(buffer) => Self::output(buffer),
             None => Self::from_value(ArgValue::Pointer {
                 address: 0,
                 backend: None,
@@ -673,9 +731,10 @@ mod tests {
             KernelArg::input(&buffer),
             KernelArg::input_range(&buffer, 2..3).expect("in range"),
             KernelArg::optional_input::<f32>(None),
+            KernelArg::optional_output::<f32>(None),
         ];
         let sizes: Vec<usize> = args.iter().map(KernelArg::size).collect();
-        assert_eq!(sizes, [4, 4, 8, 4, 8, 8, 8]);
+        assert_eq!(sizes, [4, 4, 8, 4, 8, 8, 8, 8]);
         // SAFETY: each pointer is read as the type its constructor stored, while `args` lives.
         unsafe {
             assert_eq!(*args[0].value_ptr().cast::<u32>(), 7);
@@ -689,8 +748,14 @@ mod tests {
             assert_eq!(base, values.as_ptr() as u64);
             assert_eq!(*args[5].value_ptr().cast::<u64>(), base + 8);
             assert_eq!(*args[6].value_ptr().cast::<u64>(), 0);
+            assert_eq!(*args[7].value_ptr().cast::<u64>(), 0);
         }
         assert!(args[4].is_pointer() && args[6].is_pointer() && !args[2].is_pointer());
+        let mut written = DeviceVec::Host(vec![0.0f32; 2]);
+        let address = written.argument_address();
+        let out = KernelArg::optional_output(Some(&mut written));
+        // SAFETY: a pointer argument stores a u64 address.
+        assert_eq!(unsafe { *out.value_ptr().cast::<u64>() }, address);
     }
 
     #[test]

@@ -10,6 +10,8 @@ pub mod compare;
 pub mod dequant;
 pub mod gdn;
 pub mod gemm;
+#[cfg(test)]
+mod launch_check;
 pub mod moe;
 pub mod norm;
 pub mod table;

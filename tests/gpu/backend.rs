@@ -4,32 +4,13 @@
 //! inside a CUDA graph too; argument lists that do not fit the kernel and buffers of another
 //! backend are refused before the launch; events time, copies copy.
 
-use crate::common::{cuda, poisoned, rng, skipped};
+use crate::common::{cuda, devices, hip, poisoned, rng, skipped};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use fp4spec::Error;
 use fp4spec::backend::{Backend, BackendKind, DeviceVec, KernelArg, LaunchDims};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
 use fp4spec::kernels::dequant;
 use half::bf16;
-use std::sync::OnceLock;
-
-/// The HIP backend, opened once per binary; `None` (after one skip line naming `test`) when
-/// there is none.
-fn hip(test: &str) -> Option<&'static Backend> {
-    static BACKEND: OnceLock<Result<Backend, String>> = OnceLock::new();
-    match BACKEND.get_or_init(|| Backend::new(BackendKind::Hip).map_err(|e| e.to_string())) {
-        Ok(backend) => Some(backend),
-        Err(why) => {
-            skipped(&format!("{test} on HIP"), why);
-            None
-        }
-    }
-}
-
-/// Every device backend present: CUDA, HIP (one skip line for each that is not).
-fn devices(test: &str) -> Vec<&'static Backend> {
-    cuda(test).into_iter().chain(hip(test)).collect()
-}
 
 /// Launches `dequant_nvfp4_bf16` through the neutral layer, as a family will once it moves
 /// onto it: grid from the target's `[target.dequant]`, arguments in the kernel's order.

@@ -19,6 +19,24 @@ pub fn cuda(test: &str) -> Option<&'static Backend> {
     }
 }
 
+/// The HIP backend, opened once per binary; `None` (after one skip line naming `test`) when
+/// there is none.
+pub fn hip(test: &str) -> Option<&'static Backend> {
+    static BACKEND: OnceLock<Result<Backend, String>> = OnceLock::new();
+    match BACKEND.get_or_init(|| Backend::new(BackendKind::Hip).map_err(|e| e.to_string())) {
+        Ok(backend) => Some(backend),
+        Err(why) => {
+            skipped(&format!("{test} on HIP"), why);
+            None
+        }
+    }
+}
+
+/// Every device backend present: CUDA, HIP (one skip line for each that is not).
+pub fn devices(test: &str) -> Vec<&'static Backend> {
+    cuda(test).into_iter().chain(hip(test)).collect()
+}
+
 /// One line, written past libtest's output capture so it shows in a plain `cargo test`.
 pub fn skipped(test: &str, why: &str) {
     use std::io::Write;

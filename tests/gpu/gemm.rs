@@ -1,6 +1,8 @@
-//! GPU checks of the `dequant` and `gemm` families against their CPU references and cuBLAS.
+//! GPU checks of the `dequant` and `gemm` families against their CPU references and cuBLAS, on
+//! every device backend present (CUDA; HIP on a gfx1151 built with `--features hip`, where the
+//! `mma_*` checks run the WMMA kernels); the cuBLAS comparison is CUDA's alone.
 
-use crate::common::{cuda, poisoned, random_bf16, rng, skipped};
+use crate::common::{cuda, devices, poisoned, random_bf16, rng, skipped};
 use cudarc::cublas::CudaBlas;
 use fp4spec::Error;
 use fp4spec::backend::cuda::cublas;
@@ -42,69 +44,66 @@ fn awkward_matrix(rng: &mut SplitMix64, n: usize, k: usize) -> Nvfp4Matrix {
 
 #[test]
 fn dequant_matches_the_cpu_reference_exactly() {
-    let Some(backend) = cuda("dequant_matches_the_cpu_reference_exactly") else {
-        return;
-    };
-    let mut rng = rng("dequant");
-    for (n, k) in SHAPES.into_iter().chain([(1, 16), (37, 528)]) {
-        let q = awkward_matrix(&mut rng, n, k);
-        let w = Nvfp4Weights::upload(backend, &q).expect("upload");
-        let mut out = poisoned(backend, n * k);
-        dequant::dequant_nvfp4(backend, &w, &mut out).expect("dequant");
-        let got = backend.download(&out).expect("download");
-        let want = dequant::reference::dequant_nvfp4_bf16(q.view());
-        let mismatches: Vec<usize> = (0..got.len())
-            .filter(|&i| got[i].to_bits() != want[i].to_bits())
-            .collect();
-        assert!(
-            mismatches.is_empty(),
-            "dequant [{n}, {k}]: {} elements differ, first at {} ({} vs {})",
-            mismatches.len(),
-            mismatches[0],
-            got[mismatches[0]],
-            want[mismatches[0]]
-        );
-        println!("dequant [{n}, {k}]: bit-exact");
+    for backend in devices("dequant_matches_the_cpu_reference_exactly") {
+        let mut rng = rng("dequant");
+        for (n, k) in SHAPES.into_iter().chain([(1, 16), (37, 528)]) {
+            let q = awkward_matrix(&mut rng, n, k);
+            let w = Nvfp4Weights::upload(backend, &q).expect("upload");
+            let mut out = poisoned(backend, n * k);
+            dequant::dequant_nvfp4(backend, &w, &mut out).expect("dequant");
+            let got = backend.download(&out).expect("download");
+            let want = dequant::reference::dequant_nvfp4_bf16(q.view());
+            let mismatches: Vec<usize> = (0..got.len())
+                .filter(|&i| got[i].to_bits() != want[i].to_bits())
+                .collect();
+            assert!(
+                mismatches.is_empty(),
+                "dequant [{n}, {k}]: {} elements differ, first at {} ({} vs {})",
+                mismatches.len(),
+                mismatches[0],
+                got[mismatches[0]],
+                want[mismatches[0]]
+            );
+            println!("dequant [{n}, {k}]: bit-exact");
+        }
     }
 }
 
 #[test]
 fn gemm_matches_the_cpu_reference() {
-    let Some(backend) = cuda("gemm_matches_the_cpu_reference") else {
-        return;
-    };
-    let mut rng = rng("gemm");
-    for (n, k) in SHAPES {
-        let q = awkward_matrix(&mut rng, n, k);
-        let w = Nvfp4Weights::upload(backend, &q).expect("upload");
-        for m in ROWS
-            .into_iter()
-            .chain(if n == 1037 { vec![5, 67] } else { vec![] })
-        {
-            let x = random_bf16(&mut rng, m * k);
-            let x_dev = backend.upload(&x).expect("upload");
-            let mut y = poisoned(backend, m * n);
-            gemm::nvfp4_gemm(backend, &x_dev, m, &w, &mut y).expect("gemm");
-            let got = backend.download(&y).expect("download");
-            let agreement =
-                compare::compare_bf16(&got, &gemm::reference::nvfp4_gemm_f32(&x, m, q.view()));
-            println!("gemm M={m} N={n} K={k}: {agreement}");
-            assert!(agreement.passed(), "gemm M={m} N={n} K={k}: {agreement}");
+    for backend in devices("gemm_matches_the_cpu_reference") {
+        let mut rng = rng("gemm");
+        for (n, k) in SHAPES {
+            let q = awkward_matrix(&mut rng, n, k);
+            let w = Nvfp4Weights::upload(backend, &q).expect("upload");
+            for m in ROWS
+                .into_iter()
+                .chain(if n == 1037 { vec![5, 67] } else { vec![] })
+            {
+                let x = random_bf16(&mut rng, m * k);
+                let x_dev = backend.upload(&x).expect("upload");
+                let mut y = poisoned(backend, m * n);
+                gemm::nvfp4_gemm(backend, &x_dev, m, &w, &mut y).expect("gemm");
+                let got = backend.download(&y).expect("download");
+                let agreement =
+                    compare::compare_bf16(&got, &gemm::reference::nvfp4_gemm_f32(&x, m, q.view()));
+                println!("gemm M={m} N={n} K={k}: {agreement}");
+                assert!(agreement.passed(), "gemm M={m} N={n} K={k}: {agreement}");
+            }
         }
     }
 }
 
 #[test]
 fn buffers_from_another_backend_are_errors() {
-    let Some(backend) = cuda("buffers_from_another_backend_are_errors") else {
-        return;
-    };
-    let q = Nvfp4Matrix::quantize("w", &[1.0; 64], 2, 32).expect("finite");
-    let w = Nvfp4Weights::upload(backend, &q).expect("upload");
-    let host_x = Backend::Cpu.upload(&[bf16::ONE; 32]).expect("host");
-    let mut y = backend.zeros::<bf16>(2).expect("zeros");
-    let err = gemm::nvfp4_gemm(backend, &host_x, 1, &w, &mut y).unwrap_err();
-    assert!(matches!(err, Error::BackendMismatch { .. }), "{err}");
+    for backend in devices("buffers_from_another_backend_are_errors") {
+        let q = Nvfp4Matrix::quantize("w", &[1.0; 64], 2, 32).expect("finite");
+        let w = Nvfp4Weights::upload(backend, &q).expect("upload");
+        let host_x = Backend::Cpu.upload(&[bf16::ONE; 32]).expect("host");
+        let mut y = backend.zeros::<bf16>(2).expect("zeros");
+        let err = gemm::nvfp4_gemm(backend, &host_x, 1, &w, &mut y).unwrap_err();
+        assert!(matches!(err, Error::BackendMismatch { .. }), "{err}");
+    }
 }
 
 // ---- the tensor-core kernels (gemm_*_mma_*) ----
@@ -132,63 +131,65 @@ fn check_linear(
     order: RowOrder,
     residual: bool,
 ) {
-    let Some(backend) = cuda(test) else { return };
-    let mut rng = rng(test);
-    let (linear, reference_product): (Linear, Box<ReferenceProduct>) = match format {
-        Format::Nvfp4 => {
-            let q = awkward_matrix(&mut rng, n, k);
-            let linear = Linear::nvfp4(backend, &q, order).expect("upload");
-            (
-                linear,
-                Box::new(move |x: &[bf16], m: usize| {
-                    gemm::reference::nvfp4_gemm_f32(x, m, q.view())
-                }),
-            )
-        }
-        Format::Bf16 => {
-            let w: Vec<bf16> = rng
-                .normal_vec(n * k, 0.02)
-                .into_iter()
-                .map(bf16::from_f32)
-                .collect();
-            let linear = Linear::bf16(backend, &w, n, k, order).expect("upload");
-            (
-                linear,
-                Box::new(move |x: &[bf16], m: usize| {
-                    gemm::reference::bf16_gemm_f32(x, m, &w, n, k)
-                }),
-            )
-        }
-    };
-    let n_out = linear.out_features();
-    for &m in rows {
-        let x = random_bf16(&mut rng, m * k);
-        let x_dev = backend.upload(&x).expect("upload");
-        let mut y = poisoned(backend, m * n_out);
-        let product = reference_product(&x, m);
-        let want = if order == RowOrder::GateUp {
-            gemm::linear(backend, &x_dev, m, &linear, Epilogue::SiluMul, &mut y).expect("linear");
-            gemm::reference::silu_mul(&product, m, n)
-        } else if residual {
-            let r = random_bf16(&mut rng, m * n);
-            let r_dev = backend.upload(&r).expect("upload");
-            gemm::linear(
-                backend,
-                &x_dev,
-                m,
-                &linear,
-                Epilogue::Residual(&r_dev),
-                &mut y,
-            )
-            .expect("linear");
-            gemm::reference::add_residual(&product, &r)
-        } else {
-            gemm::linear(backend, &x_dev, m, &linear, Epilogue::None, &mut y).expect("linear");
-            product
+    for backend in devices(test) {
+        let mut rng = rng(test);
+        let (linear, reference_product): (Linear, Box<ReferenceProduct>) = match format {
+            Format::Nvfp4 => {
+                let q = awkward_matrix(&mut rng, n, k);
+                let linear = Linear::nvfp4(backend, &q, order).expect("upload");
+                (
+                    linear,
+                    Box::new(move |x: &[bf16], m: usize| {
+                        gemm::reference::nvfp4_gemm_f32(x, m, q.view())
+                    }),
+                )
+            }
+            Format::Bf16 => {
+                let w: Vec<bf16> = rng
+                    .normal_vec(n * k, 0.02)
+                    .into_iter()
+                    .map(bf16::from_f32)
+                    .collect();
+                let linear = Linear::bf16(backend, &w, n, k, order).expect("upload");
+                (
+                    linear,
+                    Box::new(move |x: &[bf16], m: usize| {
+                        gemm::reference::bf16_gemm_f32(x, m, &w, n, k)
+                    }),
+                )
+            }
         };
-        let agreement = compare::compare_bf16(&backend.download(&y).expect("download"), &want);
-        println!("{test} M={m} N={n} K={k}: {agreement}");
-        assert!(agreement.passed(), "{test} M={m} N={n} K={k}: {agreement}");
+        let n_out = linear.out_features();
+        for &m in rows {
+            let x = random_bf16(&mut rng, m * k);
+            let x_dev = backend.upload(&x).expect("upload");
+            let mut y = poisoned(backend, m * n_out);
+            let product = reference_product(&x, m);
+            let want = if order == RowOrder::GateUp {
+                gemm::linear(backend, &x_dev, m, &linear, Epilogue::SiluMul, &mut y)
+                    .expect("linear");
+                gemm::reference::silu_mul(&product, m, n)
+            } else if residual {
+                let r = random_bf16(&mut rng, m * n);
+                let r_dev = backend.upload(&r).expect("upload");
+                gemm::linear(
+                    backend,
+                    &x_dev,
+                    m,
+                    &linear,
+                    Epilogue::Residual(&r_dev),
+                    &mut y,
+                )
+                .expect("linear");
+                gemm::reference::add_residual(&product, &r)
+            } else {
+                gemm::linear(backend, &x_dev, m, &linear, Epilogue::None, &mut y).expect("linear");
+                product
+            };
+            let agreement = compare::compare_bf16(&backend.download(&y).expect("download"), &want);
+            println!("{test} M={m} N={n} K={k}: {agreement}");
+            assert!(agreement.passed(), "{test} M={m} N={n} K={k}: {agreement}");
+        }
     }
 }
 
@@ -412,52 +413,51 @@ fn mma_bf16_lm_head_and_awkward() {
 /// decode must equal the reference dequantisation bit for bit, subnormal scales included.
 #[test]
 fn mma_nvfp4_decode_is_exact() {
-    let Some(backend) = cuda("mma_nvfp4_decode_is_exact") else {
-        return;
-    };
-    let mut rng = rng("mma_nvfp4_decode_is_exact");
-    let (n, k) = (1037, 64);
-    let mut q = awkward_matrix(&mut rng, n, k);
-    q.global_scale = 1.0; // no rounding in the epilogue's multiply
-    for (i, byte) in q.scales.iter_mut().enumerate() {
-        *byte = (i % 0x7f) as u8; // every finite e4m3 scale, subnormals and zero included
-    }
-    for (i, byte) in q.packed.iter_mut().enumerate() {
-        *byte = (i % 256) as u8; // every nibble pair
-    }
-    let linear = Linear::nvfp4(backend, &q, RowOrder::Plain).expect("upload");
-    let identity: Vec<bf16> = (0..64 * k)
-        .map(|i| {
-            if i / k == i % k {
-                bf16::ONE
-            } else {
-                bf16::ZERO
-            }
-        })
-        .collect();
-    let x = backend.upload(&identity).expect("upload");
-    let mut y = poisoned(backend, 64 * n);
-    gemm::linear(backend, &x, 64, &linear, Epilogue::None, &mut y).expect("linear");
-    let y = backend.download(&y).expect("download");
-    let want = dequant::reference::dequant_nvfp4_bf16(q.view());
-    let mut wrong = 0;
-    for row in 0..n {
-        for col in 0..64 {
-            if y[col * n + row].to_bits() != want[row * k + col].to_bits()
-                && !(y[col * n + row] == want[row * k + col])
-            {
-                if wrong < 5 {
-                    println!(
-                        "W[{row}, {col}]: kernel {} reference {}",
-                        y[col * n + row],
-                        want[row * k + col]
-                    );
+    for backend in devices("mma_nvfp4_decode_is_exact") {
+        let mut rng = rng("mma_nvfp4_decode_is_exact");
+        let (n, k) = (1037, 64);
+        let mut q = awkward_matrix(&mut rng, n, k);
+        q.global_scale = 1.0; // no rounding in the epilogue's multiply
+        for (i, byte) in q.scales.iter_mut().enumerate() {
+            *byte = (i % 0x7f) as u8; // every finite e4m3 scale, subnormals and zero included
+        }
+        for (i, byte) in q.packed.iter_mut().enumerate() {
+            *byte = (i % 256) as u8; // every nibble pair
+        }
+        let linear = Linear::nvfp4(backend, &q, RowOrder::Plain).expect("upload");
+        let identity: Vec<bf16> = (0..64 * k)
+            .map(|i| {
+                if i / k == i % k {
+                    bf16::ONE
+                } else {
+                    bf16::ZERO
                 }
-                wrong += 1;
+            })
+            .collect();
+        let x = backend.upload(&identity).expect("upload");
+        let mut y = poisoned(backend, 64 * n);
+        gemm::linear(backend, &x, 64, &linear, Epilogue::None, &mut y).expect("linear");
+        let y = backend.download(&y).expect("download");
+        let want = dequant::reference::dequant_nvfp4_bf16(q.view());
+        let mut wrong = 0;
+        for row in 0..n {
+            for col in 0..64 {
+                if y[col * n + row].to_bits() != want[row * k + col].to_bits()
+                    && !(y[col * n + row] == want[row * k + col])
+                {
+                    if wrong < 5 {
+                        println!(
+                            "W[{row}, {col}]: kernel {} reference {}",
+                            y[col * n + row],
+                            want[row * k + col]
+                        );
+                    }
+                    wrong += 1;
+                }
             }
         }
+        assert_eq!(wrong, 0, "{wrong} weights decode differently in the kernel");
     }
-    assert_eq!(wrong, 0, "{wrong} weights decode differently in the kernel");
 }
 
 /// The peer: cuBLAS bf16 GEMM (fp32 compute) on the same, dequantised weights. Every variant must
@@ -563,39 +563,33 @@ fn gemm_variants_match_cublas() {
 /// of exactly its math; elsewhere the constructor must refuse with the reason.
 #[test]
 fn w4a4_matches_the_emulation_or_is_refused() {
-    let Some(backend) = cuda("w4a4_matches_the_emulation_or_is_refused") else {
-        return;
-    };
-    let Backend::Cuda(device) = backend else {
-        unreachable!("cuda() returns the CUDA backend")
-    };
-    let mut rng = rng("w4a4");
-    let mut q = awkward_matrix(&mut rng, 2048, 2048);
-    q.input_scale = Some(3.0 / (6.0 * 448.0));
-    if !device.target().instructions.mma_block_scaled_fp4 {
-        let err = Linear::nvfp4_w4a4(backend, &q, RowOrder::Plain)
-            .err()
-            .expect("refused");
-        assert!(err.to_string().contains("no block-scaled FP4 MMA"), "{err}");
-        skipped(
-            "w4a4_matches_the_emulation (kernel)",
-            &format!(
-                "{} has no block-scaled FP4 MMA: {err}",
-                device.target().name
-            ),
-        );
-        return;
-    }
-    let linear = Linear::nvfp4_w4a4(backend, &q, RowOrder::Plain).expect("upload");
-    for m in [1, 3, 16, 33, 64] {
-        let x = random_bf16(&mut rng, m * 2048);
-        let x_dev = backend.upload(&x).expect("upload");
-        let mut y = poisoned(backend, m * 2048);
-        gemm::linear(backend, &x_dev, m, &linear, Epilogue::None, &mut y).expect("linear");
-        let want =
-            gemm::reference::nvfp4_w4a4_f32(&x, m, q.view(), 3.0 / (6.0 * 448.0)).expect("finite");
-        let agreement = compare::compare_bf16(&backend.download(&y).expect("download"), &want);
-        println!("w4a4 M={m}: {agreement}");
-        assert!(agreement.passed(), "w4a4 M={m}: {agreement}");
+    for backend in devices("w4a4_matches_the_emulation_or_is_refused") {
+        let target = backend.target().expect("a device backend");
+        let mut rng = rng("w4a4");
+        let mut q = awkward_matrix(&mut rng, 2048, 2048);
+        q.input_scale = Some(3.0 / (6.0 * 448.0));
+        if !target.instructions.mma_block_scaled_fp4 {
+            let err = Linear::nvfp4_w4a4(backend, &q, RowOrder::Plain)
+                .err()
+                .expect("refused");
+            assert!(err.to_string().contains("no block-scaled FP4 MMA"), "{err}");
+            skipped(
+                "w4a4_matches_the_emulation (kernel)",
+                &format!("{} has no block-scaled FP4 MMA: {err}", target.name),
+            );
+            continue;
+        }
+        let linear = Linear::nvfp4_w4a4(backend, &q, RowOrder::Plain).expect("upload");
+        for m in [1, 3, 16, 33, 64] {
+            let x = random_bf16(&mut rng, m * 2048);
+            let x_dev = backend.upload(&x).expect("upload");
+            let mut y = poisoned(backend, m * 2048);
+            gemm::linear(backend, &x_dev, m, &linear, Epilogue::None, &mut y).expect("linear");
+            let want = gemm::reference::nvfp4_w4a4_f32(&x, m, q.view(), 3.0 / (6.0 * 448.0))
+                .expect("finite");
+            let agreement = compare::compare_bf16(&backend.download(&y).expect("download"), &want);
+            println!("w4a4 M={m}: {agreement}");
+            assert!(agreement.passed(), "w4a4 M={m}: {agreement}");
+        }
     }
 }

@@ -1,5 +1,6 @@
 //! GPU checks of the `moe` family: the whole block (one persistent launch: router, top-k,
-//! alignment, grouped expert GEMMs, combine) against the CPU reference.
+//! alignment, grouped expert GEMMs, combine) against the CPU reference, on every device backend
+//! present (CUDA; HIP on a gfx1151 built with `--features hip`).
 //!
 //! How a result is judged:
 //! - Routing: the experts the GPU chose must be the reference's (f64) for every token, except
@@ -14,7 +15,7 @@
 //!
 //! Outputs start as NaN, so an element the kernel never writes fails.
 
-use crate::common::{cuda, poisoned, rng};
+use crate::common::{devices, poisoned, rng};
 use fp4spec::backend::Backend;
 use fp4spec::kernels::compare;
 use fp4spec::kernels::moe::reference::{self, ExpertRef, MoeShape, Routing};
@@ -398,24 +399,22 @@ fn random_cases(rng: &mut SplitMix64, hidden: usize, tokens: &[usize]) -> Vec<Ca
 
 #[test]
 fn moe_nvfp4_qwen_shape() {
-    let Some(backend) = cuda("moe_nvfp4_qwen_shape") else {
-        return;
-    };
-    let mut rng = rng("moe_nvfp4_qwen_shape");
-    let host = random_block(rng.next_u64(), QWEN, ExpertFormat::Nvfp4, true);
-    let cases = random_cases(&mut rng, QWEN.hidden, &TOKENS);
-    check_block("moe_nvfp4_qwen_shape", backend, &host, &cases, &mut rng);
+    for backend in devices("moe_nvfp4_qwen_shape") {
+        let mut rng = rng("moe_nvfp4_qwen_shape");
+        let host = random_block(rng.next_u64(), QWEN, ExpertFormat::Nvfp4, true);
+        let cases = random_cases(&mut rng, QWEN.hidden, &TOKENS);
+        check_block("moe_nvfp4_qwen_shape", backend, &host, &cases, &mut rng);
+    }
 }
 
 #[test]
 fn moe_bf16_qwen_shape() {
-    let Some(backend) = cuda("moe_bf16_qwen_shape") else {
-        return;
-    };
-    let mut rng = rng("moe_bf16_qwen_shape");
-    let host = random_block(rng.next_u64(), QWEN, ExpertFormat::Bf16, true);
-    let cases = random_cases(&mut rng, QWEN.hidden, &TOKENS);
-    check_block("moe_bf16_qwen_shape", backend, &host, &cases, &mut rng);
+    for backend in devices("moe_bf16_qwen_shape") {
+        let mut rng = rng("moe_bf16_qwen_shape");
+        let host = random_block(rng.next_u64(), QWEN, ExpertFormat::Bf16, true);
+        let cases = random_cases(&mut rng, QWEN.hidden, &TOKENS);
+        check_block("moe_bf16_qwen_shape", backend, &host, &cases, &mut rng);
+    }
 }
 
 /// Every token's top-k is the same k experts (their router rows and one input column make their
@@ -425,45 +424,46 @@ fn moe_bf16_qwen_shape() {
 #[test]
 fn moe_every_token_to_the_same_experts() {
     let test = "moe_every_token_to_the_same_experts";
-    let Some(backend) = cuda(test) else { return };
-    let mut rng = rng(test);
-    let chosen: Vec<u32> = vec![3, 77, 78, 130, 200, 201, 254, 255];
-    for format in [ExpertFormat::Nvfp4, ExpertFormat::Bf16] {
-        let mut host = random_block(rng.next_u64(), QWEN, format, true);
-        let h = QWEN.hidden;
-        for e in 0..QWEN.experts {
-            let boost = if chosen.contains(&(e as u32)) {
-                3.0
-            } else {
-                0.0
-            };
-            host.router[e * h] = bf16::from_f32(boost);
-            if !chosen.contains(&(e as u32)) {
-                match &mut host.experts[e] {
-                    ExpertWeights::Bf16 { gate_up, down } => {
-                        gate_up.fill(bf16::NAN);
-                        down.fill(bf16::NAN);
-                    }
-                    ExpertWeights::Nvfp4 { gate, up, down } => {
-                        for m in [gate, up, down] {
-                            m.global_scale = f32::MAX;
+    for backend in devices(test) {
+        let mut rng = rng(test);
+        let chosen: Vec<u32> = vec![3, 77, 78, 130, 200, 201, 254, 255];
+        for format in [ExpertFormat::Nvfp4, ExpertFormat::Bf16] {
+            let mut host = random_block(rng.next_u64(), QWEN, format, true);
+            let h = QWEN.hidden;
+            for e in 0..QWEN.experts {
+                let boost = if chosen.contains(&(e as u32)) {
+                    3.0
+                } else {
+                    0.0
+                };
+                host.router[e * h] = bf16::from_f32(boost);
+                if !chosen.contains(&(e as u32)) {
+                    match &mut host.experts[e] {
+                        ExpertWeights::Bf16 { gate_up, down } => {
+                            gate_up.fill(bf16::NAN);
+                            down.fill(bf16::NAN);
+                        }
+                        ExpertWeights::Nvfp4 { gate, up, down } => {
+                            for m in [gate, up, down] {
+                                m.global_scale = f32::MAX;
+                            }
                         }
                     }
                 }
             }
-        }
-        let mut cases = random_cases(&mut rng, h, &[5, 512]);
-        for case in &mut cases {
-            for token in 0..case.t {
-                case.x[token * h] = bf16::from_f32(8.0);
+            let mut cases = random_cases(&mut rng, h, &[5, 512]);
+            for case in &mut cases {
+                for token in 0..case.t {
+                    case.x[token * h] = bf16::from_f32(8.0);
+                }
             }
-        }
-        let outcomes = check_block(test, backend, &host, &cases, &mut rng);
-        for (case, outcome) in cases.iter().zip(&outcomes) {
-            for token in 0..case.t {
-                let mut got = outcome.routing.experts[token * 8..(token + 1) * 8].to_vec();
-                got.sort_unstable();
-                assert_eq!(got, chosen, "{test} {format:?} T={} token {token}", case.t);
+            let outcomes = check_block(test, backend, &host, &cases, &mut rng);
+            for (case, outcome) in cases.iter().zip(&outcomes) {
+                for token in 0..case.t {
+                    let mut got = outcome.routing.experts[token * 8..(token + 1) * 8].to_vec();
+                    got.sort_unstable();
+                    assert_eq!(got, chosen, "{test} {format:?} T={} token {token}", case.t);
+                }
             }
         }
     }
@@ -474,26 +474,27 @@ fn moe_every_token_to_the_same_experts() {
 #[test]
 fn moe_an_expert_with_exactly_one_token() {
     let test = "moe_an_expert_with_exactly_one_token";
-    let Some(backend) = cuda(test) else { return };
-    let mut rng = rng(test);
-    let (h, lonely) = (QWEN.hidden, 123usize);
-    let mut host = random_block(rng.next_u64(), QWEN, ExpertFormat::Nvfp4, true);
-    for e in 0..QWEN.experts {
-        host.router[e * h + 1] = bf16::from_f32(if e == lonely { 3.0 } else { 0.0 });
+    for backend in devices(test) {
+        let mut rng = rng(test);
+        let (h, lonely) = (QWEN.hidden, 123usize);
+        let mut host = random_block(rng.next_u64(), QWEN, ExpertFormat::Nvfp4, true);
+        for e in 0..QWEN.experts {
+            host.router[e * h + 1] = bf16::from_f32(if e == lonely { 3.0 } else { 0.0 });
+        }
+        let mut cases = random_cases(&mut rng, h, &[64]);
+        for token in 0..64 {
+            cases[0].x[token * h + 1] = bf16::from_f32(if token == 0 { 8.0 } else { -8.0 });
+        }
+        let outcomes = check_block(test, backend, &host, &cases, &mut rng);
+        let routing = &outcomes[0].routing;
+        let count = routing
+            .experts
+            .iter()
+            .filter(|&&e| e as usize == lonely)
+            .count();
+        assert_eq!(count, 1, "{test}: expert {lonely} got {count} tokens");
+        assert!(routing.experts[..8].contains(&(lonely as u32)));
     }
-    let mut cases = random_cases(&mut rng, h, &[64]);
-    for token in 0..64 {
-        cases[0].x[token * h + 1] = bf16::from_f32(if token == 0 { 8.0 } else { -8.0 });
-    }
-    let outcomes = check_block(test, backend, &host, &cases, &mut rng);
-    let routing = &outcomes[0].routing;
-    let count = routing
-        .experts
-        .iter()
-        .filter(|&&e| e as usize == lonely)
-        .count();
-    assert_eq!(count, 1, "{test}: expert {lonely} got {count} tokens");
-    assert!(routing.experts[..8].contains(&(lonely as u32)));
 }
 
 /// Qwen3-Next: 512 experts, top-10 (NVFP4 at its real size; bf16 smaller, with a shared expert
@@ -501,16 +502,17 @@ fn moe_an_expert_with_exactly_one_token() {
 #[test]
 fn moe_e512_k10() {
     let test = "moe_e512_k10";
-    let Some(backend) = cuda(test) else { return };
-    let mut rng = rng(test);
-    let next = shape(512, 10, 2048, 512, 512);
-    let host = random_block(rng.next_u64(), next, ExpertFormat::Nvfp4, true);
-    let cases = random_cases(&mut rng, next.hidden, &[1, 7, 64]);
-    check_block(test, backend, &host, &cases, &mut rng);
-    let small = shape(512, 10, 1024, 256, 512);
-    let host = random_block(rng.next_u64(), small, ExpertFormat::Bf16, true);
-    let cases = random_cases(&mut rng, small.hidden, &[1, 16]);
-    check_block(test, backend, &host, &cases, &mut rng);
+    for backend in devices(test) {
+        let mut rng = rng(test);
+        let next = shape(512, 10, 2048, 512, 512);
+        let host = random_block(rng.next_u64(), next, ExpertFormat::Nvfp4, true);
+        let cases = random_cases(&mut rng, next.hidden, &[1, 7, 64]);
+        check_block(test, backend, &host, &cases, &mut rng);
+        let small = shape(512, 10, 1024, 256, 512);
+        let host = random_block(rng.next_u64(), small, ExpertFormat::Bf16, true);
+        let cases = random_cases(&mut rng, small.hidden, &[1, 16]);
+        check_block(test, backend, &host, &cases, &mut rng);
+    }
 }
 
 /// E = 8, k = 2 at awkward sizes: H = 272 and I = 48 (K not a multiple of 64), Is = 80 (a padded
@@ -520,35 +522,36 @@ fn moe_e512_k10() {
 #[test]
 fn moe_e8_k2_awkward() {
     let test = "moe_e8_k2_awkward";
-    let Some(backend) = cuda(test) else { return };
-    let mut rng = rng(test);
-    for format in [ExpertFormat::Nvfp4, ExpertFormat::Bf16] {
-        for (s, gate) in [
-            (shape(8, 2, 272, 48, 80), true),
-            (shape(8, 2, 272, 48, 80), false),
-            (shape(8, 2, 272, 48, 0), false),
-        ] {
-            let host = random_block(rng.next_u64(), s, format, gate);
-            // the 100-token case is at an even index: no residual
-            let cases = random_cases(&mut rng, s.hidden, &[1, 7, 100, 33]);
-            let outcomes = check_block(test, backend, &host, &cases, &mut rng);
-            let weights = MoeWeights::new(backend, &host).expect("weights");
-            let mut small = MoeWorkspace::new(backend, &weights, 40).expect("workspace");
-            let case = &cases[2];
-            let x = backend.upload(&case.x).expect("x");
-            let mut y = poisoned(backend, case.t * s.hidden);
-            moe::moe_block(backend, &weights, &x, case.t, None, &mut small, &mut y)
-                .expect("three launches");
-            let chunked = backend.download(&y).expect("y");
-            let differ = chunked
-                .iter()
-                .zip(&outcomes[2].y)
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
-            assert_eq!(
-                differ, 0,
-                "{test} {format:?} {s:?}: 3 launches of at most 40 tokens differ from one of 100 in {differ} elements"
-            );
+    for backend in devices(test) {
+        let mut rng = rng(test);
+        for format in [ExpertFormat::Nvfp4, ExpertFormat::Bf16] {
+            for (s, gate) in [
+                (shape(8, 2, 272, 48, 80), true),
+                (shape(8, 2, 272, 48, 80), false),
+                (shape(8, 2, 272, 48, 0), false),
+            ] {
+                let host = random_block(rng.next_u64(), s, format, gate);
+                // the 100-token case is at an even index: no residual
+                let cases = random_cases(&mut rng, s.hidden, &[1, 7, 100, 33]);
+                let outcomes = check_block(test, backend, &host, &cases, &mut rng);
+                let weights = MoeWeights::new(backend, &host).expect("weights");
+                let mut small = MoeWorkspace::new(backend, &weights, 40).expect("workspace");
+                let case = &cases[2];
+                let x = backend.upload(&case.x).expect("x");
+                let mut y = poisoned(backend, case.t * s.hidden);
+                moe::moe_block(backend, &weights, &x, case.t, None, &mut small, &mut y)
+                    .expect("three launches");
+                let chunked = backend.download(&y).expect("y");
+                let differ = chunked
+                    .iter()
+                    .zip(&outcomes[2].y)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(
+                    differ, 0,
+                    "{test} {format:?} {s:?}: 3 launches of at most 40 tokens differ from one of 100 in {differ} elements"
+                );
+            }
         }
     }
 }
@@ -558,86 +561,88 @@ fn moe_e8_k2_awkward() {
 #[test]
 fn moe_router_ties_go_to_the_lower_id() {
     let test = "moe_router_ties_go_to_the_lower_id";
-    let Some(backend) = cuda(test) else { return };
-    let mut rng = rng(test);
-    let s = shape(256, 8, 2048, 64, 64);
-    let mut host = random_block(rng.next_u64(), s, ExpertFormat::Bf16, true);
-    let h = s.hidden;
-    let common: Vec<bf16> = host.router[..h].to_vec();
-    let best: Vec<bf16> = common
-        .iter()
-        .map(|v| bf16::from_f32(v.to_f32() * 2.0))
-        .collect();
-    for e in 0..s.experts {
-        // 250, 7 and 3 tie for the top; 100 alone after them; all others tie below
-        let row = match e {
-            3 | 7 | 250 => &best,
-            _ => &common,
-        };
-        host.router[e * h..(e + 1) * h].copy_from_slice(row);
-    }
-    for v in &mut host.router[100 * h..101 * h] {
-        *v = bf16::from_f32(v.to_f32() * 1.5);
-    }
-    // inputs aligned with the common row, so the ordering above holds for every token
-    let mut cases = random_cases(&mut rng, h, &[4]);
-    for token in 0..4 {
-        for (slot, c) in cases[0].x[token * h..(token + 1) * h]
-            .iter_mut()
-            .zip(&common)
-        {
-            *slot = bf16::from_f32(c.to_f32() * 30.0 + 0.1 * rng.normal());
+    for backend in devices(test) {
+        let mut rng = rng(test);
+        let s = shape(256, 8, 2048, 64, 64);
+        let mut host = random_block(rng.next_u64(), s, ExpertFormat::Bf16, true);
+        let h = s.hidden;
+        let common: Vec<bf16> = host.router[..h].to_vec();
+        let best: Vec<bf16> = common
+            .iter()
+            .map(|v| bf16::from_f32(v.to_f32() * 2.0))
+            .collect();
+        for e in 0..s.experts {
+            // 250, 7 and 3 tie for the top; 100 alone after them; all others tie below
+            let row = match e {
+                3 | 7 | 250 => &best,
+                _ => &common,
+            };
+            host.router[e * h..(e + 1) * h].copy_from_slice(row);
         }
+        for v in &mut host.router[100 * h..101 * h] {
+            *v = bf16::from_f32(v.to_f32() * 1.5);
+        }
+        // inputs aligned with the common row, so the ordering above holds for every token
+        let mut cases = random_cases(&mut rng, h, &[4]);
+        for token in 0..4 {
+            for (slot, c) in cases[0].x[token * h..(token + 1) * h]
+                .iter_mut()
+                .zip(&common)
+            {
+                *slot = bf16::from_f32(c.to_f32() * 30.0 + 0.1 * rng.normal());
+            }
+        }
+        let outcomes = check_block(test, backend, &host, &cases, &mut rng);
+        let x: Vec<f32> = cases[0].x.iter().map(|v| v.to_f32()).collect();
+        let router: Vec<f32> = host.router.iter().map(|v| v.to_f32()).collect();
+        let gate: Vec<f32> = host
+            .shared_gate
+            .as_ref()
+            .expect("gate")
+            .iter()
+            .map(|v| v.to_f32())
+            .collect();
+        let want = reference::route(s, &x, 4, &router, Some(&gate));
+        for token in 0..4 {
+            assert_eq!(
+                &outcomes[0].routing.experts[token * 8..(token + 1) * 8],
+                &want.experts[token * 8..(token + 1) * 8],
+                "{test}: token {token} (reference: 3 7 250 100 0 1 2 4)"
+            );
+        }
+        assert_eq!(&want.experts[..8], &[3, 7, 250, 100, 0, 1, 2, 4]);
     }
-    let outcomes = check_block(test, backend, &host, &cases, &mut rng);
-    let x: Vec<f32> = cases[0].x.iter().map(|v| v.to_f32()).collect();
-    let router: Vec<f32> = host.router.iter().map(|v| v.to_f32()).collect();
-    let gate: Vec<f32> = host
-        .shared_gate
-        .as_ref()
-        .expect("gate")
-        .iter()
-        .map(|v| v.to_f32())
-        .collect();
-    let want = reference::route(s, &x, 4, &router, Some(&gate));
-    for token in 0..4 {
-        assert_eq!(
-            &outcomes[0].routing.experts[token * 8..(token + 1) * 8],
-            &want.experts[token * 8..(token + 1) * 8],
-            "{test}: token {token} (reference: 3 7 250 100 0 1 2 4)"
-        );
-    }
-    assert_eq!(&want.experts[..8], &[3, 7, 250, 100, 0, 1, 2, 4]);
 }
 
 /// Two launches give the same bits (the combine adds in slot order, split K in warp order).
 #[test]
 fn moe_is_deterministic() {
     let test = "moe_is_deterministic";
-    let Some(backend) = cuda(test) else { return };
-    let mut rng = rng(test);
-    let host = random_block(rng.next_u64(), QWEN, ExpertFormat::Nvfp4, true);
-    let weights = MoeWeights::new(backend, &host).expect("weights");
-    let mut workspace = MoeWorkspace::new(backend, &weights, 64).expect("workspace");
-    for t in [1, 64] {
-        let x = backend
-            .upload(&uniform_bf16(&mut rng, t * QWEN.hidden, 1.0))
-            .expect("x");
-        let mut outputs = Vec::new();
-        for _ in 0..2 {
-            let mut y = poisoned(backend, t * QWEN.hidden);
-            moe::moe_block(backend, &weights, &x, t, None, &mut workspace, &mut y)
-                .expect("moe_block");
-            outputs.push(backend.download(&y).expect("y"));
+    for backend in devices(test) {
+        let mut rng = rng(test);
+        let host = random_block(rng.next_u64(), QWEN, ExpertFormat::Nvfp4, true);
+        let weights = MoeWeights::new(backend, &host).expect("weights");
+        let mut workspace = MoeWorkspace::new(backend, &weights, 64).expect("workspace");
+        for t in [1, 64] {
+            let x = backend
+                .upload(&uniform_bf16(&mut rng, t * QWEN.hidden, 1.0))
+                .expect("x");
+            let mut outputs = Vec::new();
+            for _ in 0..2 {
+                let mut y = poisoned(backend, t * QWEN.hidden);
+                moe::moe_block(backend, &weights, &x, t, None, &mut workspace, &mut y)
+                    .expect("moe_block");
+                outputs.push(backend.download(&y).expect("y"));
+            }
+            let differ = outputs[0]
+                .iter()
+                .zip(&outputs[1])
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(
+                differ, 0,
+                "{test} T={t}: two launches differ in {differ} elements"
+            );
         }
-        let differ = outputs[0]
-            .iter()
-            .zip(&outputs[1])
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
-        assert_eq!(
-            differ, 0,
-            "{test} T={t}: two launches differ in {differ} elements"
-        );
     }
 }

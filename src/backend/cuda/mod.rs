@@ -7,12 +7,14 @@
 pub mod cublas;
 pub mod nvrtc;
 
-use crate::backend::{KernelArg, LaunchDims, MAX_KERNEL_ARGS, check_arg_backends, check_arg_sizes};
+use crate::backend::{
+    KernelArg, LaunchDims, MAX_KERNEL_ARGS, SplitKCell, check_arg_backends, check_arg_sizes,
+};
 use crate::error::{Error, Result};
 use crate::kernels::table;
 use crate::target::{self, TargetFacts};
 use cudarc::driver::sys::{CUresult, cudaError_enum};
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -31,7 +33,7 @@ pub struct CudaBackend {
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     launch_targets: Mutex<HashMap<(&'static str, &'static str), Arc<LaunchTarget>>>,
     driver_version: i32,
-    split_k: Mutex<SplitKScratch>,
+    split_k: SplitKCell,
 }
 
 /// A kernel as [`CudaBackend::launch`] needs it: the function and, where the driver can say,
@@ -39,15 +41,6 @@ pub struct CudaBackend {
 struct LaunchTarget {
     function: CudaFunction,
     param_sizes: Option<Vec<usize>>,
-}
-
-/// Device scratch for split-K reductions: fp32 partial sums and one arrival counter per output
-/// tile. Counters are zero between launches (the last arriving warp resets its own).
-pub struct SplitKScratch {
-    /// Partial sums, at least as many as the largest launch so far asked for.
-    pub partials: Option<CudaSlice<f32>>,
-    /// Arrival counters, zero-initialised.
-    pub counters: Option<CudaSlice<u32>>,
 }
 
 impl CudaBackend {
@@ -116,10 +109,7 @@ impl CudaBackend {
             modules: Mutex::new(HashMap::new()),
             launch_targets: Mutex::new(HashMap::new()),
             driver_version,
-            split_k: Mutex::new(SplitKScratch {
-                partials: None,
-                counters: None,
-            }),
+            split_k: SplitKCell::default(),
         })
     }
 
@@ -138,32 +128,10 @@ impl CudaBackend {
         self.multiprocessors
     }
 
-    /// The split-K scratch, grown to at least `partials` floats and `counters` counters. Hold
-    /// the guard across the launch that uses it.
-    ///
-    /// # Errors
-    /// [`Error::Cuda`] when an allocation fails.
-    pub fn split_k_scratch(
-        &self,
-        partials: usize,
-        counters: usize,
-    ) -> Result<std::sync::MutexGuard<'_, SplitKScratch>> {
-        let mut scratch = self
-            .split_k
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if scratch.partials.as_ref().is_none_or(|p| p.len() < partials) {
-            scratch.partials = Some(self.stream.alloc_zeros(partials.max(1)).map_err(|e| {
-                Error::cuda(format!("allocate {partials} split-K partial sums"), e)
-            })?);
-        }
-        if scratch.counters.as_ref().is_none_or(|c| c.len() < counters) {
-            scratch.counters =
-                Some(self.stream.alloc_zeros(counters.max(1)).map_err(|e| {
-                    Error::cuda(format!("allocate {counters} split-K counters"), e)
-                })?);
-        }
-        Ok(scratch)
+    /// The device's split-K scratch (grown by
+    /// [`Backend::split_k_scratch`](crate::backend::Backend::split_k_scratch)).
+    pub(crate) fn split_k_scratch(&self) -> &SplitKCell {
+        &self.split_k
     }
 
     /// The stream every launch and copy of this backend goes to.

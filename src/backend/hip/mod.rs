@@ -23,7 +23,7 @@ mod runtime;
 #[path = "runtime_absent.rs"]
 mod runtime;
 
-use crate::backend::{KernelArg, LaunchDims, MAX_KERNEL_ARGS, check_arg_backends};
+use crate::backend::{KernelArg, LaunchDims, MAX_KERNEL_ARGS, SplitKCell, check_arg_backends};
 use crate::error::{Error, Result};
 use crate::kernels::table;
 use crate::target::{self, TargetFacts, Vendor};
@@ -99,6 +99,7 @@ pub struct HipBackend {
     properties: DeviceProperties,
     modules: Mutex<HashMap<&'static str, Arc<LoadedModule>>>,
     functions: Mutex<HashMap<(&'static str, &'static str), LoadedFunction>>,
+    split_k: SplitKCell,
 }
 
 // SAFETY: the HIP runtime's handles may be used from any host thread (its API is thread-safe);
@@ -185,6 +186,7 @@ impl HipBackend {
             properties,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
+            split_k: SplitKCell::default(),
         })
     }
 
@@ -221,6 +223,12 @@ impl HipBackend {
             self.runtime.version(),
             self.runtime.path().display()
         )
+    }
+
+    /// The device's split-K scratch (grown by
+    /// [`Backend::split_k_scratch`](crate::backend::Backend::split_k_scratch)).
+    pub(crate) fn split_k_scratch(&self) -> &SplitKCell {
+        &self.split_k
     }
 
     /// LDS a block may use: the smaller of the target's table and the device's report.

@@ -1,4 +1,5 @@
-//! Weight layouts the tensor-core GEMM kernels (`gemm_*_mma_*`) consume, made once at load time.
+//! Weight layouts the tensor-core GEMM kernels consume (`gemm_*_mma_*` on mma.sync, `gemm_*_wmma_*`
+//! on WMMA: [`TensorCore`] picks by the target), made once at load time.
 //!
 //! Tiles are 16 weight rows. Inside each 64-wide K group lane `(g, t) = (lane / 4, lane % 4)` of
 //! the warp owns tile rows `g` and `g + 8` at K columns `64 * group + [16t, 16t + 16)`: one NVFP4
@@ -21,7 +22,40 @@
 
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::{BLOCK, E4M3_ONE, Nvfp4Matrix, e2m1_decode, e4m3_decode};
+use crate::target::TargetFacts;
 use half::bf16;
+
+/// The bf16 tensor-core instruction of a target, which decides the weight layout and the
+/// kernels of the `gemm` and `moe` families; chosen from the target's `instructions`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorCore {
+    /// `mma.sync.m16n8k16` (NVIDIA): [`Nvfp4Fragments`] / [`Bf16Fragments`], kernels `*_mma_*`.
+    MmaSync,
+    /// `v_wmma_f32_16x16x16_bf16` (AMD RDNA 3.5): [`WmmaNvfp4Fragments`] /
+    /// [`WmmaBf16Fragments`], kernels `*_wmma_*`.
+    Wmma,
+}
+
+impl TensorCore {
+    /// The instruction `target`'s tensor-core kernels are written for: mma.sync where the target
+    /// has it, else WMMA.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the target when it has neither (no tensor-core kernels).
+    pub fn for_target(target: &TargetFacts) -> Result<Self> {
+        if target.instructions.mma_sync_bf16 {
+            Ok(Self::MmaSync)
+        } else if target.instructions.wmma_bf16 {
+            Ok(Self::Wmma)
+        } else {
+            Err(Error::invalid(
+                format!("target {}", target.name),
+                "has neither mma.sync nor WMMA bf16 (kernels/targets.toml instructions): the gemm \
+                 and moe families have no tensor-core kernels for it",
+            ))
+        }
+    }
+}
 
 /// Weight rows per tile (the MMA's M dimension).
 pub const TILE_ROWS: usize = 16;
@@ -430,7 +464,8 @@ fn signless_block(matrix: &Nvfp4Matrix, row: usize, block: usize) -> Result<([u8
 /// An NVFP4 matrix in the order of the gfx1151 WMMA kernels (`gemm_nvfp4_bf16_wmma_*`): per
 /// (tile, 64-wide K group, tile row) the row's 32 bytes of nibbles for the group in the source's
 /// packed order, and one `u32` of its four e4m3 block scales (byte i = block i), unchanged (the
-/// kernel decodes them in f32, sign and zero included). Padding rows and columns are zero.
+/// kernel decodes them in f32, sign and zero included). Padding rows and columns are zero; a NaN
+/// block scale is refused (as [`Nvfp4Fragments`] does).
 #[derive(Debug, Clone)]
 pub struct WmmaNvfp4Fragments {
     /// The tiles and K groups (K a multiple of 16).
@@ -447,7 +482,7 @@ impl WmmaNvfp4Fragments {
     /// Re-lays `matrix` out for the WMMA kernels.
     ///
     /// # Errors
-    /// [`Error::Invalid`] for a `[gate; up]` order with an odd row count.
+    /// [`Error::Invalid`] for a `[gate; up]` order with an odd row count or a NaN block scale.
     pub fn new(matrix: &Nvfp4Matrix, row_order: RowOrder) -> Result<Self> {
         let grid = TileGrid::new("NVFP4 weight", matrix.rows, matrix.cols, row_order)?;
         let rows_total = grid.n_tiles * grid.k_groups * TILE_ROWS;
@@ -464,12 +499,18 @@ impl WmmaNvfp4Fragments {
                         let bytes = &matrix.packed
                             [row * row_bytes + block * 8..row * row_bytes + block * 8 + 8];
                         let j = block - group * 4;
+                        let scale = matrix.scales[row * k_blocks + block];
+                        if scale & 0x7f == 0x7f {
+                            return Err(Error::invalid(
+                                "NVFP4 weight",
+                                format!("block scale [{row}, {block}] is NaN"),
+                            ));
+                        }
                         words[index * 8 + 2 * j] =
                             u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
                         words[index * 8 + 2 * j + 1] =
                             u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
-                        scales[index] |=
-                            u32::from(matrix.scales[row * k_blocks + block]) << (8 * j);
+                        scales[index] |= u32::from(scale) << (8 * j);
                     }
                 }
             }

@@ -1,10 +1,11 @@
 //! Family `gemm`: `Y[M, N] = X[M, K] (bf16) * W[N, K]^T` for NVFP4 and bf16 weights, fp32
 //! accumulation, bf16 out (`kernels/templates/gemm.cu`).
 //!
-//! Kernels, by target:
+//! Kernels, by the target's instructions ([`TensorCore`]; every launch goes through
+//! [`Backend::launch`], so CUDA and HIP run the same code here):
 //! - `gemm_nvfp4_bf16_gemv` (all): the straightforward one (one warp per output column, plain
 //!   layout, no tensor cores), kept as the reference GPU version: [`nvfp4_gemm`].
-//! - `gemm_{nvfp4,bf16}_bf16_mma_m{8,16,32,64}` (sm_90a, sm_121a): the weight-streaming
+//! - `gemm_{nvfp4,bf16}_bf16_mma_m{8,16,32,64}` (mma.sync: sm_90a, sm_121a): the weight-streaming
 //!   tensor-core kernels on `mma.sync.m16n8k16`, on weights re-laid out once at load
 //!   ([`layout`]) into a [`Linear`]: [`linear`]. W is the A operand, so M = 1..64 rows cost
 //!   1..8 MMAs per weight fragment and the weights are read once whatever M is. Each tile gets
@@ -14,8 +15,10 @@
 //! - `quantize_nvfp4_rows` + `gemm_nvfp4_nvfp4_mma_m{8,16,32}` (sm_121a): W4A4 on the
 //!   block-scaled FP4 MMA, chosen per model with [`Nvfp4Mode`]; compiled and emulated here
 //!   ([`reference::nvfp4_w4a4_f32`]), not run (no GB10).
-//! - `gemm_{nvfp4,bf16}_bf16_wmma_m{16,32,64}` (gfx1151): the same product on
-//!   `v_wmma_f32_16x16x16_bf16`, layouts in [`layout`]; compiled, launched by the HIP backend.
+//! - `gemm_{nvfp4,bf16}_bf16_wmma_m{16,32,64}` (WMMA: gfx1151): the same product on
+//!   `v_wmma_f32_16x16x16_bf16`, on the `Wmma*` layouts of [`layout`], one wave per tile over all
+//!   of K (no K split, so the split-K scratch is never used there); compiled and launched through
+//!   the same API, not yet run on a gfx1151. W4A4 is refused there (no block-scaled FP4 MMA).
 //!
 //! Why registers and not a shared-memory pipeline: every weight byte is used by exactly one warp,
 //! so a `cp.async` stage through shared memory would only add a copy; each lane's global load is
@@ -30,16 +33,15 @@
 pub mod layout;
 pub mod reference;
 
-pub use layout::RowOrder;
+pub use layout::{RowOrder, TensorCore};
 
 use super::{Nvfp4Weights, check_len, check_u32};
-use crate::backend::cuda::CudaBackend;
-use crate::backend::{Backend, DeviceVec};
+use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::Nvfp4Matrix;
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use crate::target::TargetFacts;
 use half::bf16;
-use layout::{Bf16Fragments, Nvfp4Fragments};
+use layout::{Bf16Fragments, Nvfp4Fragments, WmmaBf16Fragments, WmmaNvfp4Fragments};
 
 /// The family name (template and module).
 pub const FAMILY: &str = "gemm";
@@ -58,7 +60,7 @@ pub fn nvfp4_gemm_bytes(m: usize, w: &Nvfp4Weights) -> u64 {
 /// # Errors
 /// [`Error::Invalid`] when a buffer's length disagrees with the shapes or a dimension exceeds
 /// the kernels' range, [`Error::BackendMismatch`] when buffers live elsewhere,
-/// [`Error::Compile`] / [`Error::Cuda`] from the CUDA path.
+/// [`Error::Compile`] / [`Error::Cuda`] / [`Error::Hip`] from the device path.
 pub fn nvfp4_gemm(
     backend: &Backend,
     x: &DeviceVec<bf16>,
@@ -86,20 +88,9 @@ pub fn nvfp4_gemm(
             *y = reference::nvfp4_gemm(x, m, view);
             Ok(())
         }
-        // Transitional: this family still launches through cudarc; it runs on HIP once it
-        // moves onto Backend::launch.
-        Backend::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
-        Backend::Cuda(cuda) => {
-            let (DeviceVec::Cuda(packed), DeviceVec::Cuda(scales)) = (&w.packed, &w.scales) else {
-                return Err(backend.mismatch("NVFP4 weights", &w.packed));
-            };
-            let DeviceVec::Cuda(x) = x else {
-                return Err(backend.mismatch("gemm input X", x));
-            };
-            let DeviceVec::Cuda(y) = y else {
-                return Err(backend.mismatch("gemm output Y", y));
-            };
-            let tiles = &cuda.target().gemm;
+        Backend::Cuda(_) | Backend::Hip(_) => {
+            let target = device_target(backend)?;
+            let tiles = &target.gemm;
             let (m32, n32, k32) = (
                 check_u32("gemm M", m)?,
                 check_u32("gemm N", n)?,
@@ -112,33 +103,47 @@ pub fn nvfp4_gemm(
                     format!("{m} rows need {grid_y} row passes; at most 65535 per launch"),
                 ));
             }
-            let config = LaunchConfig {
-                grid_dim: (n32.div_ceil(tiles.warps_per_block), grid_y, 1),
-                block_dim: (tiles.warps_per_block * cuda.target().warp_size, 1, 1),
-                shared_mem_bytes: 0,
+            let dims = LaunchDims {
+                grid: (n32.div_ceil(tiles.warps_per_block), grid_y, 1),
+                block: (tiles.warps_per_block * target.warp_size, 1, 1),
+                shared_bytes: 0,
             };
-            let function = cuda.function(FAMILY, KERNEL_GEMM_NVFP4_BF16_GEMV)?;
-            let mut launch = cuda.stream().launch_builder(&function);
-            launch
-                .arg(x)
-                .arg(packed)
-                .arg(scales)
-                .arg(&w.global_scale)
-                .arg(y)
-                .arg(&m32)
-                .arg(&n32)
-                .arg(&k32);
-            // SAFETY: argument types and order match gemm.cu's signature; X, Y and W lengths were
-            // checked against (m, n, k) above, which is all the kernel indexes.
-            unsafe { launch.launch(config) }.map_err(|e| {
-                Error::cuda(
-                    format!("launch {KERNEL_GEMM_NVFP4_BF16_GEMV} M={m} N={n} K={k}"),
-                    e,
-                )
-            })?;
-            Ok(())
+            let args = gemv_arguments(x, w, y, [m32, n32, k32]);
+            // SAFETY: gemm_nvfp4_bf16_gemv's parameters in order (gemv_arguments); X, Y and W
+            // lengths were checked against (m, n, k) above, which is all the kernel indexes.
+            unsafe { backend.launch(FAMILY, KERNEL_GEMM_NVFP4_BF16_GEMV, &dims, &args) }
         }
     }
+}
+
+/// `gemm_nvfp4_bf16_gemv`'s arguments in its parameter order (x, packed, scales, global_scale,
+/// y, m, n, k).
+fn gemv_arguments<'a>(
+    x: &'a DeviceVec<bf16>,
+    w: &'a Nvfp4Weights,
+    y: &'a mut DeviceVec<bf16>,
+    [m, n, k]: [u32; 3],
+) -> [KernelArg<'a>; 8] {
+    [
+        KernelArg::input(x),
+        KernelArg::input(&w.packed),
+        KernelArg::input(&w.scales),
+        KernelArg::f32(w.global_scale),
+        KernelArg::output(y),
+        KernelArg::u32(m),
+        KernelArg::u32(n),
+        KernelArg::u32(k),
+    ]
+}
+
+/// The target of a device backend (the CPU backend has none: a device launch was asked of it).
+fn device_target(backend: &Backend) -> Result<&'static TargetFacts> {
+    backend.target().ok_or_else(|| {
+        Error::invalid(
+            "gemm launch",
+            "the CPU backend runs the references, not device kernels",
+        )
+    })
 }
 
 /// The (N, K) of the Qwen3.6-35B-A3B projections the GEMM is tested and benched on:
@@ -189,25 +194,53 @@ enum LinearStorage {
         matrix: Nvfp4Matrix,
         input_scale: f32,
     },
-    CudaW4a4 {
-        words: CudaSlice<u32>,
-        scales: CudaSlice<u32>,
+    HostBf16(Vec<bf16>),
+    /// [`Nvfp4Fragments`] for `gemm_nvfp4_bf16_mma_m*`.
+    MmaNvfp4 {
+        words: DeviceVec<u32>,
+        scales: DeviceVec<u16>,
+        global_scale: f32,
+    },
+    /// [`Bf16Fragments`] for `gemm_bf16_bf16_mma_m*`.
+    MmaBf16 {
+        words: DeviceVec<u32>,
+    },
+    /// [`layout::W4a4Fragments`] for `gemm_nvfp4_nvfp4_mma_m*`.
+    W4a4 {
+        words: DeviceVec<u32>,
+        scales: DeviceVec<u32>,
         global_scale: f32,
         input_scale: f32,
     },
-    HostBf16(Vec<bf16>),
-    CudaNvfp4 {
-        words: CudaSlice<u32>,
-        scales: CudaSlice<u16>,
+    /// [`WmmaNvfp4Fragments`] for `gemm_nvfp4_bf16_wmma_m*`.
+    WmmaNvfp4 {
+        words: DeviceVec<u32>,
+        scales: DeviceVec<u32>,
         global_scale: f32,
     },
-    CudaBf16 {
-        words: CudaSlice<u32>,
+    /// [`WmmaBf16Fragments`] for `gemm_bf16_bf16_wmma_m*`.
+    WmmaBf16 {
+        values: DeviceVec<u16>,
     },
 }
 
+impl LinearStorage {
+    /// The backend the weights live on (`cpu`, `cuda`, `hip`).
+    fn backend_name(&self) -> &'static str {
+        match self {
+            Self::HostNvfp4(_) | Self::HostW4a4 { .. } | Self::HostBf16(_) => "cpu",
+            Self::MmaNvfp4 { words, .. }
+            | Self::MmaBf16 { words }
+            | Self::W4a4 { words, .. }
+            | Self::WmmaNvfp4 { words, .. } => words.backend_name(),
+            Self::WmmaBf16 { values } => values.backend_name(),
+        }
+    }
+}
+
 /// A linear layer's weight `W[rows, cols]` on a backend, in the layout its kernels consume:
-/// the plain matrix on the CPU, [`layout`] fragments on CUDA.
+/// the plain matrix on the CPU; on a device, the [`layout`] fragments of the target's
+/// [`TensorCore`] (mma.sync or WMMA).
 pub struct Linear {
     format: WeightFormat,
     grid: layout::TileGrid,
@@ -240,8 +273,9 @@ impl Linear {
     /// run with [`Epilogue::SiluMul`].
     ///
     /// # Errors
-    /// [`Error::Invalid`] for a malformed matrix (buffer lengths, NaN scales, odd gate/up rows),
-    /// [`Error::Cuda`] when the upload fails.
+    /// [`Error::Invalid`] for a malformed matrix (buffer lengths, NaN scales, odd gate/up rows)
+    /// or a device target without tensor-core kernels, [`Error::Cuda`] / [`Error::Hip`] when the
+    /// upload fails.
     pub fn nvfp4(backend: &Backend, matrix: &Nvfp4Matrix, row_order: RowOrder) -> Result<Self> {
         let (rows, cols) = (matrix.rows, matrix.cols);
         if cols == 0
@@ -256,21 +290,33 @@ impl Linear {
                 ),
             ));
         }
-        let fragments = Nvfp4Fragments::new(matrix, row_order)?;
-        let storage = match backend {
-            // Transitional: the gemm family has no HIP launch yet (weights are laid out for
-            // its cudarc launches).
-            Backend::Hip(_) => return Err(backend.no_launch_yet(FAMILY)),
-            Backend::Cpu => LinearStorage::HostNvfp4(matrix.clone()),
-            Backend::Cuda(cuda) => LinearStorage::CudaNvfp4 {
-                words: upload(cuda, &fragments.words, "NVFP4 weight words")?,
-                scales: upload(cuda, &fragments.scales, "NVFP4 weight scales")?,
-                global_scale: matrix.global_scale,
-            },
+        let (grid, storage) = match backend.target().map(TensorCore::for_target).transpose()? {
+            None => {
+                let fragments = Nvfp4Fragments::new(matrix, row_order)?;
+                (fragments.grid, LinearStorage::HostNvfp4(matrix.clone()))
+            }
+            Some(TensorCore::MmaSync) => {
+                let fragments = Nvfp4Fragments::new(matrix, row_order)?;
+                let storage = LinearStorage::MmaNvfp4 {
+                    words: backend.upload(&fragments.words)?,
+                    scales: backend.upload(&fragments.scales)?,
+                    global_scale: matrix.global_scale,
+                };
+                (fragments.grid, storage)
+            }
+            Some(TensorCore::Wmma) => {
+                let fragments = WmmaNvfp4Fragments::new(matrix, row_order)?;
+                let storage = LinearStorage::WmmaNvfp4 {
+                    words: backend.upload(&fragments.words)?,
+                    scales: backend.upload(&fragments.scales)?,
+                    global_scale: matrix.global_scale,
+                };
+                (fragments.grid, storage)
+            }
         };
         Ok(Self {
             format: WeightFormat::Nvfp4,
-            grid: fragments.grid,
+            grid,
             storage,
         })
     }
@@ -296,8 +342,8 @@ impl Linear {
     ///
     /// # Errors
     /// [`Error::Invalid`] when the matrix has no `input_scale`, K is not a multiple of 64, a
-    /// block scale is NaN, or the CUDA device's target has no block-scaled FP4 MMA (use
-    /// [`Nvfp4Mode::W4a16`] there); [`Error::Cuda`] when the upload fails.
+    /// block scale is NaN, or the device's target has no block-scaled FP4 MMA (use
+    /// [`Nvfp4Mode::W4a16`] there); [`Error::Cuda`] / [`Error::Hip`] when the upload fails.
     pub fn nvfp4_w4a4(
         backend: &Backend,
         matrix: &Nvfp4Matrix,
@@ -310,27 +356,24 @@ impl Linear {
             )
         })?;
         let fragments = layout::W4a4Fragments::new(matrix, row_order)?;
-        let storage = match backend {
-            // Transitional: the gemm family has no HIP launch yet (weights are laid out for
-            // its cudarc launches).
-            Backend::Hip(_) => return Err(backend.no_launch_yet(FAMILY)),
-            Backend::Cpu => LinearStorage::HostW4a4 {
+        let storage = match backend.target() {
+            None => LinearStorage::HostW4a4 {
                 matrix: matrix.clone(),
                 input_scale,
             },
-            Backend::Cuda(cuda) => {
-                if !cuda.target().instructions.mma_block_scaled_fp4 {
+            Some(target) => {
+                if !target.instructions.mma_block_scaled_fp4 {
                     return Err(Error::invalid(
                         "W4A4 weight",
                         format!(
                             "target {} has no block-scaled FP4 MMA; run this model with W4A16",
-                            cuda.target().name
+                            target.name
                         ),
                     ));
                 }
-                LinearStorage::CudaW4a4 {
-                    words: upload(cuda, &fragments.words, "W4A4 weight words")?,
-                    scales: upload(cuda, &fragments.scales, "W4A4 weight scales")?,
+                LinearStorage::W4a4 {
+                    words: backend.upload(&fragments.words)?,
+                    scales: backend.upload(&fragments.scales)?,
                     global_scale: matrix.global_scale,
                     input_scale,
                 }
@@ -346,8 +389,9 @@ impl Linear {
     /// A bf16 weight, row-major `[rows, cols]`.
     ///
     /// # Errors
-    /// [`Error::Invalid`] when `values` does not match the shape or K is not a positive
-    /// multiple of 16, [`Error::Cuda`] when the upload fails.
+    /// [`Error::Invalid`] when `values` does not match the shape, K is not a positive multiple
+    /// of 16, or the device target has no tensor-core kernels; [`Error::Cuda`] / [`Error::Hip`]
+    /// when the upload fails.
     pub fn bf16(
         backend: &Backend,
         values: &[bf16],
@@ -355,19 +399,29 @@ impl Linear {
         cols: usize,
         row_order: RowOrder,
     ) -> Result<Self> {
-        let fragments = Bf16Fragments::new(values, rows, cols, row_order)?;
-        let storage = match backend {
-            // Transitional: the gemm family has no HIP launch yet (weights are laid out for
-            // its cudarc launches).
-            Backend::Hip(_) => return Err(backend.no_launch_yet(FAMILY)),
-            Backend::Cpu => LinearStorage::HostBf16(values.to_vec()),
-            Backend::Cuda(cuda) => LinearStorage::CudaBf16 {
-                words: upload(cuda, &fragments.words, "bf16 weight words")?,
-            },
+        let (grid, storage) = match backend.target().map(TensorCore::for_target).transpose()? {
+            None => {
+                let grid = layout::TileGrid::for_bf16(values, rows, cols, row_order)?;
+                (grid, LinearStorage::HostBf16(values.to_vec()))
+            }
+            Some(TensorCore::MmaSync) => {
+                let fragments = Bf16Fragments::new(values, rows, cols, row_order)?;
+                let storage = LinearStorage::MmaBf16 {
+                    words: backend.upload(&fragments.words)?,
+                };
+                (fragments.grid, storage)
+            }
+            Some(TensorCore::Wmma) => {
+                let fragments = WmmaBf16Fragments::new(values, rows, cols, row_order)?;
+                let storage = LinearStorage::WmmaBf16 {
+                    values: backend.upload(&fragments.values)?,
+                };
+                (fragments.grid, storage)
+            }
         };
         Ok(Self {
             format: WeightFormat::Bf16,
-            grid: fragments.grid,
+            grid,
             storage,
         })
     }
@@ -413,24 +467,14 @@ impl Linear {
     }
 }
 
-fn upload<T: cudarc::driver::DeviceRepr>(
-    cuda: &CudaBackend,
-    data: &[T],
-    what: &str,
-) -> Result<CudaSlice<T>> {
-    cuda.stream()
-        .clone_htod(data)
-        .map_err(|e| Error::cuda(format!("upload {what} ({} elements)", data.len()), e))
-}
-
 /// `y = epilogue(x * w^T)` for `m` rows: `x` bf16 `[m, w.in_features()]`, `y` bf16
 /// `[m, w.out_features()]`, row-major. `m == 0` does nothing.
 ///
 /// # Errors
 /// [`Error::Invalid`] when a buffer's length disagrees with the shapes, the epilogue does not
 /// fit the weight's row order, or a dimension exceeds the kernels' range;
-/// [`Error::BackendMismatch`] when buffers live elsewhere; [`Error::Compile`] / [`Error::Cuda`]
-/// from the CUDA path.
+/// [`Error::BackendMismatch`] when buffers or the weight live elsewhere; [`Error::Compile`] /
+/// [`Error::Cuda`] / [`Error::Hip`] from the device path.
 pub fn linear(
     backend: &Backend,
     x: &DeviceVec<bf16>,
@@ -477,11 +521,11 @@ pub fn linear(
                 LinearStorage::HostBf16(values) => {
                     reference::bf16_gemm_f32(x, m, values, w.grid.rows, k)
                 }
-                _ => {
+                device => {
                     return Err(Error::BackendMismatch {
                         what: "linear weight".into(),
                         expected: "cpu",
-                        found: "cuda",
+                        found: device.backend_name(),
                     });
                 }
             };
@@ -497,10 +541,7 @@ pub fn linear(
             *y = result.into_iter().map(bf16::from_f32).collect();
             Ok(())
         }
-        // Transitional: this family still launches through cudarc; it runs on HIP once it
-        // moves onto Backend::launch.
-        Backend::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
-        Backend::Cuda(cuda) => linear_cuda(cuda, backend, x, m, w, &epilogue, y),
+        Backend::Cuda(_) | Backend::Hip(_) => linear_device(backend, x, m, w, &epilogue, y),
     }
 }
 
@@ -545,8 +586,106 @@ pub fn mma_plan(
     }
 }
 
-fn linear_cuda(
-    cuda: &CudaBackend,
+/// `gemm_nvfp4_bf16_mma_m{8,16,32,64}`: index `log2(ceil(rows / 8))`.
+const MMA_NVFP4_KERNELS: [&str; 4] = [
+    "gemm_nvfp4_bf16_mma_m8",
+    "gemm_nvfp4_bf16_mma_m16",
+    "gemm_nvfp4_bf16_mma_m32",
+    "gemm_nvfp4_bf16_mma_m64",
+];
+/// `gemm_bf16_bf16_mma_m{8,16,32,64}`: index `log2(ceil(rows / 8))`.
+const MMA_BF16_KERNELS: [&str; 4] = [
+    "gemm_bf16_bf16_mma_m8",
+    "gemm_bf16_bf16_mma_m16",
+    "gemm_bf16_bf16_mma_m32",
+    "gemm_bf16_bf16_mma_m64",
+];
+/// `gemm_nvfp4_nvfp4_mma_m{8,16,32}` (W4A4): index `log2(ceil(rows / 8))`.
+const W4A4_KERNELS: [&str; 3] = [
+    "gemm_nvfp4_nvfp4_mma_m8",
+    "gemm_nvfp4_nvfp4_mma_m16",
+    "gemm_nvfp4_nvfp4_mma_m32",
+];
+/// `gemm_nvfp4_bf16_wmma_m{16,32,64}`: index `log2(ceil(rows / 16))`.
+const WMMA_NVFP4_KERNELS: [&str; 3] = [
+    "gemm_nvfp4_bf16_wmma_m16",
+    "gemm_nvfp4_bf16_wmma_m32",
+    "gemm_nvfp4_bf16_wmma_m64",
+];
+/// `gemm_bf16_bf16_wmma_m{16,32,64}`: index `log2(ceil(rows / 16))`.
+const WMMA_BF16_KERNELS: [&str; 3] = [
+    "gemm_bf16_bf16_wmma_m16",
+    "gemm_bf16_bf16_wmma_m32",
+    "gemm_bf16_bf16_wmma_m64",
+];
+/// The W4A4 activation quantiser: one thread per 16-element block of X.
+pub const KERNEL_QUANTIZE_NVFP4_ROWS: &str = "quantize_nvfp4_rows";
+/// Threads per block of [`KERNEL_QUANTIZE_NVFP4_ROWS`] (QUANTIZE_THREADS in gemm.cu).
+const QUANTIZE_THREADS: u32 = 256;
+
+/// The smallest kernel of `variants` (for `step`, `2 * step`, `4 * step`, ... rows) that holds
+/// `rows` rows.
+///
+/// # Errors
+/// [`Error::Invalid`] when none does (the callers chunk M so that one always does).
+fn variant(variants: &[&'static str], step: usize, rows: usize) -> Result<&'static str> {
+    let index = rows.div_ceil(step).next_power_of_two().trailing_zeros() as usize;
+    variants.get(index).copied().ok_or_else(|| {
+        Error::invalid(
+            "gemm rows per launch",
+            format!(
+                "{rows} rows; the largest kernel takes {}",
+                step << (variants.len() - 1)
+            ),
+        )
+    })
+}
+
+/// The target and multiprocessor count of a device backend.
+fn device_facts(backend: &Backend) -> Result<(&'static TargetFacts, u32)> {
+    let target = device_target(backend)?;
+    let multiprocessors = backend.multiprocessors().unwrap_or(target.multiprocessors);
+    Ok((target, multiprocessors))
+}
+
+/// A device weight for `gemm_*_bf16_mma_m*`.
+#[derive(Clone, Copy)]
+enum MmaWeights<'w> {
+    Nvfp4 {
+        words: &'w DeviceVec<u32>,
+        scales: &'w DeviceVec<u16>,
+        global_scale: f32,
+    },
+    Bf16 {
+        words: &'w DeviceVec<u32>,
+    },
+}
+
+/// A device weight for `gemm_*_bf16_wmma_m*`.
+#[derive(Clone, Copy)]
+enum WmmaWeights<'w> {
+    Nvfp4 {
+        words: &'w DeviceVec<u32>,
+        scales: &'w DeviceVec<u32>,
+        global_scale: f32,
+    },
+    Bf16 {
+        values: &'w DeviceVec<u16>,
+    },
+}
+
+/// A device weight for `gemm_nvfp4_nvfp4_mma_m*`.
+#[derive(Clone, Copy)]
+struct W4a4Weights<'w> {
+    words: &'w DeviceVec<u32>,
+    scales: &'w DeviceVec<u32>,
+    global_scale: f32,
+    input_scale: f32,
+}
+
+/// The device path of [`linear`] (shapes checked by the caller): the kernels of the weight's
+/// layout, which [`Linear`]'s constructors chose from the target's [`TensorCore`].
+fn linear_device(
     backend: &Backend,
     x: &DeviceVec<bf16>,
     m: usize,
@@ -554,148 +693,430 @@ fn linear_cuda(
     epilogue: &Epilogue<'_>,
     y: &mut DeviceVec<bf16>,
 ) -> Result<()> {
-    let DeviceVec::Cuda(x) = x else {
-        return Err(backend.mismatch("linear input X", x));
+    let found = w.storage.backend_name();
+    let mismatch = || Error::BackendMismatch {
+        what: "linear weight".into(),
+        expected: backend.name(),
+        found,
     };
-    let DeviceVec::Cuda(y) = y else {
-        return Err(backend.mismatch("linear output Y", y));
-    };
-    let residual = match epilogue {
-        Epilogue::Residual(DeviceVec::Cuda(r)) => Some(r),
-        Epilogue::Residual(r) => return Err(backend.mismatch("linear residual", r)),
-        _ => None,
-    };
-    let (k, n_out) = (w.grid.cols, w.out_features());
-    if let LinearStorage::CudaW4a4 {
-        words,
-        scales,
-        global_scale,
-        input_scale,
-    } = &w.storage
-    {
-        return linear_w4a4(
-            cuda,
-            x,
-            m,
-            w,
-            (words, scales, *global_scale, *input_scale),
-            epilogue,
-            residual,
-            y,
-        );
+    if found != backend.name() {
+        return Err(mismatch());
     }
-    let tiles = &cuda.target().gemm;
+    let residual = match epilogue {
+        Epilogue::Residual(r) => Some(*r),
+        Epilogue::None | Epilogue::SiluMul => None,
+    };
+    match &w.storage {
+        LinearStorage::MmaNvfp4 {
+            words,
+            scales,
+            global_scale,
+        } => {
+            let weights = MmaWeights::Nvfp4 {
+                words,
+                scales,
+                global_scale: *global_scale,
+            };
+            linear_mma(backend, x, m, w, weights, epilogue, residual, y)
+        }
+        LinearStorage::MmaBf16 { words } => {
+            let weights = MmaWeights::Bf16 { words };
+            linear_mma(backend, x, m, w, weights, epilogue, residual, y)
+        }
+        LinearStorage::WmmaNvfp4 {
+            words,
+            scales,
+            global_scale,
+        } => {
+            let weights = WmmaWeights::Nvfp4 {
+                words,
+                scales,
+                global_scale: *global_scale,
+            };
+            linear_wmma(backend, x, m, w, weights, epilogue, residual, y)
+        }
+        LinearStorage::WmmaBf16 { values } => {
+            let weights = WmmaWeights::Bf16 { values };
+            linear_wmma(backend, x, m, w, weights, epilogue, residual, y)
+        }
+        LinearStorage::W4a4 {
+            words,
+            scales,
+            global_scale,
+            input_scale,
+        } => {
+            let weights = W4a4Weights {
+                words,
+                scales,
+                global_scale: *global_scale,
+                input_scale: *input_scale,
+            };
+            linear_w4a4(backend, x, m, w, weights, epilogue, residual, y)
+        }
+        LinearStorage::HostNvfp4(_)
+        | LinearStorage::HostW4a4 { .. }
+        | LinearStorage::HostBf16(_) => Err(mismatch()),
+    }
+}
+
+/// The rows `start .. start + rows` of one tensor-core launch: X (`[m, k]`), Y and the residual
+/// (`[m, n]`, or the null pointer), and their count.
+#[derive(Clone, Copy)]
+struct ChunkArgs<'a> {
+    x: KernelArg<'a>,
+    y: KernelArg<'a>,
+    residual: KernelArg<'a>,
+    rows: u32,
+}
+
+impl<'a> ChunkArgs<'a> {
+    /// # Errors
+    /// [`Error::Invalid`] when the rows are not within the buffers.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        x: &'a DeviceVec<bf16>,
+        y: &'a mut DeviceVec<bf16>,
+        residual: Option<&'a DeviceVec<bf16>>,
+        start: usize,
+        rows: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<Self> {
+        let out = start * n..(start + rows) * n;
+        Ok(Self {
+            x: KernelArg::input_range(x, start * k..(start + rows) * k)?,
+            residual: match residual {
+                Some(r) => KernelArg::input_range(r, out.clone())?,
+                None => KernelArg::optional_input::<bf16>(None),
+            },
+            y: KernelArg::output_range(y, out)?,
+            rows: check_u32("gemm rows per launch", rows)?,
+        })
+    }
+}
+
+/// The sizes the tensor-core kernels take after M: N (output columns), K, the weight's tiles and
+/// K groups, and the epilogue code.
+#[derive(Clone, Copy)]
+struct TileShape {
+    n: u32,
+    k: u32,
+    n_tiles: u32,
+    k_groups: u32,
+    epilogue: u32,
+}
+
+impl TileShape {
+    /// # Errors
+    /// [`Error::Invalid`] for a dimension past the kernels' 32-bit range.
+    fn new(w: &Linear, epilogue: &Epilogue<'_>) -> Result<Self> {
+        Ok(Self {
+            n: check_u32("linear N", w.out_features())?,
+            k: check_u32("linear K", w.grid.cols)?,
+            n_tiles: check_u32("linear tiles", w.grid.n_tiles)?,
+            k_groups: check_u32("linear K groups", w.grid.k_groups)?,
+            epilogue: epilogue.kernel_code(),
+        })
+    }
+}
+
+/// How an mma.sync launch shares K: the split-K scratch (null pointers when K is not split) and
+/// the plan's groups per split and warps per tile.
+#[derive(Clone, Copy)]
+struct SplitArgs<'a> {
+    partials: KernelArg<'a>,
+    counters: KernelArg<'a>,
+    groups_per_split: u32,
+    warps_per_tile: u32,
+}
+
+/// `gemm_nvfp4_bf16_mma_m*`'s arguments in its parameter order (x, words, scales, alpha, y,
+/// residual, partials, counters, m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile,
+/// epilogue).
+fn mma_nvfp4_arguments<'a>(
+    c: ChunkArgs<'a>,
+    words: &'a DeviceVec<u32>,
+    scales: &'a DeviceVec<u16>,
+    global_scale: f32,
+    split: SplitArgs<'a>,
+    s: TileShape,
+) -> [KernelArg<'a>; 16] {
+    [
+        c.x,
+        KernelArg::input(words),
+        KernelArg::input(scales),
+        // the fragments hold e2m1 * scale * 2^-7 (layout.rs)
+        KernelArg::f32(global_scale * 128.0),
+        c.y,
+        c.residual,
+        split.partials,
+        split.counters,
+        KernelArg::u32(c.rows),
+        KernelArg::u32(s.n),
+        KernelArg::u32(s.k),
+        KernelArg::u32(s.n_tiles),
+        KernelArg::u32(s.k_groups),
+        KernelArg::u32(split.groups_per_split),
+        KernelArg::u32(split.warps_per_tile),
+        KernelArg::u32(s.epilogue),
+    ]
+}
+
+/// `gemm_bf16_bf16_mma_m*`'s arguments in its parameter order (x, words, alpha, y, residual,
+/// partials, counters, m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile, epilogue).
+fn mma_bf16_arguments<'a>(
+    c: ChunkArgs<'a>,
+    words: &'a DeviceVec<u32>,
+    split: SplitArgs<'a>,
+    s: TileShape,
+) -> [KernelArg<'a>; 15] {
+    [
+        c.x,
+        KernelArg::input(words),
+        KernelArg::f32(1.0),
+        c.y,
+        c.residual,
+        split.partials,
+        split.counters,
+        KernelArg::u32(c.rows),
+        KernelArg::u32(s.n),
+        KernelArg::u32(s.k),
+        KernelArg::u32(s.n_tiles),
+        KernelArg::u32(s.k_groups),
+        KernelArg::u32(split.groups_per_split),
+        KernelArg::u32(split.warps_per_tile),
+        KernelArg::u32(s.epilogue),
+    ]
+}
+
+/// `gemm_nvfp4_bf16_wmma_m*`'s arguments in its parameter order (x, words, scales, alpha, y,
+/// residual, m, n, k, n_tiles, k_groups, epilogue).
+fn wmma_nvfp4_arguments<'a>(
+    c: ChunkArgs<'a>,
+    words: &'a DeviceVec<u32>,
+    scales: &'a DeviceVec<u32>,
+    global_scale: f32,
+    s: TileShape,
+) -> [KernelArg<'a>; 12] {
+    [
+        c.x,
+        KernelArg::input(words),
+        KernelArg::input(scales),
+        // the kernel decodes e2m1 * e4m3 exactly; the per-tensor scale is alpha
+        KernelArg::f32(global_scale),
+        c.y,
+        c.residual,
+        KernelArg::u32(c.rows),
+        KernelArg::u32(s.n),
+        KernelArg::u32(s.k),
+        KernelArg::u32(s.n_tiles),
+        KernelArg::u32(s.k_groups),
+        KernelArg::u32(s.epilogue),
+    ]
+}
+
+/// `gemm_bf16_bf16_wmma_m*`'s arguments in its parameter order (x, words, alpha, y, residual, m,
+/// n, k, n_tiles, k_groups, epilogue).
+fn wmma_bf16_arguments<'a>(
+    c: ChunkArgs<'a>,
+    values: &'a DeviceVec<u16>,
+    s: TileShape,
+) -> [KernelArg<'a>; 11] {
+    [
+        c.x,
+        KernelArg::input(values),
+        KernelArg::f32(1.0),
+        c.y,
+        c.residual,
+        KernelArg::u32(c.rows),
+        KernelArg::u32(s.n),
+        KernelArg::u32(s.k),
+        KernelArg::u32(s.n_tiles),
+        KernelArg::u32(s.k_groups),
+        KernelArg::u32(s.epilogue),
+    ]
+}
+
+/// `quantize_nvfp4_rows`'s arguments in its parameter order (x, input_scale, packed, scales,
+/// blocks).
+fn quantize_arguments<'a>(
+    x: &'a DeviceVec<bf16>,
+    input_scale: f32,
+    packed: &'a mut DeviceVec<u8>,
+    scales: &'a mut DeviceVec<u8>,
+    blocks: u64,
+) -> [KernelArg<'a>; 5] {
+    [
+        KernelArg::input(x),
+        KernelArg::f32(input_scale),
+        KernelArg::output(packed),
+        KernelArg::output(scales),
+        KernelArg::u64(blocks),
+    ]
+}
+
+/// `gemm_nvfp4_nvfp4_mma_m*`'s arguments in its parameter order (xq, xs, words, w_scales,
+/// alpha, y, residual, m, n, k, n_tiles, k_groups, epilogue): `c.x` is unused, the activations
+/// are the quantised `codes` and `code_scales` of the chunk's rows.
+fn w4a4_arguments<'a>(
+    codes: KernelArg<'a>,
+    code_scales: KernelArg<'a>,
+    c: ChunkArgs<'a>,
+    weights: W4a4Weights<'a>,
+    s: TileShape,
+) -> [KernelArg<'a>; 13] {
+    [
+        codes,
+        code_scales,
+        KernelArg::input(weights.words),
+        KernelArg::input(weights.scales),
+        KernelArg::f32(weights.input_scale * weights.global_scale),
+        c.y,
+        c.residual,
+        KernelArg::u32(c.rows),
+        KernelArg::u32(s.n),
+        KernelArg::u32(s.k),
+        KernelArg::u32(s.n_tiles),
+        KernelArg::u32(s.k_groups),
+        KernelArg::u32(s.epilogue),
+    ]
+}
+
+/// The mma.sync path: `gemm_*_bf16_mma_m*` in chunks of [`MMA_MAX_ROWS`] rows, partitioned by
+/// [`mma_plan`]; split-K launches hold the backend's scratch ([`Backend::split_k_scratch`]).
+#[allow(clippy::too_many_arguments)]
+fn linear_mma(
+    backend: &Backend,
+    x: &DeviceVec<bf16>,
+    m: usize,
+    w: &Linear,
+    weights: MmaWeights<'_>,
+    epilogue: &Epilogue<'_>,
+    residual: Option<&DeviceVec<bf16>>,
+    y: &mut DeviceVec<bf16>,
+) -> Result<()> {
+    let (target, multiprocessors) = device_facts(backend)?;
+    let tiles = &target.gemm;
     let plan = mma_plan(
         w.grid.n_tiles,
         w.grid.k_groups,
         tiles.mma_warps_per_block,
-        cuda.multiprocessors(),
+        multiprocessors,
         tiles.mma_min_warps_per_sm,
         tiles.mma_min_groups_per_split,
     );
-    let (n32, k32) = (check_u32("linear N", n_out)?, check_u32("linear K", k)?);
-    let (n_tiles, k_groups) = (
-        check_u32("linear tiles", w.grid.n_tiles)?,
-        check_u32("linear K groups", w.grid.k_groups)?,
-    );
-    let epilogue_code = epilogue.kernel_code();
-    let format = match w.format {
-        // W4A4 weights took the branch above
-        WeightFormat::Nvfp4 | WeightFormat::Nvfp4W4a4 => "nvfp4",
-        WeightFormat::Bf16 => "bf16",
+    let shape = TileShape::new(w, epilogue)?;
+    let (k, n_out) = (w.grid.cols, w.out_features());
+    let dims = LaunchDims {
+        grid: (
+            shape
+                .n_tiles
+                .div_ceil(tiles.mma_warps_per_block / plan.warps_per_tile),
+            plan.splits,
+            1,
+        ),
+        block: (tiles.mma_warps_per_block * target.warp_size, 1, 1),
+        shared_bytes: 0,
     };
     for start in (0..m).step_by(MMA_MAX_ROWS) {
         let rows = (m - start).min(MMA_MAX_ROWS);
-        let kernel = format!(
-            "gemm_{format}_bf16_mma_m{}",
-            rows.div_ceil(8).next_power_of_two() * 8
-        );
         let m_tiles = rows.div_ceil(8).next_power_of_two();
-        let scratch = if plan.splits > 1 {
-            Some(cuda.split_k_scratch(
+        let mut scratch = if plan.splits > 1 {
+            Some(backend.split_k_scratch(
                 w.grid.n_tiles * plan.splits as usize * 32 * m_tiles * 4,
                 w.grid.n_tiles,
             )?)
         } else {
             None
         };
-        let function = cuda.function(FAMILY, &kernel)?;
-        let x_rows = x.slice(start * k..(start + rows) * k);
-        let mut y_rows = y.slice_mut(start * n_out..(start + rows) * n_out);
-        let residual_rows = residual.map(|r| r.slice(start * n_out..(start + rows) * n_out));
-        let (partials_ptr, counters_ptr) = match &scratch {
-            Some(s) => match (&s.partials, &s.counters) {
-                (Some(p), Some(c)) => {
-                    (p.device_ptr(cuda.stream()).0, c.device_ptr(cuda.stream()).0)
-                }
-                _ => (0, 0),
-            },
-            None => (0, 0),
+        let (partials, counters) = match scratch.as_deref_mut() {
+            Some(s) => (s.partials.as_mut(), s.counters.as_mut()),
+            None => (None, None),
         };
-        let residual_ptr = residual_rows
-            .as_ref()
-            .map_or(0, |r| r.device_ptr(cuda.stream()).0);
-        let m32 = rows as u32;
-        let config = LaunchConfig {
-            grid_dim: (
-                n_tiles.div_ceil(tiles.mma_warps_per_block / plan.warps_per_tile),
-                plan.splits,
-                1,
-            ),
-            block_dim: (tiles.mma_warps_per_block * cuda.target().warp_size, 1, 1),
-            shared_mem_bytes: 0,
+        let split = SplitArgs {
+            partials: KernelArg::optional_output(partials),
+            counters: KernelArg::optional_output(counters),
+            groups_per_split: plan.groups_per_split,
+            warps_per_tile: plan.warps_per_tile,
         };
-        let mut launch = cuda.stream().launch_builder(&function);
-        launch.arg(&x_rows);
-        let alpha = match &w.storage {
-            LinearStorage::CudaNvfp4 {
+        let chunk = ChunkArgs::new(x, y, residual, start, rows, k, n_out)?;
+        // Both kernels index only what is checked here: X, Y and the residual were checked
+        // against (m, n, k) and the chunk's rows lie within them; the weights were laid out
+        // for (n_tiles, k_groups); with splits > 1 the scratch holds
+        // n_tiles * splits * 32 * 4 * m_tiles floats and n_tiles zeroed counters, and its guard
+        // is held until the launch is queued.
+        match weights {
+            MmaWeights::Nvfp4 {
                 words,
                 scales,
                 global_scale,
             } => {
-                launch.arg(words).arg(scales);
-                global_scale * 128.0
+                let kernel = variant(&MMA_NVFP4_KERNELS, 8, rows)?;
+                let args = mma_nvfp4_arguments(chunk, words, scales, global_scale, split, shape);
+                // SAFETY: gemm_nvfp4_bf16_mma_m*'s parameters in order (mma_nvfp4_arguments);
+                // bounds as above.
+                unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
             }
-            LinearStorage::CudaBf16 { words } => {
-                launch.arg(words);
-                1.0
+            MmaWeights::Bf16 { words } => {
+                let kernel = variant(&MMA_BF16_KERNELS, 8, rows)?;
+                let args = mma_bf16_arguments(chunk, words, split, shape);
+                // SAFETY: gemm_bf16_bf16_mma_m*'s parameters in order (mma_bf16_arguments);
+                // bounds as above.
+                unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
             }
-            _ => {
-                return Err(Error::BackendMismatch {
-                    what: "linear weight".into(),
-                    expected: "cuda",
-                    found: "cpu",
-                });
-            }
-        };
-        launch
-            .arg(&alpha)
-            .arg(&mut y_rows)
-            .arg(&residual_ptr)
-            .arg(&partials_ptr)
-            .arg(&counters_ptr)
-            .arg(&m32)
-            .arg(&n32)
-            .arg(&k32)
-            .arg(&n_tiles)
-            .arg(&k_groups)
-            .arg(&plan.groups_per_split)
-            .arg(&plan.warps_per_tile)
-            .arg(&epilogue_code);
-        // SAFETY: argument types and order match gemm.cu's gemm_*_mma_m* signatures; X, Y and the
-        // residual were checked against (m, n, k); the weights were laid out for (n_tiles,
-        // k_groups); the split-K scratch holds n_tiles * splits * 32 * 4 * m_tiles floats and
-        // n_tiles zeroed counters, and its guard is held until the launch is queued.
-        unsafe { launch.launch(config) }.map_err(|e| {
-            Error::cuda(
-                format!(
-                    "launch {kernel} M={rows} N={n_out} K={k} splits={}",
-                    plan.splits
-                ),
-                e,
-            )
-        })?;
+        }
         drop(scratch);
+    }
+    Ok(())
+}
+
+/// The WMMA path (gfx1151): `gemm_*_bf16_wmma_m*` in chunks of [`MMA_MAX_ROWS`] rows, one wave
+/// per 16-row weight tile over all of K (the kernels have no K split).
+#[allow(clippy::too_many_arguments)]
+fn linear_wmma(
+    backend: &Backend,
+    x: &DeviceVec<bf16>,
+    m: usize,
+    w: &Linear,
+    weights: WmmaWeights<'_>,
+    epilogue: &Epilogue<'_>,
+    residual: Option<&DeviceVec<bf16>>,
+    y: &mut DeviceVec<bf16>,
+) -> Result<()> {
+    let target = device_target(backend)?;
+    let tiles = &target.gemm;
+    let shape = TileShape::new(w, epilogue)?;
+    let (k, n_out) = (w.grid.cols, w.out_features());
+    let dims = LaunchDims::linear(
+        shape.n_tiles.div_ceil(tiles.mma_warps_per_block),
+        tiles.mma_warps_per_block * target.warp_size,
+    );
+    for start in (0..m).step_by(MMA_MAX_ROWS) {
+        let rows = (m - start).min(MMA_MAX_ROWS);
+        let chunk = ChunkArgs::new(x, y, residual, start, rows, k, n_out)?;
+        // Both kernels index only what is checked here: X, Y and the residual were checked
+        // against (m, n, k) and the chunk's rows lie within them; the weights were laid out for
+        // (n_tiles, k_groups) (layout.rs, Wmma*).
+        match weights {
+            WmmaWeights::Nvfp4 {
+                words,
+                scales,
+                global_scale,
+            } => {
+                let kernel = variant(&WMMA_NVFP4_KERNELS, 16, rows)?;
+                let args = wmma_nvfp4_arguments(chunk, words, scales, global_scale, shape);
+                // SAFETY: gemm_nvfp4_bf16_wmma_m*'s parameters in order
+                // (wmma_nvfp4_arguments); bounds as above.
+                unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
+            }
+            WmmaWeights::Bf16 { values } => {
+                let kernel = variant(&WMMA_BF16_KERNELS, 16, rows)?;
+                let args = wmma_bf16_arguments(chunk, values, shape);
+                // SAFETY: gemm_bf16_bf16_wmma_m*'s parameters in order (wmma_bf16_arguments);
+                // bounds as above.
+                unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
+            }
+        }
     }
     Ok(())
 }
@@ -704,99 +1125,237 @@ fn linear_cuda(
 /// of [`W4A4_MAX_ROWS`] rows, alpha = input_scale * weight_scale_2.
 #[allow(clippy::too_many_arguments)]
 fn linear_w4a4(
-    cuda: &CudaBackend,
-    x: &CudaSlice<bf16>,
+    backend: &Backend,
+    x: &DeviceVec<bf16>,
     m: usize,
     w: &Linear,
-    (words, scales, global_scale, input_scale): (&CudaSlice<u32>, &CudaSlice<u32>, f32, f32),
+    weights: W4a4Weights<'_>,
     epilogue: &Epilogue<'_>,
-    residual: Option<&CudaSlice<bf16>>,
-    y: &mut CudaSlice<bf16>,
+    residual: Option<&DeviceVec<bf16>>,
+    y: &mut DeviceVec<bf16>,
 ) -> Result<()> {
+    let target = device_target(backend)?;
     let (k, n_out) = (w.grid.cols, w.out_features());
     let blocks = (m * k / 16) as u64;
-    let stream = cuda.stream();
-    let mut packed = stream
-        .alloc_zeros::<u8>(m * k / 2)
-        .map_err(|e| Error::cuda("allocate W4A4 activation codes", e))?;
-    let mut x_scales = stream
-        .alloc_zeros::<u8>(m * k / 16)
-        .map_err(|e| Error::cuda("allocate W4A4 activation scales", e))?;
-    let threads = 256u32; // QUANTIZE_THREADS in gemm.cu
-    let grid = u32::try_from(blocks.div_ceil(u64::from(threads))).map_err(|_| {
+    let mut packed = backend.zeros::<u8>(m * k / 2)?;
+    let mut code_scales = backend.zeros::<u8>(m * k / 16)?;
+    let grid = u32::try_from(blocks.div_ceil(u64::from(QUANTIZE_THREADS))).map_err(|_| {
         Error::invalid(
             "W4A4 activations",
             format!("[{m}, {k}] is too large for one launch"),
         )
     })?;
-    let quantize = cuda.function(FAMILY, "quantize_nvfp4_rows")?;
-    let mut launch = stream.launch_builder(&quantize);
-    launch
-        .arg(x)
-        .arg(&input_scale)
-        .arg(&mut packed)
-        .arg(&mut x_scales)
-        .arg(&blocks);
-    // SAFETY: matches quantize_nvfp4_rows(x, input_scale, packed, scales, blocks); X holds
+    let args = quantize_arguments(
+        x,
+        weights.input_scale,
+        &mut packed,
+        &mut code_scales,
+        blocks,
+    );
+    // SAFETY: quantize_nvfp4_rows's parameters in order (quantize_arguments); X holds
     // blocks * 16 bf16, the outputs blocks * 8 and blocks bytes.
     unsafe {
-        launch.launch(LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        })
-    }
-    .map_err(|e| Error::cuda(format!("launch quantize_nvfp4_rows M={m} K={k}"), e))?;
+        backend.launch(
+            FAMILY,
+            KERNEL_QUANTIZE_NVFP4_ROWS,
+            &LaunchDims::linear(grid, QUANTIZE_THREADS),
+            &args,
+        )
+    }?;
 
-    let tiles = &cuda.target().gemm;
-    let alpha = input_scale * global_scale;
-    let epilogue_code = epilogue.kernel_code();
-    let (n32, k32) = (check_u32("linear N", n_out)?, check_u32("linear K", k)?);
-    let (n_tiles, k_groups) = (
-        check_u32("linear tiles", w.grid.n_tiles)?,
-        check_u32("linear K groups", w.grid.k_groups)?,
+    let tiles = &target.gemm;
+    let shape = TileShape::new(w, epilogue)?;
+    let dims = LaunchDims::linear(
+        shape.n_tiles.div_ceil(tiles.mma_warps_per_block),
+        tiles.mma_warps_per_block * target.warp_size,
     );
     for start in (0..m).step_by(W4A4_MAX_ROWS) {
         let rows = (m - start).min(W4A4_MAX_ROWS);
-        let kernel = format!(
-            "gemm_nvfp4_nvfp4_mma_m{}",
-            rows.div_ceil(8).next_power_of_two() * 8
-        );
-        let function = cuda.function(FAMILY, &kernel)?;
-        let codes = packed.slice(start * k / 2..(start + rows) * k / 2);
-        let row_scales = x_scales.slice(start * k / 16..(start + rows) * k / 16);
-        let mut y_rows = y.slice_mut(start * n_out..(start + rows) * n_out);
-        let residual_ptr = residual.map_or(0, |r| {
-            r.slice(start * n_out..(start + rows) * n_out)
-                .device_ptr(stream)
-                .0
-        });
-        let m32 = rows as u32;
-        let mut launch = stream.launch_builder(&function);
-        launch
-            .arg(&codes)
-            .arg(&row_scales)
-            .arg(words)
-            .arg(scales)
-            .arg(&alpha)
-            .arg(&mut y_rows)
-            .arg(&residual_ptr)
-            .arg(&m32)
-            .arg(&n32)
-            .arg(&k32)
-            .arg(&n_tiles)
-            .arg(&k_groups)
-            .arg(&epilogue_code);
-        let config = LaunchConfig {
-            grid_dim: (n_tiles.div_ceil(tiles.mma_warps_per_block), 1, 1),
-            block_dim: (tiles.mma_warps_per_block * cuda.target().warp_size, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches gemm_nvfp4_nvfp4_mma_m*'s signature; the codes and scales hold `rows`
-        // quantised rows of K, the weights were laid out for (n_tiles, k_groups), Y and the
-        // residual were checked against (m, n).
-        unsafe { launch.launch(config) }
-            .map_err(|e| Error::cuda(format!("launch {kernel} M={rows} N={n_out} K={k}"), e))?;
+        let kernel = variant(&W4A4_KERNELS, 8, rows)?;
+        let codes = KernelArg::input_range(&packed, start * k / 2..(start + rows) * k / 2)?;
+        let row_scales =
+            KernelArg::input_range(&code_scales, start * k / 16..(start + rows) * k / 16)?;
+        let chunk = ChunkArgs::new(x, y, residual, start, rows, k, n_out)?;
+        let args = w4a4_arguments(codes, row_scales, chunk, weights, shape);
+        // SAFETY: gemm_nvfp4_nvfp4_mma_m*'s parameters in order (w4a4_arguments); the codes and
+        // scales hold `rows` quantised rows of K, the weights were laid out for (n_tiles,
+        // k_groups), Y and the residual were checked against (m, n).
+        unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::{launch_check, table};
+    use crate::target;
+
+    /// Every launch's argument list (the functions the launches build them with) meets the
+    /// compiled kernel's parameters on every target whose instructions select it: count, kinds
+    /// and scalar widths (sm_90a / sm_121a: the PTX parameter types; gfx1151: the code object's
+    /// metadata through the HIP launch check).
+    #[test]
+    fn every_argument_list_meets_the_compiled_kernels_parameters() {
+        let x = DeviceVec::Host(vec![bf16::ZERO; 64]);
+        let mut y = DeviceVec::Host(vec![bf16::ZERO; 64]);
+        let residual = DeviceVec::Host(vec![bf16::ZERO; 64]);
+        let words = DeviceVec::Host(vec![0u32; 8]);
+        let scales_u16 = DeviceVec::Host(vec![0u16; 8]);
+        let scales_u32 = DeviceVec::Host(vec![0u32; 8]);
+        let values = DeviceVec::Host(vec![0u16; 8]);
+        let mut partials = DeviceVec::Host(vec![0f32; 8]);
+        let mut counters = DeviceVec::Host(vec![0u32; 8]);
+        let (mut codes, mut code_scales) =
+            (DeviceVec::Host(vec![0u8; 8]), DeviceVec::Host(vec![0u8; 1]));
+        let plain = Nvfp4Weights {
+            rows: 1,
+            cols: 16,
+            packed: DeviceVec::Host(vec![0u8; 8]),
+            scales: DeviceVec::Host(vec![0u8; 1]),
+            global_scale: 1.0,
+        };
+        let w4a4 = W4a4Weights {
+            words: &words,
+            scales: &scales_u32,
+            global_scale: 1.0,
+            input_scale: 1.0,
+        };
+        let shape = TileShape {
+            n: 1,
+            k: 16,
+            n_tiles: 1,
+            k_groups: 1,
+            epilogue: 0,
+        };
+        let mut failures = Vec::new();
+        let mut check = |target: &str, kernel: &str, args: &[KernelArg<'_>]| {
+            if let Err(e) = launch_check::check_arguments(target, FAMILY, kernel, args) {
+                failures.push(e);
+            }
+        };
+        for t in target::all() {
+            let name = t.name.as_str();
+            let args = gemv_arguments(&x, &plain, &mut y, [1, 1, 16]);
+            check(name, KERNEL_GEMM_NVFP4_BF16_GEMV, &args);
+            let kernels: &[&str] = match TensorCore::for_target(t).expect("tensor cores") {
+                TensorCore::MmaSync => &[&MMA_NVFP4_KERNELS[..], &MMA_BF16_KERNELS[..]].concat(),
+                TensorCore::Wmma => &[&WMMA_NVFP4_KERNELS[..], &WMMA_BF16_KERNELS[..]].concat(),
+            };
+            for &kernel in kernels {
+                let chunk = ChunkArgs::new(&x, &mut y, Some(&residual), 0, 1, 16, 1).expect("rows");
+                let split = SplitArgs {
+                    partials: KernelArg::optional_output(Some(&mut partials)),
+                    counters: KernelArg::optional_output(Some(&mut counters)),
+                    groups_per_split: 1,
+                    warps_per_tile: 1,
+                };
+                if MMA_NVFP4_KERNELS.contains(&kernel) {
+                    check(
+                        name,
+                        kernel,
+                        &mma_nvfp4_arguments(chunk, &words, &scales_u16, 1.0, split, shape),
+                    );
+                } else if MMA_BF16_KERNELS.contains(&kernel) {
+                    check(
+                        name,
+                        kernel,
+                        &mma_bf16_arguments(chunk, &words, split, shape),
+                    );
+                } else if WMMA_NVFP4_KERNELS.contains(&kernel) {
+                    check(
+                        name,
+                        kernel,
+                        &wmma_nvfp4_arguments(chunk, &words, &scales_u32, 1.0, shape),
+                    );
+                } else {
+                    check(name, kernel, &wmma_bf16_arguments(chunk, &values, shape));
+                }
+            }
+            if t.instructions.mma_block_scaled_fp4 {
+                let args = quantize_arguments(&x, 1.0, &mut codes, &mut code_scales, 1);
+                check(name, KERNEL_QUANTIZE_NVFP4_ROWS, &args);
+                for kernel in W4A4_KERNELS {
+                    let chunk = ChunkArgs::new(&x, &mut y, None, 0, 1, 16, 1).expect("rows");
+                    let args = w4a4_arguments(
+                        KernelArg::input(&codes),
+                        KernelArg::input(&code_scales),
+                        chunk,
+                        w4a4,
+                        shape,
+                    );
+                    check(name, kernel, &args);
+                }
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// Every kernel a launch names is defined by the gemm source of each target whose
+    /// instructions select it (a misspelt name would only show on that device).
+    #[test]
+    fn the_launched_kernels_exist_for_every_target_that_selects_them() {
+        for t in target::all() {
+            let source = table::rendered(&t.name, FAMILY).expect("gemm is rendered");
+            let mut used = vec![KERNEL_GEMM_NVFP4_BF16_GEMV];
+            match TensorCore::for_target(t).expect("every target has tensor cores") {
+                TensorCore::MmaSync => {
+                    used.extend(MMA_NVFP4_KERNELS.iter().chain(&MMA_BF16_KERNELS))
+                }
+                TensorCore::Wmma => {
+                    used.extend(WMMA_NVFP4_KERNELS.iter().chain(&WMMA_BF16_KERNELS))
+                }
+            }
+            if t.instructions.mma_block_scaled_fp4 {
+                used.extend(W4A4_KERNELS);
+                used.push(KERNEL_QUANTIZE_NVFP4_ROWS);
+            }
+            for kernel in used {
+                assert!(
+                    source.kernels.contains(&kernel),
+                    "{}: `{kernel}` is not among the rendered gemm kernels {:?}",
+                    t.name,
+                    source.kernels
+                );
+            }
+        }
+    }
+
+    /// The instruction comes from the target's table, not its name.
+    #[test]
+    fn the_tensor_core_is_chosen_by_instructions() {
+        let mut t = target::by_name("gfx1151").expect("gfx1151").clone();
+        assert_eq!(TensorCore::for_target(&t).ok(), Some(TensorCore::Wmma));
+        t.instructions.mma_sync_bf16 = true;
+        assert_eq!(TensorCore::for_target(&t).ok(), Some(TensorCore::MmaSync));
+        t.instructions.mma_sync_bf16 = false;
+        t.instructions.wmma_bf16 = false;
+        let e = TensorCore::for_target(&t).unwrap_err().to_string();
+        assert!(e.contains("gfx1151") && e.contains("neither"), "{e}");
+    }
+
+    /// Each chunk of rows runs on the smallest variant that holds it.
+    #[test]
+    fn each_row_count_gets_the_smallest_variant_that_holds_it() {
+        for (rows, mma, wmma) in [
+            (1, "m8", "m16"),
+            (8, "m8", "m16"),
+            (9, "m16", "m16"),
+            (16, "m16", "m16"),
+            (17, "m32", "m32"),
+            (33, "m64", "m64"),
+            (64, "m64", "m64"),
+        ] {
+            let got = variant(&MMA_NVFP4_KERNELS, 8, rows).expect("fits");
+            assert!(got.ends_with(&format!("_{mma}")), "{rows} rows: {got}");
+            let got = variant(&WMMA_BF16_KERNELS, 16, rows).expect("fits");
+            assert!(got.ends_with(&format!("_{wmma}")), "{rows} rows: {got}");
+        }
+        assert_eq!(
+            variant(&W4A4_KERNELS, 8, W4A4_MAX_ROWS).ok(),
+            Some("gemm_nvfp4_nvfp4_mma_m32")
+        );
+        let e = variant(&MMA_BF16_KERNELS, 8, MMA_MAX_ROWS + 1).unwrap_err();
+        assert!(e.to_string().contains("65 rows"), "{e}");
+    }
 }

@@ -6,20 +6,19 @@
 //! - [`weights`]: the block's weights on the host (from float slices, per-expert NVFP4 matrices or
 //!   a checkpoint) and their kernel layout.
 //! - [`MoeWeights`] on a backend, a caller-held [`MoeWorkspace`], and [`moe_block`]: the whole
-//!   block for `T` tokens. The CPU backend runs the reference (NVFP4 dequantised: W4A16). CUDA runs
-//!   `moe_{nvfp4,bf16}_m{rows}`, ONE persistent launch per block (router, fp32 softmax / top-k /
-//!   renormalisation / shared gate, alignment by expert on the device, grouped gate_up with
-//!   `silu(gate) * up` fused, grouped down, weighted combine plus the shared expert and an
-//!   optional residual), capturable in a CUDA graph: no allocation, no host synchronisation.
-//!   Experts nobody chose cost nothing (they get no work items); every chosen expert's weights
-//!   are read once from DRAM per launch (an expert with more tokens than a pass, 8, re-reads its
-//!   tiles from L2). Work items are claimed in order from a counter, so the kernel cannot
-//!   deadlock whatever number of its blocks is resident; a wait longer than 4 s traps (a launch
-//!   error naming the wait on stdout) instead of hanging.
-//! - gfx1151 has the same kernels on WMMA (compiled, and run emulated on the CPU with the sm_90a
-//!   source in tests/moe_emulated.rs); their HIP launch is not written yet: on the HIP backend
-//!   the constructors and [`moe_block`] answer [`Error::Invalid`] ("no hip launch yet"), as the
-//!   other families still launching through cudarc do.
+//!   block for `T` tokens. The CPU backend runs the reference (NVFP4 dequantised: W4A16). A device
+//!   (CUDA or HIP, through [`Backend::launch`]) runs `moe_{nvfp4,bf16}_m{rows}`, ONE persistent
+//!   launch per block (router, fp32 softmax / top-k / renormalisation / shared gate, alignment by
+//!   expert on the device, grouped gate_up with `silu(gate) * up` fused, grouped down, weighted
+//!   combine plus the shared expert and an optional residual), capturable in a graph: no
+//!   allocation, no host synchronisation. Experts nobody chose cost nothing (they get no work
+//!   items); every chosen expert's weights are read once from DRAM per launch (an expert with
+//!   more tokens than a pass, 8, re-reads its tiles from L2). Work items are claimed in order
+//!   from a counter, so the kernel cannot deadlock whatever number of its blocks is resident; a
+//!   wait longer than 4 s traps (a launch error naming the wait on stdout) instead of hanging.
+//! - The weights are laid out for the target's [`TensorCore`] (chosen by its instructions):
+//!   mma.sync fragments on the NVIDIA targets, WMMA fragments on gfx1151, whose kernels are
+//!   compiled and run emulated on the CPU (tests/moe_emulated.rs) but not yet on a gfx1151.
 //!
 //! Numerics: bf16 operands, fp32 accumulation; `silu(gate) * up` is rounded to bf16 before the
 //! down GEMM (as the GEMM family's epilogue), the down outputs stay fp32 until the combine rounds
@@ -32,12 +31,14 @@ pub use weights::{
     ExpertFormat, ExpertWeights, FloatElement, FusedBlock, KernelLayout, MoeHostWeights,
 };
 
+use super::gemm::TensorCore;
+use super::table;
 use super::{check_len, check_u32};
-use crate::backend::cuda::CudaBackend;
-use crate::backend::{Backend, DeviceVec};
+use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
 use crate::error::{Error, Result};
 use crate::formats::safetensors::Checkpoint;
-use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use crate::target::TargetFacts;
+use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use reference::{ExpertRef, MoeShape, Routing};
 use std::collections::HashMap;
@@ -50,7 +51,7 @@ pub const FAMILY: &str = "moe";
 pub const MAX_SLOTS_PER_LAUNCH: usize = 65535;
 
 /// A MoE block's weights on a backend: the host weights on the CPU, the kernel layout
-/// ([`KernelLayout`]) on CUDA.
+/// ([`KernelLayout`]) of the target's [`TensorCore`] on a device.
 pub struct MoeWeights {
     shape: MoeShape,
     format: ExpertFormat,
@@ -64,45 +65,56 @@ pub struct MoeWeights {
 
 enum MoeStorage {
     Host(Box<MoeHostWeights>),
-    Cuda(Box<CudaMoe>),
+    Device(Box<DeviceMoe>),
 }
 
-struct CudaMoe {
-    router: CudaSlice<u32>,
+/// The kernel layout on a device (NVFP4 scales are `None` for bf16 experts).
+struct DeviceMoe {
+    router: DeviceVec<u32>,
     has_shared_gate: bool,
-    gate_up: CudaSlice<u32>,
-    gate_up_scales: Option<CudaSlice<u16>>,
-    down: CudaSlice<u32>,
-    down_scales: Option<CudaSlice<u16>>,
-    gate_up_alpha: CudaSlice<f32>,
-    down_alpha: CudaSlice<f32>,
+    gate_up: DeviceVec<u32>,
+    gate_up_scales: Option<DeviceVec<u8>>,
+    down: DeviceVec<u32>,
+    down_scales: Option<DeviceVec<u8>>,
+    gate_up_alpha: DeviceVec<f32>,
+    down_alpha: DeviceVec<f32>,
 }
 
-fn upload<T: DeviceRepr>(cuda: &CudaBackend, data: &[T], what: &str) -> Result<CudaSlice<T>> {
-    cuda.stream()
-        .clone_htod(data)
-        .map_err(|e| Error::cuda(format!("upload {what} ({} elements)", data.len()), e))
+impl DeviceMoe {
+    /// The backend the buffers live on.
+    fn backend_name(&self) -> &'static str {
+        self.router.backend_name()
+    }
 }
 
-fn copy<T: DeviceRepr>(
-    cuda: &CudaBackend,
-    data: &CudaSlice<T>,
-    what: &str,
-) -> Result<CudaSlice<T>> {
-    cuda.stream()
-        .clone_dtod(data)
-        .map_err(|e| Error::cuda(format!("copy {what} ({} elements)", data.len()), e))
+/// A device-to-device copy of `data` on `backend`.
+fn copy<T: DeviceRepr + ValidAsZeroBits + Clone + Default>(
+    backend: &Backend,
+    data: &DeviceVec<T>,
+) -> Result<DeviceVec<T>> {
+    let mut copied = backend.zeros(data.len())?;
+    backend.copy(data, &mut copied)?;
+    Ok(copied)
+}
+
+/// The empty buffer is `None` (bf16 experts have no scales).
+fn upload_scales(backend: &Backend, scales: &[u8]) -> Result<Option<DeviceVec<u8>>> {
+    if scales.is_empty() {
+        Ok(None)
+    } else {
+        backend.upload(scales).map(Some)
+    }
 }
 
 impl MoeWeights {
-    /// Puts `host` on `backend`: a copy on the CPU; on CUDA, re-laid-out into the kernels' order
-    /// once and uploaded.
+    /// Puts `host` on `backend`: a copy on the CPU; on a device, re-laid-out once into the
+    /// kernels' order for its target's [`TensorCore`] and uploaded.
     ///
     /// # Errors
     /// [`Error::Invalid`] for weights that disagree with their shape, experts in mixed formats, a
     /// NaN NVFP4 block scale, or a shape the device's kernels cannot run (more experts than
-    /// `moe.max_experts` of its target, k above the warp size); [`Error::Cuda`] when an upload
-    /// fails.
+    /// `moe.max_experts` of its target, k above the warp size, a target without tensor-core
+    /// kernels); [`Error::Cuda`] / [`Error::Hip`] when an upload fails.
     pub fn new(backend: &Backend, host: &MoeHostWeights) -> Result<Self> {
         host.check()?;
         let shape = host.shape;
@@ -111,12 +123,11 @@ impl MoeWeights {
         let shared_bytes = host.shared.as_ref().map_or(0, ExpertWeights::bytes);
         let router_rows = shape.experts + usize::from(host.shared_gate.is_some());
         let router_bytes = 2 * (router_rows * shape.hidden) as u64;
-        let storage = match backend {
-            Backend::Cpu => MoeStorage::Host(Box::new(host.clone())),
-            Backend::Hip(_) => return Err(backend.no_launch_yet(FAMILY)),
-            Backend::Cuda(cuda) => {
-                check_kernel_shape(cuda, shape)?;
-                let layout = host.kernel_layout()?;
+        let storage = match backend.target() {
+            None => MoeStorage::Host(Box::new(host.clone())),
+            Some(target) => {
+                check_kernel_shape(target, shape)?;
+                let layout = host.kernel_layout(TensorCore::for_target(target)?)?;
                 // the kernels index fragment lanes with 32 bits
                 for (what, words) in [
                     ("MoE router fragments", layout.router.len()),
@@ -125,22 +136,15 @@ impl MoeWeights {
                 ] {
                     check_u32(what, words)?;
                 }
-                let scales = |data: &[u16], what: &str| -> Result<Option<CudaSlice<u16>>> {
-                    if data.is_empty() {
-                        Ok(None)
-                    } else {
-                        upload(cuda, data, what).map(Some)
-                    }
-                };
-                MoeStorage::Cuda(Box::new(CudaMoe {
-                    router: upload(cuda, &layout.router, "MoE router fragments")?,
+                MoeStorage::Device(Box::new(DeviceMoe {
+                    router: backend.upload(&layout.router)?,
                     has_shared_gate: layout.has_shared_gate,
-                    gate_up: upload(cuda, &layout.gate_up, "MoE gate_up fragments")?,
-                    gate_up_scales: scales(&layout.gate_up_scales, "MoE gate_up scales")?,
-                    down: upload(cuda, &layout.down, "MoE down fragments")?,
-                    down_scales: scales(&layout.down_scales, "MoE down scales")?,
-                    gate_up_alpha: upload(cuda, &layout.gate_up_alpha, "MoE gate_up alphas")?,
-                    down_alpha: upload(cuda, &layout.down_alpha, "MoE down alphas")?,
+                    gate_up: backend.upload(&layout.gate_up)?,
+                    gate_up_scales: upload_scales(backend, &layout.gate_up_scales)?,
+                    down: backend.upload(&layout.down)?,
+                    down_scales: upload_scales(backend, &layout.down_scales)?,
+                    gate_up_alpha: backend.upload(&layout.gate_up_alpha)?,
+                    down_alpha: backend.upload(&layout.down_alpha)?,
                 }))
             }
         };
@@ -169,35 +173,35 @@ impl MoeWeights {
         Self::new(backend, &MoeHostWeights::load(checkpoint, prefix, shape)?)
     }
 
-    /// A second copy on the same backend (device-to-device on CUDA), e.g. to stream weights
-    /// from DRAM rather than cache in a bench.
+    /// A second copy on the same backend (device-to-device on a device), e.g. to stream
+    /// weights from DRAM rather than cache in a bench.
     ///
     /// # Errors
-    /// [`Error::Cuda`] when a copy fails.
+    /// [`Error::BackendMismatch`] for weights of another backend, [`Error::Cuda`] /
+    /// [`Error::Hip`] when a copy fails.
     pub fn try_clone(&self, backend: &Backend) -> Result<Self> {
-        let storage = match (&self.storage, backend) {
-            (MoeStorage::Host(host), _) => MoeStorage::Host(host.clone()),
-            (MoeStorage::Cuda(c), Backend::Cuda(cuda)) => {
-                let scales =
-                    |s: &Option<CudaSlice<u16>>, what: &str| -> Result<Option<CudaSlice<u16>>> {
-                        s.as_ref().map(|s| copy(cuda, s, what)).transpose()
-                    };
-                MoeStorage::Cuda(Box::new(CudaMoe {
-                    router: copy(cuda, &c.router, "MoE router fragments")?,
-                    has_shared_gate: c.has_shared_gate,
-                    gate_up: copy(cuda, &c.gate_up, "MoE gate_up fragments")?,
-                    gate_up_scales: scales(&c.gate_up_scales, "MoE gate_up scales")?,
-                    down: copy(cuda, &c.down, "MoE down fragments")?,
-                    down_scales: scales(&c.down_scales, "MoE down scales")?,
-                    gate_up_alpha: copy(cuda, &c.gate_up_alpha, "MoE gate_up alphas")?,
-                    down_alpha: copy(cuda, &c.down_alpha, "MoE down alphas")?,
+        let storage = match &self.storage {
+            MoeStorage::Host(host) => MoeStorage::Host(host.clone()),
+            MoeStorage::Device(d) if d.backend_name() == backend.name() => {
+                let scales = |s: &Option<DeviceVec<u8>>| -> Result<Option<DeviceVec<u8>>> {
+                    s.as_ref().map(|s| copy(backend, s)).transpose()
+                };
+                MoeStorage::Device(Box::new(DeviceMoe {
+                    router: copy(backend, &d.router)?,
+                    has_shared_gate: d.has_shared_gate,
+                    gate_up: copy(backend, &d.gate_up)?,
+                    gate_up_scales: scales(&d.gate_up_scales)?,
+                    down: copy(backend, &d.down)?,
+                    down_scales: scales(&d.down_scales)?,
+                    gate_up_alpha: copy(backend, &d.gate_up_alpha)?,
+                    down_alpha: copy(backend, &d.down_alpha)?,
                 }))
             }
-            (MoeStorage::Cuda(_), other) => {
+            MoeStorage::Device(d) => {
                 return Err(Error::BackendMismatch {
                     what: "MoE weights".into(),
-                    expected: other.name(),
-                    found: "cuda",
+                    expected: backend.name(),
+                    found: d.backend_name(),
                 });
             }
         };
@@ -230,9 +234,8 @@ impl MoeWeights {
     }
 }
 
-/// Checks that the device's kernels can run `shape`.
-fn check_kernel_shape(cuda: &CudaBackend, shape: MoeShape) -> Result<()> {
-    let target = cuda.target();
+/// Checks that `target`'s kernels can run `shape`.
+fn check_kernel_shape(target: &TargetFacts, shape: MoeShape) -> Result<()> {
     if shape.experts > target.moe.max_experts as usize {
         return Err(Error::invalid(
             "MoE shape",
@@ -274,23 +277,24 @@ pub struct MoeWorkspace {
 enum WorkspaceStorage {
     /// The CPU backend keeps the last routing.
     Host(Option<Routing>),
-    Cuda(Box<CudaWorkspace>),
+    Device(Box<DeviceWorkspace>),
 }
 
-struct CudaWorkspace {
-    control: CudaSlice<u32>,
-    topk_ids: CudaSlice<u32>,
-    slot_pos: CudaSlice<u32>,
-    sorted_token: CudaSlice<u32>,
-    active_expert: CudaSlice<u32>,
-    active_offset: CudaSlice<u32>,
-    active_count: CudaSlice<u32>,
-    n_active: CudaSlice<u32>,
-    logits: CudaSlice<f32>,
-    route_weight: CudaSlice<f32>,
-    shared_scale: CudaSlice<f32>,
-    partial: CudaSlice<f32>,
-    act: CudaSlice<u16>,
+/// The kernels' scratch on a device (lengths as [`MoeWorkspace::new`] allocates them).
+struct DeviceWorkspace {
+    control: DeviceVec<u32>,
+    topk_ids: DeviceVec<u32>,
+    slot_pos: DeviceVec<u32>,
+    sorted_token: DeviceVec<u32>,
+    active_expert: DeviceVec<u32>,
+    active_offset: DeviceVec<u32>,
+    active_count: DeviceVec<u32>,
+    n_active: DeviceVec<u32>,
+    logits: DeviceVec<f32>,
+    route_weight: DeviceVec<f32>,
+    shared_scale: DeviceVec<f32>,
+    partial: DeviceVec<f32>,
+    act: DeviceVec<bf16>,
     /// Tokens of the last launch (what [`MoeWorkspace::routing`] reads back).
     last_tokens: usize,
 }
@@ -301,7 +305,7 @@ impl MoeWorkspace {
     ///
     /// # Errors
     /// [`Error::Invalid`] when `capacity` is zero or `capacity * k` exceeds
-    /// [`MAX_SLOTS_PER_LAUNCH`]; [`Error::Cuda`] when an allocation fails.
+    /// [`MAX_SLOTS_PER_LAUNCH`]; [`Error::Cuda`] / [`Error::Hip`] when an allocation fails.
     pub fn new(backend: &Backend, weights: &MoeWeights, capacity: usize) -> Result<Self> {
         let shape = weights.shape;
         if capacity == 0 || capacity * shape.top_k > MAX_SLOTS_PER_LAUNCH {
@@ -315,45 +319,29 @@ impl MoeWorkspace {
         }
         let storage = match backend {
             Backend::Cpu => WorkspaceStorage::Host(None),
-            Backend::Hip(_) => return Err(backend.no_launch_yet(FAMILY)),
-            Backend::Cuda(cuda) => {
+            Backend::Cuda(_) | Backend::Hip(_) => {
                 let (e, k, h, i) = (shape.experts, shape.top_k, shape.hidden, shape.intermediate);
                 let positions = capacity * (k + weights.shared_experts);
-                let stream = cuda.stream();
-                let u32s = |len: usize, what: &str| -> Result<CudaSlice<u32>> {
-                    stream
-                        .alloc_zeros(len.max(1))
-                        .map_err(|e| Error::cuda(format!("allocate MoE {what} ({len} u32)"), e))
-                };
-                let f32s = |len: usize, what: &str| -> Result<CudaSlice<f32>> {
-                    stream
-                        .alloc_zeros(len.max(1))
-                        .map_err(|e| Error::cuda(format!("allocate MoE {what} ({len} f32)"), e))
-                };
-                WorkspaceStorage::Cuda(Box::new(CudaWorkspace {
+                let u32s = |len: usize| backend.zeros::<u32>(len.max(1));
+                let f32s = |len: usize| backend.zeros::<f32>(len.max(1));
+                WorkspaceStorage::Device(Box::new(DeviceWorkspace {
                     // 4 counters, one per expert rank, one per 16 hidden rows (enough for any
                     // grouping of the down tiles), one per 8 tokens (the smallest token chunk)
                     control: u32s(
                         4 + e + weights.shared_experts + h.div_ceil(16) + capacity.div_ceil(8),
-                        "counters",
                     )?,
-                    topk_ids: u32s(capacity * k, "top-k ids")?,
-                    slot_pos: u32s(capacity * k, "slot positions")?,
-                    sorted_token: u32s(positions, "sorted tokens")?,
-                    active_expert: u32s(e, "active experts")?,
-                    active_offset: u32s(e, "active offsets")?,
-                    active_count: u32s(e, "active counts")?,
-                    n_active: u32s(1, "active expert count")?,
-                    logits: f32s(capacity * (e + 1), "router logits")?,
-                    route_weight: f32s(capacity * k, "routing weights")?,
-                    shared_scale: f32s(capacity, "shared expert scales")?,
-                    partial: f32s(positions * h, "expert outputs")?,
-                    act: stream.alloc_zeros(positions * i).map_err(|e| {
-                        Error::cuda(
-                            format!("allocate MoE activations ({} bf16)", positions * i),
-                            e,
-                        )
-                    })?,
+                    topk_ids: u32s(capacity * k)?,
+                    slot_pos: u32s(capacity * k)?,
+                    sorted_token: u32s(positions)?,
+                    active_expert: u32s(e)?,
+                    active_offset: u32s(e)?,
+                    active_count: u32s(e)?,
+                    n_active: u32s(1)?,
+                    logits: f32s(capacity * (e + 1))?,
+                    route_weight: f32s(capacity * k)?,
+                    shared_scale: f32s(capacity)?,
+                    partial: f32s(positions * h)?,
+                    act: backend.zeros::<bf16>(positions * i)?,
                     last_tokens: 0,
                 }))
             }
@@ -378,93 +366,41 @@ impl MoeWorkspace {
     /// [`reference::route`]). Waits for the device.
     ///
     /// # Errors
-    /// [`Error::Invalid`] before any call; [`Error::Cuda`] when the copy fails (also where an
-    /// earlier kernel fault shows).
+    /// [`Error::Invalid`] before any call; [`Error::BackendMismatch`] for a workspace of another
+    /// backend; [`Error::Cuda`] / [`Error::Hip`] when the copy fails (also where an earlier
+    /// kernel fault shows).
     pub fn routing(&self, backend: &Backend) -> Result<Routing> {
         let none = || Error::invalid("MoE workspace", "no block has run on it yet");
-        match (&self.storage, backend) {
-            (WorkspaceStorage::Host(routing), _) => routing.clone().ok_or_else(none),
-            (WorkspaceStorage::Cuda(w), Backend::Cuda(cuda)) => {
+        match &self.storage {
+            WorkspaceStorage::Host(routing) => routing.clone().ok_or_else(none),
+            WorkspaceStorage::Device(w) => {
                 let t = w.last_tokens;
                 if t == 0 {
                     return Err(none());
                 }
                 let k = self.shape.top_k;
-                let stream = cuda.stream();
-                let read_u32 = |s: &CudaSlice<u32>, len: usize| -> Result<Vec<u32>> {
-                    stream
-                        .clone_dtoh(&s.slice(..len))
-                        .map_err(|e| Error::cuda("download the MoE routing", e))
+                let first = |buffer: &DeviceVec<f32>, len: usize| -> Result<Vec<f32>> {
+                    let mut values = backend.download(buffer)?;
+                    values.truncate(len);
+                    Ok(values)
                 };
-                let read_f32 = |s: &CudaSlice<f32>, len: usize| -> Result<Vec<f32>> {
-                    stream
-                        .clone_dtoh(&s.slice(..len))
-                        .map_err(|e| Error::cuda("download the MoE routing", e))
-                };
+                let mut experts = backend.download(&w.topk_ids)?;
+                experts.truncate(t * k);
                 Ok(Routing {
                     top_k: k,
-                    experts: read_u32(&w.topk_ids, t * k)?,
-                    weights: read_f32(&w.route_weight, t * k)?,
+                    experts,
+                    weights: first(&w.route_weight, t * k)?,
                     // as the reference: the scales exist where a gate does
                     shared_scale: if self.shared_gate {
-                        read_f32(&w.shared_scale, t)?
+                        first(&w.shared_scale, t)?
                     } else {
                         Vec::new()
                     },
                 })
             }
-            (WorkspaceStorage::Cuda(_), other) => Err(Error::BackendMismatch {
-                what: "MoE workspace".into(),
-                expected: other.name(),
-                found: "cuda",
-            }),
         }
     }
 }
-
-/// The kernels' argument block; mirrors `struct MoeArgs` in kernels/templates/moe.cu field by
-/// field (device pointers as u64, null = 0).
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct MoeArgs {
-    x: u64,
-    residual: u64,
-    y: u64,
-    router: u64,
-    gate_up: u64,
-    gate_up_scales: u64,
-    down: u64,
-    down_scales: u64,
-    gate_up_alpha: u64,
-    down_alpha: u64,
-    control: u64,
-    topk_ids: u64,
-    slot_pos: u64,
-    sorted_token: u64,
-    active_expert: u64,
-    active_offset: u64,
-    active_count: u64,
-    n_active: u64,
-    logits: u64,
-    route_weight: u64,
-    shared_scale: u64,
-    partial: u64,
-    act: u64,
-    tokens: u32,
-    experts: u32,
-    top_k: u32,
-    hidden: u32,
-    inter: u32,
-    shared_experts: u32,
-    has_shared_gate: u32,
-    unused: u32,
-}
-
-// the template's static_assert holds the other side
-const _: () = assert!(std::mem::size_of::<MoeArgs>() == 216);
-
-// SAFETY: plain old data with the C layout the kernels declare.
-unsafe impl DeviceRepr for MoeArgs {}
 
 /// The whole MoE block for `t` tokens: `y = moe(x) [+ residual]`, `x`, `y` (and `residual`)
 /// bf16 `[t, H]` row-major. Runs in launches of at most `workspace.capacity()` tokens; `t == 0`
@@ -472,8 +408,8 @@ unsafe impl DeviceRepr for MoeArgs {}
 ///
 /// # Errors
 /// [`Error::Invalid`] when a buffer's length disagrees with the shape or the workspace belongs
-/// to another shape; [`Error::BackendMismatch`] when buffers live elsewhere; [`Error::Compile`] /
-/// [`Error::Cuda`] from the CUDA path.
+/// to another shape; [`Error::BackendMismatch`] when buffers, weights or workspace live
+/// elsewhere; [`Error::Compile`] / [`Error::Cuda`] / [`Error::Hip`] from the device path.
 pub fn moe_block(
     backend: &Backend,
     weights: &MoeWeights,
@@ -504,8 +440,18 @@ pub fn moe_block(
     if t == 0 {
         return Ok(());
     }
-    match (backend, &weights.storage) {
-        (Backend::Cpu, MoeStorage::Host(host)) => {
+    match backend {
+        Backend::Cpu => {
+            let host = match &weights.storage {
+                MoeStorage::Host(host) => host,
+                MoeStorage::Device(d) => {
+                    return Err(Error::BackendMismatch {
+                        what: "MoE weights".into(),
+                        expected: "cpu",
+                        found: d.backend_name(),
+                    });
+                }
+            };
             let DeviceVec::Host(x) = x else {
                 return Err(backend.mismatch("MoE input X", x));
             };
@@ -540,20 +486,9 @@ pub fn moe_block(
             }));
             Ok(())
         }
-        (Backend::Cuda(cuda), MoeStorage::Cuda(device)) => {
-            moe_block_cuda(cuda, backend, weights, device, x, t, residual, workspace, y)
+        Backend::Cuda(_) | Backend::Hip(_) => {
+            moe_block_device(backend, weights, x, t, residual, workspace, y)
         }
-        (Backend::Hip(_), _) => Err(backend.no_launch_yet(FAMILY)),
-        (Backend::Cpu, MoeStorage::Cuda(_)) => Err(Error::BackendMismatch {
-            what: "MoE weights".into(),
-            expected: "cpu",
-            found: "cuda",
-        }),
-        (Backend::Cuda(_), MoeStorage::Host(_)) => Err(Error::BackendMismatch {
-            what: "MoE weights".into(),
-            expected: "cuda",
-            found: "cpu",
-        }),
     }
 }
 
@@ -592,96 +527,127 @@ fn reference_block(host: &MoeHostWeights, x: &[bf16], t: usize) -> (Vec<f32>, Ro
     (out, routing)
 }
 
-/// Device address of a buffer (kernel arguments are raw addresses).
-fn address<T>(cuda: &CudaBackend, slice: &CudaSlice<T>) -> u64 {
-    slice.device_ptr(cuda.stream()).0
+/// The rendered `moe_{format}_m{rows}` kernel of `target` (its name as the kernel table holds
+/// it, found without allocating).
+fn moe_kernel(target: &TargetFacts, format: ExpertFormat, rows: u32) -> Result<&'static str> {
+    let prefix = match format {
+        ExpertFormat::Nvfp4 => "moe_nvfp4_m",
+        ExpertFormat::Bf16 => "moe_bf16_m",
+    };
+    table::rendered(&target.name, FAMILY)
+        .and_then(|source| {
+            source.kernels.iter().copied().find(|kernel| {
+                kernel
+                    .strip_prefix(prefix)
+                    .and_then(|r| r.parse::<u32>().ok())
+                    == Some(rows)
+            })
+        })
+        .ok_or_else(|| {
+            Error::invalid(
+                format!("kernel `{prefix}{rows}`"),
+                format!(
+                    "not among the {} moe kernels (moe.token_rows in kernels/targets.toml)",
+                    target.name
+                ),
+            )
+        })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn moe_block_cuda(
-    cuda: &CudaBackend,
+/// `moe_{nvfp4,bf16}_m*`'s arguments in their parameter order (MOE_PARAMETERS in moe.cu): the
+/// chunk's `[x, residual, y]`, the weights (router, gate_up, gate_up_scales, down, down_scales,
+/// gate_up_alpha, down_alpha), the workspace (control, topk_ids, slot_pos, sorted_token,
+/// active_expert, active_offset, active_count, n_active, logits, route_weight, shared_scale,
+/// partial, act), then tokens and `sizes` (experts, top_k, hidden, inter, shared_experts,
+/// has_shared_gate).
+fn moe_arguments<'a>(
+    [x, residual, y]: [KernelArg<'a>; 3],
+    weights: &'a DeviceMoe,
+    w: &'a mut DeviceWorkspace,
+    tokens: u32,
+    sizes: [u32; 6],
+) -> [KernelArg<'a>; 30] {
+    [
+        x,
+        residual,
+        y,
+        KernelArg::input(&weights.router),
+        KernelArg::input(&weights.gate_up),
+        KernelArg::optional_input(weights.gate_up_scales.as_ref()),
+        KernelArg::input(&weights.down),
+        KernelArg::optional_input(weights.down_scales.as_ref()),
+        KernelArg::input(&weights.gate_up_alpha),
+        KernelArg::input(&weights.down_alpha),
+        KernelArg::output(&mut w.control),
+        KernelArg::output(&mut w.topk_ids),
+        KernelArg::output(&mut w.slot_pos),
+        KernelArg::output(&mut w.sorted_token),
+        KernelArg::output(&mut w.active_expert),
+        KernelArg::output(&mut w.active_offset),
+        KernelArg::output(&mut w.active_count),
+        KernelArg::output(&mut w.n_active),
+        KernelArg::output(&mut w.logits),
+        KernelArg::output(&mut w.route_weight),
+        KernelArg::output(&mut w.shared_scale),
+        KernelArg::output(&mut w.partial),
+        KernelArg::output(&mut w.act),
+        KernelArg::u32(tokens),
+        KernelArg::u32(sizes[0]),
+        KernelArg::u32(sizes[1]),
+        KernelArg::u32(sizes[2]),
+        KernelArg::u32(sizes[3]),
+        KernelArg::u32(sizes[4]),
+        KernelArg::u32(sizes[5]),
+    ]
+}
+
+/// The device path of [`moe_block`] (shapes checked by the caller): one launch of
+/// `moe_{format}_m{rows}` per `capacity` tokens.
+fn moe_block_device(
     backend: &Backend,
     weights: &MoeWeights,
-    device: &CudaMoe,
     x: &DeviceVec<bf16>,
     t: usize,
     residual: Option<&DeviceVec<bf16>>,
     workspace: &mut MoeWorkspace,
     y: &mut DeviceVec<bf16>,
 ) -> Result<()> {
-    let DeviceVec::Cuda(x) = x else {
-        return Err(backend.mismatch("MoE input X", x));
+    let mismatch = |what: &str, found: &'static str| Error::BackendMismatch {
+        what: what.into(),
+        expected: backend.name(),
+        found,
     };
-    let residual = match residual {
-        None => None,
-        Some(DeviceVec::Cuda(r)) => Some(r),
-        Some(r) => return Err(backend.mismatch("MoE residual", r)),
+    let device = match &weights.storage {
+        MoeStorage::Device(d) if d.backend_name() == backend.name() => d,
+        MoeStorage::Device(d) => return Err(mismatch("MoE weights", d.backend_name())),
+        MoeStorage::Host(_) => return Err(mismatch("MoE weights", "cpu")),
     };
-    let DeviceVec::Cuda(y) = y else {
-        return Err(backend.mismatch("MoE output Y", y));
+    let capacity = workspace.capacity;
+    let w: &mut DeviceWorkspace = match &mut workspace.storage {
+        WorkspaceStorage::Device(w) => w,
+        WorkspaceStorage::Host(_) => return Err(mismatch("MoE workspace", "cpu")),
     };
-    let WorkspaceStorage::Cuda(w) = &mut workspace.storage else {
-        return Err(Error::BackendMismatch {
-            what: "MoE workspace".into(),
-            expected: "cuda",
-            found: "cpu",
-        });
+    let (Some(target), Some(multiprocessors)) = (backend.target(), backend.multiprocessors())
+    else {
+        return Err(mismatch("MoE launch", "cpu"));
     };
     let shape = weights.shape;
-    let target = cuda.target();
     let tiles = &target.moe;
-    let format = match weights.format {
-        ExpertFormat::Nvfp4 => "nvfp4",
-        ExpertFormat::Bf16 => "bf16",
-    };
-    let grid = cuda.multiprocessors() * tiles.blocks_per_sm;
-    let config = LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (tiles.warps_per_block * target.warp_size, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let dims = LaunchDims::linear(
+        multiprocessors * tiles.blocks_per_sm,
+        tiles.warps_per_block * target.warp_size,
+    );
+    let sizes = [
+        check_u32("MoE experts", shape.experts)?,
+        check_u32("MoE top-k", shape.top_k)?,
+        check_u32("MoE hidden size", shape.hidden)?,
+        check_u32("MoE intermediate size", shape.intermediate)?,
+        check_u32("MoE shared experts", weights.shared_experts)?,
+        u32::from(device.has_shared_gate),
+    ];
     let h = shape.hidden;
-    let mut args = MoeArgs {
-        x: 0,
-        residual: 0,
-        y: 0,
-        router: address(cuda, &device.router),
-        gate_up: address(cuda, &device.gate_up),
-        gate_up_scales: device
-            .gate_up_scales
-            .as_ref()
-            .map_or(0, |s| address(cuda, s)),
-        down: address(cuda, &device.down),
-        down_scales: device.down_scales.as_ref().map_or(0, |s| address(cuda, s)),
-        gate_up_alpha: address(cuda, &device.gate_up_alpha),
-        down_alpha: address(cuda, &device.down_alpha),
-        control: address(cuda, &w.control),
-        topk_ids: address(cuda, &w.topk_ids),
-        slot_pos: address(cuda, &w.slot_pos),
-        sorted_token: address(cuda, &w.sorted_token),
-        active_expert: address(cuda, &w.active_expert),
-        active_offset: address(cuda, &w.active_offset),
-        active_count: address(cuda, &w.active_count),
-        n_active: address(cuda, &w.n_active),
-        logits: address(cuda, &w.logits),
-        route_weight: address(cuda, &w.route_weight),
-        shared_scale: address(cuda, &w.shared_scale),
-        partial: address(cuda, &w.partial),
-        act: address(cuda, &w.act),
-        tokens: 0,
-        experts: check_u32("MoE experts", shape.experts)?,
-        top_k: check_u32("MoE top-k", shape.top_k)?,
-        hidden: check_u32("MoE hidden size", h)?,
-        inter: check_u32("MoE intermediate size", shape.intermediate)?,
-        shared_experts: check_u32("MoE shared experts", weights.shared_experts)?,
-        has_shared_gate: u32::from(device.has_shared_gate),
-        unused: 0,
-    };
-    let x_base = address(cuda, x);
-    let y_base = address(cuda, y);
-    let residual_base = residual.map_or(0, |r| address(cuda, r));
-    for start in (0..t).step_by(workspace.capacity) {
-        let tokens = (t - start).min(workspace.capacity);
+    for start in (0..t).step_by(capacity) {
+        let tokens = (t - start).min(capacity);
         let rows = tiles
             .token_rows
             .iter()
@@ -689,33 +655,110 @@ fn moe_block_cuda(
             .find(|&r| r as usize >= tokens)
             .or_else(|| tiles.token_rows.last().copied())
             .unwrap_or(8);
-        let kernel = format!("moe_{format}_m{rows}");
-        let function = cuda.function(FAMILY, &kernel)?;
-        let offset = 2 * (start * h) as u64; // bytes of bf16
-        args.x = x_base + offset;
-        args.y = y_base + offset;
-        args.residual = if residual_base == 0 {
-            0
-        } else {
-            residual_base + offset
+        let kernel = moe_kernel(target, weights.format, rows)?;
+        let chunk = start * h..(start + tokens) * h;
+        let residual_rows = match residual {
+            Some(r) => KernelArg::input_range(r, chunk.clone())?,
+            None => KernelArg::optional_input::<bf16>(None),
         };
-        args.tokens = tokens as u32; // <= capacity, checked against 16-bit slot counts
-        let mut launch = cuda.stream().launch_builder(&function);
-        launch.arg(&args);
-        // SAFETY: MoeArgs matches the kernel's by-value parameter (size checked on both sides);
-        // X, Y and the residual hold t * H bf16 (checked above) and the chunk stays inside them;
-        // the weights were laid out for this shape and the workspace sized for `capacity` tokens
-        // of it (shape checked above); its counters are zero between launches.
-        unsafe { launch.launch(config) }.map_err(|e| {
-            Error::cuda(
-                format!(
-                    "launch {kernel} T={tokens} E={} k={} H={h} I={}",
-                    shape.experts, shape.top_k, shape.intermediate
-                ),
-                e,
-            )
-        })?;
+        let io = [
+            KernelArg::input_range(x, chunk.clone())?,
+            residual_rows,
+            KernelArg::output_range(y, chunk)?,
+        ];
+        // tokens <= capacity, checked against 16-bit slot counts
+        let args = moe_arguments(io, device, w, tokens as u32, sizes);
+        // SAFETY: moe_{nvfp4,bf16}_m*'s parameters in order (moe_arguments); X, Y and the
+        // residual hold t * H bf16 (checked by the caller) and the chunk lies within them; the
+        // weights were laid out for this shape and the target's tensor core, and the workspace
+        // sized for `capacity` tokens of it (shape checked by the caller); its counters are
+        // zero between launches.
+        unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
         w.last_tokens = tokens;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::launch_check;
+    use crate::target;
+
+    /// The launch's argument list (built by [`moe_arguments`]) meets every target's compiled
+    /// kernels: count, kinds and scalar widths (PTX types on the NVIDIA targets, the code
+    /// object's metadata through the HIP launch check on gfx1151), with and without NVFP4
+    /// scales and a residual.
+    #[test]
+    fn the_argument_list_meets_the_compiled_kernels_parameters() {
+        let u32s = || DeviceVec::Host(vec![0u32; 4]);
+        let f32s = || DeviceVec::Host(vec![0f32; 4]);
+        let weights = DeviceMoe {
+            router: u32s(),
+            has_shared_gate: true,
+            gate_up: u32s(),
+            gate_up_scales: Some(DeviceVec::Host(vec![0u8; 4])),
+            down: u32s(),
+            down_scales: Some(DeviceVec::Host(vec![0u8; 4])),
+            gate_up_alpha: f32s(),
+            down_alpha: f32s(),
+        };
+        let mut workspace = DeviceWorkspace {
+            control: u32s(),
+            topk_ids: u32s(),
+            slot_pos: u32s(),
+            sorted_token: u32s(),
+            active_expert: u32s(),
+            active_offset: u32s(),
+            active_count: u32s(),
+            n_active: u32s(),
+            logits: f32s(),
+            route_weight: f32s(),
+            shared_scale: f32s(),
+            partial: f32s(),
+            act: DeviceVec::Host(vec![bf16::ZERO; 4]),
+            last_tokens: 0,
+        };
+        let x = DeviceVec::Host(vec![bf16::ZERO; 4]);
+        let mut y = DeviceVec::Host(vec![bf16::ZERO; 4]);
+        let mut failures = Vec::new();
+        for t in target::all() {
+            for &rows in &t.moe.token_rows {
+                for (format, residual) in
+                    [(ExpertFormat::Nvfp4, Some(&x)), (ExpertFormat::Bf16, None)]
+                {
+                    let kernel = moe_kernel(t, format, rows).expect("rendered");
+                    let io = [
+                        KernelArg::input(&x),
+                        KernelArg::optional_input(residual),
+                        KernelArg::output(&mut y),
+                    ];
+                    let args = moe_arguments(io, &weights, &mut workspace, 1, [8, 2, 64, 32, 0, 1]);
+                    if let Err(e) = launch_check::check_arguments(&t.name, FAMILY, kernel, &args) {
+                        failures.push(e);
+                    }
+                }
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// Every variant a launch can pick (each target's `moe.token_rows`, both formats) is a kernel
+    /// of the target's rendered source; other row counts are refused by name.
+    #[test]
+    fn every_token_rows_variant_resolves_to_a_rendered_kernel() {
+        for t in target::all() {
+            for &rows in &t.moe.token_rows {
+                for (format, name) in [(ExpertFormat::Nvfp4, "nvfp4"), (ExpertFormat::Bf16, "bf16")]
+                {
+                    let kernel = moe_kernel(t, format, rows).expect("rendered");
+                    assert_eq!(kernel, format!("moe_{name}_m{rows}"), "{}", t.name);
+                }
+            }
+            let e = moe_kernel(t, ExpertFormat::Bf16, 3)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("moe_bf16_m3") && e.contains(&t.name), "{e}");
+        }
+    }
 }

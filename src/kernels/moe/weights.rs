@@ -6,20 +6,25 @@
 //! `weight_scale` / `weight_scale_2` / `input_scale`), or a safetensors checkpoint under a tensor
 //! name prefix ([`MoeHostWeights::load`]).
 //!
-//! Kernel layout ([`KernelLayout`]): the router rows and the shared expert's gate as one bf16
-//! `[E + 1, H]` matrix in the GEMM family's fragment order; every routed expert's `[gate; up]` in
-//! [`RowOrder::GateUp`] and its down in [`RowOrder::Plain`] fragments, concatenated, followed by
-//! the shared expert cut into `S = ceil(Is / I)` sub-experts of `I` columns (zero-padded: a zero
-//! gate and up row gives `silu(0) * 0 = 0`, a zero down column adds nothing), so the kernel
-//! treats it as S more experts. Per expert, `alpha` multipliers carry the per-tensor scales
-//! (NVFP4: `weight_scale_2 * 2^7`, the fragments' exponent offset; bf16: 1).
+//! Kernel layout ([`KernelLayout`], for the target's [`TensorCore`]): the router rows and the
+//! shared expert's gate as one bf16 `[E + 1, H]` matrix in the GEMM family's fragment order
+//! (mma.sync or WMMA); every routed expert's `[gate; up]` in [`RowOrder::GateUp`] and its down in
+//! [`RowOrder::Plain`] fragments, concatenated, followed by the shared expert cut into
+//! `S = ceil(Is / I)` sub-experts of `I` columns (zero-padded: a zero gate and up row gives
+//! `silu(0) * 0 = 0`, a zero down column adds nothing), so the kernel treats it as S more experts.
+//! Per expert, `alpha` multipliers carry the per-tensor scales (NVFP4 on mma.sync:
+//! `weight_scale_2 * 2^7`, the fragments' exponent offset; NVFP4 on WMMA: `weight_scale_2`, the
+//! kernel decodes `e2m1 * e4m3` exactly; bf16: 1).
 
 use super::reference::MoeShape;
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::{BLOCK, E4M3_ONE, Nvfp4Matrix, e2m1_decode, e4m3_decode};
 use crate::formats::safetensors::{Checkpoint, TensorRef};
-use crate::kernels::gemm::RowOrder;
-use crate::kernels::gemm::layout::{Bf16Fragments, GROUP_COLS, Nvfp4Fragments, TileGrid};
+use crate::kernels::gemm::layout::{
+    Bf16Fragments, GROUP_COLS, Nvfp4Fragments, TILE_ROWS, TileGrid, WmmaBf16Fragments,
+    WmmaNvfp4Fragments,
+};
+use crate::kernels::gemm::{RowOrder, TensorCore};
 use crate::rng::SplitMix64;
 use half::{bf16, f16};
 use safetensors::Dtype;
@@ -501,11 +506,12 @@ impl MoeHostWeights {
         Ok(weights)
     }
 
-    /// The kernel layout (see the module docs). Experts are re-laid-out in parallel.
+    /// The kernel layout for the kernels on `tensor_core` (see the module docs). Experts are
+    /// re-laid-out in parallel.
     ///
     /// # Errors
     /// As [`MoeHostWeights::check`], and [`Error::Invalid`] for a NaN NVFP4 block scale.
-    pub fn kernel_layout(&self) -> Result<KernelLayout> {
+    pub fn kernel_layout(&self, tensor_core: TensorCore) -> Result<KernelLayout> {
         self.check()?;
         let MoeShape {
             experts,
@@ -519,15 +525,23 @@ impl MoeHostWeights {
             router.extend_from_slice(gate);
         }
         let router_rows = router.len() / h;
-        let router = Bf16Fragments::new(&router, router_rows, h, RowOrder::Plain)?.words;
+        let router = match tensor_core {
+            TensorCore::MmaSync => {
+                Bf16Fragments::new(&router, router_rows, h, RowOrder::Plain)?.words
+            }
+            TensorCore::Wmma => bf16_pairs(
+                &WmmaBf16Fragments::new(&router, router_rows, h, RowOrder::Plain)?.values,
+            ),
+        };
         // every expert the kernels see: the routed ones, then the shared sub-experts
         let mut units: Vec<ExpertWeights> = Vec::new();
         if let Some(shared) = &self.shared {
             units = split_shared(shared, self.shape, format);
         }
         let all: Vec<&ExpertWeights> = self.experts.iter().chain(units.iter()).collect();
-        let pieces = parallel_map(&all, |expert| expert_fragments(expert, h, i));
+        let pieces = parallel_map(&all, |expert| expert_fragments(expert, h, i, tensor_core));
         let mut layout = KernelLayout {
+            tensor_core,
             format,
             hidden: h,
             inter: i,
@@ -734,15 +748,23 @@ fn load_expert(
 }
 
 /// The experts in the kernels' order and form, re-laid-out once at load.
+///
+/// Fragments are u32 words of the GEMM family's layouts for `tensor_core`
+/// ([`Nvfp4Fragments`] / [`Bf16Fragments`] on mma.sync, [`WmmaNvfp4Fragments`] /
+/// [`WmmaBf16Fragments`] on WMMA, whose bf16 values go two per word, the even column in the low
+/// half); NVFP4 block scales are the layout's scale bytes in memory order (mma.sync: two e5m3
+/// bytes per lane; WMMA: four e4m3 bytes per tile row).
 #[derive(Debug, Clone)]
 pub struct KernelLayout {
+    /// The instruction the fragments are laid out for.
+    pub tensor_core: TensorCore,
     /// The experts' format.
     pub format: ExpertFormat,
     /// H.
     pub hidden: usize,
     /// I (also the sub-experts' width).
     pub inter: usize,
-    /// Router rows, then the shared gate row when present: bf16 fragments ([`Bf16Fragments`]).
+    /// Router rows, then the shared gate row when present: bf16 fragments.
     pub router: Vec<u32>,
     /// Whether router row E is the shared expert's gate.
     pub has_shared_gate: bool,
@@ -750,12 +772,12 @@ pub struct KernelLayout {
     pub shared_experts: usize,
     /// `[E + S]` experts' `[gate; up]` fragments ([`RowOrder::GateUp`]).
     pub gate_up: Vec<u32>,
-    /// Their NVFP4 scales (empty for bf16).
-    pub gate_up_scales: Vec<u16>,
+    /// Their NVFP4 scale bytes (empty for bf16).
+    pub gate_up_scales: Vec<u8>,
     /// `[E + S]` experts' down fragments ([`RowOrder::Plain`]).
     pub down: Vec<u32>,
-    /// Their NVFP4 scales (empty for bf16).
-    pub down_scales: Vec<u16>,
+    /// Their NVFP4 scale bytes (empty for bf16).
+    pub down_scales: Vec<u8>,
     /// `[E + S][2]`: the multipliers of the gate rows and of the up rows.
     pub gate_up_alpha: Vec<f32>,
     /// `[E + S]`: the multiplier of the down rows.
@@ -790,38 +812,51 @@ impl KernelLayout {
         ];
         let down_alpha = self.down_alpha[unit];
         let decode =
-            |grid: TileGrid, words: &[u32], scales: &[u16], alpha: &dyn Fn(usize) -> f32| {
-                let lanes = grid.n_tiles * grid.k_groups * 32;
-                let (words, scales) = (
-                    &words[unit * lanes * self.words_per_lane()
-                        ..(unit + 1) * lanes * self.words_per_lane()],
-                    if scales.is_empty() {
-                        &[][..]
-                    } else {
-                        &scales[unit * lanes..(unit + 1) * lanes]
-                    },
-                );
-                let mut out = vec![0.0f32; grid.rows * grid.cols];
-                match self.format {
-                    ExpertFormat::Nvfp4 => {
+            |grid: TileGrid, words: &[u32], scales: &[u8], alpha: &dyn Fn(usize) -> f32| {
+                let (unit_words, unit_scale_bytes) = self.unit_sizes(&grid);
+                let words = &words[unit * unit_words..(unit + 1) * unit_words];
+                let scales = if scales.is_empty() {
+                    &[][..]
+                } else {
+                    &scales[unit * unit_scale_bytes..(unit + 1) * unit_scale_bytes]
+                };
+                let value: Box<dyn Fn(usize, usize) -> f32> = match (self.tensor_core, self.format)
+                {
+                    (TensorCore::MmaSync, ExpertFormat::Nvfp4) => {
                         let fragments = Nvfp4Fragments {
                             grid,
                             words: words.to_vec(),
-                            scales: scales.to_vec(),
+                            scales: scales
+                                .chunks_exact(2)
+                                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                                .collect(),
                             global_scale: 1.0 / NVFP4_FRAGMENT_SCALE,
                         };
-                        for (index, slot) in out.iter_mut().enumerate() {
-                            let (row, col) = (index / grid.cols, index % grid.cols);
-                            *slot = fragments.value(row, col) * alpha(row);
-                        }
+                        Box::new(move |row, col| fragments.value(row, col))
                     }
-                    ExpertFormat::Bf16 => {
-                        for (index, slot) in out.iter_mut().enumerate() {
-                            let (row, col) = (index / grid.cols, index % grid.cols);
-                            *slot =
-                                bf16_fragment_value(&grid, words, row, col).to_f32() * alpha(row);
-                        }
+                    (TensorCore::Wmma, ExpertFormat::Nvfp4) => {
+                        let fragments = WmmaNvfp4Fragments {
+                            grid,
+                            words: words.to_vec(),
+                            scales: scales
+                                .chunks_exact(4)
+                                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                                .collect(),
+                            global_scale: 1.0,
+                        };
+                        Box::new(move |row, col| fragments.value(row, col))
                     }
+                    (TensorCore::MmaSync, ExpertFormat::Bf16) => Box::new(move |row, col| {
+                        bf16_fragment_value(&grid, words, row, col).to_f32()
+                    }),
+                    (TensorCore::Wmma, ExpertFormat::Bf16) => Box::new(move |row, col| {
+                        wmma_bf16_fragment_value(&grid, words, row, col).to_f32()
+                    }),
+                };
+                let mut out = vec![0.0f32; grid.rows * grid.cols];
+                for (index, slot) in out.iter_mut().enumerate() {
+                    let (row, col) = (index / grid.cols, index % grid.cols);
+                    *slot = value(row, col) * alpha(row);
                 }
                 out
             };
@@ -832,12 +867,18 @@ impl KernelLayout {
         Ok((gate_up, down))
     }
 
-    /// u32 words per (tile, group, lane): 4 NVFP4 MMA words, or 4 MMAs x 4 bf16x2 registers.
-    fn words_per_lane(&self) -> usize {
-        match self.format {
-            ExpertFormat::Nvfp4 => 4,
-            ExpertFormat::Bf16 => 16,
-        }
+    /// u32 words and NVFP4 scale bytes of one unit's matrix on `grid`: per (tile, group) 32
+    /// lanes of 4 (NVFP4) or 16 (bf16) words and 2 scale bytes on mma.sync; 16 rows of 8
+    /// (NVFP4) or 32 (bf16) words and 4 scale bytes on WMMA.
+    fn unit_sizes(&self, grid: &TileGrid) -> (usize, usize) {
+        let groups = grid.n_tiles * grid.k_groups;
+        let (lanes, words, scale_bytes) = match (self.tensor_core, self.format) {
+            (TensorCore::MmaSync, ExpertFormat::Nvfp4) => (32, 4, 2),
+            (TensorCore::MmaSync, ExpertFormat::Bf16) => (32, 16, 2),
+            (TensorCore::Wmma, ExpertFormat::Nvfp4) => (TILE_ROWS, 8, 4),
+            (TensorCore::Wmma, ExpertFormat::Bf16) => (TILE_ROWS, GROUP_COLS / 2, 4),
+        };
+        (groups * lanes * words, groups * lanes * scale_bytes)
     }
 }
 
@@ -856,21 +897,49 @@ fn bf16_fragment_value(grid: &TileGrid, words: &[u32], row: usize, col: usize) -
     bf16::from_bits((word >> (16 * (within % 2))) as u16)
 }
 
+/// The bf16 at (`row`, `col`) of a [`WmmaBf16Fragments`] array packed two per word by
+/// [`bf16_pairs`] (per (tile, group, tile row) the row's 64 values in order).
+fn wmma_bf16_fragment_value(grid: &TileGrid, words: &[u32], row: usize, col: usize) -> bf16 {
+    let (tile, tile_row) = grid.row_order.locate(grid.rows, row);
+    let (group, within) = (col / GROUP_COLS, col % GROUP_COLS);
+    let index = ((tile * grid.k_groups + group) * TILE_ROWS + tile_row) * GROUP_COLS + within;
+    bf16::from_bits((words[index / 2] >> (16 * (index % 2))) as u16)
+}
+
+/// bf16 bits two per word, the even index in the low half (the memory order of `values` on a
+/// little-endian device). `values` has an even length (whole 64-wide groups).
+fn bf16_pairs(values: &[u16]) -> Vec<u32> {
+    values
+        .chunks(2)
+        .map(|pair| u32::from(pair[0]) | u32::from(pair.get(1).copied().unwrap_or(0)) << 16)
+        .collect()
+}
+
+/// Scale words as their bytes in memory order (little-endian).
+fn scale_bytes<T: Copy, const N: usize>(scales: &[T], to_le: impl Fn(T) -> [u8; N]) -> Vec<u8> {
+    scales.iter().flat_map(|s| to_le(*s)).collect()
+}
+
 struct ExpertPiece {
     gate_up: Vec<u32>,
-    gate_up_scales: Vec<u16>,
+    gate_up_scales: Vec<u8>,
     down: Vec<u32>,
-    down_scales: Vec<u16>,
+    down_scales: Vec<u8>,
     gate_up_alpha: [f32; 2],
     down_alpha: f32,
 }
 
-/// The NVFP4 fragments' exponent offset: a fragment value is `e2m1 * scale * 2^-7`.
+/// The mma.sync NVFP4 fragments' exponent offset: a fragment value is `e2m1 * scale * 2^-7`.
 const NVFP4_FRAGMENT_SCALE: f32 = 128.0;
 
-fn expert_fragments(expert: &ExpertWeights, hidden: usize, inter: usize) -> Result<ExpertPiece> {
-    match expert {
-        ExpertWeights::Bf16 { gate_up, down } => Ok(ExpertPiece {
+fn expert_fragments(
+    expert: &ExpertWeights,
+    hidden: usize,
+    inter: usize,
+    tensor_core: TensorCore,
+) -> Result<ExpertPiece> {
+    match (expert, tensor_core) {
+        (ExpertWeights::Bf16 { gate_up, down }, TensorCore::MmaSync) => Ok(ExpertPiece {
             gate_up: Bf16Fragments::new(gate_up, 2 * inter, hidden, RowOrder::GateUp)?.words,
             gate_up_scales: Vec::new(),
             down: Bf16Fragments::new(down, hidden, inter, RowOrder::Plain)?.words,
@@ -878,7 +947,17 @@ fn expert_fragments(expert: &ExpertWeights, hidden: usize, inter: usize) -> Resu
             gate_up_alpha: [1.0, 1.0],
             down_alpha: 1.0,
         }),
-        ExpertWeights::Nvfp4 { gate, up, down } => {
+        (ExpertWeights::Bf16 { gate_up, down }, TensorCore::Wmma) => Ok(ExpertPiece {
+            gate_up: bf16_pairs(
+                &WmmaBf16Fragments::new(gate_up, 2 * inter, hidden, RowOrder::GateUp)?.values,
+            ),
+            gate_up_scales: Vec::new(),
+            down: bf16_pairs(&WmmaBf16Fragments::new(down, hidden, inter, RowOrder::Plain)?.values),
+            down_scales: Vec::new(),
+            gate_up_alpha: [1.0, 1.0],
+            down_alpha: 1.0,
+        }),
+        (ExpertWeights::Nvfp4 { gate, up, down }, tensor_core) => {
             // [gate; up] as one matrix: the per-tensor scales stay apart, in the alphas
             let mut packed = gate.packed.clone();
             packed.extend_from_slice(&up.packed);
@@ -892,18 +971,41 @@ fn expert_fragments(expert: &ExpertWeights, hidden: usize, inter: usize) -> Resu
                 global_scale: 1.0,
                 input_scale: None,
             };
-            let gate_up = Nvfp4Fragments::new(&gate_up, RowOrder::GateUp)?;
-            let down_fragments = Nvfp4Fragments::new(down, RowOrder::Plain)?;
+            let (gate_up, gate_up_scales, down_words, down_scales, fragment_scale) =
+                match tensor_core {
+                    TensorCore::MmaSync => {
+                        let gate_up = Nvfp4Fragments::new(&gate_up, RowOrder::GateUp)?;
+                        let down = Nvfp4Fragments::new(down, RowOrder::Plain)?;
+                        (
+                            gate_up.words,
+                            scale_bytes(&gate_up.scales, u16::to_le_bytes),
+                            down.words,
+                            scale_bytes(&down.scales, u16::to_le_bytes),
+                            NVFP4_FRAGMENT_SCALE,
+                        )
+                    }
+                    TensorCore::Wmma => {
+                        let gate_up = WmmaNvfp4Fragments::new(&gate_up, RowOrder::GateUp)?;
+                        let down = WmmaNvfp4Fragments::new(down, RowOrder::Plain)?;
+                        (
+                            gate_up.words,
+                            scale_bytes(&gate_up.scales, u32::to_le_bytes),
+                            down.words,
+                            scale_bytes(&down.scales, u32::to_le_bytes),
+                            1.0,
+                        )
+                    }
+                };
             Ok(ExpertPiece {
-                gate_up: gate_up.words,
-                gate_up_scales: gate_up.scales,
-                down: down_fragments.words,
-                down_scales: down_fragments.scales,
+                gate_up,
+                gate_up_scales,
+                down: down_words,
+                down_scales,
                 gate_up_alpha: [
-                    gate.global_scale * NVFP4_FRAGMENT_SCALE,
-                    up.global_scale * NVFP4_FRAGMENT_SCALE,
+                    gate.global_scale * fragment_scale,
+                    up.global_scale * fragment_scale,
                 ],
-                down_alpha: down.global_scale * NVFP4_FRAGMENT_SCALE,
+                down_alpha: down.global_scale * fragment_scale,
             })
         }
     }
