@@ -372,6 +372,9 @@ fn check_block(
         let (worst, _) = agreement.worst;
         let (token, column) = (worst / h, worst % h);
         println!("{label}: {agreement}");
+        if !agreement.passed() {
+            print_token_errors(&label, &got, &want, h);
+        }
         assert!(
             agreement.passed(),
             "{label}{}: {agreement}; worst at token {token} column {column}: got {} want {} (experts {:?})",
@@ -383,6 +386,41 @@ fn check_block(
         outcomes.push(Outcome { routing, y: got });
     }
     outcomes
+}
+
+/// On a failure: whether the error is one element or a whole token row (a wrong activation of
+/// one (token, expert) slot shows up across every column of that token), for the tokens with the
+/// largest errors relative to their row's size.
+fn print_token_errors(label: &str, got: &[bf16], want: &[f32], h: usize) {
+    let mut rows: Vec<(usize, f64, f64)> = got
+        .chunks(h)
+        .zip(want.chunks(h))
+        .enumerate()
+        .map(|(token, (g, w))| {
+            let (mut e2, mut w2, mut worst) = (0.0f64, 0.0f64, 0.0f64);
+            for (g, w) in g.iter().zip(w) {
+                let err = (g.to_f64() - *w as f64).abs();
+                let rounding = (*w as f64).abs() / 256.0;
+                e2 += err * err;
+                w2 += (*w as f64).powi(2);
+                worst = worst.max(err - rounding);
+            }
+            (token, (e2 / w2.max(f64::MIN_POSITIVE)).sqrt(), worst)
+        })
+        .collect();
+    rows.sort_by(|a, b| b.2.total_cmp(&a.2));
+    for (token, rel, worst) in rows.iter().take(4) {
+        println!(
+            "{label}: token {token}: row rel L2 {rel:.2e}, largest error beyond bf16 rounding {worst:.3e}"
+        );
+    }
+    let mut rels: Vec<f64> = rows.iter().map(|r| r.1).collect();
+    rels.sort_by(f64::total_cmp);
+    println!(
+        "{label}: median row rel L2 {:.2e} over {} tokens",
+        rels[rels.len() / 2],
+        rels.len()
+    );
 }
 
 fn random_cases(rng: &mut SplitMix64, hidden: usize, tokens: &[usize]) -> Vec<Case> {
