@@ -317,8 +317,8 @@ impl Backend {
         }
     }
 
-    /// Copies `values` into `dst` from element `at` on (waits for the copy on a device, so
-    /// `values` may be dropped; not for use inside a captured graph).
+    /// Copies `values` into `dst` from element `at` on, queued after the work before it; it
+    /// returns once `values` may be dropped (not for use inside a captured graph).
     ///
     /// # Errors
     /// [`Error::Invalid`] when `at + values.len()` is past the end of `dst`,
