@@ -1,9 +1,10 @@
-//! Bench of the `attention` family on the CUDA device: one decode step of a Qwen3.6-35B-A3B
-//! full-attention layer (16 query heads over 2 KV heads of 256; prepare, split-K attention,
-//! merge + gate) for B sequences at a given context, replayed from a CUDA graph, beside the time
-//! to read the sequences' K and V once at the device copy bandwidth measured in the same run.
+//! Bench of the `attention` family on the device (CUDA, or HIP on a gfx1151): one decode step of
+//! a Qwen3.6-35B-A3B full-attention layer (16 query heads over 2 KV heads of 256; prepare,
+//! split-K attention, merge + gate) for B sequences at a given context, replayed from a CUDA
+//! graph (on HIP: launched back to back), beside the time to read the sequences' K and V once at
+//! the device copy bandwidth measured in the same run.
 //!
-//! Run: `cargo bench --bench attention` on a CUDA host (prints one skip line elsewhere).
+//! Run: `cargo bench --bench attention` on a CUDA or ROCm host (prints one skip line elsewhere).
 
 mod common;
 
@@ -22,12 +23,12 @@ const BATCHES: [usize; 3] = [1, 8, 64];
 const CONTEXTS: [usize; 2] = [512, 20000];
 
 fn main() {
-    let Some(backend) = common::cuda_or_skip("attention") else {
+    let Some(backend) = common::device_or_skip("attention") else {
         return;
     };
-    let cuda = common::announce(&backend);
+    common::announce(&backend);
     let mut criterion = common::criterion();
-    let copy_gbs = common::copy_bandwidth_gbs(&mut criterion, cuda);
+    let copy_gbs = common::copy_bandwidth_gbs(&mut criterion, &backend);
     let mut rng = SplitMix64::new(0x5eed);
     let q_norm = backend.upload(&rng.normal_vec(256, 0.3)).expect("q_norm");
     let k_norm = backend.upload(&rng.normal_vec(256, 0.3)).expect("k_norm");
@@ -81,7 +82,7 @@ fn main() {
             let bytes = b as u64 * attention::kv_bytes(SHAPE, context + 1);
             let seconds = bench_graph(
                 &mut criterion,
-                cuda,
+                &backend,
                 "attention_decode_step",
                 &format!("B{b}_context{context}"),
                 bytes,

@@ -1,7 +1,9 @@
-//! Bench of the `gdn` family on the CUDA device at the Qwen3.6-35B-A3B head shape (Hk 16,
-//! Hv 32, dk = dv = 128), with the ceilings measured in the same run: device-to-device copy
-//! bandwidth (for the decode and verify steps, which must read and write each sequence's 2 MiB
-//! state once) and cuBLAS bf16 GEMM at 8192^3 (for the prefill's tensor-core work).
+//! Bench of the `gdn` family on the device (CUDA, or HIP on a gfx1151) at the Qwen3.6-35B-A3B
+//! head shape (Hk 16, Hv 32, dk = dv = 128), with the ceilings measured in the same run:
+//! device-to-device copy bandwidth (for the decode and verify steps, which must read and write
+//! each sequence's 2 MiB state once) and, on CUDA only, cuBLAS bf16 GEMM at 8192^3 (for the
+//! prefill's tensor-core work; a HIP run says it is absent). Calls are timed as
+//! benches/common/mod.rs says: CUDA graph replays, or back-to-back launches on HIP.
 //!
 //! - decode, B in {1, 8, 64}: one `gdn_step` per layer and step (conv, gates, norms, the
 //!   recurrence and the gated RMSNorm fused), goal `<= state bytes / copy bandwidth + 3 us`.
@@ -16,7 +18,7 @@
 //! fla's figures (measured independently on the H200 with fla 0.6.0, issue 8) are printed as
 //! "x fla"; tools/reference/gdn_peers.py measures fla and us in one run.
 //!
-//! Run: `cargo bench --bench gdn` on a CUDA host (prints one skip line elsewhere).
+//! Run: `cargo bench --bench gdn` on a CUDA or ROCm host (prints one skip line elsewhere).
 
 mod common;
 
@@ -114,7 +116,6 @@ struct StepRow {
 fn bench_steps(
     criterion: &mut Criterion,
     backend: &Backend,
-    cuda: &CudaBackend,
     rng: &mut SplitMix64,
     batch: usize,
     out: &mut Vec<StepRow>,
@@ -140,7 +141,7 @@ fn bench_steps(
             .expect("output");
         let seconds = bench_graph(
             criterion,
-            cuda,
+            backend,
             &format!("gdn/{kind}"),
             &format!("B{batch}"),
             state_bytes * per_call as u64,
@@ -192,7 +193,7 @@ fn bench_steps(
         }
         let seconds = bench_graph(
             criterion,
-            cuda,
+            backend,
             "gdn/verify",
             &format!("B{batch}_n+1={tokens}"),
             state_bytes * per_call as u64,
@@ -234,7 +235,6 @@ struct PrefillRow {
 fn bench_prefill(
     criterion: &mut Criterion,
     backend: &Backend,
-    cuda: &CudaBackend,
     rng: &mut SplitMix64,
     tokens: usize,
     out: &mut Vec<PrefillRow>,
@@ -253,7 +253,7 @@ fn bench_prefill(
         let bytes = (tokens * (SHAPE.conv_dim() + 2 * SHAPE.value_heads) * 2) as u64;
         let seconds = bench_graph(
             criterion,
-            cuda,
+            backend,
             &format!("gdn/prefill{}", if gated { "_gated" } else { "" }),
             &format!("T{tokens}"),
             bytes,
@@ -279,62 +279,70 @@ fn bench_prefill(
     }
 }
 
-fn main() {
-    let Some(backend) = common::cuda_or_skip("gdn") else {
-        return;
-    };
-    let Backend::Cuda(cuda) = &backend else {
-        unreachable!("asked for CUDA")
-    };
-    let mut criterion = common::criterion();
-    println!(
-        "device: {} ({} SMs)",
-        backend.describe(),
-        cuda.multiprocessors()
-    );
-    let copy_gbs = common::copy_bandwidth_gbs(&mut criterion, cuda);
-
+/// cuBLAS bf16 GEMM at `GEMM_SIDE`^3 on `cuda`, TFLOP/s: the prefill's matrix ceiling (cuBLAS
+/// is CUDA's; a HIP run reports it absent).
+fn cublas_tflops(
+    criterion: &mut Criterion,
+    backend: &Backend,
+    cuda: &CudaBackend,
+    rng: &mut SplitMix64,
+) -> f64 {
     let blas = CudaBlas::new(cuda.stream().clone()).expect("cuBLAS handle");
-    let mut rng = SplitMix64::new(0x6d6e);
     let n = GEMM_SIDE;
     let (w, x) = (
         cuda.stream()
-            .clone_htod(&random_bf16(&mut rng, n * n))
+            .clone_htod(&random_bf16(rng, n * n))
             .expect("upload"),
         cuda.stream()
-            .clone_htod(&random_bf16(&mut rng, n * n))
+            .clone_htod(&random_bf16(rng, n * n))
             .expect("upload"),
     );
     let mut gemm_y = cuda.stream().alloc_zeros::<bf16>(n * n).expect("allocate");
     let gemm_seconds = bench_graph(
-        &mut criterion,
-        cuda,
+        criterion,
+        backend,
         "cublas_bf16",
         &format!("{n}^3"),
         0,
         |_| cublas::gemm_bf16_x_wt(&blas, &w, &x, &mut gemm_y, (n, n, n)).expect("cuBLAS"),
     );
-    let matrix_tflops = 2.0 * (n as f64).powi(3) / gemm_seconds / 1e12;
+    2.0 * (n as f64).powi(3) / gemm_seconds / 1e12
+}
+
+fn main() {
+    let Some(backend) = common::device_or_skip("gdn") else {
+        return;
+    };
+    let mut criterion = common::criterion();
+    common::announce(&backend);
+    let copy_gbs = common::copy_bandwidth_gbs(&mut criterion, &backend);
+
+    let mut rng = SplitMix64::new(0x6d6e);
+    let n = GEMM_SIDE;
+    let matrix_tflops = match &backend {
+        Backend::Cuda(cuda) => cublas_tflops(&mut criterion, &backend, cuda, &mut rng),
+        _ => f64::NAN,
+    };
 
     let mut steps = Vec::new();
     for batch in BATCHES {
-        bench_steps(&mut criterion, &backend, cuda, &mut rng, batch, &mut steps);
+        bench_steps(&mut criterion, &backend, &mut rng, batch, &mut steps);
     }
     let mut prefills = Vec::new();
     for tokens in PREFILL_T {
-        bench_prefill(
-            &mut criterion,
-            &backend,
-            cuda,
-            &mut rng,
-            tokens,
-            &mut prefills,
-        );
+        bench_prefill(&mut criterion, &backend, &mut rng, tokens, &mut prefills);
     }
     criterion.final_summary();
 
     println!("\ndevice-to-device copy: {copy_gbs:.0} GB/s (bytes read + written)");
-    println!("cuBLAS bf16 {n}^3: {matrix_tflops:.0} TFLOP/s");
+    match &backend {
+        Backend::Cuda(_) => println!("cuBLAS bf16 {n}^3: {matrix_tflops:.0} TFLOP/s"),
+        _ => println!(
+            "cuBLAS bf16 {n}^3: absent (cuBLAS is CUDA's; no matrix ceiling on {}, so \"of cuBLAS\" \
+             reads NaN)",
+            backend.name()
+        ),
+    }
     println!(
         "\nsteps: state bytes = 2 x B x {} MiB (read + written); floor = bytes / copy bandwidth",
         gdn::state_bytes(SHAPE) >> 20

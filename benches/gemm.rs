@@ -1,16 +1,18 @@
-//! Bench of the `gemm` family on the CUDA device, with the ceilings measured in the same run:
-//! device-to-device copy bandwidth and cuBLAS bf16 on the same shapes.
+//! Bench of the `gemm` family on the device (CUDA, or HIP on a gfx1151), with the ceilings
+//! measured in the same run: device-to-device copy bandwidth and, on CUDA only, cuBLAS bf16 on
+//! the same shapes (a HIP run says it is absent).
 //!
-//! The copy is timed as plain in-stream copies between CUDA events; every other case as decode
-//! runs it: `LAUNCHES` back-to-back calls captured in one CUDA
-//! graph, each on its own copy of the weights (enough copies to exceed the L2 cache), replayed
-//! between CUDA events; the figure is the median time per call. "bytes" is the fewest bytes the
-//! call must move (weights once, X once, Y once).
+//! The copy is timed as plain in-stream copies between events; every other case as decode runs it:
+//! `LAUNCHES` back-to-back calls, each on its own copy of the weights (enough copies to exceed the
+//! L2 cache), captured in one CUDA graph and replayed between CUDA events (on HIP: launched back to
+//! back between HIP events); the figure is the median time per call. "bytes" is the fewest bytes
+//! the call must move (weights once, X once, Y once).
 //!
 //! Variants: `gemv` (the straightforward NVFP4 kernel, the reference GPU version), `mma` (the
 //! tensor-core kernels on NVFP4 or bf16 weights), `cublas` (bf16 weights, the peer).
 //!
-//! Run: `cargo bench --bench gemm [-- FILTER]` on a CUDA host (prints one skip line elsewhere).
+//! Run: `cargo bench --bench gemm [-- FILTER]` on a CUDA or ROCm host (prints one skip line
+//! elsewhere).
 
 mod common;
 
@@ -54,8 +56,7 @@ struct Row {
 fn bench_shape(
     criterion: &mut Criterion,
     backend: &Backend,
-    cuda: &CudaBackend,
-    blas: &CudaBlas,
+    cublas_peer: Option<(&CudaBackend, &CudaBlas)>,
     rng: &mut SplitMix64,
     set: &'static str,
     n: usize,
@@ -73,9 +74,12 @@ fn bench_shape(
     let bf16: Vec<Linear> = (0..bf16_copies)
         .map(|_| Linear::bf16(backend, &dense, n, k, RowOrder::Plain).expect("upload"))
         .collect();
-    let dense_dev: Vec<CudaSlice<bf16>> = (0..bf16_copies)
-        .map(|_| cuda.stream().clone_htod(&dense).expect("upload"))
-        .collect();
+    let dense_dev: Vec<CudaSlice<bf16>> = match cublas_peer {
+        Some((cuda, _)) => (0..bf16_copies)
+            .map(|_| cuda.stream().clone_htod(&dense).expect("upload"))
+            .collect(),
+        None => Vec::new(),
+    };
     let plain: Vec<Nvfp4Weights> = if with_gemv {
         (0..nvfp4.len())
             .map(|_| Nvfp4Weights::upload(backend, &q).expect("upload"))
@@ -90,9 +94,6 @@ fn bench_shape(
             .map(bf16::from_f32)
             .collect();
         let x_dev = backend.upload(&x).expect("upload X");
-        let DeviceVec::Cuda(x_slice) = &x_dev else {
-            unreachable!("CUDA backend")
-        };
         let mut y: DeviceVec<bf16> = backend.zeros(m * n).expect("allocate Y");
         let name = format!("M{m}_N{n}_K{k}");
         let record = |out: &mut Vec<Row>, variant, bytes, seconds| {
@@ -110,7 +111,7 @@ fn bench_shape(
         let nvfp4_bytes = nvfp4[0].bytes(m, &Epilogue::None);
         let seconds = bench_graph(
             criterion,
-            cuda,
+            backend,
             &format!("{set}/mma_nvfp4"),
             &name,
             nvfp4_bytes,
@@ -130,7 +131,7 @@ fn bench_shape(
         if with_gemv {
             let seconds = bench_graph(
                 criterion,
-                cuda,
+                backend,
                 &format!("{set}/gemv_nvfp4"),
                 &name,
                 nvfp4_bytes,
@@ -144,7 +145,7 @@ fn bench_shape(
         let bf16_bytes = bf16[0].bytes(m, &Epilogue::None);
         let seconds = bench_graph(
             criterion,
-            cuda,
+            backend,
             &format!("{set}/mma_bf16"),
             &name,
             bf16_bytes,
@@ -161,13 +162,16 @@ fn bench_shape(
             },
         );
         record(out, "mma bf16", bf16_bytes, seconds);
-        let DeviceVec::Cuda(y_slice) = &mut y else {
-            unreachable!("CUDA backend")
+        let Some((_, blas)) = cublas_peer else {
+            continue;
+        };
+        let (DeviceVec::Cuda(x_slice), DeviceVec::Cuda(y_slice)) = (&x_dev, &mut y) else {
+            unreachable!("cuBLAS runs on the CUDA backend")
         };
         let cublas_bytes = 2 * (n * k) as u64 + io;
         let seconds = bench_graph(
             criterion,
-            cuda,
+            backend,
             &format!("{set}/cublas_bf16"),
             &name,
             cublas_bytes,
@@ -187,14 +191,22 @@ fn bench_shape(
 }
 
 fn main() {
-    let Some(backend) = common::cuda_or_skip("gemm") else {
+    let Some(backend) = common::device_or_skip("gemm") else {
         return;
     };
-    let cuda = common::announce(&backend);
+    common::announce(&backend);
     let mut criterion = common::criterion();
-    let blas = CudaBlas::new(cuda.stream().clone()).expect("cuBLAS handle");
+    // cuBLAS is CUDA's: on HIP the peer is absent (said below the table), never stood in for
+    let blas = match &backend {
+        Backend::Cuda(cuda) => Some((
+            &**cuda,
+            CudaBlas::new(cuda.stream().clone()).expect("cuBLAS handle"),
+        )),
+        _ => None,
+    };
+    let cublas_peer = blas.as_ref().map(|(cuda, blas)| (*cuda, blas));
 
-    let copy_gbs = common::copy_bandwidth_gbs(&mut criterion, cuda);
+    let copy_gbs = common::copy_bandwidth_gbs(&mut criterion, &backend);
 
     let mut rng = SplitMix64::new(0x5eed);
     let mut rows = Vec::new();
@@ -202,8 +214,7 @@ fn main() {
         bench_shape(
             &mut criterion,
             &backend,
-            cuda,
-            &blas,
+            cublas_peer,
             &mut rng,
             "streaming",
             n,
@@ -217,8 +228,7 @@ fn main() {
         bench_shape(
             &mut criterion,
             &backend,
-            cuda,
-            &blas,
+            cublas_peer,
             &mut rng,
             "model",
             n,
@@ -237,6 +247,12 @@ fn main() {
     println!(
         "floor = bytes / copy bandwidth; x cuBLAS = cuBLAS bf16 time / this time (same M, N, K)"
     );
+    if cublas_peer.is_none() {
+        println!(
+            "cuBLAS bf16: absent (cuBLAS is CUDA's; no peer on {}, so x cuBLAS reads NaN)",
+            backend.name()
+        );
+    }
     println!(
         "{:<9} {:<11} {:>3} {:>6} {:>5} {:>10} {:>8} {:>8} {:>6} {:>7} {:>7} {:>8}",
         "set",

@@ -1,11 +1,13 @@
-//! Bench of the `moe` family on the CUDA device: the whole MoE block (router to combined output,
-//! shared expert included: ONE launch) on the Qwen3.6-35B-A3B shape (E = 256, k = 8, H = 2048,
-//! I = Is = 512) at T = 1, 4, 16, 64 tokens, NVFP4 and bf16 experts, beside the ceiling measured
-//! in the same run (device-to-device copy bandwidth) and a straightforward baseline.
+//! Bench of the `moe` family on the device (CUDA, or HIP on a gfx1151): the whole MoE block
+//! (router to combined output, shared expert included: ONE launch) on the Qwen3.6-35B-A3B shape
+//! (E = 256, k = 8, H = 2048, I = Is = 512) at T = 1, 4, 16, 64 tokens, NVFP4 and bf16 experts,
+//! beside the ceiling measured in the same run (device-to-device copy bandwidth) and a
+//! straightforward baseline.
 //!
 //! Every case is `LAUNCHES` back-to-back calls captured in one CUDA graph and replayed between
-//! events (median per call). Each call gets its own random input, so its own experts, and the
-//! weights rotate over enough copies that the experts a call touches come from DRAM.
+//! events (on HIP: launched back to back between HIP events; median per call). Each call gets its
+//! own random input, so its own experts, and the weights rotate over enough copies that the experts
+//! a call touches come from DRAM.
 //!
 //! Columns: "experts" = distinct experts the calls chose (mean over the calls; the reference
 //! routing of each input); "MB" = bytes one call must read at least: those experts' weights
@@ -17,13 +19,12 @@
 //! for free and without the weighted combine: a lower bound of what a straightforward version
 //! costs; "x" = baseline / fused.
 //!
-//! Run: `cargo bench --bench moe` on a CUDA host (prints one skip line elsewhere).
+//! Run: `cargo bench --bench moe` on a CUDA or ROCm host (prints one skip line elsewhere).
 
 mod common;
 
 use common::{LAUNCHES, bench_graph};
 use criterion::Criterion;
-use fp4spec::backend::cuda::CudaBackend;
 use fp4spec::backend::{Backend, DeviceVec};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
 use fp4spec::kernels::gemm::{self, Epilogue, Linear, RowOrder};
@@ -262,7 +263,6 @@ fn random_x(rng: &mut SplitMix64, len: usize) -> Vec<bf16> {
 fn bench_format(
     criterion: &mut Criterion,
     backend: &Backend,
-    cuda: &CudaBackend,
     rng: &mut SplitMix64,
     format: ExpertFormat,
     rows: &mut Vec<Row>,
@@ -314,7 +314,7 @@ fn bench_format(
         let name = format!("T{t}");
         let fused = bench_graph(
             criterion,
-            cuda,
+            backend,
             &format!("moe_{format:?}/fused"),
             &name,
             mean_bytes as u64,
@@ -359,7 +359,7 @@ fn bench_format(
             .collect();
         let baseline_time = bench_graph(
             criterion,
-            cuda,
+            backend,
             &format!("moe_{format:?}/baseline"),
             &name,
             mean_bytes as u64,
@@ -377,16 +377,16 @@ fn bench_format(
 }
 
 fn main() {
-    let Some(backend) = common::cuda_or_skip("moe") else {
+    let Some(backend) = common::device_or_skip("moe") else {
         return;
     };
-    let cuda = common::announce(&backend);
+    common::announce(&backend);
     let mut criterion = common::criterion();
-    let copy_gbs = common::copy_bandwidth_gbs(&mut criterion, cuda);
+    let copy_gbs = common::copy_bandwidth_gbs(&mut criterion, &backend);
     let mut rng = SplitMix64::new(0x0e5e);
     let mut rows = Vec::new();
     for format in [ExpertFormat::Nvfp4, ExpertFormat::Bf16] {
-        bench_format(&mut criterion, &backend, cuda, &mut rng, format, &mut rows);
+        bench_format(&mut criterion, &backend, &mut rng, format, &mut rows);
     }
     criterion.final_summary();
 

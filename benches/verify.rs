@@ -1,20 +1,20 @@
-//! Bench of the `verify` family on the CUDA device: batched speculative verification of B
-//! sequences with n drafts each at V = 248320 fp32 logits, every sampling control on
-//! (temperature 0.7, top-k 50, top-p 0.9, min-p 0.05, eight logit-bias entries), point-mass
+//! Bench of the `verify` family on the device (CUDA, or HIP on a gfx1151): batched speculative
+//! verification of B sequences with n drafts each at V = 248320 fp32 logits, every sampling control
+//! on (temperature 0.7, top-k 50, top-p 0.9, min-p 0.05, eight logit-bias entries), point-mass
 //! drafts (a greedy drafter such as the MTP head) and sampled drafts (with their logit rows),
 //! beside the device copy bandwidth measured in the same run. Greedy cases (the same controls at
-//! temperature 0: pass 1 finds the argmax, pass 2 and the row finish do nothing) measure the
-//! floor of the launches and their fixed latency chains; the sampled cases' excess over them is
-//! the cost of the sampling machinery (histogram, plan, pass 2, exact finish).
+//! temperature 0: pass 1 finds the argmax, pass 2 and the row finish do nothing) measure the floor
+//! of the launches and their fixed latency chains; the sampled cases' excess over them is the cost
+//! of the sampling machinery (histogram, plan, pass 2, exact finish).
 //!
-//! Each case is timed as decode runs it: `LAUNCHES` back-to-back calls of `verify::verify`
-//! captured in one CUDA graph, each on its own copy of the logits (enough copies to exceed the L2
-//! cache where memory allows; the smallest batches still partly hit L2), replayed between CUDA
-//! events; the figure is the median time per call. "bytes" is the logits read once (target rows,
-//! and draft rows for sampled drafts); "1 pass" is those bytes at the copy bandwidth; the goal is
-//! at most 2 passes + 5 us.
+//! Each case is timed as decode runs it: `LAUNCHES` back-to-back calls of `verify::verify` captured
+//! in one CUDA graph, each on its own copy of the logits (enough copies to exceed the L2 cache
+//! where memory allows; the smallest batches still partly hit L2), replayed between CUDA events (on
+//! HIP: launched back to back between HIP events); the figure is the median time per call. "bytes"
+//! is the logits read once (target rows, and draft rows for sampled drafts); "1 pass" is those
+//! bytes at the copy bandwidth; the goal is at most 2 passes + 5 us.
 //!
-//! Run: `cargo bench --bench verify` on a CUDA host (prints one skip line elsewhere).
+//! Run: `cargo bench --bench verify` on a CUDA or ROCm host (prints one skip line elsewhere).
 
 mod common;
 
@@ -113,9 +113,6 @@ fn bench_case(
     drafts: usize,
     out: &mut Vec<Row>,
 ) {
-    let Backend::Cuda(cuda) = backend else {
-        unreachable!("CUDA bench")
-    };
     let params: Vec<SamplingParams> = (0..batch).map(|s| (controls.params)(s as u64)).collect();
     let sequences: Vec<Sequence> = params
         .iter()
@@ -175,7 +172,7 @@ fn bench_case(
         "all" => format!("{kind:?}_B{batch}_n{drafts}"),
         other => format!("{kind:?}_{other}_B{batch}_n{drafts}"),
     };
-    let seconds = bench_graph(criterion, cuda, "verify", &name, bytes, |i| {
+    let seconds = bench_graph(criterion, backend, "verify", &name, bytes, |i| {
         let draft = drafts_dev.get(i % copies);
         verify::verify(backend, &mut ws, &targets[i % copies], &tokens_dev, draft).expect("verify")
     });
@@ -197,19 +194,12 @@ fn bench_case(
 }
 
 fn main() {
-    let Some(backend) = common::cuda_or_skip("verify") else {
+    let Some(backend) = common::device_or_skip("verify") else {
         return;
     };
-    let Backend::Cuda(cuda) = &backend else {
-        unreachable!("asked for CUDA")
-    };
     let mut criterion = common::criterion();
-    println!(
-        "device: {} ({} SMs)",
-        backend.describe(),
-        cuda.multiprocessors()
-    );
-    let copy_gbs = common::copy_bandwidth_gbs(&mut criterion, cuda);
+    common::announce(&backend);
+    let copy_gbs = common::copy_bandwidth_gbs(&mut criterion, &backend);
     let mut rng = SplitMix64::new(0x5eed);
     let rows_pool = pool(&mut rng);
     let mut rows = Vec::new();

@@ -1,44 +1,49 @@
-//! What every bench shares: the CUDA device (or one skip line), the device-to-device copy
-//! ceiling measured in the same run, and timing of back-to-back calls replayed from a CUDA graph.
+//! What every bench shares: the device (CUDA first, else HIP, else one skip line), the
+//! device-to-device copy ceiling measured in the same run on that device, and timing of
+//! back-to-back calls: replayed from a CUDA graph on CUDA; on HIP (whose backend captures no
+//! graphs) launched one after another between HIP events, which [`announce`] says in the output.
 //! Each bench file includes it with `mod common;`.
 
 #![allow(dead_code)] // each bench binary uses its own subset
 
 use criterion::{Criterion, Throughput};
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
-use fp4spec::backend::cuda::CudaBackend;
-use fp4spec::backend::{Backend, BackendKind};
+use fp4spec::backend::Backend;
 use std::cell::RefCell;
 use std::time::Duration;
 
-/// Calls per captured graph.
+/// Calls per captured graph (per timed group of launches on HIP).
 pub const LAUNCHES: usize = 16;
 /// Each side of the copy-bandwidth measurement.
 pub const COPY_BYTES: usize = 512 << 20;
 
-/// The CUDA backend, or `None` after printing `skipped bench <bench>: why`.
-pub fn cuda_or_skip(bench: &str) -> Option<Backend> {
-    match Backend::new(BackendKind::Cuda) {
-        Ok(backend) => Some(backend),
-        Err(e) => {
-            println!("skipped bench {bench}: {e}");
+/// The device backend present (CUDA first, then HIP), or `None` after printing
+/// `skipped bench <bench>: why`.
+pub fn device_or_skip(bench: &str) -> Option<Backend> {
+    match Backend::auto() {
+        (Backend::Cpu, why) => {
+            let why = why.unwrap_or_else(|| "no device backend".into());
+            println!("skipped bench {bench}: {why}");
             None
         }
+        (backend, _) => Some(backend),
     }
 }
 
-/// The CUDA side of a backend [`cuda_or_skip`] opened, after printing the device line every
-/// bench report starts with.
-pub fn announce(backend: &Backend) -> &CudaBackend {
-    let Backend::Cuda(cuda) = backend else {
-        unreachable!("cuda_or_skip opens CUDA only")
-    };
-    println!(
-        "device: {} ({} SMs)",
-        backend.describe(),
-        cuda.multiprocessors()
-    );
-    cuda
+/// Prints the device line every bench report starts with (and on HIP how calls are timed).
+pub fn announce(backend: &Backend) {
+    let units = backend.multiprocessors().unwrap_or(0);
+    match backend {
+        Backend::Hip(_) => {
+            println!("device: {} ({units} CUs)", backend.describe());
+            println!(
+                "timing: {LAUNCHES} back-to-back launches between HIP events (the HIP backend \
+                 captures no graphs, so per-launch overhead is included, unlike CUDA's graph \
+                 replays)"
+            );
+        }
+        _ => println!("device: {} ({units} SMs)", backend.describe()),
+    }
 }
 
 /// Criterion settings for device benches: few, short samples (the device lease is short).
@@ -63,69 +68,90 @@ impl Samples {
     }
 }
 
-/// Captures `LAUNCHES` calls of `call(i)` into a graph and benches its replays; returns the
-/// median seconds per call. `bytes` is what one call must move (criterion's throughput).
+/// Benches `LAUNCHES` calls of `call(i)` back to back; returns the median seconds per call.
+/// On CUDA the calls are captured into a graph once and its replays are timed; on HIP they are
+/// launched anew for every timed group, between HIP events. `bytes` is what one call must move
+/// (criterion's throughput).
 pub fn bench_graph(
     criterion: &mut Criterion,
-    cuda: &CudaBackend,
+    backend: &Backend,
     group: &str,
     name: &str,
     bytes: u64,
     mut call: impl FnMut(usize),
 ) -> f64 {
-    let stream = cuda.stream();
     for i in 0..LAUNCHES {
         call(i); // warm up: compile, grow scratch, create handles outside the capture
     }
-    stream.synchronize().expect("warm-up");
-    stream
-        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .expect("begin capture");
-    for i in 0..LAUNCHES {
-        call(i);
-    }
-    let graph = stream
-        .end_capture(CUgraphInstantiate_flags(0))
-        .expect("end capture")
-        .expect("a captured graph");
-    graph.upload().expect("upload graph");
+    backend.synchronize().expect("warm-up");
     let samples = Samples::default();
     let mut g = criterion.benchmark_group(group);
     g.throughput(Throughput::Bytes(bytes));
-    g.bench_function(name, |b| {
-        b.iter_custom(|iters| {
-            let start = stream
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .expect("event");
-            for _ in 0..iters {
-                graph.launch().expect("graph launch");
+    match backend {
+        Backend::Cuda(cuda) => {
+            let stream = cuda.stream();
+            stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .expect("begin capture");
+            for i in 0..LAUNCHES {
+                call(i);
             }
-            let end = stream
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .expect("event");
-            let seconds = f64::from(start.elapsed_ms(&end).expect("event timing")) / 1e3;
-            samples
-                .0
-                .borrow_mut()
-                .push(seconds / (iters as f64 * LAUNCHES as f64));
-            Duration::from_secs_f64(seconds / LAUNCHES as f64)
-        })
-    });
+            let graph = stream
+                .end_capture(CUgraphInstantiate_flags(0))
+                .expect("end capture")
+                .expect("a captured graph");
+            graph.upload().expect("upload graph");
+            g.bench_function(name, |b| {
+                b.iter_custom(|iters| {
+                    let start = stream
+                        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                        .expect("event");
+                    for _ in 0..iters {
+                        graph.launch().expect("graph launch");
+                    }
+                    let end = stream
+                        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                        .expect("event");
+                    let seconds = f64::from(start.elapsed_ms(&end).expect("event timing")) / 1e3;
+                    samples
+                        .0
+                        .borrow_mut()
+                        .push(seconds / (iters as f64 * LAUNCHES as f64));
+                    Duration::from_secs_f64(seconds / LAUNCHES as f64)
+                })
+            });
+        }
+        _ => {
+            g.bench_function(name, |b| {
+                b.iter_custom(|iters| {
+                    let start = backend.record_event().expect("event");
+                    for _ in 0..iters {
+                        (0..LAUNCHES).for_each(&mut call);
+                    }
+                    let end = backend.record_event().expect("event");
+                    let seconds = f64::from(start.elapsed_ms(&end).expect("event timing")) / 1e3;
+                    samples
+                        .0
+                        .borrow_mut()
+                        .push(seconds / (iters as f64 * LAUNCHES as f64));
+                    Duration::from_secs_f64(seconds / LAUNCHES as f64)
+                })
+            });
+        }
+    }
     g.finish();
     samples.median()
 }
 
-/// Device-to-device copy bandwidth, GB/s, counting bytes read plus bytes written: the ceiling
-/// every memory-bound figure is reported against.
-pub fn copy_bandwidth_gbs(criterion: &mut Criterion, cuda: &CudaBackend) -> f64 {
+/// Device-to-device copy bandwidth of `backend`, GB/s, counting bytes read plus bytes written:
+/// the ceiling every memory-bound figure is reported against.
+pub fn copy_bandwidth_gbs(criterion: &mut Criterion, backend: &Backend) -> f64 {
     let seconds = {
-        let src = cuda
-            .stream()
-            .alloc_zeros::<u8>(COPY_BYTES)
+        let src = backend
+            .zeros::<u8>(COPY_BYTES)
             .expect("allocate copy source");
-        let mut dst = cuda
-            .stream()
-            .alloc_zeros::<u8>(COPY_BYTES)
+        let mut dst = backend
+            .zeros::<u8>(COPY_BYTES)
             .expect("allocate copy destination");
         // not captured: inside a graph the same copy ran at 2767 GB/s against 4220 in-stream
         // (H200, 2026-12-02), which would flatter every other figure
@@ -134,16 +160,11 @@ pub fn copy_bandwidth_gbs(criterion: &mut Criterion, cuda: &CudaBackend) -> f64 
         g.throughput(Throughput::Bytes(2 * COPY_BYTES as u64));
         g.bench_function("device_to_device_512MiB", |b| {
             b.iter_custom(|iters| {
-                let stream = cuda.stream();
-                let start = stream
-                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .expect("event");
+                let start = backend.record_event().expect("event");
                 for _ in 0..iters {
-                    stream.memcpy_dtod(&src, &mut dst).expect("memcpy");
+                    backend.copy(&src, &mut dst).expect("memcpy");
                 }
-                let end = stream
-                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .expect("event");
+                let end = backend.record_event().expect("event");
                 let seconds = f64::from(start.elapsed_ms(&end).expect("event timing")) / 1e3;
                 samples.0.borrow_mut().push(seconds / iters as f64);
                 Duration::from_secs_f64(seconds)

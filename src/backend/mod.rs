@@ -265,18 +265,6 @@ impl Backend {
         Ok(scratch)
     }
 
-    /// The error a family returns from a backend it has no launch for yet (transitional: the
-    /// families move onto [`Backend::launch`], which serves every backend).
-    pub(crate) fn no_launch_yet(&self, family: &str) -> Error {
-        Error::invalid(
-            format!("kernel family `{family}`"),
-            format!(
-                "has no {} launch yet (it still launches through cudarc directly)",
-                self.name()
-            ),
-        )
-    }
-
     /// Copies `data` to the backend.
     ///
     /// # Errors
@@ -326,6 +314,83 @@ impl Backend {
                 .map_err(|e| Error::cuda(format!("download {} elements", s.len()), e)),
             (Self::Hip(h), DeviceVec::Hip(s)) => h.download(s),
             _ => Err(self.mismatch("downloaded buffer", data)),
+        }
+    }
+
+    /// Copies `values` into `dst` from element `at` on, queued after the work before it; it
+    /// returns once `values` may be dropped (not for use inside a captured graph).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `at + values.len()` is past the end of `dst`,
+    /// [`Error::BackendMismatch`] for a buffer of another backend, [`Error::Cuda`] /
+    /// [`Error::Hip`] when the copy fails.
+    pub fn write<T: DeviceRepr + Clone>(
+        &self,
+        dst: &mut DeviceVec<T>,
+        at: usize,
+        values: &[T],
+    ) -> Result<()> {
+        let range = at..at.saturating_add(values.len());
+        check_range(dst, &range)?;
+        match (self, dst) {
+            (Self::Cpu, DeviceVec::Host(d)) => {
+                d[range].clone_from_slice(values);
+                Ok(())
+            }
+            (Self::Cuda(c), DeviceVec::Cuda(d)) => c
+                .stream()
+                .memcpy_htod(values, &mut d.slice_mut(range))
+                .map_err(|e| {
+                    Error::cuda(format!("copy {} elements to the device", values.len()), e)
+                }),
+            (Self::Hip(h), DeviceVec::Hip(d)) => h.write(d, at, values),
+            (_, dst) => Err(self.mismatch("written buffer", dst)),
+        }
+    }
+
+    /// Copies the elements `range` of `src` back to the host (waits for the work queued before
+    /// it).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `range` is not within `src`, [`Error::BackendMismatch`] for a
+    /// buffer of another backend, [`Error::Cuda`] / [`Error::Hip`] when the copy fails.
+    pub fn read<T: DeviceRepr + Clone + Default>(
+        &self,
+        src: &DeviceVec<T>,
+        range: Range<usize>,
+    ) -> Result<Vec<T>> {
+        check_range(src, &range)?;
+        match (self, src) {
+            (Self::Cpu, DeviceVec::Host(s)) => Ok(s[range].to_vec()),
+            (Self::Cuda(c), DeviceVec::Cuda(s)) => c
+                .stream()
+                .clone_dtoh(&s.slice(range.clone()))
+                .map_err(|e| Error::cuda(format!("download elements {range:?}"), e)),
+            (Self::Hip(h), DeviceVec::Hip(s)) => h.read(s, range),
+            _ => Err(self.mismatch("read buffer", src)),
+        }
+    }
+
+    /// Queues zeroing every element of `buffer`.
+    ///
+    /// # Errors
+    /// [`Error::BackendMismatch`] for a buffer of another backend, [`Error::Cuda`] /
+    /// [`Error::Hip`] when the memset fails.
+    pub fn fill_zeros<T: DeviceRepr + ValidAsZeroBits + Clone + Default>(
+        &self,
+        buffer: &mut DeviceVec<T>,
+    ) -> Result<()> {
+        match (self, buffer) {
+            (Self::Cpu, DeviceVec::Host(b)) => {
+                b.fill(T::default());
+                Ok(())
+            }
+            (Self::Cuda(c), DeviceVec::Cuda(b)) => c
+                .stream()
+                .memset_zeros(b)
+                .map_err(|e| Error::cuda(format!("zero {} elements", b.len()), e)),
+            (Self::Hip(h), DeviceVec::Hip(b)) => h.fill_zeros(b),
+            (_, buffer) => Err(self.mismatch("zeroed buffer", buffer)),
         }
     }
 
@@ -419,8 +484,8 @@ pub struct SplitKScratch {
 /// A device backend's split-K scratch, empty until the first launch that splits K.
 pub(crate) type SplitKCell = Mutex<SplitKScratch>;
 
-/// The most arguments one launch passes.
-pub const MAX_KERNEL_ARGS: usize = 32;
+/// The most arguments one launch passes (the longest list, `gdn_step_*`'s, has 33).
+pub const MAX_KERNEL_ARGS: usize = 40;
 
 /// Grid and block of one launch, and its dynamic shared memory (LDS) in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -465,6 +530,12 @@ enum ArgValue {
     I32(i32),
     U64(u64),
     F32(f32),
+    /// A plain struct passed by value: where its bytes are (borrowed for the argument's
+    /// lifetime) and how many.
+    Struct {
+        data: *const c_void,
+        size: usize,
+    },
 }
 
 impl<'a> KernelArg<'a> {
@@ -554,11 +625,21 @@ impl<'a> KernelArg<'a> {
         Self::from_value(ArgValue::F32(value))
     }
 
+    /// A struct parameter passed by value (`value` laid out as the kernel declares the struct:
+    /// `#[repr(C)]`, same fields and padding); the launch copies its bytes.
+    pub fn by_value<T: DeviceRepr>(value: &'a T) -> Self {
+        Self::from_value(ArgValue::Struct {
+            data: std::ptr::from_ref(value).cast(),
+            size: size_of::<T>(),
+        })
+    }
+
     /// Bytes the kernel parameter occupies.
     pub fn size(&self) -> usize {
         match self.value {
             ArgValue::Pointer { .. } | ArgValue::U64(_) => 8,
             ArgValue::U32(_) | ArgValue::I32(_) | ArgValue::F32(_) => 4,
+            ArgValue::Struct { size, .. } => size,
         }
     }
 
@@ -578,6 +659,7 @@ impl<'a> KernelArg<'a> {
             ArgValue::I32(v) => format!("an i32 ({v})"),
             ArgValue::U64(v) => format!("a u64 ({v})"),
             ArgValue::F32(v) => format!("an f32 ({v})"),
+            ArgValue::Struct { size, .. } => format!("a {size}-byte struct"),
         }
     }
 
@@ -590,6 +672,7 @@ impl<'a> KernelArg<'a> {
             ArgValue::I32(v) => std::ptr::from_ref(v).cast_mut().cast(),
             ArgValue::U64(v) => std::ptr::from_ref(v).cast_mut().cast(),
             ArgValue::F32(v) => std::ptr::from_ref(v).cast_mut().cast(),
+            ArgValue::Struct { data, .. } => data.cast_mut(),
         }
     }
 }
@@ -756,6 +839,16 @@ mod tests {
         let out = KernelArg::optional_output(Some(&mut written));
         // SAFETY: a pointer argument stores a u64 address.
         assert_eq!(unsafe { *out.value_ptr().cast::<u64>() }, address);
+
+        let record = 0x0123_4567_89ab_cdefu64;
+        let by_value = KernelArg::by_value(&record);
+        assert_eq!(by_value.size(), 8);
+        assert!(!by_value.is_pointer());
+        assert_eq!(by_value.describe(), "a 8-byte struct");
+        assert_eq!(
+            by_value.value_ptr().cast_const(),
+            std::ptr::from_ref(&record).cast()
+        );
     }
 
     #[test]
@@ -799,7 +892,11 @@ mod tests {
         let too_many = vec![KernelArg::u32(0); MAX_KERNEL_ARGS + 1];
         // SAFETY: refused before anything runs.
         let e = unsafe { Backend::Cpu.launch("f", "k", &dims, &too_many) }.unwrap_err();
-        assert!(e.to_string().contains("at most 32"), "{e}");
+        assert!(
+            e.to_string()
+                .contains(&format!("at most {MAX_KERNEL_ARGS}")),
+            "{e}"
+        );
 
         let backend = Backend::Cpu;
         assert!(backend.target().is_none() && backend.multiprocessors().is_none());
@@ -812,6 +909,13 @@ mod tests {
         assert!(start.elapsed_ms(&end).expect("elapsed") >= 0.0);
         let mut short = backend.zeros::<u16>(2).expect("zeros");
         assert!(backend.copy(&src, &mut short).is_err());
+        backend.write(&mut dst, 1, &[7, 8]).expect("write");
+        assert_eq!(backend.read(&dst, 1..3).expect("read"), [7, 8]);
+        let e = backend.write(&mut dst, 2, &[7, 8]).unwrap_err();
+        assert!(e.to_string().contains("2..4"), "{e}");
+        assert!(backend.read(&dst, 0..4).is_err());
+        backend.fill_zeros(&mut dst).expect("zero");
+        assert_eq!(backend.download(&dst).expect("download"), [0, 0, 0]);
         assert_eq!(src.device_address(), None);
     }
 }

@@ -68,7 +68,8 @@ fn parameters(target_name: &str, family: &str) -> &'static Parameters {
     leaked
 }
 
-/// The PTX parameter types of `kernel` (`.u64`, `.u32`, `.f32`, ...), in order.
+/// The PTX parameter types of `kernel` (`.u64`, `.u32`, `.f32`, ...; a struct passed by value,
+/// `.param .align A .b8 name[N]`, as `.b8[N]`), in order.
 fn ptx_parameter_types(ptx: &str, kernel: &str) -> Option<Vec<String>> {
     let header = format!(".entry {kernel}(");
     let start = ptx.find(&header)? + header.len();
@@ -78,25 +79,38 @@ fn ptx_parameter_types(ptx: &str, kernel: &str) -> Option<Vec<String>> {
             .split(',')
             .filter_map(|p| {
                 let mut words = p.split_whitespace();
-                (words.next() == Some(".param")).then(|| words.next().unwrap_or("").to_string())
+                if words.next() != Some(".param") {
+                    return None;
+                }
+                let mut kind = words.next().unwrap_or("");
+                if kind == ".align" {
+                    kind = words.nth(1).unwrap_or("");
+                }
+                let length = words
+                    .next()
+                    .and_then(|name| name.find('[').map(|at| &name[at..]))
+                    .unwrap_or("");
+                Some(format!("{kind}{length}"))
             })
             .collect(),
     )
 }
 
 /// The PTX type a launch argument must meet.
-fn ptx_type_of(arg: &KernelArg<'_>) -> &'static str {
+fn ptx_type_of(arg: &KernelArg<'_>) -> String {
     let described = arg.describe();
     if arg.is_pointer() || described.starts_with("a u64") {
-        ".u64"
+        ".u64".into()
     } else if described.starts_with("a u32") {
-        ".u32"
+        ".u32".into()
     } else if described.starts_with("an i32") {
-        ".s32"
+        ".s32".into()
     } else if described.starts_with("an f32") {
-        ".f32"
+        ".f32".into()
+    } else if described.ends_with("-byte struct") {
+        format!(".b8[{}]", arg.size())
     } else {
-        "?"
+        "?".into()
     }
 }
 
@@ -122,7 +136,7 @@ pub(crate) fn check_arguments(
                 ));
             }
             for (i, (want, arg)) in types.iter().zip(args).enumerate() {
-                if want != ptx_type_of(arg) {
+                if *want != ptx_type_of(arg) {
                     return Err(format!(
                         "{target_name} {kernel} parameter {i}: the kernel takes {want}, the \
                          launch passes {}",
@@ -154,11 +168,13 @@ mod tests {
     #[test]
     fn ptx_parameter_lists_are_read_in_order() {
         let ptx = ".visible .entry k(\n\t.param .u64 .ptr .align 1 k_param_0,\n\t.param .f32 \
-                   k_param_1,\n\t.param .u32 k_param_2\n)\n{\n}";
+                   k_param_1,\n\t.param .u32 k_param_2,\n\t.param .align 8 .b8 k_param_3[184]\n)\n{\n}";
         assert_eq!(
             ptx_parameter_types(ptx, "k").expect("found"),
-            [".u64", ".f32", ".u32"]
+            [".u64", ".f32", ".u32", ".b8[184]"]
         );
+        let record = crate::kernels::verify::device::Args::default();
+        assert_eq!(ptx_type_of(&KernelArg::by_value(&record)), ".b8[184]");
         assert!(ptx_parameter_types(ptx, "other").is_none());
         assert_eq!(ptx_type_of(&KernelArg::f32(1.0)), ".f32");
         assert_eq!(ptx_type_of(&KernelArg::u64(1)), ".u64");

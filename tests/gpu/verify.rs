@@ -1,13 +1,14 @@
-//! GPU checks of the `verify` family: the CUDA kernels give exactly the reference's outcomes
-//! (same tokens, same accept counts, same errors, same statistics) on random ragged batches with
-//! every control, at V = 248320 and small V, greedy and sampling, point-mass and sampled drafts,
-//! every bad value, through the radix fallback, with logits just below zero, and replayed from a
-//! CUDA graph.
+//! GPU checks of the `verify` family: the kernels give exactly the reference's outcomes (same
+//! tokens, same accept counts, same errors, same statistics) on random ragged batches with every
+//! control, at V = 248320 and small V, greedy and sampling, point-mass and sampled drafts, every
+//! bad value, through the radix fallback, with logits just below zero, on every device backend
+//! present (CUDA; HIP on a gfx1151 built with `--features hip`), and (CUDA only: the HIP backend
+//! captures no graphs) replayed from a CUDA graph.
 
 #[path = "../verify_support/batches.rs"]
 mod batches;
 
-use crate::common::{cuda, rng};
+use crate::common::{cuda, devices, rng};
 use batches::{Batch, Run, assert_same, on_backend};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use fp4spec::Error;
@@ -16,7 +17,7 @@ use fp4spec::kernels::verify::{self, DraftKind, SamplingParams, VerifyWorkspace}
 
 const KINDS: [DraftKind; 2] = [DraftKind::PointMass, DraftKind::Sampled];
 
-/// CUDA against the CPU reference for both kinds of drafts; prints one line per kind.
+/// A device against the CPU reference for both kinds of drafts; prints one line per kind.
 fn check(backend: &Backend, what: &str, batch: &Batch, vocab: usize) {
     for kind in KINDS {
         let want = on_backend(&Backend::Cpu, batch, vocab, kind);
@@ -34,52 +35,49 @@ fn check(backend: &Backend, what: &str, batch: &Batch, vocab: usize) {
 
 #[test]
 fn verify_equals_the_reference_on_random_ragged_batches() {
-    let Some(backend) = cuda("verify_equals_the_reference_on_random_ragged_batches") else {
-        return;
-    };
-    let mut rng = rng("verify random batches");
-    for (vocab, sequences) in [(37usize, 16usize), (1000, 16), (20_000, 8), (248_320, 8)] {
-        let batch = batches::random(&mut rng, vocab, sequences, 4);
-        check(
-            backend,
-            &format!("random V={vocab} B={sequences}"),
-            &batch,
-            vocab,
-        );
+    for backend in devices("verify_equals_the_reference_on_random_ragged_batches") {
+        let mut rng = rng("verify random batches");
+        for (vocab, sequences) in [(37usize, 16usize), (1000, 16), (20_000, 8), (248_320, 8)] {
+            let batch = batches::random(&mut rng, vocab, sequences, 4);
+            check(
+                backend,
+                &format!("random V={vocab} B={sequences}"),
+                &batch,
+                vocab,
+            );
+        }
     }
 }
 
 #[test]
 fn verify_equals_the_reference_at_the_bench_shapes() {
-    let Some(backend) = cuda("verify_equals_the_reference_at_the_bench_shapes") else {
-        return;
-    };
-    let mut rng = rng("verify bench shapes");
-    let params = batches::all_controls();
-    for (sequences, drafts) in [(1usize, 1usize), (8, 2), (64, 4)] {
-        let batch = batches::model_like(&mut rng, 248_320, sequences, drafts, &params);
-        check(
-            backend,
-            &format!("all controls B={sequences} n={drafts}"),
-            &batch,
-            248_320,
-        );
+    for backend in devices("verify_equals_the_reference_at_the_bench_shapes") {
+        let mut rng = rng("verify bench shapes");
+        let params = batches::all_controls();
+        for (sequences, drafts) in [(1usize, 1usize), (8, 2), (64, 4)] {
+            let batch = batches::model_like(&mut rng, 248_320, sequences, drafts, &params);
+            check(
+                backend,
+                &format!("all controls B={sequences} n={drafts}"),
+                &batch,
+                248_320,
+            );
+        }
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            ..batches::all_controls()
+        };
+        let batch = batches::model_like(&mut rng, 248_320, 8, 4, &greedy);
+        check(backend, "greedy B=8 n=4", &batch, 248_320);
     }
-    let greedy = SamplingParams {
-        temperature: 0.0,
-        ..batches::all_controls()
-    };
-    let batch = batches::model_like(&mut rng, 248_320, 8, 4, &greedy);
-    check(backend, "greedy B=8 n=4", &batch, 248_320);
 }
 
 #[test]
 fn verify_reports_every_bad_value_as_the_reference_does() {
-    let Some(backend) = cuda("verify_reports_every_bad_value_as_the_reference_does") else {
-        return;
-    };
-    let (batch, vocab) = batches::bad_values(&mut rng("verify bad values"));
-    check(backend, "bad values", &batch, vocab);
+    for backend in devices("verify_reports_every_bad_value_as_the_reference_does") {
+        let (batch, vocab) = batches::bad_values(&mut rng("verify bad values"));
+        check(backend, "bad values", &batch, vocab);
+    }
 }
 
 /// Rows whose cut and draw buckets hold far more tokens than the candidate space: nearly flat
@@ -87,31 +85,29 @@ fn verify_reports_every_bad_value_as_the_reference_does() {
 /// radix rounds over the row.
 #[test]
 fn verify_equals_the_reference_through_the_radix_fallback() {
-    let Some(backend) = cuda("verify_equals_the_reference_through_the_radix_fallback") else {
-        return;
-    };
-    let mut rng = rng("verify radix fallback");
-    let vocab = 248_320;
-    let batch = batches::flat_rows(&mut rng, vocab);
-    check(backend, "flat rows", &batch, vocab);
+    for backend in devices("verify_equals_the_reference_through_the_radix_fallback") {
+        let mut rng = rng("verify radix fallback");
+        let vocab = 248_320;
+        let batch = batches::flat_rows(&mut rng, vocab);
+        check(backend, "flat rows", &batch, vocab);
+    }
 }
 
 /// Logits just below zero (`f = y - k` rounds to 1: the top of octave -1), some rows topped by
 /// one of them; the candidates' path and the radix fallback.
 #[test]
 fn verify_equals_the_reference_when_logits_straddle_zero() {
-    let Some(backend) = cuda("verify_equals_the_reference_when_logits_straddle_zero") else {
-        return;
-    };
-    let mut rng = rng("verify straddling zero");
-    for (vocab, sequences) in [(20_000usize, 16usize), (248_320, 8)] {
-        let batch = batches::straddling_zero(&mut rng, vocab, sequences, 3);
-        check(
-            backend,
-            &format!("straddling zero V={vocab} B={sequences}"),
-            &batch,
-            vocab,
-        );
+    for backend in devices("verify_equals_the_reference_when_logits_straddle_zero") {
+        let mut rng = rng("verify straddling zero");
+        for (vocab, sequences) in [(20_000usize, 16usize), (248_320, 8)] {
+            let batch = batches::straddling_zero(&mut rng, vocab, sequences, 3);
+            check(
+                backend,
+                &format!("straddling zero V={vocab} B={sequences}"),
+                &batch,
+                vocab,
+            );
+        }
     }
 }
 
@@ -185,39 +181,38 @@ fn verify_replays_from_a_cuda_graph() {
 /// Statistics add up over launches until reset; buffers of another backend are errors.
 #[test]
 fn verify_statistics_accumulate_and_foreign_buffers_are_errors() {
-    let Some(backend) = cuda("verify_statistics_accumulate_and_foreign_buffers_are_errors") else {
-        return;
-    };
-    let mut rng = rng("verify statistics");
-    let vocab = 20_000; // the bias of all_controls() reaches token 19999
-    let batch = batches::model_like(&mut rng, vocab, 6, 3, &batches::all_controls());
-    let mut ws = VerifyWorkspace::new(backend, batch.capacity(vocab)).expect("workspace");
-    ws.set_batch(&batch.sequences(), DraftKind::PointMass)
-        .expect("set_batch");
-    let target = backend.upload(&batch.target).expect("upload");
-    let tokens = backend.upload(&batch.tokens).expect("upload");
-    for _ in 0..3 {
-        verify::verify(backend, &mut ws, &target, &tokens, None).expect("verify");
-    }
-    let once = on_backend(&Backend::Cpu, &batch, vocab, DraftKind::PointMass).stats;
-    let three = ws.stats().expect("stats");
-    let tripled: Vec<u64> = once.accepted.iter().map(|a| 3 * a).collect();
-    assert_eq!(
-        three.accepted, tripled,
-        "accepted counts over three launches"
-    );
-    assert_eq!(
-        three.drafted,
-        vec![18; 3],
-        "drafted counts over three launches"
-    );
-    ws.reset_stats().expect("reset");
-    assert!(ws.stats().expect("stats").drafted.iter().all(|&d| d == 0));
+    for backend in devices("verify_statistics_accumulate_and_foreign_buffers_are_errors") {
+        let mut rng = rng("verify statistics");
+        let vocab = 20_000; // the bias of all_controls() reaches token 19999
+        let batch = batches::model_like(&mut rng, vocab, 6, 3, &batches::all_controls());
+        let mut ws = VerifyWorkspace::new(backend, batch.capacity(vocab)).expect("workspace");
+        ws.set_batch(&batch.sequences(), DraftKind::PointMass)
+            .expect("set_batch");
+        let target = backend.upload(&batch.target).expect("upload");
+        let tokens = backend.upload(&batch.tokens).expect("upload");
+        for _ in 0..3 {
+            verify::verify(backend, &mut ws, &target, &tokens, None).expect("verify");
+        }
+        let once = on_backend(&Backend::Cpu, &batch, vocab, DraftKind::PointMass).stats;
+        let three = ws.stats().expect("stats");
+        let tripled: Vec<u64> = once.accepted.iter().map(|a| 3 * a).collect();
+        assert_eq!(
+            three.accepted, tripled,
+            "accepted counts over three launches"
+        );
+        assert_eq!(
+            three.drafted,
+            vec![18; 3],
+            "drafted counts over three launches"
+        );
+        ws.reset_stats().expect("reset");
+        assert!(ws.stats().expect("stats").drafted.iter().all(|&d| d == 0));
 
-    let host_target = Backend::Cpu.upload(&batch.target).expect("host");
-    let err = verify::verify(backend, &mut ws, &host_target, &tokens, None).unwrap_err();
-    assert!(matches!(err, Error::BackendMismatch { .. }), "{err}");
-    let short = backend.upload(&batch.target[..vocab]).expect("upload");
-    let err = verify::verify(backend, &mut ws, &short, &tokens, None).unwrap_err();
-    assert!(matches!(err, Error::Invalid { .. }), "{err}");
+        let host_target = Backend::Cpu.upload(&batch.target).expect("host");
+        let err = verify::verify(backend, &mut ws, &host_target, &tokens, None).unwrap_err();
+        assert!(matches!(err, Error::BackendMismatch { .. }), "{err}");
+        let short = backend.upload(&batch.target[..vocab]).expect("upload");
+        let err = verify::verify(backend, &mut ws, &short, &tokens, None).unwrap_err();
+        assert!(matches!(err, Error::Invalid { .. }), "{err}");
+    }
 }

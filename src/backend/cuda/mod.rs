@@ -2,7 +2,7 @@
 //! `kernels/targets.toml`, and a lazily filled module cache (one module per kernel family,
 //! compiled by NVRTC for the device's own architecture, CUBINs cached on disk). Launches come
 //! through the vendor-neutral [`Backend::launch`](crate::backend::Backend::launch) (raw
-//! `cuLaunchKernel`) or, in families not moved onto it yet, through cudarc's launch builder.
+//! `cuLaunchKernel`).
 
 pub mod cublas;
 pub mod nvrtc;
@@ -13,10 +13,11 @@ use crate::backend::{
 use crate::error::{Error, Result};
 use crate::kernels::table;
 use crate::target::{self, TargetFacts};
-use cudarc::driver::sys::{CUresult, cudaError_enum};
+use cudarc::driver::sys::{CUfunction_attribute_enum, CUresult, cudaError_enum};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// The first driver with `cuFuncGetParamInfo` (12.4), as `cuDriverGetVersion` encodes it.
@@ -41,6 +42,9 @@ pub struct CudaBackend {
 struct LaunchTarget {
     function: CudaFunction,
     param_sizes: Option<Vec<usize>>,
+    /// Dynamic shared memory the kernel was allowed so far (bytes): raised once per size, so
+    /// repeated launches set no attribute and stay capturable.
+    dynamic_shared_allowed: AtomicU32,
 }
 
 impl CudaBackend {
@@ -198,6 +202,7 @@ impl CudaBackend {
         let target = Arc::new(LaunchTarget {
             function,
             param_sizes,
+            dynamic_shared_allowed: AtomicU32::new(0),
         });
         targets.insert((family, kernel), target.clone());
         Ok(target)
@@ -244,6 +249,27 @@ impl CudaBackend {
         self.context
             .bind_to_thread()
             .map_err(|e| Error::cuda(op(), e))?;
+        // a kernel may use more than 48 KiB of dynamic shared memory only once allowed to
+        if dims.shared_bytes > target.dynamic_shared_allowed.load(Ordering::Relaxed) {
+            target
+                .function
+                .set_attribute(
+                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    dims.shared_bytes as i32,
+                )
+                .map_err(|e| {
+                    Error::cuda(
+                        format!(
+                            "allow {} bytes of shared memory for {kernel} ({family})",
+                            dims.shared_bytes
+                        ),
+                        e,
+                    )
+                })?;
+            target
+                .dynamic_shared_allowed
+                .fetch_max(dims.shared_bytes, Ordering::Relaxed);
+        }
         // SAFETY: one pointer per parameter, each to a value of the parameter's size (checked
         // above where the driver reports sizes) living in `args` for the call; the caller
         // vouches for the indexing.

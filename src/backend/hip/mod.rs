@@ -272,22 +272,39 @@ impl HipBackend {
     /// # Errors
     /// [`Error::Hip`] when the allocation or copy fails.
     pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<HipSlice<T>> {
-        let what = format!("upload {} elements", data.len());
-        let slice = self.alloc::<T>(data.len(), &what)?;
-        let bytes = size_of_val(data);
+        let mut slice = self.alloc::<T>(data.len(), &format!("upload {} elements", data.len()))?;
+        self.write(&mut slice, 0, data)?;
+        Ok(slice)
+    }
+
+    /// Copies `values` into `slice` from element `at` on (returns once the copy is done, so
+    /// `values` may be dropped).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when the elements are not within `slice`, [`Error::Hip`] when the
+    /// copy fails.
+    pub fn write<T: DeviceRepr>(
+        &self,
+        slice: &mut HipSlice<T>,
+        at: usize,
+        values: &[T],
+    ) -> Result<()> {
+        let what = format!("copy {} elements to the device", values.len());
+        let address = slice.element_address(at, values.len(), &what)?;
+        let bytes = size_of_val(values);
         if bytes > 0 {
-            // SAFETY: `data` is `bytes` long and outlives the synchronisation below; the slice
-            // was allocated with `bytes`.
+            // SAFETY: `values` is `bytes` long and outlives the synchronisation below; the
+            // slice holds `bytes` from `address` (checked above).
             unsafe {
                 self.runtime
-                    .memcpy_htod(slice.address, data.as_ptr().cast(), bytes, self.stream)
+                    .memcpy_htod(address, values.as_ptr().cast(), bytes, self.stream)
             }
             .map_err(|s| hip_error(&what, s))?;
             self.runtime
                 .stream_synchronize(self.stream)
                 .map_err(|s| hip_error(&what, s))?;
         }
-        Ok(slice)
+        Ok(())
     }
 
     /// `len` zeroed elements of device memory (the zeroing is queued on the stream).
@@ -295,15 +312,23 @@ impl HipBackend {
     /// # Errors
     /// [`Error::Hip`] when the allocation or the memset fails.
     pub fn zeros<T: ValidAsZeroBits>(&self, len: usize) -> Result<HipSlice<T>> {
-        let what = format!("allocate {len} zeroed elements");
-        let slice = self.alloc::<T>(len, &what)?;
-        let bytes = len * size_of::<T>();
+        let mut slice = self.alloc::<T>(len, &format!("allocate {len} zeroed elements"))?;
+        self.fill_zeros(&mut slice)?;
+        Ok(slice)
+    }
+
+    /// Queues zeroing every element of `slice`.
+    ///
+    /// # Errors
+    /// [`Error::Hip`] when the memset fails.
+    pub fn fill_zeros<T: ValidAsZeroBits>(&self, slice: &mut HipSlice<T>) -> Result<()> {
+        let bytes = slice.len * size_of::<T>();
         if bytes > 0 {
             // SAFETY: the slice was allocated with `bytes`.
             unsafe { self.runtime.memset_zero(slice.address, bytes, self.stream) }
-                .map_err(|s| hip_error(&what, s))?;
+                .map_err(|s| hip_error(format!("zero {} elements", slice.len), s))?;
         }
-        Ok(slice)
+        Ok(())
     }
 
     /// Copies `slice` back to the host after the work queued before it.
@@ -311,19 +336,30 @@ impl HipBackend {
     /// # Errors
     /// [`Error::Hip`] when the copy fails (this is also where an earlier kernel's fault shows).
     pub fn download<T: DeviceRepr + Clone + Default>(&self, slice: &HipSlice<T>) -> Result<Vec<T>> {
-        let what = format!("download {} elements", slice.len);
-        let mut host = vec![T::default(); slice.len];
+        self.read(slice, 0..slice.len)
+    }
+
+    /// Copies the elements `range` of `slice` back to the host after the work queued before it.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `range` is not within `slice`, [`Error::Hip`] when the copy fails
+    /// (this is also where an earlier kernel's fault shows).
+    pub fn read<T: DeviceRepr + Clone + Default>(
+        &self,
+        slice: &HipSlice<T>,
+        range: std::ops::Range<usize>,
+    ) -> Result<Vec<T>> {
+        let len = range.end.saturating_sub(range.start);
+        let what = format!("download {len} elements");
+        let address = slice.element_address(range.start, len, &what)?;
+        let mut host = vec![T::default(); len];
         let bytes = size_of_val(host.as_slice());
         if bytes > 0 {
             // SAFETY: `host` is `bytes` long and outlives the synchronisation below; the device
-            // memory holds values written as `T`.
+            // memory from `address` holds `len` values written as `T` (checked above).
             unsafe {
-                self.runtime.memcpy_dtoh(
-                    host.as_mut_ptr().cast(),
-                    slice.address,
-                    bytes,
-                    self.stream,
-                )
+                self.runtime
+                    .memcpy_dtoh(host.as_mut_ptr().cast(), address, bytes, self.stream)
             }
             .map_err(|s| hip_error(&what, s))?;
         }
@@ -585,6 +621,21 @@ impl<T> HipSlice<T> {
     /// The device address of the first element (0 for an empty slice).
     pub fn device_address(&self) -> u64 {
         self.address
+    }
+
+    /// The device address of element `at`, when `len` elements from it are within the slice.
+    fn element_address(&self, at: usize, len: usize, what: &str) -> Result<u64> {
+        if at.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(Error::invalid(
+                what,
+                format!(
+                    "elements {at}..{} are not within a buffer of {}",
+                    at.saturating_add(len),
+                    self.len
+                ),
+            ));
+        }
+        Ok(self.address + (at * size_of::<T>()) as u64)
     }
 }
 

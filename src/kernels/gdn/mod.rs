@@ -2,7 +2,8 @@
 //! projection rows (`in_proj_qkv`, `in_proj_a`, `in_proj_b`, `in_proj_z`) to the rows
 //! `out_proj` consumes: conv1d + SiLU, the split into q, k, v, L2 norms and q scale, the gates,
 //! the gated delta rule, and the gated RMSNorm, fused into the kernels that consume them. The
-//! CPU backend runs [`reference`](mod@reference); CUDA runs the kernels below.
+//! CPU backend runs [`reference`](mod@reference); a device (CUDA or HIP,
+//! through [`Backend::launch`]) runs the kernels below.
 //!
 //! # Kernels
 //! - [`step`] (`gdn_step_dk{128,256}`): decode or speculative verify of `m` tokens per sequence
@@ -73,11 +74,9 @@ pub mod reference;
 pub use reference::{GdnShape, StepMode};
 
 use super::{check_len, check_u32};
-use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
 use crate::error::{Error, Result};
-use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+use crate::target::TargetFacts;
 use half::bf16;
 
 /// The family name (template and module).
@@ -146,7 +145,7 @@ impl GdnParams {
     ///
     /// # Errors
     /// [`Error::Invalid`] for a shape the kernels do not take, a kernel width outside 1..=8, or
-    /// a buffer whose length disagrees with the shape; [`Error::Cuda`] when an upload fails.
+    /// a buffer whose length disagrees with the shape; [`Error::Cuda`] / [`Error::Hip`] when an upload fails.
     #[allow(clippy::too_many_arguments)]
     pub fn upload(
         backend: &Backend,
@@ -226,7 +225,7 @@ impl GdnCache {
     ///
     /// # Errors
     /// [`Error::Invalid`] for a shape the kernels do not take, no slots, or more step tokens
-    /// than the target's `gdn.step_max_tokens`; [`Error::Cuda`] when an allocation fails.
+    /// than the target's `gdn.step_max_tokens`; [`Error::Cuda`] / [`Error::Hip`] when an allocation fails.
     pub fn new(
         backend: &Backend,
         shape: GdnShape,
@@ -235,11 +234,9 @@ impl GdnCache {
         max_step_tokens: usize,
     ) -> Result<Self> {
         check_shape(shape)?;
-        let most = match backend {
-            Backend::Cpu => 16,
-            Backend::Cuda(cuda) => cuda.target().gdn.step_max_tokens as usize,
-            Backend::Hip(_) => return Err(backend.no_launch_yet(FAMILY)),
-        };
+        let most = backend
+            .target()
+            .map_or(16, |t| t.gdn.step_max_tokens as usize);
         if slots == 0 || max_step_tokens == 0 || max_step_tokens > most || kernel == 0 {
             return Err(Error::invalid(
                 "gdn cache",
@@ -300,7 +297,7 @@ impl GdnCache {
     ///
     /// # Errors
     /// [`Error::Invalid`] for a slot past the cache or buffers that disagree with the shape;
-    /// [`Error::Cuda`] when a copy fails.
+    /// [`Error::Cuda`] / [`Error::Hip`] when a copy fails.
     pub fn set_sequence(
         &mut self,
         backend: &Backend,
@@ -326,14 +323,13 @@ impl GdnCache {
                 ),
             ));
         }
-        write_range(backend, &mut self.state, slot * size, state)?;
+        backend.write(&mut self.state, slot * size, state)?;
         for r in 0..rows {
             let Some(p) = (position + r).checked_sub(rows) else {
                 continue; // before the sequence's start: read as zeros, never stored
             };
             let at = (slot * self.ring_len + p % self.ring_len) * channels;
-            write_range(
-                backend,
+            backend.write(
                 &mut self.conv,
                 at,
                 &window[r * channels..(r + 1) * channels],
@@ -345,18 +341,18 @@ impl GdnCache {
     /// The state stored in `slot` (after `position - pending` tokens of its sequence).
     ///
     /// # Errors
-    /// [`Error::Invalid`] for a slot past the cache, [`Error::Cuda`] when the copy fails.
+    /// [`Error::Invalid`] for a slot past the cache, [`Error::Cuda`] / [`Error::Hip`] when the copy fails.
     pub fn state(&self, backend: &Backend, slot: usize) -> Result<Vec<f32>> {
         self.check_slot(slot)?;
         let size = self.shape.state_len();
-        read_range(backend, &self.state, slot * size, size)
+        backend.read(&self.state, slot * size..(slot + 1) * size)
     }
 
     /// The conv window of `slot` at `position`: the raw qkv rows of the `kernel - 1` positions
     /// before it, `[kernel - 1][conv_dim]`, zeros before the sequence's start.
     ///
     /// # Errors
-    /// [`Error::Invalid`] for a slot past the cache, [`Error::Cuda`] when the copy fails.
+    /// [`Error::Invalid`] for a slot past the cache, [`Error::Cuda`] / [`Error::Hip`] when the copy fails.
     pub fn conv_window(
         &self,
         backend: &Backend,
@@ -370,7 +366,7 @@ impl GdnCache {
             match (position + r).checked_sub(rows) {
                 Some(p) => {
                     let at = (slot * self.ring_len + p % self.ring_len) * channels;
-                    window.extend(read_range(backend, &self.conv, at, channels)?);
+                    window.extend(backend.read(&self.conv, at..at + channels)?);
                 }
                 None => window.extend(std::iter::repeat_n(bf16::ZERO, channels)),
             }
@@ -397,53 +393,6 @@ fn window_rows<'a>(
         .collect()
 }
 
-fn read_range<T: cudarc::driver::DeviceRepr + Clone + Default>(
-    backend: &Backend,
-    buffer: &DeviceVec<T>,
-    at: usize,
-    len: usize,
-) -> Result<Vec<T>> {
-    match buffer {
-        DeviceVec::Host(v) => Ok(v[at..at + len].to_vec()),
-        DeviceVec::Cuda(s) => {
-            let Backend::Cuda(cuda) = backend else {
-                return Err(backend.mismatch("gdn cache", buffer));
-            };
-            cuda.stream()
-                .clone_dtoh(&s.slice(at..at + len))
-                .map_err(|e| Error::cuda(format!("read {len} values of the gdn cache"), e))
-        }
-        DeviceVec::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
-    }
-}
-
-fn write_range<T: cudarc::driver::DeviceRepr + Clone>(
-    backend: &Backend,
-    buffer: &mut DeviceVec<T>,
-    at: usize,
-    values: &[T],
-) -> Result<()> {
-    match buffer {
-        DeviceVec::Host(v) => {
-            v[at..at + values.len()].clone_from_slice(values);
-            Ok(())
-        }
-        DeviceVec::Cuda(s) => {
-            let Backend::Cuda(cuda) = backend else {
-                return Err(backend.mismatch("gdn cache", buffer));
-            };
-            let mut view = s.slice_mut(at..at + values.len());
-            cuda.stream().memcpy_htod(values, &mut view).map_err(|e| {
-                Error::cuda(
-                    format!("copy {} values into the gdn cache", values.len()),
-                    e,
-                )
-            })
-        }
-        DeviceVec::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
-    }
-}
-
 /// How many tokens each sequence of a step accepted.
 #[derive(Clone, Copy)]
 pub enum Accepted<'a> {
@@ -465,7 +414,7 @@ impl Sequences {
     /// Sequences in `slots` at `positions`, nothing pending.
     ///
     /// # Errors
-    /// [`Error::Invalid`] when the lists differ in length or are empty, [`Error::Cuda`] when an
+    /// [`Error::Invalid`] when the lists differ in length or are empty, [`Error::Cuda`] / [`Error::Hip`] when an
     /// upload fails.
     pub fn new(backend: &Backend, slots: &[u32], positions: &[u32]) -> Result<Self> {
         if slots.len() != positions.len() || slots.is_empty() {
@@ -498,7 +447,7 @@ impl Sequences {
     /// The positions, downloaded.
     ///
     /// # Errors
-    /// [`Error::Cuda`] when the copy fails.
+    /// [`Error::Cuda`] / [`Error::Hip`] when the copy fails.
     pub fn positions(&self, backend: &Backend) -> Result<Vec<u32>> {
         backend.download(&self.positions)
     }
@@ -506,7 +455,7 @@ impl Sequences {
     /// The pending counts, downloaded.
     ///
     /// # Errors
-    /// [`Error::Cuda`] when the copy fails.
+    /// [`Error::Cuda`] / [`Error::Hip`] when the copy fails.
     pub fn pending(&self, backend: &Backend) -> Result<Vec<u32>> {
         backend.download(&self.pending)
     }
@@ -518,7 +467,7 @@ impl Sequences {
     ///
     /// # Errors
     /// [`Error::Invalid`] when a per-sequence count list has the wrong length,
-    /// [`Error::BackendMismatch`] / [`Error::Cuda`] from the CUDA path.
+    /// [`Error::BackendMismatch`] / [`Error::Cuda`] / [`Error::Hip`] from the device path.
     pub fn commit(
         &mut self,
         backend: &Backend,
@@ -556,21 +505,14 @@ impl Sequences {
                     Accepted::PerSequence(v) => (0, KernelArg::input(v)),
                 };
                 let (count32, fold32) = (check_u32("gdn sequences", count)?, u32::from(fold));
-                let args = [
-                    KernelArg::output(&mut self.positions),
-                    KernelArg::output(&mut self.pending),
-                    accepted_arg,
-                    KernelArg::u32(uniform),
-                    KernelArg::u32(count32),
-                    KernelArg::u32(fold32),
-                ];
-                // SAFETY: matches gdn_commit(positions, pending, accepted, uniform, count, fold);
-                // every array holds `count` elements (accepted checked above).
+                let args = commit_arguments(self, accepted_arg, [uniform, count32, fold32]);
+                // SAFETY: gdn_commit's parameters in order (commit_arguments); every array holds
+                // `count` elements (accepted checked above).
                 unsafe {
                     backend.launch(
                         FAMILY,
-                        "gdn_commit",
-                        &LaunchDims::linear(count32.div_ceil(128), 128),
+                        KERNEL_COMMIT,
+                        &LaunchDims::linear(count32.div_ceil(COMMIT_THREADS), COMMIT_THREADS),
                         &args,
                     )
                 }
@@ -667,22 +609,6 @@ impl Projections<'_> {
         }
         Ok(())
     }
-}
-
-fn device_ptr<T>(
-    cuda: &CudaBackend,
-    backend: &Backend,
-    v: &DeviceVec<T>,
-    what: &str,
-) -> Result<u64> {
-    match v {
-        DeviceVec::Cuda(s) => Ok(s.device_ptr(cuda.stream()).0),
-        DeviceVec::Host(_) | DeviceVec::Hip(_) => Err(backend.mismatch(what, v)),
-    }
-}
-
-fn rows_ptr(cuda: &CudaBackend, backend: &Backend, rows: &Rows<'_>, what: &str) -> Result<u64> {
-    Ok(device_ptr(cuda, backend, rows.data, what)? + 2 * rows.offset as u64)
 }
 
 /// The host-side view of a cache slot as the reference's [`reference::SequenceCache`].
@@ -904,7 +830,7 @@ fn cpu_run(
 /// # Errors
 /// [`Error::Invalid`] when the params, cache and shapes disagree, `m` exceeds the cache's
 /// `max_step_tokens`, the batch exceeds the cache's slots, or a buffer is too short;
-/// [`Error::BackendMismatch`] / [`Error::Compile`] / [`Error::Cuda`] from the backends. On CUDA
+/// [`Error::BackendMismatch`] / [`Error::Compile`] / [`Error::Cuda`] / [`Error::Hip`] from the backends. On a device
 /// a slot past the cache makes its sequence's blocks do nothing (device data is not read back).
 #[allow(clippy::too_many_arguments)]
 pub fn step(
@@ -947,8 +873,9 @@ pub fn step(
                 backend, params, cache, seqs, inputs, &ranges, mode, false, out,
             )
         }
-        Backend::Cuda(cuda) => step_cuda(cuda, backend, params, cache, seqs, m, inputs, mode, out),
-        Backend::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
+        Backend::Cuda(_) | Backend::Hip(_) => {
+            step_device(backend, params, cache, seqs, m, inputs, mode, out)
+        }
     }
 }
 
@@ -999,9 +926,114 @@ fn check_call(params: &GdnParams, cache: &GdnCache) -> Result<()> {
     Ok(())
 }
 
+/// `gdn_step_dk{128,256}`: the step kernel for dk up to 128, else up to 256.
+const STEP_KERNELS: [&str; 2] = ["gdn_step_dk128", "gdn_step_dk256"];
+/// `gdn_chunk_prepare_dk{64,128}`, in the order of [`CHUNK_DK`].
+const PREPARE_KERNELS: [&str; 2] = ["gdn_chunk_prepare_dk64", "gdn_chunk_prepare_dk128"];
+/// `gdn_chunk_state_dk{64,128}_dv{16,32}`: `[dk in the order of CHUNK_DK][value columns per
+/// block in the order of CHUNK_DV_PER_BLOCK]`.
+const STATE_KERNELS: [[&str; 2]; 2] = [
+    ["gdn_chunk_state_dk64_dv16", "gdn_chunk_state_dk64_dv32"],
+    ["gdn_chunk_state_dk128_dv16", "gdn_chunk_state_dk128_dv32"],
+];
+/// The value columns per block the chunk-state kernels are instantiated for.
+const CHUNK_DV_PER_BLOCK: [usize; 2] = [16, 32];
+/// The prefill's gated RMSNorm pass.
+const KERNEL_GATED_NORM: &str = "gdn_gated_norm";
+/// The sequence bookkeeping after a step.
+const KERNEL_COMMIT: &str = "gdn_commit";
+/// Threads per block of the chunk kernels (CHUNK_THREADS in gdn.cu).
+const CHUNK_THREADS: u32 = 128;
+/// Threads per block of `gdn_gated_norm`, one warp per (row, head) (NORM_THREADS in gdn.cu).
+const NORM_THREADS: u32 = 128;
+/// Threads per block of `gdn_commit` (COMMIT_THREADS in gdn.cu).
+const COMMIT_THREADS: u32 = 128;
+
+/// Projection rows as a kernel argument: the address of row 0 (the buffer from `offset` on).
+///
+/// # Errors
+/// [`Error::Invalid`] when `offset` is past the buffer.
+fn rows_arg<'a>(rows: &Rows<'a>) -> Result<KernelArg<'a>> {
+    KernelArg::input_range(rows.data, rows.offset..rows.data.len())
+}
+
+/// `gdn_commit`'s arguments in their parameter order: positions, pending (both written),
+/// accepted (null: `uniform` for every sequence), then uniform, count, fold.
+fn commit_arguments<'a>(
+    seqs: &'a mut Sequences,
+    accepted: KernelArg<'a>,
+    [uniform, count, fold]: [u32; 3],
+) -> [KernelArg<'a>; 6] {
+    [
+        KernelArg::output(&mut seqs.positions),
+        KernelArg::output(&mut seqs.pending),
+        accepted,
+        KernelArg::u32(uniform),
+        KernelArg::u32(count),
+        KernelArg::u32(fold),
+    ]
+}
+
+/// `gdn_step_dk*`'s arguments in their parameter order: the projection rows qkv, a, b, z (z
+/// null without the gated norm) each followed by its row stride, the layer's parameters
+/// (conv1d.weight, A_log, dt_bias, norm.weight, eps), the cache (state, conv ring, ring k, u,
+/// g), the sequences (slots, positions, pending), `out`, the cache's output scratch and
+/// counters, then `sizes` (hk, hv, dk, dv, kernel, ring_len, n_slots, m, verify).
+fn step_arguments<'a>(
+    rows: [KernelArg<'a>; 4],
+    strides: [u32; 4],
+    params: &'a GdnParams,
+    cache: &'a mut GdnCache,
+    seqs: &'a Sequences,
+    out: KernelArg<'a>,
+    sizes: [u32; 9],
+) -> [KernelArg<'a>; 33] {
+    let [qkv, a, b, z] = rows;
+    [
+        qkv,
+        KernelArg::u32(strides[0]),
+        a,
+        KernelArg::u32(strides[1]),
+        b,
+        KernelArg::u32(strides[2]),
+        z,
+        KernelArg::u32(strides[3]),
+        KernelArg::input(&params.conv_weight),
+        KernelArg::input(&params.a_log),
+        KernelArg::input(&params.dt_bias),
+        KernelArg::input(&params.norm_weight),
+        KernelArg::f32(params.eps),
+        KernelArg::output(&mut cache.state),
+        KernelArg::output(&mut cache.conv),
+        KernelArg::output(&mut cache.ring_k),
+        KernelArg::output(&mut cache.ring_u),
+        KernelArg::output(&mut cache.ring_g),
+        KernelArg::input(&seqs.slots),
+        KernelArg::input(&seqs.positions),
+        KernelArg::input(&seqs.pending),
+        out,
+        KernelArg::output(&mut cache.o_scratch),
+        KernelArg::output(&mut cache.counters),
+        KernelArg::u32(sizes[0]),
+        KernelArg::u32(sizes[1]),
+        KernelArg::u32(sizes[2]),
+        KernelArg::u32(sizes[3]),
+        KernelArg::u32(sizes[4]),
+        KernelArg::u32(sizes[5]),
+        KernelArg::u32(sizes[6]),
+        KernelArg::u32(sizes[7]),
+        KernelArg::u32(sizes[8]),
+    ]
+}
+
+/// The step's kernel for dk.
+fn step_kernel(dk: usize) -> &'static str {
+    STEP_KERNELS[usize::from(dk > 128)]
+}
+
+/// The device path of [`step`] (shapes checked by the caller): one launch of `gdn_step_dk*`.
 #[allow(clippy::too_many_arguments)]
-fn step_cuda(
-    cuda: &CudaBackend,
+fn step_device(
     backend: &Backend,
     params: &GdnParams,
     cache: &mut GdnCache,
@@ -1012,7 +1044,8 @@ fn step_cuda(
     out: &mut DeviceVec<bf16>,
 ) -> Result<()> {
     let shape = params.shape;
-    let tiles = &cuda.target().gdn;
+    let target = device_target(backend)?;
+    let tiles = &target.gdn;
     let dv_per_block = tiles.step_dv_per_block as usize;
     if shape.dv % dv_per_block != 0 {
         return Err(Error::invalid(
@@ -1024,47 +1057,23 @@ fn step_cuda(
         ));
     }
     let count = seqs.len();
-    let p = |v: &DeviceVec<f32>, what: &str| device_ptr(cuda, backend, v, what);
-    let z_ptr = match &inputs.z {
-        Some(z) => rows_ptr(cuda, backend, z, "gdn z rows")?,
-        None => 0,
-    };
     let z_stride = inputs.z.map_or(0, |z| z.stride);
-    let args_u32 = [
+    let strides = [
         check_u32("gdn qkv stride", inputs.qkv.stride)?,
         check_u32("gdn a stride", inputs.a.stride)?,
         check_u32("gdn b stride", inputs.b.stride)?,
         check_u32("gdn z stride", z_stride)?,
     ];
-    let (qkv, a, b) = (
-        rows_ptr(cuda, backend, &inputs.qkv, "gdn qkv rows")?,
-        rows_ptr(cuda, backend, &inputs.a, "gdn a rows")?,
-        rows_ptr(cuda, backend, &inputs.b, "gdn b rows")?,
-    );
-    let pointers = [
-        p(&params.conv_weight, "gdn conv1d.weight")?,
-        p(&params.a_log, "gdn A_log")?,
-        p(&params.dt_bias, "gdn dt_bias")?,
-        p(&params.norm_weight, "gdn norm.weight")?,
+    let rows = [
+        rows_arg(&inputs.qkv)?,
+        rows_arg(&inputs.a)?,
+        rows_arg(&inputs.b)?,
+        match &inputs.z {
+            Some(z) => rows_arg(z)?,
+            None => KernelArg::optional_input::<bf16>(None),
+        },
     ];
-    let cache_ptrs = [
-        p(&cache.state, "gdn state")?,
-        device_ptr(cuda, backend, &cache.conv, "gdn conv ring")?,
-        p(&cache.ring_k, "gdn ring k")?,
-        p(&cache.ring_u, "gdn ring u")?,
-        p(&cache.ring_g, "gdn ring g")?,
-    ];
-    let seq_ptrs = [
-        device_ptr(cuda, backend, &seqs.slots, "gdn slots")?,
-        device_ptr(cuda, backend, &seqs.positions, "gdn positions")?,
-        device_ptr(cuda, backend, &seqs.pending, "gdn pending counts")?,
-    ];
-    let outs = [
-        device_ptr(cuda, backend, out, "gdn output")?,
-        p(&cache.o_scratch, "gdn output scratch")?,
-        device_ptr(cuda, backend, &cache.counters, "gdn counters")?,
-    ];
-    let dims = [
+    let sizes = [
         shape.key_heads,
         shape.value_heads,
         shape.dk,
@@ -1087,46 +1096,40 @@ fn step_cuda(
             format!("{count} sequences; at most 65535 per launch"),
         ));
     }
-    let kernel = if shape.dk <= 128 {
-        "gdn_step_dk128"
-    } else {
-        "gdn_step_dk256"
+    let dims = LaunchDims {
+        grid: (grid_x, grid_y, 1),
+        block: (tiles.step_threads, 1, 1),
+        shared_bytes: 0,
     };
-    let function = cuda.function(FAMILY, kernel)?;
-    let mut launch = cuda.stream().launch_builder(&function);
-    launch
-        .arg(&qkv)
-        .arg(&args_u32[0])
-        .arg(&a)
-        .arg(&args_u32[1])
-        .arg(&b)
-        .arg(&args_u32[2])
-        .arg(&z_ptr)
-        .arg(&args_u32[3]);
-    for ptr in &pointers {
-        launch.arg(ptr);
-    }
-    launch.arg(&params.eps);
-    for ptr in cache_ptrs.iter().chain(&seq_ptrs).chain(&outs) {
-        launch.arg(ptr);
-    }
-    for d in &dims {
-        launch.arg(d);
-    }
-    // SAFETY: argument order and types match gdn_step_dk*'s signature (dk within its tiles). The
-    // projection rows and the output were checked against (B m) rows; the cache holds `slots` slots of ring_len
-    // positions and a scratch / counters for slots * max_step_tokens rows (B <= slots, m <=
-    // max_step_tokens checked); slots past the cache are skipped by the kernel, positions index
-    // the ring modulo its length, pending counts are clamped to the shared-memory tiles.
-    unsafe {
-        launch.launch(LaunchConfig {
-            grid_dim: (grid_x, grid_y, 1),
-            block_dim: (tiles.step_threads, 1, 1),
-            shared_mem_bytes: 0,
-        })
-    }
-    .map_err(|e| Error::cuda(format!("launch {kernel} B={count} m={m} {shape:?}"), e))?;
-    Ok(())
+    let kernel = step_kernel(shape.dk);
+    let args = step_arguments(
+        rows,
+        strides,
+        params,
+        cache,
+        seqs,
+        KernelArg::output(out),
+        sizes,
+    );
+    // SAFETY: gdn_step_dk*'s parameters in order (step_arguments), dk within its tiles. The
+    // projection rows and the output were checked against (B m) rows; the cache holds `slots`
+    // slots of ring_len positions and a scratch / counters for slots * max_step_tokens rows
+    // (B <= slots, m <= max_step_tokens checked); slots past the cache are skipped by the
+    // kernel, positions index the ring modulo its length, pending counts are clamped to the
+    // shared-memory tiles.
+    unsafe { backend.launch(FAMILY, kernel, &dims, &args) }
+}
+
+/// The target of a device backend.
+///
+/// # Errors
+/// [`Error::BackendMismatch`] on the CPU backend (its callers run the reference there).
+fn device_target(backend: &Backend) -> Result<&'static TargetFacts> {
+    backend.target().ok_or_else(|| Error::BackendMismatch {
+        what: "gdn device launch".into(),
+        expected: "cuda or hip",
+        found: backend.name(),
+    })
 }
 
 /// The prefill's intermediate tensors, sized for up to `max_tokens` tokens in up to
@@ -1143,11 +1146,8 @@ pub struct ChunkWorkspace {
     gamma: DeviceVec<f32>,
     cu_seqlens: DeviceVec<u32>,
     /// What `cu_seqlens` holds: a call with the same batch copies nothing (so repeated calls
-    /// can be captured in a CUDA graph after the first).
+    /// can be captured in a graph after the first).
     uploaded: Vec<u32>,
-    /// Kernels whose dynamic shared-memory limit was raised, and to what (set once, so repeated
-    /// calls stay capturable).
-    smem_allowed: Vec<(String, usize)>,
 }
 
 impl ChunkWorkspace {
@@ -1156,7 +1156,7 @@ impl ChunkWorkspace {
     /// bytes per chunk row).
     ///
     /// # Errors
-    /// [`Error::Invalid`] for a shape the kernels do not take, [`Error::Cuda`] when an
+    /// [`Error::Invalid`] for a shape the kernels do not take, [`Error::Cuda`] / [`Error::Hip`] when an
     /// allocation fails.
     pub fn new(
         backend: &Backend,
@@ -1166,10 +1166,10 @@ impl ChunkWorkspace {
     ) -> Result<Self> {
         check_shape(shape)?;
         let max_chunks = max_tokens.div_ceil(CHUNK) + max_sequences;
-        let rows = match backend {
-            Backend::Cpu => 0,
-            Backend::Cuda(_) => max_chunks * CHUNK,
-            Backend::Hip(_) => return Err(backend.no_launch_yet(FAMILY)),
+        let rows = if backend.target().is_some() {
+            max_chunks * CHUNK
+        } else {
+            0
         };
         let (hk, hv, dk, dv) = (shape.key_heads, shape.value_heads, shape.dk, shape.dv);
         Ok(Self {
@@ -1184,7 +1184,6 @@ impl ChunkWorkspace {
             gamma: backend.zeros(rows * hv)?,
             cu_seqlens: backend.zeros(max_sequences + 1)?,
             uploaded: Vec::new(),
-            smem_allowed: Vec::new(),
         })
     }
 }
@@ -1214,7 +1213,7 @@ pub fn chunk_state_smem(dk: usize, dvs: usize, stages: usize) -> usize {
 /// [`Error::Invalid`] when `cu_seqlens` is not a non-decreasing list of B + 1 offsets from 0,
 /// the call exceeds the workspace, dk is not one the kernels are instantiated for
 /// ([`CHUNK_DK`]), a buffer is too short, or the kernels' shared memory exceeds the target's;
-/// [`Error::BackendMismatch`] / [`Error::Compile`] / [`Error::Cuda`] from the backends.
+/// [`Error::BackendMismatch`] / [`Error::Compile`] / [`Error::Cuda`] / [`Error::Hip`] from the backends.
 #[allow(clippy::too_many_arguments)]
 pub fn prefill(
     backend: &Backend,
@@ -1282,16 +1281,131 @@ pub fn prefill(
                 out,
             )
         }
-        Backend::Cuda(cuda) => prefill_cuda(
-            cuda, backend, params, cache, workspace, seqs, cu_seqlens, chunks, inputs, out,
+        Backend::Cuda(_) | Backend::Hip(_) => prefill_device(
+            backend, params, cache, workspace, seqs, cu_seqlens, chunks, inputs, out,
         ),
-        Backend::Hip(_) => Err(backend.no_launch_yet(FAMILY)),
     }
 }
 
+/// `gdn_chunk_prepare_dk*`'s arguments in their parameter order: the projection rows qkv, a,
+/// b each followed by its row stride, the layer's conv1d.weight, A_log and dt_bias, the cache's
+/// conv ring (read), the workspace's cu_seqlens, the sequences' slots and positions, the
+/// workspace's q, k, w, u, m and gamma (written), then `sizes` (hk, hv, dv, kernel, ring_len,
+/// sequences).
+fn prepare_arguments<'a>(
+    rows: [KernelArg<'a>; 3],
+    strides: [u32; 3],
+    params: &'a GdnParams,
+    cache: &'a GdnCache,
+    workspace: &'a mut ChunkWorkspace,
+    seqs: &'a Sequences,
+    sizes: [u32; 6],
+) -> [KernelArg<'a>; 25] {
+    let [qkv, a, b] = rows;
+    let ChunkWorkspace {
+        q,
+        k,
+        w,
+        u,
+        m,
+        gamma,
+        cu_seqlens,
+        ..
+    } = workspace;
+    [
+        qkv,
+        KernelArg::u32(strides[0]),
+        a,
+        KernelArg::u32(strides[1]),
+        b,
+        KernelArg::u32(strides[2]),
+        KernelArg::input(&params.conv_weight),
+        KernelArg::input(&params.a_log),
+        KernelArg::input(&params.dt_bias),
+        KernelArg::input(&cache.conv),
+        KernelArg::input(cu_seqlens),
+        KernelArg::input(&seqs.slots),
+        KernelArg::input(&seqs.positions),
+        KernelArg::output(q),
+        KernelArg::output(k),
+        KernelArg::output(w),
+        KernelArg::output(u),
+        KernelArg::output(m),
+        KernelArg::output(gamma),
+        KernelArg::u32(sizes[0]),
+        KernelArg::u32(sizes[1]),
+        KernelArg::u32(sizes[2]),
+        KernelArg::u32(sizes[3]),
+        KernelArg::u32(sizes[4]),
+        KernelArg::u32(sizes[5]),
+    ]
+}
+
+/// `gdn_chunk_state_dk*_dv*`'s arguments in their parameter order: the workspace's q, k, w, u,
+/// m and gamma, the qkv rows and their stride, the cache's state and conv ring (written) and
+/// ring k, u, g, the workspace's cu_seqlens, the sequences' slots, positions and pending,
+/// `out`, then `sizes` (hk, hv, dv, kernel, ring_len, n_slots).
+fn state_arguments<'a>(
+    workspace: &'a ChunkWorkspace,
+    [qkv, qkv_stride]: [KernelArg<'a>; 2],
+    cache: &'a mut GdnCache,
+    seqs: &'a Sequences,
+    out: KernelArg<'a>,
+    sizes: [u32; 6],
+) -> [KernelArg<'a>; 24] {
+    [
+        KernelArg::input(&workspace.q),
+        KernelArg::input(&workspace.k),
+        KernelArg::input(&workspace.w),
+        KernelArg::input(&workspace.u),
+        KernelArg::input(&workspace.m),
+        KernelArg::input(&workspace.gamma),
+        qkv,
+        qkv_stride,
+        KernelArg::output(&mut cache.state),
+        KernelArg::output(&mut cache.conv),
+        KernelArg::input(&cache.ring_k),
+        KernelArg::input(&cache.ring_u),
+        KernelArg::input(&cache.ring_g),
+        KernelArg::input(&workspace.cu_seqlens),
+        KernelArg::input(&seqs.slots),
+        KernelArg::input(&seqs.positions),
+        KernelArg::input(&seqs.pending),
+        out,
+        KernelArg::u32(sizes[0]),
+        KernelArg::u32(sizes[1]),
+        KernelArg::u32(sizes[2]),
+        KernelArg::u32(sizes[3]),
+        KernelArg::u32(sizes[4]),
+        KernelArg::u32(sizes[5]),
+    ]
+}
+
+/// `gdn_gated_norm`'s arguments in their parameter order: `out` (normalised in place), the z
+/// rows and their stride, the layer's norm.weight and eps, then `sizes` (rows, hv, dv).
+fn gated_norm_arguments<'a>(
+    out: KernelArg<'a>,
+    [z, z_stride]: [KernelArg<'a>; 2],
+    params: &'a GdnParams,
+    sizes: [u32; 3],
+) -> [KernelArg<'a>; 8] {
+    [
+        out,
+        z,
+        z_stride,
+        KernelArg::input(&params.norm_weight),
+        KernelArg::f32(params.eps),
+        KernelArg::u32(sizes[0]),
+        KernelArg::u32(sizes[1]),
+        KernelArg::u32(sizes[2]),
+    ]
+}
+
+/// The device path of [`prefill`] (shapes checked by the caller): `gdn_chunk_prepare_dk*` over
+/// every chunk, `gdn_chunk_state_dk*_dv*` over every (head, value columns, sequence), then
+/// `gdn_gated_norm` over the rows when z is given.
 #[allow(clippy::too_many_arguments)]
-fn prefill_cuda(
-    cuda: &CudaBackend,
+fn prefill_device(
     backend: &Backend,
     params: &GdnParams,
     cache: &mut GdnCache,
@@ -1304,15 +1418,25 @@ fn prefill_cuda(
 ) -> Result<()> {
     let shape = params.shape;
     let (dk, dv) = (shape.dk, shape.dv);
-    if !CHUNK_DK.contains(&dk) {
+    let Some(dk_index) = CHUNK_DK.iter().position(|&d| d == dk) else {
         return Err(Error::invalid(
             "gdn prefill",
             format!("dk = {dk}: the chunked kernels are instantiated for dk in {CHUNK_DK:?}"),
         ));
-    }
-    let target = cuda.target();
+    };
+    let target = device_target(backend)?;
     let preferred = target.gdn.chunk_dv_per_block as usize;
     let dvs = if dv % preferred == 0 { preferred } else { 16 };
+    let Some(dvs_index) = CHUNK_DV_PER_BLOCK.iter().position(|&d| d == dvs) else {
+        return Err(Error::invalid(
+            "gdn prefill",
+            format!(
+                "{} has gdn.chunk_dv_per_block = {dvs}; the chunk kernels are instantiated for \
+                 {CHUNK_DV_PER_BLOCK:?}",
+                target.name
+            ),
+        ));
+    };
     let stages = target.gdn.chunk_stages as usize;
     let smem = [
         chunk_prepare_smem(dk, dv),
@@ -1333,54 +1457,14 @@ fn prefill_cuda(
     let count = seqs.len();
     let tokens = cu_seqlens[count] as usize;
     if workspace.uploaded != cu_seqlens {
-        let DeviceVec::Cuda(cu) = &mut workspace.cu_seqlens else {
-            return Err(backend.mismatch("gdn chunk workspace", &workspace.cu_seqlens));
-        };
-        let mut view = cu.slice_mut(0..count + 1);
-        cuda.stream()
-            .memcpy_htod(cu_seqlens, &mut view)
-            .map_err(|e| Error::cuda("copy cu_seqlens to the device", e))?;
+        backend.write(&mut workspace.cu_seqlens, 0, cu_seqlens)?;
         workspace.uploaded = cu_seqlens.to_vec();
     }
-    let p = |v: &DeviceVec<f32>, what: &str| device_ptr(cuda, backend, v, what);
-    let b16 = |v: &DeviceVec<bf16>, what: &str| device_ptr(cuda, backend, v, what);
-    let (qkv, a, b) = (
-        rows_ptr(cuda, backend, &inputs.qkv, "gdn qkv rows")?,
-        rows_ptr(cuda, backend, &inputs.a, "gdn a rows")?,
-        rows_ptr(cuda, backend, &inputs.b, "gdn b rows")?,
-    );
     let strides = [
         check_u32("gdn qkv stride", inputs.qkv.stride)?,
         check_u32("gdn a stride", inputs.a.stride)?,
         check_u32("gdn b stride", inputs.b.stride)?,
     ];
-    let ws = [
-        b16(&workspace.q, "gdn workspace")?,
-        b16(&workspace.k, "gdn workspace")?,
-        b16(&workspace.w, "gdn workspace")?,
-        b16(&workspace.u, "gdn workspace")?,
-        b16(&workspace.m, "gdn workspace")?,
-        p(&workspace.gamma, "gdn workspace")?,
-    ];
-    let cu = device_ptr(cuda, backend, &workspace.cu_seqlens, "gdn workspace")?;
-    let (slots, positions, pending) = (
-        device_ptr(cuda, backend, &seqs.slots, "gdn slots")?,
-        device_ptr(cuda, backend, &seqs.positions, "gdn positions")?,
-        device_ptr(cuda, backend, &seqs.pending, "gdn pending counts")?,
-    );
-    let (conv_w, a_log, dt_bias) = (
-        p(&params.conv_weight, "gdn conv1d.weight")?,
-        p(&params.a_log, "gdn A_log")?,
-        p(&params.dt_bias, "gdn dt_bias")?,
-    );
-    let state = p(&cache.state, "gdn state")?;
-    let conv = b16(&cache.conv, "gdn conv ring")?;
-    let (ring_k, ring_u, ring_g) = (
-        p(&cache.ring_k, "gdn ring k")?,
-        p(&cache.ring_u, "gdn ring u")?,
-        p(&cache.ring_g, "gdn ring g")?,
-    );
-    let out_ptr = b16(out, "gdn output")?;
     let [hk, hv, dv32, kernel, ring_len, n_slots, count32] = [
         shape.key_heads,
         shape.value_heads,
@@ -1397,149 +1481,212 @@ fn prefill_cuda(
             format!("{count} sequences; at most 65535 per launch"),
         ));
     }
-    let set_smem = |allowed: &mut Vec<(String, usize)>,
-                    function: &cudarc::driver::CudaFunction,
-                    bytes: usize,
-                    name: &str| {
-        if allowed.iter().any(|(n, b)| n == name && *b >= bytes) {
-            return Ok(());
-        }
-        function
-            .set_attribute(
-                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            )
-            .map_err(|e| {
-                Error::cuda(
-                    format!("allow {bytes} bytes of shared memory for {name}"),
-                    e,
-                )
-            })?;
-        allowed.retain(|(n, _)| n != name);
-        allowed.push((name.to_string(), bytes));
-        Ok::<(), Error>(())
-    };
 
     if chunks > 0 {
-        let name = format!("gdn_chunk_prepare_dk{dk}");
-        let function = cuda.function(FAMILY, &name)?;
-        set_smem(&mut workspace.smem_allowed, &function, smem[0], &name)?;
-        let mut launch = cuda.stream().launch_builder(&function);
-        launch
-            .arg(&qkv)
-            .arg(&strides[0])
-            .arg(&a)
-            .arg(&strides[1])
-            .arg(&b)
-            .arg(&strides[2])
-            .arg(&conv_w)
-            .arg(&a_log)
-            .arg(&dt_bias)
-            .arg(&conv)
-            .arg(&cu)
-            .arg(&slots)
-            .arg(&positions);
-        for ptr in &ws {
-            launch.arg(ptr);
-        }
-        launch
-            .arg(&hk)
-            .arg(&hv)
-            .arg(&dv32)
-            .arg(&kernel)
-            .arg(&ring_len)
-            .arg(&count32);
-        // SAFETY: matches gdn_chunk_prepare_dk*'s signature. cu_seqlens (validated on the host,
-        // copied above) partitions the checked projection rows; the workspace holds at least
-        // `chunks` chunks; the grid covers exactly `chunks` chunks; shared memory as computed by
-        // chunk_prepare_smem and allowed above.
-        unsafe {
-            launch.launch(LaunchConfig {
-                grid_dim: (check_u32("gdn chunks", chunks)?, hv, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: smem[0] as u32,
-            })
-        }
-        .map_err(|e| Error::cuda(format!("launch {name} chunks={chunks} {shape:?}"), e))?;
+        let dims = LaunchDims {
+            grid: (check_u32("gdn chunks", chunks)?, hv, 1),
+            block: (CHUNK_THREADS, 1, 1),
+            shared_bytes: smem[0] as u32,
+        };
+        let rows = [
+            rows_arg(&inputs.qkv)?,
+            rows_arg(&inputs.a)?,
+            rows_arg(&inputs.b)?,
+        ];
+        let args = prepare_arguments(
+            rows,
+            strides,
+            params,
+            cache,
+            workspace,
+            seqs,
+            [hk, hv, dv32, kernel, ring_len, count32],
+        );
+        // SAFETY: gdn_chunk_prepare_dk*'s parameters in order (prepare_arguments). cu_seqlens
+        // (validated on the host, copied above) partitions the checked projection rows; the
+        // workspace holds at least `chunks` chunks; the grid covers exactly `chunks` chunks;
+        // shared memory as computed by chunk_prepare_smem, within the target's (checked above).
+        unsafe { backend.launch(FAMILY, PREPARE_KERNELS[dk_index], &dims, &args) }?;
     }
 
-    let name = format!("gdn_chunk_state_dk{dk}_dv{dvs}");
-    let function = cuda.function(FAMILY, &name)?;
-    set_smem(&mut workspace.smem_allowed, &function, smem[1], &name)?;
-    let mut launch = cuda.stream().launch_builder(&function);
-    for ptr in &ws {
-        launch.arg(ptr);
-    }
-    launch
-        .arg(&qkv)
-        .arg(&strides[0])
-        .arg(&state)
-        .arg(&conv)
-        .arg(&ring_k)
-        .arg(&ring_u)
-        .arg(&ring_g)
-        .arg(&cu)
-        .arg(&slots)
-        .arg(&positions)
-        .arg(&pending)
-        .arg(&out_ptr)
-        .arg(&hk)
-        .arg(&hv)
-        .arg(&dv32)
-        .arg(&kernel)
-        .arg(&ring_len)
-        .arg(&n_slots);
-    // SAFETY: matches gdn_chunk_state_dk*_dv*'s signature; the workspace was filled by the
-    // prepare pass for the same cu_seqlens; `out` holds T rows; slots past the cache are skipped
-    // by the kernel; shared memory as computed by chunk_state_smem and allowed above.
-    unsafe {
-        launch.launch(LaunchConfig {
-            grid_dim: (
-                check_u32("gdn state blocks", shape.value_heads * dv / dvs)?,
-                count32,
-                1,
-            ),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: smem[1] as u32,
-        })
-    }
-    .map_err(|e| Error::cuda(format!("launch {name} B={count} T={tokens} {shape:?}"), e))?;
+    let dims = LaunchDims {
+        grid: (
+            check_u32("gdn state blocks", shape.value_heads * dv / dvs)?,
+            count32,
+            1,
+        ),
+        block: (CHUNK_THREADS, 1, 1),
+        shared_bytes: smem[1] as u32,
+    };
+    let qkv = [rows_arg(&inputs.qkv)?, KernelArg::u32(strides[0])];
+    let args = state_arguments(
+        workspace,
+        qkv,
+        cache,
+        seqs,
+        KernelArg::output(out),
+        [hk, hv, dv32, kernel, ring_len, n_slots],
+    );
+    // SAFETY: gdn_chunk_state_dk*_dv*'s parameters in order (state_arguments); the workspace was
+    // filled by the prepare pass for the same cu_seqlens; `out` holds T rows; slots past the
+    // cache are skipped by the kernel; shared memory as computed by chunk_state_smem, within
+    // the target's (checked above).
+    unsafe { backend.launch(FAMILY, STATE_KERNELS[dk_index][dvs_index], &dims, &args) }?;
 
     if let Some(z) = &inputs.z {
         if tokens > 0 {
-            let z_ptr = rows_ptr(cuda, backend, z, "gdn z rows")?;
-            let z_stride = check_u32("gdn z stride", z.stride)?;
-            let norm_w = p(&params.norm_weight, "gdn norm.weight")?;
+            let z_rows = [
+                rows_arg(z)?,
+                KernelArg::u32(check_u32("gdn z stride", z.stride)?),
+            ];
             let rows = check_u32("gdn rows", tokens)?;
             let tasks = tokens as u64 * shape.value_heads as u64;
-            let function = cuda.function(FAMILY, "gdn_gated_norm")?;
-            let mut launch = cuda.stream().launch_builder(&function);
-            launch
-                .arg(&out_ptr)
-                .arg(&z_ptr)
-                .arg(&z_stride)
-                .arg(&norm_w)
-                .arg(&params.eps)
-                .arg(&rows)
-                .arg(&hv)
-                .arg(&dv32);
-            let grid = u32::try_from(tasks.div_ceil(4)).map_err(|_| {
+            // one warp per (row, head): the warps per block follow the target's warp size
+            let tasks_per_block = u64::from(NORM_THREADS / target.warp_size);
+            let grid = u32::try_from(tasks.div_ceil(tasks_per_block)).map_err(|_| {
                 Error::invalid(
                     "gdn prefill",
                     format!("{tokens} rows are too many for one norm launch"),
                 )
             })?;
-            // SAFETY: matches gdn_gated_norm(out, z, z_stride, norm_w, eps, rows, hv, dv); out and
-            // z were checked for T rows.
+            let args =
+                gated_norm_arguments(KernelArg::output(out), z_rows, params, [rows, hv, dv32]);
+            // SAFETY: gdn_gated_norm's parameters in order (gated_norm_arguments); out and z
+            // were checked for T rows.
             unsafe {
-                launch.launch(LaunchConfig {
-                    grid_dim: (grid, 1, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: 0,
-                })
-            }
-            .map_err(|e| Error::cuda(format!("launch gdn_gated_norm T={tokens}"), e))?;
+                backend.launch(
+                    FAMILY,
+                    KERNEL_GATED_NORM,
+                    &LaunchDims::linear(grid, NORM_THREADS),
+                    &args,
+                )
+            }?;
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::launch_check;
+    use crate::target;
+
+    /// Every launch's argument list (built by [`commit_arguments`], [`step_arguments`],
+    /// [`prepare_arguments`], [`state_arguments`] and [`gated_norm_arguments`]) meets every
+    /// target's compiled kernels: count, kinds and scalar widths (PTX types on the NVIDIA
+    /// targets, the code object's metadata through the HIP launch check on gfx1151), with and
+    /// without z.
+    #[test]
+    fn the_argument_lists_meet_the_compiled_kernels_parameters() {
+        let cpu = Backend::Cpu;
+        let shape = GdnShape {
+            key_heads: 1,
+            value_heads: 2,
+            dk: 64,
+            dv: 32,
+        };
+        let params = GdnParams::upload(
+            &cpu,
+            shape,
+            4,
+            &vec![0.0; shape.conv_dim() * 4],
+            &[0.0; 2],
+            &[0.0; 2],
+            &[0.0; 32],
+            1e-6,
+        )
+        .expect("parameters");
+        let mut cache = GdnCache::new(&cpu, shape, 4, 2, 2).expect("cache");
+        let mut seqs = Sequences::new(&cpu, &[0], &[0]).expect("sequences");
+        let mut workspace = ChunkWorkspace::new(&cpu, shape, 64, 1).expect("workspace");
+        let rows = DeviceVec::Host(vec![bf16::ZERO; 8]);
+        let mut out = DeviceVec::Host(vec![bf16::ZERO; 8]);
+        let mut failures = Vec::new();
+        let mut check = |target: &str, kernel: &str, args: &[KernelArg<'_>]| {
+            if let Err(e) = launch_check::check_arguments(target, FAMILY, kernel, args) {
+                failures.push(e);
+            }
+        };
+        for t in target::all() {
+            let name = t.name.as_str();
+            let per_sequence = DeviceVec::Host(vec![0u32; 1]);
+            for accepted in [
+                KernelArg::optional_input::<u32>(None),
+                KernelArg::input(&per_sequence),
+            ] {
+                check(
+                    name,
+                    KERNEL_COMMIT,
+                    &commit_arguments(&mut seqs, accepted, [1, 1, 0]),
+                );
+            }
+            for kernel in STEP_KERNELS {
+                for z in [None, Some(&rows)] {
+                    let io = [
+                        KernelArg::input(&rows),
+                        KernelArg::input(&rows),
+                        KernelArg::input(&rows),
+                        KernelArg::optional_input(z),
+                    ];
+                    let args = step_arguments(
+                        io,
+                        [8, 2, 2, 64],
+                        &params,
+                        &mut cache,
+                        &seqs,
+                        KernelArg::output(&mut out),
+                        [1, 2, 64, 32, 4, 4, 2, 1, 0],
+                    );
+                    check(name, kernel, &args);
+                }
+            }
+            for kernel in PREPARE_KERNELS {
+                let io = [
+                    KernelArg::input(&rows),
+                    KernelArg::input(&rows),
+                    KernelArg::input(&rows),
+                ];
+                let args = prepare_arguments(
+                    io,
+                    [8, 2, 2],
+                    &params,
+                    &cache,
+                    &mut workspace,
+                    &seqs,
+                    [1, 2, 32, 4, 4, 1],
+                );
+                check(name, kernel, &args);
+            }
+            for kernel in STATE_KERNELS.iter().flatten() {
+                let args = state_arguments(
+                    &workspace,
+                    [KernelArg::input(&rows), KernelArg::u32(8)],
+                    &mut cache,
+                    &seqs,
+                    KernelArg::output(&mut out),
+                    [1, 2, 32, 4, 4, 2],
+                );
+                check(name, kernel, &args);
+            }
+            let args = gated_norm_arguments(
+                KernelArg::output(&mut out),
+                [KernelArg::input(&rows), KernelArg::u32(64)],
+                &params,
+                [1, 2, 32],
+            );
+            check(name, KERNEL_GATED_NORM, &args);
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// The step kernel follows dk; dk outside the chunk kernels' instantiations is refused.
+    #[test]
+    fn kernels_are_chosen_by_dk() {
+        assert_eq!(step_kernel(64), "gdn_step_dk128");
+        assert_eq!(step_kernel(128), "gdn_step_dk128");
+        assert_eq!(step_kernel(144), "gdn_step_dk256");
+        assert_eq!(PREPARE_KERNELS.len(), CHUNK_DK.len());
+        assert_eq!(STATE_KERNELS[0].len(), CHUNK_DV_PER_BLOCK.len());
+    }
 }

@@ -3,7 +3,7 @@
 //! ragged draft counts, counter-based random numbers, per-sequence errors and per-position
 //! acceptance statistics (`kernels/templates/verify.cu`).
 //!
-//! [`reference`] is the definition; the CUDA kernels reproduce it bit for bit (same tokens, same
+//! [`reference`] is the definition; the device kernels reproduce it bit for bit (same tokens, same
 //! accept counts), which is what the GPU tests check. The kernels never sort the vocabulary:
 //!
 //! - `verify_histogram` (pass 1 over the logits): each row's blocks histogram the tokens by
@@ -21,7 +21,8 @@
 //!
 //! One launch of each serves the whole batch; the controls of every sequence live on the device
 //! ([`VerifyWorkspace::set_batch`] uploads them), and [`verify`] allocates nothing and never waits
-//! for the host, so it can be captured in a CUDA graph.
+//! for the host, so it can be captured in a graph. A device (CUDA or HIP) runs the kernels through
+//! [`Backend::launch`], each with the one by-value argument [`device::Args`].
 //!
 //! Reads: pass 1 and pass 2 each read every processed row once (greedy rows only in pass 1);
 //! `verify_finish` reads the collected candidates, and a whole row again only for a bucket too
@@ -32,11 +33,10 @@ pub mod reference;
 
 pub use reference::{AcceptanceStats, Drafts, RowError, SamplingParams, Verified};
 
-use crate::backend::cuda::CudaBackend;
-use crate::backend::{Backend, DeviceVec};
+use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
 use crate::error::{Error, Result};
 use crate::target::VerifyTiles;
-use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 
 /// The family name (template and module).
 pub const FAMILY: &str = "verify";
@@ -241,7 +241,7 @@ pub mod device {
     unsafe impl DeviceRepr for Args {}
 }
 
-/// Sizes of every device buffer for a capacity on a target (shared by the CUDA workspace and
+/// Sizes of every device buffer for a capacity on a target (shared by the device workspace and
 /// anything else that runs the kernels, such as a CPU emulation of them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Layout {
@@ -606,24 +606,26 @@ impl Batch {
     }
 }
 
-/// Device buffers of the CUDA path.
-struct CudaBuffers {
-    sequences: CudaSlice<device::Sequence>,
-    rows: CudaSlice<device::Row>,
-    bias_tokens: CudaSlice<u32>,
-    bias_values: CudaSlice<f32>,
-    block_hist: CudaSlice<u64>,
-    block_summary: CudaSlice<u64>,
-    row_grid: CudaSlice<u64>,
-    row_anchor: CudaSlice<u32>,
-    row_hist: CudaSlice<u64>,
-    row_state: CudaSlice<u64>,
-    candidates: CudaSlice<u64>,
-    residual_sums: CudaSlice<u64>,
-    counters: CudaSlice<u32>,
-    emitted: CudaSlice<u32>,
-    status: CudaSlice<u32>,
-    stats: CudaSlice<u64>,
+/// Device buffers of a workspace on a device backend, and that backend (the workspace's copies
+/// go through it).
+struct DeviceBuffers {
+    backend: Backend,
+    sequences: DeviceVec<device::Sequence>,
+    rows: DeviceVec<device::Row>,
+    bias_tokens: DeviceVec<u32>,
+    bias_values: DeviceVec<f32>,
+    block_hist: DeviceVec<u64>,
+    block_summary: DeviceVec<u64>,
+    row_grid: DeviceVec<u64>,
+    row_anchor: DeviceVec<u32>,
+    row_hist: DeviceVec<u64>,
+    row_state: DeviceVec<u64>,
+    candidates: DeviceVec<u64>,
+    residual_sums: DeviceVec<u64>,
+    counters: DeviceVec<u32>,
+    emitted: DeviceVec<u32>,
+    status: DeviceVec<u32>,
+    stats: DeviceVec<u64>,
 }
 
 enum Storage {
@@ -631,7 +633,7 @@ enum Storage {
         outcomes: Vec<std::result::Result<Verified, RowError>>,
         stats: AcceptanceStats,
     },
-    Cuda(Box<CudaBuffers>),
+    Device(Box<DeviceBuffers>),
 }
 
 /// Everything [`verify`] needs on its backend, allocated once: the batch's controls, scratch,
@@ -642,62 +644,59 @@ pub struct VerifyWorkspace {
     storage: Storage,
 }
 
-fn alloc<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-    cuda: &CudaBackend,
+/// `len` zeroed elements on `backend`, at least one (an allocation of 0 bytes fails).
+fn alloc<T: DeviceRepr + ValidAsZeroBits + Clone + Default>(
+    backend: &Backend,
     len: usize,
-    what: &str,
-) -> Result<CudaSlice<T>> {
-    cuda.stream()
-        .alloc_zeros(len.max(1))
-        .map_err(|e| Error::cuda(format!("allocate verify {what} ({len} elements)"), e))
+) -> Result<DeviceVec<T>> {
+    backend.zeros(len.max(1))
 }
 
 impl VerifyWorkspace {
     /// A workspace for batches up to `capacity` on `backend`.
     ///
     /// # Errors
-    /// As [`Layout::new`]; [`Error::Cuda`] when an allocation fails.
+    /// As [`Layout::new`]; [`Error::Cuda`] / [`Error::Hip`] when an allocation fails.
     pub fn new(backend: &Backend, capacity: Capacity) -> Result<Self> {
-        let storage_for = |layout: &Layout| -> Result<Storage> {
-            Ok(match backend {
-                Backend::Cpu => Storage::Host {
-                    outcomes: Vec::new(),
-                    stats: AcceptanceStats {
-                        drafted: vec![0; capacity.max_drafts],
-                        accepted: vec![0; capacity.max_drafts],
-                    },
-                },
-                Backend::Cuda(cuda) => {
-                    let n = layout.buffer_lengths();
-                    Storage::Cuda(Box::new(CudaBuffers {
-                        sequences: alloc(cuda, n.sequences, "sequences")?,
-                        rows: alloc(cuda, n.rows, "rows")?,
-                        bias_tokens: alloc(cuda, n.bias, "bias tokens")?,
-                        bias_values: alloc(cuda, n.bias, "bias values")?,
-                        block_hist: alloc(cuda, n.block_hist, "block histograms")?,
-                        block_summary: alloc(cuda, n.block_summary, "block summaries")?,
-                        row_grid: alloc(cuda, n.row_grid, "row grids")?,
-                        row_anchor: alloc(cuda, n.row_anchor, "row anchors")?,
-                        row_hist: alloc(cuda, n.row_hist, "row histograms")?,
-                        row_state: alloc(cuda, n.row_state, "row state")?,
-                        candidates: alloc(cuda, n.candidates, "candidates")?,
-                        residual_sums: alloc(cuda, n.residual_sums, "residual sums")?,
-                        counters: alloc(cuda, n.counters, "counters")?,
-                        emitted: alloc(cuda, n.emitted, "emitted tokens")?,
-                        status: alloc(cuda, n.status, "status")?,
-                        stats: alloc(cuda, n.stats, "statistics")?,
-                    }))
-                }
-                Backend::Hip(_) => return Err(backend.no_launch_yet(FAMILY)),
-            })
-        };
-        let (tiles, multiprocessors) = match backend {
-            Backend::Cpu => (&crate::target::all()[0].verify, 1),
-            Backend::Cuda(cuda) => (&cuda.target().verify, cuda.multiprocessors()),
-            Backend::Hip(_) => return Err(backend.no_launch_yet(FAMILY)),
+        let (tiles, multiprocessors) = match backend.target() {
+            None => (&crate::target::all()[0].verify, 1),
+            Some(target) => (
+                &target.verify,
+                backend.multiprocessors().unwrap_or(target.multiprocessors),
+            ),
         };
         let layout = Layout::new(capacity, tiles, multiprocessors)?;
-        let storage = storage_for(&layout)?;
+        let storage = match backend {
+            Backend::Cpu => Storage::Host {
+                outcomes: Vec::new(),
+                stats: AcceptanceStats {
+                    drafted: vec![0; capacity.max_drafts],
+                    accepted: vec![0; capacity.max_drafts],
+                },
+            },
+            Backend::Cuda(_) | Backend::Hip(_) => {
+                let n = layout.buffer_lengths();
+                Storage::Device(Box::new(DeviceBuffers {
+                    backend: backend.clone(),
+                    sequences: alloc(backend, n.sequences)?,
+                    rows: alloc(backend, n.rows)?,
+                    bias_tokens: alloc(backend, n.bias)?,
+                    bias_values: alloc(backend, n.bias)?,
+                    block_hist: alloc(backend, n.block_hist)?,
+                    block_summary: alloc(backend, n.block_summary)?,
+                    row_grid: alloc(backend, n.row_grid)?,
+                    row_anchor: alloc(backend, n.row_anchor)?,
+                    row_hist: alloc(backend, n.row_hist)?,
+                    row_state: alloc(backend, n.row_state)?,
+                    candidates: alloc(backend, n.candidates)?,
+                    residual_sums: alloc(backend, n.residual_sums)?,
+                    counters: alloc(backend, n.counters)?,
+                    emitted: alloc(backend, n.emitted)?,
+                    status: alloc(backend, n.status)?,
+                    stats: alloc(backend, n.stats)?,
+                }))
+            }
+        };
         Ok(Self {
             layout,
             batch: None,
@@ -720,27 +719,19 @@ impl VerifyWorkspace {
     /// n). Copies them to the device; call it before [`verify`], outside any captured graph.
     ///
     /// # Errors
-    /// As [`Batch::encode`]; [`Error::Cuda`] when a copy fails.
+    /// As [`Batch::encode`]; [`Error::Cuda`] / [`Error::Hip`] when a copy fails.
     pub fn set_batch(&mut self, sequences: &[Sequence<'_>], kind: DraftKind) -> Result<()> {
         let batch = Batch::encode(&self.layout, sequences, kind)?;
-        if let Storage::Cuda(buffers) = &mut self.storage {
-            let stream = buffers.sequences.stream().clone();
-            let copy = |what: &str, e| Error::cuda(format!("upload verify {what}"), e);
+        if let Storage::Device(buffers) = &mut self.storage {
+            let b = &mut **buffers;
+            // Batch::encode kept the batch within the capacity the buffers were sized for
             if !batch.sequences.is_empty() {
-                stream
-                    .memcpy_htod(&batch.sequences, &mut buffers.sequences)
-                    .map_err(|e| copy("sequences", e))?;
-                stream
-                    .memcpy_htod(&batch.rows, &mut buffers.rows)
-                    .map_err(|e| copy("rows", e))?;
+                b.backend.write(&mut b.sequences, 0, &batch.sequences)?;
+                b.backend.write(&mut b.rows, 0, &batch.rows)?;
             }
             if !batch.bias_tokens.is_empty() {
-                stream
-                    .memcpy_htod(&batch.bias_tokens, &mut buffers.bias_tokens)
-                    .map_err(|e| copy("bias tokens", e))?;
-                stream
-                    .memcpy_htod(&batch.bias_values, &mut buffers.bias_values)
-                    .map_err(|e| copy("bias values", e))?;
+                b.backend.write(&mut b.bias_tokens, 0, &batch.bias_tokens)?;
+                b.backend.write(&mut b.bias_values, 0, &batch.bias_values)?;
             }
         }
         self.batch = Some(batch);
@@ -750,20 +741,15 @@ impl VerifyWorkspace {
     /// Each sequence's outcome of the last [`verify`] (waits for it).
     ///
     /// # Errors
-    /// [`Error::Invalid`] before any batch ran; [`Error::Cuda`] when the copy fails (where an
+    /// [`Error::Invalid`] before any batch ran; [`Error::Cuda`] / [`Error::Hip`] when the copy fails (where an
     /// asynchronous fault of the kernels shows).
     pub fn outcomes(&self) -> Result<Vec<std::result::Result<Verified, RowError>>> {
         let batch = self.batch.as_ref().ok_or_else(no_batch)?;
         match &self.storage {
             Storage::Host { outcomes, .. } => Ok(outcomes.clone()),
-            Storage::Cuda(buffers) => {
-                let stream = buffers.status.stream();
-                let status = stream
-                    .clone_dtoh(&buffers.status)
-                    .map_err(|e| Error::cuda("download verify status", e))?;
-                let emitted = stream
-                    .clone_dtoh(&buffers.emitted)
-                    .map_err(|e| Error::cuda("download verify emitted tokens", e))?;
+            Storage::Device(b) => {
+                let status = b.backend.download(&b.status)?;
+                let emitted = b.backend.download(&b.emitted)?;
                 batch.decode(&self.layout, &status, &emitted)
             }
         }
@@ -774,16 +760,12 @@ impl VerifyWorkspace {
     /// (`max_drafts` positions).
     ///
     /// # Errors
-    /// [`Error::Cuda`] when the copy fails.
+    /// [`Error::Cuda`] / [`Error::Hip`] when the copy fails.
     pub fn stats(&self) -> Result<AcceptanceStats> {
         match &self.storage {
             Storage::Host { stats, .. } => Ok(stats.clone()),
-            Storage::Cuda(buffers) => {
-                let words = buffers
-                    .stats
-                    .stream()
-                    .clone_dtoh(&buffers.stats)
-                    .map_err(|e| Error::cuda("download verify statistics", e))?;
+            Storage::Device(b) => {
+                let words = b.backend.download(&b.stats)?;
                 let n = self.layout.capacity.max_drafts;
                 Ok(AcceptanceStats {
                     drafted: words[..n].to_vec(),
@@ -796,37 +778,33 @@ impl VerifyWorkspace {
     /// Zeroes the acceptance statistics.
     ///
     /// # Errors
-    /// [`Error::Cuda`] when the memset fails.
+    /// [`Error::Cuda`] / [`Error::Hip`] when the memset fails.
     pub fn reset_stats(&mut self) -> Result<()> {
         match &mut self.storage {
             Storage::Host { stats, .. } => {
                 stats.drafted.fill(0);
                 stats.accepted.fill(0);
             }
-            Storage::Cuda(buffers) => {
-                let stream = buffers.stats.stream().clone();
-                stream
-                    .memset_zeros(&mut buffers.stats)
-                    .map_err(|e| Error::cuda("zero verify statistics", e))?;
-            }
+            Storage::Device(b) => b.backend.fill_zeros(&mut b.stats)?,
         }
         Ok(())
     }
 
-    /// The emitted tokens on the device, `[max_sequences][max_drafts + 1]` (CUDA only): sequence
-    /// s's `accepted + 1` tokens start at `s * (max_drafts + 1)`.
-    pub fn emitted_device(&self) -> Option<&CudaSlice<u32>> {
+    /// The emitted tokens on the device, `[max_sequences][max_drafts + 1]` (`None` on the CPU
+    /// backend): sequence s's `accepted + 1` tokens start at `s * (max_drafts + 1)`.
+    pub fn emitted_device(&self) -> Option<&DeviceVec<u32>> {
         match &self.storage {
-            Storage::Cuda(buffers) => Some(&buffers.emitted),
+            Storage::Device(buffers) => Some(&buffers.emitted),
             Storage::Host { .. } => None,
         }
     }
 
     /// The per-sequence status words on the device, `[max_sequences][device::STATUS_WORDS]`
-    /// (CUDA only): word 0 the code (`device::STATUS_*`), word 1 the accepted count.
-    pub fn status_device(&self) -> Option<&CudaSlice<u32>> {
+    /// (`None` on the CPU backend): word 0 the code (`device::STATUS_*`), word 1 the accepted
+    /// count.
+    pub fn status_device(&self) -> Option<&DeviceVec<u32>> {
         match &self.storage {
-            Storage::Cuda(buffers) => Some(&buffers.status),
+            Storage::Device(buffers) => Some(&buffers.status),
             Storage::Host { .. } => None,
         }
     }
@@ -854,13 +832,13 @@ pub fn logits_bytes(workspace: &VerifyWorkspace) -> u64 {
 /// sequence's n + 1 rows in order), `draft_tokens` its drafts (`[draft rows]`), `draft_logits`
 /// `[draft rows][V]` for [`DraftKind::Sampled`]. Outcomes land in the workspace
 /// ([`VerifyWorkspace::outcomes`], or on the device for a runner that keeps them there); bad
-/// values are per-sequence errors, never tokens. On CUDA: four launches at most, no allocation,
+/// values are per-sequence errors, never tokens. On a device: four launches at most, no allocation,
 /// no host synchronisation.
 ///
 /// # Errors
 /// [`Error::Invalid`] with no batch set or buffers that disagree with it,
 /// [`Error::BackendMismatch`] for buffers of another backend, [`Error::Compile`] /
-/// [`Error::Cuda`] from the CUDA path.
+/// [`Error::Cuda`] / [`Error::Hip`] from the device path.
 pub fn verify(
     backend: &Backend,
     workspace: &mut VerifyWorkspace,
@@ -921,19 +899,18 @@ pub fn verify(
             *outcomes = verify_on_host(batch, vocab, target, tokens, draft, stats);
             Ok(())
         }
-        (Storage::Cuda(buffers), Backend::Cuda(cuda)) => {
-            let DeviceVec::Cuda(target) = target_logits else {
-                return Err(backend.mismatch("verify target logits", target_logits));
-            };
-            let DeviceVec::Cuda(tokens) = draft_tokens else {
-                return Err(backend.mismatch("verify draft tokens", draft_tokens));
-            };
-            let draft = match draft_logits {
-                Some(DeviceVec::Cuda(d)) => Some(d),
-                Some(other) => return Err(backend.mismatch("verify draft logits", other)),
-                None => None,
-            };
-            launch(cuda, &layout, batch, buffers, target, tokens, draft)
+        (Storage::Device(buffers), Backend::Cuda(_) | Backend::Hip(_))
+            if buffers.backend.name() == backend.name() =>
+        {
+            launch(
+                backend,
+                &layout,
+                batch,
+                buffers,
+                target_logits,
+                draft_tokens,
+                draft_logits,
+            )
         }
         _ => Err(Error::invalid(
             "verify workspace",
@@ -978,21 +955,35 @@ fn verify_on_host(
         .collect()
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The device address of `buffer`, which must be `backend`'s: the kernels' one argument
+/// carries addresses, which the launch's own checks do not see.
+fn address_on<T>(backend: &Backend, buffer: &DeviceVec<T>, what: &str) -> Result<u64> {
+    match buffer.device_address() {
+        Some(address) if buffer.backend_name() == backend.name() => Ok(address),
+        _ => Err(backend.mismatch(what, buffer)),
+    }
+}
+
+/// The arguments of every verify kernel: the one `VerifyArgs`, by value.
+fn verify_arguments(args: &device::Args) -> [KernelArg<'_>; 1] {
+    [KernelArg::by_value(args)]
+}
+
+/// The device path of [`verify`] (buffers checked against the batch by the caller): the
+/// launches of [`Layout::launches`], each with the same [`device::Args`].
 fn launch(
-    cuda: &CudaBackend,
+    backend: &Backend,
     layout: &Layout,
     batch: &Batch,
-    b: &mut CudaBuffers,
-    target: &CudaSlice<f32>,
-    tokens: &CudaSlice<u32>,
-    draft: Option<&CudaSlice<f32>>,
+    b: &DeviceBuffers,
+    target: &DeviceVec<f32>,
+    tokens: &DeviceVec<u32>,
+    draft: Option<&DeviceVec<f32>>,
 ) -> Result<()> {
     let rows = batch.row_count();
     if rows == 0 {
         return Ok(());
     }
-    let stream = cuda.stream();
     let rows32 = super::check_u32("verify rows", rows)?;
     if rows32 > 65_535 {
         return Err(Error::invalid(
@@ -1000,47 +991,30 @@ fn launch(
             format!("{rows} rows; one launch takes at most 65535"),
         ));
     }
-    // SAFETY (all device_ptr calls): the guards are kept until the launches are queued; the
-    // backend disabled event tracking, so they record nothing.
-    let (target_ptr, _g0) = target.device_ptr(stream);
-    let (tokens_ptr, _g1) = tokens.device_ptr(stream);
-    let (draft_ptr, _g2) = draft.unwrap_or(target).device_ptr(stream);
-    let (sequences, _g3) = b.sequences.device_ptr(stream);
-    let (rows_ptr, _g4) = b.rows.device_ptr(stream);
-    let (bias_tokens, _g5) = b.bias_tokens.device_ptr(stream);
-    let (bias_values, _g6) = b.bias_values.device_ptr(stream);
-    let (block_hist, _g7) = b.block_hist.device_ptr(stream);
-    let (block_summary, _g8) = b.block_summary.device_ptr(stream);
-    let (row_grid, _g17) = b.row_grid.device_ptr(stream);
-    let (row_anchor, _g18) = b.row_anchor.device_ptr(stream);
-    let (row_hist, _g9) = b.row_hist.device_ptr(stream);
-    let (row_state, _g10) = b.row_state.device_ptr(stream);
-    let (candidates, _g11) = b.candidates.device_ptr(stream);
-    let (residual_sums, _g12) = b.residual_sums.device_ptr(stream);
-    let (counters, _g13) = b.counters.device_ptr(stream);
-    let (emitted, _g14) = b.emitted.device_ptr(stream);
-    let (status, _g15) = b.status.device_ptr(stream);
-    let (stats, _g16) = b.stats.device_ptr(stream);
+    let Some(device_target) = backend.target() else {
+        return Err(backend.mismatch("verify launch", target));
+    };
     let args = device::Args {
-        target_logits: target_ptr,
-        draft_logits: draft_ptr,
-        draft_tokens: tokens_ptr,
-        sequences,
-        rows: rows_ptr,
-        bias_tokens,
-        bias_values,
-        block_hist,
-        block_summary,
-        row_grid,
-        row_anchor,
-        row_hist,
-        row_state,
-        candidates,
-        residual_sums,
-        counters,
-        emitted,
-        status,
-        stats,
+        target_logits: address_on(backend, target, "verify target logits")?,
+        // without draft rows the kernels never read it; any valid address will do
+        draft_logits: address_on(backend, draft.unwrap_or(target), "verify draft logits")?,
+        draft_tokens: address_on(backend, tokens, "verify draft tokens")?,
+        sequences: address_on(backend, &b.sequences, "verify sequences")?,
+        rows: address_on(backend, &b.rows, "verify rows")?,
+        bias_tokens: address_on(backend, &b.bias_tokens, "verify bias tokens")?,
+        bias_values: address_on(backend, &b.bias_values, "verify bias values")?,
+        block_hist: address_on(backend, &b.block_hist, "verify block histograms")?,
+        block_summary: address_on(backend, &b.block_summary, "verify block summaries")?,
+        row_grid: address_on(backend, &b.row_grid, "verify row grids")?,
+        row_anchor: address_on(backend, &b.row_anchor, "verify row anchors")?,
+        row_hist: address_on(backend, &b.row_hist, "verify row histograms")?,
+        row_state: address_on(backend, &b.row_state, "verify row state")?,
+        candidates: address_on(backend, &b.candidates, "verify candidates")?,
+        residual_sums: address_on(backend, &b.residual_sums, "verify residual sums")?,
+        counters: address_on(backend, &b.counters, "verify counters")?,
+        emitted: address_on(backend, &b.emitted, "verify emitted tokens")?,
+        status: address_on(backend, &b.status, "verify status")?,
+        stats: address_on(backend, &b.stats, "verify statistics")?,
         vocab: layout.capacity.vocab as u32,
         sequence_count: batch.sequences.len() as u32,
         row_count: rows32,
@@ -1050,28 +1024,49 @@ fn launch(
         blocks_per_row: batch.blocks_per_row as u32,
         reserved: 0,
     };
-    let threads = cuda.target().verify.threads_per_block;
+    let threads = device_target.verify.threads_per_block;
     for (kernel, (x, y)) in layout.launches(batch) {
-        let function = cuda.function(FAMILY, kernel)?;
-        let mut builder = stream.launch_builder(&function);
-        builder.arg(&args);
-        let config = LaunchConfig {
-            grid_dim: (x, y, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
+        let dims = LaunchDims {
+            grid: (x, y, 1),
+            block: (threads, 1, 1),
+            shared_bytes: 0,
         };
         // SAFETY: `Args` is the kernels' one argument, laid out as verify.cu declares it; every
-        // address points into a buffer sized by `layout` for this batch (checked above), and
-        // the buffers outlive the launch (frees are stream-ordered).
-        unsafe { builder.launch(config) }.map_err(|e| {
-            Error::cuda(
-                format!(
-                    "launch {kernel} for {rows} rows of {}",
-                    layout.capacity.vocab
-                ),
-                e,
-            )
-        })?;
+        // address points into a buffer of this backend sized by `layout` for this batch
+        // (checked above and by the caller), and the buffers outlive the launch (frees wait
+        // for the queued work).
+        unsafe { backend.launch(FAMILY, kernel, &dims, &verify_arguments(&args)) }?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::launch_check;
+    use crate::target;
+
+    /// The one by-value argument of every verify kernel ([`verify_arguments`]) meets every
+    /// target's compiled kernels: a `.b8[184]` parameter in the PTX of the NVIDIA targets, a
+    /// 184-byte `by_value` argument in gfx1151's code object metadata.
+    #[test]
+    fn the_argument_list_meets_the_compiled_kernels_parameters() {
+        let args = device::Args::default();
+        let mut failures = Vec::new();
+        for t in target::all() {
+            for kernel in [
+                KERNEL_HISTOGRAM,
+                KERNEL_SELECT,
+                KERNEL_FINISH,
+                KERNEL_RESIDUAL,
+            ] {
+                if let Err(e) =
+                    launch_check::check_arguments(&t.name, FAMILY, kernel, &verify_arguments(&args))
+                {
+                    failures.push(e);
+                }
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
 }
