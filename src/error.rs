@@ -158,6 +158,15 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// The same error with `context` (what the caller was doing: the buffer, the kernel) put in
+    /// front of the failed operation of a device call; other errors already name their subject.
+    pub(crate) fn during(mut self, context: &str) -> Self {
+        if let Error::Cuda { op, .. } | Error::Hip { op, .. } = &mut self {
+            *op = format!("{context}: {op}");
+        }
+        self
+    }
+
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),

@@ -644,12 +644,16 @@ pub struct VerifyWorkspace {
     storage: Storage,
 }
 
-/// `len` zeroed elements on `backend`, at least one (an allocation of 0 bytes fails).
+/// `len` zeroed elements on `backend`, at least one (an allocation of 0 bytes fails); a failure
+/// names the workspace buffer `what`.
 fn alloc<T: DeviceRepr + ValidAsZeroBits + Clone + Default>(
     backend: &Backend,
+    what: &str,
     len: usize,
 ) -> Result<DeviceVec<T>> {
-    backend.zeros(len.max(1))
+    backend
+        .zeros(len.max(1))
+        .map_err(|e| e.during(&format!("verify workspace `{what}`")))
 }
 
 impl VerifyWorkspace {
@@ -678,22 +682,22 @@ impl VerifyWorkspace {
                 let n = layout.buffer_lengths();
                 Storage::Device(Box::new(DeviceBuffers {
                     backend: backend.clone(),
-                    sequences: alloc(backend, n.sequences)?,
-                    rows: alloc(backend, n.rows)?,
-                    bias_tokens: alloc(backend, n.bias)?,
-                    bias_values: alloc(backend, n.bias)?,
-                    block_hist: alloc(backend, n.block_hist)?,
-                    block_summary: alloc(backend, n.block_summary)?,
-                    row_grid: alloc(backend, n.row_grid)?,
-                    row_anchor: alloc(backend, n.row_anchor)?,
-                    row_hist: alloc(backend, n.row_hist)?,
-                    row_state: alloc(backend, n.row_state)?,
-                    candidates: alloc(backend, n.candidates)?,
-                    residual_sums: alloc(backend, n.residual_sums)?,
-                    counters: alloc(backend, n.counters)?,
-                    emitted: alloc(backend, n.emitted)?,
-                    status: alloc(backend, n.status)?,
-                    stats: alloc(backend, n.stats)?,
+                    sequences: alloc(backend, "sequences", n.sequences)?,
+                    rows: alloc(backend, "rows", n.rows)?,
+                    bias_tokens: alloc(backend, "bias_tokens", n.bias)?,
+                    bias_values: alloc(backend, "bias_values", n.bias)?,
+                    block_hist: alloc(backend, "block_hist", n.block_hist)?,
+                    block_summary: alloc(backend, "block_summary", n.block_summary)?,
+                    row_grid: alloc(backend, "row_grid", n.row_grid)?,
+                    row_anchor: alloc(backend, "row_anchor", n.row_anchor)?,
+                    row_hist: alloc(backend, "row_hist", n.row_hist)?,
+                    row_state: alloc(backend, "row_state", n.row_state)?,
+                    candidates: alloc(backend, "candidates", n.candidates)?,
+                    residual_sums: alloc(backend, "residual_sums", n.residual_sums)?,
+                    counters: alloc(backend, "counters", n.counters)?,
+                    emitted: alloc(backend, "emitted", n.emitted)?,
+                    status: alloc(backend, "status", n.status)?,
+                    stats: alloc(backend, "stats", n.stats)?,
                 }))
             }
         };
