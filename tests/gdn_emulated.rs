@@ -420,7 +420,7 @@ impl Device {
             u(usize::from(mode == StepMode::Verify)),
         ];
         let grid = (
-            (s.value_heads * s.dv / tiles.step_dv_per_block as usize) as u32,
+            (s.value_heads * s.dv.div_ceil(tiles.step_dv_per_block as usize)) as u32,
             self.count as u32,
         );
         emu.launch(kernel, grid, tiles.step_threads, 0, &args);

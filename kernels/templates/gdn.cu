@@ -39,10 +39,10 @@ FP4_DEVICE float exp_f32(float v) { return expf(v); }
 FP4_DEVICE float log_f32(float v) { return logf(v); }
 FP4_DEVICE float rsqrt_f32(float v) { return rsqrtf(v); }
 #define GDN_SHARED extern __shared__ __align__(16) unsigned char
-// gdn_step_*: five blocks per SM (at most 102 registers; 92 on sm_90a at dk 128, no spills): at
-// large batches the step streams states through as many blocks as are resident, and with its
-// front-end loads issued together (conv_silu_n) ptxas took 100 registers, four blocks per SM
-#define STEP_BOUNDS STEP_THREADS, 5
+// gdn_step_*: at large batches the step streams states through as many blocks as are resident
+// (kernels/targets.toml, gdn.step_blocks_per_sm at dk 128: the register budget that leaves); the
+// dk 256 variant holds twice the state per thread, so half as many
+#define STEP_BOUNDS(max_dk) STEP_THREADS, ({{ target.gdn.step_blocks_per_sm }} * 128 / (max_dk) > 0 ? {{ target.gdn.step_blocks_per_sm }} * 128 / (max_dk) : 1)
 {% else %}
 FP4_DEVICE float shfl_xor(float v, u32 mask) {
     const int other = __builtin_amdgcn_ds_bpermute((int)((lane_id() ^ mask) << 2), __builtin_bit_cast(int, v));
@@ -55,7 +55,7 @@ FP4_DEVICE float exp_f32(float v) { return __builtin_expf(v); }
 FP4_DEVICE float log_f32(float v) { return __builtin_logf(v); }
 FP4_DEVICE float rsqrt_f32(float v) { return __builtin_amdgcn_rsqf(v); }
 #define GDN_SHARED extern __attribute__((shared)) __attribute__((aligned(16))) unsigned char
-#define STEP_BOUNDS STEP_THREADS
+#define STEP_BOUNDS(max_dk) STEP_THREADS
 {% endif %}
 // ---- end of vendor differences ----
 
@@ -176,29 +176,28 @@ FP4_DEVICE u32 first_chunk(const u32* __restrict__ cu_seqlens, u32 seq) {
     return before;
 }
 
-/// One warp: out[j] = w[j] * o[j] * rsqrt(mean(o^2) + eps) * silu(z[j]) over `dv` elements; `o`
-/// is fp32 (coherent loads: other blocks wrote it) or, with `o_bf16`, the bf16 row of `out`.
-FP4_DEVICE void gated_norm_row(const float* o, const u16* o_bf16, const u16* __restrict__ z,
-                               const float* __restrict__ w, u32 dv, float eps, u16* out) {
+/// One warp: out[j] = w[j] * o[j] * rsqrt(mean(o^2) + eps) * silu(z[j]) over `dv` elements, o[j]
+/// = load(j) (fp32 another block wrote, a bf16 row of `out`, or this block's shared memory).
+template <class Load>
+FP4_DEVICE void gated_norm_row(Load load, const u16* __restrict__ z, const float* __restrict__ w, u32 dv, float eps,
+                               u16* out) {
     const u32 lane = thread_x() % FP4_WARP_SIZE;
     float sum = 0.0f;
     for (u32 j = lane; j < dv; j += FP4_WARP_SIZE) {
-        const float v = o != nullptr ? load_coherent(o + j) : bf16_to_f32(o_bf16[j]);
+        const float v = load(j);
         sum += v * v;
     }
     const float inv = rsqrt_f32(warp_sum(sum) / (float)dv + eps);
-    for (u32 j = lane; j < dv; j += FP4_WARP_SIZE) {
-        const float v = o != nullptr ? load_coherent(o + j) : bf16_to_f32(o_bf16[j]);
-        out[j] = f32_to_bf16(w[j] * v * inv * silu_f32(bf16_to_f32(z[j])));
-    }
+    for (u32 j = lane; j < dv; j += FP4_WARP_SIZE) out[j] = f32_to_bf16(w[j] * load(j) * inv * silu_f32(bf16_to_f32(z[j])));
 }
 
 // ============================================================================================
 // gdn_step_dk*: decode (every token final) or speculative verify (tokens provisional) of `m` tokens
 // for each of a batch of sequences, from the raw projection rows (row b * m + t). One block per
-// (value head h, slice of STEP_DV value columns, sequence b); the slice of the state
-// (dk x STEP_DV fp32) lives in registers: thread (row group tr, column quad tc) holds rows
-// tr + STEP_ROW_GROUPS * r, columns 4 tc .. 4 tc + 3, loaded and stored with 16-byte accesses.
+// (value head h, slice of STEP_DV value columns, sequence b; the last slice masked past dv); the
+// slice of the state (dk x STEP_DV fp32) lives in registers: thread (row group tr, column quad tc)
+// holds rows tr + STEP_ROW_GROUPS * r, columns 4 tc .. 4 tc + 3, loaded and stored with 16-byte
+// accesses.
 //
 //  1. issue the state loads (the folded position positions[b] - pending[b] > 0, else zeros);
 //  2. front end of the m new tokens into shared memory: conv + SiLU (window from the inputs and
@@ -212,8 +211,10 @@ FP4_DEVICE void gated_norm_row(const float* o, const u16* o_bf16, const u16* __r
 //     through double-buffered shared memory: one barrier per token); u = beta (v - e^g S^T k),
 //     o = e^g S^T q + u (k.q), S = e^g S + k u^T; verify: u to the ring;
 //  6. decode: store the state after the tokens (after the arrival of step 7 when there is one);
-//  7. outputs: raw o as bf16, or through the gated RMSNorm by the last block of (b, h) to
-//     finish (o slices in fp32 scratch, an arrival counter per (b, h), reset by that block).
+//  7. outputs: raw o as bf16, or through the gated RMSNorm: when one block holds the whole head
+//     (dv <= STEP_DV), from o in shared memory after the state's store; else by the last block
+//     of (b, h) to finish (o slices in fp32 scratch, an arrival counter per (b, h), reset by
+//     that block).
 // The ring is sized by the host so the positions written ([pos, pos + m)) never alias those read
 // ([pos - max(kernel - 1, pending), pos)).
 // ============================================================================================
@@ -227,12 +228,13 @@ struct StepShared {
     float g[STEP_MAX_TOKENS], beta[STEP_MAX_TOKENS], kq[STEP_MAX_TOKENS], pg[STEP_MAX_TOKENS];
     float rq[STEP_MAX_TOKENS], rk[STEP_MAX_TOKENS];
     float red[2][STEP_WARPS][2][STEP_DV];
+    float o[STEP_MAX_TOKENS][STEP_DV];  // the whole head's o, for its gated norm
     u32 last;
 };
 
 {% for max_dk in [128, 256] %}
 // gdn_step_dk{{ max_dk }}: dk up to {{ max_dk }} (registers and shared memory sized for it)
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_dk }}(
     const u16* __restrict__ qkv, u32 qkv_stride, const u16* __restrict__ a_in, u32 a_stride,
     const u16* __restrict__ b_in, u32 b_stride, const u16* __restrict__ z, u32 z_stride,
     const float* __restrict__ conv_w, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
@@ -245,7 +247,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
     __shared__ StepShared<{{ max_dk }}> sh;
     const u32 tid = thread_x();
     const u32 warp = tid / FP4_WARP_SIZE, lane = tid % FP4_WARP_SIZE;
-    const u32 splits = dv / STEP_DV;
+    const u32 splits = (dv + STEP_DV - 1) / STEP_DV;  // the last slice masked past dv
     const u32 h = block_x() / splits, split = block_x() % splits;
     const u32 j0 = split * STEP_DV;
     const u32 b = block_y();
@@ -256,8 +258,16 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
     const u32 pend = min_u32(pending[b], (u32)STEP_MAX_TOKENS);
     const u32 conv_dim = 2 * hk * dk + hv * dv;
     const u32 tc = tid % STEP_COL_LANES, tr = tid / STEP_COL_LANES;
+    const bool col_ok = j0 + 4 * tc < dv;  // dv is a multiple of 16: a thread's 4 columns go together
+    const u32 state_rows = col_ok ? dk : 0u;  // rows this thread stores (one compare per row)
+    // the whole head in one block: its gated RMSNorm needs no scratch and no arrival
+    const bool whole_head = splits == 1;
     // row `row` of this block's state slice (columns j0 + 4 tc .. + 3)
+    // masked threads load the slice's first columns instead (in the head, never stored): the loads
+    // need no column predicate (one per row cost ptxas its registers)
+    const u32 load_col = j0 + 4 * (col_ok ? tc : 0u);
     auto state_at = [&](u32 row) { return state + ((u64)slot * hv + h) * dk * dv + (u64)row * dv + j0 + 4 * tc; };
+    auto state_load_at = [&](u32 row) { return state + ((u64)slot * hv + h) * dk * dv + (u64)row * dv + load_col; };
 
     // 1. the state slice
     float s[STEP_MAX_ROWS][4];
@@ -266,7 +276,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
     for (int r = 0; r < STEP_MAX_ROWS; ++r) {
         const u32 row = tr + STEP_ROW_GROUPS * r;
         if (has_state && row < dk) {
-            const u32x4 v = load_u32x4(state_at(row));
+            const u32x4 v = load_u32x4(state_load_at(row));
             s[r][0] = bits_to_f32(v.x); s[r][1] = bits_to_f32(v.y); s[r][2] = bits_to_f32(v.z); s[r][3] = bits_to_f32(v.w);
         } else {
             s[r][0] = s[r][1] = s[r][2] = s[r][3] = 0.0f;
@@ -305,6 +315,10 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
     }
     for (u32 idx = tid; idx < m * STEP_DV; idx += STEP_THREADS) {
         const u32 t = idx / STEP_DV, jj = idx % STEP_DV;
+        if (j0 + jj >= dv) {
+            sh.v[t][jj] = 0.0f;
+            continue;
+        }
         const u32 ch[1] = {2 * hk * dk + h * dv + j0 + jj};
         const u16 raw = qkv[(u64)(b * m + t) * qkv_stride + ch[0]];
         float y[1];
@@ -322,15 +336,14 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
     // the pending tokens' replay data, PENDING_GROUP rows of the block's threads loaded before
     // any is stored (a load followed by its store per row made each pending token a round trip)
     for (u32 base = 0; base < pend * dk; base += PENDING_GROUP * STEP_THREADS) {
-        float pk[PENDING_GROUP], pu[PENDING_GROUP], pg[PENDING_GROUP];
+        float pk[PENDING_GROUP], pg[PENDING_GROUP];
         #pragma unroll
         for (u32 r = 0; r < PENDING_GROUP; ++r) {
             const u32 idx = base + r * STEP_THREADS + tid, c = idx / dk, i = idx % dk;
-            pk[r] = pu[r] = pg[r] = 0.0f;
+            pk[r] = pg[r] = 0.0f;
             if (idx < pend * dk) {
                 const u64 at = (u64)slot * ring_len + (pos - pend + c) % ring_len;
                 pk[r] = ring_k[at * hk * dk + kh * dk + i];
-                if (i < STEP_DV) pu[r] = ring_u[at * hv * dv + h * dv + j0 + i];
                 if (i == 0) pg[r] = ring_g[at * hv + h];
             }
         }
@@ -339,9 +352,26 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
             const u32 idx = base + r * STEP_THREADS + tid, c = idx / dk, i = idx % dk;
             if (idx < pend * dk) {
                 sh.pk[c][i] = pk[r];
-                if (i < STEP_DV) sh.pu[c][i] = pu[r];
                 if (i == 0) sh.pg[c] = pg[r];
             }
+        }
+    }
+    // their u over this block's columns (zero past dv)
+    for (u32 base = 0; base < pend * STEP_DV; base += PENDING_GROUP * STEP_THREADS) {
+        float pu[PENDING_GROUP];
+        #pragma unroll
+        for (u32 r = 0; r < PENDING_GROUP; ++r) {
+            const u32 idx = base + r * STEP_THREADS + tid, c = idx / STEP_DV, jj = idx % STEP_DV;
+            pu[r] = 0.0f;
+            if (idx < pend * STEP_DV && j0 + jj < dv) {
+                const u64 at = (u64)slot * ring_len + (pos - pend + c) % ring_len;
+                pu[r] = ring_u[at * hv * dv + h * dv + j0 + jj];
+            }
+        }
+        #pragma unroll
+        for (u32 r = 0; r < PENDING_GROUP; ++r) {
+            const u32 idx = base + r * STEP_THREADS + tid;
+            if (idx < pend * STEP_DV) sh.pu[idx / STEP_DV][idx % STEP_DV] = pu[r];
         }
     }
     block_barrier();
@@ -383,7 +413,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
         #pragma unroll
         for (int r = 0; r < STEP_MAX_ROWS; ++r) {
             const u32 row = tr + STEP_ROW_GROUPS * r;
-            if (row < dk) store_u32x4(state_at(row), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
+            if (row < state_rows) store_u32x4(state_at(row), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
         }
     }
 
@@ -432,14 +462,16 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
         if (tr == 0) {
             const u64 row = (u64)(b * m + t);
             const u32 col = h * dv + j0 + 4 * tc;
-            if (norm) {
+            if (norm && whole_head) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) sh.o[t][4 * tc + e] = o[e];  // normed after the tokens
+            } else if (col_ok && norm) {
                 store_u32x4(o_scratch + row * hv * dv + col, {f32_to_bits(o[0]), f32_to_bits(o[1]), f32_to_bits(o[2]), f32_to_bits(o[3])});
-            } else {
-                u16* dst = out + row * hv * dv + col;
-                *reinterpret_cast<u32x2*>(dst) = {pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3])};
+            } else if (col_ok) {
+                *reinterpret_cast<u32x2*>(out + row * hv * dv + col) = {pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3])};
             }
-            if (verify) {
-                float* dst = ring_u + ((u64)slot * ring_len + (pos + t) % ring_len) * hv * dv + h * dv + j0 + 4 * tc;
+            if (verify && col_ok) {
+                float* dst = ring_u + ((u64)slot * ring_len + (pos + t) % ring_len) * hv * dv + col;
                 store_u32x4(dst, {f32_to_bits(u[0]), f32_to_bits(u[1]), f32_to_bits(u[2]), f32_to_bits(u[3])});
             }
         }
@@ -451,11 +483,21 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
         #pragma unroll
         for (int r = 0; r < STEP_MAX_ROWS; ++r) {
             const u32 row = tr + STEP_ROW_GROUPS * r;
-            if (row < dk) store_u32x4(state_at(row), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
+            if (row < state_rows) store_u32x4(state_at(row), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
         }
     };
     if (!norm || m == 0) {  // uniform per block
         if (!verify) store_state();
+        return;
+    }
+    if (whole_head) {  // the state's registers are free before the norm
+        if (!verify) store_state();
+        block_barrier();
+        for (u32 t = warp; t < m; t += STEP_WARPS) {
+            const u64 row = (u64)(b * m + t);
+            gated_norm_row([&](u32 j) { return sh.o[t][j]; }, z + row * z_stride + h * dv, norm_w, dv, eps,
+                           out + row * hv * dv + h * dv);
+        }
         return;
     }
 
@@ -472,7 +514,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS) gdn_step_dk{{ max_dk }}(
     fence_device();
     for (u32 t = warp; t < m; t += STEP_WARPS) {
         const u64 row = (u64)(b * m + t);
-        gated_norm_row(o_scratch + row * hv * dv + h * dv, nullptr, z + row * z_stride + h * dv, norm_w, dv, eps,
+        const float* o = o_scratch + row * hv * dv + h * dv;
+        gated_norm_row([&](u32 j) { return load_coherent(o + j); }, z + row * z_stride + h * dv, norm_w, dv, eps,
                        out + row * hv * dv + h * dv);
     }
     if (tid == 0) counters[(u64)b * hv + h] = 0;  // ready for the next launch
@@ -500,7 +543,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) gdn_gated_norm(u16* out, const u
     if (task >= (u64)rows * hv) return;  // whole warps
     const u64 row = task / hv, h = task % hv;
     u16* o = out + row * hv * dv + h * dv;
-    gated_norm_row(nullptr, o, z + row * z_stride + h * dv, norm_w, dv, eps, o);
+    gated_norm_row([&](u32 j) { return bf16_to_f32(o[j]); }, z + row * z_stride + h * dv, norm_w, dv, eps, o);
 }
 
 // ============================================================================================

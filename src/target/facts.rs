@@ -143,6 +143,9 @@ pub struct GdnTiles {
     pub step_dv_per_block: u32,
     /// `gdn_step`: most tokens per sequence in one step (and pending from the last one).
     pub step_max_tokens: u32,
+    /// `gdn_step`: resident blocks per multiprocessor the kernel is compiled for (its launch
+    /// bounds on NVIDIA, which cap its registers; unused on AMD).
+    pub step_blocks_per_sm: u32,
     /// `gdn_chunk_state_*`: value columns per block (16 or 32; 16 when dv is not a multiple).
     pub chunk_dv_per_block: u32,
     /// `gdn_chunk_state_*`: chunks of operands staged ahead in shared memory (cp.async); 0 reads
@@ -302,6 +305,9 @@ impl TargetFacts {
                  and its row groups (threads / (dv_per_block / 4)) must divide 128",
                 gdn.step_threads, gdn.step_dv_per_block
             ));
+        }
+        if gdn.step_blocks_per_sm == 0 {
+            return fail("gdn.step_blocks_per_sm must be positive".into());
         }
         if !(1..=16).contains(&gdn.step_max_tokens) {
             return fail("gdn.step_max_tokens must be in 1..=16 (shared memory per token)".into());

@@ -7,13 +7,14 @@
 //!
 //! # Kernels
 //! - [`step`] (`gdn_step_dk{128,256}`): decode or speculative verify of `m` tokens per sequence
-//!   for a batch, one launch. One block per (value head, `step_dv_per_block` value columns, sequence), so a
-//!   single sequence at the real shape spreads its 2 MiB state over 256 blocks; the block's
-//!   state slice lives in registers (16-byte loads and stores, read once and written once per
-//!   step); each token costs one reduction of `(S^T k, S^T q)` (warp shuffles, then one
-//!   barrier), since `o = e^g S^T q + u (k . q)` needs no second pass. The gated RMSNorm needs
-//!   the whole head: the last of the head's blocks to finish applies it (an arrival counter per
-//!   (sequence, head), reset by that block), so a decode step stays one launch.
+//!   for a batch, one launch. One block per (value head, `step_dv_per_block` value columns,
+//!   sequence; the last slice of a head masked past dv); the block's state slice lives in
+//!   registers (16-byte loads and stores, read once and written once per step); each token costs
+//!   one reduction of `(S^T k, S^T q)` (warp shuffles, then one barrier), since
+//!   `o = e^g S^T q + u (k . q)` needs no second pass. The gated RMSNorm needs the whole head:
+//!   where one block holds it (sm_90a: 256 threads over dv = 128) that block applies it;
+//!   otherwise the last of the head's blocks to finish does (an arrival counter per (sequence,
+//!   head), reset by that block), so a decode step stays one launch.
 //! - [`prefill`]: chunk 64 in the WY / UT form on tensor cores (`mma.sync` bf16, fp32
 //!   accumulation; a lane-by-lane fallback of the same fragment layout on gfx1151), for a
 //!   variable-length batch given by `cu_seqlens`, continuing each sequence from its slot (state,
@@ -1046,16 +1047,9 @@ fn step_device(
     let shape = params.shape;
     let target = device_target(backend)?;
     let tiles = &target.gdn;
-    let dv_per_block = tiles.step_dv_per_block as usize;
-    if shape.dv % dv_per_block != 0 {
-        return Err(Error::invalid(
-            "gdn step",
-            format!(
-                "dv = {} is not a multiple of the target's gdn.step_dv_per_block {dv_per_block}",
-                shape.dv
-            ),
-        ));
-    }
+    // a head's dv columns in slices of step_dv_per_block, the last one masked where dv is not a
+    // multiple (dv is a multiple of 16, so every thread's 4 columns are all in or all out)
+    let slices_per_head = shape.dv.div_ceil(tiles.step_dv_per_block as usize);
     let count = seqs.len();
     let z_stride = inputs.z.map_or(0, |z| z.stride);
     let strides = [
@@ -1085,10 +1079,7 @@ fn step_device(
         usize::from(mode == StepMode::Verify),
     ]
     .map(|d| d as u32);
-    let grid_x = check_u32(
-        "gdn step blocks",
-        shape.value_heads * shape.dv / dv_per_block,
-    )?;
+    let grid_x = check_u32("gdn step blocks", shape.value_heads * slices_per_head)?;
     let grid_y = check_u32("gdn step sequences", count)?;
     if grid_y > 65535 {
         return Err(Error::invalid(
