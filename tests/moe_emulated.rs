@@ -479,7 +479,7 @@ fn check(
         shared
             .as_ref()
             .map(|(gate_up, down)| ExpertRef { gate_up, down }),
-        |v| f64::from(bf16::from_f64(v).to_f32()),
+        |v| f64::from(fp4spec::formats::bf16::round_f64(v).to_f32()),
     );
     if let Some(r) = r {
         for (w, r) in reference_y.iter_mut().zip(r) {
@@ -568,6 +568,25 @@ fn the_sm90a_kernels_run_emulated_with_a_crowded_expert() {
     let count = got.routing.experts.iter().filter(|&&e| e == 5).count();
     assert_eq!(count, t, "expert 5 should get every token");
     check("crowded", "sm_90a", &host, &x, t, None, 1);
+}
+
+/// E = 8, k = 2, T = 100 on bf16 experts (every expert takes several passes), on inputs where a
+/// shared-expert activation lies 2^-21 above a bf16 rounding midpoint: the kernel rounds it to
+/// nearest even, and so must the reference (`formats::bf16::round_f64`; half's own f64
+/// conversion rounds it down, which put one output of a cancelling sum at 1.27x its bound).
+#[test]
+fn the_sm90a_kernels_round_activations_as_the_reference_does() {
+    let s = shape(8, 2, 272, 48, 80);
+    let host = MoeHostWeights::synthetic(s, ExpertFormat::Bf16, 109);
+    check(
+        "midpoint",
+        "sm_90a",
+        &host,
+        &inputs(1009, 100 * 272),
+        100,
+        None,
+        1,
+    );
 }
 
 /// The gfx1151 source (WMMA tile products) on the same kinds of blocks, shared experts (two

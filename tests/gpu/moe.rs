@@ -150,7 +150,7 @@ impl<'a> Reference<'a> {
         let s = self.host.shape;
         let (h, k) = (s.hidden, s.top_k);
         let tokens: Vec<usize> = (0..t).collect();
-        let round = |v: f64| f64::from(bf16::from_f64(v).to_f32());
+        let round = |v: f64| f64::from(fp4spec::formats::bf16::round_f64(v).to_f32());
         let rows = parallel(&tokens, |&token| {
             let one = Routing {
                 top_k: k,

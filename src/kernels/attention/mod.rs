@@ -475,7 +475,8 @@ pub fn attend(
                     for d in 0..hd {
                         let g = f64::from(qg[(r * shape.heads + h) * 2 * hd + hd + d].to_f32());
                         let a = f64::from(attended[h * hd + d]);
-                        o[(r * shape.heads + h) * hd + d] = bf16::from_f64(a / (1.0 + (-g).exp()));
+                        o[(r * shape.heads + h) * hd + d] =
+                            crate::formats::bf16::round_f64(a / (1.0 + (-g).exp()));
                     }
                 }
             }
