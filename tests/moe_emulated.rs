@@ -467,7 +467,7 @@ fn check(
     }
     let dense: Vec<(Vec<f32>, Vec<f32>)> = host.experts.iter().map(ExpertWeights::dense).collect();
     let shared = host.shared.as_ref().map(ExpertWeights::dense);
-    let mut reference_y = reference::moe_block_with(
+    let (mut reference_y, slack) = reference::moe_block_bf16(
         s,
         &xf,
         t,
@@ -479,14 +479,13 @@ fn check(
         shared
             .as_ref()
             .map(|(gate_up, down)| ExpertRef { gate_up, down }),
-        |v| f64::from(fp4spec::formats::bf16::round_f64(v).to_f32()),
     );
     if let Some(r) = r {
         for (w, r) in reference_y.iter_mut().zip(r) {
             *w += r.to_f32();
         }
     }
-    let agreement = compare::compare_bf16(&got.y[1], &reference_y);
+    let agreement = compare::compare_bf16_with_slack(&got.y[1], &reference_y, &slack);
     println!("{label}: {agreement}");
     assert!(agreement.passed(), "{label}: {agreement}");
     let differ = got.y[0]
@@ -571,9 +570,10 @@ fn the_sm90a_kernels_run_emulated_with_a_crowded_expert() {
 }
 
 /// E = 8, k = 2, T = 100 on bf16 experts (every expert takes several passes), on inputs where a
-/// shared-expert activation lies 2^-21 above a bf16 rounding midpoint: the kernel rounds it to
-/// nearest even, and so must the reference (`formats::bf16::round_f64`; half's own f64
-/// conversion rounds it down, which put one output of a cancelling sum at 1.27x its bound).
+/// shared-expert activation lies 2^-21 above a bf16 rounding midpoint, where the output it feeds
+/// is a cancelling sum: the reference rounds to nearest even (`formats::bf16::round_f64`; half's
+/// own f64 conversion rounded it down and put that output at 1.27x its bound) and allows the
+/// other rounding as slack (`reference::moe_block_bf16`).
 #[test]
 fn the_sm90a_kernels_round_activations_as_the_reference_does() {
     let s = shape(8, 2, 272, 48, 80);

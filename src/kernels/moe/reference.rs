@@ -104,29 +104,27 @@ pub fn expert_mlp_accumulate(
     scale: f64,
     out: &mut [f64],
 ) {
-    expert_mlp_accumulate_with(x, expert, intermediate, scale, out, |act| act);
+    expert_mlp(x, expert, intermediate, scale, out, |_, gate, up, _, _| {
+        gate * sigmoid(gate) * up
+    });
 }
 
-/// [`expert_mlp_accumulate`] with every activation `silu(gate) * up` passed through `round`
-/// before the down projection (the GPU kernels round it to bf16, as the GEMM family's
-/// `silu(gate) * up` epilogue does).
-pub fn expert_mlp_accumulate_with(
+/// The expert MLP with each activation given by `activation(i, gate, up, gate_row, up_row)`
+/// from the exact gate and up sums of row `i`.
+fn expert_mlp(
     x: &[f32],
     expert: ExpertRef<'_>,
     intermediate: usize,
     scale: f64,
     out: &mut [f64],
-    round: impl Fn(f64) -> f64,
+    mut activation: impl FnMut(usize, f64, f64, &[f32], &[f32]) -> f64,
 ) {
     let h = x.len();
     let act: Vec<f64> = (0..intermediate)
         .map(|i| {
-            let gate = dot(x, &expert.gate_up[i * h..(i + 1) * h]);
-            let up = dot(
-                x,
-                &expert.gate_up[(intermediate + i) * h..(intermediate + i + 1) * h],
-            );
-            round(gate * sigmoid(gate) * up)
+            let gate_row = &expert.gate_up[i * h..(i + 1) * h];
+            let up_row = &expert.gate_up[(intermediate + i) * h..(intermediate + i + 1) * h];
+            activation(i, dot(x, gate_row), dot(x, up_row), gate_row, up_row)
         })
         .collect();
     for (row, slot) in out.iter_mut().enumerate() {
@@ -134,6 +132,102 @@ pub fn expert_mlp_accumulate_with(
         let y: f64 = w.iter().zip(&act).map(|(&w, &a)| w as f64 * a).sum();
         *slot += scale * y;
     }
+}
+
+/// How far a kernel's fp32 sum over H products may sit from the exact one, relative to the
+/// absolute sum of the products. Rounding errors of 2^-24 per addition on partial sums that grow
+/// like the running sum leave about 2^-24 of it; 2^-14 is far wider (at H = 2048 it lets most
+/// activations round either way: the slack then amounts to one bf16 step per activation), and
+/// it is what the H200 checks ran with (2026-12-03: the seeds that had failed pass at <= 0.36 of
+/// their bounds); a tighter value is untested on a GPU.
+const FP32_SUM_ERROR: f64 = 1.0 / 16384.0;
+
+/// [`expert_mlp_accumulate`] with every activation `silu(gate) * up` rounded to bf16 as the GPU
+/// kernels do (round to nearest even, [`crate::formats::bf16::round_f64`]). An activation whose
+/// exact value lies so close to a bf16 rounding midpoint that the kernel's fp32 gate and up sums
+/// (within [`FP32_SUM_ERROR`] of their absolute sums) may round it the other way adds
+/// `|scale| |down[row][i]|` times the gap between its two possible values to `slack[row]`: the
+/// output's legitimate disagreement beyond the reference's own rounding.
+pub fn expert_mlp_accumulate_bf16(
+    x: &[f32],
+    expert: ExpertRef<'_>,
+    intermediate: usize,
+    scale: f64,
+    out: &mut [f64],
+    slack: &mut [f64],
+) {
+    use crate::formats::bf16::round_f64;
+    let to_f64 = |v: f64| f64::from(round_f64(v).to_f32());
+    let abs_dot = |w: &[f32]| -> f64 {
+        x.iter()
+            .zip(w)
+            .map(|(&a, &b)| (a as f64 * b as f64).abs())
+            .sum()
+    };
+    let down = expert.down;
+    expert_mlp(
+        x,
+        expert,
+        intermediate,
+        scale,
+        out,
+        |i, gate, up, gate_row, up_row| {
+            let sig = sigmoid(gate);
+            let exact = gate * sig * up;
+            // d(silu(g) u) = silu'(g) u dg + silu(g) du
+            let d_silu = sig * (1.0 + gate * (1.0 - sig));
+            let reach = FP32_SUM_ERROR
+                * ((d_silu * up).abs() * abs_dot(gate_row) + (gate * sig).abs() * abs_dot(up_row));
+            let (low, high) = (to_f64(exact - reach), to_f64(exact + reach));
+            if low != high {
+                let gap = (high - low) * scale.abs();
+                for (row, s) in slack.iter_mut().enumerate() {
+                    *s += gap * f64::from(down[row * intermediate + i].abs());
+                }
+            }
+            to_f64(exact)
+        },
+    );
+}
+
+/// Each token's output: `accumulate(token, x_token, expert, intermediate, scale, acc)` over its
+/// routed experts (scale: the routing weight) and the shared expert (scale: its gate), in f64.
+fn block<'a>(
+    shape: MoeShape,
+    x: &[f32],
+    t: usize,
+    routing: &Routing,
+    expert: impl Fn(usize) -> ExpertRef<'a>,
+    shared: Option<ExpertRef<'_>>,
+    mut accumulate: impl FnMut(usize, &[f32], ExpertRef<'_>, usize, f64, &mut [f64]),
+) -> Vec<f32> {
+    let (h, k) = (shape.hidden, shape.top_k);
+    let mut y = vec![0.0f32; t * h];
+    let mut acc = vec![0.0f64; h];
+    for token in 0..t {
+        let xt = &x[token * h..(token + 1) * h];
+        acc.fill(0.0);
+        for slot in 0..k {
+            let e = routing.experts[token * k + slot] as usize;
+            let w = routing.weights[token * k + slot] as f64;
+            accumulate(token, xt, expert(e), shape.intermediate, w, &mut acc);
+        }
+        if let Some(shared) = shared {
+            let scale = routing.shared_scale.get(token).copied().unwrap_or(1.0) as f64;
+            accumulate(
+                token,
+                xt,
+                shared,
+                shape.shared_intermediate,
+                scale,
+                &mut acc,
+            );
+        }
+        for (dst, &v) in y[token * h..(token + 1) * h].iter_mut().zip(&acc) {
+            *dst = v as f32;
+        }
+    }
+    y
 }
 
 /// The whole block for `t` tokens: the weighted sum of each token's routed experts
@@ -146,45 +240,41 @@ pub fn moe_block<'a>(
     expert: impl Fn(usize) -> ExpertRef<'a>,
     shared: Option<ExpertRef<'_>>,
 ) -> Vec<f32> {
-    moe_block_with(shape, x, t, routing, expert, shared, |act| act)
+    block(
+        shape,
+        x,
+        t,
+        routing,
+        expert,
+        shared,
+        |_, xt, e, i, scale, acc| expert_mlp_accumulate(xt, e, i, scale, acc),
+    )
 }
 
-/// [`moe_block`] with every expert activation passed through `round`
-/// ([`expert_mlp_accumulate_with`]).
-pub fn moe_block_with<'a>(
+/// [`moe_block`] as the GPU kernels compute it, activations rounded to bf16
+/// ([`expert_mlp_accumulate_bf16`]): the output, and per output element the slack from
+/// activations whose rounding the kernel's fp32 sums may turn the other way.
+pub fn moe_block_bf16<'a>(
     shape: MoeShape,
     x: &[f32],
     t: usize,
     routing: &Routing,
     expert: impl Fn(usize) -> ExpertRef<'a>,
     shared: Option<ExpertRef<'_>>,
-    round: impl Fn(f64) -> f64 + Copy,
-) -> Vec<f32> {
-    let (h, k) = (shape.hidden, shape.top_k);
-    let mut y = vec![0.0f32; t * h];
-    let mut acc = vec![0.0f64; h];
-    for token in 0..t {
-        let xt = &x[token * h..(token + 1) * h];
-        acc.fill(0.0);
-        for slot in 0..k {
-            let e = routing.experts[token * k + slot] as usize;
-            let w = routing.weights[token * k + slot] as f64;
-            expert_mlp_accumulate_with(xt, expert(e), shape.intermediate, w, &mut acc, round);
-        }
-        if let Some(shared) = shared {
-            let scale = routing.shared_scale.get(token).copied().unwrap_or(1.0) as f64;
-            expert_mlp_accumulate_with(
-                xt,
-                shared,
-                shape.shared_intermediate,
-                scale,
-                &mut acc,
-                round,
-            );
-        }
-        for (dst, &v) in y[token * h..(token + 1) * h].iter_mut().zip(&acc) {
-            *dst = v as f32;
-        }
-    }
-    y
+) -> (Vec<f32>, Vec<f64>) {
+    let h = shape.hidden;
+    let mut slack = vec![0.0f64; t * h];
+    let y = block(
+        shape,
+        x,
+        t,
+        routing,
+        expert,
+        shared,
+        |token, xt, e, i, scale, acc| {
+            let token_slack = &mut slack[token * h..(token + 1) * h];
+            expert_mlp_accumulate_bf16(xt, e, i, scale, acc, token_slack)
+        },
+    );
+    (y, slack)
 }
