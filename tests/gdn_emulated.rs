@@ -27,46 +27,13 @@ use std::sync::OnceLock;
 const KERNEL: usize = 4;
 const EMULATOR: &str = include_str!("gdn_emulator.cpp");
 
+mod emulation;
+use emulation::{build_host, splice, splice_if_present};
+
 // ---- building the host binary of a target's rendered source ----
 
-fn section<'a>(name: &str) -> &'a str {
-    let marker = format!("//@@ {name}\n");
-    let start = EMULATOR
-        .find(&marker)
-        .unwrap_or_else(|| panic!("emulator section {name}"))
-        + marker.len();
-    let end = EMULATOR[start..]
-        .find("//@@ ")
-        .map_or(EMULATOR.len(), |e| start + e);
-    &EMULATOR[start..end]
-}
-
-/// Replaces the lines from the one starting with `begin` to the one containing `end` (inclusive).
-fn splice(source: &str, begin: &str, end: &str, with: &str) -> String {
-    let Some(a) = source.find(begin) else {
-        return source.to_string();
-    };
-    let b = a + source[a..]
-        .find(end)
-        .unwrap_or_else(|| panic!("no `{end}` after `{begin}`"));
-    let b = b + source[b..].find('\n').map_or(source.len() - b, |n| n + 1);
-    format!("{}{}{}", &source[..a], with, &source[b..])
-}
-
-fn compiler() -> String {
-    if let Ok(cxx) = std::env::var("CXX") {
-        return cxx;
-    }
-    for candidate in ["clang++-19", "clang++", "g++", "c++"] {
-        if Command::new(candidate)
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success())
-        {
-            return candidate.to_string();
-        }
-    }
-    panic!("no C++ compiler (set CXX, or install clang++-19 / g++): the gdn emulation needs one");
+fn section(name: &str) -> &'static str {
+    emulation::section(EMULATOR, name)
 }
 
 /// The emulator binary for `target` (built once per test process).
@@ -92,13 +59,13 @@ fn emulator(target_name: &'static str) -> PathBuf {
         "// ---- end of vendor differences ----",
         section("vendor"),
     );
-    source = splice(
+    source = splice_if_present(
         &source,
         "// ---- mma.sync instructions ----",
         "// ---- end of mma.sync instructions ----",
         section("mma"),
     );
-    source = splice(
+    source = splice_if_present(
         &source,
         "// ---- cp.async instructions ----",
         "// ---- end of cp.async instructions ----",
@@ -113,31 +80,11 @@ fn emulator(target_name: &'static str) -> PathBuf {
         "unsigned char* smem = emu::dynamic_smem;",
     );
     source.push_str(section("driver"));
-    let dir = std::env::temp_dir().join(format!(
-        "fp4spec-gdn-emulator-{}-{target_name}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let (cpp, exe) = (dir.join("gdn_host.cpp"), dir.join("gdn_host"));
-    std::fs::write(&cpp, &source).expect("write host source");
-    let output = Command::new(compiler())
-        .args([
-            "-std=c++20",
-            "-O1",
-            "-fno-strict-aliasing",
-            "-pthread",
-            "-w",
-            "-o",
-        ])
-        .arg(&exe)
-        .arg(&cpp)
-        .output()
-        .expect("run the C++ compiler");
-    assert!(
-        output.status.success(),
-        "the {target_name} gdn source does not compile for the host ({}):\n{}",
-        cpp.display(),
-        String::from_utf8_lossy(&output.stderr)
+    let exe = build_host(
+        "gdn",
+        target_name,
+        &source,
+        &["clang++-19", "clang++", "g++", "c++"],
     );
     built.insert(target_name, exe.clone());
     exe

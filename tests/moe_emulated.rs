@@ -28,48 +28,10 @@ const EMULATOR: &str = include_str!("moe_emulator.cpp");
 /// The portability layer and mma.sync emulation this emulator builds on.
 const GDN_EMULATOR: &str = include_str!("gdn_emulator.cpp");
 
+mod emulation;
+use emulation::{build_host, section, splice, splice_if_present};
+
 // ---- building the host binary of a target's rendered source ----
-
-/// The text of section `name` (from its `//@@ name` line to the next) of an emulator file.
-fn section<'a>(file: &'a str, name: &str) -> &'a str {
-    let marker = format!("//@@ {name}\n");
-    let start = file
-        .find(&marker)
-        .unwrap_or_else(|| panic!("emulator section {name}"))
-        + marker.len();
-    let end = file[start..]
-        .find("//@@ ")
-        .map_or(file.len(), |e| start + e);
-    &file[start..end]
-}
-
-/// Replaces the lines from the one starting with `begin` to the one containing `end`.
-fn splice(source: &str, begin: &str, end: &str, with: &str) -> String {
-    let a = source
-        .find(begin)
-        .unwrap_or_else(|| panic!("no `{begin}` in the rendered source"));
-    let b = a + source[a..]
-        .find(end)
-        .unwrap_or_else(|| panic!("no `{end}` after `{begin}`"));
-    let b = b + source[b..].find('\n').map_or(source.len() - b, |n| n + 1);
-    format!("{}{}{}", &source[..a], with, &source[b..])
-}
-
-fn compiler() -> String {
-    if let Ok(cxx) = std::env::var("CXX") {
-        return cxx;
-    }
-    for candidate in ["clang++-19", "clang++"] {
-        if Command::new(candidate)
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success())
-        {
-            return candidate.to_string();
-        }
-    }
-    panic!("no clang++ (set CXX, or install clang++-19): the moe emulation needs one");
-}
 
 /// The emulator binary for `target_name` (built once per test process).
 fn emulator(target_name: &'static str) -> PathBuf {
@@ -94,26 +56,22 @@ fn emulator(target_name: &'static str) -> PathBuf {
         "// ---- end of sync vendor primitives ----",
         &format!("#include <chrono>\n{}", section(EMULATOR, "sync")),
     );
-    if source.contains("// ---- inline PTX of the mma building blocks ----") {
-        source = splice(
-            &source,
-            "// ---- inline PTX of the mma building blocks ----",
-            "// ---- end of inline PTX of the mma building blocks ----",
-            &format!(
-                "{}{}",
-                section(GDN_EMULATOR, "mma"),
-                section(EMULATOR, "mma_adapters")
-            ),
-        );
-    }
-    if source.contains("// ---- end of WMMA operand loaders ----") {
-        source = splice(
-            &source,
-            "// ---- end of WMMA operand loaders ----",
-            "// ---- end of WMMA operand loaders ----",
-            section(EMULATOR, "wmma"),
-        );
-    }
+    source = splice_if_present(
+        &source,
+        "// ---- inline PTX of the mma building blocks ----",
+        "// ---- end of inline PTX of the mma building blocks ----",
+        &format!(
+            "{}{}",
+            section(GDN_EMULATOR, "mma"),
+            section(EMULATOR, "mma_adapters")
+        ),
+    );
+    source = splice_if_present(
+        &source,
+        "// ---- end of WMMA operand loaders ----",
+        "// ---- end of WMMA operand loaders ----",
+        section(EMULATOR, "wmma"),
+    );
     let table_entries: String = rendered
         .kernels
         .iter()
@@ -124,32 +82,8 @@ fn emulator(target_name: &'static str) -> PathBuf {
         "    std::map<std::string, MoeKernel> kernels = {\n",
         &format!("    std::map<std::string, MoeKernel> kernels = {{\n{table_entries}"),
     );
-    let dir = std::env::temp_dir().join(format!(
-        "fp4spec-moe-emulator-{}-{target_name}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let (cpp, exe) = (dir.join("moe_host.cpp"), dir.join("moe_host"));
-    std::fs::write(&cpp, &source).expect("write host source");
-    let output = Command::new(compiler())
-        .args([
-            "-std=c++20",
-            "-O1",
-            "-fno-strict-aliasing",
-            "-pthread",
-            "-w",
-            "-o",
-        ])
-        .arg(&exe)
-        .arg(&cpp)
-        .output()
-        .expect("run the C++ compiler");
-    assert!(
-        output.status.success(),
-        "the {target_name} moe source does not compile for the host ({}):\n{}",
-        cpp.display(),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    // clang: the gfx1151 source uses clang's vector extensions
+    let exe = build_host("moe", target_name, &source, &["clang++-19", "clang++"]);
     built.insert(target_name, exe.clone());
     exe
 }
