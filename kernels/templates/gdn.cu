@@ -263,10 +263,10 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     // the whole head in one block: its gated RMSNorm needs no scratch and no arrival
     const bool whole_head = splits == 1;
     // row `row` of this block's state slice (columns j0 + 4 tc .. + 3)
+    auto state_at = [&](u32 row) { return state + ((u64)slot * hv + h) * dk * dv + (u64)row * dv + j0 + 4 * tc; };
     // masked threads load the slice's first columns instead (in the head, never stored): the loads
     // need no column predicate (one per row cost ptxas its registers)
     const u32 load_col = j0 + 4 * (col_ok ? tc : 0u);
-    auto state_at = [&](u32 row) { return state + ((u64)slot * hv + h) * dk * dv + (u64)row * dv + j0 + 4 * tc; };
     auto state_load_at = [&](u32 row) { return state + ((u64)slot * hv + h) * dk * dv + (u64)row * dv + load_col; };
 
     // 1. the state slice
