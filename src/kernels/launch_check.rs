@@ -114,11 +114,40 @@ fn ptx_type_of(arg: &KernelArg<'_>) -> String {
     }
 }
 
+/// Every mismatch of one family's argument lists against its compiled kernels, collected over
+/// all targets and kernels so that one test run reports them all.
+pub(crate) struct ArgumentChecks {
+    family: &'static str,
+    failures: Vec<String>,
+}
+
+impl ArgumentChecks {
+    pub(crate) fn new(family: &'static str) -> Self {
+        Self {
+            family,
+            failures: Vec::new(),
+        }
+    }
+
+    /// [`check_arguments`] of `args` for `kernel` on `target_name`, a mismatch kept.
+    pub(crate) fn check(&mut self, target_name: &str, kernel: &str, args: &[KernelArg<'_>]) {
+        if let Err(e) = check_arguments(target_name, self.family, kernel, args) {
+            self.failures.push(e);
+        }
+    }
+
+    /// # Panics
+    /// If any check failed, listing every mismatch.
+    pub(crate) fn assert_all_match(self) {
+        assert!(self.failures.is_empty(), "{}", self.failures.join("\n"));
+    }
+}
+
 /// Checks `args` against `kernel` of `family` as compiled for `target_name`.
 ///
 /// # Errors
 /// A sentence naming the target, kernel and first mismatch.
-pub(crate) fn check_arguments(
+fn check_arguments(
     target_name: &str,
     family: &str,
     kernel: &str,

@@ -1593,12 +1593,7 @@ mod tests {
         let mut workspace = ChunkWorkspace::new(&cpu, shape, 64, 1).expect("workspace");
         let rows = DeviceVec::Host(vec![bf16::ZERO; 8]);
         let mut out = DeviceVec::Host(vec![bf16::ZERO; 8]);
-        let mut failures = Vec::new();
-        let mut check = |target: &str, kernel: &str, args: &[KernelArg<'_>]| {
-            if let Err(e) = launch_check::check_arguments(target, FAMILY, kernel, args) {
-                failures.push(e);
-            }
-        };
+        let mut checks = launch_check::ArgumentChecks::new(FAMILY);
         for t in target::all() {
             let name = t.name.as_str();
             let per_sequence = DeviceVec::Host(vec![0u32; 1]);
@@ -1606,7 +1601,7 @@ mod tests {
                 KernelArg::optional_input::<u32>(None),
                 KernelArg::input(&per_sequence),
             ] {
-                check(
+                checks.check(
                     name,
                     KERNEL_COMMIT,
                     &commit_arguments(&mut seqs, accepted, [1, 1, 0]),
@@ -1629,7 +1624,7 @@ mod tests {
                         KernelArg::output(&mut out),
                         [1, 2, 64, 32, 4, 4, 2, 1, 0],
                     );
-                    check(name, kernel, &args);
+                    checks.check(name, kernel, &args);
                 }
             }
             for kernel in PREPARE_KERNELS {
@@ -1647,7 +1642,7 @@ mod tests {
                     &seqs,
                     [1, 2, 32, 4, 4, 1],
                 );
-                check(name, kernel, &args);
+                checks.check(name, kernel, &args);
             }
             for kernel in STATE_KERNELS.iter().flatten() {
                 let args = state_arguments(
@@ -1658,7 +1653,7 @@ mod tests {
                     KernelArg::output(&mut out),
                     [1, 2, 32, 4, 4, 2],
                 );
-                check(name, kernel, &args);
+                checks.check(name, kernel, &args);
             }
             let args = gated_norm_arguments(
                 KernelArg::output(&mut out),
@@ -1666,9 +1661,9 @@ mod tests {
                 &params,
                 [1, 2, 32],
             );
-            check(name, KERNEL_GATED_NORM, &args);
+            checks.check(name, KERNEL_GATED_NORM, &args);
         }
-        assert!(failures.is_empty(), "{}", failures.join("\n"));
+        checks.assert_all_match();
     }
 
     /// The step kernel follows dk; dk outside the chunk kernels' instantiations is refused.

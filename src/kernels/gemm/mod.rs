@@ -1228,16 +1228,11 @@ mod tests {
             k_groups: 1,
             epilogue: 0,
         };
-        let mut failures = Vec::new();
-        let mut check = |target: &str, kernel: &str, args: &[KernelArg<'_>]| {
-            if let Err(e) = launch_check::check_arguments(target, FAMILY, kernel, args) {
-                failures.push(e);
-            }
-        };
+        let mut checks = launch_check::ArgumentChecks::new(FAMILY);
         for t in target::all() {
             let name = t.name.as_str();
             let args = gemv_arguments(&x, &plain, &mut y, [1, 1, 16]);
-            check(name, KERNEL_GEMM_NVFP4_BF16_GEMV, &args);
+            checks.check(name, KERNEL_GEMM_NVFP4_BF16_GEMV, &args);
             let kernels: &[&str] = match TensorCore::for_target(t).expect("tensor cores") {
                 TensorCore::MmaSync => &[&MMA_NVFP4_KERNELS[..], &MMA_BF16_KERNELS[..]].concat(),
                 TensorCore::Wmma => &[&WMMA_NVFP4_KERNELS[..], &WMMA_BF16_KERNELS[..]].concat(),
@@ -1251,30 +1246,30 @@ mod tests {
                     warps_per_tile: 1,
                 };
                 if MMA_NVFP4_KERNELS.contains(&kernel) {
-                    check(
+                    checks.check(
                         name,
                         kernel,
                         &mma_nvfp4_arguments(chunk, &words, &scales_u16, 1.0, split, shape),
                     );
                 } else if MMA_BF16_KERNELS.contains(&kernel) {
-                    check(
+                    checks.check(
                         name,
                         kernel,
                         &mma_bf16_arguments(chunk, &words, split, shape),
                     );
                 } else if WMMA_NVFP4_KERNELS.contains(&kernel) {
-                    check(
+                    checks.check(
                         name,
                         kernel,
                         &wmma_nvfp4_arguments(chunk, &words, &scales_u32, 1.0, shape),
                     );
                 } else {
-                    check(name, kernel, &wmma_bf16_arguments(chunk, &values, shape));
+                    checks.check(name, kernel, &wmma_bf16_arguments(chunk, &values, shape));
                 }
             }
             if t.instructions.mma_block_scaled_fp4 {
                 let args = quantize_arguments(&x, 1.0, &mut codes, &mut code_scales, 1);
-                check(name, KERNEL_QUANTIZE_NVFP4_ROWS, &args);
+                checks.check(name, KERNEL_QUANTIZE_NVFP4_ROWS, &args);
                 for kernel in W4A4_KERNELS {
                     let chunk = ChunkArgs::new(&x, &mut y, None, 0, 1, 16, 1).expect("rows");
                     let args = w4a4_arguments(
@@ -1284,11 +1279,11 @@ mod tests {
                         w4a4,
                         shape,
                     );
-                    check(name, kernel, &args);
+                    checks.check(name, kernel, &args);
                 }
             }
         }
-        assert!(failures.is_empty(), "{}", failures.join("\n"));
+        checks.assert_all_match();
     }
 
     /// Every kernel a launch names is defined by the gemm source of each target whose

@@ -721,7 +721,7 @@ mod tests {
         };
         let x = DeviceVec::Host(vec![bf16::ZERO; 4]);
         let mut y = DeviceVec::Host(vec![bf16::ZERO; 4]);
-        let mut failures = Vec::new();
+        let mut checks = launch_check::ArgumentChecks::new(FAMILY);
         for t in target::all() {
             for &rows in &t.moe.token_rows {
                 for (format, residual) in
@@ -734,13 +734,11 @@ mod tests {
                         KernelArg::output(&mut y),
                     ];
                     let args = moe_arguments(io, &weights, &mut workspace, 1, [8, 2, 64, 32, 0, 1]);
-                    if let Err(e) = launch_check::check_arguments(&t.name, FAMILY, kernel, &args) {
-                        failures.push(e);
-                    }
+                    checks.check(&t.name, kernel, &args);
                 }
             }
         }
-        assert!(failures.is_empty(), "{}", failures.join("\n"));
+        checks.assert_all_match();
     }
 
     /// Every variant a launch can pick (each target's `moe.token_rows`, both formats) is a kernel

@@ -1056,7 +1056,7 @@ mod tests {
     #[test]
     fn the_argument_list_meets_the_compiled_kernels_parameters() {
         let args = device::Args::default();
-        let mut failures = Vec::new();
+        let mut checks = launch_check::ArgumentChecks::new(FAMILY);
         for t in target::all() {
             for kernel in [
                 KERNEL_HISTOGRAM,
@@ -1064,13 +1064,9 @@ mod tests {
                 KERNEL_FINISH,
                 KERNEL_RESIDUAL,
             ] {
-                if let Err(e) =
-                    launch_check::check_arguments(&t.name, FAMILY, kernel, &verify_arguments(&args))
-                {
-                    failures.push(e);
-                }
+                checks.check(&t.name, kernel, &verify_arguments(&args));
             }
         }
-        assert!(failures.is_empty(), "{}", failures.join("\n"));
+        checks.assert_all_match();
     }
 }
