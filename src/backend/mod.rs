@@ -306,15 +306,7 @@ impl Backend {
     /// [`Error::Cuda`] / [`Error::Hip`] when the copy fails (this is also where an earlier
     /// kernel's fault shows), [`Error::BackendMismatch`] when the buffer is from another backend.
     pub fn download<T: DeviceRepr + Clone + Default>(&self, data: &DeviceVec<T>) -> Result<Vec<T>> {
-        match (self, data) {
-            (Self::Cpu, DeviceVec::Host(v)) => Ok(v.clone()),
-            (Self::Cuda(c), DeviceVec::Cuda(s)) => c
-                .stream()
-                .clone_dtoh(s)
-                .map_err(|e| Error::cuda(format!("download {} elements", s.len()), e)),
-            (Self::Hip(h), DeviceVec::Hip(s)) => h.download(s),
-            _ => Err(self.mismatch("downloaded buffer", data)),
-        }
+        self.read(data, 0..data.len())
     }
 
     /// Copies `values` into `dst` from element `at` on, queued after the work before it; it
@@ -365,9 +357,9 @@ impl Backend {
             (Self::Cuda(c), DeviceVec::Cuda(s)) => c
                 .stream()
                 .clone_dtoh(&s.slice(range.clone()))
-                .map_err(|e| Error::cuda(format!("download elements {range:?}"), e)),
+                .map_err(|e| Error::cuda(format!("download {} elements", range.len()), e)),
             (Self::Hip(h), DeviceVec::Hip(s)) => h.read(s, range),
-            _ => Err(self.mismatch("read buffer", src)),
+            _ => Err(self.mismatch("downloaded buffer", src)),
         }
     }
 

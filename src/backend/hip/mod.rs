@@ -331,14 +331,6 @@ impl HipBackend {
         Ok(())
     }
 
-    /// Copies `slice` back to the host after the work queued before it.
-    ///
-    /// # Errors
-    /// [`Error::Hip`] when the copy fails (this is also where an earlier kernel's fault shows).
-    pub fn download<T: DeviceRepr + Clone + Default>(&self, slice: &HipSlice<T>) -> Result<Vec<T>> {
-        self.read(slice, 0..slice.len)
-    }
-
     /// Copies the elements `range` of `slice` back to the host after the work queued before it.
     ///
     /// # Errors
