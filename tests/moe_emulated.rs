@@ -14,7 +14,7 @@
 use fp4spec::kernels::compare;
 use fp4spec::kernels::gemm::TensorCore;
 use fp4spec::kernels::moe::reference::{self, ExpertRef, MoeShape, Routing};
-use fp4spec::kernels::moe::{ExpertFormat, ExpertWeights, MoeHostWeights};
+use fp4spec::kernels::moe::{ExpertFormat, ExpertWeights, MoeHostWeights, control_words};
 use fp4spec::kernels::table;
 use fp4spec::rng::SplitMix64;
 use fp4spec::target;
@@ -276,7 +276,7 @@ fn emulate(
     let gate_up_alpha = emu.buffer(fl(&l.gate_up_alpha));
     let down_alpha = emu.buffer(fl(&l.down_alpha));
     // as MoeWorkspace::new sizes it
-    let control = emu.zeros(4 * (4 + e + sh + h.div_ceil(16) + t.div_ceil(8)));
+    let control = emu.zeros(4 * control_words(e, sh, h, t));
     let topk_ids = emu.zeros(4 * t * k);
     let slot_pos = emu.zeros(4 * t * k);
     let sorted_token = emu.zeros(4 * positions);

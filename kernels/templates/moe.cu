@@ -62,7 +62,11 @@
 #define MOE_BOUNDS MOE_THREADS
 {% endif %}
 
-// Counters in `control` (zero between launches: the last block to leave resets them).
+// Counters in `control` (zero between launches: the last block to leave resets them), each on
+// its own 128-byte line (CONTROL_STRIDE words): hundreds of blocks poll routing_ready and the
+// per-rank counters while others add to their neighbours, and polls of a line queue behind the
+// atomics on it. Counter c lives at control[c * CONTROL_STRIDE].
+#define CONTROL_STRIDE 32u
 #define CONTROL_NEXT_ITEM 0u
 #define CONTROL_ROUTER_DONE 1u
 #define CONTROL_ROUTING_READY 2u
@@ -70,6 +74,8 @@
 #define CONTROL_GATE_UP_DONE 4u  // [E + S]: finished gate_up items per rank (sub-experts first)
 // then [down groups]: finished down items per group of DOWN_TILES_PER_ITEM * 16 hidden rows,
 // then [chunks]: finished router items per token chunk
+FP4_DEVICE u32* counter(u32* control, u32 c) { return control + c * CONTROL_STRIDE; }
+#define NOT_ROUTED 0xffffffffu
 
 /// Everything one launch needs: the kernels' parameters (MOE_PARAMETERS), gathered.
 struct MoeArgs {
@@ -195,47 +201,63 @@ struct TileAcc {
     }
 };
 
+/// The X fragments of K group `group` for this lane (zero past the pass's rows or past k).
+/// `x_is_input`: the rows are the launch's input x, read through L1 (every warp of the block and
+/// every item reads the same rows); otherwise they are act rows other blocks wrote during the
+/// launch, read from L2.
+template <int MT>
+FP4_DEVICE void load_x_group(const u16* const (&x_rows)[MT], u32 group, u32 k, bool x_is_input, u32x4 (&xs)[MT][2]) {
+    const u32 col = group * GROUP_COLS + 16 * (lane_index() % 4);
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        if (x_rows[mt] != nullptr && col < k) {
+            xs[mt][0] = x_is_input ? load_u32x4(x_rows[mt] + col) : load_coherent_u32x4(x_rows[mt] + col);
+            xs[mt][1] = x_is_input ? load_u32x4(x_rows[mt] + col + 8) : load_coherent_u32x4(x_rows[mt] + col + 8);
+        } else {
+            xs[mt][0] = xs[mt][1] = {0u, 0u, 0u, 0u};
+        }
+    }
+}
+
 /// This warp's partial product of weight tile `tile` (of a [tiles][k_groups][32] fragment array)
 /// with up to ROWS token rows, over the K groups first, first + step, ... < end. x_rows[i] is the
-/// bf16 row of token row TileAcc::x_row(i) (null past the pass). With `wait_counter`, the weight
-/// loads of the first STAGES groups are issued before the block waits for
-/// `*wait_counter >= wait_target` (the X rows are produced by other blocks). Every warp of the
-/// block must call it (the wait is a block barrier).
+/// bf16 row of token row TileAcc::x_row(i) (null past the pass). Each stage of the ring holds a
+/// group's weights AND its X fragments, issued together STAGES groups ahead: an item is a short
+/// chain of groups, and an X load made when its group is used would put one L2 round trip per
+/// group on it. With `wait_counter` (the X rows are produced by other blocks), the weight loads
+/// of the first STAGES groups are issued before the block waits for
+/// `*wait_counter >= wait_target`, their X loads after it. Every warp of the block must call it
+/// (the wait is a block barrier).
 template <class W, int ROWS, int STAGES>
 FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k,
-                             const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
+                             const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows, bool x_is_input,
                              const u32* wait_counter, u32 wait_target, TileAcc<ROWS>& acc) {
     constexpr int MT = ROWS / 8;
-    const u32 lane = lane_index(), t = lane % 4;
+    const u32 lane = lane_index();
     float c[MT][4];
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) c[mt][0] = c[mt][1] = c[mt][2] = c[mt][3] = 0.0f;
     // lane indices fit 32 bits (the host checks the weights hold under 2^32 of them)
     const u32 tile_base = (u32)tile * k_groups * 32 + lane;
     typename W::Group ring[STAGES];
+    u32x4 x_ring[STAGES][MT][2];
     #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
         const u32 group = first + s * step;
         if (group < end) ring[s] = w.load(tile_base + group * 32);
     }
     if (wait_counter) block_wait_at_least(wait_counter, wait_target, "the gate_up items of an expert");
+    #pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+        const u32 group = first + s * step;
+        if (group < end) load_x_group<MT>(x_rows, group, k, x_is_input, x_ring[s]);
+    }
     const u32 m_tiles = (rows + 7) / 8;
     for (u32 base = first; base < end; base += STAGES * step) {
         #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             const u32 group = base + s * step;
             if (group < end) {
-                const u32 col = group * GROUP_COLS + 16 * t;
-                u32x4 xs[MT][2];
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    if (x_rows[mt] != nullptr && col < k) {
-                        xs[mt][0] = load_coherent_u32x4(x_rows[mt] + col);
-                        xs[mt][1] = load_coherent_u32x4(x_rows[mt] + col + 8);
-                    } else {
-                        xs[mt][0] = xs[mt][1] = {0u, 0u, 0u, 0u};
-                    }
-                }
                 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     u32 a[4];
@@ -243,14 +265,17 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
                     #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
                         if (mt < m_tiles) {  // warp-uniform
-                            const u32x4& q = xs[mt][j / 2];
+                            const u32x4& q = x_ring[s][mt][j / 2];
                             mma_m16n8k16_bf16(c[mt], a[0], a[1], a[2], a[3], (j % 2 == 0) ? q.x : q.z,
                                               (j % 2 == 0) ? q.y : q.w);
                         }
                     }
                 }
                 const u32 next = group + STAGES * step;
-                if (next < end) ring[s] = w.load(tile_base + next * 32);
+                if (next < end) {
+                    ring[s] = w.load(tile_base + next * 32);
+                    load_x_group<MT>(x_rows, next, k, x_is_input, x_ring[s]);
+                }
             }
         }
     }
@@ -300,7 +325,7 @@ struct TileAcc {
 /// [tiles][k_groups][16 rows] fragment array) with up to ROWS token rows.
 template <class W, int ROWS, int STAGES>
 FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k,
-                             const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
+                             const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows, bool /* x_is_input */,
                              const u32* wait_counter, u32 wait_target, TileAcc<ROWS>& acc) {
     constexpr int MT = (ROWS + 15) / 16;
     const u32 lane = lane_index(), r = lane % 16;
@@ -366,6 +391,7 @@ struct MoeShared {
     ExpertJob job;  // the expert item the block works on
     u32 item;       // the item the block works on (thread 0 claims it)
     u32 flag;       // block_arrive's answer
+    u32 n_active;   // active experts once this block has seen the routing, else NOT_ROUTED
 };
 
 /// Adds the partial sums of a tile's `parts` warps into its first warp (in warp order, so the
@@ -502,7 +528,7 @@ FP4_DEVICE void align(const MoeArgs& a, MoeShared<ROWS>& sh) {
     }
     release_before_barrier();
     block_barrier();
-    if (tid == 0) store_release_gpu(a.control + CONTROL_ROUTING_READY, 1u);
+    if (tid == 0) store_release_gpu(counter(a.control, CONTROL_ROUTING_READY), 1u);
 }
 
 /// Router item: logits of router tile group `group` for the tokens of chunk `chunk`. The last
@@ -522,7 +548,7 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
     }
     TileAcc<ROWS> acc;
     tile_product<RouterWeights, ROWS, STAGES>(weights_at<RouterWeights>(a.router, nullptr), tile, p.hidden_k_groups, part, ROUTER_WARPS_PER_TILE,
-                                              active ? p.hidden_k_groups : 0u, a.hidden, x_rows, rows, nullptr, 0u, acc);
+                                              active ? p.hidden_k_groups : 0u, a.hidden, x_rows, rows, true, nullptr, 0u, acc);
     reduce_parts<ROWS>(acc, warp, part, ROUTER_WARPS_PER_TILE, sh);
     if (active && part == 0) {
         const u32 logit_rows = a.experts + a.has_shared_gate, stride = a.experts + 1;
@@ -534,10 +560,11 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
             if (e + 8 < logit_rows) out[e + 8] = bottom;
         });
     }
-    u32* const chunk_done = a.control + CONTROL_GATE_UP_DONE + a.experts + a.shared_experts + p.down_groups;
-    if (!block_arrive(chunk_done + chunk, p.router_groups, &sh.flag)) return;
+    const u32 chunk_done = CONTROL_GATE_UP_DONE + a.experts + a.shared_experts + p.down_groups + chunk;
+    if (!block_arrive(counter(a.control, chunk_done), p.router_groups, &sh.flag)) return;
     route_tokens(a, r0, r0 + rows);
-    if (block_arrive(a.control + CONTROL_ROUTER_DONE, p.chunks, &sh.flag)) align<ROWS>(a, sh);
+    // one chunk: this block routed every token (and its barriers order their writes for align)
+    if (p.chunks == 1 || block_arrive(counter(a.control, CONTROL_ROUTER_DONE), p.chunks, &sh.flag)) align<ROWS>(a, sh);
 }
 
 
@@ -575,7 +602,7 @@ FP4_DEVICE void expert_item(const MoeArgs& a, const Plan& p, const ExpertJob& jo
         }
         TileAcc<ROWS> acc;
         tile_product<W, ROWS, STAGES>(weights, (u64)job.expert * n_tiles + tile, k_groups, part, warps_per_tile,
-                                      active ? k_groups : 0u, k, x_rows, rows,
+                                      active ? k_groups : 0u, k, x_rows, rows, job.gate_up,
                                       r0 == job.r_begin ? job.wait_counter : nullptr, job.wait_target, acc);
         reduce_parts<ROWS>(acc, warp, part, warps_per_tile, sh);
         if (active && part == 0) {
@@ -601,18 +628,35 @@ FP4_DEVICE void expert_item(const MoeArgs& a, const Plan& p, const ExpertJob& jo
 
 /// The output rows of down group `group` for every token: the routing-weighted sum of the
 /// token's k expert outputs in slot order, plus the shared-expert scale times the sum of its
-/// sub-experts, plus the residual, rounded once to bf16.
-FP4_DEVICE void combine(const MoeArgs& a, u32 group) {
+/// sub-experts, plus the residual, rounded once to bf16. Out of line: it runs once per group, and
+/// its batch of loads must not add to the registers of the item loop.
+FP4_COLD_DEVICE void combine(const MoeArgs& a, u32 group) {
     const u32 H = a.hidden, T = a.tokens, k = a.top_k;
     const u32 h0 = group * DOWN_TILES_PER_ITEM * TILE_ROWS;
     const u32 width = min_u32(DOWN_TILES_PER_ITEM * TILE_ROWS, H - h0);
+    // slots in batches of COMBINE_BATCH whose loads are all in flight together (a loop of
+    // dependent position -> partial loads would put 2 k L2 round trips on the block's tail),
+    // added in slot order
+    constexpr u32 COMBINE_BATCH = 8;
     for (u32 i = thread_x(); i < T * width; i += MOE_THREADS) {
         const u32 t = i / width, h = h0 + i % width;
         float sum = 0.0f;
-        for (u32 j = 0; j < k; ++j) {
-            const u32 s = t * k + j;
-            const u32 position = load_coherent_u32(a.slot_pos + s);
-            sum += load_coherent_f32(a.route_weight + s) * load_coherent_f32(a.partial + (u64)position * H + h);
+        for (u32 j0 = 0; j0 < k; j0 += COMBINE_BATCH) {
+            u32 position[COMBINE_BATCH];
+            float weight[COMBINE_BATCH], value[COMBINE_BATCH];
+            #pragma unroll
+            for (u32 j = 0; j < COMBINE_BATCH; ++j) {
+                if (j0 + j < k) {
+                    position[j] = load_coherent_u32(a.slot_pos + t * k + j0 + j);
+                    weight[j] = load_coherent_f32(a.route_weight + t * k + j0 + j);
+                }
+            }
+            #pragma unroll
+            for (u32 j = 0; j < COMBINE_BATCH; ++j)
+                if (j0 + j < k) value[j] = load_coherent_f32(a.partial + (u64)position[j] * H + h);
+            #pragma unroll
+            for (u32 j = 0; j < COMBINE_BATCH; ++j)
+                if (j0 + j < k) sum += weight[j] * value[j];
         }
         if (a.shared_experts > 0) {
             float shared = 0.0f;
@@ -636,13 +680,14 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
     if (thread_x() == 0) {
         a = args;
         p = make_plan<ROWS>(args);
+        sh.n_active = NOT_ROUTED;
     }
     block_barrier();
     const u32 S = a.shared_experts;
-    u32* const gate_up_done = a.control + CONTROL_GATE_UP_DONE;
-    u32* const down_done = gate_up_done + a.experts + S;
+    const u32 gate_up_done = CONTROL_GATE_UP_DONE;  // counter indices
+    const u32 down_done = gate_up_done + a.experts + S;
     u32 next = 0u;
-    if (thread_x() == 0) next = atomic_add_relaxed_gpu(a.control + CONTROL_NEXT_ITEM, 1u);
+    if (thread_x() == 0) next = atomic_add_relaxed_gpu(counter(a.control, CONTROL_NEXT_ITEM), 1u);
     for (;;) {
         if (thread_x() == 0) sh.item = next;
         block_barrier();
@@ -652,13 +697,19 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
         // (n_active ranks), shared down, routed down (n_active ranks); past them, none
         u32 n_active = 0u, routed = 0u;
         if (item >= p.end_shared_gate_up) {
-            block_wait_at_least(a.control + CONTROL_ROUTING_READY, 1u, "routing");
-            n_active = load_coherent_u32(a.n_active);  // uniform: read after the barrier
+            // the first such item waits for the routing; later ones reuse what it read (a poll
+            // per item would put an L2 round trip and two barriers on every item)
+            if (sh.n_active == NOT_ROUTED) {
+                block_wait_at_least(counter(a.control, CONTROL_ROUTING_READY), 1u, "routing");
+                if (thread_x() == 0) sh.n_active = load_coherent_u32(a.n_active);
+                block_barrier();
+            }
+            n_active = sh.n_active;  // uniform: read after a barrier
             routed = item - p.end_shared_gate_up;
             if (routed >= n_active * (p.gate_up_groups + p.down_groups) + p.shared_down_items) break;
         }
         // claim the following item now: its round trip hides behind this one
-        if (thread_x() == 0) next = atomic_add_relaxed_gpu(a.control + CONTROL_NEXT_ITEM, 1u);
+        if (thread_x() == 0) next = atomic_add_relaxed_gpu(counter(a.control, CONTROL_NEXT_ITEM), 1u);
         if (item < p.end_router) {
             router_item<ROWS, ROUTER_STAGES>(a, p, item / p.chunks, item % p.chunks, sh);
             continue;
@@ -700,11 +751,11 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
             job.r_end = min_u32(a.tokens, job.r_begin + ROWS);
             job.gathered = false;
             if (job.gate_up) {
-                done = gate_up_done + c;
+                done = counter(a.control, gate_up_done + c);
             } else {
-                job.wait_counter = gate_up_done + c;
+                job.wait_counter = counter(a.control, gate_up_done + c);
                 job.wait_target = p.gate_up_groups * p.chunks;
-                done = down_done + job.group;
+                done = counter(a.control, down_done + job.group);
             }
         } else {
             // an active expert's rank: its expert, rows and positions come from the routing
@@ -714,11 +765,11 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
             job.r_end = load_coherent_u32(a.active_count + rank);
             job.gathered = true;
             if (job.gate_up) {
-                done = gate_up_done + S + rank;
+                done = counter(a.control, gate_up_done + S + rank);
             } else {
-                job.wait_counter = gate_up_done + S + rank;
+                job.wait_counter = counter(a.control, gate_up_done + S + rank);
                 job.wait_target = p.gate_up_groups;
-                done = down_done + job.group;
+                done = counter(a.control, down_done + job.group);
             }
         }
         // the job goes through shared memory: read where used, not held in registers
@@ -731,9 +782,9 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
             combine(a, job.group);
         }
     }
-    if (block_arrive(a.control + CONTROL_BLOCKS_DONE, grid_blocks(), &sh.flag)) {
+    if (block_arrive(counter(a.control, CONTROL_BLOCKS_DONE), grid_blocks(), &sh.flag)) {
         const u32 counters = CONTROL_GATE_UP_DONE + a.experts + S + p.down_groups + p.chunks;
-        for (u32 i = thread_x(); i < counters; i += MOE_THREADS) a.control[i] = 0u;
+        for (u32 i = thread_x(); i < counters; i += MOE_THREADS) *counter(a.control, i) = 0u;
     }
 }
 

@@ -50,6 +50,21 @@ pub const FAMILY: &str = "moe";
 /// counts into 16 bits.
 pub const MAX_SLOTS_PER_LAUNCH: usize = 65535;
 
+/// Words of the kernels' `control` buffer for `experts` routed and `shared_experts` shared
+/// sub-experts, `hidden` H and up to `capacity` tokens: 4 counters, one per expert rank, one per
+/// 16 hidden rows (enough for any grouping of the down tiles), one per 8 tokens (the smallest
+/// token chunk), each on its own 128-byte line (`CONTROL_STRIDE` in `moe.cu`: blocks poll some
+/// counters while others add to their neighbours).
+pub fn control_words(
+    experts: usize,
+    shared_experts: usize,
+    hidden: usize,
+    capacity: usize,
+) -> usize {
+    const CONTROL_STRIDE: usize = 32;
+    CONTROL_STRIDE * (4 + experts + shared_experts + hidden.div_ceil(16) + capacity.div_ceil(8))
+}
+
 /// A MoE block's weights on a backend: the host weights on the CPU, the kernel layout
 /// ([`KernelLayout`]) of the target's [`TensorCore`] on a device.
 pub struct MoeWeights {
@@ -325,11 +340,7 @@ impl MoeWorkspace {
                 let u32s = |len: usize| backend.zeros::<u32>(len.max(1));
                 let f32s = |len: usize| backend.zeros::<f32>(len.max(1));
                 WorkspaceStorage::Device(Box::new(DeviceWorkspace {
-                    // 4 counters, one per expert rank, one per 16 hidden rows (enough for any
-                    // grouping of the down tiles), one per 8 tokens (the smallest token chunk)
-                    control: u32s(
-                        4 + e + weights.shared_experts + h.div_ceil(16) + capacity.div_ceil(8),
-                    )?,
+                    control: u32s(control_words(e, weights.shared_experts, h, capacity))?,
                     topk_ids: u32s(capacity * k)?,
                     slot_pos: u32s(capacity * k)?,
                     sorted_token: u32s(positions)?,
