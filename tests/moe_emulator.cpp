@@ -20,7 +20,8 @@ FP4_DEVICE u32 atomic_add_relaxed_gpu(u32* p, u32 v) { return __atomic_fetch_add
 FP4_DEVICE u32 atomic_add_acq_rel_gpu(u32* p, u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 FP4_DEVICE void add_release_gpu(u32* p, u32 v) { __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 FP4_DEVICE void store_release_gpu(u32* p, u32 v) { __atomic_store_n(p, v, __ATOMIC_SEQ_CST); }
-FP4_DEVICE u32 load_acquire_gpu(const u32* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
+FP4_DEVICE u32 load_relaxed_gpu(const u32* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
+FP4_DEVICE void fence_acquire_gpu() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 FP4_DEVICE u32 load_coherent_u32(const u32* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
 FP4_DEVICE float load_coherent_f32(const float* p) { return *p; }
 FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) { return load_u32x4(p); }
