@@ -5,7 +5,7 @@ mod facts;
 
 pub use facts::{
     AttentionTiles, DequantTiles, GdnTiles, GemmTiles, Instructions, MoeTiles, NormTiles,
-    TargetFacts, Vendor, VerifyTiles,
+    STREAM_GROUP_BYTES, TargetFacts, Vendor, VerifyTiles,
 };
 
 use crate::error::{Error, Result};
