@@ -383,26 +383,36 @@ FP4_DEVICE void gemm_stream(const u16* __restrict__ x, const u32x4* __restrict__
     }
 
     // this warp's chunks of the split: part, part + warps_per_tile, ... (chunk c: groups
-    // split_begin + c * STREAM_CHUNK .. + STREAM_CHUNK - 1)
+    // split_begin + c * STREAM_CHUNK .. + STREAM_CHUNK - 1). The copy sources and the X offsets
+    // advance by one of this warp's chunks at a time: the loop issues about 100 instructions per
+    // group, most of them the decode, so recomputing 64-bit addresses per copy would cost issue
+    // slots the stream needs (at 4.3 TB/s an H200 SM must finish a group every ~35 cycles).
     const u32 chunks = split_end > split_begin ? (split_end - split_begin + STREAM_CHUNK - 1) / STREAM_CHUNK : 0;
     const u32 mine = chunks > part ? (chunks - part + warps_per_tile - 1) / warps_per_tile : 0;
-    const u64 tile_groups = (u64)tile * k_groups;
-    auto issue = [&](u32 i) {  // copies this warp's i-th chunk into slot i % STREAM_STAGES
-        if (i < mine) {
-            const u32 group0 = split_begin + (part + i * warps_per_tile) * STREAM_CHUNK;
-            u8* stage = ring + (i % STREAM_STAGES) * STREAM_STAGE_BYTES;
+    const u32 step = warps_per_tile * STREAM_CHUNK;  // groups from one of this warp's chunks to the next
+    const u64 first = (u64)tile * k_groups + split_begin + part * STREAM_CHUNK;
+    const u32x4* w_src = words + first * 32 + lane;
+    const u16* s_src = scales + first * 32 + lane * 8;  // lanes < 4 * STREAM_CHUNK: 16 B each
+    u32 src_group = split_begin + part * STREAM_CHUNK;  // first group of the next chunk to copy
+    u32 issued = 0;
+    auto issue = [&]() {  // copies this warp's next chunk into slot issued % STREAM_STAGES
+        if (issued < mine) {
+            u8* stage = ring + (issued % STREAM_STAGES) * STREAM_STAGE_BYTES;
             #pragma unroll
             for (int c = 0; c < STREAM_CHUNK; ++c)
-                if (group0 + c < split_end)
-                    cp_async16(stage + (c * 32 + lane) * 16, words + (tile_groups + group0 + c) * 32 + lane);
-            // the chunk's scales are contiguous: 64 B per group, 16 B per lane
-            if (lane < 4 * STREAM_CHUNK && group0 + lane / 4 < split_end)
-                cp_async16(stage + STREAM_CHUNK * 512 + lane * 16, scales + (tile_groups + group0) * 32 + lane * 8);
+                if (src_group + c < split_end) cp_async16(stage + (c * 32 + lane) * 16, w_src + c * 32);
+            // the chunk's scales are contiguous: 64 B per group
+            if (lane < 4 * STREAM_CHUNK && src_group + lane / 4 < split_end)
+                cp_async16(stage + STREAM_CHUNK * 512 + lane * 16, s_src);
+            w_src += step * 32;
+            s_src += step * 32;
+            src_group += step;
         }
+        ++issued;
         cp_async_commit();
     };
     #pragma unroll
-    for (int s = 0; s < STREAM_STAGES - 1; ++s) issue(s);
+    for (int s = 0; s < STREAM_STAGES - 1; ++s) issue();
     cp_async_wait<STREAM_STAGES - 1>();  // X (this thread's copies), then the whole block's
     __syncthreads();
 
@@ -410,26 +420,25 @@ FP4_DEVICE void gemm_stream(const u16* __restrict__ x, const u32x4* __restrict__
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
     const Nvfp4Weights decode{};  // only its fragment decode is used: the data is in shared memory
+    u32 group0 = split_begin + part * STREAM_CHUNK;             // first group of chunk i
+    const u16* x_lane = xs + g * x_stride + part * STREAM_CHUNK * 64 + 16 * t;  // its X, row g
 
     for (u32 i = 0; i < mine; ++i) {
         cp_async_wait<STREAM_STAGES - 2>();  // chunk i has landed (this lane's copies)
         __syncwarp();                        // ... and every lane's; slot (i - 1) is free
-        issue(i + STREAM_STAGES - 1);
+        issue();
         const u8* stage = ring + (i % STREAM_STAGES) * STREAM_STAGE_BYTES;
-        const u32 group0 = split_begin + (part + i * warps_per_tile) * STREAM_CHUNK;
         #pragma unroll
         for (int c = 0; c < STREAM_CHUNK; ++c) {
-            const u32 group = group0 + c;
-            if (group >= split_end) break;  // uniform across the warp
+            if (group0 + c >= split_end) break;  // uniform across the warp
             Nvfp4Group w;
             w.w = *reinterpret_cast<const u32x4*>(stage + (c * 32 + lane) * 16);
             w.scales = reinterpret_cast<const u16*>(stage + STREAM_CHUNK * 512)[c * 32 + lane];
             u32x4 xf[MT][2];
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                const u32 row = mt * 8 + g;
-                if (row < m) {
-                    const u16* p = xs + row * x_stride + (group - split_begin) * 64 + 16 * t;
+                if (mt * 8 + g < m) {
+                    const u16* p = x_lane + mt * 8 * x_stride + c * 64;
                     xf[mt][0] = *reinterpret_cast<const u32x4*>(p);
                     xf[mt][1] = *reinterpret_cast<const u32x4*>(p + 8);
                 } else {
@@ -447,6 +456,8 @@ FP4_DEVICE void gemm_stream(const u16* __restrict__ x, const u32x4* __restrict__
                 }
             }
         }
+        group0 += step;
+        x_lane += step * 64;
     }
     // every chunk's copies have landed (the last wait covered chunk mine - 1); said once more
     // because the rings are reused below and a late copy would corrupt the sums
