@@ -595,6 +595,75 @@ fn mma_nvfp4_decode_is_exact() {
     }
 }
 
+/// The staged kernel's decode, bit for bit, as `mma_nvfp4_decode_is_exact` checks the register
+/// kernel's: it takes at most 16 rows, so four launches of 16 rows, launch q with ones at
+/// (r, 16 q + r), read K = 64 back 16 columns at a time.
+#[test]
+fn stream_nvfp4_decode_is_exact() {
+    for backend in devices("stream_nvfp4_decode_is_exact") {
+        if !backend.target().is_some_and(|t| t.instructions.cp_async) {
+            skipped(
+                "stream_nvfp4_decode_is_exact",
+                "the staged stream kernel needs cp.async",
+            );
+            continue;
+        }
+        let mut rng = rng("stream_nvfp4_decode_is_exact");
+        let (n, k) = (1037, 64);
+        let mut q = awkward_matrix(&mut rng, n, k);
+        q.global_scale = 1.0;
+        for (i, byte) in q.scales.iter_mut().enumerate() {
+            *byte = (i % 0x7f) as u8;
+        }
+        for (i, byte) in q.packed.iter_mut().enumerate() {
+            *byte = (i % 256) as u8;
+        }
+        let linear = Linear::nvfp4(backend, &q, RowOrder::Plain).expect("upload");
+        let want = dequant::reference::dequant_nvfp4_bf16(q.view());
+        let mut wrong = 0;
+        for quarter in 0..4 {
+            let ones: Vec<bf16> = (0..16 * k)
+                .map(|i| {
+                    if i % k == 16 * quarter + i / k {
+                        bf16::ONE
+                    } else {
+                        bf16::ZERO
+                    }
+                })
+                .collect();
+            let x = backend.upload(&ones).expect("upload");
+            let mut y = poisoned(backend, 16 * n);
+            gemm::linear_with(
+                backend,
+                &x,
+                16,
+                &linear,
+                Epilogue::None,
+                &mut y,
+                Nvfp4Kernel::Staged,
+            )
+            .expect("linear");
+            let y = backend.download(&y).expect("download");
+            for row in 0..n {
+                for r in 0..16 {
+                    let (got, col) = (y[r * n + row], 16 * quarter + r);
+                    let expected = want[row * k + col];
+                    if got.to_bits() != expected.to_bits() && got != expected {
+                        if wrong < 5 {
+                            println!("W[{row}, {col}]: kernel {got} reference {expected}");
+                        }
+                        wrong += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            wrong, 0,
+            "{wrong} weights decode differently in the stream kernel"
+        );
+    }
+}
+
 /// The peer: cuBLAS bf16 GEMM (fp32 compute) on the same, dequantised weights. Every variant must
 /// agree with it to the level of two bf16 roundings; where the f64 reference is affordable, the
 /// NVFP4 variants must also be no less accurate than cuBLAS.
