@@ -301,12 +301,13 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_bf16_bf16_mma_
 // of scheduler cycles with no eligible warp and 42% of stalls on the L1TEX scoreboard, at 53% of
 // DRAM bandwidth. Here:
 // - each warp has a ring of STREAM_STAGES stages in shared memory, a stage being STREAM_CHUNK
-//   consecutive K groups of its tile; cp.async.cg copies them global -> shared (16 B per lane
-//   per group: the lane's own fragment, so a lane reads back only what it copied), and the
-//   group's 64 scale bytes arrive as 16-byte copies by 4 lanes per group. The bytes in flight
-//   cost shared memory, not registers: more warps per SM and STREAM_STAGES - 1 stages in flight
-//   per warp while it computes one, each stage a contiguous CHUNK * 512 B of weights and
-//   CHUNK * 64 B of scales (larger DRAM bursts per request than one group at a time);
+//   of its K groups; cp.async.cg copies them global -> shared (16 B per lane per group: the
+//   lane's own fragment, so a lane reads back only what it copied), and each group's 64 scale
+//   bytes arrive as 16-byte copies by 4 lanes instead of a 2-byte load per lane. The bytes in
+//   flight cost shared memory, not registers (56-64 registers per thread, no spills): 32 warps
+//   per SM and STREAM_STAGES - 1 stages in flight per warp while it computes one; with one warp
+//   per tile (the large-N shapes) a stage is a contiguous CHUNK * 512 B of weights and
+//   CHUNK * 64 B of scales, so each warp asks DRAM for longer runs at a time;
 // - X for the block's K range (at most 16 rows: the m8 / m16 variants) is copied to shared
 //   memory once per block, rows padded by 16 bytes so the 8 rows a warp reads at once fall in
 //   different banks; per group a lane reads its fragment from shared memory instead of global.
@@ -349,7 +350,8 @@ FP4_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n
 /// One block of STREAM_WARPS warps, partitioned as gemm_mma's blocks (warps_per_tile warps per
 /// tile, K split across blockIdx.y), on dynamic shared memory of STREAM_WARPS rings, then X:
 /// m rows of groups_per_split * 64 + 8 bf16 (src/kernels/gemm/mod.rs, stream_shared_bytes,
-/// computes the same size).
+/// computes the same size). Each warp adds gemm_mma's products in gemm_mma's order, so with the
+/// same partition the two kernels write the same bits.
 template <int MT>
 FP4_DEVICE void gemm_stream(const u16* __restrict__ x, const u32x4* __restrict__ words, const u16* __restrict__ scales,
                             float alpha, u16* y, const u16* residual, float* __restrict__ partials,
@@ -382,31 +384,33 @@ FP4_DEVICE void gemm_stream(const u16* __restrict__ x, const u32x4* __restrict__
         cp_async_commit();
     }
 
-    // this warp's chunks of the split: part, part + warps_per_tile, ... (chunk c: groups
-    // split_begin + c * STREAM_CHUNK .. + STREAM_CHUNK - 1). The copy sources and the X offsets
-    // advance by one of this warp's chunks at a time: the loop issues about 100 instructions per
-    // group, most of them the decode, so recomputing 64-bit addresses per copy would cost issue
-    // slots the stream needs (at 4.3 TB/s an H200 SM must finish a group every ~35 cycles).
-    const u32 chunks = split_end > split_begin ? (split_end - split_begin + STREAM_CHUNK - 1) / STREAM_CHUNK : 0;
-    const u32 mine = chunks > part ? (chunks - part + warps_per_tile - 1) / warps_per_tile : 0;
-    const u32 step = warps_per_tile * STREAM_CHUNK;  // groups from one of this warp's chunks to the next
-    const u64 first = (u64)tile * k_groups + split_begin + part * STREAM_CHUNK;
+    // This warp's groups are gemm_mma's: split_begin + part + j * warps_per_tile, j = 0 ..
+    // groups - 1 (so both kernels add the same products in the same order, and a small K still
+    // spreads over all the tile's warps); its chunk i is j = i * STREAM_CHUNK .. + STREAM_CHUNK - 1,
+    // contiguous in memory when warps_per_tile = 1 (the large-N streaming shapes). The copy
+    // sources and X offsets advance by one chunk at a time: the loop issues about 120
+    // instructions per group, most of them the decode, and at 4.3 TB/s an H200 SM must finish a
+    // group every ~35 cycles, so per-copy 64-bit address arithmetic would cost issue slots the
+    // stream needs.
+    const u32 groups = split_end > split_begin + part ? (split_end - split_begin - part + warps_per_tile - 1) / warps_per_tile : 0;
+    const u32 mine = (groups + STREAM_CHUNK - 1) / STREAM_CHUNK;  // chunks
+    const u32 step = warps_per_tile * STREAM_CHUNK;  // groups from one chunk of this warp to its next
+    const u64 first = (u64)tile * k_groups + split_begin + part;
     const u32x4* w_src = words + first * 32 + lane;
-    const u16* s_src = scales + first * 32 + lane * 8;  // lanes < 4 * STREAM_CHUNK: 16 B each
-    u32 src_group = split_begin + part * STREAM_CHUNK;  // first group of the next chunk to copy
+    // the scales of the chunk's group lane / 4, 16 B per lane (lanes < 4 * STREAM_CHUNK)
+    const u16* s_src = scales + (first + (lane / 4) * warps_per_tile) * 32 + (lane % 4) * 8;
     u32 issued = 0;
     auto issue = [&]() {  // copies this warp's next chunk into slot issued % STREAM_STAGES
         if (issued < mine) {
             u8* stage = ring + (issued % STREAM_STAGES) * STREAM_STAGE_BYTES;
+            const u32 j0 = issued * STREAM_CHUNK;
             #pragma unroll
             for (int c = 0; c < STREAM_CHUNK; ++c)
-                if (src_group + c < split_end) cp_async16(stage + (c * 32 + lane) * 16, w_src + c * 32);
-            // the chunk's scales are contiguous: 64 B per group
-            if (lane < 4 * STREAM_CHUNK && src_group + lane / 4 < split_end)
+                if (j0 + c < groups) cp_async16(stage + (c * 32 + lane) * 16, w_src + c * warps_per_tile * 32);
+            if (lane < 4 * STREAM_CHUNK && j0 + lane / 4 < groups)
                 cp_async16(stage + STREAM_CHUNK * 512 + lane * 16, s_src);
             w_src += step * 32;
             s_src += step * 32;
-            src_group += step;
         }
         ++issued;
         cp_async_commit();
@@ -420,8 +424,7 @@ FP4_DEVICE void gemm_stream(const u16* __restrict__ x, const u32x4* __restrict__
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
     const Nvfp4Weights decode{};  // only its fragment decode is used: the data is in shared memory
-    u32 group0 = split_begin + part * STREAM_CHUNK;             // first group of chunk i
-    const u16* x_lane = xs + g * x_stride + part * STREAM_CHUNK * 64 + 16 * t;  // its X, row g
+    const u16* x_lane = xs + g * x_stride + part * 64 + 16 * t;  // X of chunk i's first group, row g
 
     for (u32 i = 0; i < mine; ++i) {
         cp_async_wait<STREAM_STAGES - 2>();  // chunk i has landed (this lane's copies)
@@ -430,7 +433,7 @@ FP4_DEVICE void gemm_stream(const u16* __restrict__ x, const u32x4* __restrict__
         const u8* stage = ring + (i % STREAM_STAGES) * STREAM_STAGE_BYTES;
         #pragma unroll
         for (int c = 0; c < STREAM_CHUNK; ++c) {
-            if (group0 + c >= split_end) break;  // uniform across the warp
+            if (i * STREAM_CHUNK + c >= groups) break;  // uniform across the warp
             Nvfp4Group w;
             w.w = *reinterpret_cast<const u32x4*>(stage + (c * 32 + lane) * 16);
             w.scales = reinterpret_cast<const u16*>(stage + STREAM_CHUNK * 512)[c * 32 + lane];
@@ -438,7 +441,7 @@ FP4_DEVICE void gemm_stream(const u16* __restrict__ x, const u32x4* __restrict__
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 if (mt * 8 + g < m) {
-                    const u16* p = x_lane + mt * 8 * x_stride + c * 64;
+                    const u16* p = x_lane + mt * 8 * x_stride + c * warps_per_tile * 64;
                     xf[mt][0] = *reinterpret_cast<const u32x4*>(p);
                     xf[mt][1] = *reinterpret_cast<const u32x4*>(p + 8);
                 } else {
@@ -456,7 +459,6 @@ FP4_DEVICE void gemm_stream(const u16* __restrict__ x, const u32x4* __restrict__
                 }
             }
         }
-        group0 += step;
         x_lane += step * 64;
     }
     // every chunk's copies have landed (the last wait covered chunk mine - 1); said once more

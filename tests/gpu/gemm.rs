@@ -595,6 +595,64 @@ fn mma_nvfp4_decode_is_exact() {
     }
 }
 
+/// Where the two kernels get the same partition (warps per tile, K splits), each warp of the
+/// staged kernel adds the register kernel's products in its order: the outputs must be the same
+/// bits, the sharpest check that the rings hand every warp the right groups.
+#[test]
+fn stream_matches_the_register_kernel_bit_for_bit() {
+    for backend in devices("stream_matches_the_register_kernel_bit_for_bit") {
+        let target = backend.target().expect("a device backend");
+        if !target.instructions.cp_async {
+            skipped(
+                "stream_matches_the_register_kernel_bit_for_bit",
+                "the staged stream kernel needs cp.async",
+            );
+            continue;
+        }
+        let multiprocessors = backend.multiprocessors().unwrap_or(target.multiprocessors);
+        let tiles = &target.gemm;
+        let mut rng = rng("stream_matches_the_register_kernel_bit_for_bit");
+        for (n, k) in gemm::MODEL_SHAPES
+            .into_iter()
+            .chain([(1037, 528), (248320, 2048)])
+        {
+            let q = awkward_matrix(&mut rng, n, k);
+            let linear = Linear::nvfp4(backend, &q, RowOrder::Plain).expect("upload");
+            for m in [1, 3, 8, 16] {
+                let (n_tiles, k_groups) = (n.div_ceil(16), k.div_ceil(64));
+                let registers = gemm::mma_plan(
+                    n_tiles,
+                    k_groups,
+                    tiles.mma_warps_per_block,
+                    multiprocessors,
+                    tiles.mma_min_warps_per_sm,
+                    tiles.mma_min_groups_per_split,
+                );
+                let staged = gemm::stream_plan(n_tiles, k_groups, m, tiles, multiprocessors);
+                if registers != staged {
+                    println!("({n}, {k}) M={m}: partitions differ ({registers:?} vs {staged:?})");
+                    continue;
+                }
+                let x = backend
+                    .upload(&random_bf16(&mut rng, m * k))
+                    .expect("upload");
+                let mut outputs = Vec::new();
+                for kernel in [Nvfp4Kernel::Registers, Nvfp4Kernel::Staged] {
+                    let mut y = poisoned(backend, m * n);
+                    gemm::linear_with(backend, &x, m, &linear, Epilogue::None, &mut y, kernel)
+                        .expect("linear");
+                    outputs.push(backend.download(&y).expect("download"));
+                }
+                let differ = (0..m * n)
+                    .filter(|&i| outputs[0][i].to_bits() != outputs[1][i].to_bits())
+                    .count();
+                println!("({n}, {k}) M={m}: {differ} outputs differ");
+                assert_eq!(differ, 0, "({n}, {k}) M={m}: {differ} outputs differ");
+            }
+        }
+    }
+}
+
 /// The staged kernel's decode, bit for bit, as `mma_nvfp4_decode_is_exact` checks the register
 /// kernel's: it takes at most 16 rows, so four launches of 16 rows, launch q with ones at
 /// (r, 16 q + r), read K = 64 back 16 columns at a time.
