@@ -304,9 +304,10 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_bf16_bf16_mma_
 //   of its K groups; cp.async.cg copies them global -> shared (16 B per lane per group: the
 //   lane's own fragment, so a lane reads back only what it copied), and each group's 64 scale
 //   bytes arrive as 16-byte copies by 4 lanes instead of a 2-byte load per lane. The bytes in
-//   flight cost shared memory, not registers (56-64 registers per thread, no spills): 32 warps
-//   per SM and STREAM_STAGES - 1 stages in flight per warp while it computes one; with one warp
-//   per tile (the large-N shapes) a stage is a contiguous CHUNK * 512 B of weights and
+//   flight cost shared memory, not registers: STREAM_STAGES - 1 stages stay in flight per warp
+//   while it computes one, and the launch bounds can ask for more resident warps (sm_90a: 48
+//   registers, 5 blocks of 8 warps at M = 1, against 64 and 4 for the register kernel); with
+//   one warp per tile (the large-N shapes) a stage is a contiguous CHUNK * 512 B of weights and
 //   CHUNK * 64 B of scales, so each warp asks DRAM for longer runs at a time;
 // - X for the block's K range (at most 16 rows: the m8 / m16 variants) is copied to shared
 //   memory once per block, rows padded by 16 bytes so the 8 rows a warp reads at once fall in
