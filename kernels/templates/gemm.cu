@@ -389,7 +389,7 @@ FP4_DEVICE void gemm_stream(const u16* __restrict__ x, const u32x4* __restrict__
     // groups - 1 (so both kernels add the same products in the same order, and a small K still
     // spreads over all the tile's warps); its chunk i is j = i * STREAM_CHUNK .. + STREAM_CHUNK - 1,
     // contiguous in memory when warps_per_tile = 1 (the large-N streaming shapes). The copy
-    // sources and X offsets advance by one chunk at a time: the loop issues about 120
+    // sources and X offsets advance by one chunk at a time: the loop issues about 130
     // instructions per group, most of them the decode, and at 4.3 TB/s an H200 SM must finish a
     // group every ~35 cycles, so per-copy 64-bit address arithmetic would cost issue slots the
     // stream needs.
