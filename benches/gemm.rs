@@ -9,7 +9,9 @@
 //! the call must move (weights once, X once, Y once).
 //!
 //! Variants: `gemv` (the straightforward NVFP4 kernel, the reference GPU version), `mma` (the
-//! tensor-core kernels on NVFP4 or bf16 weights), `cublas` (bf16 weights, the peer).
+//! tensor-core kernels on NVFP4 or bf16 weights), `stream nvfp4` (the staged NVFP4 stream
+//! kernel, `Nvfp4Kernel::Staged`, at M <= 16 on targets with cp.async), `cublas` (bf16 weights,
+//! the peer).
 //!
 //! Run: `cargo bench --bench gemm [-- FILTER]` on a CUDA or ROCm host (prints one skip line
 //! elsewhere).
@@ -24,7 +26,7 @@ use fp4spec::backend::cuda::CudaBackend;
 use fp4spec::backend::cuda::cublas;
 use fp4spec::backend::{Backend, DeviceVec};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
-use fp4spec::kernels::gemm::{self, Epilogue, Linear, RowOrder};
+use fp4spec::kernels::gemm::{self, Epilogue, Linear, Nvfp4Kernel, RowOrder};
 use fp4spec::kernels::{Nvfp4Weights, dequant};
 use fp4spec::rng::SplitMix64;
 use half::bf16;
@@ -128,6 +130,31 @@ fn bench_shape(
             },
         );
         record(out, "mma nvfp4", nvfp4_bytes, seconds);
+        let staged = backend
+            .target()
+            .is_some_and(|t| t.instructions.cp_async && t.instructions.mma_sync_bf16);
+        if staged && m <= gemm::STREAM_MAX_ROWS {
+            let seconds = bench_graph(
+                criterion,
+                backend,
+                &format!("{set}/stream_nvfp4"),
+                &name,
+                nvfp4_bytes,
+                |i| {
+                    gemm::linear_with(
+                        backend,
+                        &x_dev,
+                        m,
+                        &nvfp4[i % nvfp4.len()],
+                        Epilogue::None,
+                        &mut y,
+                        Nvfp4Kernel::Staged,
+                    )
+                    .expect("linear")
+                },
+            );
+            record(out, "stream nvfp4", nvfp4_bytes, seconds);
+        }
         if with_gemv {
             let seconds = bench_graph(
                 criterion,
@@ -254,7 +281,7 @@ fn main() {
         );
     }
     println!(
-        "{:<9} {:<11} {:>3} {:>6} {:>5} {:>10} {:>8} {:>8} {:>6} {:>7} {:>7} {:>8}",
+        "{:<9} {:<12} {:>3} {:>6} {:>5} {:>10} {:>8} {:>8} {:>6} {:>7} {:>7} {:>8}",
         "set",
         "variant",
         "M",
@@ -276,7 +303,7 @@ fn main() {
         let gbs = row.bytes as f64 / row.seconds / 1e9;
         let floor = row.bytes as f64 / (copy_gbs * 1e9);
         println!(
-            "{:<9} {:<11} {:>3} {:>6} {:>5} {:>10} {:>8.2} {:>8.2} {:>6.0} {:>6.1}% {:>7.2} {:>8.2}",
+            "{:<9} {:<12} {:>3} {:>6} {:>5} {:>10} {:>8.2} {:>8.2} {:>6.0} {:>6.1}% {:>7.2} {:>8.2}",
             row.set,
             row.variant,
             row.m,

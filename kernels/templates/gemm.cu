@@ -144,6 +144,43 @@ FP4_DEVICE void load_x_fragment(const u16* __restrict__ x, u32 m, u32 k, u32 gro
     }
 }
 
+/// One warp's sums for a whole tile (or, with split-K, for its split): stored with the epilogue
+/// when K is not split; else published to `partials`, and the last of the tile's blocks to
+/// arrive (a counter per tile) adds the partials in split order and stores, so the result does
+/// not depend on scheduling.
+template <int MT>
+FP4_DEVICE void finish_tile(float (&acc)[MT][4], float alpha, u32 tile, u32 lane, u32 m, u32 n, u32 epilogue,
+                            const u16* residual, u16* y, float* __restrict__ partials, u32* __restrict__ counters) {
+    const u32 split = block_y(), splits = gridDim.y;
+    if (splits == 1) {
+        store_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y);
+        return;
+    }
+    // split-K: publish this split's partial, then the last block of the tile reduces
+    float* mine = partials + (((u64)tile * splits + split) * 32 + lane) * (MT * 4);
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        *reinterpret_cast<float4*>(mine + mt * 4) = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+    __threadfence();
+    u32 arrived = 0;
+    if (lane == 0) arrived = atomicAdd(counters + tile, 1u);
+    arrived = __shfl_sync(0xffffffffu, arrived, 0);
+    if (arrived != splits - 1) return;
+    __threadfence();
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
+    for (u32 s = 0; s < splits; ++s) {
+        const float* part = partials + (((u64)tile * splits + s) * 32 + lane) * (MT * 4);
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(part + mt * 4));
+            acc[mt][0] += v.x; acc[mt][1] += v.y; acc[mt][2] += v.z; acc[mt][3] += v.w;
+        }
+    }
+    if (lane == 0) counters[tile] = 0;  // ready for the next launch
+    store_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y);
+}
+
 /// One block: MMA_WARPS / warps_per_tile weight tiles of 16 rows, all M rows, over the K groups
 /// of split blockIdx.y. The warps_per_tile warps of a tile take the split's groups in turn
 /// (warp w of the tile: groups begin + w, begin + w + warps_per_tile, ...) and add their sums
@@ -161,7 +198,7 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
     const u32 part = warp % warps_per_tile;  // which of the tile's warps this is
     const u32 tile = block_x() * (MMA_WARPS / warps_per_tile) + warp / warps_per_tile;
     const bool active = tile < n_tiles;      // inactive warps still meet the block barrier
-    const u32 split = block_y(), splits = gridDim.y;
+    const u32 split = block_y();
     const u32 split_begin = split * groups_per_split;
     const u32 split_end = active ? min(k_groups, split_begin + groups_per_split) : 0;
     const u32 first = split_begin + part;  // this warp's groups: first + i * warps_per_tile
@@ -233,34 +270,7 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
         }
     }
     if (!active) return;
-
-    if (splits == 1) {
-        store_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y);
-        return;
-    }
-    // split-K: publish this split's partial, then the last block of the tile reduces
-    float* mine = partials + (((u64)tile * splits + split) * 32 + lane) * (MT * 4);
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-        *reinterpret_cast<float4*>(mine + mt * 4) = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
-    __threadfence();
-    u32 arrived = 0;
-    if (lane == 0) arrived = atomicAdd(counters + tile, 1u);
-    arrived = __shfl_sync(0xffffffffu, arrived, 0);
-    if (arrived != splits - 1) return;
-    __threadfence();
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
-    for (u32 s = 0; s < splits; ++s) {
-        const float* part = partials + (((u64)tile * splits + s) * 32 + lane) * (MT * 4);
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(part + mt * 4));
-            acc[mt][0] += v.x; acc[mt][1] += v.y; acc[mt][2] += v.z; acc[mt][3] += v.w;
-        }
-    }
-    if (lane == 0) counters[tile] = 0;  // ready for the next launch
-    store_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y);
+    finish_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y, partials, counters);
 }
 
 {% for rows in [8, 16, 32, 64] %}
@@ -280,6 +290,216 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_bf16_bf16_mma_
         m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile, epilogue);
 }
 {% endfor %}
+{% if target.instructions.cp_async %}
+// ============================================================================================
+// gemm_nvfp4_bf16_stream_m{8,16}: the NVFP4 weight stream of gemm_nvfp4_bf16_mma_m{8,16} with
+// the bytes in flight held in shared memory instead of registers.
+//
+// Why: the register kernel keeps mma_stages_nvfp4 groups (16 B of weights + a 2-byte scale
+// load) per lane in registers and loads X from global memory per group. On the H200 at M = 1
+// (65536 x 4096, ncu) that left 4 blocks per SM (register-limited, 27 of 64 warps active), 38%
+// of scheduler cycles with no eligible warp and 42% of stalls on the L1TEX scoreboard, at 53% of
+// DRAM bandwidth. Here:
+// - each warp has a ring of STREAM_STAGES stages in shared memory, a stage being STREAM_CHUNK
+//   of its K groups; cp.async.cg copies them global -> shared (16 B per lane per group: the
+//   lane's own fragment, so a lane reads back only what it copied), and each group's 64 scale
+//   bytes arrive as 16-byte copies by 4 lanes instead of a 2-byte load per lane. The bytes in
+//   flight cost shared memory, not registers: STREAM_STAGES - 1 stages stay in flight per warp
+//   while it computes one, and the launch bounds can ask for more resident warps (sm_90a: 48
+//   registers, 5 blocks of 8 warps at M = 1, against 64 and 4 for the register kernel); with
+//   one warp per tile (the large-N shapes) a stage is a contiguous CHUNK * 512 B of weights and
+//   CHUNK * 64 B of scales, so each warp asks DRAM for longer runs at a time;
+// - X for the block's K range (at most 16 rows: the m8 / m16 variants) is copied to shared
+//   memory once per block, rows padded by 16 bytes so the 8 rows a warp reads at once fall in
+//   different banks; per group a lane reads its fragment from shared memory instead of global.
+// The weight layout, the decode (Nvfp4Weights::fragment), the partition (warps per tile, K
+// splits) and the split-K finish are the register kernel's; larger M stays on that kernel,
+// where re-reading X per tile, not the weight stream, limits.
+//
+// Synchronisation: one cp.async group per stage (empty past the end, so the wait count is
+// fixed); before computing a stage, cp.async.wait_group STREAM_STAGES - 2 (this lane's copies of
+// that stage are done) and __syncwarp (the other lanes' scale copies are visible, and every lane
+// has finished the stage computed before, whose slot the next copies overwrite).
+// ============================================================================================
+#define STREAM_WARPS {{ target.gemm.stream_warps_per_block }}
+#define STREAM_STAGES {{ target.gemm.stream_stages }}
+#define STREAM_CHUNK {{ target.gemm.stream_chunk_groups }}
+// (threads, resident blocks per SM): caps the registers so that many blocks fit
+#define STREAM_BOUNDS STREAM_WARPS * FP4_WARP_SIZE, {{ target.gemm.stream_blocks_per_sm }}
+/// Shared memory of one stage: STREAM_CHUNK groups of 32 lanes x 16 B weights, then 32 x 2 B
+/// scales each (layout.rs, Nvfp4Fragments: the same order as in global memory).
+#define STREAM_STAGE_BYTES (STREAM_CHUNK * 32 * (16 + 2))
+#define STREAM_RING_BYTES (STREAM_STAGES * STREAM_STAGE_BYTES)
+
+static_assert(STREAM_STAGES >= 2, "one stage computes while the others are in flight");
+static_assert(STREAM_CHUNK >= 1 && STREAM_CHUNK <= 8, "a chunk's scales are one 16-byte copy by each of 4 * STREAM_CHUNK lanes");
+
+// ---- cp.async instructions ----
+FP4_DEVICE u32 stream_shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+/// 16 bytes global -> shared, the last 16 - src_bytes of them zero (src_bytes 0 or 16).
+FP4_DEVICE void cp_async16_zfill(void* dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(stream_shared_address(dst)), "l"(src), "r"(src_bytes) : "memory");
+}
+FP4_DEVICE void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(stream_shared_address(dst)), "l"(src) : "memory");
+}
+FP4_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+FP4_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+// ---- end of cp.async instructions ----
+
+/// One block of STREAM_WARPS warps, partitioned as gemm_mma's blocks (warps_per_tile warps per
+/// tile, K split across blockIdx.y), on dynamic shared memory of STREAM_WARPS rings, then X:
+/// m rows of groups_per_split * 64 + 8 bf16 (src/kernels/gemm/mod.rs, stream_shared_bytes,
+/// computes the same size). Each warp adds gemm_mma's products in gemm_mma's order, so with the
+/// same partition the two kernels write the same bits.
+template <int MT>
+FP4_DEVICE void gemm_stream(const u16* __restrict__ x, const u32x4* __restrict__ words, const u16* __restrict__ scales,
+                            float alpha, u16* y, const u16* residual, float* __restrict__ partials,
+                            u32* __restrict__ counters, u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups,
+                            u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
+    extern __shared__ __align__(16) u8 stream_shared[];
+    const u32 lane = thread_x() % FP4_WARP_SIZE;
+    const u32 warp = thread_x() / FP4_WARP_SIZE;
+    const u32 part = warp % warps_per_tile;
+    const u32 tile = block_x() * (STREAM_WARPS / warps_per_tile) + warp / warps_per_tile;
+    const bool active = tile < n_tiles;  // inactive warps still copy X and meet the barriers
+    const u32 split_begin = block_y() * groups_per_split;
+    const u32 split_end = active ? min(k_groups, split_begin + groups_per_split) : 0;
+    const u32 g = lane / 4, t = lane % 4;
+
+    u8* ring = stream_shared + warp * STREAM_RING_BYTES;
+    u16* xs = reinterpret_cast<u16*>(stream_shared + STREAM_WARPS * STREAM_RING_BYTES);
+    const u32 x_stride = groups_per_split * 64 + 8;  // bf16 per staged row of X
+
+    // X of the split's K range, zero past K (the weights are zero-padded there, and zero times
+    // stale shared memory could be NaN); its own cp.async group, committed first
+    {
+        const u32 units_per_row = groups_per_split * 8;  // 16-byte units
+        const u32 col0 = split_begin * 64;
+        for (u32 u = thread_x(); u < m * units_per_row; u += STREAM_WARPS * FP4_WARP_SIZE) {
+            const u32 row = u / units_per_row, col = col0 + (u % units_per_row) * 8;
+            const bool inside = col < k;
+            cp_async16_zfill(xs + row * x_stride + (col - col0), inside ? x + (u64)row * k + col : x, inside ? 16u : 0u);
+        }
+        cp_async_commit();
+    }
+
+    // This warp's groups are gemm_mma's: split_begin + part + j * warps_per_tile, j = 0 ..
+    // groups - 1 (so both kernels add the same products in the same order, and a small K still
+    // spreads over all the tile's warps); its chunk i is j = i * STREAM_CHUNK .. + STREAM_CHUNK - 1,
+    // contiguous in memory when warps_per_tile = 1 (the large-N streaming shapes). The copy
+    // sources and X offsets advance by one chunk at a time: the loop issues about 130
+    // instructions per group, most of them the decode, and at 4.3 TB/s an H200 SM must finish a
+    // group every ~35 cycles, so per-copy 64-bit address arithmetic would cost issue slots the
+    // stream needs.
+    const u32 groups = split_end > split_begin + part ? (split_end - split_begin - part + warps_per_tile - 1) / warps_per_tile : 0;
+    const u32 mine = (groups + STREAM_CHUNK - 1) / STREAM_CHUNK;  // chunks
+    const u32 step = warps_per_tile * STREAM_CHUNK;  // groups from one chunk of this warp to its next
+    const u64 first = (u64)tile * k_groups + split_begin + part;
+    const u32x4* w_src = words + first * 32 + lane;
+    // the scales of the chunk's group lane / 4, 16 B per lane (lanes < 4 * STREAM_CHUNK)
+    const u16* s_src = scales + (first + (lane / 4) * warps_per_tile) * 32 + (lane % 4) * 8;
+    u32 issued = 0;
+    auto issue = [&]() {  // copies this warp's next chunk into slot issued % STREAM_STAGES
+        if (issued < mine) {
+            u8* stage = ring + (issued % STREAM_STAGES) * STREAM_STAGE_BYTES;
+            const u32 j0 = issued * STREAM_CHUNK;
+            #pragma unroll
+            for (int c = 0; c < STREAM_CHUNK; ++c)
+                if (j0 + c < groups) cp_async16(stage + (c * 32 + lane) * 16, w_src + c * warps_per_tile * 32);
+            if (lane < 4 * STREAM_CHUNK && j0 + lane / 4 < groups)
+                cp_async16(stage + STREAM_CHUNK * 512 + lane * 16, s_src);
+            w_src += step * 32;
+            s_src += step * 32;
+        }
+        ++issued;
+        cp_async_commit();
+    };
+    #pragma unroll
+    for (int s = 0; s < STREAM_STAGES - 1; ++s) issue();
+    cp_async_wait<STREAM_STAGES - 1>();  // X (this thread's copies), then the whole block's
+    __syncthreads();
+
+    float acc[MT][4];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
+    const Nvfp4Weights decode{};  // only its fragment decode is used: the data is in shared memory
+    const u16* x_lane = xs + g * x_stride + part * 64 + 16 * t;  // X of chunk i's first group, row g
+
+    for (u32 i = 0; i < mine; ++i) {
+        cp_async_wait<STREAM_STAGES - 2>();  // chunk i has landed (this lane's copies)
+        __syncwarp();                        // ... and every lane's; slot (i - 1) is free
+        issue();
+        const u8* stage = ring + (i % STREAM_STAGES) * STREAM_STAGE_BYTES;
+        #pragma unroll
+        for (int c = 0; c < STREAM_CHUNK; ++c) {
+            if (i * STREAM_CHUNK + c >= groups) break;  // uniform across the warp
+            Nvfp4Group w;
+            w.w = *reinterpret_cast<const u32x4*>(stage + (c * 32 + lane) * 16);
+            w.scales = reinterpret_cast<const u16*>(stage + STREAM_CHUNK * 512)[c * 32 + lane];
+            u32x4 xf[MT][2];
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (mt * 8 + g < m) {
+                    const u16* p = x_lane + mt * 8 * x_stride + c * warps_per_tile * 64;
+                    xf[mt][0] = *reinterpret_cast<const u32x4*>(p);
+                    xf[mt][1] = *reinterpret_cast<const u32x4*>(p + 8);
+                } else {
+                    xf[mt][0] = xf[mt][1] = {0u, 0u, 0u, 0u};
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                u32 a[4];
+                decode.fragment(w, j, a);
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    const u32x4& q = xf[mt][j / 2];
+                    mma_m16n8k16_bf16(acc[mt], a[0], a[1], a[2], a[3], (j % 2 == 0) ? q.x : q.z, (j % 2 == 0) ? q.y : q.w);
+                }
+            }
+        }
+        x_lane += step * 64;
+    }
+    // every chunk's copies have landed (the last wait covered chunk mine - 1); said once more
+    // because the rings are reused below and a late copy would corrupt the sums
+    cp_async_wait<0>();
+
+    if (warps_per_tile > 1) {
+        // the tile's warps add up in warp order through shared memory, each partial in its own
+        // warp's ring (no copies are pending there)
+        static_assert(STREAM_RING_BYTES >= 2 * 32 * 16, "a ring holds a warp's m16 partial");
+        float4* sums = reinterpret_cast<float4*>(ring);
+        if (part > 0) {
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) sums[mt * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+        }
+        __syncthreads();
+        if (part > 0) return;
+        for (u32 w = warp + 1; w < warp + warps_per_tile; ++w) {
+            const float4* other = reinterpret_cast<const float4*>(stream_shared + w * STREAM_RING_BYTES);
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const float4 v = other[mt * 32 + lane];
+                acc[mt][0] += v.x; acc[mt][1] += v.y; acc[mt][2] += v.z; acc[mt][3] += v.w;
+            }
+        }
+    }
+    if (!active) return;
+    finish_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y, partials, counters);
+}
+
+{% for rows in [8, 16] %}
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(STREAM_BOUNDS) gemm_nvfp4_bf16_stream_m{{ rows }}(
+    const u16* __restrict__ x, const u32x4* __restrict__ words, const u16* __restrict__ scales,
+    float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
+    u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
+    gemm_stream<{{ rows }} / 8>(x, words, scales, alpha, y, residual, partials, counters,
+        m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile, epilogue);
+}
+{% endfor %}
+{% endif %}
 {% endif %}
 {% if target.instructions.mma_block_scaled_fp4 %}
 // ============================================================================================

@@ -93,6 +93,10 @@ pub struct DequantTiles {
     pub threads_per_block: u32,
 }
 
+/// Shared-memory bytes of one 64-wide K group in a `gemm_nvfp4_bf16_stream_*` ring: 32 lanes of
+/// 16 bytes of weights and 2 of scales (`STREAM_STAGE_BYTES` in `kernels/templates/gemm.cu`).
+pub const STREAM_GROUP_BYTES: u32 = 32 * (16 + 2);
+
 /// Launch parameters of `gemm_nvfp4_bf16_gemv`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -111,6 +115,19 @@ pub struct GemmTiles {
     pub mma_min_warps_per_sm: u32,
     /// `gemm_*_mma_*`: the fewest K groups one split may get.
     pub mma_min_groups_per_split: u32,
+    /// `gemm_nvfp4_bf16_stream_*` (targets with `cp.async`): warps per block (a power of two).
+    pub stream_warps_per_block: u32,
+    /// `gemm_nvfp4_bf16_stream_*`: stages in each warp's shared-memory ring (one computes while
+    /// the others are in flight).
+    pub stream_stages: u32,
+    /// `gemm_nvfp4_bf16_stream_*`: consecutive 64-wide K groups per stage (1..=8).
+    pub stream_chunk_groups: u32,
+    /// `gemm_nvfp4_bf16_stream_*`: resident blocks per multiprocessor the launch bounds ask
+    /// for (they cap the registers per thread).
+    pub stream_blocks_per_sm: u32,
+    /// `gemm_nvfp4_bf16_stream_*`: most bytes of X one block stages in shared memory; beyond,
+    /// K is split across more blocks.
+    pub stream_max_x_bytes: u32,
 }
 
 /// Launch parameters of `rms_norm_residual`.
@@ -269,6 +286,42 @@ impl TargetFacts {
                 "gemm.mma_min_warps_per_sm and gemm.mma_min_groups_per_split must be positive"
                     .into(),
             );
+        }
+        let stream = &self.gemm;
+        if !matches!(stream.stream_warps_per_block, 1 | 2 | 4 | 8 | 16)
+            || stream.stream_warps_per_block * self.warp_size > 1024
+        {
+            return fail(format!(
+                "gemm.stream_warps_per_block {} must be a power of two of at most 1024 threads",
+                stream.stream_warps_per_block
+            ));
+        }
+        if stream.stream_stages < 2
+            || !(1..=8).contains(&stream.stream_chunk_groups)
+            || stream.stream_blocks_per_sm == 0
+        {
+            return fail(
+                "gemm.stream_stages must be at least 2, stream_chunk_groups in 1..=8 and \
+                 stream_blocks_per_sm positive"
+                    .into(),
+            );
+        }
+        if self.instructions.cp_async {
+            // the rings plus the most X a block stages must fit in a block, and X at least one
+            // row of one K group
+            let rings = stream.stream_warps_per_block
+                * stream.stream_stages
+                * stream.stream_chunk_groups
+                * STREAM_GROUP_BYTES;
+            if rings + stream.stream_max_x_bytes > self.max_shared_bytes_per_block
+                || stream.stream_max_x_bytes < 128 + 16
+            {
+                return fail(format!(
+                    "gemm.stream_*: {rings} bytes of rings and stream_max_x_bytes {} (at least \
+                     144) exceed max_shared_bytes_per_block {}",
+                    stream.stream_max_x_bytes, self.max_shared_bytes_per_block
+                ));
+            }
         }
         let norm = self.norm.threads_per_block;
         if norm == 0 || norm > 1024 || norm % self.warp_size != 0 {

@@ -5,7 +5,7 @@ mod facts;
 
 pub use facts::{
     AttentionTiles, DequantTiles, GdnTiles, GemmTiles, Instructions, MoeTiles, NormTiles,
-    TargetFacts, Vendor, VerifyTiles,
+    STREAM_GROUP_BYTES, TargetFacts, Vendor, VerifyTiles,
 };
 
 use crate::error::{Error, Result};
@@ -57,4 +57,26 @@ fn known_names() -> String {
         .map(|t| t.name.as_str())
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stream ring, or staged X, that cannot fit in a block's shared memory is refused when the
+    /// table is read, naming the target, not at the first launch on a device.
+    #[test]
+    fn stream_shared_memory_that_does_not_fit_is_refused() {
+        for (field, value) in [
+            ("stream_stages = 4", "stream_stages = 64"),
+            ("stream_max_x_bytes = 69632", "stream_max_x_bytes = 232448"),
+            ("stream_chunk_groups = 2", "stream_chunk_groups = 9"),
+        ] {
+            assert!(TARGETS_TOML.contains(field), "{field}");
+            let err = facts::TargetTable::parse(&TARGETS_TOML.replacen(field, value, 1))
+                .err()
+                .unwrap_or_else(|| panic!("{value} was accepted"));
+            assert!(err.contains("sm_90a") && err.contains("stream"), "{err}");
+        }
+    }
 }

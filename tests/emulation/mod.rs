@@ -1,6 +1,6 @@
-//! What the emulated-kernel tests (tests/gdn_emulated.rs, tests/moe_emulated.rs) share: cutting
-//! sections out of an emulator file, splicing them over the vendor layers of a rendered kernel
-//! source, and compiling the result for the host. Each test file includes it with
+//! What the emulated-kernel tests (tests/gdn_emulated.rs, tests/moe_emulated.rs,
+//! tests/gemm_emulated.rs) share: cutting sections out of an emulator file, splicing them over
+//! the vendor layers of a rendered kernel source, and compiling the result for the host. Each test file includes it with
 //! `mod emulation;`.
 
 use std::path::PathBuf;

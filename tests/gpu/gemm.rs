@@ -8,7 +8,7 @@ use fp4spec::Error;
 use fp4spec::backend::cuda::cublas;
 use fp4spec::backend::{Backend, DeviceVec};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
-use fp4spec::kernels::gemm::{Epilogue, Linear, RowOrder};
+use fp4spec::kernels::gemm::{Epilogue, Linear, Nvfp4Kernel, RowOrder};
 use fp4spec::kernels::{Nvfp4Weights, compare, dequant, gemm};
 use fp4spec::rng::SplitMix64;
 use half::bf16;
@@ -117,7 +117,19 @@ type ReferenceProduct = dyn Fn(&[bf16], usize) -> Vec<f32>;
 #[derive(Clone, Copy)]
 enum Format {
     Nvfp4,
+    /// NVFP4 on the staged stream kernel (`gemm_nvfp4_bf16_stream_m*`, calls of at most 16
+    /// rows; more run the register kernel), where the target has cp.async.
+    Nvfp4Staged,
     Bf16,
+}
+
+impl Format {
+    fn kernel(self) -> Nvfp4Kernel {
+        match self {
+            Format::Nvfp4Staged => Nvfp4Kernel::Staged,
+            Format::Nvfp4 | Format::Bf16 => Nvfp4Kernel::Registers,
+        }
+    }
 }
 
 /// Runs `linear` at every M of `rows` on a fresh random weight and compares with the CPU
@@ -132,9 +144,15 @@ fn check_linear(
     residual: bool,
 ) {
     for backend in devices(test) {
+        if matches!(format, Format::Nvfp4Staged)
+            && !backend.target().is_some_and(|t| t.instructions.cp_async)
+        {
+            skipped(test, "the staged stream kernel needs cp.async");
+            continue;
+        }
         let mut rng = rng(test);
         let (linear, reference_product): (Linear, Box<ReferenceProduct>) = match format {
-            Format::Nvfp4 => {
+            Format::Nvfp4 | Format::Nvfp4Staged => {
                 let q = awkward_matrix(&mut rng, n, k);
                 let linear = Linear::nvfp4(backend, &q, order).expect("upload");
                 (
@@ -165,25 +183,36 @@ fn check_linear(
             let x_dev = backend.upload(&x).expect("upload");
             let mut y = poisoned(backend, m * n_out);
             let product = reference_product(&x, m);
+            let kernel = format.kernel();
             let want = if order == RowOrder::GateUp {
-                gemm::linear(backend, &x_dev, m, &linear, Epilogue::SiluMul, &mut y)
-                    .expect("linear");
+                gemm::linear_with(
+                    backend,
+                    &x_dev,
+                    m,
+                    &linear,
+                    Epilogue::SiluMul,
+                    &mut y,
+                    kernel,
+                )
+                .expect("linear");
                 gemm::reference::silu_mul(&product, m, n)
             } else if residual {
                 let r = random_bf16(&mut rng, m * n);
                 let r_dev = backend.upload(&r).expect("upload");
-                gemm::linear(
+                gemm::linear_with(
                     backend,
                     &x_dev,
                     m,
                     &linear,
                     Epilogue::Residual(&r_dev),
                     &mut y,
+                    kernel,
                 )
                 .expect("linear");
                 gemm::reference::add_residual(&product, &r)
             } else {
-                gemm::linear(backend, &x_dev, m, &linear, Epilogue::None, &mut y).expect("linear");
+                gemm::linear_with(backend, &x_dev, m, &linear, Epilogue::None, &mut y, kernel)
+                    .expect("linear");
                 product
             };
             let agreement = compare::compare_bf16(&backend.download(&y).expect("download"), &want);
@@ -346,6 +375,112 @@ fn mma_nvfp4_epilogues() {
         false,
     );
 }
+/// The staged stream kernel at the register kernel's shapes, rows and epilogues (rows past
+/// 16 run the register kernel through the same call: checked too).
+#[test]
+fn stream_nvfp4_model_shapes() {
+    for (n, k) in gemm::MODEL_SHAPES {
+        check_linear(
+            &format!("stream_nvfp4_{n}x{k}"),
+            Format::Nvfp4Staged,
+            n,
+            k,
+            &MMA_ROWS,
+            RowOrder::Plain,
+            false,
+        );
+    }
+}
+#[test]
+fn stream_nvfp4_streaming_shapes() {
+    check_linear(
+        "stream_nvfp4_lm_head",
+        Format::Nvfp4Staged,
+        248320,
+        2048,
+        &[1, 3, 16],
+        RowOrder::Plain,
+        false,
+    );
+    check_linear(
+        "stream_nvfp4_65536x4096",
+        Format::Nvfp4Staged,
+        65536,
+        4096,
+        &[1, 4, 16],
+        RowOrder::Plain,
+        false,
+    );
+}
+#[test]
+fn stream_nvfp4_awkward_shapes_and_epilogues() {
+    for (test, n, k, rows) in [
+        ("stream_nvfp4_awkward_1037x528", 1037, 528, &MMA_ROWS[..]),
+        ("stream_nvfp4_awkward_k16", 200, 16, &[1, 5, 64][..]),
+        ("stream_nvfp4_awkward_n16", 16, 2048, &[1][..]),
+        ("stream_nvfp4_awkward_n1", 1, 80, &[1, 9][..]),
+    ] {
+        check_linear(
+            test,
+            Format::Nvfp4Staged,
+            n,
+            k,
+            rows,
+            RowOrder::Plain,
+            false,
+        );
+    }
+    check_linear(
+        "stream_nvfp4_residual",
+        Format::Nvfp4Staged,
+        2048,
+        512,
+        &[1, 3, 16, 64],
+        RowOrder::Plain,
+        true,
+    );
+    check_linear(
+        "stream_nvfp4_gate_up",
+        Format::Nvfp4Staged,
+        1024,
+        2048,
+        &[1, 3, 16, 64, 67],
+        RowOrder::GateUp,
+        false,
+    );
+    check_linear(
+        "stream_nvfp4_gate_up_odd",
+        Format::Nvfp4Staged,
+        2 * 37,
+        528,
+        &[1, 9],
+        RowOrder::GateUp,
+        false,
+    );
+}
+
+/// The staged kernel refuses what it cannot run, saying why, instead of running another kernel.
+#[test]
+fn stream_refuses_bf16_weights() {
+    for backend in devices("stream_refuses_bf16_weights") {
+        let w = vec![bf16::ONE; 16 * 64];
+        let linear = Linear::bf16(backend, &w, 16, 64, RowOrder::Plain).expect("upload");
+        let x = backend.upload(&[bf16::ONE; 64]).expect("upload");
+        let mut y = backend.zeros::<bf16>(16).expect("zeros");
+        let err = gemm::linear_with(
+            backend,
+            &x,
+            1,
+            &linear,
+            Epilogue::None,
+            &mut y,
+            Nvfp4Kernel::Staged,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("NVFP4"), "{err}");
+    }
+}
+
 #[test]
 fn mma_bf16_model_shapes() {
     for (n, k) in gemm::MODEL_SHAPES {
@@ -460,6 +595,133 @@ fn mma_nvfp4_decode_is_exact() {
     }
 }
 
+/// Where the two kernels get the same partition (warps per tile, K splits), each warp of the
+/// staged kernel adds the register kernel's products in its order: the outputs must be the same
+/// bits, the sharpest check that the rings hand every warp the right groups.
+#[test]
+fn stream_matches_the_register_kernel_bit_for_bit() {
+    for backend in devices("stream_matches_the_register_kernel_bit_for_bit") {
+        let target = backend.target().expect("a device backend");
+        if !target.instructions.cp_async {
+            skipped(
+                "stream_matches_the_register_kernel_bit_for_bit",
+                "the staged stream kernel needs cp.async",
+            );
+            continue;
+        }
+        let multiprocessors = backend.multiprocessors().unwrap_or(target.multiprocessors);
+        let tiles = &target.gemm;
+        let mut rng = rng("stream_matches_the_register_kernel_bit_for_bit");
+        for (n, k) in gemm::MODEL_SHAPES
+            .into_iter()
+            .chain([(1037, 528), (248320, 2048)])
+        {
+            let q = awkward_matrix(&mut rng, n, k);
+            let linear = Linear::nvfp4(backend, &q, RowOrder::Plain).expect("upload");
+            for m in [1, 3, 8, 16] {
+                let (n_tiles, k_groups) = (n.div_ceil(16), k.div_ceil(64));
+                let registers = gemm::mma_plan(
+                    n_tiles,
+                    k_groups,
+                    tiles.mma_warps_per_block,
+                    multiprocessors,
+                    tiles.mma_min_warps_per_sm,
+                    tiles.mma_min_groups_per_split,
+                );
+                let staged = gemm::stream_plan(n_tiles, k_groups, m, tiles, multiprocessors);
+                if registers != staged {
+                    println!("({n}, {k}) M={m}: partitions differ ({registers:?} vs {staged:?})");
+                    continue;
+                }
+                let x = backend
+                    .upload(&random_bf16(&mut rng, m * k))
+                    .expect("upload");
+                let mut outputs = Vec::new();
+                for kernel in [Nvfp4Kernel::Registers, Nvfp4Kernel::Staged] {
+                    let mut y = poisoned(backend, m * n);
+                    gemm::linear_with(backend, &x, m, &linear, Epilogue::None, &mut y, kernel)
+                        .expect("linear");
+                    outputs.push(backend.download(&y).expect("download"));
+                }
+                let differ = (0..m * n)
+                    .filter(|&i| outputs[0][i].to_bits() != outputs[1][i].to_bits())
+                    .count();
+                println!("({n}, {k}) M={m}: {differ} outputs differ");
+                assert_eq!(differ, 0, "({n}, {k}) M={m}: {differ} outputs differ");
+            }
+        }
+    }
+}
+
+/// The staged kernel's decode, bit for bit, as `mma_nvfp4_decode_is_exact` checks the register
+/// kernel's: it takes at most 16 rows, so four launches of 16 rows, launch q with ones at
+/// (r, 16 q + r), read K = 64 back 16 columns at a time.
+#[test]
+fn stream_nvfp4_decode_is_exact() {
+    for backend in devices("stream_nvfp4_decode_is_exact") {
+        if !backend.target().is_some_and(|t| t.instructions.cp_async) {
+            skipped(
+                "stream_nvfp4_decode_is_exact",
+                "the staged stream kernel needs cp.async",
+            );
+            continue;
+        }
+        let mut rng = rng("stream_nvfp4_decode_is_exact");
+        let (n, k) = (1037, 64);
+        let mut q = awkward_matrix(&mut rng, n, k);
+        q.global_scale = 1.0;
+        for (i, byte) in q.scales.iter_mut().enumerate() {
+            *byte = (i % 0x7f) as u8;
+        }
+        for (i, byte) in q.packed.iter_mut().enumerate() {
+            *byte = (i % 256) as u8;
+        }
+        let linear = Linear::nvfp4(backend, &q, RowOrder::Plain).expect("upload");
+        let want = dequant::reference::dequant_nvfp4_bf16(q.view());
+        let mut wrong = 0;
+        for quarter in 0..4 {
+            let ones: Vec<bf16> = (0..16 * k)
+                .map(|i| {
+                    if i % k == 16 * quarter + i / k {
+                        bf16::ONE
+                    } else {
+                        bf16::ZERO
+                    }
+                })
+                .collect();
+            let x = backend.upload(&ones).expect("upload");
+            let mut y = poisoned(backend, 16 * n);
+            gemm::linear_with(
+                backend,
+                &x,
+                16,
+                &linear,
+                Epilogue::None,
+                &mut y,
+                Nvfp4Kernel::Staged,
+            )
+            .expect("linear");
+            let y = backend.download(&y).expect("download");
+            for row in 0..n {
+                for r in 0..16 {
+                    let (got, col) = (y[r * n + row], 16 * quarter + r);
+                    let expected = want[row * k + col];
+                    if got.to_bits() != expected.to_bits() && got != expected {
+                        if wrong < 5 {
+                            println!("W[{row}, {col}]: kernel {got} reference {expected}");
+                        }
+                        wrong += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            wrong, 0,
+            "{wrong} weights decode differently in the stream kernel"
+        );
+    }
+}
+
 /// The peer: cuBLAS bf16 GEMM (fp32 compute) on the same, dequantised weights. Every variant must
 /// agree with it to the level of two bf16 roundings; where the f64 reference is affordable, the
 /// NVFP4 variants must also be no less accurate than cuBLAS.
@@ -524,6 +786,20 @@ fn gemm_variants_match_cublas() {
             let mut variants = vec![("mma", poisoned(backend, m * n))];
             gemm::linear(backend, &x_dev, m, &mma, Epilogue::None, &mut variants[0].1)
                 .expect("mma");
+            if q.is_some() {
+                let mut y = poisoned(backend, m * n);
+                gemm::linear_with(
+                    backend,
+                    &x_dev,
+                    m,
+                    &mma,
+                    Epilogue::None,
+                    &mut y,
+                    Nvfp4Kernel::Staged,
+                )
+                .expect("stream");
+                variants.push(("stream", y));
+            }
             if let Some(w) = &gemv {
                 let mut y = poisoned(backend, m * n);
                 gemm::nvfp4_gemm(backend, &x_dev, m, w, &mut y).expect("gemv");

@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand};
 use fp4spec::backend::{Backend, BackendKind};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
 use fp4spec::kernels::check::{self, CheckStatus};
-use fp4spec::kernels::gemm::{Epilogue, Linear, RowOrder};
+use fp4spec::kernels::gemm::{Epilogue, Linear, Nvfp4Kernel, RowOrder};
 use fp4spec::kernels::{Nvfp4Weights, compare, gemm, table};
 use fp4spec::rng::SplitMix64;
 use fp4spec::target;
@@ -112,8 +112,9 @@ enum Command {
         /// Random seed (default: fresh).
         #[arg(long)]
         seed: Option<u64>,
-        /// mma (the tensor-core kernels, on re-laid-out weights) or gemv (the straightforward
-        /// reference GPU kernel).
+        /// mma (the tensor-core kernels, on re-laid-out weights), stream (the staged NVFP4
+        /// stream kernel at M <= 16, cp.async targets) or gemv (the straightforward reference
+        /// GPU kernel).
         #[arg(long, default_value = "mma")]
         kernel: String,
         /// Launches after the checked one (for profilers; all on the same inputs).
@@ -293,12 +294,13 @@ fn gemm_check(
     kernel: &str,
     repeat: usize,
 ) -> Result<(), Failure> {
-    let use_mma = match kernel {
-        "mma" => true,
-        "gemv" => false,
+    let mma_kernel = match kernel {
+        "mma" => Some(Nvfp4Kernel::Registers),
+        "stream" => Some(Nvfp4Kernel::Staged),
+        "gemv" => None,
         other => {
             return Err(Failure::Input(format!(
-                "--kernel `{other}` is not one of mma, gemv"
+                "--kernel `{other}` is not one of mma, stream, gemv"
             )));
         }
     };
@@ -327,10 +329,12 @@ fn gemm_check(
         .collect();
     let x_dev = backend.upload(&x)?;
     let mut y_dev = backend.zeros::<bf16>(m * n)?;
-    let mut run: Box<GemmRun<'_>> = if use_mma {
+    let mut run: Box<GemmRun<'_>> = if let Some(mma_kernel) = mma_kernel {
         let linear = Linear::nvfp4(&backend, &w, RowOrder::Plain)?;
         let (backend, x_dev) = (&backend, &x_dev);
-        Box::new(move |y| gemm::linear(backend, x_dev, m, &linear, Epilogue::None, y))
+        Box::new(move |y| {
+            gemm::linear_with(backend, x_dev, m, &linear, Epilogue::None, y, mma_kernel)
+        })
     } else {
         let weights = Nvfp4Weights::upload(&backend, &w)?;
         let (backend, x_dev) = (&backend, &x_dev);

@@ -12,6 +12,11 @@
 //!   1..8 warps ([`mma_plan`]: the fewest that fill the device), K is split across blocks only
 //!   when even that does not, and the last block of a tile adds the splits in order
 //!   (deterministic). Epilogues: residual add, `silu(gate) * up` ([`RowOrder::GateUp`]).
+//! - `gemm_nvfp4_bf16_stream_m{8,16}` (mma.sync and `cp.async`: sm_90a, sm_121a): the NVFP4
+//!   weight stream of the mma kernels with the groups in flight in shared-memory rings (cp.async)
+//!   instead of registers and X staged in shared memory once per block, for calls of at most
+//!   [`STREAM_MAX_ROWS`] rows; chosen per call with [`Nvfp4Kernel`] ([`linear_with`]), not by
+//!   default.
 //! - `quantize_nvfp4_rows` + `gemm_nvfp4_nvfp4_mma_m{8,16,32}` (sm_121a): W4A4 on the
 //!   block-scaled FP4 MMA, chosen per model with [`Nvfp4Mode`]; compiled and emulated here
 //!   ([`reference::nvfp4_w4a4_f32`]), not run (no GB10).
@@ -20,12 +25,13 @@
 //!   of K (no K split, so the split-K scratch is never used there); compiled and launched through
 //!   the same API, not yet run on a gfx1151. W4A4 is refused there (no block-scaled FP4 MMA).
 //!
-//! Why registers and not a shared-memory pipeline: every weight byte is used by exactly one warp,
-//! so a `cp.async` stage through shared memory would only add a copy; each lane's global load is
-//! its MMA fragment and `mma_stages_*` (targets.toml) groups stay in flight per warp. Measured on
-//! the H200 (BENCHMARKS.md): bf16 weights stream at 92% of the copy bandwidth at M = 1; NVFP4 at
-//! 65%, latency-bound by its decode and register use (ncu) rather than by this choice; M = 64 is
-//! slow because X fragments are re-read per tile, which is where a shared X tile will pay.
+//! Why registers in the default kernels: every weight byte is used by exactly one warp, so a
+//! `cp.async` stage through shared memory only adds a copy; each lane's global load is its MMA
+//! fragment and `mma_stages_*` (targets.toml) groups stay in flight per warp. Measured on the
+//! H200 (BENCHMARKS.md): bf16 weights stream at 92% of the copy bandwidth at M = 1; NVFP4 at
+//! 65%, latency-bound with its registers limiting the warps per SM (ncu), which is what the
+//! `stream` kernels trade shared memory for; M = 64 is slow because X fragments are re-read per
+//! tile.
 //!
 //! The bytes a GEMM must move at least are [`nvfp4_gemm_bytes`] / [`Linear::bytes`]; benches
 //! report achieved bandwidth against them.
@@ -39,7 +45,7 @@ use super::{Nvfp4Weights, check_len, check_u32};
 use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::Nvfp4Matrix;
-use crate::target::TargetFacts;
+use crate::target::{GemmTiles, STREAM_GROUP_BYTES, TargetFacts};
 use half::bf16;
 use layout::{Bf16Fragments, Nvfp4Fragments, WmmaBf16Fragments, WmmaNvfp4Fragments};
 
@@ -187,6 +193,23 @@ pub enum Nvfp4Mode {
     /// NVFP4 activations on the block-scaled FP4 MMA (GB10).
     W4a4,
 }
+
+/// Which kernel streams an NVFP4 (W4A16) weight on mma.sync targets: the per-call choice that
+/// lets the bench and the tests compare the two; the library's callers use the default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Nvfp4Kernel {
+    /// `gemm_nvfp4_bf16_mma_m*`: each lane's groups in flight in registers, X from global memory.
+    #[default]
+    Registers,
+    /// `gemm_nvfp4_bf16_stream_m{8,16}`: groups in flight in per-warp shared-memory rings filled
+    /// by `cp.async`, X staged in shared memory per block (targets with
+    /// `instructions.cp_async`). Calls of more than [`STREAM_MAX_ROWS`] rows run
+    /// [`Nvfp4Kernel::Registers`]: there re-reading X per tile, not the stream, limits.
+    Staged,
+}
+
+/// Most rows of X the `gemm_nvfp4_bf16_stream_m*` kernels take (X is staged in shared memory).
+pub const STREAM_MAX_ROWS: usize = 16;
 
 enum LinearStorage {
     HostNvfp4(Nvfp4Matrix),
@@ -483,6 +506,25 @@ pub fn linear(
     epilogue: Epilogue<'_>,
     y: &mut DeviceVec<bf16>,
 ) -> Result<()> {
+    linear_with(backend, x, m, w, epilogue, y, Nvfp4Kernel::default())
+}
+
+/// [`linear`] with the NVFP4 kernel chosen by the caller (the bench and the tests compare them).
+/// [`Nvfp4Kernel::Registers`] is [`linear`] itself for every weight.
+///
+/// # Errors
+/// As [`linear`]; also [`Error::Invalid`] when [`Nvfp4Kernel::Staged`] is asked for a weight or
+/// target without that kernel (not NVFP4 W4A16 on mma.sync, or no `cp.async`). The CPU backend
+/// runs the reference whatever the choice.
+pub fn linear_with(
+    backend: &Backend,
+    x: &DeviceVec<bf16>,
+    m: usize,
+    w: &Linear,
+    epilogue: Epilogue<'_>,
+    y: &mut DeviceVec<bf16>,
+    kernel: Nvfp4Kernel,
+) -> Result<()> {
     let (k, n_out) = (w.grid.cols, w.out_features());
     check_len("linear input X", x, m * k, &format!("[{m}, {k}]"))?;
     check_len("linear output Y", y, m * n_out, &format!("[{m}, {n_out}]"))?;
@@ -541,7 +583,7 @@ pub fn linear(
             *y = result.into_iter().map(bf16::from_f32).collect();
             Ok(())
         }
-        Backend::Cuda(_) | Backend::Hip(_) => linear_device(backend, x, m, w, &epilogue, y),
+        Backend::Cuda(_) | Backend::Hip(_) => linear_device(backend, x, m, w, &epilogue, y, kernel),
     }
 }
 
@@ -586,6 +628,47 @@ pub fn mma_plan(
     }
 }
 
+/// The partition of `gemm_nvfp4_bf16_stream_m*` for `rows` rows: [`mma_plan`] on
+/// `stream_warps_per_block`-warp blocks, then K split further until a block's X
+/// (`rows * (groups_per_split * 64 + 8)` bf16) fits in `stream_max_x_bytes`.
+pub fn stream_plan(
+    n_tiles: usize,
+    k_groups: usize,
+    rows: usize,
+    tiles: &GemmTiles,
+    multiprocessors: u32,
+) -> MmaPlan {
+    let plan = mma_plan(
+        n_tiles,
+        k_groups,
+        tiles.stream_warps_per_block,
+        multiprocessors,
+        tiles.mma_min_warps_per_sm,
+        tiles.mma_min_groups_per_split,
+    );
+    let row_bytes = tiles.stream_max_x_bytes as usize / rows.max(1);
+    let most = (row_bytes.saturating_sub(16) / 128).max(1);
+    if plan.groups_per_split as usize <= most {
+        return plan;
+    }
+    let groups_per_split = k_groups.div_ceil(k_groups.div_ceil(most));
+    MmaPlan {
+        warps_per_tile: plan.warps_per_tile,
+        splits: k_groups.div_ceil(groups_per_split) as u32,
+        groups_per_split: groups_per_split as u32,
+    }
+}
+
+/// Dynamic shared memory of one `gemm_nvfp4_bf16_stream_m*` block: the warps' rings, then X
+/// (`rows` rows of `groups_per_split * 64 + 8` bf16), as `gemm_stream` in gemm.cu lays it out.
+pub fn stream_shared_bytes(tiles: &GemmTiles, rows: usize, groups_per_split: u32) -> usize {
+    let rings = tiles.stream_warps_per_block
+        * tiles.stream_stages
+        * tiles.stream_chunk_groups
+        * STREAM_GROUP_BYTES;
+    rings as usize + rows * (groups_per_split as usize * 64 + 8) * 2
+}
+
 /// `gemm_nvfp4_bf16_mma_m{8,16,32,64}`: index `log2(ceil(rows / 8))`.
 const MMA_NVFP4_KERNELS: [&str; 4] = [
     "gemm_nvfp4_bf16_mma_m8",
@@ -600,6 +683,8 @@ const MMA_BF16_KERNELS: [&str; 4] = [
     "gemm_bf16_bf16_mma_m32",
     "gemm_bf16_bf16_mma_m64",
 ];
+/// `gemm_nvfp4_bf16_stream_m{8,16}`: index `log2(ceil(rows / 8))`.
+const STREAM_NVFP4_KERNELS: [&str; 2] = ["gemm_nvfp4_bf16_stream_m8", "gemm_nvfp4_bf16_stream_m16"];
 /// `gemm_nvfp4_nvfp4_mma_m{8,16,32}` (W4A4): index `log2(ceil(rows / 8))`.
 const W4A4_KERNELS: [&str; 3] = [
     "gemm_nvfp4_nvfp4_mma_m8",
@@ -661,6 +746,14 @@ enum MmaWeights<'w> {
     },
 }
 
+/// A device weight for `gemm_nvfp4_bf16_stream_m*` (the mma layout).
+#[derive(Clone, Copy)]
+struct StreamWeights<'w> {
+    words: &'w DeviceVec<u32>,
+    scales: &'w DeviceVec<u16>,
+    global_scale: f32,
+}
+
 /// A device weight for `gemm_*_bf16_wmma_m*`.
 #[derive(Clone, Copy)]
 enum WmmaWeights<'w> {
@@ -692,6 +785,7 @@ fn linear_device(
     w: &Linear,
     epilogue: &Epilogue<'_>,
     y: &mut DeviceVec<bf16>,
+    kernel: Nvfp4Kernel,
 ) -> Result<()> {
     let found = w.storage.backend_name();
     let mismatch = || Error::BackendMismatch {
@@ -706,6 +800,37 @@ fn linear_device(
         Epilogue::Residual(r) => Some(*r),
         Epilogue::None | Epilogue::SiluMul => None,
     };
+    if kernel == Nvfp4Kernel::Staged {
+        let target = device_target(backend)?;
+        let LinearStorage::MmaNvfp4 {
+            words,
+            scales,
+            global_scale,
+        } = &w.storage
+        else {
+            return Err(Error::invalid(
+                "NVFP4 kernel",
+                "the staged stream kernel takes NVFP4 W4A16 weights on mma.sync targets only",
+            ));
+        };
+        if !target.instructions.cp_async {
+            return Err(Error::invalid(
+                "NVFP4 kernel",
+                format!(
+                    "target {} has no cp.async for the staged stream kernel",
+                    target.name
+                ),
+            ));
+        }
+        if m <= STREAM_MAX_ROWS {
+            let weights = StreamWeights {
+                words,
+                scales,
+                global_scale: *global_scale,
+            };
+            return linear_stream(backend, x, m, w, weights, epilogue, residual, y);
+        }
+    }
     match &w.storage {
         LinearStorage::MmaNvfp4 {
             words,
@@ -1070,6 +1195,76 @@ fn linear_mma(
     Ok(())
 }
 
+/// The staged stream path: one `gemm_nvfp4_bf16_stream_m*` launch for `m <=` [`STREAM_MAX_ROWS`]
+/// rows, partitioned by [`stream_plan`]; a split-K launch holds the backend's scratch.
+#[allow(clippy::too_many_arguments)]
+fn linear_stream(
+    backend: &Backend,
+    x: &DeviceVec<bf16>,
+    m: usize,
+    w: &Linear,
+    weights: StreamWeights<'_>,
+    epilogue: &Epilogue<'_>,
+    residual: Option<&DeviceVec<bf16>>,
+    y: &mut DeviceVec<bf16>,
+) -> Result<()> {
+    let (target, multiprocessors) = device_facts(backend)?;
+    let tiles = &target.gemm;
+    let plan = stream_plan(w.grid.n_tiles, w.grid.k_groups, m, tiles, multiprocessors);
+    let shape = TileShape::new(w, epilogue)?;
+    let shared_bytes = stream_shared_bytes(tiles, m, plan.groups_per_split);
+    let dims = LaunchDims {
+        grid: (
+            shape
+                .n_tiles
+                .div_ceil(tiles.stream_warps_per_block / plan.warps_per_tile),
+            plan.splits,
+            1,
+        ),
+        block: (tiles.stream_warps_per_block * target.warp_size, 1, 1),
+        shared_bytes: check_u32("gemm stream shared memory", shared_bytes)?,
+    };
+    let m_tiles = m.div_ceil(8).next_power_of_two();
+    let mut scratch = if plan.splits > 1 {
+        Some(backend.split_k_scratch(
+            w.grid.n_tiles * plan.splits as usize * 32 * m_tiles * 4,
+            w.grid.n_tiles,
+        )?)
+    } else {
+        None
+    };
+    let (partials, counters) = match scratch.as_deref_mut() {
+        Some(s) => (s.partials.as_mut(), s.counters.as_mut()),
+        None => (None, None),
+    };
+    let split = SplitArgs {
+        partials: KernelArg::optional_output(partials),
+        counters: KernelArg::optional_output(counters),
+        groups_per_split: plan.groups_per_split,
+        warps_per_tile: plan.warps_per_tile,
+    };
+    let (k, n_out) = (w.grid.cols, w.out_features());
+    let chunk = ChunkArgs::new(x, y, residual, 0, m, k, n_out)?;
+    let kernel = variant(&STREAM_NVFP4_KERNELS, 8, m)?;
+    let args = mma_nvfp4_arguments(
+        chunk,
+        weights.words,
+        weights.scales,
+        weights.global_scale,
+        split,
+        shape,
+    );
+    // SAFETY: gemm_nvfp4_bf16_stream_m*'s parameters are gemm_nvfp4_bf16_mma_m*'s, in order
+    // (mma_nvfp4_arguments). X, Y and the residual were checked against (m, n, k); the weights
+    // were laid out for (n_tiles, k_groups); the shared memory holds the rings and m rows of
+    // groups_per_split groups of X (stream_shared_bytes); with splits > 1 the scratch holds
+    // n_tiles * splits * 32 * 4 * m_tiles floats and n_tiles zeroed counters, and its guard is
+    // held until the launch is queued.
+    unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
+    drop(scratch);
+    Ok(())
+}
+
 /// The WMMA path (gfx1151): `gemm_*_bf16_wmma_m*` in chunks of [`MMA_MAX_ROWS`] rows, one wave
 /// per 16-row weight tile over all of K (the kernels have no K split).
 #[allow(clippy::too_many_arguments)]
@@ -1234,6 +1429,12 @@ mod tests {
             let args = gemv_arguments(&x, &plain, &mut y, [1, 1, 16]);
             checks.check(name, KERNEL_GEMM_NVFP4_BF16_GEMV, &args);
             let kernels: &[&str] = match TensorCore::for_target(t).expect("tensor cores") {
+                TensorCore::MmaSync if t.instructions.cp_async => &[
+                    &MMA_NVFP4_KERNELS[..],
+                    &MMA_BF16_KERNELS[..],
+                    &STREAM_NVFP4_KERNELS[..],
+                ]
+                .concat(),
                 TensorCore::MmaSync => &[&MMA_NVFP4_KERNELS[..], &MMA_BF16_KERNELS[..]].concat(),
                 TensorCore::Wmma => &[&WMMA_NVFP4_KERNELS[..], &WMMA_BF16_KERNELS[..]].concat(),
             };
@@ -1245,7 +1446,8 @@ mod tests {
                     groups_per_split: 1,
                     warps_per_tile: 1,
                 };
-                if MMA_NVFP4_KERNELS.contains(&kernel) {
+                // the stream kernels take the mma kernels' arguments
+                if MMA_NVFP4_KERNELS.contains(&kernel) || STREAM_NVFP4_KERNELS.contains(&kernel) {
                     checks.check(
                         name,
                         kernel,
@@ -1295,7 +1497,10 @@ mod tests {
             let mut used = vec![KERNEL_GEMM_NVFP4_BF16_GEMV];
             match TensorCore::for_target(t).expect("every target has tensor cores") {
                 TensorCore::MmaSync => {
-                    used.extend(MMA_NVFP4_KERNELS.iter().chain(&MMA_BF16_KERNELS))
+                    used.extend(MMA_NVFP4_KERNELS.iter().chain(&MMA_BF16_KERNELS));
+                    if t.instructions.cp_async {
+                        used.extend(STREAM_NVFP4_KERNELS);
+                    }
                 }
                 TensorCore::Wmma => {
                     used.extend(WMMA_NVFP4_KERNELS.iter().chain(&WMMA_BF16_KERNELS))
@@ -1312,6 +1517,51 @@ mod tests {
                     t.name,
                     source.kernels
                 );
+            }
+        }
+    }
+
+    /// The stream plan keeps a block's X within `stream_max_x_bytes` by splitting K, covers every
+    /// K group, and is the mma plan (on its warps per block) where X fits.
+    #[test]
+    fn the_stream_plan_keeps_x_within_its_budget() {
+        for t in target::all().iter().filter(|t| t.instructions.cp_async) {
+            let tiles = &t.gemm;
+            for (n, k) in MODEL_SHAPES
+                .into_iter()
+                .chain([(248320, 2048), (65536, 4096)])
+            {
+                let (n_tiles, k_groups) = (n.div_ceil(16), k.div_ceil(64));
+                for rows in [1, 3, 8, 16] {
+                    let plan = stream_plan(n_tiles, k_groups, rows, tiles, t.multiprocessors);
+                    let x = rows * (plan.groups_per_split as usize * 64 + 8) * 2;
+                    assert!(
+                        x <= tiles.stream_max_x_bytes as usize,
+                        "{}: ({n}, {k}) x {rows}: {plan:?}",
+                        t.name
+                    );
+                    assert!(
+                        stream_shared_bytes(tiles, rows, plan.groups_per_split)
+                            <= t.max_shared_bytes_per_block as usize
+                    );
+                    assert!(plan.splits as usize * plan.groups_per_split as usize >= k_groups);
+                    assert!(
+                        (plan.splits as usize - 1) * (plan.groups_per_split as usize) < k_groups
+                    );
+                    let mma = mma_plan(
+                        n_tiles,
+                        k_groups,
+                        tiles.stream_warps_per_block,
+                        t.multiprocessors,
+                        tiles.mma_min_warps_per_sm,
+                        tiles.mma_min_groups_per_split,
+                    );
+                    if rows * (mma.groups_per_split as usize * 64 + 8) * 2
+                        <= tiles.stream_max_x_bytes as usize
+                    {
+                        assert_eq!(plan, mma, "{}: ({n}, {k}) x {rows}", t.name);
+                    }
+                }
             }
         }
     }
