@@ -797,14 +797,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_prepare_dk{{ dk }}(
 // channels per block; the prepare pass, which reads the ring, has finished).
 // ============================================================================================
 {% if target.instructions.cp_async %}
-// ---- cp.async instructions ----
-FP4_DEVICE void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(shared_address(dst)), "l"(src));
-}
-FP4_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-FP4_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
-// ---- end of cp.async instructions ----
+{% include "common/cp_async.cuh" %}
 {% endif %}
 
 {% for dk in [64, 128] %}{% for dvs in [16, 32] %}

@@ -334,19 +334,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_bf16_bf16_mma_
 static_assert(STREAM_STAGES >= 2, "one stage computes while the others are in flight");
 static_assert(STREAM_CHUNK >= 1 && STREAM_CHUNK <= 8, "a chunk's scales are one 16-byte copy by each of 4 * STREAM_CHUNK lanes");
 
-// ---- cp.async instructions ----
-FP4_DEVICE u32 stream_shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-/// 16 bytes global -> shared, the last 16 - src_bytes of them zero (src_bytes 0 or 16).
-FP4_DEVICE void cp_async16_zfill(void* dst, const void* src, u32 src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(stream_shared_address(dst)), "l"(src), "r"(src_bytes) : "memory");
-}
-FP4_DEVICE void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(stream_shared_address(dst)), "l"(src) : "memory");
-}
-FP4_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-FP4_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
-// ---- end of cp.async instructions ----
+{% include "common/cp_async.cuh" %}
 
 /// One block of STREAM_WARPS warps, partitioned as gemm_mma's blocks (warps_per_tile warps per
 /// tile, K split across blockIdx.y), on dynamic shared memory of STREAM_WARPS rings, then X:
