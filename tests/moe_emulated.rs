@@ -27,6 +27,8 @@ use std::sync::{Mutex, OnceLock};
 const EMULATOR: &str = include_str!("moe_emulator.cpp");
 /// The portability layer and mma.sync emulation this emulator builds on.
 const GDN_EMULATOR: &str = include_str!("gdn_emulator.cpp");
+/// Its cp.async section (copies at once).
+const GEMM_EMULATOR: &str = include_str!("gemm_emulator.cpp");
 
 mod emulation;
 use emulation::{build_host, section, splice, splice_if_present};
@@ -71,6 +73,16 @@ fn emulator(target_name: &'static str) -> PathBuf {
         "// ---- end of WMMA operand loaders ----",
         "// ---- end of WMMA operand loaders ----",
         section(EMULATOR, "wmma"),
+    );
+    source = splice_if_present(
+        &source,
+        "// ---- cp.async instructions ----",
+        "// ---- end of cp.async instructions ----",
+        section(GEMM_EMULATOR, "cp_async"),
+    );
+    source = source.replace(
+        "extern __shared__ __align__(16) u8 moe_x_rows[];",
+        "u8* moe_x_rows = emu::dynamic_smem;",
     );
     let table_entries: String = rendered
         .kernels
@@ -478,6 +490,27 @@ fn the_sm90a_kernels_run_emulated() {
         "sm_90a",
         &bf16_block,
         &inputs(5, 272),
+        1,
+        None,
+        2,
+    );
+}
+
+/// The sm_121a source keeps the weights in flight in registers (sm_90a stages them in shared
+/// memory): the same awkward block, NVFP4 with a residual and bf16 without a gate.
+#[test]
+fn the_sm121a_kernels_run_emulated() {
+    let s = shape(8, 2, 272, 48, 80);
+    let nvfp4 = MoeHostWeights::synthetic(s, ExpertFormat::Nvfp4, 21);
+    let (x, r) = (inputs(22, 9 * 272), inputs(23, 9 * 272));
+    check("registers", "sm_121a", &nvfp4, &x, 9, Some(&r), 1);
+    let mut bf16_block = MoeHostWeights::synthetic(s, ExpertFormat::Bf16, 24);
+    bf16_block.shared_gate = None;
+    check(
+        "registers, no gate",
+        "sm_121a",
+        &bf16_block,
+        &inputs(25, 272),
         1,
         None,
         2,

@@ -65,6 +65,16 @@ pub fn control_words(
     CONTROL_STRIDE * (4 + experts + shared_experts + hidden.div_ceil(16) + capacity.div_ceil(8))
 }
 
+/// Dynamic shared memory of a `moe_*_m{rows}` launch: the X rows of a pass, `rows x (max(H, I) +
+/// 8)` bf16, where the target stages them (`moe.shared_ring_bytes_per_warp > 0`), else none.
+fn staged_x_bytes(target: &TargetFacts, shape: MoeShape, rows: u32) -> Result<u32> {
+    if target.moe.shared_ring_bytes_per_warp == 0 {
+        return Ok(0);
+    }
+    let row = shape.hidden.max(shape.intermediate) + 8;
+    check_u32("MoE staged X bytes", rows as usize * row * 2)
+}
+
 /// A MoE block's weights on a backend: the host weights on the CPU, the kernel layout
 /// ([`KernelLayout`]) of the target's [`TensorCore`] on a device.
 pub struct MoeWeights {
@@ -644,7 +654,7 @@ fn moe_block_device(
     };
     let shape = weights.shape;
     let tiles = &target.moe;
-    let dims = LaunchDims::linear(
+    let mut dims = LaunchDims::linear(
         multiprocessors * tiles.blocks_per_sm,
         tiles.warps_per_block * target.warp_size,
     );
@@ -667,6 +677,7 @@ fn moe_block_device(
             .or_else(|| tiles.token_rows.last().copied())
             .unwrap_or(8);
         let kernel = moe_kernel(target, weights.format, rows)?;
+        dims.shared_bytes = staged_x_bytes(target, shape, rows)?;
         let chunk = start * h..(start + tokens) * h;
         let residual_rows = match residual {
             Some(r) => KernelArg::input_range(r, chunk.clone())?,
