@@ -599,7 +599,16 @@ FP4_DEVICE bool plan_has(const u64* plan, u32 bucket) { return (plan[bucket >> 6
 // verify_histogram: pass 1.
 // ============================================================================================
 struct HistogramShared {
-    u64 hist[VNB];
+    // Pass 1 accumulates per bucket the token count and the mantissa sum split at bit 12 in three
+    // u32 arrays: each token is three native shared atomics (ATOMS.ADD) with no dependency between
+    // them, where one packed u64 add is a compare-and-swap loop on sm_90 (LDS, ATOMS.CAST.SPIN.64,
+    // branch back on failure: ~16 serial round trips per thread and chunk, more on hot buckets).
+    // Per block a bucket holds < 2^20 tokens (MAX_VOCAB), each adding <= 2^12 to acc_high and
+    // < 2^12 to acc_low, so none of them wraps.
+    u32 acc_count[VNB];
+    u32 acc_high[VNB];
+    u32 acc_low[VNB];
+    u64 hist[VNB];  // the last block's merged row histogram (packed)
     u32 count[VNB + 1];
     u128 weight[VNB + 1];
     u128 warp_weight[VWARPS];
@@ -697,26 +706,38 @@ struct Plan {
     }
 };
 
+/// Bucket `b` of the block's accumulators, packed: count << VCOUNT_SHIFT | mantissa sum.
+FP4_DEVICE u64 accumulated(const HistogramShared& sh, u32 b) {
+    return ((u64)sh.acc_count[b] << VCOUNT_SHIFT) | (((u64)sh.acc_high[b] << 12) + sh.acc_low[b]);
+}
+
+/// Moves one accumulator `shift` buckets down (see shift_histogram).
+FP4_DEVICE void shift_accumulator(u32* acc, u32 shift) {
+    const u32 per = (VNB + VT - 1) / VT;
+    u32 old[(VNB + VT - 1) / VT];
+    for (u32 i = 0; i < per; ++i) {
+        const u32 b = thread_x() + i * VT;
+        old[i] = b < VNB ? acc[b] : 0;
+    }
+    block_sync();
+    for (u32 i = 0; i < per; ++i) {
+        const u32 b = thread_x() + i * VT;
+        if (b < VNB) acc[b] = 0;
+    }
+    block_sync();
+    for (u32 i = 0; i < per; ++i) {
+        const u32 b = thread_x() + i * VT;
+        if (b < VNB && b + shift < VNB) acc[b + shift] = old[i];
+    }
+    block_sync();
+}
+
 /// Moves the block histogram `shift` buckets down (its top octave rose); what falls off the
 /// bottom weighs nothing against the new top.
 FP4_DEVICE void shift_histogram(HistogramShared& sh, u32 shift) {
-    const u32 per = (VNB + VT - 1) / VT;
-    u64 old[(VNB + VT - 1) / VT];
-    for (u32 i = 0; i < per; ++i) {
-        const u32 b = thread_x() + i * VT;
-        old[i] = b < VNB ? sh.hist[b] : 0;
-    }
-    block_sync();
-    for (u32 i = 0; i < per; ++i) {
-        const u32 b = thread_x() + i * VT;
-        if (b < VNB) sh.hist[b] = 0;
-    }
-    block_sync();
-    for (u32 i = 0; i < per; ++i) {
-        const u32 b = thread_x() + i * VT;
-        if (b < VNB && b + shift < VNB) sh.hist[b + shift] = old[i];
-    }
-    block_sync();
+    shift_accumulator(sh.acc_count, shift);
+    shift_accumulator(sh.acc_high, shift);
+    shift_accumulator(sh.acc_low, shift);
 }
 
 /// Pass 1 of one row's chunks [first, end): bad logits, argmax, and (sampling) the weight
@@ -754,8 +775,11 @@ FP4_DEVICE i32 histogram_chunks(const RowView& v, bool sampling, u32 first, u32 
             const TokenParts p = token_parts(z[j], v.scale);
             const i32 below = octaves_below(top, p.octave);
             if (below < 0) continue;
-            atomic_add_u64(&sh.hist[bucket_index(below, p.sub)],
-                           (1ull << VCOUNT_SHIFT) | exp2_mantissa(p.frac));
+            const u32 b = bucket_index(below, p.sub);
+            const u32 m = exp2_mantissa(p.frac);
+            atomic_add_u32(&sh.acc_count[b], 1);
+            atomic_add_u32(&sh.acc_high[b], m >> 12);
+            atomic_add_u32(&sh.acc_low[b], m & 0xfffu);
         }
         block_sync();
     }
@@ -906,7 +930,11 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
     if (!row_is_processed(seq, row)) return;
     const RowView v = row_view(a, row, seq);
     const bool sampling = seq.temperature > 0.0f;
-    for (u32 b = thread_x(); b < VNB; b += VT) sh.hist[b] = 0;
+    for (u32 b = thread_x(); b < VNB; b += VT) {
+        sh.acc_count[b] = 0;
+        sh.acc_high[b] = 0;
+        sh.acc_low[b] = 0;
+    }
     block_sync();
     const u32 first = block_x() * a.chunks_per_block;
     const u32 end = umin(first + a.chunks_per_block, a.chunks_per_row);
@@ -931,10 +959,10 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
         spilled = (i64)top - (i64)anchor > VHEAD;
         if (spilled) {
             if (thread_x() == 0) VERIFY_TRACE(VTRACE_SPILL);
-            for (u32 b = thread_x(); b < VNB; b += VT) a.block_hist[slot * VNB + b] = sh.hist[b];
+            for (u32 b = thread_x(); b < VNB; b += VT) a.block_hist[slot * VNB + b] = accumulated(sh, b);
         } else {
             for (u32 b = thread_x(); b < VNB; b += VT) {
-                const u64 h = sh.hist[b];
+                const u64 h = accumulated(sh, b);
                 // octave row of the grid; below it the tokens weigh nothing against the row's top
                 const i64 grid_row = ((i64)top - bucket_below(b)) - ((i64)anchor - VOCT);
                 if (h != 0 && grid_row >= 0) atomic_add_u64(&grid[grid_row * VG + bucket_sub(b)], h);
