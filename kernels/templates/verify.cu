@@ -621,6 +621,7 @@ struct HistogramShared {
     u32 window_lo[VMAX_WINDOWS];
     u32 window_hi[VMAX_WINDOWS];
     u32 windows;
+    u32 marked;  // some planned bucket holds tokens
     u32 last;
 {%- if target.vendor == "amd" %}
     u32 merge_lo[VMAX_WINDOWS + 1];  // Plan::add's merged intervals (see Plan)
@@ -893,25 +894,28 @@ VERIFY_RARE void plan_row(const VerifyArgs& a, const VerifyRow& row, const Verif
             }
         }
         plan.finish();
+        sh.marked = 0;
     }
     block_sync();
-    u64 marked_tokens = 0;
-    for (u32 w = thread_x(); w < VPLAN_WORDS; w += VT) {
-        u64 bits = 0;
-        for (u32 i = 0; i < 64; ++i) {
-            const u32 b = w * 64 + i;
-            bool marked = false;
-            for (u32 r = 0; r < sh.windows; ++r) marked = marked || (b >= sh.window_lo[r] && b <= sh.window_hi[r]);
-            if (marked && b < VNB && sh.count[b + 1] > sh.count[b]) {
-                bits |= 1ull << i;
-                marked_tokens += sh.count[b + 1] - sh.count[b];
-            }
+    // The plan's bits, one bucket per thread: each warp's ballot is 32 bits of a plan word (bit i
+    // of u64 word w is bucket 64 w + i; little-endian, so its u32 half 2 w + i / 32), written by
+    // lane 0. (One thread per word looping over its 64 buckets, each against every window, was a
+    // serial chain of ~64 x (windows + 2) shared loads on 11 threads of the row's last block.)
+    u32* plan_words = reinterpret_cast<u32*>(state + RS_PLAN);
+    for (u32 first = warp_index() * FP4_WARP_SIZE; first < VPLAN_WORDS * 64; first += VT) {
+        const u32 b = first + lane_index();
+        bool marked = false;
+        for (u32 r = 0; r < sh.windows; ++r)
+            marked = marked || (b >= sh.window_lo[r] && b <= sh.window_hi[r]);
+        const u32 bits = ballot(marked && b < VNB && sh.count[b + 1] > sh.count[b]);
+        if (lane_index() == 0) {
+            plan_words[first / FP4_WARP_SIZE] = bits;
+            if (bits != 0) sh.marked = 1;
         }
-        state[RS_PLAN + w] = bits;
     }
-    marked_tokens = block_reduce(marked_tokens, VOP_SUM, sh.scratch);
+    block_sync();
     if (thread_x() == 0) {
-        const bool stream = marked_tokens > 0 || probe_bucket != VNONE || partial_end > keep_end;
+        const bool stream = sh.marked != 0 || probe_bucket != VNONE || partial_end > keep_end;
         state[RS_PROBE] = (u64)probe_bucket | ((u64)f32_to_bits(probe_z) << 32);
         state[RS_MINP] = (u64)keep_end | ((u64)partial_end << 32);
         state[RS_PASS2] = 0;
