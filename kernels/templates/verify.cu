@@ -562,35 +562,38 @@ FP4_DEVICE void scan_histogram(const u64* hist, u32* count, u128* weight, u32* w
     block_sync();
 }
 
-/// First bucket whose tokens reach past rank `rank` (0-based): count[b + 1] > rank.
+/// First i in [0, last] with found(i), for found false then true; `last` when none (found(last)
+/// is never asked). The calling warp searches together, each round one probe per lane (a
+/// ballot): 2 rounds over the VNB = 656 buckets and 3 over 1024 candidates, where a binary
+/// search by one thread is 10 dependent shared loads. The whole warp must call it, converged
+/// and with the same arguments; every lane gets the result.
+template <typename Found>
+FP4_DEVICE u32 warp_search(u32 last, Found found) {
+    u32 lo = 0, hi = last;
+    while (lo < hi) {
+        const u32 stride = (hi - lo + FP4_WARP_SIZE) / FP4_WARP_SIZE;  // ceil((hi - lo + 1) / 32)
+        const u32 probe = lo + (lane_index() + 1) * stride - 1;
+        const bool inside = probe < hi;
+        const u32 hits = ballot(inside && found(probe));
+        // the answer lies in the stride after the probes that said no
+        const u32 before = hits != 0 ? lowest_bit(hits) : popcount(ballot(inside));
+        lo += before * stride;
+        hi = umin(lo + stride - 1, hi);
+    }
+    return lo;
+}
+
+/// First bucket whose tokens reach past rank `rank` (0-based): count[b + 1] > rank. Warp-wide.
 FP4_DEVICE u32 bucket_of_rank(const u32* count, u32 rank) {
-    u32 lo = 0, hi = VNB - 1;
-    while (lo < hi) {
-        const u32 mid = (lo + hi) / 2;
-        if (count[mid + 1] > rank) hi = mid;
-        else lo = mid + 1;
-    }
-    return lo;
+    return warp_search(VNB - 1, [&](u32 b) { return count[b + 1] > rank; });
 }
-/// First bucket whose running weight reaches `need`: weight[b + 1] >= need.
+/// First bucket whose running weight reaches `need`: weight[b + 1] >= need. Warp-wide.
 FP4_DEVICE u32 bucket_reaching(const u128* weight, u128 need) {
-    u32 lo = 0, hi = VNB - 1;
-    while (lo < hi) {
-        const u32 mid = (lo + hi) / 2;
-        if (weight[mid + 1] >= need) hi = mid;
-        else lo = mid + 1;
-    }
-    return lo;
+    return warp_search(VNB - 1, [&](u32 b) { return weight[b + 1] >= need; });
 }
-/// First bucket whose running weight exceeds `t`: weight[b + 1] > t.
+/// First bucket whose running weight exceeds `t`: weight[b + 1] > t. Warp-wide.
 FP4_DEVICE u32 bucket_exceeding(const u128* weight, u128 t) {
-    u32 lo = 0, hi = VNB - 1;
-    while (lo < hi) {
-        const u32 mid = (lo + hi) / 2;
-        if (weight[mid + 1] > t) hi = mid;
-        else lo = mid + 1;
-    }
-    return lo;
+    return warp_search(VNB - 1, [&](u32 b) { return weight[b + 1] > t; });
 }
 
 FP4_DEVICE bool plan_has(const u64* plan, u32 bucket) { return (plan[bucket >> 6] >> (bucket & 63)) & 1ull; }
@@ -629,14 +632,15 @@ struct HistogramShared {
 {%- endif %}
 };
 
-/// The planner's bucket windows (thread 0): added in order of need, each kept only while the
-/// tokens of all kept windows fit the candidate space. Kept as sorted, disjoint intervals.
+/// The planner's bucket windows (warp 0, every lane the same): added in order of need, each kept
+/// only while the tokens of all kept windows fit the candidate space. Kept as sorted, disjoint
+/// intervals.
 struct Plan {
     HistogramShared& sh;
 {%- if target.vendor == "amd" %}
-    // In shared memory (only thread 0 plans): the AMD compiler keeps arrays indexed at run time
-    // in scratch memory, not registers. lo and hi are the block's windows themselves (finish()
-    // copies them onto themselves).
+    // In shared memory (only warp 0 plans; its lanes write the same values): the AMD compiler
+    // keeps arrays indexed at run time in scratch memory, not registers. lo and hi are the
+    // block's windows themselves (finish() copies them onto themselves).
     u32 *lo, *hi;
     u32 count;
     u32 tokens;  // in the union
@@ -834,7 +838,9 @@ VERIFY_RARE void plan_row(const VerifyArgs& a, const VerifyRow& row, const Verif
             }
         }
     }
-    if (thread_x() == 0) {
+    // Warp 0 plans, its lanes in step on the same data, so that each bucket search is one
+    // warp-wide search (warp_search) instead of a binary search by one thread.
+    if (warp_index() == 0) {
         const u32 n = sh.count[VNB];
         const u32 lk = seq.top_k > 0 && seq.top_k < n ? seq.top_k : n;
         Plan plan(sh);
@@ -1165,15 +1171,9 @@ VERIFY_RARE Selected select_by_scan(const RowView& v, i32 top, u32 bucket, int m
     return s;
 }
 
-/// First sorted candidate at or after key `key`.
+/// First sorted candidate at or after key `key`. Warp-wide.
 FP4_DEVICE u32 lower_bound(const u64* sorted, u32 n, u64 key) {
-    u32 lo = 0, hi = n;
-    while (lo < hi) {
-        const u32 mid = (lo + hi) / 2;
-        if (sorted[mid] < key) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
+    return warp_search(n, [&](u32 i) { return sorted[i] >= key; });
 }
 
 /// A token inside bucket `bucket` (holding `tokens` tokens): from the candidates when pass 2
