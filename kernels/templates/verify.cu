@@ -439,14 +439,36 @@ FP4_DEVICE u32 first_bias_at(const RowView& v, u32 token) {
     return lo;
 }
 
-/// The biased logit of one token (reference.rs biased, step 1); `raw` gets the logit itself.
-FP4_DEVICE float biased_logit(const RowView& v, u32 token, float* raw) {
-    const float x = v.logits[token];
+/// Logit `x` of `token` with the bias applied (reference.rs biased, step 1).
+FP4_DEVICE float with_bias(const RowView& v, u32 token, float x) {
     float z = x;
     for (u32 i = first_bias_at(v, token); i < v.bias_end && v.bias_tokens[i] == token; ++i)
         z = add32(z, v.bias_values[i]);
-    *raw = x;
     return add32(z, 0.0f);
+}
+
+/// The biased logit of one token; `raw` gets the logit itself.
+FP4_DEVICE float biased_logit(const RowView& v, u32 token, float* raw) {
+    *raw = v.logits[token];
+    return with_bias(v, token, *raw);
+}
+
+/// Copies the sequence's logit bias (when it has at most VT entries, one per thread) into
+/// `tokens` / `values` and points `v` at the copy, visible after the caller's next block_sync.
+/// Each thread of a pass otherwise binary-searches the bias list in global memory per chunk,
+/// log2(entries) + 1 dependent loads (4 for the bench's 8 entries) after its logit loads; staged,
+/// the whole block pays one load in parallel, and the searches are shared-memory loads.
+FP4_DEVICE void stage_bias(RowView& v, u32* tokens, float* values) {
+    const u32 n = v.bias_end - v.bias_begin;
+    if (n > VT) return;
+    if (thread_x() < n) {
+        tokens[thread_x()] = v.bias_tokens[v.bias_begin + thread_x()];
+        values[thread_x()] = v.bias_values[v.bias_begin + thread_x()];
+    }
+    v.bias_tokens = tokens;
+    v.bias_values = values;
+    v.bias_begin = 0;
+    v.bias_end = n;
 }
 
 /// Chunk `chunk` of a row with the bias applied: element e = chunk * VCHUNK + thread_x() + VT * j
@@ -623,6 +645,8 @@ struct HistogramShared {
     u64 scratch[VWARPS + 1];
     u32 window_lo[VMAX_WINDOWS];
     u32 window_hi[VMAX_WINDOWS];
+    u32 bias_tokens[VT];  // stage_bias
+    float bias_values[VT];
     u32 windows;
     u32 marked;  // some planned bucket holds tokens
     u32 last;
@@ -795,8 +819,8 @@ FP4_DEVICE i32 histogram_chunks(const RowView& v, bool sampling, u32 first, u32 
 /// every cut and the draw resolve from candidates. Bounds only; pass 2's finish is exact
 /// whatever this picks (a bucket it misses is resolved by radix rounds over the row).
 VERIFY_RARE void plan_row(const VerifyArgs& a, const VerifyRow& row, const VerifySequence& seq,
-                         const RowView& v, u64* state, i32 top, u32 top_mantissa,
-                         HistogramShared& sh) {
+                         const RowView& v, u64* state, i32 top, u32 top_mantissa, u32 probe_token,
+                         float probe_raw, HistogramShared& sh) {
     scan_histogram(sh.hist, sh.count, sh.weight, sh.warp_count, sh.warp_weight);
     // min-p: buckets [0, keep_end) pass whole, [keep_end, partial_end) in part, the rest not
     u32 keep_end = VNB, partial_end = 0;
@@ -819,22 +843,17 @@ VERIFY_RARE void plan_row(const VerifyArgs& a, const VerifyRow& row, const Verif
         if (partial_end < keep_end) partial_end = keep_end;
     }
     // the probe: the draft token this row's verdict needs the weight of
-    const bool has_probe = row.is_draft || row.index < seq.drafts;
     u32 probe_bucket = VNONE;
     float probe_z = 0.0f;
     u128 probe_weight = w128(0);
-    if (has_probe) {
-        const u32 x = a.draft_tokens[seq.first_draft + row.index];
-        if (x < a.vocab) {
-            float raw;
-            probe_z = biased_logit(v, x, &raw);
-            if (probe_z > -f32_inf()) {
-                const TokenParts p = token_parts(probe_z, v.scale);
-                const i32 below = octaves_below(top, p.octave);
-                if (below >= 0) {
-                    probe_bucket = bucket_index(below, p.sub);
-                    probe_weight = w128(exp2_mantissa(p.frac)) << (VOCT - below);
-                }
+    if (probe_token < a.vocab) {
+        probe_z = with_bias(v, probe_token, probe_raw);
+        if (probe_z > -f32_inf()) {
+            const TokenParts p = token_parts(probe_z, v.scale);
+            const i32 below = octaves_below(top, p.octave);
+            if (below >= 0) {
+                probe_bucket = bucket_index(below, p.sub);
+                probe_weight = w128(exp2_mantissa(p.frac)) << (VOCT - below);
             }
         }
     }
@@ -938,8 +957,14 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
     const VerifyRow row = a.rows[r];
     const VerifySequence seq = a.sequences[row.sequence];
     if (!row_is_processed(seq, row)) return;
-    const RowView v = row_view(a, row, seq);
+    RowView v = row_view(a, row, seq);
+    stage_bias(v, sh.bias_tokens, sh.bias_values);
     const bool sampling = seq.temperature > 0.0f;
+    // The probe (the draft token whose weight this row's verdict needs): its token now, its
+    // logit after pass 1, so that both arrive while the block works; plan_row on the row's last
+    // block had them as two dependent global loads (then the bias search) on its critical path.
+    const bool has_probe = sampling && (row.is_draft || row.index < seq.drafts);
+    const u32 probe_token = has_probe ? a.draft_tokens[seq.first_draft + row.index] : VNONE;
     for (u32 b = thread_x(); b < VNB; b += VT) {
         sh.acc_count[b] = 0;
         sh.acc_high[b] = 0;
@@ -951,6 +976,7 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
     u64 best = 0;
     u32 bad = VNONE;
     const i32 top = histogram_chunks(v, sampling, first, end, sh, best, bad);
+    const float probe_raw = probe_token < a.vocab ? v.logits[probe_token] : 0.0f;
     best = block_reduce(best, VOP_MAX, sh.scratch);
     bad = (u32)block_reduce(bad, VOP_MIN, sh.scratch);
     // the histogram joins the row's grid, anchored at the first block's top octave; a block whose
@@ -1057,7 +1083,7 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
         state[RS_PASS2_MINP] = 0;
         a.counters[r] = 0;
     }
-    if (status == VSTATUS_OK && sampling) plan_row(a, row, seq, v, state, k_top, top_mantissa, sh);
+    if (status == VSTATUS_OK && sampling) plan_row(a, row, seq, v, state, k_top, top_mantissa, probe_token, probe_raw, sh);
 }
 
 // ============================================================================================
@@ -1066,6 +1092,8 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
 struct SelectShared {
     u64 plan[VPLAN_WORDS];
     u64 scratch[VWARPS + 1];
+    u32 bias_tokens[VT];  // stage_bias
+    float bias_values[VT];
 };
 
 struct FinishShared {
@@ -1485,7 +1513,7 @@ VERIFY_RARE void finish_sequence(const VerifyArgs& a, u32 s, const SequenceRows&
 
 /// Pass 2 over one block's chunks: collects the planned buckets' tokens, and counts the tokens
 /// before the probe in its bucket and the min-p survivors of the partial buckets.
-FP4_DEVICE void select_chunks(const VerifyArgs& a, u32 r, const VerifySequence& seq, const RowView& v,
+FP4_DEVICE void select_chunks(const VerifyArgs& a, u32 r, const VerifySequence& seq, RowView v,
                               u64* state, SelectShared& sh) {
     const i32 top = (i32)(u32)state[RS_TOP];
     const u32 top_mantissa = (u32)(state[RS_TOP] >> 32);
@@ -1497,6 +1525,7 @@ FP4_DEVICE void select_chunks(const VerifyArgs& a, u32 r, const VerifySequence& 
     const u64 minp = state[RS_MINP];
     const u32 keep_end = (u32)minp, partial_end = (u32)(minp >> 32);
     for (u32 w = thread_x(); w < VPLAN_WORDS; w += VT) sh.plan[w] = state[RS_PLAN + w];
+    stage_bias(v, sh.bias_tokens, sh.bias_values);
     block_sync();
     u32* collected = reinterpret_cast<u32*>(&state[RS_PASS2]);
     u64 before = 0, before_mass = 0, survivors = 0;
