@@ -1278,12 +1278,28 @@ FP4_DEVICE void finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row, con
     u64* state = a.row_state + (u64)r * VROW_WORDS;
     const RowView v = row_view(a, row, seq);
     const i32 top = (i32)(u32)state[RS_TOP];
+    // What pass 2 left (its counts, and all VCAP candidate slots whatever their count: the slots
+    // past it are allocated, read and ignored) is loaded before the histogram scan, whose
+    // barriers would otherwise keep each of these loads behind the previous one: the count, then
+    // the candidates it bounds, then the min-p survivors and the probe's mass were 4 dependent
+    // L2 round trips.
+    const u64 pass2 = load_shared_u64(&state[RS_PASS2]);
+    const u64 pass2_minp = load_shared_u64(&state[RS_PASS2_MINP]);
+    const u64 before_mass = load_shared_u64(&state[RS_BEFORE_MASS]);
+    u64 slots[(VCAP + VT - 1) / VT];
+    #pragma unroll
+    for (u32 k = 0; k < (VCAP + VT - 1) / VT; ++k) {
+        const u32 i = k * VT + thread_x();
+        slots[k] = i < VCAP ? load_shared_u64(&a.candidates[(u64)r * VCAP + i]) : 0;
+    }
     scan_histogram(a.row_hist + (u64)r * VNB, sh.count, sh.weight, sh.warp_count, sh.warp_weight);
     // candidates, sorted by (bucket, kappa) through their ranks
-    const u64 pass2 = load_shared_u64(&state[RS_PASS2]);
     const u32 n = umin((u32)pass2, VCAP);
-    for (u32 i = thread_x(); i < n; i += VT) {
-        const u64 c = load_shared_u64(&a.candidates[(u64)r * VCAP + i]);
+    #pragma unroll
+    for (u32 k = 0; k < (VCAP + VT - 1) / VT; ++k) {
+        const u32 i = k * VT + thread_x();
+        if (i >= n) continue;
+        const u64 c = slots[k];
         const float z = bits_to_f32((u32)(c >> 32));
         const TokenParts p = token_parts(z, v.scale);
         const u32 b = bucket_index(octaves_below(top, p.octave), p.sub);
@@ -1341,7 +1357,7 @@ FP4_DEVICE void finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row, con
         const u64 minp = state[RS_MINP];
         const u32 keep_end = (u32)minp, partial_end = (u32)(minp >> 32);
         lm = sh.count[keep_end];
-        if (partial_end > keep_end) lm += (u32)load_shared_u64(&state[RS_PASS2_MINP]);
+        if (partial_end > keep_end) lm += (u32)pass2_minp;
     }
     const u32 kept = umin(lk, umin(lp, lm));
     const Prefix cut = prefix_of(v, top, kept, n, sh);
@@ -1354,7 +1370,7 @@ FP4_DEVICE void finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row, con
         if (rank < kept) {
             probe_weight = {state[RS_PROBE_W], state[RS_PROBE_W + 1]};
             before_probe = sh.weight[probe_bucket] +
-                           bucket_weight(load_shared_u64(&state[RS_BEFORE_MASS]), probe_bucket);
+                           bucket_weight(before_mass, probe_bucket);
         }
     }
     // the draw: the bonus / plain draw, or the correction of a rejected point-mass draft
@@ -1582,11 +1598,13 @@ FP4_DEVICE void select_chunks(const VerifyArgs& a, u32 r, const VerifySequence& 
 FP4_KERNEL void {{ bounds }}verify_select(const VerifyArgs a) {
     __shared__ SelectShared sh;
     const u32 r = block_y();
+    u64* state = a.row_state + (u64)r * VROW_WORDS;
+    // read beside the row and its sequence, not after them: it depends on neither
+    const u64 status = state[RS_STATUS], flags = state[RS_PASS2_MINP];
     const VerifyRow row = a.rows[r];
     const VerifySequence seq = a.sequences[row.sequence];
-    u64* state = a.row_state + (u64)r * VROW_WORDS;
     if (!row_is_processed(seq, row) || !(seq.temperature > 0.0f)) return;
-    if ((u32)state[RS_STATUS] != VSTATUS_OK || !((state[RS_PASS2_MINP] >> 32) & VFLAG_STREAM)) return;
+    if ((u32)status != VSTATUS_OK || !((flags >> 32) & VFLAG_STREAM)) return;
     select_chunks(a, r, seq, row_view(a, row, seq), state, sh);
 }
 
@@ -1595,10 +1613,11 @@ FP4_KERNEL void {{ bounds }}verify_select(const VerifyArgs a) {
 FP4_KERNEL void {{ bounds }}verify_finish(const VerifyArgs a) {
     __shared__ FinishShared sh;
     const u32 r = block_y();
+    // read beside the row and its sequence, not after them: it depends on neither
+    const u64 status = a.row_state[(u64)r * VROW_WORDS + RS_STATUS];
     const VerifyRow row = a.rows[r];
     const VerifySequence seq = a.sequences[row.sequence];
-    const u64* state = a.row_state + (u64)r * VROW_WORDS;
-    if (row_is_processed(seq, row) && seq.temperature > 0.0f && (u32)state[RS_STATUS] == VSTATUS_OK)
+    if (row_is_processed(seq, row) && seq.temperature > 0.0f && (u32)status == VSTATUS_OK)
         finish_row(a, r, row, seq, sh);
     device_fence();
     block_sync();
