@@ -414,10 +414,14 @@ struct RowView {
     float scale;  // log2(e) / T (0 for greedy)
 };
 
+/// A row's logits: they depend on the row alone, not on its sequence.
+FP4_DEVICE const float* row_logits(const VerifyArgs& a, const VerifyRow& row) {
+    return (row.is_draft ? a.draft_logits : a.target_logits) + (u64)row.logits_row * a.vocab;
+}
+
 FP4_DEVICE RowView row_view(const VerifyArgs& a, const VerifyRow& row, const VerifySequence& seq) {
     RowView v;
-    const float* base = row.is_draft ? a.draft_logits : a.target_logits;
-    v.logits = base + (u64)row.logits_row * a.vocab;
+    v.logits = row_logits(a, row);
     v.bias_tokens = a.bias_tokens;
     v.bias_values = a.bias_values;
     v.bias_begin = seq.bias_begin;
@@ -471,20 +475,26 @@ FP4_DEVICE void stage_bias(RowView& v, u32* tokens, float* values) {
     v.bias_end = n;
 }
 
-/// Chunk `chunk` of a row with the bias applied: element e = chunk * VCHUNK + thread_x() + VT * j
-/// is z[j]. Bit j of the result marks a bad element (NaN or +inf logit, or +inf after the bias);
-/// bad and out-of-vocabulary elements read as -inf.
-FP4_DEVICE u32 load_chunk(const RowView& v, u32 chunk, float (&z)[VI]) {
+/// The logits of chunk `chunk` of a row: element e = chunk * VCHUNK + thread_x() + VT * j is x[j];
+/// out-of-vocabulary elements read as -inf.
+FP4_DEVICE void load_logits(const float* logits, u32 vocab, u32 chunk, float (&x)[VI]) {
+    #pragma unroll
+    for (int j = 0; j < VI; ++j) {
+        const u32 e = chunk * VCHUNK + thread_x() + VT * j;
+        x[j] = e < vocab ? logits[e] : -f32_inf();
+    }
+}
+
+/// Chunk `chunk` of a row, its logits in z (load_logits), with the bias applied in place. Bit j
+/// of the result marks a bad element (NaN or +inf logit, or +inf after the bias); bad elements
+/// read as -inf.
+FP4_DEVICE u32 bias_chunk(const RowView& v, u32 chunk, float (&z)[VI]) {
     const u32 base = chunk * VCHUNK;
     const float inf = f32_inf();
     u32 bad = 0;
     #pragma unroll
-    for (int j = 0; j < VI; ++j) {
-        const u32 e = base + thread_x() + VT * j;
-        const float x = e < v.vocab ? v.logits[e] : -inf;
-        if (x != x || x == inf) bad |= 1u << j;
-        z[j] = x;
-    }
+    for (int j = 0; j < VI; ++j)
+        if (z[j] != z[j] || z[j] == inf) bad |= 1u << j;
     for (u32 i = first_bias_at(v, base); i < v.bias_end; ++i) {
         const u32 token = v.bias_tokens[i];
         if (token >= base + VCHUNK) break;
@@ -502,6 +512,12 @@ FP4_DEVICE u32 load_chunk(const RowView& v, u32 chunk, float (&z)[VI]) {
         z[j] = (bad >> j) & 1u ? -inf : add32(z[j], 0.0f);
     }
     return bad;
+}
+
+/// load_logits, then bias_chunk.
+FP4_DEVICE u32 load_chunk(const RowView& v, u32 chunk, float (&z)[VI]) {
+    load_logits(v.logits, v.vocab, chunk, z);
+    return bias_chunk(v, chunk, z);
 }
 
 // ---- block-wide helpers (every thread gets the result) ----
@@ -769,14 +785,15 @@ FP4_DEVICE void shift_histogram(HistogramShared& sh, u32 shift) {
     shift_accumulator(sh.acc_low, shift);
 }
 
-/// Pass 1 of one row's chunks [first, end): bad logits, argmax, and (sampling) the weight
-/// histogram relative to the block's top octave. Returns the block's top octave.
+/// Pass 1 of one row's chunks [first, end), z holding the logits of the first (load_logits):
+/// bad logits, argmax, and (sampling) the weight histogram relative to the block's top octave.
+/// Returns the block's top octave.
 FP4_DEVICE i32 histogram_chunks(const RowView& v, bool sampling, u32 first, u32 end,
-                                HistogramShared& sh, u64& best, u32& bad) {
+                                float (&z)[VI], HistogramShared& sh, u64& best, u32& bad) {
     i32 top = VNO_OCTAVE;
     for (u32 chunk = first; chunk < end; ++chunk) {
-        float z[VI];
-        const u32 bad_bits = load_chunk(v, chunk, z);
+        if (chunk != first) load_logits(v.logits, v.vocab, chunk, z);
+        const u32 bad_bits = bias_chunk(v, chunk, z);
         u64 chunk_best = 0;
         #pragma unroll
         for (int j = 0; j < VI; ++j) {
@@ -955,6 +972,11 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
     __shared__ HistogramShared sh;
     const u32 r = block_y();
     const VerifyRow row = a.rows[r];
+    // The block's first chunk is requested before the sequence, which it does not depend on: the
+    // kernel's start was three dependent DRAM round trips (row, sequence, logits), now two.
+    const u32 first = block_x() * a.chunks_per_block;
+    float z[VI];
+    load_logits(row_logits(a, row), a.vocab, first, z);
     const VerifySequence seq = a.sequences[row.sequence];
     if (!row_is_processed(seq, row)) return;
     RowView v = row_view(a, row, seq);
@@ -971,11 +993,10 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
         sh.acc_low[b] = 0;
     }
     block_sync();
-    const u32 first = block_x() * a.chunks_per_block;
     const u32 end = umin(first + a.chunks_per_block, a.chunks_per_row);
     u64 best = 0;
     u32 bad = VNONE;
-    const i32 top = histogram_chunks(v, sampling, first, end, sh, best, bad);
+    const i32 top = histogram_chunks(v, sampling, first, end, z, sh, best, bad);
     const float probe_raw = probe_token < a.vocab ? v.logits[probe_token] : 0.0f;
     best = block_reduce(best, VOP_MAX, sh.scratch);
     bad = (u32)block_reduce(bad, VOP_MIN, sh.scratch);
