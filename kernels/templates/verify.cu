@@ -527,22 +527,38 @@ FP4_DEVICE u32 load_chunk(const RowView& v, u32 chunk, float (&z)[VI]) {
 FP4_DEVICE u64 combine(u64 a, u64 b, int op) {
     return op == VOP_MAX ? (a > b ? a : b) : op == VOP_MIN ? (a < b ? a : b) : a + b;
 }
-/// `scratch`: VWARPS + 1 words of shared memory.
-FP4_DEVICE u64 block_reduce(u64 v, int op, u64* scratch) {
-    for (u32 offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1)
-        v = combine(v, shfl_u64(v, lane_index() ^ offset), op);
-    if (lane_index() == 0) scratch[warp_index()] = v;
-    block_sync();
-    if (warp_index() == 0) {
-        u64 w = lane_index() < VWARPS ? scratch[lane_index()] : (op == VOP_MIN ? ~0ull : 0ull);
+#define VREDUCE 3                             // most values one block_reduce_n combines
+/// Reduces v[k] with op[k] over the block, every thread getting the results. `scratch`:
+/// VREDUCE * VWARPS words of shared memory. Two barriers for all N values: each warp publishes
+/// its partials, then every warp combines the VWARPS partials itself (warp 0 combining and
+/// publishing the total took a third barrier per value; the row's last block reduced three
+/// values one after another, 9 barriers, now 2).
+template <int N>
+FP4_DEVICE void block_reduce_n(u64 (&v)[N], const int (&op)[N], u64* scratch) {
+    static_assert(N <= VREDUCE, "block_reduce_n: scratch holds VREDUCE values");
+    #pragma unroll
+    for (int k = 0; k < N; ++k) {
         for (u32 offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1)
-            w = combine(w, shfl_u64(w, lane_index() ^ offset), op);
-        if (lane_index() == 0) scratch[VWARPS] = w;
+            v[k] = combine(v[k], shfl_u64(v[k], lane_index() ^ offset), op[k]);
+        if (lane_index() == 0) scratch[k * VWARPS + warp_index()] = v[k];
     }
     block_sync();
-    const u64 result = scratch[VWARPS];
+    #pragma unroll
+    for (int k = 0; k < N; ++k) {
+        const u64 none = op[k] == VOP_MIN ? ~0ull : 0ull;
+        u64 w = lane_index() < VWARPS ? scratch[k * VWARPS + lane_index()] : none;
+        for (u32 offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1)
+            w = combine(w, shfl_u64(w, lane_index() ^ offset), op[k]);
+        v[k] = w;
+    }
+    // before the next use of scratch
     block_sync();
-    return result;
+}
+FP4_DEVICE u64 block_reduce(u64 v, int op, u64* scratch) {
+    u64 x[1] = {v};
+    const int ops[1] = {op};
+    block_reduce_n(x, ops, scratch);
+    return x[0];
 }
 
 /// Exclusive prefix sums over the VNB buckets of a packed histogram (shared or global):
@@ -658,7 +674,7 @@ struct HistogramShared {
     u32 block_index[VMAX_BLOCKS_PER_ROW];
     u32 spilled;
     i32 anchor;
-    u64 scratch[VWARPS + 1];
+    u64 scratch[VREDUCE * VWARPS];
     u32 window_lo[VMAX_WINDOWS];
     u32 window_hi[VMAX_WINDOWS];
     u32 bias_tokens[VT];  // stage_bias
@@ -855,8 +871,10 @@ VERIFY_RARE void plan_row(const VerifyArgs& a, const VerifyRow& row, const Verif
                 if (!whole && !none) last_partial = b + 1;
             }
         }
-        keep_end = (u32)block_reduce(first_not_kept, VOP_MIN, sh.scratch);
-        partial_end = (u32)block_reduce(last_partial, VOP_MAX, sh.scratch);
+        u64 ends[2] = {first_not_kept, last_partial};
+        block_reduce_n(ends, {VOP_MIN, VOP_MAX}, sh.scratch);
+        keep_end = (u32)ends[0];
+        partial_end = (u32)ends[1];
         if (partial_end < keep_end) partial_end = keep_end;
     }
     // the probe: the draft token this row's verdict needs the weight of
@@ -998,8 +1016,12 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
     u32 bad = VNONE;
     const i32 top = histogram_chunks(v, sampling, first, end, z, sh, best, bad);
     const float probe_raw = probe_token < a.vocab ? v.logits[probe_token] : 0.0f;
-    best = block_reduce(best, VOP_MAX, sh.scratch);
-    bad = (u32)block_reduce(bad, VOP_MIN, sh.scratch);
+    {
+        u64 found[2] = {best, bad};
+        block_reduce_n(found, {VOP_MAX, VOP_MIN}, sh.scratch);
+        best = found[0];
+        bad = (u32)found[1];
+    }
     // the histogram joins the row's grid, anchored at the first block's top octave; a block whose
     // top is more than VHEAD octaves above the anchor keeps its own for the last block to merge
     const u64 slot = (u64)r * a.blocks_per_row + block_x();
@@ -1056,9 +1078,11 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
         const u64 t = (u64)((u32)s1 ^ 0x80000000u);
         row_top = t > row_top ? t : row_top;
     }
-    row_best = block_reduce(row_best, VOP_MAX, sh.scratch);
-    row_bad = block_reduce(row_bad, VOP_MIN, sh.scratch);
-    const i32 k_top = (i32)((u32)block_reduce(row_top, VOP_MAX, sh.scratch) ^ 0x80000000u);
+    u64 merged[3] = {row_best, row_bad, row_top};
+    block_reduce_n(merged, {VOP_MAX, VOP_MIN, VOP_MAX}, sh.scratch);
+    row_best = merged[0];
+    row_bad = merged[1];
+    const i32 k_top = (i32)((u32)merged[2] ^ 0x80000000u);
     u64* state = a.row_state + (u64)r * VROW_WORDS;
     if (sampling && k_top != VNO_OCTAVE) {
         const u32 anchor_word = load_shared_u32(&a.row_anchor[r]);
@@ -1112,7 +1136,7 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
 // ============================================================================================
 struct SelectShared {
     u64 plan[VPLAN_WORDS];
-    u64 scratch[VWARPS + 1];
+    u64 scratch[VREDUCE * VWARPS];
     u32 bias_tokens[VT];  // stage_bias
     float bias_values[VT];
 };
@@ -1127,7 +1151,7 @@ struct FinishShared {
     u64 prefix[VCAP];    // inclusive mantissa sums of the sorted candidates
     u32 bin_count[256];
     u64 bin_mass[256];
-    u64 scratch[VWARPS + 1];
+    u64 scratch[VREDUCE * VWARPS];
     u32 hit;
     u32 pick;
     u32 pick_count;
@@ -1606,9 +1630,11 @@ FP4_DEVICE void select_chunks(const VerifyArgs& a, u32 r, const VerifySequence& 
             }
         }
     }
-    before = block_reduce(before, VOP_SUM, sh.scratch);
-    before_mass = block_reduce(before_mass, VOP_SUM, sh.scratch);
-    survivors = block_reduce(survivors, VOP_SUM, sh.scratch);
+    u64 counts[3] = {before, before_mass, survivors};
+    block_reduce_n(counts, {VOP_SUM, VOP_SUM, VOP_SUM}, sh.scratch);
+    before = counts[0];
+    before_mass = counts[1];
+    survivors = counts[2];
     if (thread_x() == 0) {
         if (before) atomic_add_u32(collected + 1, (u32)before);
         if (before_mass) atomic_add_u64(&state[RS_BEFORE_MASS], before_mass);
@@ -1696,7 +1722,7 @@ FP4_DEVICE u64 residual_of(const Side& p, const Side& q, float zp, float zq, u32
 }
 
 struct ResidualShared {
-    u64 scratch[VWARPS + 1];
+    u64 scratch[VREDUCE * VWARPS];
     u64 warp_sum[VWARPS];
     u32 last;
     u32 chunk;
