@@ -1085,7 +1085,10 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
     const i32 k_top = (i32)((u32)merged[2] ^ 0x80000000u);
     u64* state = a.row_state + (u64)r * VROW_WORDS;
     if (sampling && k_top != VNO_OCTAVE) {
-        const u32 anchor_word = load_shared_u32(&a.row_anchor[r]);
+        // the anchor is set once per row: a block with tokens of its own learnt it from its
+        // compare-and-swap; only one without reads it back (an L2 round trip)
+        const u32 anchor_word =
+            top != VNO_OCTAVE ? (u32)sh.anchor + 0x80000000u : load_shared_u32(&a.row_anchor[r]);
         const i64 grid_bottom = (i64)(i32)(anchor_word - 0x80000000u) - VOCT;
         for (u32 b = thread_x(); b < VNB; b += VT) {
             u64 sum = 0;
