@@ -414,10 +414,14 @@ struct RowView {
     float scale;  // log2(e) / T (0 for greedy)
 };
 
+/// A row's logits: they depend on the row alone, not on its sequence.
+FP4_DEVICE const float* row_logits(const VerifyArgs& a, const VerifyRow& row) {
+    return (row.is_draft ? a.draft_logits : a.target_logits) + (u64)row.logits_row * a.vocab;
+}
+
 FP4_DEVICE RowView row_view(const VerifyArgs& a, const VerifyRow& row, const VerifySequence& seq) {
     RowView v;
-    const float* base = row.is_draft ? a.draft_logits : a.target_logits;
-    v.logits = base + (u64)row.logits_row * a.vocab;
+    v.logits = row_logits(a, row);
     v.bias_tokens = a.bias_tokens;
     v.bias_values = a.bias_values;
     v.bias_begin = seq.bias_begin;
@@ -439,30 +443,58 @@ FP4_DEVICE u32 first_bias_at(const RowView& v, u32 token) {
     return lo;
 }
 
-/// The biased logit of one token (reference.rs biased, step 1); `raw` gets the logit itself.
-FP4_DEVICE float biased_logit(const RowView& v, u32 token, float* raw) {
-    const float x = v.logits[token];
+/// Logit `x` of `token` with the bias applied (reference.rs biased, step 1).
+FP4_DEVICE float with_bias(const RowView& v, u32 token, float x) {
     float z = x;
     for (u32 i = first_bias_at(v, token); i < v.bias_end && v.bias_tokens[i] == token; ++i)
         z = add32(z, v.bias_values[i]);
-    *raw = x;
     return add32(z, 0.0f);
 }
 
-/// Chunk `chunk` of a row with the bias applied: element e = chunk * VCHUNK + thread_x() + VT * j
-/// is z[j]. Bit j of the result marks a bad element (NaN or +inf logit, or +inf after the bias);
-/// bad and out-of-vocabulary elements read as -inf.
-FP4_DEVICE u32 load_chunk(const RowView& v, u32 chunk, float (&z)[VI]) {
+/// The biased logit of one token; `raw` gets the logit itself.
+FP4_DEVICE float biased_logit(const RowView& v, u32 token, float* raw) {
+    *raw = v.logits[token];
+    return with_bias(v, token, *raw);
+}
+
+/// Copies the sequence's logit bias (when it has at most VT entries, one per thread) into
+/// `tokens` / `values` and points `v` at the copy, visible after the caller's next block_sync.
+/// Each thread of a pass otherwise binary-searches the bias list in global memory per chunk,
+/// log2(entries) + 1 dependent loads (4 for the bench's 8 entries) after its logit loads; staged,
+/// the whole block pays one load in parallel, and the searches are shared-memory loads.
+FP4_DEVICE void stage_bias(RowView& v, u32* tokens, float* values) {
+    const u32 n = v.bias_end - v.bias_begin;
+    if (n > VT) return;
+    if (thread_x() < n) {
+        tokens[thread_x()] = v.bias_tokens[v.bias_begin + thread_x()];
+        values[thread_x()] = v.bias_values[v.bias_begin + thread_x()];
+    }
+    v.bias_tokens = tokens;
+    v.bias_values = values;
+    v.bias_begin = 0;
+    v.bias_end = n;
+}
+
+/// The logits of chunk `chunk` of a row: element e = chunk * VCHUNK + thread_x() + VT * j is x[j];
+/// out-of-vocabulary elements read as -inf.
+FP4_DEVICE void load_logits(const float* logits, u32 vocab, u32 chunk, float (&x)[VI]) {
+    #pragma unroll
+    for (int j = 0; j < VI; ++j) {
+        const u32 e = chunk * VCHUNK + thread_x() + VT * j;
+        x[j] = e < vocab ? logits[e] : -f32_inf();
+    }
+}
+
+/// Chunk `chunk` of a row, its logits in z (load_logits), with the bias applied in place. Bit j
+/// of the result marks a bad element (NaN or +inf logit, or +inf after the bias); bad elements
+/// read as -inf.
+FP4_DEVICE u32 bias_chunk(const RowView& v, u32 chunk, float (&z)[VI]) {
     const u32 base = chunk * VCHUNK;
     const float inf = f32_inf();
     u32 bad = 0;
     #pragma unroll
-    for (int j = 0; j < VI; ++j) {
-        const u32 e = base + thread_x() + VT * j;
-        const float x = e < v.vocab ? v.logits[e] : -inf;
-        if (x != x || x == inf) bad |= 1u << j;
-        z[j] = x;
-    }
+    for (int j = 0; j < VI; ++j)
+        if (z[j] != z[j] || z[j] == inf) bad |= 1u << j;
     for (u32 i = first_bias_at(v, base); i < v.bias_end; ++i) {
         const u32 token = v.bias_tokens[i];
         if (token >= base + VCHUNK) break;
@@ -482,6 +514,12 @@ FP4_DEVICE u32 load_chunk(const RowView& v, u32 chunk, float (&z)[VI]) {
     return bad;
 }
 
+/// load_logits, then bias_chunk.
+FP4_DEVICE u32 load_chunk(const RowView& v, u32 chunk, float (&z)[VI]) {
+    load_logits(v.logits, v.vocab, chunk, z);
+    return bias_chunk(v, chunk, z);
+}
+
 // ---- block-wide helpers (every thread gets the result) ----
 #define VOP_MAX 0
 #define VOP_MIN 1
@@ -489,22 +527,38 @@ FP4_DEVICE u32 load_chunk(const RowView& v, u32 chunk, float (&z)[VI]) {
 FP4_DEVICE u64 combine(u64 a, u64 b, int op) {
     return op == VOP_MAX ? (a > b ? a : b) : op == VOP_MIN ? (a < b ? a : b) : a + b;
 }
-/// `scratch`: VWARPS + 1 words of shared memory.
-FP4_DEVICE u64 block_reduce(u64 v, int op, u64* scratch) {
-    for (u32 offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1)
-        v = combine(v, shfl_u64(v, lane_index() ^ offset), op);
-    if (lane_index() == 0) scratch[warp_index()] = v;
-    block_sync();
-    if (warp_index() == 0) {
-        u64 w = lane_index() < VWARPS ? scratch[lane_index()] : (op == VOP_MIN ? ~0ull : 0ull);
+#define VREDUCE 3                             // most values one block_reduce_n combines
+/// Reduces v[k] with op[k] over the block, every thread getting the results. `scratch`:
+/// VREDUCE * VWARPS words of shared memory. Two barriers for all N values: each warp publishes
+/// its partials, then every warp combines the VWARPS partials itself (warp 0 combining and
+/// publishing the total took a third barrier per value; the row's last block reduced three
+/// values one after another, 9 barriers, now 2).
+template <int N>
+FP4_DEVICE void block_reduce_n(u64 (&v)[N], const int (&op)[N], u64* scratch) {
+    static_assert(N <= VREDUCE, "block_reduce_n: scratch holds VREDUCE values");
+    #pragma unroll
+    for (int k = 0; k < N; ++k) {
         for (u32 offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1)
-            w = combine(w, shfl_u64(w, lane_index() ^ offset), op);
-        if (lane_index() == 0) scratch[VWARPS] = w;
+            v[k] = combine(v[k], shfl_u64(v[k], lane_index() ^ offset), op[k]);
+        if (lane_index() == 0) scratch[k * VWARPS + warp_index()] = v[k];
     }
     block_sync();
-    const u64 result = scratch[VWARPS];
+    #pragma unroll
+    for (int k = 0; k < N; ++k) {
+        const u64 none = op[k] == VOP_MIN ? ~0ull : 0ull;
+        u64 w = lane_index() < VWARPS ? scratch[k * VWARPS + lane_index()] : none;
+        for (u32 offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1)
+            w = combine(w, shfl_u64(w, lane_index() ^ offset), op[k]);
+        v[k] = w;
+    }
+    // before the next use of scratch
     block_sync();
-    return result;
+}
+FP4_DEVICE u64 block_reduce(u64 v, int op, u64* scratch) {
+    u64 x[1] = {v};
+    const int ops[1] = {op};
+    block_reduce_n(x, ops, scratch);
+    return x[0];
 }
 
 /// Exclusive prefix sums over the VNB buckets of a packed histogram (shared or global):
@@ -562,35 +616,38 @@ FP4_DEVICE void scan_histogram(const u64* hist, u32* count, u128* weight, u32* w
     block_sync();
 }
 
-/// First bucket whose tokens reach past rank `rank` (0-based): count[b + 1] > rank.
+/// First i in [0, last] with found(i), for found false then true; `last` when none (found(last)
+/// is never asked). The calling warp searches together, each round one probe per lane (a
+/// ballot): 2 rounds over the VNB = 656 buckets and 3 over 1024 candidates, where a binary
+/// search by one thread is 10 dependent shared loads. The whole warp must call it, converged
+/// and with the same arguments; every lane gets the result.
+template <typename Found>
+FP4_DEVICE u32 warp_search(u32 last, Found found) {
+    u32 lo = 0, hi = last;
+    while (lo < hi) {
+        const u32 stride = (hi - lo + FP4_WARP_SIZE) / FP4_WARP_SIZE;  // ceil((hi - lo + 1) / 32)
+        const u32 probe = lo + (lane_index() + 1) * stride - 1;
+        const bool inside = probe < hi;
+        const u32 hits = ballot(inside && found(probe));
+        // the answer lies in the stride after the probes that said no
+        const u32 before = hits != 0 ? lowest_bit(hits) : popcount(ballot(inside));
+        lo += before * stride;
+        hi = umin(lo + stride - 1, hi);
+    }
+    return lo;
+}
+
+/// First bucket whose tokens reach past rank `rank` (0-based): count[b + 1] > rank. Warp-wide.
 FP4_DEVICE u32 bucket_of_rank(const u32* count, u32 rank) {
-    u32 lo = 0, hi = VNB - 1;
-    while (lo < hi) {
-        const u32 mid = (lo + hi) / 2;
-        if (count[mid + 1] > rank) hi = mid;
-        else lo = mid + 1;
-    }
-    return lo;
+    return warp_search(VNB - 1, [&](u32 b) { return count[b + 1] > rank; });
 }
-/// First bucket whose running weight reaches `need`: weight[b + 1] >= need.
+/// First bucket whose running weight reaches `need`: weight[b + 1] >= need. Warp-wide.
 FP4_DEVICE u32 bucket_reaching(const u128* weight, u128 need) {
-    u32 lo = 0, hi = VNB - 1;
-    while (lo < hi) {
-        const u32 mid = (lo + hi) / 2;
-        if (weight[mid + 1] >= need) hi = mid;
-        else lo = mid + 1;
-    }
-    return lo;
+    return warp_search(VNB - 1, [&](u32 b) { return weight[b + 1] >= need; });
 }
-/// First bucket whose running weight exceeds `t`: weight[b + 1] > t.
+/// First bucket whose running weight exceeds `t`: weight[b + 1] > t. Warp-wide.
 FP4_DEVICE u32 bucket_exceeding(const u128* weight, u128 t) {
-    u32 lo = 0, hi = VNB - 1;
-    while (lo < hi) {
-        const u32 mid = (lo + hi) / 2;
-        if (weight[mid + 1] > t) hi = mid;
-        else lo = mid + 1;
-    }
-    return lo;
+    return warp_search(VNB - 1, [&](u32 b) { return weight[b + 1] > t; });
 }
 
 FP4_DEVICE bool plan_has(const u64* plan, u32 bucket) { return (plan[bucket >> 6] >> (bucket & 63)) & 1ull; }
@@ -599,7 +656,16 @@ FP4_DEVICE bool plan_has(const u64* plan, u32 bucket) { return (plan[bucket >> 6
 // verify_histogram: pass 1.
 // ============================================================================================
 struct HistogramShared {
-    u64 hist[VNB];
+    // Pass 1 accumulates per bucket the token count and the mantissa sum split at bit 12 in three
+    // u32 arrays: each token is three native shared atomics (ATOMS.ADD) with no dependency between
+    // them, where one packed u64 add is a compare-and-swap loop on sm_90 (LDS, ATOMS.CAST.SPIN.64,
+    // branch back on failure: ~16 serial round trips per thread and chunk, more on hot buckets).
+    // Per block a bucket holds < 2^20 tokens (MAX_VOCAB), each adding <= 2^12 to acc_high and
+    // < 2^12 to acc_low, so none of them wraps.
+    u32 acc_count[VNB];
+    u32 acc_high[VNB];
+    u32 acc_low[VNB];
+    u64 hist[VNB];  // the last block's merged row histogram (packed)
     u32 count[VNB + 1];
     u128 weight[VNB + 1];
     u128 warp_weight[VWARPS];
@@ -608,10 +674,13 @@ struct HistogramShared {
     u32 block_index[VMAX_BLOCKS_PER_ROW];
     u32 spilled;
     i32 anchor;
-    u64 scratch[VWARPS + 1];
+    u64 scratch[VREDUCE * VWARPS];
     u32 window_lo[VMAX_WINDOWS];
     u32 window_hi[VMAX_WINDOWS];
+    u32 bias_tokens[VT];  // stage_bias
+    float bias_values[VT];
     u32 windows;
+    u32 marked;  // some planned bucket holds tokens
     u32 last;
 {%- if target.vendor == "amd" %}
     u32 merge_lo[VMAX_WINDOWS + 1];  // Plan::add's merged intervals (see Plan)
@@ -619,14 +688,15 @@ struct HistogramShared {
 {%- endif %}
 };
 
-/// The planner's bucket windows (thread 0): added in order of need, each kept only while the
-/// tokens of all kept windows fit the candidate space. Kept as sorted, disjoint intervals.
+/// The planner's bucket windows (warp 0, every lane the same): added in order of need, each kept
+/// only while the tokens of all kept windows fit the candidate space. Kept as sorted, disjoint
+/// intervals.
 struct Plan {
     HistogramShared& sh;
 {%- if target.vendor == "amd" %}
-    // In shared memory (only thread 0 plans): the AMD compiler keeps arrays indexed at run time
-    // in scratch memory, not registers. lo and hi are the block's windows themselves (finish()
-    // copies them onto themselves).
+    // In shared memory (only warp 0 plans; its lanes write the same values): the AMD compiler
+    // keeps arrays indexed at run time in scratch memory, not registers. lo and hi are the
+    // block's windows themselves (finish() copies them onto themselves).
     u32 *lo, *hi;
     u32 count;
     u32 tokens;  // in the union
@@ -697,36 +767,49 @@ struct Plan {
     }
 };
 
-/// Moves the block histogram `shift` buckets down (its top octave rose); what falls off the
-/// bottom weighs nothing against the new top.
-FP4_DEVICE void shift_histogram(HistogramShared& sh, u32 shift) {
+/// Bucket `b` of the block's accumulators, packed: count << VCOUNT_SHIFT | mantissa sum.
+FP4_DEVICE u64 accumulated(const HistogramShared& sh, u32 b) {
+    return ((u64)sh.acc_count[b] << VCOUNT_SHIFT) | (((u64)sh.acc_high[b] << 12) + sh.acc_low[b]);
+}
+
+/// Moves one accumulator `shift` buckets down (see shift_histogram).
+FP4_DEVICE void shift_accumulator(u32* acc, u32 shift) {
     const u32 per = (VNB + VT - 1) / VT;
-    u64 old[(VNB + VT - 1) / VT];
+    u32 old[(VNB + VT - 1) / VT];
     for (u32 i = 0; i < per; ++i) {
         const u32 b = thread_x() + i * VT;
-        old[i] = b < VNB ? sh.hist[b] : 0;
+        old[i] = b < VNB ? acc[b] : 0;
     }
     block_sync();
     for (u32 i = 0; i < per; ++i) {
         const u32 b = thread_x() + i * VT;
-        if (b < VNB) sh.hist[b] = 0;
+        if (b < VNB) acc[b] = 0;
     }
     block_sync();
     for (u32 i = 0; i < per; ++i) {
         const u32 b = thread_x() + i * VT;
-        if (b < VNB && b + shift < VNB) sh.hist[b + shift] = old[i];
+        if (b < VNB && b + shift < VNB) acc[b + shift] = old[i];
     }
     block_sync();
 }
 
-/// Pass 1 of one row's chunks [first, end): bad logits, argmax, and (sampling) the weight
-/// histogram relative to the block's top octave. Returns the block's top octave.
+/// Moves the block histogram `shift` buckets down (its top octave rose); what falls off the
+/// bottom weighs nothing against the new top.
+FP4_DEVICE void shift_histogram(HistogramShared& sh, u32 shift) {
+    shift_accumulator(sh.acc_count, shift);
+    shift_accumulator(sh.acc_high, shift);
+    shift_accumulator(sh.acc_low, shift);
+}
+
+/// Pass 1 of one row's chunks [first, end), z holding the logits of the first (load_logits):
+/// bad logits, argmax, and (sampling) the weight histogram relative to the block's top octave.
+/// Returns the block's top octave.
 FP4_DEVICE i32 histogram_chunks(const RowView& v, bool sampling, u32 first, u32 end,
-                                HistogramShared& sh, u64& best, u32& bad) {
+                                float (&z)[VI], HistogramShared& sh, u64& best, u32& bad) {
     i32 top = VNO_OCTAVE;
     for (u32 chunk = first; chunk < end; ++chunk) {
-        float z[VI];
-        const u32 bad_bits = load_chunk(v, chunk, z);
+        if (chunk != first) load_logits(v.logits, v.vocab, chunk, z);
+        const u32 bad_bits = bias_chunk(v, chunk, z);
         u64 chunk_best = 0;
         #pragma unroll
         for (int j = 0; j < VI; ++j) {
@@ -754,8 +837,11 @@ FP4_DEVICE i32 histogram_chunks(const RowView& v, bool sampling, u32 first, u32 
             const TokenParts p = token_parts(z[j], v.scale);
             const i32 below = octaves_below(top, p.octave);
             if (below < 0) continue;
-            atomic_add_u64(&sh.hist[bucket_index(below, p.sub)],
-                           (1ull << VCOUNT_SHIFT) | exp2_mantissa(p.frac));
+            const u32 b = bucket_index(below, p.sub);
+            const u32 m = exp2_mantissa(p.frac);
+            atomic_add_u32(&sh.acc_count[b], 1);
+            atomic_add_u32(&sh.acc_high[b], m >> 12);
+            atomic_add_u32(&sh.acc_low[b], m & 0xfffu);
         }
         block_sync();
     }
@@ -766,8 +852,8 @@ FP4_DEVICE i32 histogram_chunks(const RowView& v, bool sampling, u32 first, u32 
 /// every cut and the draw resolve from candidates. Bounds only; pass 2's finish is exact
 /// whatever this picks (a bucket it misses is resolved by radix rounds over the row).
 VERIFY_RARE void plan_row(const VerifyArgs& a, const VerifyRow& row, const VerifySequence& seq,
-                         const RowView& v, u64* state, i32 top, u32 top_mantissa,
-                         HistogramShared& sh) {
+                         const RowView& v, u64* state, i32 top, u32 top_mantissa, u32 probe_token,
+                         float probe_raw, HistogramShared& sh) {
     scan_histogram(sh.hist, sh.count, sh.weight, sh.warp_count, sh.warp_weight);
     // min-p: buckets [0, keep_end) pass whole, [keep_end, partial_end) in part, the rest not
     u32 keep_end = VNB, partial_end = 0;
@@ -785,31 +871,30 @@ VERIFY_RARE void plan_row(const VerifyArgs& a, const VerifyRow& row, const Verif
                 if (!whole && !none) last_partial = b + 1;
             }
         }
-        keep_end = (u32)block_reduce(first_not_kept, VOP_MIN, sh.scratch);
-        partial_end = (u32)block_reduce(last_partial, VOP_MAX, sh.scratch);
+        u64 ends[2] = {first_not_kept, last_partial};
+        block_reduce_n(ends, {VOP_MIN, VOP_MAX}, sh.scratch);
+        keep_end = (u32)ends[0];
+        partial_end = (u32)ends[1];
         if (partial_end < keep_end) partial_end = keep_end;
     }
     // the probe: the draft token this row's verdict needs the weight of
-    const bool has_probe = row.is_draft || row.index < seq.drafts;
     u32 probe_bucket = VNONE;
     float probe_z = 0.0f;
     u128 probe_weight = w128(0);
-    if (has_probe) {
-        const u32 x = a.draft_tokens[seq.first_draft + row.index];
-        if (x < a.vocab) {
-            float raw;
-            probe_z = biased_logit(v, x, &raw);
-            if (probe_z > -f32_inf()) {
-                const TokenParts p = token_parts(probe_z, v.scale);
-                const i32 below = octaves_below(top, p.octave);
-                if (below >= 0) {
-                    probe_bucket = bucket_index(below, p.sub);
-                    probe_weight = w128(exp2_mantissa(p.frac)) << (VOCT - below);
-                }
+    if (probe_token < a.vocab) {
+        probe_z = with_bias(v, probe_token, probe_raw);
+        if (probe_z > -f32_inf()) {
+            const TokenParts p = token_parts(probe_z, v.scale);
+            const i32 below = octaves_below(top, p.octave);
+            if (below >= 0) {
+                probe_bucket = bucket_index(below, p.sub);
+                probe_weight = w128(exp2_mantissa(p.frac)) << (VOCT - below);
             }
         }
     }
-    if (thread_x() == 0) {
+    // Warp 0 plans, its lanes in step on the same data, so that each bucket search is one
+    // warp-wide search (warp_search) instead of a binary search by one thread.
+    if (warp_index() == 0) {
         const u32 n = sh.count[VNB];
         const u32 lk = seq.top_k > 0 && seq.top_k < n ? seq.top_k : n;
         Plan plan(sh);
@@ -869,25 +954,28 @@ VERIFY_RARE void plan_row(const VerifyArgs& a, const VerifyRow& row, const Verif
             }
         }
         plan.finish();
+        sh.marked = 0;
     }
     block_sync();
-    u64 marked_tokens = 0;
-    for (u32 w = thread_x(); w < VPLAN_WORDS; w += VT) {
-        u64 bits = 0;
-        for (u32 i = 0; i < 64; ++i) {
-            const u32 b = w * 64 + i;
-            bool marked = false;
-            for (u32 r = 0; r < sh.windows; ++r) marked = marked || (b >= sh.window_lo[r] && b <= sh.window_hi[r]);
-            if (marked && b < VNB && sh.count[b + 1] > sh.count[b]) {
-                bits |= 1ull << i;
-                marked_tokens += sh.count[b + 1] - sh.count[b];
-            }
+    // The plan's bits, one bucket per thread: each warp's ballot is 32 bits of a plan word (bit i
+    // of u64 word w is bucket 64 w + i; little-endian, so its u32 half 2 w + i / 32), written by
+    // lane 0. (One thread per word looping over its 64 buckets, each against every window, was a
+    // serial chain of ~64 x (windows + 2) shared loads on 11 threads of the row's last block.)
+    u32* plan_words = reinterpret_cast<u32*>(state + RS_PLAN);
+    for (u32 first = warp_index() * FP4_WARP_SIZE; first < VPLAN_WORDS * 64; first += VT) {
+        const u32 b = first + lane_index();
+        bool marked = false;
+        for (u32 r = 0; r < sh.windows; ++r)
+            marked = marked || (b >= sh.window_lo[r] && b <= sh.window_hi[r]);
+        const u32 bits = ballot(marked && b < VNB && sh.count[b + 1] > sh.count[b]);
+        if (lane_index() == 0) {
+            plan_words[first / FP4_WARP_SIZE] = bits;
+            if (bits != 0) sh.marked = 1;
         }
-        state[RS_PLAN + w] = bits;
     }
-    marked_tokens = block_reduce(marked_tokens, VOP_SUM, sh.scratch);
+    block_sync();
     if (thread_x() == 0) {
-        const bool stream = marked_tokens > 0 || probe_bucket != VNONE || partial_end > keep_end;
+        const bool stream = sh.marked != 0 || probe_bucket != VNONE || partial_end > keep_end;
         state[RS_PROBE] = (u64)probe_bucket | ((u64)f32_to_bits(probe_z) << 32);
         state[RS_MINP] = (u64)keep_end | ((u64)partial_end << 32);
         state[RS_PASS2] = 0;
@@ -902,19 +990,38 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
     __shared__ HistogramShared sh;
     const u32 r = block_y();
     const VerifyRow row = a.rows[r];
+    // The block's first chunk is requested before the sequence, which it does not depend on: the
+    // kernel's start was three dependent DRAM round trips (row, sequence, logits), now two.
+    const u32 first = block_x() * a.chunks_per_block;
+    float z[VI];
+    load_logits(row_logits(a, row), a.vocab, first, z);
     const VerifySequence seq = a.sequences[row.sequence];
     if (!row_is_processed(seq, row)) return;
-    const RowView v = row_view(a, row, seq);
+    RowView v = row_view(a, row, seq);
+    stage_bias(v, sh.bias_tokens, sh.bias_values);
     const bool sampling = seq.temperature > 0.0f;
-    for (u32 b = thread_x(); b < VNB; b += VT) sh.hist[b] = 0;
+    // The probe (the draft token whose weight this row's verdict needs): its token now, its
+    // logit after pass 1, so that both arrive while the block works; plan_row on the row's last
+    // block had them as two dependent global loads (then the bias search) on its critical path.
+    const bool has_probe = sampling && (row.is_draft || row.index < seq.drafts);
+    const u32 probe_token = has_probe ? a.draft_tokens[seq.first_draft + row.index] : VNONE;
+    for (u32 b = thread_x(); b < VNB; b += VT) {
+        sh.acc_count[b] = 0;
+        sh.acc_high[b] = 0;
+        sh.acc_low[b] = 0;
+    }
     block_sync();
-    const u32 first = block_x() * a.chunks_per_block;
     const u32 end = umin(first + a.chunks_per_block, a.chunks_per_row);
     u64 best = 0;
     u32 bad = VNONE;
-    const i32 top = histogram_chunks(v, sampling, first, end, sh, best, bad);
-    best = block_reduce(best, VOP_MAX, sh.scratch);
-    bad = (u32)block_reduce(bad, VOP_MIN, sh.scratch);
+    const i32 top = histogram_chunks(v, sampling, first, end, z, sh, best, bad);
+    const float probe_raw = probe_token < a.vocab ? v.logits[probe_token] : 0.0f;
+    {
+        u64 found[2] = {best, bad};
+        block_reduce_n(found, {VOP_MAX, VOP_MIN}, sh.scratch);
+        best = found[0];
+        bad = (u32)found[1];
+    }
     // the histogram joins the row's grid, anchored at the first block's top octave; a block whose
     // top is more than VHEAD octaves above the anchor keeps its own for the last block to merge
     const u64 slot = (u64)r * a.blocks_per_row + block_x();
@@ -931,10 +1038,10 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
         spilled = (i64)top - (i64)anchor > VHEAD;
         if (spilled) {
             if (thread_x() == 0) VERIFY_TRACE(VTRACE_SPILL);
-            for (u32 b = thread_x(); b < VNB; b += VT) a.block_hist[slot * VNB + b] = sh.hist[b];
+            for (u32 b = thread_x(); b < VNB; b += VT) a.block_hist[slot * VNB + b] = accumulated(sh, b);
         } else {
             for (u32 b = thread_x(); b < VNB; b += VT) {
-                const u64 h = sh.hist[b];
+                const u64 h = accumulated(sh, b);
                 // octave row of the grid; below it the tokens weigh nothing against the row's top
                 const i64 grid_row = ((i64)top - bucket_below(b)) - ((i64)anchor - VOCT);
                 if (h != 0 && grid_row >= 0) atomic_add_u64(&grid[grid_row * VG + bucket_sub(b)], h);
@@ -971,12 +1078,17 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
         const u64 t = (u64)((u32)s1 ^ 0x80000000u);
         row_top = t > row_top ? t : row_top;
     }
-    row_best = block_reduce(row_best, VOP_MAX, sh.scratch);
-    row_bad = block_reduce(row_bad, VOP_MIN, sh.scratch);
-    const i32 k_top = (i32)((u32)block_reduce(row_top, VOP_MAX, sh.scratch) ^ 0x80000000u);
+    u64 merged[3] = {row_best, row_bad, row_top};
+    block_reduce_n(merged, {VOP_MAX, VOP_MIN, VOP_MAX}, sh.scratch);
+    row_best = merged[0];
+    row_bad = merged[1];
+    const i32 k_top = (i32)((u32)merged[2] ^ 0x80000000u);
     u64* state = a.row_state + (u64)r * VROW_WORDS;
     if (sampling && k_top != VNO_OCTAVE) {
-        const u32 anchor_word = load_shared_u32(&a.row_anchor[r]);
+        // the anchor is set once per row: a block with tokens of its own learnt it from its
+        // compare-and-swap; only one without reads it back (an L2 round trip)
+        const u32 anchor_word =
+            top != VNO_OCTAVE ? (u32)sh.anchor + 0x80000000u : load_shared_u32(&a.row_anchor[r]);
         const i64 grid_bottom = (i64)(i32)(anchor_word - 0x80000000u) - VOCT;
         for (u32 b = thread_x(); b < VNB; b += VT) {
             u64 sum = 0;
@@ -1019,7 +1131,7 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
         state[RS_PASS2_MINP] = 0;
         a.counters[r] = 0;
     }
-    if (status == VSTATUS_OK && sampling) plan_row(a, row, seq, v, state, k_top, top_mantissa, sh);
+    if (status == VSTATUS_OK && sampling) plan_row(a, row, seq, v, state, k_top, top_mantissa, probe_token, probe_raw, sh);
 }
 
 // ============================================================================================
@@ -1027,7 +1139,9 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
 // ============================================================================================
 struct SelectShared {
     u64 plan[VPLAN_WORDS];
-    u64 scratch[VWARPS + 1];
+    u64 scratch[VREDUCE * VWARPS];
+    u32 bias_tokens[VT];  // stage_bias
+    float bias_values[VT];
 };
 
 struct FinishShared {
@@ -1040,7 +1154,7 @@ struct FinishShared {
     u64 prefix[VCAP];    // inclusive mantissa sums of the sorted candidates
     u32 bin_count[256];
     u64 bin_mass[256];
-    u64 scratch[VWARPS + 1];
+    u64 scratch[VREDUCE * VWARPS];
     u32 hit;
     u32 pick;
     u32 pick_count;
@@ -1133,15 +1247,9 @@ VERIFY_RARE Selected select_by_scan(const RowView& v, i32 top, u32 bucket, int m
     return s;
 }
 
-/// First sorted candidate at or after key `key`.
+/// First sorted candidate at or after key `key`. Warp-wide.
 FP4_DEVICE u32 lower_bound(const u64* sorted, u32 n, u64 key) {
-    u32 lo = 0, hi = n;
-    while (lo < hi) {
-        const u32 mid = (lo + hi) / 2;
-        if (sorted[mid] < key) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
+    return warp_search(n, [&](u32 i) { return sorted[i] >= key; });
 }
 
 /// A token inside bucket `bucket` (holding `tokens` tokens): from the candidates when pass 2
@@ -1218,12 +1326,28 @@ FP4_DEVICE void finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row, con
     u64* state = a.row_state + (u64)r * VROW_WORDS;
     const RowView v = row_view(a, row, seq);
     const i32 top = (i32)(u32)state[RS_TOP];
+    // What pass 2 left (its counts, and all VCAP candidate slots whatever their count: the slots
+    // past it are allocated, read and ignored) is loaded before the histogram scan, whose
+    // barriers would otherwise keep each of these loads behind the previous one: the count, then
+    // the candidates it bounds, then the min-p survivors and the probe's mass were 4 dependent
+    // L2 round trips.
+    const u64 pass2 = load_shared_u64(&state[RS_PASS2]);
+    const u64 pass2_minp = load_shared_u64(&state[RS_PASS2_MINP]);
+    const u64 before_mass = load_shared_u64(&state[RS_BEFORE_MASS]);
+    u64 slots[(VCAP + VT - 1) / VT];
+    #pragma unroll
+    for (u32 k = 0; k < (VCAP + VT - 1) / VT; ++k) {
+        const u32 i = k * VT + thread_x();
+        slots[k] = i < VCAP ? load_shared_u64(&a.candidates[(u64)r * VCAP + i]) : 0;
+    }
     scan_histogram(a.row_hist + (u64)r * VNB, sh.count, sh.weight, sh.warp_count, sh.warp_weight);
     // candidates, sorted by (bucket, kappa) through their ranks
-    const u64 pass2 = load_shared_u64(&state[RS_PASS2]);
     const u32 n = umin((u32)pass2, VCAP);
-    for (u32 i = thread_x(); i < n; i += VT) {
-        const u64 c = load_shared_u64(&a.candidates[(u64)r * VCAP + i]);
+    #pragma unroll
+    for (u32 k = 0; k < (VCAP + VT - 1) / VT; ++k) {
+        const u32 i = k * VT + thread_x();
+        if (i >= n) continue;
+        const u64 c = slots[k];
         const float z = bits_to_f32((u32)(c >> 32));
         const TokenParts p = token_parts(z, v.scale);
         const u32 b = bucket_index(octaves_below(top, p.octave), p.sub);
@@ -1281,7 +1405,7 @@ FP4_DEVICE void finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row, con
         const u64 minp = state[RS_MINP];
         const u32 keep_end = (u32)minp, partial_end = (u32)(minp >> 32);
         lm = sh.count[keep_end];
-        if (partial_end > keep_end) lm += (u32)load_shared_u64(&state[RS_PASS2_MINP]);
+        if (partial_end > keep_end) lm += (u32)pass2_minp;
     }
     const u32 kept = umin(lk, umin(lp, lm));
     const Prefix cut = prefix_of(v, top, kept, n, sh);
@@ -1294,7 +1418,7 @@ FP4_DEVICE void finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row, con
         if (rank < kept) {
             probe_weight = {state[RS_PROBE_W], state[RS_PROBE_W + 1]};
             before_probe = sh.weight[probe_bucket] +
-                           bucket_weight(load_shared_u64(&state[RS_BEFORE_MASS]), probe_bucket);
+                           bucket_weight(before_mass, probe_bucket);
         }
     }
     // the draw: the bonus / plain draw, or the correction of a rejected point-mass draft
@@ -1453,7 +1577,7 @@ VERIFY_RARE void finish_sequence(const VerifyArgs& a, u32 s, const SequenceRows&
 
 /// Pass 2 over one block's chunks: collects the planned buckets' tokens, and counts the tokens
 /// before the probe in its bucket and the min-p survivors of the partial buckets.
-FP4_DEVICE void select_chunks(const VerifyArgs& a, u32 r, const VerifySequence& seq, const RowView& v,
+FP4_DEVICE void select_chunks(const VerifyArgs& a, u32 r, const VerifySequence& seq, RowView v,
                               u64* state, SelectShared& sh) {
     const i32 top = (i32)(u32)state[RS_TOP];
     const u32 top_mantissa = (u32)(state[RS_TOP] >> 32);
@@ -1465,6 +1589,7 @@ FP4_DEVICE void select_chunks(const VerifyArgs& a, u32 r, const VerifySequence& 
     const u64 minp = state[RS_MINP];
     const u32 keep_end = (u32)minp, partial_end = (u32)(minp >> 32);
     for (u32 w = thread_x(); w < VPLAN_WORDS; w += VT) sh.plan[w] = state[RS_PLAN + w];
+    stage_bias(v, sh.bias_tokens, sh.bias_values);
     block_sync();
     u32* collected = reinterpret_cast<u32*>(&state[RS_PASS2]);
     u64 before = 0, before_mass = 0, survivors = 0;
@@ -1508,9 +1633,11 @@ FP4_DEVICE void select_chunks(const VerifyArgs& a, u32 r, const VerifySequence& 
             }
         }
     }
-    before = block_reduce(before, VOP_SUM, sh.scratch);
-    before_mass = block_reduce(before_mass, VOP_SUM, sh.scratch);
-    survivors = block_reduce(survivors, VOP_SUM, sh.scratch);
+    u64 counts[3] = {before, before_mass, survivors};
+    block_reduce_n(counts, {VOP_SUM, VOP_SUM, VOP_SUM}, sh.scratch);
+    before = counts[0];
+    before_mass = counts[1];
+    survivors = counts[2];
     if (thread_x() == 0) {
         if (before) atomic_add_u32(collected + 1, (u32)before);
         if (before_mass) atomic_add_u64(&state[RS_BEFORE_MASS], before_mass);
@@ -1521,11 +1648,13 @@ FP4_DEVICE void select_chunks(const VerifyArgs& a, u32 r, const VerifySequence& 
 FP4_KERNEL void {{ bounds }}verify_select(const VerifyArgs a) {
     __shared__ SelectShared sh;
     const u32 r = block_y();
+    u64* state = a.row_state + (u64)r * VROW_WORDS;
+    // read beside the row and its sequence, not after them: it depends on neither
+    const u64 status = state[RS_STATUS], flags = state[RS_PASS2_MINP];
     const VerifyRow row = a.rows[r];
     const VerifySequence seq = a.sequences[row.sequence];
-    u64* state = a.row_state + (u64)r * VROW_WORDS;
     if (!row_is_processed(seq, row) || !(seq.temperature > 0.0f)) return;
-    if ((u32)state[RS_STATUS] != VSTATUS_OK || !((state[RS_PASS2_MINP] >> 32) & VFLAG_STREAM)) return;
+    if ((u32)status != VSTATUS_OK || !((flags >> 32) & VFLAG_STREAM)) return;
     select_chunks(a, r, seq, row_view(a, row, seq), state, sh);
 }
 
@@ -1534,10 +1663,11 @@ FP4_KERNEL void {{ bounds }}verify_select(const VerifyArgs a) {
 FP4_KERNEL void {{ bounds }}verify_finish(const VerifyArgs a) {
     __shared__ FinishShared sh;
     const u32 r = block_y();
+    // read beside the row and its sequence, not after them: it depends on neither
+    const u64 status = a.row_state[(u64)r * VROW_WORDS + RS_STATUS];
     const VerifyRow row = a.rows[r];
     const VerifySequence seq = a.sequences[row.sequence];
-    const u64* state = a.row_state + (u64)r * VROW_WORDS;
-    if (row_is_processed(seq, row) && seq.temperature > 0.0f && (u32)state[RS_STATUS] == VSTATUS_OK)
+    if (row_is_processed(seq, row) && seq.temperature > 0.0f && (u32)status == VSTATUS_OK)
         finish_row(a, r, row, seq, sh);
     device_fence();
     block_sync();
@@ -1595,7 +1725,7 @@ FP4_DEVICE u64 residual_of(const Side& p, const Side& q, float zp, float zq, u32
 }
 
 struct ResidualShared {
-    u64 scratch[VWARPS + 1];
+    u64 scratch[VREDUCE * VWARPS];
     u64 warp_sum[VWARPS];
     u32 last;
     u32 chunk;

@@ -28,6 +28,31 @@
 //! `verify_finish` reads the collected candidates, and a whole row again only for a bucket too
 //! full to collect (rows of nearly equal logits); `verify_residual` reads the two rows of a
 //! rejected sampled draft. Tuning per target: `[target.verify]` in `kernels/targets.toml`.
+//!
+//! Latency, not bandwidth, sets the time at small batches: at B = 1 a row is 61 chunks of 4096
+//! logits, one per block, 993 KB read in well under a microsecond, while each kernel is a chain
+//! of dependent steps (global round trips of ~0.5-1 us, barriers, one thread's or one warp's
+//! serial loops). The kernels are written to keep that chain short:
+//! - pass 1 bins a token with three independent 32-bit shared atomics (count, high and low
+//!   halves of its mantissa), not one packed 64-bit add, which sm_90 runs as a
+//!   compare-and-swap loop (one LDS + ATOMS.CAST round trip per token, serial per thread);
+//! - the row's last block plans on a whole warp: every bucket search (rank, weight reached or
+//!   exceeded) is a 32-way search, 2 rounds over the buckets instead of 10 dependent loads, and
+//!   the plan's bits are warp ballots, one bucket per thread, not 64-step loops;
+//! - what a block needs beside its logits arrives in parallel with them rather than after: the
+//!   sequence's logit bias is staged in shared memory once per block (no per-thread binary
+//!   search in global memory), the first chunk's logits are requested before the sequence,
+//!   the probe's token and logit while pass 1 runs, and the finish's pass-2 words and
+//!   candidate slots before its histogram scan; the last block takes the grid's anchor from
+//!   its own compare-and-swap instead of reading it back;
+//! - reductions combine up to three values in two barriers (every warp reduces the partials
+//!   itself), where one value took three.
+//!
+//! Not done yet, and the next candidates: the `__threadfence` pairs around each "last block"
+//! counter are `fence.sc.gpu` in every thread (MEMBAR.SC.GPU and an L1 invalidation, twice
+//! per kernel), where one release/acquire atomic by thread 0 after the barrier would do; and
+//! `verify_finish` ranks its candidates by counting (n^2 / 256 compares per thread: nothing at
+//! the 2-6 candidates of model-like rows, ~15 us at a full 1024).
 
 pub mod reference;
 
