@@ -29,7 +29,6 @@ typedef int i32;
 #define FP4_WARP_SIZE 32
 #define FP4_KERNEL extern "C"
 #define FP4_DEVICE inline
-#define FP4_COLD_DEVICE inline
 #define FP4_LAUNCH_BOUNDS(...)
 #define __restrict__ __restrict
 #define __shared__ static

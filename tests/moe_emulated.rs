@@ -14,7 +14,7 @@
 use fp4spec::kernels::compare;
 use fp4spec::kernels::gemm::TensorCore;
 use fp4spec::kernels::moe::reference::{self, ExpertRef, MoeShape, Routing};
-use fp4spec::kernels::moe::{ExpertFormat, ExpertWeights, MoeHostWeights, control_words};
+use fp4spec::kernels::moe::{ExpertFormat, ExpertWeights, MoeHostWeights};
 use fp4spec::kernels::table;
 use fp4spec::rng::SplitMix64;
 use fp4spec::target;
@@ -27,8 +27,6 @@ use std::sync::{Mutex, OnceLock};
 const EMULATOR: &str = include_str!("moe_emulator.cpp");
 /// The portability layer and mma.sync emulation this emulator builds on.
 const GDN_EMULATOR: &str = include_str!("gdn_emulator.cpp");
-/// Its cp.async section (copies at once).
-const GEMM_EMULATOR: &str = include_str!("gemm_emulator.cpp");
 
 mod emulation;
 use emulation::{build_host, section, splice, splice_if_present};
@@ -73,16 +71,6 @@ fn emulator(target_name: &'static str) -> PathBuf {
         "// ---- end of WMMA operand loaders ----",
         "// ---- end of WMMA operand loaders ----",
         section(EMULATOR, "wmma"),
-    );
-    source = splice_if_present(
-        &source,
-        "// ---- cp.async instructions ----",
-        "// ---- end of cp.async instructions ----",
-        section(GEMM_EMULATOR, "cp_async"),
-    );
-    source = source.replace(
-        "extern __shared__ __align__(16) u8 moe_x_rows[];",
-        "u8* moe_x_rows = emu::dynamic_smem;",
     );
     let table_entries: String = rendered
         .kernels
@@ -288,7 +276,7 @@ fn emulate(
     let gate_up_alpha = emu.buffer(fl(&l.gate_up_alpha));
     let down_alpha = emu.buffer(fl(&l.down_alpha));
     // as MoeWorkspace::new sizes it
-    let control = emu.zeros(4 * control_words(e, sh, h, t));
+    let control = emu.zeros(4 * (4 + e + sh + h.div_ceil(16) + t.div_ceil(8)));
     let topk_ids = emu.zeros(4 * t * k);
     let slot_pos = emu.zeros(4 * t * k);
     let sorted_token = emu.zeros(4 * positions);
@@ -496,8 +484,8 @@ fn the_sm90a_kernels_run_emulated() {
     );
 }
 
-/// The sm_121a source keeps the weights in flight in registers (sm_90a stages them in shared
-/// memory): the same awkward block, NVFP4 with a residual and bf16 without a gate.
+/// The sm_121a source (its own tuning of the same code): the same awkward block, NVFP4 with a
+/// residual and bf16 without a gate.
 #[test]
 fn the_sm121a_kernels_run_emulated() {
     let s = shape(8, 2, 272, 48, 80);

@@ -4,15 +4,12 @@
 // blocks one after another. The persistent kernel needs no second block to be resident (items
 // are claimed in order), so one block does all the work and the later ones find none: that checks
 // the item decoding, routing, alignment, fragment addressing, combine and the counters' reset.
-// The shared-memory variant's cp.async copies are tests/gemm_emulator.cpp's (they copy at once).
 // Sections start at `//@@ name` lines; the test splices them in.
 
 //@@ sync
 namespace emu {
 inline u32 grid_blocks = 1;
 }
-#define __align__(n) __attribute__((aligned(n)))
-FP4_DEVICE void __syncwarp() { emu::warp_sync(); }
 FP4_DEVICE void block_barrier() { emu::block->arrive_and_wait(); }
 FP4_DEVICE u32 lane_index() { return thread_x() % FP4_WARP_SIZE; }
 FP4_DEVICE u32 grid_blocks() { return emu::grid_blocks; }
@@ -23,8 +20,7 @@ FP4_DEVICE u32 atomic_add_relaxed_gpu(u32* p, u32 v) { return __atomic_fetch_add
 FP4_DEVICE u32 atomic_add_acq_rel_gpu(u32* p, u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 FP4_DEVICE void add_release_gpu(u32* p, u32 v) { __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 FP4_DEVICE void store_release_gpu(u32* p, u32 v) { __atomic_store_n(p, v, __ATOMIC_SEQ_CST); }
-FP4_DEVICE u32 load_relaxed_gpu(const u32* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
-FP4_DEVICE void fence_acquire_gpu() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+FP4_DEVICE u32 load_acquire_gpu(const u32* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
 FP4_DEVICE u32 load_coherent_u32(const u32* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
 FP4_DEVICE float load_coherent_f32(const float* p) { return *p; }
 FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) { return load_u32x4(p); }
@@ -139,9 +135,6 @@ int main(int argc, char** argv) {
             auto found = kernels.find(name);
             if (found == kernels.end()) { std::fprintf(stderr, "no kernel %s\n", name.c_str()); return 3; }
             emu::grid_blocks = grid;
-            // the shared-memory variant's staged X rows (at most 64 rows of 4096 + 8 columns)
-            static std::vector<unsigned char> dynamic_shared(64 * 4104 * 2 + 16);
-            emu::dynamic_smem = dynamic_shared.data() + (16 - (uintptr_t)dynamic_shared.data() % 16) % 16;
             std::barrier<> block(threads);
             emu::block = &block;
             emu::warps.clear();

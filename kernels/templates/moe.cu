@@ -62,11 +62,7 @@
 #define MOE_BOUNDS MOE_THREADS
 {% endif %}
 
-// Counters in `control` (zero between launches: the last block to leave resets them), each on
-// its own 128-byte line (CONTROL_STRIDE words): hundreds of blocks poll routing_ready and the
-// per-rank counters while others add to their neighbours, and polls of a line queue behind the
-// atomics on it. Counter c lives at control[c * CONTROL_STRIDE].
-#define CONTROL_STRIDE 32u
+// Counters in `control` (zero between launches: the last block to leave resets them).
 #define CONTROL_NEXT_ITEM 0u
 #define CONTROL_ROUTER_DONE 1u
 #define CONTROL_ROUTING_READY 2u
@@ -74,8 +70,6 @@
 #define CONTROL_GATE_UP_DONE 4u  // [E + S]: finished gate_up items per rank (sub-experts first)
 // then [down groups]: finished down items per group of DOWN_TILES_PER_ITEM * 16 hidden rows,
 // then [chunks]: finished router items per token chunk
-FP4_DEVICE u32* counter(u32* control, u32 c) { return control + c * CONTROL_STRIDE; }
-#define NOT_ROUTED 0xffffffffu
 
 /// Everything one launch needs: the kernels' parameters (MOE_PARAMETERS), gathered.
 struct MoeArgs {
@@ -201,63 +195,47 @@ struct TileAcc {
     }
 };
 
-/// The X fragments of K group `group` for this lane (zero past the pass's rows or past k).
-/// `x_is_input`: the rows are the launch's input x, read through L1 (every warp of the block and
-/// every item reads the same rows); otherwise they are act rows other blocks wrote during the
-/// launch, read from L2.
-template <int MT>
-FP4_DEVICE void load_x_group(const u16* const (&x_rows)[MT], u32 group, u32 k, bool x_is_input, u32x4 (&xs)[MT][2]) {
-    const u32 col = group * GROUP_COLS + 16 * (lane_index() % 4);
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        if (x_rows[mt] != nullptr && col < k) {
-            xs[mt][0] = x_is_input ? load_u32x4(x_rows[mt] + col) : load_coherent_u32x4(x_rows[mt] + col);
-            xs[mt][1] = x_is_input ? load_u32x4(x_rows[mt] + col + 8) : load_coherent_u32x4(x_rows[mt] + col + 8);
-        } else {
-            xs[mt][0] = xs[mt][1] = {0u, 0u, 0u, 0u};
-        }
-    }
-}
-
 /// This warp's partial product of weight tile `tile` (of a [tiles][k_groups][32] fragment array)
 /// with up to ROWS token rows, over the K groups first, first + step, ... < end. x_rows[i] is the
-/// bf16 row of token row TileAcc::x_row(i) (null past the pass). Each stage of the ring holds a
-/// group's weights AND its X fragments, issued together STAGES groups ahead: an item is a short
-/// chain of groups, and an X load made when its group is used would put one L2 round trip per
-/// group on it. With `wait_counter` (the X rows are produced by other blocks), the weight loads
-/// of the first STAGES groups are issued before the block waits for
-/// `*wait_counter >= wait_target`, their X loads after it. Every warp of the block must call it
-/// (the wait is a block barrier).
+/// bf16 row of token row TileAcc::x_row(i) (null past the pass). With `wait_counter`, the weight
+/// loads of the first STAGES groups are issued before the block waits for
+/// `*wait_counter >= wait_target` (the X rows are produced by other blocks). Every warp of the
+/// block must call it (the wait is a block barrier).
 template <class W, int ROWS, int STAGES>
 FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k,
-                             const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows, bool x_is_input,
+                             const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
                              const u32* wait_counter, u32 wait_target, TileAcc<ROWS>& acc) {
     constexpr int MT = ROWS / 8;
-    const u32 lane = lane_index();
+    const u32 lane = lane_index(), t = lane % 4;
     float c[MT][4];
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) c[mt][0] = c[mt][1] = c[mt][2] = c[mt][3] = 0.0f;
     // lane indices fit 32 bits (the host checks the weights hold under 2^32 of them)
     const u32 tile_base = (u32)tile * k_groups * 32 + lane;
     typename W::Group ring[STAGES];
-    u32x4 x_ring[STAGES][MT][2];
     #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
         const u32 group = first + s * step;
         if (group < end) ring[s] = w.load(tile_base + group * 32);
     }
     if (wait_counter) block_wait_at_least(wait_counter, wait_target, "the gate_up items of an expert");
-    #pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-        const u32 group = first + s * step;
-        if (group < end) load_x_group<MT>(x_rows, group, k, x_is_input, x_ring[s]);
-    }
     const u32 m_tiles = (rows + 7) / 8;
     for (u32 base = first; base < end; base += STAGES * step) {
         #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             const u32 group = base + s * step;
             if (group < end) {
+                const u32 col = group * GROUP_COLS + 16 * t;
+                u32x4 xs[MT][2];
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    if (x_rows[mt] != nullptr && col < k) {
+                        xs[mt][0] = load_coherent_u32x4(x_rows[mt] + col);
+                        xs[mt][1] = load_coherent_u32x4(x_rows[mt] + col + 8);
+                    } else {
+                        xs[mt][0] = xs[mt][1] = {0u, 0u, 0u, 0u};
+                    }
+                }
                 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     u32 a[4];
@@ -265,17 +243,14 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
                     #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
                         if (mt < m_tiles) {  // warp-uniform
-                            const u32x4& q = x_ring[s][mt][j / 2];
+                            const u32x4& q = xs[mt][j / 2];
                             mma_m16n8k16_bf16(c[mt], a[0], a[1], a[2], a[3], (j % 2 == 0) ? q.x : q.z,
                                               (j % 2 == 0) ? q.y : q.w);
                         }
                     }
                 }
                 const u32 next = group + STAGES * step;
-                if (next < end) {
-                    ring[s] = w.load(tile_base + next * 32);
-                    load_x_group<MT>(x_rows, next, k, x_is_input, x_ring[s]);
-                }
+                if (next < end) ring[s] = w.load(tile_base + next * 32);
             }
         }
     }
@@ -284,156 +259,6 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
         #pragma unroll
         for (int i = 0; i < 4; ++i) acc.v[mt * 4 + i] = c[mt][i];
 }
-{% if target.moe.shared_ring_bytes_per_warp > 0 %}
-// --------------------------------------------------------------------------------------------
-// The shared-memory variant (moe.shared_ring_bytes_per_warp > 0): each warp keeps its weight
-// groups in flight in a ring of shared memory filled by cp.async, and the X rows of a pass are
-// staged in shared memory once per pass. Why: an item is a chain of K groups per warp, and the
-// register ring held only a few of them (16 B of weights, a 2-byte scale load and 32 B of X per
-// lane and stage cost 13 registers), so a gate_up item (16 groups per warp) took three DRAM
-// round trips; the shared ring holds a whole item's groups (14 NVFP4 groups in 8 KiB), its bytes
-// cost no registers, and X is read per group from shared memory instead of L1 / L2.
-// --------------------------------------------------------------------------------------------
-#define MOE_STAGED 1
-#define MOE_RING_BYTES {{ target.moe.shared_ring_bytes_per_warp }}
-{% include "common/cp_async.cuh" %}
-
-/// A weight group in a ring slot: its bytes, the copies a lane makes, what a lane reads back.
-template <class W> struct Staged;
-template <> struct Staged<Nvfp4Weights> {
-    // 32 lanes x 16 B of fragments, then the group's 32 two-byte scales (64 contiguous bytes in
-    // the layout: four 16-byte copies by lanes 0..3 instead of a 2-byte load per lane)
-    static constexpr u32 BYTES = 32 * 16 + 64;
-    /// `index`: the lane's fragment index (tile_base + group * 32, lane included).
-    FP4_DEVICE static void copy(const Nvfp4Weights& w, u8* slot, u32 index, u32 lane) {
-        cp_async16(slot + lane * 16, w.words + index);
-        if (lane < 4) cp_async16(slot + 512 + lane * 16, w.scales + (index - lane) + lane * 8);
-    }
-    FP4_DEVICE static Nvfp4Group read(const u8* slot, u32 lane) {
-        Nvfp4Group g;
-        g.w = *reinterpret_cast<const u32x4*>(slot + lane * 16);
-        g.scales = reinterpret_cast<const u16*>(slot + 512)[lane];
-        return g;
-    }
-};
-template <> struct Staged<Bf16Weights> {
-    // 4 x 32 lanes x 16 B, part-major (a lane-major slot would put lanes 0, 2, 4, 6 of a
-    // 16-byte load in the same banks)
-    static constexpr u32 BYTES = 32 * 64;
-    FP4_DEVICE static void copy(const Bf16Weights& w, u8* slot, u32 index, u32 lane) {
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) cp_async16(slot + (j * 32 + lane) * 16, w.words + index * 4 + j);
-    }
-    FP4_DEVICE static Bf16Group read(const u8* slot, u32 lane) {
-        Bf16Group g;
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) g.w[j] = *reinterpret_cast<const u32x4*>(slot + (j * 32 + lane) * 16);
-        return g;
-    }
-};
-template <class W>
-struct RingStages {
-    static constexpr int VALUE = MOE_RING_BYTES / Staged<W>::BYTES;
-    static_assert(VALUE >= 2, "moe.shared_ring_bytes_per_warp holds two groups at least");
-};
-
-/// Issues this warp's first ring stages: groups first, first + step, ... < end, one cp.async
-/// group per stage (empty past `end`, so ring_product's wait count is fixed).
-template <class W>
-FP4_DEVICE void ring_prologue(const W& w, u32 tile_base, u32 first, u32 step, u32 end, u8* ring) {
-    constexpr int STAGES = RingStages<W>::VALUE;
-    const u32 lane = lane_index();
-    #pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-        const u32 group = first + s * step;
-        if (group < end) Staged<W>::copy(w, ring + s * Staged<W>::BYTES, tile_base + group * 32, lane);
-        cp_async_commit();
-    }
-}
-
-/// Copies the pass's X rows to shared memory (row r at xs + r * x_stride; k a multiple of 8),
-/// row r from `source(r)`. Plain loads, not cp.async: the weights' cp.async groups complete in
-/// order, and X is needed first. Four 16-byte loads per thread in flight before their stores.
-/// `coherent`: rows other blocks wrote during the launch (read from L2). Every thread of the
-/// block calls it; it ends with a block barrier.
-template <class Source>
-FP4_DEVICE void stage_x(u16* xs, u32 x_stride, u32 rows, u32 k, bool coherent, Source source) {
-    const u32 per_row = k / 8, total = rows * per_row;
-    for (u32 base = thread_x(); base < total; base += 4 * MOE_THREADS) {
-        u32x4 v[4];
-        #pragma unroll
-        for (u32 i = 0; i < 4; ++i) {
-            const u32 idx = base + i * MOE_THREADS;
-            if (idx < total) {
-                const u16* src = source(idx / per_row) + (idx % per_row) * 8;
-                v[i] = coherent ? load_coherent_u32x4(src) : load_u32x4(src);
-            }
-        }
-        #pragma unroll
-        for (u32 i = 0; i < 4; ++i) {
-            const u32 idx = base + i * MOE_THREADS;
-            if (idx < total) *reinterpret_cast<u32x4*>(xs + (idx / per_row) * x_stride + (idx % per_row) * 8) = v[i];
-        }
-    }
-    block_barrier();
-}
-
-/// As tile_product (X zero past the pass's rows and past k), on the ring ring_prologue filled and
-/// the X rows stage_x staged: per group,
-/// wait for the oldest stage (this lane's copies), __syncwarp (lanes 0..3's scale copies are
-/// visible), compute, __syncwarp (every lane read the slot), refill the slot STAGES groups ahead.
-template <class W, int ROWS>
-FP4_DEVICE void ring_product(const W& w, u32 tile_base, u32 first, u32 step, u32 end, u32 k, const u16* xs,
-                             u32 x_stride, u32 rows, u8* ring, TileAcc<ROWS>& acc) {
-    constexpr int MT = ROWS / 8;
-    constexpr int STAGES = RingStages<W>::VALUE;
-    const u32 lane = lane_index(), t = lane % 4;
-    float c[MT][4];
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) c[mt][0] = c[mt][1] = c[mt][2] = c[mt][3] = 0.0f;
-    const u32 m_tiles = (rows + 7) / 8;
-    u32 slot = 0;
-    for (u32 group = first; group < end; group += step) {
-        cp_async_wait<STAGES - 1>();
-        __syncwarp();
-        u8* const at = ring + slot * Staged<W>::BYTES;
-        const typename W::Group g = Staged<W>::read(at, lane);
-        const u32 col = group * GROUP_COLS + 16 * t;
-        u32x4 xv[MT][2];
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const u32 row = TileAcc<ROWS>::x_row(mt, lane);
-            if (row < rows && col < k) {  // k is a multiple of 16: the 16 columns go together
-                xv[mt][0] = *reinterpret_cast<const u32x4*>(xs + row * x_stride + col);
-                xv[mt][1] = *reinterpret_cast<const u32x4*>(xs + row * x_stride + col + 8);
-            } else {
-                xv[mt][0] = xv[mt][1] = {0u, 0u, 0u, 0u};
-            }
-        }
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            u32 a[4];
-            w.fragment(g, j, a);
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                if (mt < m_tiles) {  // warp-uniform
-                    const u32x4& q = xv[mt][j / 2];
-                    mma_m16n8k16_bf16(c[mt], a[0], a[1], a[2], a[3], (j % 2 == 0) ? q.x : q.z, (j % 2 == 0) ? q.y : q.w);
-                }
-            }
-        }
-        __syncwarp();
-        const u32 next = group + STAGES * step;
-        if (next < end) Staged<W>::copy(w, at, tile_base + next * 32, lane);
-        cp_async_commit();
-        slot = slot + 1 == STAGES ? 0 : slot + 1;
-    }
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) acc.v[mt * 4 + i] = c[mt][i];
-}
-{% endif %}
 {% elif target.instructions.wmma_bf16 %}
 // ============================================================================================
 // Tile products on v_wmma_f32_16x16x16_bf16 (as gemm.cu's gemm_wmma): the weight tile is the A
@@ -475,7 +300,7 @@ struct TileAcc {
 /// [tiles][k_groups][16 rows] fragment array) with up to ROWS token rows.
 template <class W, int ROWS, int STAGES>
 FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k,
-                             const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows, bool /* x_is_input */,
+                             const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
                              const u32* wait_counter, u32 wait_target, TileAcc<ROWS>& acc) {
     constexpr int MT = (ROWS + 15) / 16;
     const u32 lane = lane_index(), r = lane % 16;
@@ -514,42 +339,6 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
 // The block, written once for every target on top of TileAcc / tile_product.
 // ============================================================================================
 
-/// Where the shared-memory variant stages: the block's rings (MOE_RING_BYTES per warp) and its
-/// X rows (dynamic shared memory). Unused by the register variant.
-struct Staging {
-    u8* ring;
-    u16* xs;
-};
-
-/// This warp's product of weight tile `tile` (of a [tiles][k_groups][32] fragment array) with a
-/// pass of `rows` token rows, row r read from `source(r)`, over the K groups first, first + step,
-/// ... < end; with `wait_counter`, the weights are in flight before the block waits for
-/// `*wait_counter >= wait_target` (the rows are produced by other blocks, `x_is_input` false).
-/// Every warp of the block must call it (the wait and the X staging are block barriers).
-template <class W, int ROWS, int STAGES, class Source>
-FP4_DEVICE void pass_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k, u32 rows,
-                             bool x_is_input, Source source, const u32* wait_counter, u32 wait_target,
-                             const Staging& staging, TileAcc<ROWS>& acc) {
-#ifdef MOE_STAGED
-    // lane indices fit 32 bits (the host checks the weights hold under 2^32 of them)
-    const u32 tile_base = (u32)tile * k_groups * 32 + lane_index();
-    u8* const ring = staging.ring + (thread_x() / FP4_WARP_SIZE) * MOE_RING_BYTES;
-    ring_prologue<W>(w, tile_base, first, step, end, ring);
-    if (wait_counter) block_wait_at_least(wait_counter, wait_target, "the gate_up items of an expert");
-    stage_x(staging.xs, k + 8, rows, k, !x_is_input, source);
-    ring_product<W, ROWS>(w, tile_base, first, step, end, k, staging.xs, k + 8, rows, ring, acc);
-#else
-    const u16* x_rows[TileAcc<ROWS>::X_ROWS];
-    #pragma unroll
-    for (int i = 0; i < TileAcc<ROWS>::X_ROWS; ++i) {
-        const u32 row = TileAcc<ROWS>::x_row(i, lane_index());
-        x_rows[i] = row < rows ? source(row) : nullptr;
-    }
-    tile_product<W, ROWS, STAGES>(w, tile, k_groups, first, step, end, k, x_rows, rows, x_is_input, wait_counter,
-                                  wait_target, acc);
-#endif
-}
-
 /// One expert GEMM, gate_up or down: which weights, which rows, and what it waits for.
 struct ExpertJob {
     bool gate_up;            // gate_up (X = x rows, out act) or down (X = act rows, out partial)
@@ -577,7 +366,6 @@ struct MoeShared {
     ExpertJob job;  // the expert item the block works on
     u32 item;       // the item the block works on (thread 0 claims it)
     u32 flag;       // block_arrive's answer
-    u32 n_active;   // active experts once this block has seen the routing, else NOT_ROUTED
 };
 
 /// Adds the partial sums of a tile's `parts` warps into its first warp (in warp order, so the
@@ -714,24 +502,27 @@ FP4_DEVICE void align(const MoeArgs& a, MoeShared<ROWS>& sh) {
     }
     release_before_barrier();
     block_barrier();
-    if (tid == 0) store_release_gpu(counter(a.control, CONTROL_ROUTING_READY), 1u);
+    if (tid == 0) store_release_gpu(a.control + CONTROL_ROUTING_READY, 1u);
 }
 
 /// Router item: logits of router tile group `group` for the tokens of chunk `chunk`. The last
 /// router item of the chunk routes its tokens; the last chunk routed aligns them all.
 template <int ROWS, int STAGES>
-FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chunk, const Staging& staging,
-                            MoeShared<ROWS>& sh) {
+FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chunk, MoeShared<ROWS>& sh) {
     const u32 lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
     const u32 part = warp % ROUTER_WARPS_PER_TILE;
     const u32 tile = group * ROUTER_TILES_PER_ITEM + warp / ROUTER_WARPS_PER_TILE;
     const bool active = tile < p.router_tiles;
     const u32 r0 = chunk * ROWS, rows = min_u32(ROWS, a.tokens - r0);
+    const u16* x_rows[TileAcc<ROWS>::X_ROWS];
+    #pragma unroll
+    for (int i = 0; i < TileAcc<ROWS>::X_ROWS; ++i) {
+        const u32 row = TileAcc<ROWS>::x_row(i, lane);
+        x_rows[i] = row < rows ? a.x + (u64)(r0 + row) * a.hidden : nullptr;
+    }
     TileAcc<ROWS> acc;
-    pass_product<RouterWeights, ROWS, STAGES>(
-        weights_at<RouterWeights>(a.router, nullptr), tile, p.hidden_k_groups, part, ROUTER_WARPS_PER_TILE,
-        active ? p.hidden_k_groups : 0u, a.hidden, rows, true,
-        [&](u32 row) -> const u16* { return a.x + (u64)(r0 + row) * a.hidden; }, nullptr, 0u, staging, acc);
+    tile_product<RouterWeights, ROWS, STAGES>(weights_at<RouterWeights>(a.router, nullptr), tile, p.hidden_k_groups, part, ROUTER_WARPS_PER_TILE,
+                                              active ? p.hidden_k_groups : 0u, a.hidden, x_rows, rows, nullptr, 0u, acc);
     reduce_parts<ROWS>(acc, warp, part, ROUTER_WARPS_PER_TILE, sh);
     if (active && part == 0) {
         const u32 logit_rows = a.experts + a.has_shared_gate, stride = a.experts + 1;
@@ -743,11 +534,10 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
             if (e + 8 < logit_rows) out[e + 8] = bottom;
         });
     }
-    const u32 chunk_done = CONTROL_GATE_UP_DONE + a.experts + a.shared_experts + p.down_groups + chunk;
-    if (!block_arrive(counter(a.control, chunk_done), p.router_groups, &sh.flag)) return;
+    u32* const chunk_done = a.control + CONTROL_GATE_UP_DONE + a.experts + a.shared_experts + p.down_groups;
+    if (!block_arrive(chunk_done + chunk, p.router_groups, &sh.flag)) return;
     route_tokens(a, r0, r0 + rows);
-    // one chunk: this block routed every token (and its barriers order their writes for align)
-    if (p.chunks == 1 || block_arrive(counter(a.control, CONTROL_ROUTER_DONE), p.chunks, &sh.flag)) align<ROWS>(a, sh);
+    if (block_arrive(a.control + CONTROL_ROUTER_DONE, p.chunks, &sh.flag)) align<ROWS>(a, sh);
 }
 
 
@@ -755,8 +545,7 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
 /// = the fp32 down output. One call site for both kinds (the K loop is the same code), so the
 /// compiler keeps one copy of the tile product in registers.
 template <class W, int ROWS, int STAGES>
-FP4_DEVICE void expert_item(const MoeArgs& a, const Plan& p, const ExpertJob& job, const Staging& staging,
-                            MoeShared<ROWS>& sh) {
+FP4_DEVICE void expert_item(const MoeArgs& a, const Plan& p, const ExpertJob& job, MoeShared<ROWS>& sh) {
     const u32 lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
     const u32 warps_per_tile = job.gate_up ? GATE_UP_WARPS_PER_TILE : DOWN_WARPS_PER_TILE;
     const u32 n_tiles = job.gate_up ? p.gate_up_tiles : p.down_tiles;
@@ -770,16 +559,24 @@ FP4_DEVICE void expert_item(const MoeArgs& a, const Plan& p, const ExpertJob& jo
     const float alpha1 = job.gate_up ? a.gate_up_alpha[2 * job.expert + 1] : alpha0;
     for (u32 r0 = job.r_begin; r0 < job.r_end; r0 += ROWS) {
         const u32 rows = min_u32(ROWS, job.r_end - r0);
+        const u16* x_rows[TileAcc<ROWS>::X_ROWS];
+        #pragma unroll
+        for (int i = 0; i < TileAcc<ROWS>::X_ROWS; ++i) {
+            const u32 row = TileAcc<ROWS>::x_row(i, lane);
+            if (row >= rows) {
+                x_rows[i] = nullptr;
+            } else if (job.gate_up) {
+                const u32 token =
+                    job.gathered ? load_coherent_u32(a.sorted_token + job.position0 + r0 + row) : r0 + row;
+                x_rows[i] = a.x + (u64)token * a.hidden;
+            } else {
+                x_rows[i] = a.act + (u64)(job.position0 + r0 + row) * a.inter;
+            }
+        }
         TileAcc<ROWS> acc;
-        pass_product<W, ROWS, STAGES>(
-            weights, (u64)job.expert * n_tiles + tile, k_groups, part, warps_per_tile, active ? k_groups : 0u, k, rows,
-            job.gate_up,
-            [&](u32 row) -> const u16* {
-                if (!job.gate_up) return a.act + (u64)(job.position0 + r0 + row) * a.inter;
-                const u32 token = job.gathered ? load_coherent_u32(a.sorted_token + job.position0 + r0 + row) : r0 + row;
-                return a.x + (u64)token * a.hidden;
-            },
-            r0 == job.r_begin ? job.wait_counter : nullptr, job.wait_target, staging, acc);
+        tile_product<W, ROWS, STAGES>(weights, (u64)job.expert * n_tiles + tile, k_groups, part, warps_per_tile,
+                                      active ? k_groups : 0u, k, x_rows, rows,
+                                      r0 == job.r_begin ? job.wait_counter : nullptr, job.wait_target, acc);
         reduce_parts<ROWS>(acc, warp, part, warps_per_tile, sh);
         if (active && part == 0) {
             acc.for_each_pair(lane, [&](u32 row, u32 r, float top, float bottom) {
@@ -804,35 +601,18 @@ FP4_DEVICE void expert_item(const MoeArgs& a, const Plan& p, const ExpertJob& jo
 
 /// The output rows of down group `group` for every token: the routing-weighted sum of the
 /// token's k expert outputs in slot order, plus the shared-expert scale times the sum of its
-/// sub-experts, plus the residual, rounded once to bf16. Out of line: it runs once per group, and
-/// its batch of loads must not add to the registers of the item loop.
-FP4_COLD_DEVICE void combine(const MoeArgs& a, u32 group) {
+/// sub-experts, plus the residual, rounded once to bf16.
+FP4_DEVICE void combine(const MoeArgs& a, u32 group) {
     const u32 H = a.hidden, T = a.tokens, k = a.top_k;
     const u32 h0 = group * DOWN_TILES_PER_ITEM * TILE_ROWS;
     const u32 width = min_u32(DOWN_TILES_PER_ITEM * TILE_ROWS, H - h0);
-    // slots in batches of COMBINE_BATCH whose loads are all in flight together (a loop of
-    // dependent position -> partial loads would put 2 k L2 round trips on the block's tail),
-    // added in slot order
-    constexpr u32 COMBINE_BATCH = 8;
     for (u32 i = thread_x(); i < T * width; i += MOE_THREADS) {
         const u32 t = i / width, h = h0 + i % width;
         float sum = 0.0f;
-        for (u32 j0 = 0; j0 < k; j0 += COMBINE_BATCH) {
-            u32 position[COMBINE_BATCH];
-            float weight[COMBINE_BATCH], value[COMBINE_BATCH];
-            #pragma unroll
-            for (u32 j = 0; j < COMBINE_BATCH; ++j) {
-                if (j0 + j < k) {
-                    position[j] = load_coherent_u32(a.slot_pos + t * k + j0 + j);
-                    weight[j] = load_coherent_f32(a.route_weight + t * k + j0 + j);
-                }
-            }
-            #pragma unroll
-            for (u32 j = 0; j < COMBINE_BATCH; ++j)
-                if (j0 + j < k) value[j] = load_coherent_f32(a.partial + (u64)position[j] * H + h);
-            #pragma unroll
-            for (u32 j = 0; j < COMBINE_BATCH; ++j)
-                if (j0 + j < k) sum += weight[j] * value[j];
+        for (u32 j = 0; j < k; ++j) {
+            const u32 s = t * k + j;
+            const u32 position = load_coherent_u32(a.slot_pos + s);
+            sum += load_coherent_f32(a.route_weight + s) * load_coherent_f32(a.partial + (u64)position * H + h);
         }
         if (a.shared_experts > 0) {
             float shared = 0.0f;
@@ -853,24 +633,16 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
     __shared__ MoeShared<ROWS> sh;
     __shared__ MoeArgs a;
     __shared__ Plan p;
-#ifdef MOE_STAGED
-    __shared__ __align__(16) u8 rings[MOE_WARPS * MOE_RING_BYTES];
-    extern __shared__ __align__(16) u8 moe_x_rows[];  // ROWS x (max(H, I) + 8) bf16 (mod.rs sizes it)
-    const Staging staging{rings, reinterpret_cast<u16*>(moe_x_rows)};
-#else
-    const Staging staging{nullptr, nullptr};
-#endif
     if (thread_x() == 0) {
         a = args;
         p = make_plan<ROWS>(args);
-        sh.n_active = NOT_ROUTED;
     }
     block_barrier();
     const u32 S = a.shared_experts;
-    const u32 gate_up_done = CONTROL_GATE_UP_DONE;  // counter indices
-    const u32 down_done = gate_up_done + a.experts + S;
+    u32* const gate_up_done = a.control + CONTROL_GATE_UP_DONE;
+    u32* const down_done = gate_up_done + a.experts + S;
     u32 next = 0u;
-    if (thread_x() == 0) next = atomic_add_relaxed_gpu(counter(a.control, CONTROL_NEXT_ITEM), 1u);
+    if (thread_x() == 0) next = atomic_add_relaxed_gpu(a.control + CONTROL_NEXT_ITEM, 1u);
     for (;;) {
         if (thread_x() == 0) sh.item = next;
         block_barrier();
@@ -880,21 +652,15 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
         // (n_active ranks), shared down, routed down (n_active ranks); past them, none
         u32 n_active = 0u, routed = 0u;
         if (item >= p.end_shared_gate_up) {
-            // the first such item waits for the routing; later ones reuse what it read (a poll
-            // per item would put an L2 round trip and two barriers on every item)
-            if (sh.n_active == NOT_ROUTED) {
-                block_wait_at_least(counter(a.control, CONTROL_ROUTING_READY), 1u, "routing");
-                if (thread_x() == 0) sh.n_active = load_coherent_u32(a.n_active);
-                block_barrier();
-            }
-            n_active = sh.n_active;  // uniform: read after a barrier
+            block_wait_at_least(a.control + CONTROL_ROUTING_READY, 1u, "routing");
+            n_active = load_coherent_u32(a.n_active);  // uniform: read after the barrier
             routed = item - p.end_shared_gate_up;
             if (routed >= n_active * (p.gate_up_groups + p.down_groups) + p.shared_down_items) break;
         }
         // claim the following item now: its round trip hides behind this one
-        if (thread_x() == 0) next = atomic_add_relaxed_gpu(counter(a.control, CONTROL_NEXT_ITEM), 1u);
+        if (thread_x() == 0) next = atomic_add_relaxed_gpu(a.control + CONTROL_NEXT_ITEM, 1u);
         if (item < p.end_router) {
-            router_item<ROWS, ROUTER_STAGES>(a, p, item / p.chunks, item % p.chunks, staging, sh);
+            router_item<ROWS, ROUTER_STAGES>(a, p, item / p.chunks, item % p.chunks, sh);
             continue;
         }
         ExpertJob job;
@@ -934,11 +700,11 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
             job.r_end = min_u32(a.tokens, job.r_begin + ROWS);
             job.gathered = false;
             if (job.gate_up) {
-                done = counter(a.control, gate_up_done + c);
+                done = gate_up_done + c;
             } else {
-                job.wait_counter = counter(a.control, gate_up_done + c);
+                job.wait_counter = gate_up_done + c;
                 job.wait_target = p.gate_up_groups * p.chunks;
-                done = counter(a.control, down_done + job.group);
+                done = down_done + job.group;
             }
         } else {
             // an active expert's rank: its expert, rows and positions come from the routing
@@ -948,26 +714,26 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
             job.r_end = load_coherent_u32(a.active_count + rank);
             job.gathered = true;
             if (job.gate_up) {
-                done = counter(a.control, gate_up_done + S + rank);
+                done = gate_up_done + S + rank;
             } else {
-                job.wait_counter = counter(a.control, gate_up_done + S + rank);
+                job.wait_counter = gate_up_done + S + rank;
                 job.wait_target = p.gate_up_groups;
-                done = counter(a.control, down_done + job.group);
+                done = down_done + job.group;
             }
         }
         // the job goes through shared memory: read where used, not held in registers
         if (thread_x() == 0) sh.job = job;
         block_barrier();
-        expert_item<W, ROWS, STAGES>(a, p, sh.job, staging, sh);
+        expert_item<W, ROWS, STAGES>(a, p, sh.job, sh);
         if (job.gate_up) {
             block_signal(done);
         } else if (block_arrive(done, n_active + S * p.chunks, &sh.flag)) {
             combine(a, job.group);
         }
     }
-    if (block_arrive(counter(a.control, CONTROL_BLOCKS_DONE), grid_blocks(), &sh.flag)) {
+    if (block_arrive(a.control + CONTROL_BLOCKS_DONE, grid_blocks(), &sh.flag)) {
         const u32 counters = CONTROL_GATE_UP_DONE + a.experts + S + p.down_groups + p.chunks;
-        for (u32 i = thread_x(); i < counters; i += MOE_THREADS) *counter(a.control, i) = 0u;
+        for (u32 i = thread_x(); i < counters; i += MOE_THREADS) a.control[i] = 0u;
     }
 }
 

@@ -215,12 +215,6 @@ pub struct MoeTiles {
     /// The most routed experts a block may have (a multiple of the warp size, at most 32 per
     /// lane: the top-k keeps one bit per expert).
     pub max_experts: u32,
-    /// 0: each warp keeps its weight groups in flight in registers (`stages_*`, `router_stages`)
-    /// and loads X per group. Otherwise the bytes of each warp's ring of weight groups in shared
-    /// memory, filled by cp.async (needs `instructions.cp_async`; 576 bytes per NVFP4 group,
-    /// 2048 per bf16 group), with the X rows of each pass staged in dynamic shared memory
-    /// (`token_rows x (max(H, I) + 8) x 2` bytes per block).
-    pub shared_ring_bytes_per_warp: u32,
 }
 
 impl TargetTable {
@@ -458,24 +452,6 @@ impl TargetFacts {
             if !(1..=8).contains(&stages) {
                 return fail(format!(
                     "{name} {stages} outside 1..=8 (registers per stage)"
-                ));
-            }
-        }
-        let ring = m.shared_ring_bytes_per_warp;
-        if ring > 0 {
-            // two bf16 groups at least; with the block's other static shared memory (about 7 KiB)
-            // the rings must stay under the 48 KiB of static shared memory a block may declare
-            if !self.instructions.cp_async || ring % 16 != 0 || ring < 4096 {
-                return fail(format!(
-                    "shared_ring_bytes_per_warp {ring}: needs instructions.cp_async, a multiple of \
-                     16 and at least 4096 (two bf16 groups)"
-                ));
-            }
-            if m.warps_per_block * ring > 40 * 1024 {
-                return fail(format!(
-                    "shared_ring_bytes_per_warp {ring} x warps_per_block {} exceeds the 40 KiB the \
-                     rings may take of a block's 48 KiB of static shared memory",
-                    m.warps_per_block
                 ));
             }
         }

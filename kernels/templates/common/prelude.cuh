@@ -13,9 +13,6 @@ typedef int i32;
 {% if target.vendor == "nvidia" %}
 #include <cuda_bf16.h>
 #define FP4_DEVICE __device__ __forceinline__
-/// A device function kept out of line: rarely run code whose registers should not add to the
-/// pressure of the hot loop it is called from.
-#define FP4_COLD_DEVICE __device__ __noinline__
 #define FP4_LAUNCH_BOUNDS(threads) __launch_bounds__(threads)
 
 FP4_DEVICE u32 thread_x() { return threadIdx.x; }
@@ -68,7 +65,6 @@ FP4_DEVICE void store_u32x4(void* p, u32x4 v) { *reinterpret_cast<uint4*>(p) = m
 #define __device__ __attribute__((device))
 #define __shared__ __attribute__((shared))
 #define FP4_DEVICE __device__ inline __attribute__((always_inline))
-#define FP4_COLD_DEVICE __device__ __attribute__((noinline))
 #define FP4_LAUNCH_BOUNDS(threads) __attribute__((amdgpu_flat_work_group_size(1, threads)))
 
 FP4_DEVICE u32 thread_x() { return __builtin_amdgcn_workitem_id_x(); }

@@ -2,8 +2,8 @@
 // For persistent kernels whose blocks hand work to each other through counters (the `moe`
 // family). The protocol is CUTLASS's generic barrier: a producing block writes its data,
 // block_signal() / block_arrive() (every thread's writes ordered before one thread's release of
-// the counter); a consuming block waits in block_wait_at_least() (thread 0 spins with relaxed
-// loads, then an acquire fence and the block barrier). Data another block wrote during the same launch is read with
+// the counter); a consuming block waits in block_wait_at_least() (thread 0 spins with acquire
+// loads, then the block barrier). Data another block wrote during the same launch is read with
 // load_coherent_* (from L2, never a stale L1 line). A wait that lasts FP4_WATCHDOG_SECONDS is a
 // bug (a lost signal or a deadlock): the kernel traps, so the host sees a launch error instead of
 // a hang.
@@ -30,15 +30,11 @@ FP4_DEVICE void add_release_gpu(u32* p, u32 v) {
 FP4_DEVICE void store_release_gpu(u32* p, u32 v) {
     asm volatile("st.release.gpu.global.u32 [%0], %1;\n" :: "l"(p), "r"(v) : "memory");
 }
-/// A poll: no ordering. (ld.acquire.gpu invalidates the SM's whole L1 on every load, so a block
-/// spinning on one would keep flushing the L1 of the blocks working beside it.)
-FP4_DEVICE u32 load_relaxed_gpu(const u32* p) {
+FP4_DEVICE u32 load_acquire_gpu(const u32* p) {
     u32 v;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-/// After a relaxed load saw a released value: orders this thread's later loads after it.
-FP4_DEVICE void fence_acquire_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 FP4_DEVICE u32 load_coherent_u32(const u32* p) { return __ldcg(p); }
 FP4_DEVICE float load_coherent_f32(const float* p) { return __ldcg(p); }
 FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) {
@@ -88,10 +84,9 @@ FP4_DEVICE void add_release_gpu(u32* p, u32 v) {
 FP4_DEVICE void store_release_gpu(u32* p, u32 v) {
     __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
 }
-FP4_DEVICE u32 load_relaxed_gpu(const u32* p) {
-    return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+FP4_DEVICE u32 load_acquire_gpu(const u32* p) {
+    return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
 }
-FP4_DEVICE void fence_acquire_gpu() { __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "agent"); }
 // after acquire_after_barrier() plain loads see every released write
 FP4_DEVICE u32 load_coherent_u32(const u32* p) { return *p; }
 FP4_DEVICE float load_coherent_f32(const float* p) { return *p; }
@@ -109,20 +104,19 @@ FP4_DEVICE void hang_detected(const char*, u32, u32) { __builtin_trap(); }
 {% endif %}
 // ---- end of sync vendor primitives ----
 
-/// Thread 0 waits until `*counter >= target` (relaxed polls, then one acquire fence), then the
-/// whole block proceeds. Every thread of the block must call it.
+/// Thread 0 waits until `*counter >= target` (acquire), then the whole block proceeds. Every
+/// thread of the block must call it.
 FP4_DEVICE void block_wait_at_least(const u32* counter, u32 target, const char* what) {
     if (thread_x() == 0) {
-        u32 value = load_relaxed_gpu(counter);
+        u32 value = load_acquire_gpu(counter);
         if (value < target) {
             const u64 start = wall_clock();
-            while ((value = load_relaxed_gpu(counter)) < target) {
+            while ((value = load_acquire_gpu(counter)) < target) {
                 spin_pause();
                 if (wall_clock() - start > FP4_WATCHDOG_SECONDS * FP4_WALL_CLOCK_PER_SECOND)
                     hang_detected(what, value, target);
             }
         }
-        fence_acquire_gpu();
     }
     block_barrier();
     acquire_after_barrier();

@@ -50,31 +50,6 @@ pub const FAMILY: &str = "moe";
 /// counts into 16 bits.
 pub const MAX_SLOTS_PER_LAUNCH: usize = 65535;
 
-/// Words of the kernels' `control` buffer for `experts` routed and `shared_experts` shared
-/// sub-experts, `hidden` H and up to `capacity` tokens: 4 counters, one per expert rank, one per
-/// 16 hidden rows (enough for any grouping of the down tiles), one per 8 tokens (the smallest
-/// token chunk), each on its own 128-byte line (`CONTROL_STRIDE` in `moe.cu`: blocks poll some
-/// counters while others add to their neighbours).
-pub fn control_words(
-    experts: usize,
-    shared_experts: usize,
-    hidden: usize,
-    capacity: usize,
-) -> usize {
-    const CONTROL_STRIDE: usize = 32;
-    CONTROL_STRIDE * (4 + experts + shared_experts + hidden.div_ceil(16) + capacity.div_ceil(8))
-}
-
-/// Dynamic shared memory of a `moe_*_m{rows}` launch: the X rows of a pass, `rows x (max(H, I) +
-/// 8)` bf16, where the target stages them (`moe.shared_ring_bytes_per_warp > 0`), else none.
-fn staged_x_bytes(target: &TargetFacts, shape: MoeShape, rows: u32) -> Result<u32> {
-    if target.moe.shared_ring_bytes_per_warp == 0 {
-        return Ok(0);
-    }
-    let row = shape.hidden.max(shape.intermediate) + 8;
-    check_u32("MoE staged X bytes", rows as usize * row * 2)
-}
-
 /// A MoE block's weights on a backend: the host weights on the CPU, the kernel layout
 /// ([`KernelLayout`]) of the target's [`TensorCore`] on a device.
 pub struct MoeWeights {
@@ -350,7 +325,11 @@ impl MoeWorkspace {
                 let u32s = |len: usize| backend.zeros::<u32>(len.max(1));
                 let f32s = |len: usize| backend.zeros::<f32>(len.max(1));
                 WorkspaceStorage::Device(Box::new(DeviceWorkspace {
-                    control: u32s(control_words(e, weights.shared_experts, h, capacity))?,
+                    // 4 counters, one per expert rank, one per 16 hidden rows (enough for any
+                    // grouping of the down tiles), one per 8 tokens (the smallest token chunk)
+                    control: u32s(
+                        4 + e + weights.shared_experts + h.div_ceil(16) + capacity.div_ceil(8),
+                    )?,
                     topk_ids: u32s(capacity * k)?,
                     slot_pos: u32s(capacity * k)?,
                     sorted_token: u32s(positions)?,
@@ -654,7 +633,7 @@ fn moe_block_device(
     };
     let shape = weights.shape;
     let tiles = &target.moe;
-    let mut dims = LaunchDims::linear(
+    let dims = LaunchDims::linear(
         multiprocessors * tiles.blocks_per_sm,
         tiles.warps_per_block * target.warp_size,
     );
@@ -677,7 +656,6 @@ fn moe_block_device(
             .or_else(|| tiles.token_rows.last().copied())
             .unwrap_or(8);
         let kernel = moe_kernel(target, weights.format, rows)?;
-        dims.shared_bytes = staged_x_bytes(target, shape, rows)?;
         let chunk = start * h..(start + tokens) * h;
         let residual_rows = match residual {
             Some(r) => KernelArg::input_range(r, chunk.clone())?,
