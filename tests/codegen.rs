@@ -148,3 +148,25 @@ fn the_gfx1151_gemm_kernels_use_wmma() {
         );
     }
 }
+
+/// NVRTC compiles on a thread of its own: the front end's recursion on the larger families
+/// overflowed the 2 MiB stack of a Rust test thread (SIGSEGV inside NVRTC on the H200 with the
+/// `verify` family, 2026-12-03), and a caller's thread (a test harness, an async runtime's
+/// worker) may be that small. Every sm_90a family compiles from a thread of 64 KiB (on which
+/// NVRTC 13.0 itself crashed when it ran on the caller's thread).
+#[test]
+fn kernels_compile_from_a_thread_with_a_small_stack() {
+    let include = fp4spec::backend::cuda::nvrtc::cuda_include_dir()
+        .expect("CUDA headers (tools/toolchains.sh)");
+    let small = std::thread::Builder::new()
+        .stack_size(64 << 10)
+        .spawn(move || {
+            let t = target::by_name("sm_90a").expect("sm_90a");
+            for rendered in fp4spec::kernels::table::rendered_for_target("sm_90a") {
+                fp4spec::backend::cuda::nvrtc::compile(rendered, t, &include)
+                    .unwrap_or_else(|e| panic!("{}: {e}", rendered.family));
+            }
+        })
+        .expect("spawn");
+    small.join().expect("compiled on a small stack");
+}

@@ -101,23 +101,54 @@ pub fn cuda_include_dir() -> Result<PathBuf> {
         })
 }
 
+/// Stack of the thread NVRTC compiles on. NVRTC's front end recurses on the caller's stack:
+/// the `verify` family overflowed the 2 MiB of a Rust test thread on the H200 (a SIGSEGV inside
+/// NVRTC, 2026-12-03; the same tests passed with 64 MiB), and a caller's thread (a test
+/// harness, an async runtime's worker) may be that small or smaller, so compilation always runs
+/// on a thread of its own with this much.
+const COMPILER_STACK_BYTES: usize = 64 << 20;
+
 /// Compiles `source` for `target` (its real architecture, so the output holds a CUBIN and the
-/// ptxas resource report).
+/// ptxas resource report), on a thread of [`COMPILER_STACK_BYTES`] whatever the caller's stack.
 ///
 /// # Errors
-/// [`Error::CudaUnavailable`] without NVRTC, [`Error::Compile`] with NVRTC's log on failure.
+/// [`Error::CudaUnavailable`] without NVRTC, [`Error::Compile`] with NVRTC's log on failure (or
+/// when the compiling thread cannot be started).
 pub fn compile(
     source: &RenderedSource,
     target: &TargetFacts,
     include_dir: &Path,
 ) -> Result<NvrtcOutput> {
     version()?;
-    let compile_error = |log: String| Error::Compile {
+    let compile_error = |log: String| compile_error(source, target, log);
+    std::thread::scope(|scope| {
+        std::thread::Builder::new()
+            .name(format!("nvrtc {}/{}", target.name, source.family))
+            .stack_size(COMPILER_STACK_BYTES)
+            .spawn_scoped(scope, || compile_here(source, target, include_dir))
+            .map_err(|e| compile_error(format!("cannot start the compiling thread: {e}")))?
+            .join()
+            .unwrap_or_else(|_| Err(compile_error("the compiling thread panicked".into())))
+    })
+}
+
+/// The [`Error::Compile`] of NVRTC compiling `source` for `target`, with `log`.
+fn compile_error(source: &RenderedSource, target: &TargetFacts, log: String) -> Error {
+    Error::Compile {
         compiler: "NVRTC".into(),
         target: target.name.clone(),
         family: source.family.to_string(),
         log,
-    };
+    }
+}
+
+/// [`compile`] on the calling thread.
+fn compile_here(
+    source: &RenderedSource,
+    target: &TargetFacts,
+    include_dir: &Path,
+) -> Result<NvrtcOutput> {
+    let compile_error = |log: String| compile_error(source, target, log);
     let text = CString::new(source.source)
         .map_err(|_| compile_error("source contains a NUL byte".into()))?;
     let name = CString::new(source.file_name)
