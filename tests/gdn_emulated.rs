@@ -28,7 +28,7 @@ const KERNEL: usize = 4;
 const EMULATOR: &str = include_str!("gdn_emulator.cpp");
 
 mod emulation;
-use emulation::{build_host, splice, splice_if_present};
+use emulation::{build_host, read_dumps, splice, splice_if_present};
 
 // ---- building the host binary of a target's rendered source ----
 
@@ -187,16 +187,7 @@ impl Emu {
             std::thread::sleep(std::time::Duration::from_millis(20));
         };
         assert!(status.success(), "{what}: the emulator failed ({status})");
-        let data = std::fs::read(&out).expect("read dumps");
-        let mut dumps = HashMap::new();
-        let mut at = 0;
-        while at < data.len() {
-            let id = u32::from_le_bytes(data[at..at + 4].try_into().expect("id"));
-            let n = u64::from_le_bytes(data[at + 4..at + 12].try_into().expect("len")) as usize;
-            dumps.insert(id, data[at + 12..at + 12 + n].to_vec());
-            at += 12 + n;
-        }
-        dumps
+        read_dumps(&out).into_iter().collect()
     }
 }
 

@@ -27,7 +27,7 @@ const GDN_EMULATOR: &str = include_str!("gdn_emulator.cpp");
 const MOE_EMULATOR: &str = include_str!("moe_emulator.cpp");
 
 mod emulation;
-use emulation::{build_host, section, splice};
+use emulation::{build_host, read_dumps, section, splice};
 
 /// The host binary of `target`'s rendered gemm source.
 fn emulator(target: &TargetFacts) -> PathBuf {
@@ -159,16 +159,7 @@ impl Emu {
             .status()
             .expect("run the emulator");
         assert!(status.success(), "{what}: the emulator failed ({status})");
-        let data = std::fs::read(&out).expect("read dumps");
-        let mut dumps = HashMap::new();
-        let mut at = 0;
-        while at < data.len() {
-            let id = u32::from_le_bytes(data[at..at + 4].try_into().expect("id"));
-            let n = u64::from_le_bytes(data[at + 4..at + 12].try_into().expect("len")) as usize;
-            dumps.insert(id, data[at + 12..at + 12 + n].to_vec());
-            at += 12 + n;
-        }
-        dumps
+        read_dumps(&out).into_iter().collect()
     }
 }
 

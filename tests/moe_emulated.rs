@@ -29,7 +29,7 @@ const EMULATOR: &str = include_str!("moe_emulator.cpp");
 const GDN_EMULATOR: &str = include_str!("gdn_emulator.cpp");
 
 mod emulation;
-use emulation::{build_host, section, splice, splice_if_present};
+use emulation::{build_host, read_dumps, section, splice, splice_if_present};
 
 // ---- building the host binary of a target's rendered source ----
 
@@ -155,15 +155,11 @@ impl Emu {
             std::thread::sleep(std::time::Duration::from_millis(20));
         };
         assert!(status.success(), "{test}: the emulator failed ({status})");
-        let bytes = std::fs::read(&output).expect("read dumps");
+        let dumps = read_dumps(&output)
+            .into_iter()
+            .map(|(_, bytes)| bytes)
+            .collect();
         let _ = std::fs::remove_dir_all(&dir);
-        let mut dumps = Vec::new();
-        let mut at = 0;
-        while at < bytes.len() {
-            let len = u64::from_le_bytes(bytes[at + 4..at + 12].try_into().expect("8")) as usize;
-            dumps.push(bytes[at + 12..at + 12 + len].to_vec());
-            at += 12 + len;
-        }
         dumps
     }
 }

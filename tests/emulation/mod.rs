@@ -1,9 +1,9 @@
 //! What the emulated-kernel tests (tests/gdn_emulated.rs, tests/moe_emulated.rs,
 //! tests/gemm_emulated.rs) share: cutting sections out of an emulator file, splicing them over
-//! the vendor layers of a rendered kernel source, and compiling the result for the host. Each test file includes it with
-//! `mod emulation;`.
+//! the vendor layers of a rendered kernel source, compiling the result for the host, and
+//! reading back the buffers it dumped. Each test file includes it with `mod emulation;`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The text of section `name` (from its `//@@ name` line to the next) of an emulator file.
@@ -103,4 +103,19 @@ pub fn build_host(family: &str, target_name: &str, source: &str, compilers: &[&s
         String::from_utf8_lossy(&output.stderr)
     );
     exe
+}
+
+/// The buffers an emulator dumped to `path`, in dump order with their ids: records of (u32 id,
+/// u64 bytes, bytes), the format the emulators' drivers write.
+pub fn read_dumps(path: &Path) -> Vec<(u32, Vec<u8>)> {
+    let data = std::fs::read(path).expect("read dumps");
+    let mut dumps = Vec::new();
+    let mut at = 0;
+    while at < data.len() {
+        let id = u32::from_le_bytes(data[at..at + 4].try_into().expect("id"));
+        let n = u64::from_le_bytes(data[at + 4..at + 12].try_into().expect("len")) as usize;
+        dumps.push((id, data[at + 12..at + 12 + n].to_vec()));
+        at += 12 + n;
+    }
+    dumps
 }

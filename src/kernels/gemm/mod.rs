@@ -42,12 +42,13 @@ pub mod reference;
 pub use layout::{RowOrder, TensorCore};
 
 use super::{Nvfp4Weights, check_len, check_u32};
-use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
+use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims, SplitKScratch};
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::Nvfp4Matrix;
 use crate::target::{GemmTiles, STREAM_GROUP_BYTES, TargetFacts};
 use half::bf16;
 use layout::{Bf16Fragments, Nvfp4Fragments, WmmaBf16Fragments, WmmaNvfp4Fragments};
+use std::sync::MutexGuard;
 
 /// The family name (template and module).
 pub const FAMILY: &str = "gemm";
@@ -955,6 +956,38 @@ struct SplitArgs<'a> {
     warps_per_tile: u32,
 }
 
+impl<'a> SplitArgs<'a> {
+    /// The split-K arguments of `plan` over `scratch` (null pointers without splits).
+    fn new(scratch: Option<&'a mut SplitKScratch>, plan: &MmaPlan) -> Self {
+        let (partials, counters) = match scratch {
+            Some(s) => (s.partials.as_mut(), s.counters.as_mut()),
+            None => (None, None),
+        };
+        Self {
+            partials: KernelArg::optional_output(partials),
+            counters: KernelArg::optional_output(counters),
+            groups_per_split: plan.groups_per_split,
+            warps_per_tile: plan.warps_per_tile,
+        }
+    }
+}
+
+/// The backend's split-K scratch for a launch of `plan` over `n_tiles` tiles of `m_tiles` n8
+/// tiles of rows (partials: 32 lanes x 4 floats per n8 tile, per tile and split; a counter per
+/// tile), held for the launch; none without splits.
+fn split_k_scratch<'b>(
+    backend: &'b Backend,
+    plan: &MmaPlan,
+    n_tiles: usize,
+    m_tiles: usize,
+) -> Result<Option<MutexGuard<'b, SplitKScratch>>> {
+    if plan.splits <= 1 {
+        return Ok(None);
+    }
+    let partials = n_tiles * plan.splits as usize * 32 * m_tiles * 4;
+    backend.split_k_scratch(partials, n_tiles).map(Some)
+}
+
 /// `gemm_nvfp4_bf16_mma_m*`'s arguments in its parameter order (x, words, scales, alpha, y,
 /// residual, partials, counters, m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile,
 /// epilogue).
@@ -1146,24 +1179,8 @@ fn linear_mma(
     for start in (0..m).step_by(MMA_MAX_ROWS) {
         let rows = (m - start).min(MMA_MAX_ROWS);
         let m_tiles = rows.div_ceil(8).next_power_of_two();
-        let mut scratch = if plan.splits > 1 {
-            Some(backend.split_k_scratch(
-                w.grid.n_tiles * plan.splits as usize * 32 * m_tiles * 4,
-                w.grid.n_tiles,
-            )?)
-        } else {
-            None
-        };
-        let (partials, counters) = match scratch.as_deref_mut() {
-            Some(s) => (s.partials.as_mut(), s.counters.as_mut()),
-            None => (None, None),
-        };
-        let split = SplitArgs {
-            partials: KernelArg::optional_output(partials),
-            counters: KernelArg::optional_output(counters),
-            groups_per_split: plan.groups_per_split,
-            warps_per_tile: plan.warps_per_tile,
-        };
+        let mut scratch = split_k_scratch(backend, &plan, w.grid.n_tiles, m_tiles)?;
+        let split = SplitArgs::new(scratch.as_deref_mut(), &plan);
         let chunk = ChunkArgs::new(x, y, residual, start, rows, k, n_out)?;
         // Both kernels index only what is checked here: X, Y and the residual were checked
         // against (m, n, k) and the chunk's rows lie within them; the weights were laid out
@@ -1225,24 +1242,8 @@ fn linear_stream(
         shared_bytes: check_u32("gemm stream shared memory", shared_bytes)?,
     };
     let m_tiles = m.div_ceil(8).next_power_of_two();
-    let mut scratch = if plan.splits > 1 {
-        Some(backend.split_k_scratch(
-            w.grid.n_tiles * plan.splits as usize * 32 * m_tiles * 4,
-            w.grid.n_tiles,
-        )?)
-    } else {
-        None
-    };
-    let (partials, counters) = match scratch.as_deref_mut() {
-        Some(s) => (s.partials.as_mut(), s.counters.as_mut()),
-        None => (None, None),
-    };
-    let split = SplitArgs {
-        partials: KernelArg::optional_output(partials),
-        counters: KernelArg::optional_output(counters),
-        groups_per_split: plan.groups_per_split,
-        warps_per_tile: plan.warps_per_tile,
-    };
+    let mut scratch = split_k_scratch(backend, &plan, w.grid.n_tiles, m_tiles)?;
+    let split = SplitArgs::new(scratch.as_deref_mut(), &plan);
     let (k, n_out) = (w.grid.cols, w.out_features());
     let chunk = ChunkArgs::new(x, y, residual, 0, m, k, n_out)?;
     let kernel = variant(&STREAM_NVFP4_KERNELS, 8, m)?;
