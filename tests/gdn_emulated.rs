@@ -20,15 +20,17 @@ use fp4spec::rng::SplitMix64;
 use fp4spec::target;
 use half::bf16;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::sync::OnceLock;
 
 const KERNEL: usize = 4;
 const EMULATOR: &str = include_str!("gdn_emulator.cpp");
 
+#[path = "emulation/driver.rs"]
+mod driver;
 mod emulation;
-use emulation::{build_host, read_dumps, splice, splice_if_present};
+use driver::{Arg, Buf, Emu};
+use emulation::{build_host, splice, splice_if_present};
 
 // ---- building the host binary of a target's rendered source ----
 
@@ -92,24 +94,6 @@ fn emulator(target_name: &'static str) -> PathBuf {
 
 // ---- the command stream ----
 
-#[derive(Clone, Copy)]
-struct Buf(u32);
-
-#[derive(Clone, Copy)]
-enum Arg {
-    Ptr(Buf),
-    Null,
-    U32(u32),
-    F32(f32),
-}
-
-#[derive(Default)]
-struct Emu {
-    commands: Vec<u8>,
-    next: u32,
-    dumps: Vec<u32>,
-}
-
 fn bytes_f32(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
@@ -118,77 +102,6 @@ fn bytes_u32(v: &[u32]) -> Vec<u8> {
 }
 fn bytes_bf16(v: &[bf16]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-impl Emu {
-    fn buffer(&mut self, bytes: Vec<u8>) -> Buf {
-        self.next += 1;
-        self.commands.extend(1u32.to_le_bytes());
-        self.commands.extend(self.next.to_le_bytes());
-        self.commands.extend((bytes.len() as u64).to_le_bytes());
-        self.commands.extend(bytes);
-        Buf(self.next)
-    }
-
-    fn zeros(&mut self, bytes: usize) -> Buf {
-        self.buffer(vec![0; bytes])
-    }
-
-    fn launch(&mut self, name: &str, grid: (u32, u32), threads: u32, shared: usize, args: &[Arg]) {
-        let c = &mut self.commands;
-        c.extend(2u32.to_le_bytes());
-        c.extend((name.len() as u32).to_le_bytes());
-        c.extend(name.as_bytes());
-        for v in [grid.0, grid.1, threads, shared as u32, args.len() as u32] {
-            c.extend(v.to_le_bytes());
-        }
-        for a in args {
-            let (kind, value) = match *a {
-                Arg::Ptr(b) => (0u32, u64::from(b.0) << 40),
-                Arg::Null => (1, 0),
-                Arg::U32(v) => (2, u64::from(v)),
-                Arg::F32(v) => (3, u64::from(v.to_bits())),
-            };
-            c.extend(kind.to_le_bytes());
-            c.extend(value.to_le_bytes());
-        }
-    }
-
-    fn dump(&mut self, b: Buf) {
-        self.commands.extend(3u32.to_le_bytes());
-        self.commands.extend(b.0.to_le_bytes());
-        self.dumps.push(b.0);
-    }
-
-    /// Runs the commands; returns every dumped buffer by id.
-    fn run(&self, exe: &Path, what: &str) -> HashMap<u32, Vec<u8>> {
-        let dir = exe.parent().expect("emulator folder");
-        let (cmd, out) = (
-            dir.join(format!("{what}.cmd")),
-            dir.join(format!("{what}.out")),
-        );
-        std::fs::write(&cmd, &self.commands).expect("write commands");
-        let mut child = Command::new(exe)
-            .arg(&cmd)
-            .arg(&out)
-            .spawn()
-            .expect("start the emulator");
-        let started = std::time::Instant::now();
-        let status = loop {
-            if let Some(status) = child.try_wait().expect("wait") {
-                break status;
-            }
-            if started.elapsed() > std::time::Duration::from_secs(600) {
-                let _ = child.kill();
-                panic!(
-                    "{what}: the emulated kernels ran 10 minutes (a barrier or shuffle not reached by every thread?)"
-                );
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        };
-        assert!(status.success(), "{what}: the emulator failed ({status})");
-        read_dumps(&out).into_iter().collect()
-    }
 }
 
 fn f32s(b: &[u8]) -> Vec<f32> {

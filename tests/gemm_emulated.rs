@@ -18,16 +18,17 @@ use fp4spec::kernels::table;
 use fp4spec::rng::SplitMix64;
 use fp4spec::target::{self, TargetFacts};
 use half::bf16;
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 const EMULATOR: &str = include_str!("gemm_emulator.cpp");
 const GDN_EMULATOR: &str = include_str!("gdn_emulator.cpp");
 const MOE_EMULATOR: &str = include_str!("moe_emulator.cpp");
 
+#[path = "emulation/driver.rs"]
+mod driver;
 mod emulation;
-use emulation::{build_host, read_dumps, section, splice};
+use driver::{Arg, Buf, Emu};
+use emulation::{build_host, section, splice};
 
 /// The host binary of `target`'s rendered gemm source.
 fn emulator(target: &TargetFacts) -> PathBuf {
@@ -92,77 +93,6 @@ fn emulator(target: &TargetFacts) -> PathBuf {
     )
 }
 
-#[derive(Clone, Copy)]
-enum Arg {
-    Buf(u32),
-    Null,
-    U32(u32),
-    F32(f32),
-}
-
-/// The command stream of tests/gdn_emulator.cpp's driver.
-#[derive(Default)]
-struct Emu {
-    commands: Vec<u8>,
-    next: u32,
-}
-
-impl Emu {
-    fn buffer(&mut self, bytes: Vec<u8>) -> Arg {
-        self.next += 1;
-        self.commands.extend(1u32.to_le_bytes());
-        self.commands.extend(self.next.to_le_bytes());
-        self.commands.extend((bytes.len() as u64).to_le_bytes());
-        self.commands.extend(bytes);
-        Arg::Buf(self.next)
-    }
-
-    fn launch(&mut self, name: &str, grid: (u32, u32), threads: u32, shared: usize, args: &[Arg]) {
-        let c = &mut self.commands;
-        c.extend(2u32.to_le_bytes());
-        c.extend((name.len() as u32).to_le_bytes());
-        c.extend(name.as_bytes());
-        for v in [grid.0, grid.1, threads, shared as u32, args.len() as u32] {
-            c.extend(v.to_le_bytes());
-        }
-        for a in args {
-            let (kind, value) = match *a {
-                Arg::Buf(id) => (0u32, u64::from(id) << 40),
-                Arg::Null => (1, 0),
-                Arg::U32(v) => (2, u64::from(v)),
-                Arg::F32(v) => (3, u64::from(v.to_bits())),
-            };
-            c.extend(kind.to_le_bytes());
-            c.extend(value.to_le_bytes());
-        }
-    }
-
-    fn dump(&mut self, b: Arg) {
-        let Arg::Buf(id) = b else {
-            panic!("only buffers are dumped")
-        };
-        self.commands.extend(3u32.to_le_bytes());
-        self.commands.extend(id.to_le_bytes());
-    }
-
-    /// Runs the commands; returns every dumped buffer by id.
-    fn run(&self, exe: &Path, what: &str) -> HashMap<u32, Vec<u8>> {
-        let dir = exe.parent().expect("emulator folder");
-        let (cmd, out) = (
-            dir.join(format!("{what}.cmd")),
-            dir.join(format!("{what}.out")),
-        );
-        std::fs::write(&cmd, &self.commands).expect("write commands");
-        let status = Command::new(exe)
-            .arg(&cmd)
-            .arg(&out)
-            .status()
-            .expect("run the emulator");
-        assert!(status.success(), "{what}: the emulator failed ({status})");
-        read_dumps(&out).into_iter().collect()
-    }
-}
-
 /// One product on one partition: the stream kernel and the register kernel launched as
 /// src/kernels/gemm/mod.rs launches them (parameters of `mma_nvfp4_arguments`).
 struct Case {
@@ -212,15 +142,8 @@ fn run_case(
         ),
     ] {
         let y = emu.buffer(vec![0xff; 2 * case.m * case.n]);
-        let partials = emu.buffer(vec![
-            0;
-            grid.n_tiles
-                * case.plan.splits as usize
-                * 32
-                * m_tiles
-                * 16
-        ]);
-        let counters = emu.buffer(vec![0; 4 * grid.n_tiles]);
+        let partials = emu.zeros(grid.n_tiles * case.plan.splits as usize * 32 * m_tiles * 16);
+        let counters = emu.zeros(4 * grid.n_tiles);
         let shared = if kernel.contains("stream") {
             gemm::stream_shared_bytes(tiles, case.m, case.plan.groups_per_split)
         } else {
@@ -233,14 +156,14 @@ fn run_case(
             warps * target.warp_size,
             shared,
             &[
-                x_buf,
-                words,
-                scales,
+                Arg::Ptr(x_buf),
+                Arg::Ptr(words),
+                Arg::Ptr(scales),
                 Arg::F32(q.global_scale * 128.0),
-                y,
+                Arg::Ptr(y),
                 Arg::Null,
-                partials,
-                counters,
+                Arg::Ptr(partials),
+                Arg::Ptr(counters),
                 Arg::U32(case.m as u32),
                 Arg::U32(case.n as u32),
                 Arg::U32(case.k as u32),
@@ -255,9 +178,8 @@ fn run_case(
         outputs.push(y);
     }
     let dumps = emu.run(exe, &format!("case_{}x{}_m{}", case.n, case.k, case.m));
-    let read = |b: Arg| -> Vec<bf16> {
-        let Arg::Buf(id) = b else { unreachable!() };
-        dumps[&id]
+    let read = |b: Buf| -> Vec<bf16> {
+        dumps[&b.0]
             .chunks_exact(2)
             .map(|c| bf16::from_le_bytes([c[0], c[1]]))
             .collect()
