@@ -601,6 +601,29 @@ pub struct MmaPlan {
     pub groups_per_split: u32,
 }
 
+impl MmaPlan {
+    /// The launch of this partition over `n_tiles` tiles: blocks of `warps_per_block` warps
+    /// (`warps_per_tile` to a tile), one grid row per K split, `shared_bytes` of dynamic shared
+    /// memory.
+    fn dims(
+        &self,
+        n_tiles: u32,
+        warps_per_block: u32,
+        warp_size: u32,
+        shared_bytes: u32,
+    ) -> LaunchDims {
+        LaunchDims {
+            grid: (
+                n_tiles.div_ceil(warps_per_block / self.warps_per_tile),
+                self.splits,
+                1,
+            ),
+            block: (warps_per_block * warp_size, 1, 1),
+            shared_bytes,
+        }
+    }
+}
+
 /// The fewest warps per tile, then the fewest K splits, that give
 /// `multiprocessors * min_warps_per_sm` warps work, keeping at least `min_groups_per_split`
 /// groups per split and no split empty.
@@ -1165,17 +1188,12 @@ fn linear_mma(
     );
     let shape = TileShape::new(w, epilogue)?;
     let (k, n_out) = (w.grid.cols, w.out_features());
-    let dims = LaunchDims {
-        grid: (
-            shape
-                .n_tiles
-                .div_ceil(tiles.mma_warps_per_block / plan.warps_per_tile),
-            plan.splits,
-            1,
-        ),
-        block: (tiles.mma_warps_per_block * target.warp_size, 1, 1),
-        shared_bytes: 0,
-    };
+    let dims = plan.dims(
+        shape.n_tiles,
+        tiles.mma_warps_per_block,
+        target.warp_size,
+        0,
+    );
     for start in (0..m).step_by(MMA_MAX_ROWS) {
         let rows = (m - start).min(MMA_MAX_ROWS);
         let m_tiles = rows.div_ceil(8).next_power_of_two();
@@ -1230,17 +1248,12 @@ fn linear_stream(
     let plan = stream_plan(w.grid.n_tiles, w.grid.k_groups, m, tiles, multiprocessors);
     let shape = TileShape::new(w, epilogue)?;
     let shared_bytes = stream_shared_bytes(tiles, m, plan.groups_per_split);
-    let dims = LaunchDims {
-        grid: (
-            shape
-                .n_tiles
-                .div_ceil(tiles.stream_warps_per_block / plan.warps_per_tile),
-            plan.splits,
-            1,
-        ),
-        block: (tiles.stream_warps_per_block * target.warp_size, 1, 1),
-        shared_bytes: check_u32("gemm stream shared memory", shared_bytes)?,
-    };
+    let dims = plan.dims(
+        shape.n_tiles,
+        tiles.stream_warps_per_block,
+        target.warp_size,
+        check_u32("gemm stream shared memory", shared_bytes)?,
+    );
     let m_tiles = m.div_ceil(8).next_power_of_two();
     let mut scratch = split_k_scratch(backend, &plan, w.grid.n_tiles, m_tiles)?;
     let split = SplitArgs::new(scratch.as_deref_mut(), &plan);
