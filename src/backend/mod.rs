@@ -197,6 +197,41 @@ impl Backend {
         })
     }
 
+    /// Records the launches and copies `record` queues into a graph instead of running them,
+    /// and returns it ready to replay ([`Graph::launch`]): one submission for the whole sequence,
+    /// so per-launch costs are paid once at capture. What `record` queues must not allocate,
+    /// synchronise or copy from the host (the families' launches do not, after a first call
+    /// outside the capture has loaded their modules and grown their scratch).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] on the CPU and HIP backends (only CUDA captures graphs here); the
+    /// error `record` returns (the capture is ended and dropped first); [`Error::Cuda`] when the
+    /// capture or the instantiation fails, e.g. because `record` did something a capture cannot
+    /// hold.
+    pub fn capture(&self, record: impl FnOnce() -> Result<()>) -> Result<Graph> {
+        let Self::Cuda(c) = self else {
+            return Err(Error::invalid(
+                "graph capture",
+                format!("the {} backend captures no graphs (CUDA only)", self.name()),
+            ));
+        };
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        let stream = c.stream();
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| Error::cuda("begin a graph capture", e))?;
+        let recorded = record();
+        let ended = stream.end_capture(CUgraphInstantiate_flags(0));
+        recorded?;
+        let graph = ended
+            .map_err(|e| Error::cuda("end the graph capture and instantiate it", e))?
+            .ok_or_else(|| Error::invalid("graph capture", "nothing was queued while capturing"))?;
+        graph
+            .upload()
+            .map_err(|e| Error::cuda("upload the captured graph", e))?;
+        Ok(Graph { graph })
+    }
+
     /// Queues a copy of `src` into `dst` (same backend, same length): the device-to-device
     /// copy every bandwidth ceiling is measured with.
     ///
@@ -230,6 +265,20 @@ impl Backend {
             (Self::Hip(h), DeviceVec::Hip(s), DeviceVec::Hip(d)) => h.copy(s, d),
             (_, src, _) => Err(self.mismatch("copied buffer", src)),
         }
+    }
+
+    /// A second buffer on the backend holding a copy of `data` (device to device on a device).
+    ///
+    /// # Errors
+    /// [`Error::BackendMismatch`] for a buffer of another backend, [`Error::Cuda`] /
+    /// [`Error::Hip`] when the allocation or the copy fails.
+    pub fn duplicate<T: DeviceRepr + ValidAsZeroBits + Clone + Default>(
+        &self,
+        data: &DeviceVec<T>,
+    ) -> Result<DeviceVec<T>> {
+        let mut copied = self.zeros(data.len())?;
+        self.copy(data, &mut copied)?;
+        Ok(copied)
     }
 
     /// The split-K scratch of the device, grown to at least `partials` floats and `counters`
@@ -404,6 +453,23 @@ impl Backend {
             expected: self.name(),
             found: data.backend_name(),
         }
+    }
+}
+
+/// Launches captured by [`Backend::capture`], replayed together.
+pub struct Graph {
+    graph: cudarc::driver::CudaGraph,
+}
+
+impl Graph {
+    /// Queues one replay of everything captured, on the backend's stream.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the launch fails.
+    pub fn launch(&self) -> Result<()> {
+        self.graph
+            .launch()
+            .map_err(|e| Error::cuda("launch a captured graph", e))
     }
 }
 

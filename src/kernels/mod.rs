@@ -15,6 +15,7 @@ mod launch_check;
 pub mod moe;
 pub mod norm;
 pub mod table;
+pub mod tokens;
 pub mod verify;
 
 use crate::backend::{Backend, DeviceVec};

@@ -55,6 +55,8 @@ pub struct TargetFacts {
     pub gemm: GemmTiles,
     /// Launch parameters of the `norm` family.
     pub norm: NormTiles,
+    /// Launch parameters of the `tokens` family.
+    pub tokens: TokensTiles,
     /// Launch parameters of the `attention` family.
     pub attention: AttentionTiles,
     /// Launch parameters of the `gdn` family.
@@ -136,6 +138,17 @@ pub struct GemmTiles {
 pub struct NormTiles {
     /// Threads per block; one block per row.
     pub threads_per_block: u32,
+}
+
+/// Launch parameters of the `tokens` family.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokensTiles {
+    /// Threads per block of `tokens_embed` (one block per row) and `tokens_argmax`.
+    pub threads_per_block: u32,
+    /// Logits one `tokens_argmax` block searches (a row takes `ceil(vocab / argmax_chunk)`
+    /// blocks).
+    pub argmax_chunk: u32,
 }
 
 /// Launch parameters of the `attention` family.
@@ -328,6 +341,18 @@ impl TargetFacts {
             return fail(format!(
                 "norm.threads_per_block {norm} must be a multiple of warp_size {} in 1..=1024",
                 self.warp_size
+            ));
+        }
+        let tokens = &self.tokens;
+        if tokens.threads_per_block == 0
+            || tokens.threads_per_block > 1024
+            || tokens.threads_per_block % self.warp_size != 0
+            || tokens.argmax_chunk == 0
+        {
+            return fail(format!(
+                "tokens.threads_per_block {} must be a multiple of warp_size {} in 1..=1024 and \
+                 tokens.argmax_chunk {} positive",
+                tokens.threads_per_block, self.warp_size, tokens.argmax_chunk
             ));
         }
         let a = &self.attention;

@@ -450,6 +450,74 @@ impl Linear {
         })
     }
 
+    /// A second copy of the weight on the same backend (device to device on a device): a layer
+    /// of its own with the same values, e.g. to give every layer of a synthetic model separate
+    /// weights without laying each out again.
+    ///
+    /// # Errors
+    /// [`Error::BackendMismatch`] for a weight of another backend, [`Error::Cuda`] /
+    /// [`Error::Hip`] when a copy fails.
+    pub fn try_clone(&self, backend: &Backend) -> Result<Self> {
+        if self.storage.backend_name() != backend.name() {
+            return Err(Error::BackendMismatch {
+                what: "linear weight".into(),
+                expected: backend.name(),
+                found: self.storage.backend_name(),
+            });
+        }
+        let storage = match &self.storage {
+            LinearStorage::HostNvfp4(m) => LinearStorage::HostNvfp4(m.clone()),
+            LinearStorage::HostW4a4 {
+                matrix,
+                input_scale,
+            } => LinearStorage::HostW4a4 {
+                matrix: matrix.clone(),
+                input_scale: *input_scale,
+            },
+            LinearStorage::HostBf16(v) => LinearStorage::HostBf16(v.clone()),
+            LinearStorage::MmaNvfp4 {
+                words,
+                scales,
+                global_scale,
+            } => LinearStorage::MmaNvfp4 {
+                words: backend.duplicate(words)?,
+                scales: backend.duplicate(scales)?,
+                global_scale: *global_scale,
+            },
+            LinearStorage::MmaBf16 { words } => LinearStorage::MmaBf16 {
+                words: backend.duplicate(words)?,
+            },
+            LinearStorage::W4a4 {
+                words,
+                scales,
+                global_scale,
+                input_scale,
+            } => LinearStorage::W4a4 {
+                words: backend.duplicate(words)?,
+                scales: backend.duplicate(scales)?,
+                global_scale: *global_scale,
+                input_scale: *input_scale,
+            },
+            LinearStorage::WmmaNvfp4 {
+                words,
+                scales,
+                global_scale,
+            } => LinearStorage::WmmaNvfp4 {
+                words: backend.duplicate(words)?,
+                scales: backend.duplicate(scales)?,
+                global_scale: *global_scale,
+            },
+            LinearStorage::WmmaBf16 { values } => LinearStorage::WmmaBf16 {
+                values: backend.duplicate(values)?,
+            },
+        };
+        Ok(Self {
+            format: self.format,
+            grid: self.grid,
+            storage,
+        })
+    }
+
     /// The weight format.
     pub fn format(&self) -> WeightFormat {
         self.format

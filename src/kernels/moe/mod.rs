@@ -38,7 +38,6 @@ use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
 use crate::error::{Error, Result};
 use crate::formats::safetensors::Checkpoint;
 use crate::target::TargetFacts;
-use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use reference::{ExpertRef, MoeShape, Routing};
 use std::collections::HashMap;
@@ -85,16 +84,6 @@ impl DeviceMoe {
     fn backend_name(&self) -> &'static str {
         self.router.backend_name()
     }
-}
-
-/// A device-to-device copy of `data` on `backend`.
-fn copy<T: DeviceRepr + ValidAsZeroBits + Clone + Default>(
-    backend: &Backend,
-    data: &DeviceVec<T>,
-) -> Result<DeviceVec<T>> {
-    let mut copied = backend.zeros(data.len())?;
-    backend.copy(data, &mut copied)?;
-    Ok(copied)
 }
 
 /// The empty buffer is `None` (bf16 experts have no scales).
@@ -184,17 +173,17 @@ impl MoeWeights {
             MoeStorage::Host(host) => MoeStorage::Host(host.clone()),
             MoeStorage::Device(d) if d.backend_name() == backend.name() => {
                 let scales = |s: &Option<DeviceVec<u8>>| -> Result<Option<DeviceVec<u8>>> {
-                    s.as_ref().map(|s| copy(backend, s)).transpose()
+                    s.as_ref().map(|s| backend.duplicate(s)).transpose()
                 };
                 MoeStorage::Device(Box::new(DeviceMoe {
-                    router: copy(backend, &d.router)?,
+                    router: backend.duplicate(&d.router)?,
                     has_shared_gate: d.has_shared_gate,
-                    gate_up: copy(backend, &d.gate_up)?,
+                    gate_up: backend.duplicate(&d.gate_up)?,
                     gate_up_scales: scales(&d.gate_up_scales)?,
-                    down: copy(backend, &d.down)?,
+                    down: backend.duplicate(&d.down)?,
                     down_scales: scales(&d.down_scales)?,
-                    gate_up_alpha: copy(backend, &d.gate_up_alpha)?,
-                    down_alpha: copy(backend, &d.down_alpha)?,
+                    gate_up_alpha: backend.duplicate(&d.gate_up_alpha)?,
+                    down_alpha: backend.duplicate(&d.down_alpha)?,
                 }))
             }
             MoeStorage::Device(d) => {

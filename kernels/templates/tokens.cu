@@ -1,0 +1,93 @@
+// Family `tokens`: where a decode step starts and ends, the embedding gather and the greedy
+// argmax over the vocabulary (rendered for {{ target.name }}). CPU reference:
+// src/kernels/tokens/reference.rs. Launch: src/kernels/tokens/mod.rs.
+{% include "common/prelude.cuh" %}
+{% include "common/sync.cuh" %}
+
+#define TOKENS_THREADS {{ target.tokens.threads_per_block }}
+#define TOKENS_WARPS (TOKENS_THREADS / FP4_WARP_SIZE)
+
+// tokens_embed: residual[row] = f32(table[tokens[row]]), one block per row. A token past the
+// vocabulary gives a zero row: the launcher checks host-given tokens, and tokens_argmax only
+// writes indices below the vocabulary, so this guard only keeps a corrupted buffer in bounds.
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(TOKENS_THREADS) tokens_embed(
+    const u32* __restrict__ tokens, const u16* __restrict__ table, u32 vocab, u32 hidden,
+    float* __restrict__ residual) {
+    const u64 row = block_x();
+    const u32 token = tokens[row];
+    const u16* source = table + (u64)token * hidden;
+    for (u32 i = thread_x(); i < hidden; i += TOKENS_THREADS)
+        residual[row * hidden + i] = token < vocab ? bf16_to_f32(source[i]) : 0.0f;
+}
+
+// The better of two (value, index) candidates: the larger value, the lower index on a tie. NaN
+// never wins (every comparison with it is false). Searches start from (-inf, no index): a row of
+// all NaN ends without an index and gives token 0.
+FP4_DEVICE void better(float& value, u32& index, float other_value, u32 other_index) {
+    if (other_value > value || (other_value == value && other_index < index)) {
+        value = other_value;
+        index = other_index;
+    }
+}
+
+// The block's best (value, index) into thread 0's registers.
+FP4_DEVICE void block_best(float& value, u32& index) {
+    __shared__ float best_values[TOKENS_WARPS];
+    __shared__ u32 best_indices[TOKENS_WARPS];
+    #pragma unroll
+    for (int offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        const float v = bits_to_f32(shuffle_xor(f32_to_bits(value), offset));
+        const u32 i = shuffle_xor(index, offset);
+        better(value, index, v, i);
+    }
+    if (lane_index() == 0) {
+        best_values[thread_x() / FP4_WARP_SIZE] = value;
+        best_indices[thread_x() / FP4_WARP_SIZE] = index;
+    }
+    block_barrier();
+    if (thread_x() == 0) {
+        for (int w = 1; w < TOKENS_WARPS; ++w) better(value, index, best_values[w], best_indices[w]);
+    }
+}
+
+// tokens_argmax: for every row of bf16 logits (`vocab` wide), the lowest index of the largest
+// value into tokens[row] (the next step's input) and, when `positions` is not null,
+// positions[row] += 1 (the attention rows' position of the next step). Grid (splits, rows): block
+// (s, row) takes `chunk` values of the row and leaves its best in partial_*[row * splits + s];
+// the row's last block to arrive (counters[row], acquire-release) reduces the partials, writes
+// the token and resets the counter to 0 for the next launch. One launch, no host round trip.
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(TOKENS_THREADS) tokens_argmax(
+    const u16* __restrict__ logits, u32 vocab, u32 chunk, float* __restrict__ partial_values,
+    u32* __restrict__ partial_indices, u32* __restrict__ counters, u32* __restrict__ tokens,
+    u32* __restrict__ positions) {
+    __shared__ u32 last;
+    const u32 split = block_x(), splits = grid_blocks();
+    const u64 row = block_y();
+    const u16* values = logits + row * vocab;
+    const u32 begin = split * chunk;
+    const u32 end = begin + chunk < vocab ? begin + chunk : vocab;
+    float best_value = bits_to_f32(0xff800000u); // -inf
+    u32 best_index = 0xffffffffu;
+    for (u32 i = begin + thread_x(); i < end; i += TOKENS_THREADS)
+        better(best_value, best_index, bf16_to_f32(values[i]), i);
+    block_best(best_value, best_index);
+    if (thread_x() == 0) {
+        partial_values[row * splits + split] = best_value;
+        partial_indices[row * splits + split] = best_index;
+        last = atomic_add_acq_rel_gpu(counters + row, 1u) == splits - 1;
+    }
+    block_barrier();
+    if (!last) return;
+    acquire_after_barrier();
+    best_value = bits_to_f32(0xff800000u);
+    best_index = 0xffffffffu;
+    for (u32 s = thread_x(); s < splits; s += TOKENS_THREADS)
+        better(best_value, best_index, load_coherent_f32(partial_values + row * splits + s),
+               load_coherent_u32(partial_indices + row * splits + s));
+    block_best(best_value, best_index);
+    if (thread_x() == 0) {
+        tokens[row] = best_index < vocab ? best_index : 0u;
+        if (positions) positions[row] += 1u;
+        counters[row] = 0u;
+    }
+}
