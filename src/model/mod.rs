@@ -9,6 +9,7 @@
 
 pub mod cache;
 pub mod config;
+pub mod device;
 pub mod forward;
 pub mod generate;
 pub mod params;

@@ -10,7 +10,9 @@ mod backend;
 mod common;
 mod gdn;
 mod gemm;
+mod model;
 mod moe;
+mod tokens;
 mod verify;
 
 use common::skipped;

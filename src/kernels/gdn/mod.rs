@@ -193,6 +193,23 @@ impl GdnParams {
         })
     }
 
+    /// A second copy on the same backend (device to device on a device).
+    ///
+    /// # Errors
+    /// [`Error::BackendMismatch`] for parameters of another backend, [`Error::Cuda`] /
+    /// [`Error::Hip`] when a copy fails.
+    pub fn try_clone(&self, backend: &Backend) -> Result<Self> {
+        Ok(Self {
+            shape: self.shape,
+            kernel: self.kernel,
+            eps: self.eps,
+            conv_weight: backend.duplicate(&self.conv_weight)?,
+            a_log: backend.duplicate(&self.a_log)?,
+            dt_bias: backend.duplicate(&self.dt_bias)?,
+            norm_weight: backend.duplicate(&self.norm_weight)?,
+        })
+    }
+
     /// The layer's head shape.
     pub fn shape(&self) -> GdnShape {
         self.shape
@@ -443,6 +460,23 @@ impl Sequences {
     /// Whether the batch is empty (never: [`Sequences::new`] refuses it).
     pub fn is_empty(&self) -> bool {
         self.slots.is_empty()
+    }
+
+    /// Puts every sequence back at `positions` with nothing pending, in the same buffers (a
+    /// graph captured with them stays valid).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `positions` has a length other than the batch's,
+    /// [`Error::Cuda`] / [`Error::Hip`] when a copy fails.
+    pub fn restart(&mut self, backend: &Backend, positions: &[u32]) -> Result<()> {
+        if positions.len() != self.len() {
+            return Err(Error::invalid(
+                "gdn sequences",
+                format!("{} positions for {} sequences", positions.len(), self.len()),
+            ));
+        }
+        backend.write(&mut self.positions, 0, positions)?;
+        backend.fill_zeros(&mut self.pending)
     }
 
     /// The positions, downloaded.

@@ -580,7 +580,7 @@ impl MoeHostWeights {
 }
 
 /// `len` bf16 values uniform in `[-a, a]` with RMS `rms`.
-fn uniform_bf16(rng: &mut SplitMix64, len: usize, rms: f32) -> Vec<bf16> {
+pub(crate) fn uniform_bf16(rng: &mut SplitMix64, len: usize, rms: f32) -> Vec<bf16> {
     let a = rms * 3f32.sqrt();
     (0..len)
         .map(|_| bf16::from_f32((2.0 * rng.uniform() - 1.0) * a))
@@ -594,7 +594,12 @@ const SYNTHETIC_SCALE_RMS: f32 = 1.15;
 
 /// An NVFP4 `[rows, cols]` of RMS about `rms` (uniform codes and block scales, see
 /// [`MoeHostWeights::synthetic`]).
-fn synthetic_nvfp4(rng: &mut SplitMix64, rows: usize, cols: usize, rms: f32) -> Nvfp4Matrix {
+pub(crate) fn synthetic_nvfp4(
+    rng: &mut SplitMix64,
+    rows: usize,
+    cols: usize,
+    rms: f32,
+) -> Nvfp4Matrix {
     let mut packed = vec![0u8; rows * cols / 2];
     for chunk in packed.chunks_mut(8) {
         let bits = rng.next_u64().to_le_bytes();

@@ -40,11 +40,19 @@ pub fn embed(
     if hidden == 0 || table.len() % hidden != 0 {
         return Err(Error::invalid(
             "embedding table",
-            format!("{} values is not a whole number of rows of {hidden}", table.len()),
+            format!(
+                "{} values is not a whole number of rows of {hidden}",
+                table.len()
+            ),
         ));
     }
     let vocab = table.len() / hidden;
-    check_len("embedding output", residual, rows * hidden, &format!("[{rows}, {hidden}]"))?;
+    check_len(
+        "embedding output",
+        residual,
+        rows * hidden,
+        &format!("[{rows}, {hidden}]"),
+    )?;
     if rows == 0 {
         return Ok(());
     }
@@ -68,7 +76,10 @@ pub fn embed(
             let target = backend
                 .target()
                 .ok_or_else(|| backend.mismatch("embedding", residual))?;
-            let dims = LaunchDims::linear(check_u32("embedding rows", rows)?, target.tokens.threads_per_block);
+            let dims = LaunchDims::linear(
+                check_u32("embedding rows", rows)?,
+                target.tokens.threads_per_block,
+            );
             let args = [
                 KernelArg::input(tokens),
                 KernelArg::input(table),
@@ -101,9 +112,9 @@ impl ArgmaxWorkspace {
     /// # Errors
     /// [`Error::Cuda`] / [`Error::Hip`] when an allocation fails.
     pub fn new(backend: &Backend, rows: usize, vocab: usize) -> Result<Self> {
-        let splits = backend.target().map_or(1, |t| {
-            vocab.div_ceil(t.tokens.argmax_chunk as usize).max(1)
-        });
+        let splits = backend
+            .target()
+            .map_or(1, |t| vocab.div_ceil(t.tokens.argmax_chunk as usize).max(1));
         Ok(Self {
             rows,
             vocab,
@@ -131,7 +142,12 @@ pub fn argmax(
     positions: Option<&mut DeviceVec<u32>>,
 ) -> Result<()> {
     let (rows, vocab) = (tokens.len(), workspace.vocab);
-    check_len("argmax logits", logits, rows * vocab, &format!("[{rows}, {vocab}]"))?;
+    check_len(
+        "argmax logits",
+        logits,
+        rows * vocab,
+        &format!("[{rows}, {vocab}]"),
+    )?;
     if let Some(p) = &positions {
         check_len("argmax positions", p, rows, &format!("[{rows}]"))?;
     }

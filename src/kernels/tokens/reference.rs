@@ -10,7 +10,13 @@ pub fn embed(tokens: &[u32], table: &[bf16], hidden: usize) -> Vec<f32> {
         .iter()
         .flat_map(|&t| {
             let t = t as usize;
-            (0..hidden).map(move |i| if t < vocab { table[t * hidden + i].to_f32() } else { 0.0 })
+            (0..hidden).map(move |i| {
+                if t < vocab {
+                    table[t * hidden + i].to_f32()
+                } else {
+                    0.0
+                }
+            })
         })
         .collect()
 }

@@ -1,0 +1,859 @@
+//! The target forward on a backend's kernels: every layer through the families' launch APIs
+//! (`tokens`, `norm`, `gemm`, `gdn`, `attention`, `moe`), weights and caches resident on the
+//! backend, a batch of sequences decoding one token each per step, the greedy token written on
+//! the device. On CUDA the whole step is captured once as a graph and replayed; nothing in a
+//! step reads back to the host. The CPU backend runs the same sequence of calls on the families'
+//! references (no graph), which is how CI checks the wiring against [`Model::forward`].
+//!
+//! Per layer and step (B rows): `norm` (residual += previous delta, input norm) -> mixer -> `norm`
+//! (residual += mixer output, post-attention norm) -> `moe` (its output is the next delta). The
+//! Gated DeltaNet mixer runs ONE projection GEMM (the rows `[qkv; z; b; a]` of one weight) and
+//! [`gdn::step`] reads its pieces in place; attention runs q (with gate), k and v, then
+//! [`attention::prepare`] and [`attention::attend`]. The residual stream stays f32; what the
+//! GEMMs read and write is bf16.
+//!
+//! Weights come from a loaded [`Model`] (every linear and expert as bf16: NVFP4 checkpoints are
+//! dequantised on load by the CPU runner, so W4A16 GEMMs on their own codes are not used yet) or
+//! are synthetic at the real shapes ([`DeviceModel::synthetic`]): one layer of each kind is
+//! generated and laid out on the host, then copied on the device into every layer of that kind,
+//! so each layer streams its own buffers (no layer's weights stay in L2 for the next) and a
+//! 35B-A3B-sized model is built in seconds without a host copy per layer.
+//!
+//! Not yet on this path: prefill (prompts are fed one token per step), MTP drafting and
+//! verification, sampling.
+
+use crate::backend::{Backend, DeviceVec, Graph};
+use crate::error::{Error, Result};
+use crate::formats::nvfp4::Nvfp4Matrix;
+use crate::kernels::attention::reference::AttentionShape;
+use crate::kernels::attention::{self, GatedAttention, KvCache, RopeTable};
+use crate::kernels::gdn::reference::GdnShape;
+use crate::kernels::gdn::{self, GdnCache, GdnParams, Projections, Sequences, StepMode};
+use crate::kernels::gemm::{Epilogue, Linear, RowOrder, linear};
+use crate::kernels::moe::reference::MoeShape;
+use crate::kernels::moe::weights::{synthetic_nvfp4, uniform_bf16};
+use crate::kernels::moe::{
+    ExpertFormat, FusedBlock, MoeHostWeights, MoeWeights, MoeWorkspace, moe_block,
+};
+use crate::kernels::norm::rms_norm_residual;
+use crate::kernels::tokens::{self, ArgmaxWorkspace};
+use crate::model::config::{LayerKind, ModelConfig};
+use crate::model::forward::Model;
+use crate::model::params::{HostLinear, MixerWeights};
+use crate::rng::SplitMix64;
+use half::bf16;
+
+/// How a synthetic model stores its weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyntheticWeights {
+    /// Every weight bf16.
+    Bf16,
+    /// The ModelOpt NVFP4 recipe: experts, shared expert and attention projections NVFP4 (W4A16
+    /// kernels); Gated DeltaNet projections, router, shared-expert gate, embeddings and lm_head
+    /// bf16.
+    Nvfp4,
+}
+
+/// A model's weights on a backend, in the layouts the kernels consume.
+pub struct DeviceModel {
+    backend: Backend,
+    config: ModelConfig,
+    /// `[V][H]` bf16.
+    embed: DeviceVec<bf16>,
+    layers: Vec<DeviceLayer>,
+    final_norm: DeviceVec<f32>,
+    lm_head: Linear,
+}
+
+struct DeviceLayer {
+    input_norm: DeviceVec<f32>,
+    post_attention_norm: DeviceVec<f32>,
+    mixer: DeviceMixer,
+    moe: MoeWeights,
+}
+
+// one per layer (40 in the model): the variants' size difference costs nothing worth a box
+#[allow(clippy::large_enum_variant)]
+enum DeviceMixer {
+    Gdn {
+        /// Rows `[qkv; z; b; a]` (zero rows pad the total to a multiple of 8: gdn reads the
+        /// qkv rows with 16-byte loads).
+        in_proj: Linear,
+        params: GdnParams,
+        out: Linear,
+    },
+    Attention {
+        q: Linear,
+        k: Linear,
+        v: Linear,
+        o: Linear,
+        q_norm: DeviceVec<f32>,
+        k_norm: DeviceVec<f32>,
+    },
+}
+
+impl DeviceMixer {
+    fn try_clone(&self, backend: &Backend) -> Result<Self> {
+        Ok(match self {
+            Self::Gdn {
+                in_proj,
+                params,
+                out,
+            } => Self::Gdn {
+                in_proj: in_proj.try_clone(backend)?,
+                params: params.try_clone(backend)?,
+                out: out.try_clone(backend)?,
+            },
+            Self::Attention {
+                q,
+                k,
+                v,
+                o,
+                q_norm,
+                k_norm,
+            } => Self::Attention {
+                q: q.try_clone(backend)?,
+                k: k.try_clone(backend)?,
+                v: v.try_clone(backend)?,
+                o: o.try_clone(backend)?,
+                q_norm: backend.duplicate(q_norm)?,
+                k_norm: backend.duplicate(k_norm)?,
+            },
+        })
+    }
+}
+
+/// The Gated DeltaNet head shape of `config`.
+fn gdn_shape(config: &ModelConfig) -> GdnShape {
+    GdnShape {
+        key_heads: config.linear_num_key_heads,
+        value_heads: config.linear_num_value_heads,
+        dk: config.linear_key_head_dim,
+        dv: config.linear_value_head_dim,
+    }
+}
+
+/// The full-attention head shape of `config`.
+fn attention_shape(config: &ModelConfig) -> AttentionShape {
+    AttentionShape {
+        heads: config.num_attention_heads,
+        kv_heads: config.num_key_value_heads,
+        head_dim: config.head_dim,
+    }
+}
+
+/// The MoE block shape of `config`.
+fn moe_shape(config: &ModelConfig) -> MoeShape {
+    MoeShape {
+        experts: config.num_experts,
+        top_k: config.num_experts_per_tok,
+        hidden: config.hidden_size,
+        intermediate: config.moe_intermediate_size,
+        shared_intermediate: config.shared_expert_intermediate_size,
+    }
+}
+
+/// Rows of the fused Gated DeltaNet input projection before padding: `[qkv; z; b; a]`.
+fn gdn_projection_rows(config: &ModelConfig) -> usize {
+    let s = gdn_shape(config);
+    config.linear_conv_dim() + s.value_heads * s.dv + 2 * s.value_heads
+}
+
+fn to_bf16(values: &[f32]) -> Vec<bf16> {
+    values.iter().map(|&v| bf16::from_f32(v)).collect()
+}
+
+fn bf16_linear(backend: &Backend, w: &HostLinear) -> Result<Linear> {
+    Linear::bf16(
+        backend,
+        &to_bf16(&w.weight),
+        w.rows,
+        w.cols,
+        RowOrder::Plain,
+    )
+}
+
+/// Checks what the device path assumes of a config.
+fn check_config(config: &ModelConfig) -> Result<()> {
+    if !config.attn_output_gate {
+        return Err(Error::invalid(
+            "model config attn_output_gate",
+            "false: the attention kernels apply the output gate of Qwen3.5/3.6 (true)",
+        ));
+    }
+    if config.layer_types.is_empty() {
+        return Err(Error::invalid("model config layer_types", "no layers"));
+    }
+    Ok(())
+}
+
+impl DeviceModel {
+    /// Puts `model`'s target weights (not its MTP head) on `backend`, every linear and expert
+    /// as bf16.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a config the kernels do not take (no output gate, head or expert
+    /// shapes outside the families' ranges); [`Error::Cuda`] / [`Error::Hip`] when an upload
+    /// fails.
+    pub fn from_model(backend: &Backend, model: &Model) -> Result<Self> {
+        let config = &model.config;
+        check_config(config)?;
+        let w = &model.weights;
+        let (h, eps) = (config.hidden_size, config.rms_norm_eps as f32);
+        let mut layers = Vec::with_capacity(w.layers.len());
+        for layer in &w.layers {
+            let mixer = match &layer.mixer {
+                MixerWeights::Gdn(g) => {
+                    let mut rows = Vec::new();
+                    for part in [&g.qkv, &g.z, &g.b, &g.a] {
+                        rows.extend_from_slice(&part.weight);
+                    }
+                    let count = gdn_projection_rows(config);
+                    let padded = count.next_multiple_of(8);
+                    rows.resize(padded * h, 0.0);
+                    DeviceMixer::Gdn {
+                        in_proj: Linear::bf16(
+                            backend,
+                            &to_bf16(&rows),
+                            padded,
+                            h,
+                            RowOrder::Plain,
+                        )?,
+                        params: GdnParams::upload(
+                            backend,
+                            gdn_shape(config),
+                            config.linear_conv_kernel_dim,
+                            &g.conv,
+                            &g.a_log,
+                            &g.dt_bias,
+                            &g.norm,
+                            eps,
+                        )?,
+                        out: bf16_linear(backend, &g.out)?,
+                    }
+                }
+                MixerWeights::Attention(a) => DeviceMixer::Attention {
+                    q: bf16_linear(backend, &a.q)?,
+                    k: bf16_linear(backend, &a.k)?,
+                    v: bf16_linear(backend, &a.v)?,
+                    o: bf16_linear(backend, &a.o)?,
+                    q_norm: backend.upload(&a.q_norm)?,
+                    k_norm: backend.upload(&a.k_norm)?,
+                },
+            };
+            let m = &layer.moe;
+            let gate_up: Vec<f32> = m.experts.iter().flat_map(|e| e.gate_up.clone()).collect();
+            let down: Vec<f32> = m.experts.iter().flat_map(|e| e.down.clone()).collect();
+            let shape = moe_shape(config);
+            let has_shared = shape.shared_intermediate > 0;
+            let host = MoeHostWeights::from_fused(
+                shape,
+                &FusedBlock {
+                    router: &m.router,
+                    shared_gate: has_shared.then_some(m.shared_gate.as_slice()),
+                    gate_up: &gate_up,
+                    down: &down,
+                    shared: has_shared
+                        .then_some((m.shared.gate_up.as_slice(), m.shared.down.as_slice())),
+                },
+            )?;
+            layers.push(DeviceLayer {
+                input_norm: backend.upload(&layer.input_norm)?,
+                post_attention_norm: backend.upload(&layer.post_attention_norm)?,
+                mixer,
+                moe: MoeWeights::new(backend, &host)?,
+            });
+        }
+        Ok(Self {
+            backend: backend.clone(),
+            config: config.clone(),
+            embed: backend.upload(&to_bf16(&w.embed))?,
+            layers,
+            final_norm: backend.upload(&w.final_norm)?,
+            lm_head: bf16_linear(backend, &w.lm_head)?,
+        })
+    }
+
+    /// Random weights with `config`'s shapes and `weights`' storage, reproducible from `seed`
+    /// (exact for bandwidth and compute, meaningless as a language model): linears of RMS
+    /// `1 / sqrt(K)`, norm weights near 0 (zero-centred), GDN gates in their usual ranges. One
+    /// layer of each kind is generated on the host and copied on the device into every other
+    /// layer of that kind; the embedding table repeats a block of 4096 random rows.
+    ///
+    /// # Errors
+    /// As [`DeviceModel::from_model`]; [`Error::Cuda`] also when the device runs out of memory
+    /// (Qwen3.6-35B-A3B needs about 22 GB as NVFP4 and 70 GB as bf16).
+    pub fn synthetic(
+        backend: &Backend,
+        config: &ModelConfig,
+        weights: SyntheticWeights,
+        seed: u64,
+    ) -> Result<Self> {
+        check_config(config)?;
+        let mut rng = SplitMix64::new(seed);
+        let (h, eps) = (config.hidden_size, config.rms_norm_eps as f32);
+        let small = |rng: &mut SplitMix64, len: usize, scale: f32| -> Vec<f32> {
+            (0..len)
+                .map(|_| (2.0 * rng.uniform() - 1.0) * scale)
+                .collect()
+        };
+        let dense = |rng: &mut SplitMix64, rows: usize, cols: usize| -> Result<Linear> {
+            let values = uniform_bf16(rng, rows * cols, 1.0 / (cols as f32).sqrt());
+            Linear::bf16(backend, &values, rows, cols, RowOrder::Plain)
+        };
+        let projection = |rng: &mut SplitMix64, rows: usize, cols: usize| -> Result<Linear> {
+            match weights {
+                SyntheticWeights::Bf16 => dense(rng, rows, cols),
+                SyntheticWeights::Nvfp4 => {
+                    let matrix: Nvfp4Matrix =
+                        synthetic_nvfp4(rng, rows, cols, 1.0 / (cols as f32).sqrt());
+                    Linear::nvfp4(backend, &matrix, RowOrder::Plain)
+                }
+            }
+        };
+        let norm = |rng: &mut SplitMix64, len: usize| -> Result<DeviceVec<f32>> {
+            backend.upload(&small(rng, len, 0.1))
+        };
+
+        let gdn = gdn_shape(config);
+        let gdn_template = if config.layer_types.contains(&LayerKind::LinearAttention) {
+            let rows = gdn_projection_rows(config).next_multiple_of(8);
+            let conv = small(
+                &mut rng,
+                config.linear_conv_dim() * config.linear_conv_kernel_dim,
+                0.5,
+            );
+            // A = exp(A_log) in 1 .. 16 and dt_bias near 0: decays of a real checkpoint's range
+            let a_log: Vec<f32> = (0..gdn.value_heads)
+                .map(|_| rng.uniform() * 16f32.ln())
+                .collect();
+            let dt_bias = small(&mut rng, gdn.value_heads, 1.0);
+            let norm_weight: Vec<f32> = (0..gdn.dv).map(|_| 1.0 + 0.1 * rng.uniform()).collect();
+            Some(DeviceMixer::Gdn {
+                in_proj: dense(&mut rng, rows, h)?,
+                params: GdnParams::upload(
+                    backend,
+                    gdn,
+                    config.linear_conv_kernel_dim,
+                    &conv,
+                    &a_log,
+                    &dt_bias,
+                    &norm_weight,
+                    eps,
+                )?,
+                out: dense(&mut rng, h, gdn.value_heads * gdn.dv)?,
+            })
+        } else {
+            None
+        };
+        let att = attention_shape(config);
+        let attention_template = if config.layer_types.contains(&LayerKind::FullAttention) {
+            let q_rows = att.heads * att.head_dim * 2;
+            let kv_rows = att.kv_heads * att.head_dim;
+            Some(DeviceMixer::Attention {
+                q: projection(&mut rng, q_rows, h)?,
+                k: projection(&mut rng, kv_rows, h)?,
+                v: projection(&mut rng, kv_rows, h)?,
+                o: projection(&mut rng, h, att.heads * att.head_dim)?,
+                q_norm: norm(&mut rng, att.head_dim)?,
+                k_norm: norm(&mut rng, att.head_dim)?,
+            })
+        } else {
+            None
+        };
+        let format = match weights {
+            SyntheticWeights::Bf16 => ExpertFormat::Bf16,
+            SyntheticWeights::Nvfp4 => ExpertFormat::Nvfp4,
+        };
+        let moe_template = MoeWeights::new(
+            backend,
+            &MoeHostWeights::synthetic(moe_shape(config), format, rng.next_u64()),
+        )?;
+
+        let mut layers = Vec::with_capacity(config.layer_types.len());
+        for kind in &config.layer_types {
+            let template = match kind {
+                LayerKind::LinearAttention => gdn_template.as_ref(),
+                LayerKind::FullAttention => attention_template.as_ref(),
+            };
+            let mixer = template
+                .ok_or_else(|| {
+                    Error::invalid("synthetic model", "a layer kind without a template")
+                })?
+                .try_clone(backend)?;
+            layers.push(DeviceLayer {
+                input_norm: norm(&mut rng, h)?,
+                post_attention_norm: norm(&mut rng, h)?,
+                mixer,
+                moe: moe_template.try_clone(backend)?,
+            });
+        }
+
+        let vocab = config.vocab_size;
+        let block_rows = vocab.min(4096);
+        let block = uniform_bf16(&mut rng, block_rows * h, 1.0);
+        let embed: Vec<bf16> = block.iter().copied().cycle().take(vocab * h).collect();
+        Ok(Self {
+            backend: backend.clone(),
+            config: config.clone(),
+            embed: backend.upload(&embed)?,
+            layers,
+            final_norm: norm(&mut rng, h)?,
+            lm_head: dense(&mut rng, vocab, h)?,
+        })
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The backend the weights live on.
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    /// Weight bytes one decode step of `tokens` rows streams at least, with `distinct_experts`
+    /// routed experts per layer: every dense weight once (the embedding table only for the
+    /// `tokens` rows read), the chosen experts, the shared expert and the router.
+    pub fn weight_bytes(&self, tokens: usize, distinct_experts: usize) -> u64 {
+        let h = self.config.hidden_size as u64;
+        let layers: u64 = self
+            .layers
+            .iter()
+            .map(|l| {
+                let mixer = match &l.mixer {
+                    DeviceMixer::Gdn { in_proj, out, .. } => {
+                        in_proj.weight_bytes() + out.weight_bytes()
+                    }
+                    DeviceMixer::Attention { q, k, v, o, .. } => {
+                        q.weight_bytes() + k.weight_bytes() + v.weight_bytes() + o.weight_bytes()
+                    }
+                };
+                mixer + l.moe.block_bytes(distinct_experts, 0)
+            })
+            .sum();
+        layers + self.lm_head.weight_bytes() + 2 * h * tokens as u64
+    }
+}
+
+/// A batch of sequences decoding on a [`DeviceModel`]: their caches, the step's buffers, and on
+/// CUDA the captured step. Every sequence advances one token per step; the greedy token of each
+/// is written on the device as the next step's input.
+pub struct Decoder<'m> {
+    model: &'m DeviceModel,
+    batch: usize,
+    capacity: usize,
+    /// Tokens every sequence has behind it (the host's mirror of the device positions).
+    position: usize,
+    tokens: DeviceVec<u32>,
+    residual: DeviceVec<f32>,
+    normed: DeviceVec<bf16>,
+    delta: DeviceVec<bf16>,
+    gdn_projections: DeviceVec<bf16>,
+    gdn_out: DeviceVec<bf16>,
+    q_gate: DeviceVec<bf16>,
+    k: DeviceVec<bf16>,
+    v: DeviceVec<bf16>,
+    q: DeviceVec<f32>,
+    attention_out: DeviceVec<bf16>,
+    logits: DeviceVec<bf16>,
+    gdn_caches: Vec<GdnCache>,
+    kv_caches: Vec<KvCache>,
+    sequences: Sequences,
+    rows: attention::Rows,
+    rope: RopeTable,
+    attention_workspace: attention::Workspace,
+    moe_workspace: MoeWorkspace,
+    argmax_workspace: ArgmaxWorkspace,
+    graph: Option<Graph>,
+}
+
+impl<'m> Decoder<'m> {
+    /// `batch` sequences of up to `capacity` tokens each on `model`'s backend. Runs one step to
+    /// load every kernel and grow every scratch buffer, then (on CUDA) captures the step as a
+    /// graph; the sequences start empty ([`Decoder::start`]).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for an empty batch or capacity, or shapes the kernels do not take;
+    /// [`Error::Cuda`] / [`Error::Hip`] when an allocation, the warm-up step or the capture
+    /// fails.
+    pub fn new(model: &'m DeviceModel, batch: usize, capacity: usize) -> Result<Self> {
+        if batch == 0 || capacity == 0 {
+            return Err(Error::invalid(
+                "decoder",
+                format!("{batch} sequences of {capacity} tokens: both must be positive"),
+            ));
+        }
+        let (backend, config) = (&model.backend, &model.config);
+        let h = config.hidden_size;
+        let (gdn, att) = (gdn_shape(config), attention_shape(config));
+        let mut gdn_caches = Vec::new();
+        let mut kv_caches = Vec::new();
+        for layer in &model.layers {
+            match &layer.mixer {
+                DeviceMixer::Gdn { params, .. } => {
+                    gdn_caches.push(GdnCache::new(backend, gdn, params.kernel(), batch, 1)?)
+                }
+                DeviceMixer::Attention { .. } => {
+                    kv_caches.push(KvCache::new(backend, att, batch, capacity)?)
+                }
+            }
+        }
+        let slots: Vec<u32> = (0..batch as u32).collect();
+        let zeros = vec![0u32; batch];
+        let first_moe = &model.layers[0].moe;
+        let mut decoder = Self {
+            model,
+            batch,
+            capacity,
+            position: 0,
+            tokens: backend.zeros(batch)?,
+            residual: backend.zeros(batch * h)?,
+            normed: backend.zeros(batch * h)?,
+            delta: backend.zeros(batch * h)?,
+            gdn_projections: backend
+                .zeros(batch * gdn_projection_rows(config).next_multiple_of(8))?,
+            gdn_out: backend.zeros(batch * gdn.value_heads * gdn.dv)?,
+            q_gate: backend.zeros(batch * att.heads * 2 * att.head_dim)?,
+            k: backend.zeros(batch * att.kv_heads * att.head_dim)?,
+            v: backend.zeros(batch * att.kv_heads * att.head_dim)?,
+            q: backend.zeros(batch * att.heads * att.head_dim)?,
+            attention_out: backend.zeros(batch * att.heads * att.head_dim)?,
+            logits: backend.zeros(batch * config.vocab_size)?,
+            gdn_caches,
+            kv_caches,
+            sequences: Sequences::new(backend, &slots, &zeros)?,
+            rows: attention::Rows {
+                count: batch,
+                slot: backend.upload(&slots)?,
+                position: backend.upload(&zeros)?,
+            },
+            rope: RopeTable::new(backend, config.rotary_dim(), config.rope_theta, capacity)?,
+            attention_workspace: attention::Workspace::new(backend, att, batch, capacity)?,
+            moe_workspace: MoeWorkspace::new(backend, first_moe, batch)?,
+            argmax_workspace: ArgmaxWorkspace::new(backend, batch, config.vocab_size)?,
+            graph: None,
+        };
+        decoder.queue_step()?;
+        decoder.restart()?;
+        if matches!(backend, Backend::Cuda(_)) {
+            let graph = {
+                let this = &mut decoder;
+                backend.capture(|| this.queue_step())?
+            };
+            decoder.graph = Some(graph);
+        }
+        Ok(decoder)
+    }
+
+    /// Sequences in the batch.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// Tokens every sequence has behind it.
+    pub fn position(&self) -> usize {
+        self.position
+    }
+
+    /// Whether steps replay a captured graph (CUDA) or are launched one call at a time.
+    pub fn replays_graph(&self) -> bool {
+        self.graph.is_some()
+    }
+
+    /// Empties every sequence (position 0) and sets the tokens of the first step, one per
+    /// sequence.
+    ///
+    /// # Errors
+    /// As [`Decoder::set_tokens`]; [`Error::Cuda`] / [`Error::Hip`] when a copy fails.
+    pub fn start(&mut self, tokens: &[u32]) -> Result<()> {
+        self.restart()?;
+        self.set_tokens(tokens)
+    }
+
+    /// Positions back to 0: the GDN kernels read no state and no conv rows before position 0 and
+    /// attention reads only positions up to each row's own, so nothing else needs clearing.
+    fn restart(&mut self) -> Result<()> {
+        self.set_position(0)
+    }
+
+    fn set_position(&mut self, position: usize) -> Result<()> {
+        let backend = &self.model.backend;
+        let positions = vec![position as u32; self.batch];
+        self.sequences.restart(backend, &positions)?;
+        backend.write(&mut self.rows.position, 0, &positions)?;
+        self.position = position;
+        Ok(())
+    }
+
+    /// For benchmarks: every sequence continues as if `position` tokens were behind it, with
+    /// whatever its caches hold (zeros, or an earlier run's values). The bytes a step reads are
+    /// those of a real sequence at that position; the values are not.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `position` is not below the capacity; [`Error::Cuda`] /
+    /// [`Error::Hip`] when a copy fails.
+    pub fn skip_to(&mut self, position: usize) -> Result<()> {
+        if position >= self.capacity {
+            return Err(Error::invalid(
+                "decoder position",
+                format!("{position} is not below the capacity of {}", self.capacity),
+            ));
+        }
+        self.set_position(position)
+    }
+
+    /// Replaces the next step's input tokens (e.g. to feed a prompt one token per step),
+    /// one per sequence.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a count other than the batch or a token outside the vocabulary;
+    /// [`Error::Cuda`] / [`Error::Hip`] when the copy fails.
+    pub fn set_tokens(&mut self, tokens: &[u32]) -> Result<()> {
+        let vocab = self.model.config.vocab_size;
+        if tokens.len() != self.batch {
+            return Err(Error::invalid(
+                "decoder tokens",
+                format!("{} tokens for {} sequences", tokens.len(), self.batch),
+            ));
+        }
+        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::invalid(
+                "token id",
+                format!("{bad} is outside the vocabulary of {vocab}"),
+            ));
+        }
+        self.model.backend.write(&mut self.tokens, 0, tokens)
+    }
+
+    /// Queues one step: every sequence's input token through the model, its logits, and its
+    /// greedy token as the next input; positions advance by one. Replays the captured graph
+    /// on CUDA.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when a sequence is full (position = capacity); errors of the launches.
+    pub fn step(&mut self) -> Result<()> {
+        if self.position >= self.capacity {
+            return Err(Error::invalid(
+                "decoder",
+                format!("the sequences are full ({} tokens)", self.capacity),
+            ));
+        }
+        match &self.graph {
+            Some(graph) => graph.launch()?,
+            None => self.queue_step()?,
+        }
+        self.position += 1;
+        Ok(())
+    }
+
+    /// Queues one step launch by launch, without the graph (what the graph holds; the bench
+    /// times both to show the launch overhead the graph removes).
+    ///
+    /// # Errors
+    /// As [`Decoder::step`].
+    pub fn step_without_graph(&mut self) -> Result<()> {
+        if self.position >= self.capacity {
+            return Err(Error::invalid(
+                "decoder",
+                format!("the sequences are full ({} tokens)", self.capacity),
+            ));
+        }
+        self.queue_step()?;
+        self.position += 1;
+        Ok(())
+    }
+
+    /// The tokens of the next step (after a step: each sequence's greedy token), downloaded.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] / [`Error::Hip`] when the copy fails (where an earlier fault shows).
+    pub fn tokens(&self) -> Result<Vec<u32>> {
+        self.model.backend.download(&self.tokens)
+    }
+
+    /// The last step's logits, `[batch][vocab]` as f32 (bf16 values), downloaded.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] / [`Error::Hip`] when the copy fails.
+    pub fn logits(&self) -> Result<Vec<f32>> {
+        Ok(self
+            .model
+            .backend
+            .download(&self.logits)?
+            .into_iter()
+            .map(|v| v.to_f32())
+            .collect())
+    }
+
+    fn queue_step(&mut self) -> Result<()> {
+        let model = self.model;
+        let (backend, config) = (&model.backend, &model.config);
+        let (b, h, eps) = (self.batch, config.hidden_size, config.rms_norm_eps as f32);
+        let gdn = gdn_shape(config);
+        let att = attention_shape(config);
+        tokens::embed(backend, &self.tokens, &model.embed, h, &mut self.residual)?;
+        let (mut gdn_index, mut kv_index) = (0, 0);
+        for (i, layer) in model.layers.iter().enumerate() {
+            let delta = (i > 0).then_some(&self.delta);
+            rms_norm_residual(
+                backend,
+                &mut self.residual,
+                delta,
+                &layer.input_norm,
+                eps,
+                &mut self.normed,
+                b,
+            )?;
+            match &layer.mixer {
+                DeviceMixer::Gdn {
+                    in_proj,
+                    params,
+                    out,
+                } => {
+                    linear(
+                        backend,
+                        &self.normed,
+                        b,
+                        in_proj,
+                        Epilogue::None,
+                        &mut self.gdn_projections,
+                    )?;
+                    let width = in_proj.out_features();
+                    let (conv_dim, value_dim) =
+                        (config.linear_conv_dim(), gdn.value_heads * gdn.dv);
+                    let at = |offset: usize| gdn::Rows {
+                        data: &self.gdn_projections,
+                        offset,
+                        stride: width,
+                    };
+                    let inputs = Projections {
+                        qkv: at(0),
+                        z: Some(at(conv_dim)),
+                        b: at(conv_dim + value_dim),
+                        a: at(conv_dim + value_dim + gdn.value_heads),
+                    };
+                    gdn::step(
+                        backend,
+                        params,
+                        &mut self.gdn_caches[gdn_index],
+                        &self.sequences,
+                        1,
+                        &inputs,
+                        StepMode::Decode,
+                        &mut self.gdn_out,
+                    )?;
+                    gdn_index += 1;
+                    linear(
+                        backend,
+                        &self.gdn_out,
+                        b,
+                        out,
+                        Epilogue::None,
+                        &mut self.delta,
+                    )?;
+                }
+                DeviceMixer::Attention {
+                    q,
+                    k,
+                    v,
+                    o,
+                    q_norm,
+                    k_norm,
+                } => {
+                    linear(
+                        backend,
+                        &self.normed,
+                        b,
+                        q,
+                        Epilogue::None,
+                        &mut self.q_gate,
+                    )?;
+                    linear(backend, &self.normed, b, k, Epilogue::None, &mut self.k)?;
+                    linear(backend, &self.normed, b, v, Epilogue::None, &mut self.v)?;
+                    let cache = &mut self.kv_caches[kv_index];
+                    kv_index += 1;
+                    attention::prepare(
+                        backend,
+                        &GatedAttention {
+                            shape: att,
+                            q_norm,
+                            k_norm,
+                            eps,
+                            rope: &self.rope,
+                        },
+                        &self.q_gate,
+                        &self.k,
+                        &self.v,
+                        &self.rows,
+                        cache,
+                        &mut self.q,
+                    )?;
+                    attention::attend(
+                        backend,
+                        att,
+                        &self.q,
+                        &self.q_gate,
+                        cache,
+                        &self.rows,
+                        &mut self.attention_workspace,
+                        &mut self.attention_out,
+                    )?;
+                    linear(
+                        backend,
+                        &self.attention_out,
+                        b,
+                        o,
+                        Epilogue::None,
+                        &mut self.delta,
+                    )?;
+                }
+            }
+            rms_norm_residual(
+                backend,
+                &mut self.residual,
+                Some(&self.delta),
+                &layer.post_attention_norm,
+                eps,
+                &mut self.normed,
+                b,
+            )?;
+            moe_block(
+                backend,
+                &layer.moe,
+                &self.normed,
+                b,
+                None,
+                &mut self.moe_workspace,
+                &mut self.delta,
+            )?;
+        }
+        rms_norm_residual(
+            backend,
+            &mut self.residual,
+            Some(&self.delta),
+            &model.final_norm,
+            eps,
+            &mut self.normed,
+            b,
+        )?;
+        linear(
+            backend,
+            &self.normed,
+            b,
+            &model.lm_head,
+            Epilogue::None,
+            &mut self.logits,
+        )?;
+        tokens::argmax(
+            backend,
+            &self.logits,
+            &mut self.argmax_workspace,
+            &mut self.tokens,
+            Some(&mut self.rows.position),
+        )?;
+        self.sequences
+            .commit(backend, gdn::Accepted::All(1), StepMode::Decode)
+    }
+}

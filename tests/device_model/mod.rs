@@ -1,0 +1,131 @@
+//! The device decode path ([`fp4spec::model::device`]) against the CPU runner
+//! ([`Model::forward`]) on the embedded demo model, on whichever backend the including test
+//! binary passes: the CPU backend in `tests/model_device.rs` (the wiring, in CI) and CUDA in
+//! `tests/gpu/model.rs` (the kernels and the captured graph).
+//!
+//! Two sequences decode in lockstep: a prompt fed one token per step, then greedy steps from the
+//! device's own argmax. Every step's logits must match the runner's within bf16 tolerance, and
+//! the device's greedy token must equal the runner's wherever the runner's best two logits are
+//! further apart than that tolerance (closer than that, bf16 rounding may pick either).
+
+use fp4spec::backend::Backend;
+use fp4spec::model::cache::SequenceCache;
+use fp4spec::model::device::{Decoder, DeviceModel};
+use fp4spec::model::forward::{ForwardInput, Model};
+use std::path::PathBuf;
+
+/// Largest |device - runner| logit over a step, relative to the largest |runner| logit. The
+/// device path rounds every activation the GEMMs read and write to bf16 (8 bits of mantissa,
+/// relative error 2^-9 per rounding), the runner keeps f32; through the demo model's 4 layers
+/// and the lm_head the measured error is about 1e-2 of the largest logit.
+pub const LOGIT_TOLERANCE: f64 = 4e-2;
+
+/// The demo model folder: beside the manifest when built here, else relative to the working
+/// directory (the GPU host runs the binaries from the checkout root at another path).
+pub fn demo_dir() -> PathBuf {
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/qwen35-moe-demo");
+    if built.exists() {
+        built
+    } else {
+        PathBuf::from("models/qwen35-moe-demo")
+    }
+}
+
+fn argmax(row: &[f32]) -> (u32, f32) {
+    let mut best = 0;
+    for (i, v) in row.iter().enumerate() {
+        if *v > row[best] {
+            best = i;
+        }
+    }
+    let runner_up = row
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != best)
+        .fold(f32::NEG_INFINITY, |m, (_, v)| m.max(*v));
+    (best as u32, row[best] - runner_up)
+}
+
+/// Runs the comparison on `backend`; returns the largest relative logit error seen.
+pub fn decode_matches_runner(backend: &Backend, prompt_steps: usize, greedy_steps: usize) -> f64 {
+    let model = Model::load(demo_dir()).expect("demo model loads");
+    let device = DeviceModel::from_model(backend, &model).expect("device model");
+    let prompts: Vec<Vec<u32>> = ["def fib(n): return n", "The quick brown fox jumps"]
+        .iter()
+        .map(|p| p.bytes().map(u32::from).take(prompt_steps).collect())
+        .collect();
+    let mut decoder =
+        Decoder::new(&device, prompts.len(), prompt_steps + greedy_steps).expect("decoder");
+    let mut caches: Vec<SequenceCache> = prompts
+        .iter()
+        .map(|_| SequenceCache::new(&model.config))
+        .collect();
+    let vocab = model.config.vocab_size;
+    let mut inputs: Vec<u32> = prompts.iter().map(|p| p[0]).collect();
+    decoder.start(&inputs).expect("start");
+    let mut worst = 0.0f64;
+    let mut checked_tokens = 0;
+    for step in 0..prompt_steps + greedy_steps {
+        decoder.step().expect("device step");
+        let device_logits = decoder.logits().expect("device logits");
+        let device_tokens = decoder.tokens().expect("device tokens");
+        let mut next = Vec::new();
+        for (s, cache) in caches.iter_mut().enumerate() {
+            let out = model
+                .forward(&mut [ForwardInput {
+                    cache,
+                    tokens: &inputs[s..=s],
+                    record: false,
+                    all_logits: false,
+                }])
+                .expect("runner forward");
+            let runner = &out[0].logits;
+            let ours = &device_logits[s * vocab..(s + 1) * vocab];
+            let scale = runner.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
+            let error = ours
+                .iter()
+                .zip(runner)
+                .fold(0.0f64, |m, (a, b)| m.max(f64::from((a - b).abs())))
+                / scale;
+            assert!(
+                error <= LOGIT_TOLERANCE,
+                "{}: sequence {s} step {step}: logits differ by {error:.3e} of the largest \
+                 (tolerance {LOGIT_TOLERANCE:.0e})",
+                backend.name()
+            );
+            worst = worst.max(error);
+            let (token, margin) = argmax(runner);
+            if f64::from(margin) > 2.0 * LOGIT_TOLERANCE * scale {
+                assert_eq!(
+                    device_tokens[s],
+                    token,
+                    "{}: sequence {s} step {step}: greedy token (runner margin {margin})",
+                    backend.name()
+                );
+                checked_tokens += 1;
+            }
+            next.push(if step + 1 < prompt_steps {
+                prompts[s][step + 1]
+            } else {
+                device_tokens[s]
+            });
+        }
+        inputs = next;
+        if step + 1 < prompt_steps {
+            decoder.set_tokens(&inputs).expect("feed the prompt");
+        }
+    }
+    assert!(
+        checked_tokens * 2 >= caches.len() * (prompt_steps + greedy_steps),
+        "only {checked_tokens} greedy tokens had a clear margin: the check is too weak"
+    );
+    println!(
+        "{}: device decode vs the CPU runner, {} sequences x {} steps (graph: {}): largest \
+         logit error {worst:.3e} of the largest logit, {checked_tokens} greedy tokens checked",
+        backend.name(),
+        caches.len(),
+        prompt_steps + greedy_steps,
+        decoder.replays_graph()
+    );
+    worst
+}
