@@ -1,5 +1,6 @@
 //! Bench of the `moe` family on the device (CUDA, or HIP on a gfx1151): the whole MoE block
-//! (router to combined output, shared expert included: ONE launch) on the Qwen3.6-35B-A3B shape
+//! (router to combined output, shared expert included) in both launch forms (one persistent
+//! launch; three split launches: route, gate_up, down) on the Qwen3.6-35B-A3B shape
 //! (E = 256, k = 8, H = 2048, I = Is = 512) at T = 1, 4, 16, 64 tokens, NVFP4 and bf16 experts,
 //! beside the ceiling measured in the same run (device-to-device copy bandwidth) and a
 //! straightforward baseline.
@@ -12,12 +13,13 @@
 //! Columns: "experts" = distinct experts the calls chose (mean over the calls; the reference
 //! routing of each input); "MB" = bytes one call must read at least: those experts' weights
 //! once, the shared expert, the router and X / Y ([`MoeWeights::block_bytes`]); "read-once" =
-//! MB at the copy bandwidth; "goal" = the bound (T = 1: read-once + 6 us; T = 16, 64:
-//! 1.3 x read-once + 6 us; none at T = 4); "baseline" = the per-expert loop of the GEMM family's
+//! MB at the copy bandwidth; "persist" / "split us" = the two forms; "goal" = the bound
+//! (T = 1: read-once + 6 us; T = 16, 64: 1.3 x read-once + 6 us; none at T = 4), "met", "GB/s"
+//! and "x" for the form the library picks at that T (`moe.split_max_tokens`); "baseline" = the per-expert loop of the GEMM family's
 //! `linear` on the same weights (router, then each chosen expert's gate_up with silu * up and
 //! down on its gathered rows, then the shared expert), given the routing and the gathered rows
 //! for free and without the weighted combine: a lower bound of what a straightforward version
-//! costs; "x" = baseline / fused.
+//! costs; "x" = baseline / the picked form.
 //!
 //! Run: `cargo bench --bench moe` on a CUDA or ROCm host (prints one skip line elsewhere).
 
@@ -30,7 +32,7 @@ use fp4spec::formats::nvfp4::Nvfp4Matrix;
 use fp4spec::kernels::gemm::{self, Epilogue, Linear, RowOrder};
 use fp4spec::kernels::moe::reference::{self, MoeShape, Routing};
 use fp4spec::kernels::moe::{
-    self, ExpertFormat, ExpertWeights, MoeHostWeights, MoeWeights, MoeWorkspace,
+    self, ExpertFormat, ExpertWeights, MoeHostWeights, MoeLaunch, MoeWeights, MoeWorkspace,
 };
 use fp4spec::rng::SplitMix64;
 use half::bf16;
@@ -52,7 +54,10 @@ struct Row {
     t: usize,
     experts: f64,
     bytes: f64,
-    fused: f64,
+    persistent: f64,
+    split: f64,
+    /// The form the library picks for this T (moe.split_max_tokens).
+    chosen: f64,
     baseline: f64,
 }
 
@@ -312,30 +317,44 @@ fn bench_format(
             .collect();
         let mut y: DeviceVec<bf16> = backend.zeros(t * h).expect("Y");
         let name = format!("T{t}");
-        let fused = bench_graph(
-            criterion,
-            backend,
-            &format!("moe_{format:?}/fused"),
-            &name,
-            mean_bytes as u64,
-            |i| {
-                moe::moe_block(
-                    backend,
-                    &rotation[i % copies],
-                    &xs[i],
-                    t,
-                    None,
-                    &mut workspace,
-                    &mut y,
-                )
-                .expect("moe_block")
-            },
-        );
-        // the graph's last call left its output in y: a direct launch must give the same bits
+        let mut timed = Vec::new();
+        for launch in [MoeLaunch::Persistent, MoeLaunch::Split] {
+            timed.push(bench_graph(
+                criterion,
+                backend,
+                &format!("moe_{format:?}/{launch:?}"),
+                &name,
+                mean_bytes as u64,
+                |i| {
+                    moe::moe_block_with(
+                        backend,
+                        &rotation[i % copies],
+                        &xs[i],
+                        t,
+                        None,
+                        &mut workspace,
+                        &mut y,
+                        launch,
+                    )
+                    .expect("moe_block")
+                },
+            ));
+        }
+        let (persistent, split) = (timed[0], timed[1]);
+        let split_max = backend
+            .target()
+            .map_or(0, |target| target.moe.split_max_tokens);
+        let chosen = if t <= split_max as usize {
+            split
+        } else {
+            persistent
+        };
+        // the graph's last call (split) left its output in y: a direct launch must give the
+        // same bits
         let replayed = backend.download(&y).expect("Y");
         let last = LAUNCHES - 1;
         let mut direct: DeviceVec<bf16> = backend.zeros(t * h).expect("Y");
-        moe::moe_block(
+        moe::moe_block_with(
             backend,
             &rotation[last % copies],
             &xs[last],
@@ -343,6 +362,7 @@ fn bench_format(
             None,
             &mut workspace,
             &mut direct,
+            MoeLaunch::Split,
         )
         .expect("moe_block");
         let direct = backend.download(&direct).expect("Y");
@@ -370,7 +390,9 @@ fn bench_format(
             t,
             experts: distinct.iter().sum::<usize>() as f64 / distinct.len() as f64,
             bytes: mean_bytes,
-            fused,
+            persistent,
+            split,
+            chosen,
             baseline: baseline_time,
         });
     }
@@ -398,13 +420,14 @@ fn main() {
         "MoE block {QWEN:?}: read-once = MB / copy bandwidth; goal: T=1 read-once + 6 us, T=16/64 1.3 x read-once + 6 us"
     );
     println!(
-        "{:<6} {:>3} {:>7} {:>8} {:>9} {:>8} {:>8} {:>4} {:>6} {:>7} {:>9} {:>6}",
+        "{:<6} {:>3} {:>7} {:>8} {:>9} {:>8} {:>8} {:>8} {:>4} {:>6} {:>7} {:>9} {:>6}",
         "format",
         "T",
         "experts",
         "MB",
         "read-once",
-        "fused us",
+        "persist",
+        "split us",
         "goal us",
         "met",
         "GB/s",
@@ -419,21 +442,22 @@ fn main() {
             16 | 64 => Some(1.3 * read_once + 6e-6),
             _ => None,
         };
-        let gbs = row.bytes / row.fused / 1e9;
+        let gbs = row.bytes / row.chosen / 1e9;
         println!(
-            "{:<6} {:>3} {:>7.1} {:>8.2} {:>9.2} {:>8.2} {:>8} {:>4} {:>6.0} {:>6.1}% {:>9.2} {:>6.2}",
+            "{:<6} {:>3} {:>7.1} {:>8.2} {:>9.2} {:>8.2} {:>8.2} {:>8} {:>4} {:>6.0} {:>6.1}% {:>9.2} {:>6.2}",
             format!("{:?}", row.format).to_lowercase(),
             row.t,
             row.experts,
             row.bytes / 1e6,
             read_once * 1e6,
-            row.fused * 1e6,
+            row.persistent * 1e6,
+            row.split * 1e6,
             goal.map_or("-".into(), |g| format!("{:.2}", g * 1e6)),
-            goal.map_or("-", |g| if row.fused <= g { "yes" } else { "no" }),
+            goal.map_or("-", |g| if row.chosen <= g { "yes" } else { "no" }),
             gbs,
             100.0 * gbs / copy_gbs,
             row.baseline * 1e6,
-            row.baseline / row.fused
+            row.baseline / row.chosen
         );
     }
 }

@@ -224,19 +224,23 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(16 * FP4_WARP_SIZE) attention_decode(
     }
 }
 
-// One warp per (row, query head): the row's splits merged, times sigmoid(gate), bf16 out.
+// One block per (row, query head): the row's splits merged, times sigmoid(gate), bf16 out.
+// Every warp finds the max and the rescaled sum over all used splits (2 floats per split, cheap
+// to repeat); the accumulators, 1 KiB per split at head_dim 256, are split across the warps (warp
+// w takes splits w, w + ATTN_COMBINE_WARPS, ...) and their sums added through shared memory: at a
+// long context a (row, head) has hundreds of splits, which one warp alone would read as a chain.
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_COMBINE_WARPS * FP4_WARP_SIZE) attention_combine_gate(
     const float* __restrict__ partial_ml, const float* __restrict__ partial_acc,
     const u16* __restrict__ q_gate, const u32* __restrict__ row_pos, u16* __restrict__ out,
     u32 rows, u32 heads, u32 head_dim, u32 splits) {
+    __shared__ float warp_acc[ATTN_COMBINE_WARPS][ATTN_MAX_HEAD_DIM];
     const u32 warp = thread_x() / FP4_WARP_SIZE;
     const u32 lane = thread_x() % FP4_WARP_SIZE;
-    const u32 item = block_x() * ATTN_COMBINE_WARPS + warp;
-    if (item >= rows * heads) return;
+    const u32 item = block_x();
     const u32 row = item / heads, head = item % heads;
-    const u32 used = (row_pos[row] + ATTN_SPLIT) / ATTN_SPLIT;  // splits holding positions
+    const u32 used_splits = (row_pos[row] + ATTN_SPLIT) / ATTN_SPLIT;  // splits holding positions
+    const u32 used = used_splits < splits ? used_splits : splits;
     const u64 first = (u64)item * splits;
-    // max and rescaled sum over the splits, lanes taking splits in turn
     float m = neg_inf();
     for (u32 s = lane; s < used; s += FP4_WARP_SIZE) {
         const float ms = partial_ml[2 * (first + s)];
@@ -247,13 +251,27 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_COMBINE_WARPS * FP4_WARP_SIZE) attention_
     for (u32 s = lane; s < used; s += FP4_WARP_SIZE)
         total += partial_ml[2 * (first + s) + 1] * exp2_f32(partial_ml[2 * (first + s)] - m);
     total = warp_sum(total);
+    float o[ATTN_MAX_ELEMS];
+    #pragma unroll
+    for (int i = 0; i < ATTN_MAX_ELEMS; ++i) o[i] = 0.0f;
+    for (u32 s = warp; s < used; s += ATTN_COMBINE_WARPS) {
+        const float scale = exp2_f32(partial_ml[2 * (first + s)] - m);
+        const float* acc = partial_acc + (first + s) * head_dim;
+        #pragma unroll
+        for (int i = 0; i < ATTN_MAX_ELEMS; ++i) {
+            const u32 d = i * FP4_WARP_SIZE + lane;
+            if (d < head_dim) o[i] += acc[d] * scale;
+        }
+    }
+    #pragma unroll
+    for (int i = 0; i < ATTN_MAX_ELEMS; ++i) warp_acc[warp][i * FP4_WARP_SIZE + lane] = o[i];
+    block_barrier();
     const u16* gate = q_gate + ((u64)row * heads + head) * 2 * head_dim + head_dim;
-    for (u32 d = lane; d < head_dim; d += FP4_WARP_SIZE) {
-        float o = 0.0f;
-        #pragma unroll 4
-        for (u32 s = 0; s < used; ++s)
-            o += partial_acc[(first + s) * head_dim + d] * exp2_f32(partial_ml[2 * (first + s)] - m);
+    for (u32 d = thread_x(); d < head_dim; d += ATTN_COMBINE_WARPS * FP4_WARP_SIZE) {
+        float sum = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < ATTN_COMBINE_WARPS; ++w) sum += warp_acc[w][d];
         const float g = bf16_to_f32(gate[d]);
-        out[(u64)item * head_dim + d] = f32_to_bf16(o / total / (1.0f + fast_exp(-g)));
+        out[(u64)item * head_dim + d] = f32_to_bf16(sum / total / (1.0f + fast_exp(-g)));
     }
 }

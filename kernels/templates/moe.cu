@@ -625,6 +625,76 @@ FP4_DEVICE void combine(const MoeArgs& a, u32 group) {
     }
 }
 
+/// The expert item `item` (past the router items; `routed` = item - end_shared_gate_up when the
+/// routing is known, n_active its active experts): the shared gate_up items, then per active rank
+/// its gate_up groups, the shared down items, per active rank its down groups. Returns the counter
+/// the item signals when done (gate_up: its expert's; down: its group of hidden rows').
+template <int ROWS>
+FP4_DEVICE u32* expert_job(const MoeArgs& a, const Plan& p, u32 item, u32 routed, u32 n_active, ExpertJob& job) {
+    const u32 S = a.shared_experts;
+    u32* const gate_up_done = a.control + CONTROL_GATE_UP_DONE;
+    u32* const down_done = gate_up_done + a.experts + S;
+    job.wait_counter = nullptr;
+    job.wait_target = 0u;
+    u32 shared_item = 0u, rank = 0u;
+    bool shared;
+    if (item < p.end_shared_gate_up) {
+        job.gate_up = true;
+        shared = true;
+        shared_item = item - p.end_router;
+    } else if (routed < n_active * p.gate_up_groups) {
+        job.gate_up = true;
+        shared = false;
+        rank = routed / p.gate_up_groups;
+        job.group = routed % p.gate_up_groups;
+    } else if (routed < n_active * p.gate_up_groups + p.shared_down_items) {
+        job.gate_up = false;
+        shared = true;
+        shared_item = routed - n_active * p.gate_up_groups;
+    } else {
+        job.gate_up = false;
+        shared = false;
+        const u32 i = routed - n_active * p.gate_up_groups - p.shared_down_items;
+        rank = i / p.down_groups;
+        job.group = i % p.down_groups;
+    }
+    if (shared) {
+        // a shared sub-expert: rows are the tokens of one chunk, positions c * T + t
+        const u32 per_expert = (job.gate_up ? p.gate_up_groups : p.down_groups) * p.chunks;
+        const u32 c = shared_item / per_expert;
+        job.expert = a.experts + c;
+        job.group = shared_item % per_expert / p.chunks;
+        job.position0 = c * a.tokens;
+        job.r_begin = (shared_item % p.chunks) * ROWS;
+        job.r_end = min_u32(a.tokens, job.r_begin + ROWS);
+        job.gathered = false;
+        if (job.gate_up) return gate_up_done + c;
+        job.wait_counter = gate_up_done + c;
+        job.wait_target = p.gate_up_groups * p.chunks;
+        return down_done + job.group;
+    }
+    // an active expert's rank: its expert, rows and positions come from the routing
+    job.expert = load_coherent_u32(a.active_expert + rank);
+    job.position0 = load_coherent_u32(a.active_offset + rank);
+    job.r_begin = 0u;
+    job.r_end = load_coherent_u32(a.active_count + rank);
+    job.gathered = true;
+    if (job.gate_up) return gate_up_done + S + rank;
+    job.wait_counter = gate_up_done + S + rank;
+    job.wait_target = p.gate_up_groups;
+    return down_done + job.group;
+}
+
+/// The last block of a launch to get here resets every counter for the next launch. Every
+/// thread of every block must call it once.
+template <int ROWS>
+FP4_DEVICE void reset_counters_when_last(const MoeArgs& a, const Plan& p, MoeShared<ROWS>& sh) {
+    if (block_arrive(a.control + CONTROL_BLOCKS_DONE, grid_blocks(), &sh.flag)) {
+        const u32 counters = CONTROL_GATE_UP_DONE + a.experts + a.shared_experts + p.down_groups + p.chunks;
+        for (u32 i = thread_x(); i < counters; i += MOE_THREADS) a.control[i] = 0u;
+    }
+}
+
 /// The whole block: claims items until none are left; the last block out resets the counters.
 template <class W, int ROWS, int STAGES, int ROUTER_STAGES>
 FP4_DEVICE void moe_block(const MoeArgs& args) {
@@ -639,8 +709,6 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
     }
     block_barrier();
     const u32 S = a.shared_experts;
-    u32* const gate_up_done = a.control + CONTROL_GATE_UP_DONE;
-    u32* const down_done = gate_up_done + a.experts + S;
     u32 next = 0u;
     if (thread_x() == 0) next = atomic_add_relaxed_gpu(a.control + CONTROL_NEXT_ITEM, 1u);
     for (;;) {
@@ -664,63 +732,7 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
             continue;
         }
         ExpertJob job;
-        job.wait_counter = nullptr;
-        job.wait_target = 0u;
-        u32* done;  // the counter this item signals
-        u32 shared_item = 0u, rank = 0u;
-        bool shared;
-        if (item < p.end_shared_gate_up) {
-            job.gate_up = true;
-            shared = true;
-            shared_item = item - p.end_router;
-        } else if (routed < n_active * p.gate_up_groups) {
-            job.gate_up = true;
-            shared = false;
-            rank = routed / p.gate_up_groups;
-            job.group = routed % p.gate_up_groups;
-        } else if (routed < n_active * p.gate_up_groups + p.shared_down_items) {
-            job.gate_up = false;
-            shared = true;
-            shared_item = routed - n_active * p.gate_up_groups;
-        } else {
-            job.gate_up = false;
-            shared = false;
-            const u32 i = routed - n_active * p.gate_up_groups - p.shared_down_items;
-            rank = i / p.down_groups;
-            job.group = i % p.down_groups;
-        }
-        if (shared) {
-            // a shared sub-expert: rows are the tokens of one chunk, positions c * T + t
-            const u32 per_expert = (job.gate_up ? p.gate_up_groups : p.down_groups) * p.chunks;
-            const u32 c = shared_item / per_expert;
-            job.expert = a.experts + c;
-            job.group = shared_item % per_expert / p.chunks;
-            job.position0 = c * a.tokens;
-            job.r_begin = (shared_item % p.chunks) * ROWS;
-            job.r_end = min_u32(a.tokens, job.r_begin + ROWS);
-            job.gathered = false;
-            if (job.gate_up) {
-                done = gate_up_done + c;
-            } else {
-                job.wait_counter = gate_up_done + c;
-                job.wait_target = p.gate_up_groups * p.chunks;
-                done = down_done + job.group;
-            }
-        } else {
-            // an active expert's rank: its expert, rows and positions come from the routing
-            job.expert = load_coherent_u32(a.active_expert + rank);
-            job.position0 = load_coherent_u32(a.active_offset + rank);
-            job.r_begin = 0u;
-            job.r_end = load_coherent_u32(a.active_count + rank);
-            job.gathered = true;
-            if (job.gate_up) {
-                done = gate_up_done + S + rank;
-            } else {
-                job.wait_counter = gate_up_done + S + rank;
-                job.wait_target = p.gate_up_groups;
-                done = down_done + job.group;
-            }
-        }
+        u32* const done = expert_job<ROWS>(a, p, item, routed, n_active, job);
         // the job goes through shared memory: read where used, not held in registers
         if (thread_x() == 0) sh.job = job;
         block_barrier();
@@ -731,10 +743,66 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
             combine(a, job.group);
         }
     }
-    if (block_arrive(a.control + CONTROL_BLOCKS_DONE, grid_blocks(), &sh.flag)) {
-        const u32 counters = CONTROL_GATE_UP_DONE + a.experts + S + p.down_groups + p.chunks;
-        for (u32 i = thread_x(); i < counters; i += MOE_THREADS) a.control[i] = 0u;
+    reset_counters_when_last<ROWS>(a, p, sh);
+}
+
+// ============================================================================================
+// The same block in three launches, for small T: at decode sizes the persistent launch spends
+// most of its time with blocks idle until the routing is known (the router phase is a chain of
+// dependent steps), while kernel boundaries order the phases for about a microsecond each.
+//   moe_route_m*:           the router items (one block each), the last routes and aligns;
+//   moe_{fmt}_gate_up_m*:   one block per gate_up item (shared, then every possible active rank:
+//                           blocks past the n_active ranks leave at once);
+//   moe_{fmt}_down_m*:      one block per down item, the last of a hidden-row group combines;
+//                           the last block resets the counters of all three.
+// Items and counters are the persistent kernel's, so the two forms cannot disagree.
+// ============================================================================================
+
+#define MOE_LAUNCH_SETUP(args)        \
+    __shared__ MoeShared<ROWS> sh;    \
+    __shared__ MoeArgs a;             \
+    __shared__ Plan p;                \
+    if (thread_x() == 0) {            \
+        a = args;                     \
+        p = make_plan<ROWS>(args);    \
+    }                                 \
+    block_barrier();
+
+template <int ROWS, int ROUTER_STAGES>
+FP4_DEVICE void moe_split_route(const MoeArgs& args) {
+    MOE_LAUNCH_SETUP(args)
+    router_item<ROWS, ROUTER_STAGES>(a, p, block_x() / p.chunks, block_x() % p.chunks, sh);
+}
+
+template <class W, int ROWS, int STAGES>
+FP4_DEVICE void moe_split_gate_up(const MoeArgs& args) {
+    MOE_LAUNCH_SETUP(args)
+    const u32 item = p.end_router + block_x();
+    const u32 n_active = *a.n_active;  // written by the routing launch
+    const u32 routed = item >= p.end_shared_gate_up ? item - p.end_shared_gate_up : 0u;
+    if (item >= p.end_shared_gate_up && routed >= n_active * p.gate_up_groups) return;
+    ExpertJob job;
+    expert_job<ROWS>(a, p, item, routed, n_active, job);
+    if (thread_x() == 0) sh.job = job;
+    block_barrier();
+    expert_item<W, ROWS, STAGES>(a, p, sh.job, sh);
+}
+
+template <class W, int ROWS, int STAGES>
+FP4_DEVICE void moe_split_down(const MoeArgs& args) {
+    MOE_LAUNCH_SETUP(args)
+    const u32 n_active = *a.n_active;
+    const u32 routed = n_active * p.gate_up_groups + block_x();
+    if (routed < n_active * (p.gate_up_groups + p.down_groups) + p.shared_down_items) {
+        ExpertJob job;
+        u32* const done = expert_job<ROWS>(a, p, p.end_shared_gate_up + routed, routed, n_active, job);
+        job.wait_counter = nullptr;  // every gate_up finished in the previous launch
+        if (thread_x() == 0) sh.job = job;
+        block_barrier();
+        expert_item<W, ROWS, STAGES>(a, p, sh.job, sh);
+        if (block_arrive(done, n_active + a.shared_experts * p.chunks, &sh.flag)) combine(a, sh.job.group);
     }
+    reset_counters_when_last<ROWS>(a, p, sh);
 }
 
 // Kernels: expert weights NVFP4 or bf16, ROWS tokens per pass (the host picks the smallest
@@ -747,4 +815,16 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_nvfp4_m{{ rows }}(MOE_PARAMETE
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_bf16_m{{ rows }}(MOE_PARAMETERS) {
     moe_block<ExpertBf16, {{ rows }}, {{ target.moe.stages_bf16 }}, {{ target.moe.router_stages }}>(MOE_ARGUMENTS);
 }
-{% endfor %}
+
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_route_m{{ rows }}(MOE_PARAMETERS) {
+    moe_split_route<{{ rows }}, {{ target.moe.route_stages }}>(MOE_ARGUMENTS);
+}
+{% for format in ["nvfp4", "bf16"] %}{% if format == "nvfp4" %}{% set weights = "ExpertNvfp4" %}{% set stages = target.moe.stages_nvfp4 %}{% else %}{% set weights = "ExpertBf16" %}{% set stages = target.moe.stages_bf16 %}{% endif %}
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_{{ format }}_gate_up_m{{ rows }}(MOE_PARAMETERS) {
+    moe_split_gate_up<{{ weights }}, {{ rows }}, {{ stages }}>(MOE_ARGUMENTS);
+}
+
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_{{ format }}_down_m{{ rows }}(MOE_PARAMETERS) {
+    moe_split_down<{{ weights }}, {{ rows }}, {{ stages }}>(MOE_ARGUMENTS);
+}
+{% endfor %}{% endfor %}

@@ -159,7 +159,8 @@ pub struct AttentionTiles {
     pub prepare_warps_per_block: u32,
     /// `attention_decode`: KV positions per split (one block per split, KV head and row).
     pub split_positions: u32,
-    /// `attention_combine_gate`: warps per block, one (row, head) each.
+    /// `attention_combine_gate`: warps per block, one block per (row, head), the warps
+    /// splitting its splits.
     pub combine_warps_per_block: u32,
 }
 
@@ -201,7 +202,8 @@ pub struct VerifyTiles {
 }
 
 /// Launch parameters of the `moe` family: one persistent launch per MoE block
-/// (`moe_{nvfp4,bf16}_m{rows}`).
+/// (`moe_{nvfp4,bf16}_m{rows}`), or three for small T (`moe_route_m{rows}`,
+/// `moe_{nvfp4,bf16}_{gate_up,down}_m{rows}`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MoeTiles {
@@ -228,6 +230,11 @@ pub struct MoeTiles {
     /// The most routed experts a block may have (a multiple of the warp size, at most 32 per
     /// lane: the top-k keeps one bit per expert).
     pub max_experts: u32,
+    /// Blocks of at most this many tokens run as the three split launches (route, gate_up,
+    /// down) instead of the persistent one; 0 never.
+    pub split_max_tokens: u32,
+    /// The split route launch's router weights (bf16): 64-wide K groups in flight per warp.
+    pub route_stages: u32,
 }
 
 impl TargetTable {
@@ -473,6 +480,7 @@ impl TargetFacts {
             ("stages_nvfp4", m.stages_nvfp4),
             ("stages_bf16", m.stages_bf16),
             ("router_stages", m.router_stages),
+            ("route_stages", m.route_stages),
         ] {
             if !(1..=8).contains(&stages) {
                 return fail(format!(

@@ -20,7 +20,7 @@ use fp4spec::backend::Backend;
 use fp4spec::kernels::compare;
 use fp4spec::kernels::moe::reference::{self, ExpertRef, MoeShape, Routing};
 use fp4spec::kernels::moe::{
-    self, ExpertFormat, ExpertWeights, MoeHostWeights, MoeWeights, MoeWorkspace,
+    self, ExpertFormat, ExpertWeights, MoeHostWeights, MoeLaunch, MoeWeights, MoeWorkspace,
 };
 use fp4spec::rng::SplitMix64;
 use half::bf16;
@@ -345,20 +345,37 @@ fn check_block(
         let residual_dev = residual
             .as_ref()
             .map(|r| backend.upload(r).expect("upload residual"));
-        let mut y = poisoned(backend, t * h);
-        moe::moe_block(
-            backend,
-            &weights,
-            &x_dev,
-            t,
-            residual_dev.as_ref(),
-            &mut workspace,
-            &mut y,
-        )
-        .unwrap_or_else(|e| panic!("{test} T={t}: {e}"));
-        let got = backend
-            .download(&y)
-            .unwrap_or_else(|e| panic!("{test} T={t}: {e}"));
+        // both launch forms run the same items and combine in the same order: equal bits
+        let mut outputs = Vec::new();
+        for launch in [MoeLaunch::Persistent, MoeLaunch::Split] {
+            let mut y = poisoned(backend, t * h);
+            moe::moe_block_with(
+                backend,
+                &weights,
+                &x_dev,
+                t,
+                residual_dev.as_ref(),
+                &mut workspace,
+                &mut y,
+                launch,
+            )
+            .unwrap_or_else(|e| panic!("{test} T={t} {launch:?}: {e}"));
+            outputs.push(
+                backend
+                    .download(&y)
+                    .unwrap_or_else(|e| panic!("{test} T={t} {launch:?}: {e}")),
+            );
+        }
+        let got = outputs.swap_remove(0);
+        let differing = got
+            .iter()
+            .zip(&outputs[0])
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differing, 0,
+            "{test} T={t}: the split launches differ from the persistent one in {differing} values"
+        );
         let x: Vec<f32> = case.x.iter().map(|v| v.to_f32()).collect();
         let label = format!("{test} {:?} T={t}", weights.format());
         let routing = workspace.routing(backend).expect("routing");

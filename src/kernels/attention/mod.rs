@@ -525,8 +525,7 @@ pub fn attend(
             // range.
             unsafe { backend.launch(FAMILY, KERNEL_DECODE, &decode, &args) }?;
             let combine_warps = target.attention.combine_warps_per_block;
-            let combine =
-                LaunchDims::linear((n32 * heads).div_ceil(combine_warps), combine_warps * warp);
+            let combine = LaunchDims::linear(n32 * heads, combine_warps * warp);
             let args = [
                 KernelArg::input(&workspace.partial_ml),
                 KernelArg::input(&workspace.partial_acc),

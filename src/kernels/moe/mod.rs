@@ -408,6 +408,48 @@ pub fn moe_block(
     workspace: &mut MoeWorkspace,
     y: &mut DeviceVec<bf16>,
 ) -> Result<()> {
+    moe_block_with(
+        backend,
+        weights,
+        x,
+        t,
+        residual,
+        workspace,
+        y,
+        MoeLaunch::Auto,
+    )
+}
+
+/// How a device runs [`moe_block_with`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MoeLaunch {
+    /// The target's choice: [`MoeLaunch::Split`] for at most `moe.split_max_tokens` tokens
+    /// (kernels/targets.toml), else [`MoeLaunch::Persistent`].
+    #[default]
+    Auto,
+    /// One persistent launch (`moe_{format}_m{rows}`).
+    Persistent,
+    /// Three launches: route, gate_up, down (`moe_route_m{rows}`,
+    /// `moe_{format}_{gate_up,down}_m{rows}`).
+    Split,
+}
+
+/// [`moe_block`] with the device launch chosen by the caller (the bench and the tests compare
+/// them; the CPU backend runs the reference whatever the choice).
+///
+/// # Errors
+/// As [`moe_block`].
+#[allow(clippy::too_many_arguments)]
+pub fn moe_block_with(
+    backend: &Backend,
+    weights: &MoeWeights,
+    x: &DeviceVec<bf16>,
+    t: usize,
+    residual: Option<&DeviceVec<bf16>>,
+    workspace: &mut MoeWorkspace,
+    y: &mut DeviceVec<bf16>,
+    launch: MoeLaunch,
+) -> Result<()> {
     let h = weights.shape.hidden;
     check_len("MoE input X", x, t * h, &format!("[{t}, {h}]"))?;
     check_len("MoE output Y", y, t * h, &format!("[{t}, {h}]"))?;
@@ -476,7 +518,7 @@ pub fn moe_block(
             Ok(())
         }
         Backend::Cuda(_) | Backend::Hip(_) => {
-            moe_block_device(backend, weights, x, t, residual, workspace, y)
+            moe_block_device(backend, weights, x, t, residual, workspace, y, launch)
         }
     }
 }
@@ -516,13 +558,70 @@ fn reference_block(host: &MoeHostWeights, x: &[bf16], t: usize) -> (Vec<f32>, Ro
     (out, routing)
 }
 
-/// The rendered `moe_{format}_m{rows}` kernel of `target` (its name as the kernel table holds
-/// it, found without allocating).
-fn moe_kernel(target: &TargetFacts, format: ExpertFormat, rows: u32) -> Result<&'static str> {
-    let prefix = match format {
-        ExpertFormat::Nvfp4 => "moe_nvfp4_m",
-        ExpertFormat::Bf16 => "moe_bf16_m",
-    };
+/// Blocks of the three split launches: one per router item, per gate_up item and per down item
+/// (shared sub-experts' items for every chunk of `rows` tokens, then every rank that could be
+/// active, `min(E, tokens * k)`; blocks past the actual active ranks leave at once). The kernels'
+/// `make_plan` counts items the same way.
+struct SplitGrids {
+    route: u32,
+    gate_up: u32,
+    down: u32,
+}
+
+impl SplitGrids {
+    fn new(
+        target: &TargetFacts,
+        shape: MoeShape,
+        shared: usize,
+        has_shared_gate: bool,
+        tokens: usize,
+        rows: u32,
+    ) -> Self {
+        let m = &target.moe;
+        let per_item = |warps_per_tile: u32| (m.warps_per_block / warps_per_tile) as usize;
+        let chunks = tokens.div_ceil(rows as usize);
+        let router_tiles = (shape.experts + usize::from(has_shared_gate)).div_ceil(16);
+        let router_groups = router_tiles.div_ceil(per_item(m.router_warps_per_tile));
+        let gate_up_groups = shape
+            .intermediate
+            .div_ceil(8)
+            .div_ceil(per_item(m.gate_up_warps_per_tile));
+        let down_groups = shape
+            .hidden
+            .div_ceil(16)
+            .div_ceil(per_item(m.down_warps_per_tile));
+        let ranks = shape.experts.min(tokens * shape.top_k);
+        let blocks = |n: usize| n.clamp(1, u32::MAX as usize) as u32;
+        Self {
+            route: blocks(router_groups * chunks),
+            gate_up: blocks((shared * chunks + ranks) * gate_up_groups),
+            down: blocks((shared * chunks + ranks) * down_groups),
+        }
+    }
+}
+
+/// The kernel name prefixes of one expert format (`{prefix}{rows}` names a kernel): the
+/// persistent launch, then the split launches' route, gate_up and down.
+fn kernel_prefixes(format: ExpertFormat) -> [&'static str; 4] {
+    match format {
+        ExpertFormat::Nvfp4 => [
+            "moe_nvfp4_m",
+            "moe_route_m",
+            "moe_nvfp4_gate_up_m",
+            "moe_nvfp4_down_m",
+        ],
+        ExpertFormat::Bf16 => [
+            "moe_bf16_m",
+            "moe_route_m",
+            "moe_bf16_gate_up_m",
+            "moe_bf16_down_m",
+        ],
+    }
+}
+
+/// The rendered kernel `{prefix}{rows}` of `target` (e.g. `moe_nvfp4_m8`, `moe_route_m8`; its
+/// name as the kernel table holds it, found without allocating).
+fn moe_kernel(target: &TargetFacts, prefix: &str, rows: u32) -> Result<&'static str> {
     table::rendered(&target.name, FAMILY)
         .and_then(|source| {
             source.kernels.iter().copied().find(|kernel| {
@@ -592,6 +691,7 @@ fn moe_arguments<'a>(
 
 /// The device path of [`moe_block`] (shapes checked by the caller): one launch of
 /// `moe_{format}_m{rows}` per `capacity` tokens.
+#[allow(clippy::too_many_arguments)]
 fn moe_block_device(
     backend: &Backend,
     weights: &MoeWeights,
@@ -600,6 +700,7 @@ fn moe_block_device(
     residual: Option<&DeviceVec<bf16>>,
     workspace: &mut MoeWorkspace,
     y: &mut DeviceVec<bf16>,
+    launch: MoeLaunch,
 ) -> Result<()> {
     let mismatch = |what: &str, found: &'static str| Error::BackendMismatch {
         what: what.into(),
@@ -622,10 +723,7 @@ fn moe_block_device(
     };
     let shape = weights.shape;
     let tiles = &target.moe;
-    let dims = LaunchDims::linear(
-        multiprocessors * tiles.blocks_per_sm,
-        tiles.warps_per_block * target.warp_size,
-    );
+    let threads = tiles.warps_per_block * target.warp_size;
     let sizes = [
         check_u32("MoE experts", shape.experts)?,
         check_u32("MoE top-k", shape.top_k)?,
@@ -644,7 +742,30 @@ fn moe_block_device(
             .find(|&r| r as usize >= tokens)
             .or_else(|| tiles.token_rows.last().copied())
             .unwrap_or(8);
-        let kernel = moe_kernel(target, weights.format, rows)?;
+        let [persistent, route, gate_up, down] = kernel_prefixes(weights.format);
+        let split = match launch {
+            MoeLaunch::Auto => tokens <= tiles.split_max_tokens as usize,
+            MoeLaunch::Persistent => false,
+            MoeLaunch::Split => true,
+        };
+        let launches = if split {
+            let plan = SplitGrids::new(
+                target,
+                shape,
+                weights.shared_experts,
+                device.has_shared_gate,
+                tokens,
+                rows,
+            );
+            vec![
+                (moe_kernel(target, route, rows)?, plan.route),
+                (moe_kernel(target, gate_up, rows)?, plan.gate_up),
+                (moe_kernel(target, down, rows)?, plan.down),
+            ]
+        } else {
+            let blocks = multiprocessors * tiles.blocks_per_sm;
+            vec![(moe_kernel(target, persistent, rows)?, blocks)]
+        };
         let chunk = start * h..(start + tokens) * h;
         let residual_rows = match residual {
             Some(r) => KernelArg::input_range(r, chunk.clone())?,
@@ -657,12 +778,17 @@ fn moe_block_device(
         ];
         // tokens <= capacity, checked against 16-bit slot counts
         let args = moe_arguments(io, device, w, tokens as u32, sizes);
-        // SAFETY: moe_{nvfp4,bf16}_m*'s parameters in order (moe_arguments); X, Y and the
-        // residual hold t * H bf16 (checked by the caller) and the chunk lies within them; the
-        // weights were laid out for this shape and the target's tensor core, and the workspace
-        // sized for `capacity` tokens of it (shape checked by the caller); its counters are
-        // zero between launches.
-        unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
+        for (kernel, blocks) in launches {
+            let dims = LaunchDims::linear(blocks, threads);
+            // SAFETY: every moe kernel takes MOE_PARAMETERS in order (moe_arguments); X, Y and
+            // the residual hold t * H bf16 (checked by the caller) and the chunk lies within
+            // them; the weights were laid out for this shape and the target's tensor core, and
+            // the workspace sized for `capacity` tokens of it (shape checked by the caller); its
+            // counters are zero between launches (the last block of the persistent or of the
+            // down launch resets them); the split launches' grids are the item counts of
+            // SplitGrids, which the kernels derive the same way.
+            unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
+        }
         w.last_tokens = tokens;
     }
     Ok(())
@@ -716,35 +842,38 @@ mod tests {
                 for (format, residual) in
                     [(ExpertFormat::Nvfp4, Some(&x)), (ExpertFormat::Bf16, None)]
                 {
-                    let kernel = moe_kernel(t, format, rows).expect("rendered");
-                    let io = [
-                        KernelArg::input(&x),
-                        KernelArg::optional_input(residual),
-                        KernelArg::output(&mut y),
-                    ];
-                    let args = moe_arguments(io, &weights, &mut workspace, 1, [8, 2, 64, 32, 0, 1]);
-                    checks.check(&t.name, kernel, &args);
+                    for prefix in kernel_prefixes(format) {
+                        let kernel = moe_kernel(t, prefix, rows).expect("rendered");
+                        let io = [
+                            KernelArg::input(&x),
+                            KernelArg::optional_input(residual),
+                            KernelArg::output(&mut y),
+                        ];
+                        let args =
+                            moe_arguments(io, &weights, &mut workspace, 1, [8, 2, 64, 32, 0, 1]);
+                        checks.check(&t.name, kernel, &args);
+                    }
                 }
             }
         }
         checks.assert_all_match();
     }
 
-    /// Every variant a launch can pick (each target's `moe.token_rows`, both formats) is a kernel
+    /// Every variant a launch can pick (each target's `moe.token_rows`, both formats, persistent
+    /// and split) is a kernel
     /// of the target's rendered source; other row counts are refused by name.
     #[test]
     fn every_token_rows_variant_resolves_to_a_rendered_kernel() {
         for t in target::all() {
             for &rows in &t.moe.token_rows {
-                for (format, name) in [(ExpertFormat::Nvfp4, "nvfp4"), (ExpertFormat::Bf16, "bf16")]
-                {
-                    let kernel = moe_kernel(t, format, rows).expect("rendered");
-                    assert_eq!(kernel, format!("moe_{name}_m{rows}"), "{}", t.name);
+                for format in [ExpertFormat::Nvfp4, ExpertFormat::Bf16] {
+                    for prefix in kernel_prefixes(format) {
+                        let kernel = moe_kernel(t, prefix, rows).expect("rendered");
+                        assert_eq!(kernel, format!("{prefix}{rows}"), "{}", t.name);
+                    }
                 }
             }
-            let e = moe_kernel(t, ExpertFormat::Bf16, 3)
-                .unwrap_err()
-                .to_string();
+            let e = moe_kernel(t, "moe_bf16_m", 3).unwrap_err().to_string();
             assert!(e.contains("moe_bf16_m3") && e.contains(&t.name), "{e}");
         }
     }
