@@ -10,6 +10,22 @@ typedef int i32;
 
 #define FP4_WARP_SIZE {{ target.warp_size }}
 #define FP4_KERNEL extern "C" __global__
+
+// Every kernel starts with chain_after_previous_grid(). Where the target has programmatic
+// dependent launch (the host launches with programmatic stream serialization), it lets the next
+// kernel of the stream put its blocks on the SMs now, so that its launch and ramp overlap this
+// kernel's work (they wait at their own call below), and then waits until the previous kernel has
+// finished and its writes are visible. Every kernel waiting before it reads or writes anything
+// keeps the stream's order: a kernel cannot finish before its predecessor has. Elsewhere nothing.
+{% if target.instructions.grid_dependency_control %}
+#define chain_after_previous_grid()                                        \
+    do {                                                                   \
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");    \
+        asm volatile("griddepcontrol.wait;" ::: "memory");                 \
+    } while (0)
+{% else %}
+#define chain_after_previous_grid() do {} while (0)
+{% endif %}
 {% if target.vendor == "nvidia" %}
 #include <cuda_bf16.h>
 #define FP4_DEVICE __device__ __forceinline__
