@@ -13,7 +13,9 @@
 //! KV and GDN state of every sequence); "GB/s" = MB/step over the step time; "% copy" = that over
 //! the measured copy bandwidth (the goal: >= 80% at B = 1, >= 75% at every B); "eager ms" = the
 //! same step launched call by call without the graph, and "launch %" = the share of the eager step
-//! the graph saves (the goal: the graph's launch overhead < 5% of the step).
+//! the graph saves (the goal: the graph's launch overhead < 5% of the step); "experts" = distinct
+//! experts the last layer chose in the last step, "expected" = the roofline's count for uniform
+//! routing (every sequence starts from its own token, so the rows differ).
 //!
 //! Run: `cargo bench --bench decode` on a CUDA host with about 80 GB of device memory (prints
 //! one skip line elsewhere; a device without room for the bf16 model skips those rows).
@@ -43,6 +45,8 @@ struct Row {
     step_s: f64,
     eager_s: f64,
     bytes: f64,
+    /// Distinct experts of the last layer's last step.
+    experts: usize,
 }
 
 /// Median seconds per step of `decoder.step()` (graph replays), timed by criterion.
@@ -113,6 +117,12 @@ fn run(
     );
     for &batch in batches {
         let mut decoder = Decoder::new(&model, batch, CAPACITY).expect("decoder");
+        // a different first token per sequence: identical rows would route every token of the
+        // batch to the same experts and read a fraction of the bytes a real batch reads
+        let first: Vec<u32> = (0..batch as u32)
+            .map(|b| (b * 7919 + 13) % config.vocab_size as u32)
+            .collect();
+        decoder.start(&first).expect("first tokens");
         for (context, start) in [("short", 0), ("20000", LONG_CONTEXT)] {
             decoder.skip_to(start).expect("start");
             let bytes = roofline::step_bytes(
@@ -128,6 +138,7 @@ fn run(
             let name = format!("{label}/B{batch}/ctx_{context}");
             let step_s = time_steps(c, backend, &mut decoder, &name, bytes, start);
             let eager_s = time_eager(backend, &mut decoder, start);
+            let experts = decoder.last_layer_distinct_experts().expect("routing");
             rows.push(Row {
                 weights: label,
                 batch,
@@ -135,6 +146,7 @@ fn run(
                 step_s,
                 eager_s,
                 bytes,
+                experts,
             });
         }
     }
@@ -154,6 +166,7 @@ fn main() {
     announce(&backend);
     let mut c = criterion();
     let copy = copy_bandwidth_gbs(&mut c, &backend);
+    let config = ModelConfig::qwen36_35b_a3b();
     let mut rows = Vec::new();
     run(
         &mut c,
@@ -172,7 +185,7 @@ fn main() {
     println!();
     println!("device copy bandwidth: {copy:.0} GB/s (measured in this run)");
     println!(
-        "{:<6} {:>3} {:>7} {:>9} {:>9} {:>9} {:>8} {:>7} {:>9} {:>9}",
+        "{:<6} {:>3} {:>7} {:>9} {:>9} {:>9} {:>8} {:>7} {:>9} {:>9} {:>8} {:>8}",
         "format",
         "B",
         "context",
@@ -182,12 +195,14 @@ fn main() {
         "GB/s",
         "% copy",
         "eager ms",
-        "launch %"
+        "launch %",
+        "experts",
+        "expected"
     );
     for r in &rows {
         let gbs = r.bytes / r.step_s / 1e9;
         println!(
-            "{:<6} {:>3} {:>7} {:>9.3} {:>9.1} {:>9.1} {:>8.0} {:>6.1}% {:>9.3} {:>8.1}%",
+            "{:<6} {:>3} {:>7} {:>9.3} {:>9.1} {:>9.1} {:>8.0} {:>6.1}% {:>9.3} {:>8.1}% {:>8} {:>8.1}",
             r.weights,
             r.batch,
             r.context,
@@ -198,6 +213,12 @@ fn main() {
             100.0 * gbs / copy,
             r.eager_s * 1e3,
             100.0 * (r.eager_s - r.step_s) / r.eager_s,
+            r.experts,
+            roofline::expected_distinct_experts(
+                config.num_experts,
+                config.num_experts_per_tok,
+                r.batch
+            ),
         );
     }
 }

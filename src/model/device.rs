@@ -687,6 +687,20 @@ impl<'m> Decoder<'m> {
             .collect())
     }
 
+    /// Distinct routed experts the last layer's MoE block chose in the last step (waits for the
+    /// device): what its expert bytes were, against the roofline's expectation for uniform
+    /// routing.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] / [`Error::Hip`] when the copy fails.
+    pub fn last_layer_distinct_experts(&self) -> Result<usize> {
+        let routing = self.moe_workspace.routing(&self.model.backend)?;
+        let mut experts = routing.experts;
+        experts.sort_unstable();
+        experts.dedup();
+        Ok(experts.len())
+    }
+
     fn queue_step(&mut self) -> Result<()> {
         let model = self.model;
         let (backend, config) = (&model.backend, &model.config);
