@@ -16,16 +16,21 @@ typedef int i32;
 // kernel of the stream put its blocks on the SMs now, so that its launch and ramp overlap this
 // kernel's work (they wait at their own call below), and then waits until the previous kernel has
 // finished and its writes are visible. Every kernel waiting before it reads or writes anything
-// keeps the stream's order: a kernel cannot finish before its predecessor has. Elsewhere nothing.
+// another kernel writes keeps the stream's order: a kernel cannot finish before its predecessor
+// has. A kernel may split the call to load what no kernel writes (weights) in between:
+// allow_next_grid(); <loads of constant data>; wait_for_previous_grid(). Elsewhere nothing.
 {% if target.instructions.grid_dependency_control %}
-#define chain_after_previous_grid()                                        \
-    do {                                                                   \
-        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");    \
-        asm volatile("griddepcontrol.wait;" ::: "memory");                 \
-    } while (0)
+#define allow_next_grid() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#define wait_for_previous_grid() asm volatile("griddepcontrol.wait;" ::: "memory")
 {% else %}
-#define chain_after_previous_grid() do {} while (0)
+#define allow_next_grid() do {} while (0)
+#define wait_for_previous_grid() do {} while (0)
 {% endif %}
+#define chain_after_previous_grid() \
+    do {                            \
+        allow_next_grid();          \
+        wait_for_previous_grid();   \
+    } while (0)
 {% if target.vendor == "nvidia" %}
 #include <cuda_bf16.h>
 #define FP4_DEVICE __device__ __forceinline__

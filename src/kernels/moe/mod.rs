@@ -11,7 +11,10 @@
 //!   launch per block (router, fp32 softmax / top-k / renormalisation / shared gate, alignment by
 //!   expert on the device, grouped gate_up with `silu(gate) * up` fused, grouped down, weighted
 //!   combine plus the shared expert and an optional residual), capturable in a graph: no
-//!   allocation, no host synchronisation. Experts nobody chose cost nothing (they get no work
+//!   allocation, no host synchronisation. Up to `moe.split_max_tokens` tokens (targets.toml) the
+//!   same items run as three launches instead ([`MoeLaunch::Split`]: route, gate_up, down), which
+//!   was faster at every T benched: the persistent launch's blocks idle until the routing is
+//!   known, while a kernel boundary orders the phases in about a microsecond. Experts nobody chose cost nothing (they get no work
 //!   items); every chosen expert's weights are read once from DRAM per launch (an expert with
 //!   more tokens than a pass, 8, re-reads its tiles from L2). Work items are claimed in order
 //!   from a counter, so the kernel cannot deadlock whatever number of its blocks is resident; a
