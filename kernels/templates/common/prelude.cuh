@@ -19,6 +19,8 @@ typedef int i32;
 // another kernel writes keeps the stream's order: a kernel cannot finish before its predecessor
 // has. A kernel may split the call to load what no kernel writes (weights) in between:
 // allow_next_grid(); <loads of constant data>; wait_for_previous_grid(). Elsewhere nothing.
+// (A host emulation of the kernels, tests/verify_support/cuda_emu.h, defines them first.)
+#ifndef allow_next_grid
 {% if target.instructions.grid_dependency_control %}
 #define allow_next_grid() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
 #define wait_for_previous_grid() asm volatile("griddepcontrol.wait;" ::: "memory")
@@ -31,6 +33,7 @@ typedef int i32;
         allow_next_grid();          \
         wait_for_previous_grid();   \
     } while (0)
+#endif
 {% if target.vendor == "nvidia" %}
 #include <cuda_bf16.h>
 #define FP4_DEVICE __device__ __forceinline__
