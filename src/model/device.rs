@@ -634,12 +634,7 @@ impl<'m> Decoder<'m> {
     /// # Errors
     /// [`Error::Invalid`] when a sequence is full (position = capacity); errors of the launches.
     pub fn step(&mut self) -> Result<()> {
-        if self.position >= self.capacity {
-            return Err(Error::invalid(
-                "decoder",
-                format!("the sequences are full ({} tokens)", self.capacity),
-            ));
-        }
+        self.check_room()?;
         match &self.graph {
             Some(graph) => graph.launch()?,
             None => self.queue_step()?,
@@ -654,12 +649,7 @@ impl<'m> Decoder<'m> {
     /// # Errors
     /// As [`Decoder::step`].
     pub fn step_without_graph(&mut self) -> Result<()> {
-        if self.position >= self.capacity {
-            return Err(Error::invalid(
-                "decoder",
-                format!("the sequences are full ({} tokens)", self.capacity),
-            ));
-        }
+        self.check_room()?;
         self.queue_step()?;
         self.position += 1;
         Ok(())
@@ -699,6 +689,17 @@ impl<'m> Decoder<'m> {
         experts.sort_unstable();
         experts.dedup();
         Ok(experts.len())
+    }
+
+    /// An error when the sequences are full (position = capacity).
+    fn check_room(&self) -> Result<()> {
+        if self.position >= self.capacity {
+            return Err(Error::invalid(
+                "decoder",
+                format!("the sequences are full ({} tokens)", self.capacity),
+            ));
+        }
+        Ok(())
     }
 
     fn queue_step(&mut self) -> Result<()> {
