@@ -36,3 +36,30 @@ pub fn argmax(logits: &[bf16]) -> u32 {
     }
     best.map_or(0, |(_, i)| i as u32)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(values: &[f32]) -> Vec<bf16> {
+        values.iter().map(|&v| bf16::from_f32(v)).collect()
+    }
+
+    #[test]
+    fn argmax_takes_the_lowest_index_of_the_largest_and_never_nan() {
+        assert_eq!(argmax(&row(&[1.0, 3.0, 3.0, 2.0])), 1);
+        assert_eq!(argmax(&row(&[f32::NAN, 1.0, f32::NAN, 0.5])), 1);
+        assert_eq!(argmax(&row(&[f32::NAN, f32::NEG_INFINITY])), 1);
+        assert_eq!(argmax(&row(&[f32::NAN, f32::NAN])), 0);
+        assert_eq!(argmax(&row(&[f32::NEG_INFINITY, f32::NEG_INFINITY])), 0);
+    }
+
+    #[test]
+    fn embed_reads_rows_and_zeroes_tokens_past_the_vocabulary() {
+        let table = row(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        assert_eq!(
+            embed(&[2, 0, 3], &table, 2),
+            vec![5.0, 6.0, 1.0, 2.0, 0.0, 0.0]
+        );
+    }
+}
