@@ -210,3 +210,59 @@ fn bad_checkpoints_and_inputs_exit_2_naming_the_problem() {
         assert!(err.contains(needle), "{args:?}: {err}");
     }
 }
+
+/// `fp4spec bench decode` on the CPU backend with the demo model's shapes: every (batch, context)
+/// case measured, the JSON written with positive times and the roofline's bytes, the routing's
+/// distinct experts within 1..=min(E, B k); bad arguments exit 2 naming the argument.
+#[test]
+fn bench_decode_measures_every_case_and_writes_json() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let json = dir.path().join("decode.json");
+    let demo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/qwen35-moe-demo");
+    let (code, stdout, stderr) = fp4spec(&[
+        "bench",
+        "decode",
+        "--backend",
+        "cpu",
+        "--model",
+        demo.to_str().expect("utf-8 path"),
+        "--weights",
+        "bf16",
+        "--batch",
+        "1,3",
+        "--context",
+        "0,40",
+        "--steps",
+        "3",
+        "--repeats",
+        "1",
+        "--copy-bytes",
+        "1048576",
+        "--json",
+        json.to_str().expect("utf-8 path"),
+    ]);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    assert!(stdout.contains("projections"), "{stdout}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("JSON written"))
+            .expect("JSON parses");
+    let cases = report["cases"].as_array().expect("cases");
+    assert_eq!(cases.len(), 4);
+    for (case, (batch, context)) in cases.iter().zip([(1, 0), (1, 40), (3, 0), (3, 40)]) {
+        assert_eq!(case["batch"], batch);
+        assert_eq!(case["context"], context);
+        assert!(
+            case["ms_per_step"].as_f64().is_some_and(|v| v > 0.0),
+            "{case}"
+        );
+        assert!(
+            case["bytes_per_step"].as_f64().is_some_and(|v| v > 0.0),
+            "{case}"
+        );
+        let experts = case["distinct_experts"].as_u64().expect("experts");
+        assert!((1..=(batch * 2).min(8)).contains(&experts), "{case}");
+    }
+    let (code, _, stderr) = fp4spec(&["bench", "decode", "--backend", "cpu", "--weights", "fp8"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("--weights `fp8`"), "{stderr}");
+}

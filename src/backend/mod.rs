@@ -281,6 +281,35 @@ impl Backend {
         Ok(copied)
     }
 
+    /// Device-to-device copy bandwidth in bytes per second (bytes read plus bytes written): the
+    /// median of `repeats` copies of a `bytes`-byte buffer timed between events, after one
+    /// untimed copy. The ceiling decode figures are reported against.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for zero bytes or repeats; [`Error::Cuda`] / [`Error::Hip`] when an
+    /// allocation, a copy or the timing fails.
+    pub fn copy_bandwidth(&self, bytes: usize, repeats: usize) -> Result<f64> {
+        if bytes == 0 || repeats == 0 {
+            return Err(Error::invalid(
+                "copy bandwidth",
+                format!("{bytes} bytes, {repeats} repeats: both must be positive"),
+            ));
+        }
+        let src = self.zeros::<u8>(bytes)?;
+        let mut dst = self.zeros::<u8>(bytes)?;
+        self.copy(&src, &mut dst)?;
+        let mut seconds = Vec::with_capacity(repeats);
+        for _ in 0..repeats {
+            let start = self.record_event()?;
+            self.copy(&src, &mut dst)?;
+            let end = self.record_event()?;
+            self.synchronize()?;
+            seconds.push(f64::from(start.elapsed_ms(&end)?) / 1e3);
+        }
+        seconds.sort_by(f64::total_cmp);
+        Ok(2.0 * bytes as f64 / seconds[repeats / 2].max(f64::MIN_POSITIVE))
+    }
+
     /// The split-K scratch of the device, grown to at least `partials` floats and `counters`
     /// counters (a growth allocates zeroed memory; later calls of the same or smaller sizes do
     /// not allocate, so launches using it stay capturable). Hold the guard across the launch

@@ -2,6 +2,7 @@
 //!
 //! Exit status: 0 ok, 1 a check failed (or a compiler is missing), 2 bad input or usage.
 
+mod bench;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -72,6 +73,10 @@ enum Command {
     },
     /// Bytes read per decoded token by part, the bandwidth ceiling, and the speculation model.
     Roofline(RooflineArgs),
+    /// Measure on the device: `bench decode` runs decode steps of a synthetic full-size model
+    /// against the roofline (table, and JSON with --json).
+    #[command(subcommand)]
+    Bench(bench::Bench),
     /// Acceptance of speculative decoding from a vLLM Prometheus metrics page.
     SpecMetrics {
         /// A metrics page saved to a file, or `-` for standard input.
@@ -159,6 +164,7 @@ fn main() -> ExitCode {
             repeat,
         } => gemm_check(&backend, m, n, k, seed, &kernel, repeat),
         Command::Roofline(args) => roofline_command(args),
+        Command::Bench(what) => bench::run(what),
         Command::Doctor(args) => doctor::run(args),
         Command::GraftMtp(args) => graft_mtp::run(args),
         Command::Quantize(args) => quantize::run(args),
