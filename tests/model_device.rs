@@ -9,3 +9,8 @@ use fp4spec::backend::Backend;
 fn device_decode_on_the_cpu_backend_matches_the_runner() {
     device_model::decode_matches_runner(&Backend::Cpu, 12, 12);
 }
+
+#[test]
+fn device_prefill_on_the_cpu_backend_matches_the_runner() {
+    device_model::prefill_matches_runner(&Backend::Cpu, 8);
+}

@@ -19,7 +19,9 @@
 //! so each layer streams its own buffers (no layer's weights stay in L2 for the next) and a
 //! 35B-A3B-sized model is built in seconds without a host copy per layer.
 //!
-//! Not yet on this path: prefill (prompts are fed one token per step), MTP drafting and
+//! [`Decoder::prefill`] runs every prompt but its last token in one forward over all prompt rows
+//! (the chunked Gated DeltaNet prefill, attention over each row's causal prefix); the last
+//! tokens then go through the captured step. Not yet on this path: MTP drafting and
 //! verification, sampling.
 
 use crate::backend::{Backend, DeviceVec, Graph};
@@ -33,7 +35,8 @@ use crate::kernels::gemm::{Epilogue, Linear, RowOrder, linear};
 use crate::kernels::moe::reference::MoeShape;
 use crate::kernels::moe::weights::{synthetic_nvfp4, uniform_bf16};
 use crate::kernels::moe::{
-    ExpertFormat, FusedBlock, MoeHostWeights, MoeWeights, MoeWorkspace, moe_block,
+    ExpertFormat, FusedBlock, MAX_SLOTS_PER_LAUNCH, MoeHostWeights, MoeWeights, MoeWorkspace,
+    moe_block,
 };
 use crate::kernels::norm::rms_norm_residual;
 use crate::kernels::tokens::{self, ArgmaxWorkspace};
@@ -437,16 +440,11 @@ impl DeviceModel {
     }
 }
 
-/// A batch of sequences decoding on a [`DeviceModel`]: their caches, the step's buffers, and on
-/// CUDA the captured step. Every sequence advances one token per step; the greedy token of each
-/// is written on the device as the next step's input.
-pub struct Decoder<'m> {
-    model: &'m DeviceModel,
-    batch: usize,
-    capacity: usize,
-    /// Tokens every sequence has behind it (the host's mirror of the device positions).
-    position: usize,
-    tokens: DeviceVec<u32>,
+/// The activations of one forward over `rows` rows (a decode step's B rows, or a prefill's
+/// prompt rows) and the attention rows and scratch sized for them: allocated once per decoder for
+/// the step (its captured graph holds these buffers), once per call for a prefill.
+struct Activations {
+    rows: usize,
     residual: DeviceVec<f32>,
     normed: DeviceVec<bf16>,
     delta: DeviceVec<bf16>,
@@ -457,13 +455,238 @@ pub struct Decoder<'m> {
     v: DeviceVec<bf16>,
     q: DeviceVec<f32>,
     attention_out: DeviceVec<bf16>,
-    logits: DeviceVec<bf16>,
-    gdn_caches: Vec<GdnCache>,
-    kv_caches: Vec<KvCache>,
-    sequences: Sequences,
-    rows: attention::Rows,
-    rope: RopeTable,
+    /// Each row's sequence slot and position.
+    attention_rows: attention::Rows,
     attention_workspace: attention::Workspace,
+}
+
+impl Activations {
+    /// Buffers for the rows of `slots` (each row's sequence) at `positions`, over caches of
+    /// `capacity` positions.
+    fn new(
+        backend: &Backend,
+        config: &ModelConfig,
+        capacity: usize,
+        slots: &[u32],
+        positions: &[u32],
+    ) -> Result<Self> {
+        let rows = slots.len();
+        let h = config.hidden_size;
+        let (gdn, att) = (gdn_shape(config), attention_shape(config));
+        Ok(Self {
+            rows,
+            residual: backend.zeros(rows * h)?,
+            normed: backend.zeros(rows * h)?,
+            delta: backend.zeros(rows * h)?,
+            gdn_projections: backend
+                .zeros(rows * gdn_projection_rows(config).next_multiple_of(8))?,
+            gdn_out: backend.zeros(rows * gdn.value_heads * gdn.dv)?,
+            q_gate: backend.zeros(rows * att.heads * 2 * att.head_dim)?,
+            k: backend.zeros(rows * att.kv_heads * att.head_dim)?,
+            v: backend.zeros(rows * att.kv_heads * att.head_dim)?,
+            q: backend.zeros(rows * att.heads * att.head_dim)?,
+            attention_out: backend.zeros(rows * att.heads * att.head_dim)?,
+            attention_rows: attention::Rows {
+                count: rows,
+                slot: backend.upload(slots)?,
+                position: backend.upload(positions)?,
+            },
+            attention_workspace: attention::Workspace::new(backend, att, rows, capacity)?,
+        })
+    }
+}
+
+/// How the Gated DeltaNet layers of a forward run.
+enum GdnForward<'a> {
+    /// One token per sequence ([`gdn::step`]).
+    Step,
+    /// Each sequence's rows `cu_seqlens[b]..cu_seqlens[b + 1]` ([`gdn::prefill`]).
+    Prefill {
+        workspace: &'a mut gdn::ChunkWorkspace,
+        cu_seqlens: &'a [u32],
+    },
+}
+
+/// The caches every forward of a decoder shares.
+struct Caches {
+    gdn: Vec<GdnCache>,
+    kv: Vec<KvCache>,
+    sequences: Sequences,
+    rope: RopeTable,
+}
+
+/// Every layer over `act`'s rows, from its residual (the embeddings) to the last MoE block's
+/// output in `act.delta` (not yet added to the residual).
+fn run_layers(
+    model: &DeviceModel,
+    act: &mut Activations,
+    caches: &mut Caches,
+    moe_workspace: &mut MoeWorkspace,
+    mut gdn_forward: GdnForward<'_>,
+) -> Result<()> {
+    let (backend, config) = (&model.backend, &model.config);
+    let (b, eps) = (act.rows, config.rms_norm_eps as f32);
+    let gdn = gdn_shape(config);
+    let att = attention_shape(config);
+    let (mut gdn_index, mut kv_index) = (0, 0);
+    for (i, layer) in model.layers.iter().enumerate() {
+        let delta = (i > 0).then_some(&act.delta);
+        rms_norm_residual(
+            backend,
+            &mut act.residual,
+            delta,
+            &layer.input_norm,
+            eps,
+            &mut act.normed,
+            b,
+        )?;
+        match &layer.mixer {
+            DeviceMixer::Gdn {
+                in_proj,
+                params,
+                out,
+            } => {
+                linear(
+                    backend,
+                    &act.normed,
+                    b,
+                    in_proj,
+                    Epilogue::None,
+                    &mut act.gdn_projections,
+                )?;
+                let width = in_proj.out_features();
+                let (conv_dim, value_dim) = (config.linear_conv_dim(), gdn.value_heads * gdn.dv);
+                let at = |offset: usize| gdn::Rows {
+                    data: &act.gdn_projections,
+                    offset,
+                    stride: width,
+                };
+                let inputs = Projections {
+                    qkv: at(0),
+                    z: Some(at(conv_dim)),
+                    b: at(conv_dim + value_dim),
+                    a: at(conv_dim + value_dim + gdn.value_heads),
+                };
+                let cache = &mut caches.gdn[gdn_index];
+                gdn_index += 1;
+                match &mut gdn_forward {
+                    GdnForward::Step => gdn::step(
+                        backend,
+                        params,
+                        cache,
+                        &caches.sequences,
+                        1,
+                        &inputs,
+                        StepMode::Decode,
+                        &mut act.gdn_out,
+                    )?,
+                    GdnForward::Prefill {
+                        workspace,
+                        cu_seqlens,
+                    } => gdn::prefill(
+                        backend,
+                        params,
+                        cache,
+                        workspace,
+                        &caches.sequences,
+                        cu_seqlens,
+                        &inputs,
+                        &mut act.gdn_out,
+                    )?,
+                }
+                linear(
+                    backend,
+                    &act.gdn_out,
+                    b,
+                    out,
+                    Epilogue::None,
+                    &mut act.delta,
+                )?;
+            }
+            DeviceMixer::Attention {
+                q,
+                k,
+                v,
+                o,
+                q_norm,
+                k_norm,
+            } => {
+                linear(backend, &act.normed, b, q, Epilogue::None, &mut act.q_gate)?;
+                linear(backend, &act.normed, b, k, Epilogue::None, &mut act.k)?;
+                linear(backend, &act.normed, b, v, Epilogue::None, &mut act.v)?;
+                let cache = &mut caches.kv[kv_index];
+                kv_index += 1;
+                attention::prepare(
+                    backend,
+                    &GatedAttention {
+                        shape: att,
+                        q_norm,
+                        k_norm,
+                        eps,
+                        rope: &caches.rope,
+                    },
+                    &act.q_gate,
+                    &act.k,
+                    &act.v,
+                    &act.attention_rows,
+                    cache,
+                    &mut act.q,
+                )?;
+                attention::attend(
+                    backend,
+                    att,
+                    &act.q,
+                    &act.q_gate,
+                    cache,
+                    &act.attention_rows,
+                    &mut act.attention_workspace,
+                    &mut act.attention_out,
+                )?;
+                linear(
+                    backend,
+                    &act.attention_out,
+                    b,
+                    o,
+                    Epilogue::None,
+                    &mut act.delta,
+                )?;
+            }
+        }
+        rms_norm_residual(
+            backend,
+            &mut act.residual,
+            Some(&act.delta),
+            &layer.post_attention_norm,
+            eps,
+            &mut act.normed,
+            b,
+        )?;
+        moe_block(
+            backend,
+            &layer.moe,
+            &act.normed,
+            b,
+            None,
+            moe_workspace,
+            &mut act.delta,
+        )?;
+    }
+    Ok(())
+}
+
+/// A batch of sequences decoding on a [`DeviceModel`]: their caches, the step's buffers, and on
+/// CUDA the captured step. Every sequence advances one token per step; the greedy token of each
+/// is written on the device as the next step's input.
+pub struct Decoder<'m> {
+    model: &'m DeviceModel,
+    batch: usize,
+    capacity: usize,
+    /// Tokens behind each sequence (the host's mirror of the device positions).
+    positions: Vec<usize>,
+    tokens: DeviceVec<u32>,
+    step: Activations,
+    logits: DeviceVec<bf16>,
+    caches: Caches,
     moe_workspace: MoeWorkspace,
     argmax_workspace: ArgmaxWorkspace,
     graph: Option<Graph>,
@@ -472,7 +695,7 @@ pub struct Decoder<'m> {
 impl<'m> Decoder<'m> {
     /// `batch` sequences of up to `capacity` tokens each on `model`'s backend. Runs one step to
     /// load every kernel and grow every scratch buffer, then (on CUDA) captures the step as a
-    /// graph; the sequences start empty ([`Decoder::start`]).
+    /// graph; the sequences start empty ([`Decoder::start`], [`Decoder::prefill`]).
     ///
     /// # Errors
     /// [`Error::Invalid`] for an empty batch or capacity, or shapes the kernels do not take;
@@ -486,7 +709,6 @@ impl<'m> Decoder<'m> {
             ));
         }
         let (backend, config) = (&model.backend, &model.config);
-        let h = config.hidden_size;
         let (gdn, att) = (gdn_shape(config), attention_shape(config));
         let mut gdn_caches = Vec::new();
         let mut kv_caches = Vec::new();
@@ -502,36 +724,21 @@ impl<'m> Decoder<'m> {
         }
         let slots: Vec<u32> = (0..batch as u32).collect();
         let zeros = vec![0u32; batch];
-        let first_moe = &model.layers[0].moe;
         let mut decoder = Self {
             model,
             batch,
             capacity,
-            position: 0,
+            positions: vec![0; batch],
             tokens: backend.zeros(batch)?,
-            residual: backend.zeros(batch * h)?,
-            normed: backend.zeros(batch * h)?,
-            delta: backend.zeros(batch * h)?,
-            gdn_projections: backend
-                .zeros(batch * gdn_projection_rows(config).next_multiple_of(8))?,
-            gdn_out: backend.zeros(batch * gdn.value_heads * gdn.dv)?,
-            q_gate: backend.zeros(batch * att.heads * 2 * att.head_dim)?,
-            k: backend.zeros(batch * att.kv_heads * att.head_dim)?,
-            v: backend.zeros(batch * att.kv_heads * att.head_dim)?,
-            q: backend.zeros(batch * att.heads * att.head_dim)?,
-            attention_out: backend.zeros(batch * att.heads * att.head_dim)?,
+            step: Activations::new(backend, config, capacity, &slots, &zeros)?,
             logits: backend.zeros(batch * config.vocab_size)?,
-            gdn_caches,
-            kv_caches,
-            sequences: Sequences::new(backend, &slots, &zeros)?,
-            rows: attention::Rows {
-                count: batch,
-                slot: backend.upload(&slots)?,
-                position: backend.upload(&zeros)?,
+            caches: Caches {
+                gdn: gdn_caches,
+                kv: kv_caches,
+                sequences: Sequences::new(backend, &slots, &zeros)?,
+                rope: RopeTable::new(backend, config.rotary_dim(), config.rope_theta, capacity)?,
             },
-            rope: RopeTable::new(backend, config.rotary_dim(), config.rope_theta, capacity)?,
-            attention_workspace: attention::Workspace::new(backend, att, batch, capacity)?,
-            moe_workspace: MoeWorkspace::new(backend, first_moe, batch)?,
+            moe_workspace: MoeWorkspace::new(backend, &model.layers[0].moe, batch)?,
             argmax_workspace: ArgmaxWorkspace::new(backend, batch, config.vocab_size)?,
             graph: None,
         };
@@ -552,9 +759,9 @@ impl<'m> Decoder<'m> {
         self.batch
     }
 
-    /// Tokens every sequence has behind it.
+    /// Tokens behind the sequence furthest along.
     pub fn position(&self) -> usize {
-        self.position
+        self.positions.iter().copied().max().unwrap_or(0)
     }
 
     /// Whether steps replay a captured graph (CUDA) or are launched one call at a time.
@@ -575,15 +782,15 @@ impl<'m> Decoder<'m> {
     /// Positions back to 0: the GDN kernels read no state and no conv rows before position 0 and
     /// attention reads only positions up to each row's own, so nothing else needs clearing.
     fn restart(&mut self) -> Result<()> {
-        self.set_position(0)
+        self.set_positions(&vec![0; self.batch])
     }
 
-    fn set_position(&mut self, position: usize) -> Result<()> {
+    fn set_positions(&mut self, positions: &[usize]) -> Result<()> {
         let backend = &self.model.backend;
-        let positions = vec![position as u32; self.batch];
-        self.sequences.restart(backend, &positions)?;
-        backend.write(&mut self.rows.position, 0, &positions)?;
-        self.position = position;
+        let device: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        self.caches.sequences.restart(backend, &device)?;
+        backend.write(&mut self.step.attention_rows.position, 0, &device)?;
+        self.positions = positions.to_vec();
         Ok(())
     }
 
@@ -601,7 +808,98 @@ impl<'m> Decoder<'m> {
                 format!("{position} is not below the capacity of {}", self.capacity),
             ));
         }
-        self.set_position(position)
+        self.set_positions(&vec![position; self.batch])
+    }
+
+    /// Empties every sequence and runs its prompt through the model in one forward, all but the
+    /// last token (GEMMs over every prompt row, the chunked Gated DeltaNet prefill, attention
+    /// over each row's causal prefix, the MoE block over every row); the last tokens become the
+    /// next step's inputs, so the following [`Decoder::step`] gives each sequence's first greedy
+    /// token. Allocates the prompt rows' buffers for the call (not captured in the graph).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a prompt count other than the batch, an empty prompt, a token
+    /// outside the vocabulary or a prompt longer than the capacity allows; errors of the
+    /// launches.
+    pub fn prefill(&mut self, prompts: &[&[u32]]) -> Result<()> {
+        if prompts.len() != self.batch || prompts.iter().any(|p| p.is_empty()) {
+            return Err(Error::invalid(
+                "decoder prompts",
+                format!(
+                    "{} prompts for {} sequences: one non-empty prompt each",
+                    prompts.len(),
+                    self.batch
+                ),
+            ));
+        }
+        if let Some(p) = prompts.iter().find(|p| p.len() > self.capacity) {
+            return Err(Error::invalid(
+                "decoder prompts",
+                format!(
+                    "a prompt of {} tokens exceeds the capacity of {}",
+                    p.len(),
+                    self.capacity
+                ),
+            ));
+        }
+        let last: Vec<u32> = prompts.iter().map(|p| p[p.len() - 1]).collect();
+        self.restart()?;
+        self.set_tokens(&last)?;
+        let lengths: Vec<usize> = prompts.iter().map(|p| p.len() - 1).collect();
+        let rows: usize = lengths.iter().sum();
+        if rows > 0 {
+            let model = self.model;
+            let (backend, config) = (&model.backend, &model.config);
+            let mut cu_seqlens = vec![0u32];
+            let (mut tokens, mut slots, mut positions) = (Vec::new(), Vec::new(), Vec::new());
+            for (b, (prompt, &len)) in prompts.iter().zip(&lengths).enumerate() {
+                tokens.extend_from_slice(&prompt[..len]);
+                slots.extend(std::iter::repeat_n(b as u32, len));
+                positions.extend(0..len as u32);
+                cu_seqlens.push(tokens.len() as u32);
+            }
+            let vocab = config.vocab_size;
+            if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(Error::invalid(
+                    "token id",
+                    format!("{bad} is outside the vocabulary of {vocab}"),
+                ));
+            }
+            let mut act = Activations::new(backend, config, self.capacity, &slots, &positions)?;
+            let mut workspace =
+                gdn::ChunkWorkspace::new(backend, gdn_shape(config), rows, self.batch)?;
+            tokens::embed(
+                backend,
+                &backend.upload(&tokens)?,
+                &model.embed,
+                config.hidden_size,
+                &mut act.residual,
+            )?;
+            // every prompt row in one MoE launch where the kernels' slot counts allow
+            let moe = &model.layers[0].moe;
+            let moe_rows = rows.min(MAX_SLOTS_PER_LAUNCH / config.num_experts_per_tok.max(1));
+            let mut moe_workspace = MoeWorkspace::new(backend, moe, moe_rows.max(1))?;
+            run_layers(
+                model,
+                &mut act,
+                &mut self.caches,
+                &mut moe_workspace,
+                GdnForward::Prefill {
+                    workspace: &mut workspace,
+                    cu_seqlens: &cu_seqlens,
+                },
+            )?;
+            let accepted: Vec<u32> = lengths.iter().map(|&l| l as u32).collect();
+            self.caches.sequences.commit(
+                backend,
+                gdn::Accepted::PerSequence(&backend.upload(&accepted)?),
+                StepMode::Decode,
+            )?;
+            let device: Vec<u32> = accepted;
+            backend.write(&mut self.step.attention_rows.position, 0, &device)?;
+            self.positions = lengths;
+        }
+        Ok(())
     }
 
     /// Replaces the next step's input tokens (e.g. to feed a prompt one token per step),
@@ -639,7 +937,7 @@ impl<'m> Decoder<'m> {
             Some(graph) => graph.launch()?,
             None => self.queue_step()?,
         }
-        self.position += 1;
+        self.positions.iter_mut().for_each(|p| *p += 1);
         Ok(())
     }
 
@@ -651,7 +949,7 @@ impl<'m> Decoder<'m> {
     pub fn step_without_graph(&mut self) -> Result<()> {
         self.check_room()?;
         self.queue_step()?;
-        self.position += 1;
+        self.positions.iter_mut().for_each(|p| *p += 1);
         Ok(())
     }
 
@@ -691,12 +989,12 @@ impl<'m> Decoder<'m> {
         Ok(experts.len())
     }
 
-    /// An error when the sequences are full (position = capacity).
+    /// An error when a sequence is full (position = capacity).
     fn check_room(&self) -> Result<()> {
-        if self.position >= self.capacity {
+        if self.position() >= self.capacity {
             return Err(Error::invalid(
                 "decoder",
-                format!("the sequences are full ({} tokens)", self.capacity),
+                format!("a sequence is full ({} tokens)", self.capacity),
             ));
         }
         Ok(())
@@ -705,158 +1003,34 @@ impl<'m> Decoder<'m> {
     fn queue_step(&mut self) -> Result<()> {
         let model = self.model;
         let (backend, config) = (&model.backend, &model.config);
-        let (b, h, eps) = (self.batch, config.hidden_size, config.rms_norm_eps as f32);
-        let gdn = gdn_shape(config);
-        let att = attention_shape(config);
-        tokens::embed(backend, &self.tokens, &model.embed, h, &mut self.residual)?;
-        let (mut gdn_index, mut kv_index) = (0, 0);
-        for (i, layer) in model.layers.iter().enumerate() {
-            let delta = (i > 0).then_some(&self.delta);
-            rms_norm_residual(
-                backend,
-                &mut self.residual,
-                delta,
-                &layer.input_norm,
-                eps,
-                &mut self.normed,
-                b,
-            )?;
-            match &layer.mixer {
-                DeviceMixer::Gdn {
-                    in_proj,
-                    params,
-                    out,
-                } => {
-                    linear(
-                        backend,
-                        &self.normed,
-                        b,
-                        in_proj,
-                        Epilogue::None,
-                        &mut self.gdn_projections,
-                    )?;
-                    let width = in_proj.out_features();
-                    let (conv_dim, value_dim) =
-                        (config.linear_conv_dim(), gdn.value_heads * gdn.dv);
-                    let at = |offset: usize| gdn::Rows {
-                        data: &self.gdn_projections,
-                        offset,
-                        stride: width,
-                    };
-                    let inputs = Projections {
-                        qkv: at(0),
-                        z: Some(at(conv_dim)),
-                        b: at(conv_dim + value_dim),
-                        a: at(conv_dim + value_dim + gdn.value_heads),
-                    };
-                    gdn::step(
-                        backend,
-                        params,
-                        &mut self.gdn_caches[gdn_index],
-                        &self.sequences,
-                        1,
-                        &inputs,
-                        StepMode::Decode,
-                        &mut self.gdn_out,
-                    )?;
-                    gdn_index += 1;
-                    linear(
-                        backend,
-                        &self.gdn_out,
-                        b,
-                        out,
-                        Epilogue::None,
-                        &mut self.delta,
-                    )?;
-                }
-                DeviceMixer::Attention {
-                    q,
-                    k,
-                    v,
-                    o,
-                    q_norm,
-                    k_norm,
-                } => {
-                    linear(
-                        backend,
-                        &self.normed,
-                        b,
-                        q,
-                        Epilogue::None,
-                        &mut self.q_gate,
-                    )?;
-                    linear(backend, &self.normed, b, k, Epilogue::None, &mut self.k)?;
-                    linear(backend, &self.normed, b, v, Epilogue::None, &mut self.v)?;
-                    let cache = &mut self.kv_caches[kv_index];
-                    kv_index += 1;
-                    attention::prepare(
-                        backend,
-                        &GatedAttention {
-                            shape: att,
-                            q_norm,
-                            k_norm,
-                            eps,
-                            rope: &self.rope,
-                        },
-                        &self.q_gate,
-                        &self.k,
-                        &self.v,
-                        &self.rows,
-                        cache,
-                        &mut self.q,
-                    )?;
-                    attention::attend(
-                        backend,
-                        att,
-                        &self.q,
-                        &self.q_gate,
-                        cache,
-                        &self.rows,
-                        &mut self.attention_workspace,
-                        &mut self.attention_out,
-                    )?;
-                    linear(
-                        backend,
-                        &self.attention_out,
-                        b,
-                        o,
-                        Epilogue::None,
-                        &mut self.delta,
-                    )?;
-                }
-            }
-            rms_norm_residual(
-                backend,
-                &mut self.residual,
-                Some(&self.delta),
-                &layer.post_attention_norm,
-                eps,
-                &mut self.normed,
-                b,
-            )?;
-            moe_block(
-                backend,
-                &layer.moe,
-                &self.normed,
-                b,
-                None,
-                &mut self.moe_workspace,
-                &mut self.delta,
-            )?;
-        }
+        let eps = config.rms_norm_eps as f32;
+        tokens::embed(
+            backend,
+            &self.tokens,
+            &model.embed,
+            config.hidden_size,
+            &mut self.step.residual,
+        )?;
+        run_layers(
+            model,
+            &mut self.step,
+            &mut self.caches,
+            &mut self.moe_workspace,
+            GdnForward::Step,
+        )?;
         rms_norm_residual(
             backend,
-            &mut self.residual,
-            Some(&self.delta),
+            &mut self.step.residual,
+            Some(&self.step.delta),
             &model.final_norm,
             eps,
-            &mut self.normed,
-            b,
+            &mut self.step.normed,
+            self.batch,
         )?;
         linear(
             backend,
-            &self.normed,
-            b,
+            &self.step.normed,
+            self.batch,
             &model.lm_head,
             Epilogue::None,
             &mut self.logits,
@@ -866,9 +1040,10 @@ impl<'m> Decoder<'m> {
             &self.logits,
             &mut self.argmax_workspace,
             &mut self.tokens,
-            Some(&mut self.rows.position),
+            Some(&mut self.step.attention_rows.position),
         )?;
-        self.sequences
+        self.caches
+            .sequences
             .commit(backend, gdn::Accepted::All(1), StepMode::Decode)
     }
 }

@@ -129,3 +129,82 @@ pub fn decode_matches_runner(backend: &Backend, prompt_steps: usize, greedy_step
     );
     worst
 }
+
+/// Two prompts of different lengths through [`Decoder::prefill`] (one forward over every prompt
+/// row but the last of each), then greedy steps: every step's logits against the runner's on the
+/// same tokens (the runner runs each whole prompt, then the same continuation). Returns the
+/// largest relative logit error.
+pub fn prefill_matches_runner(backend: &Backend, greedy_steps: usize) -> f64 {
+    let model = Model::load(demo_dir()).expect("demo model loads");
+    let device = DeviceModel::from_model(backend, &model).expect("device model");
+    let prompts: Vec<Vec<u32>> = [
+        "fn main() { let total = items.iter().sum(); }",
+        "Once upon a time there",
+    ]
+    .iter()
+    .map(|p| p.bytes().map(u32::from).collect())
+    .collect();
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let mut decoder =
+        Decoder::new(&device, prompts.len(), longest + greedy_steps + 1).expect("decoder");
+    let views: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    decoder.prefill(&views).expect("device prefill");
+    let vocab = model.config.vocab_size;
+    let mut caches: Vec<SequenceCache> = prompts
+        .iter()
+        .map(|_| SequenceCache::new(&model.config))
+        .collect();
+    // the runner takes each prompt but its last token in one forward, then token by token
+    for (cache, prompt) in caches.iter_mut().zip(&prompts) {
+        model
+            .forward(&mut [ForwardInput {
+                cache,
+                tokens: &prompt[..prompt.len() - 1],
+                record: false,
+                all_logits: false,
+            }])
+            .expect("runner prefill");
+    }
+    let mut inputs: Vec<u32> = prompts.iter().map(|p| p[p.len() - 1]).collect();
+    let mut worst = 0.0f64;
+    for step in 0..greedy_steps {
+        decoder.step().expect("device step");
+        let device_logits = decoder.logits().expect("device logits");
+        let device_tokens = decoder.tokens().expect("device tokens");
+        for (s, cache) in caches.iter_mut().enumerate() {
+            let out = model
+                .forward(&mut [ForwardInput {
+                    cache,
+                    tokens: &inputs[s..=s],
+                    record: false,
+                    all_logits: false,
+                }])
+                .expect("runner forward");
+            let runner = &out[0].logits;
+            let ours = &device_logits[s * vocab..(s + 1) * vocab];
+            let scale = runner.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
+            let error = ours
+                .iter()
+                .zip(runner)
+                .fold(0.0f64, |m, (a, b)| m.max(f64::from((a - b).abs())))
+                / scale;
+            assert!(
+                error <= LOGIT_TOLERANCE,
+                "{}: prefill then step {step}, sequence {s}: logits differ by {error:.3e} of the \
+                 largest (tolerance {LOGIT_TOLERANCE:.0e})",
+                backend.name()
+            );
+            worst = worst.max(error);
+        }
+        // both continue with the device's tokens, so a near-tie cannot split them
+        inputs = device_tokens;
+    }
+    println!(
+        "{}: device prefill ({} and {} prompt tokens) then {greedy_steps} steps vs the CPU \
+         runner: largest logit error {worst:.3e} of the largest logit",
+        backend.name(),
+        prompts[0].len(),
+        prompts[1].len()
+    );
+    worst
+}

@@ -13,3 +13,11 @@ fn device_decode_on_cuda_matches_the_runner() {
     };
     device_model::decode_matches_runner(backend, 16, 24);
 }
+
+#[test]
+fn device_prefill_on_cuda_matches_the_runner() {
+    let Some(backend) = cuda("device_prefill_on_cuda_matches_the_runner") else {
+        return;
+    };
+    device_model::prefill_matches_runner(backend, 16);
+}
