@@ -117,12 +117,7 @@ fn run(
     );
     for &batch in batches {
         let mut decoder = Decoder::new(&model, batch, CAPACITY).expect("decoder");
-        // a different first token per sequence: identical rows would route every token of the
-        // batch to the same experts and read a fraction of the bytes a real batch reads
-        let first: Vec<u32> = (0..batch as u32)
-            .map(|b| (b * 7919 + 13) % config.vocab_size as u32)
-            .collect();
-        decoder.start(&first).expect("first tokens");
+        decoder.start_distinct().expect("first tokens");
         for (context, start) in [("short", 0), ("20000", LONG_CONTEXT)] {
             decoder.skip_to(start).expect("start");
             let bytes = roofline::step_bytes(

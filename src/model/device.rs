@@ -769,6 +769,20 @@ impl<'m> Decoder<'m> {
         self.graph.is_some()
     }
 
+    /// For benchmarks: empties every sequence and starts each from its own token (spread over
+    /// the vocabulary), so that the rows of a batch differ and route to different experts as a
+    /// real batch's do; identical rows would all choose the same experts.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] / [`Error::Hip`] when a copy fails.
+    pub fn start_distinct(&mut self) -> Result<()> {
+        let vocab = self.model.config.vocab_size as u64;
+        let first: Vec<u32> = (0..self.batch as u64)
+            .map(|b| ((b * 7919 + 13) % vocab) as u32)
+            .collect();
+        self.start(&first)
+    }
+
     /// Empties every sequence (position 0) and sets the tokens of the first step, one per
     /// sequence.
     ///

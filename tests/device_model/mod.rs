@@ -46,6 +46,37 @@ fn argmax(row: &[f32]) -> (u32, f32) {
     (best as u32, row[best] - runner_up)
 }
 
+/// The runner's forward of `token` on `cache`, and the largest |device - runner| logit relative
+/// to the largest |runner| logit; panics past [`LOGIT_TOLERANCE`] naming `what`.
+fn runner_step(
+    model: &Model,
+    cache: &mut SequenceCache,
+    token: u32,
+    device_row: &[f32],
+    what: &str,
+) -> (Vec<f32>, f64, f64) {
+    let out = model
+        .forward(&mut [ForwardInput {
+            cache,
+            tokens: &[token],
+            record: false,
+            all_logits: false,
+        }])
+        .expect("runner forward");
+    let runner = out.into_iter().next().expect("one sequence").logits;
+    let scale = runner.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
+    let error = device_row
+        .iter()
+        .zip(&runner)
+        .fold(0.0f64, |m, (a, b)| m.max(f64::from((a - b).abs())))
+        / scale;
+    assert!(
+        error <= LOGIT_TOLERANCE,
+        "{what}: logits differ by {error:.3e} of the largest (tolerance {LOGIT_TOLERANCE:.0e})"
+    );
+    (runner, scale, error)
+}
+
 /// Runs the comparison on `backend`; returns the largest relative logit error seen.
 pub fn decode_matches_runner(backend: &Backend, prompt_steps: usize, greedy_steps: usize) -> f64 {
     let model = Model::load(demo_dir()).expect("demo model loads");
@@ -71,30 +102,15 @@ pub fn decode_matches_runner(backend: &Backend, prompt_steps: usize, greedy_step
         let device_tokens = decoder.tokens().expect("device tokens");
         let mut next = Vec::new();
         for (s, cache) in caches.iter_mut().enumerate() {
-            let out = model
-                .forward(&mut [ForwardInput {
-                    cache,
-                    tokens: &inputs[s..=s],
-                    record: false,
-                    all_logits: false,
-                }])
-                .expect("runner forward");
-            let runner = &out[0].logits;
-            let ours = &device_logits[s * vocab..(s + 1) * vocab];
-            let scale = runner.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
-            let error = ours
-                .iter()
-                .zip(runner)
-                .fold(0.0f64, |m, (a, b)| m.max(f64::from((a - b).abs())))
-                / scale;
-            assert!(
-                error <= LOGIT_TOLERANCE,
-                "{}: sequence {s} step {step}: logits differ by {error:.3e} of the largest \
-                 (tolerance {LOGIT_TOLERANCE:.0e})",
-                backend.name()
+            let (runner, scale, error) = runner_step(
+                &model,
+                cache,
+                inputs[s],
+                &device_logits[s * vocab..(s + 1) * vocab],
+                &format!("{}: sequence {s} step {step}", backend.name()),
             );
             worst = worst.max(error);
-            let (token, margin) = argmax(runner);
+            let (token, margin) = argmax(&runner);
             if f64::from(margin) > 2.0 * LOGIT_TOLERANCE * scale {
                 assert_eq!(
                     device_tokens[s],
@@ -172,27 +188,12 @@ pub fn prefill_matches_runner(backend: &Backend, greedy_steps: usize) -> f64 {
         let device_logits = decoder.logits().expect("device logits");
         let device_tokens = decoder.tokens().expect("device tokens");
         for (s, cache) in caches.iter_mut().enumerate() {
-            let out = model
-                .forward(&mut [ForwardInput {
-                    cache,
-                    tokens: &inputs[s..=s],
-                    record: false,
-                    all_logits: false,
-                }])
-                .expect("runner forward");
-            let runner = &out[0].logits;
-            let ours = &device_logits[s * vocab..(s + 1) * vocab];
-            let scale = runner.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
-            let error = ours
-                .iter()
-                .zip(runner)
-                .fold(0.0f64, |m, (a, b)| m.max(f64::from((a - b).abs())))
-                / scale;
-            assert!(
-                error <= LOGIT_TOLERANCE,
-                "{}: prefill then step {step}, sequence {s}: logits differ by {error:.3e} of the \
-                 largest (tolerance {LOGIT_TOLERANCE:.0e})",
-                backend.name()
+            let (_, _, error) = runner_step(
+                &model,
+                cache,
+                inputs[s],
+                &device_logits[s * vocab..(s + 1) * vocab],
+                &format!("{}: prefill then step {step}, sequence {s}", backend.name()),
             );
             worst = worst.max(error);
         }

@@ -149,11 +149,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
     for &batch in &args.batch {
         let mut decoder = Decoder::new(&model, batch, capacity)?;
         graph = decoder.replays_graph();
-        // a different first token per sequence, so that the rows route to different experts
-        let first: Vec<u32> = (0..batch as u32)
-            .map(|b| (b * 7919 + 13) % config.vocab_size as u32)
-            .collect();
-        decoder.start(&first)?;
+        decoder.start_distinct()?;
         for &context in &args.context {
             let bytes = roofline::step_bytes(
                 &config,
