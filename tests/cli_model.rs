@@ -213,7 +213,8 @@ fn bad_checkpoints_and_inputs_exit_2_naming_the_problem() {
 
 /// `fp4spec bench decode` on the CPU backend with the demo model's shapes: every (batch, context)
 /// case measured, the JSON written with positive times and the roofline's bytes, the routing's
-/// distinct experts within 1..=min(E, B k); bad arguments exit 2 naming the argument.
+/// distinct experts within 1..=min(E, B k), both charts drawn with a line per context; bad
+/// arguments exit 2 naming the argument.
 #[test]
 fn bench_decode_measures_every_case_and_writes_json() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -240,9 +241,18 @@ fn bench_decode_measures_every_case_and_writes_json() {
         "1048576",
         "--json",
         json.to_str().expect("utf-8 path"),
+        "--chart",
+        dir.path().join("decode").to_str().expect("utf-8 path"),
     ]);
     assert_eq!(code, 0, "{stdout}\n{stderr}");
     assert!(stdout.contains("projections"), "{stdout}");
+    for chart in ["decode-tokens.svg", "decode-step-ms.svg"] {
+        let svg = std::fs::read_to_string(dir.path().join(chart)).expect("chart written");
+        assert!(
+            svg.starts_with("<svg") && svg.contains("context 0") && svg.contains("context 40"),
+            "{chart}"
+        );
+    }
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).expect("JSON written"))
             .expect("JSON parses");

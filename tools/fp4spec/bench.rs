@@ -54,6 +54,10 @@ pub struct DecodeArgs {
     /// Also write the results as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+    /// Also draw PREFIX-tokens.svg (tok/s against batch) and PREFIX-step-ms.svg (ms per step
+    /// against rows per step), one line per context.
+    #[arg(long, value_name = "PREFIX")]
+    chart: Option<PathBuf>,
 }
 
 /// One measured case.
@@ -243,6 +247,24 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
             "this backend captures no graphs: steps launched call by call"
         }
     );
+    if let Some(prefix) = &args.chart {
+        let title = format!("{} ({} weights, n = 0)", config_name(&args), args.weights);
+        for (suffix, y_label, value) in [
+            (
+                "tokens",
+                "tokens/s",
+                (|c: &Case| c.tokens_per_second) as fn(&Case) -> f64,
+            ),
+            ("step-ms", "ms per step", |c: &Case| c.ms_per_step),
+        ] {
+            let mut path = prefix.clone().into_os_string();
+            path.push(format!("-{suffix}.svg"));
+            let path = PathBuf::from(path);
+            chart(&path, &title, y_label, &args.context, &cases, value)
+                .map_err(|e| Failure::Input(format!("{}: {e}", path.display())))?;
+            println!("chart: {}", path.display());
+        }
+    }
     if let Some(path) = &args.json {
         let report = Report {
             device: backend.describe(),
@@ -256,5 +278,70 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
         std::fs::write(path, text)
             .map_err(|e| Failure::Input(format!("{}: {e}", path.display())))?;
     }
+    Ok(())
+}
+
+/// The model a run measures, for chart titles.
+fn config_name(args: &DecodeArgs) -> String {
+    args.model.as_ref().map_or_else(
+        || "Qwen3.6-35B-A3B".to_string(),
+        |dir| dir.display().to_string(),
+    )
+}
+
+/// One SVG line chart: `value` of every case against its batch (rows per step at n = 0), one
+/// line per context.
+fn chart(
+    path: &std::path::Path,
+    title: &str,
+    y_label: &str,
+    contexts: &[usize],
+    cases: &[Case],
+    value: fn(&Case) -> f64,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use plotters::prelude::*;
+    let x_max = cases.iter().map(|c| c.batch).max().unwrap_or(1) as f64;
+    let y_max = cases
+        .iter()
+        .map(value)
+        .fold(0.0, f64::max)
+        .max(f64::MIN_POSITIVE)
+        * 1.1;
+    let root = SVGBackend::new(path, (720, 440)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0f64..x_max * 1.05, 0f64..y_max)?;
+    chart
+        .configure_mesh()
+        .x_desc("sequences (rows per step)")
+        .y_desc(y_label)
+        .draw()?;
+    for (i, &context) in contexts.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let points: Vec<(f64, f64)> = cases
+            .iter()
+            .filter(|c| c.context == context)
+            .map(|c| (c.batch as f64, value(c)))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
+            .label(format!("context {context}"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        chart.draw_series(
+            points
+                .into_iter()
+                .map(|p| Circle::new(p, 3, color.filled())),
+        )?;
+    }
+    chart
+        .configure_series_labels()
+        .border_style(BLACK)
+        .background_style(WHITE)
+        .draw()?;
+    root.present()?;
     Ok(())
 }
