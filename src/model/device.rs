@@ -12,8 +12,9 @@
 //! [`attention::prepare`] and [`attention::attend`]. The residual stream stays f32; what the
 //! GEMMs read and write is bf16.
 //!
-//! Weights come from a loaded [`Model`] (every linear and expert as bf16: NVFP4 checkpoints are
-//! dequantised on load by the CPU runner, so W4A16 GEMMs on their own codes are not used yet) or
+//! Weights come from a loaded [`Model`] (linears and experts the checkpoint stores as NVFP4 run
+//! on their codes and scales in the W4A16 kernels, the rest as bf16; the fused Gated DeltaNet
+//! projection is bf16, dequantised where its parts were NVFP4) or
 //! are synthetic at the real shapes ([`DeviceModel::synthetic`]): one layer of each kind is
 //! generated and laid out on the host, then copied on the device into every layer of that kind,
 //! so each layer streams its own buffers (no layer's weights stay in L2 for the next) and a
@@ -35,14 +36,16 @@ use crate::kernels::gemm::{Epilogue, Linear, RowOrder, linear};
 use crate::kernels::moe::reference::MoeShape;
 use crate::kernels::moe::weights::{synthetic_nvfp4, uniform_bf16};
 use crate::kernels::moe::{
-    ExpertFormat, FusedBlock, MAX_SLOTS_PER_LAUNCH, MoeHostWeights, MoeWeights, MoeWorkspace,
-    moe_block,
+    ExpertFormat, ExpertWeights, FusedBlock, MAX_SLOTS_PER_LAUNCH, MoeHostWeights, MoeWeights,
+    MoeWorkspace, moe_block,
 };
 use crate::kernels::norm::rms_norm_residual;
 use crate::kernels::tokens::{self, ArgmaxWorkspace};
 use crate::model::config::{LayerKind, ModelConfig};
 use crate::model::forward::Model;
-use crate::model::params::{HostLinear, MixerWeights};
+use crate::model::params::{
+    ExpertWeights as ModelExpertWeights, HostLinear, MixerWeights, MoeWeights as ModelMoeWeights,
+};
 use crate::rng::SplitMix64;
 use half::bf16;
 
@@ -166,13 +169,63 @@ fn to_bf16(values: &[f32]) -> Vec<bf16> {
     values.iter().map(|&v| bf16::from_f32(v)).collect()
 }
 
-fn bf16_linear(backend: &Backend, w: &HostLinear) -> Result<Linear> {
-    Linear::bf16(
-        backend,
-        &to_bf16(&w.weight),
-        w.rows,
-        w.cols,
-        RowOrder::Plain,
+/// The linear as the checkpoint stores it: its NVFP4 codes and scales (W4A16 kernels) where it
+/// is NVFP4, else bf16.
+fn device_linear(backend: &Backend, w: &HostLinear) -> Result<Linear> {
+    match &w.nvfp4 {
+        Some(matrix) => Linear::nvfp4(backend, matrix, RowOrder::Plain),
+        None => Linear::bf16(
+            backend,
+            &to_bf16(&w.weight),
+            w.rows,
+            w.cols,
+            RowOrder::Plain,
+        ),
+    }
+}
+
+/// A MoE block's weights as the checkpoint stores them: NVFP4 experts when every routed expert
+/// and the shared expert were loaded from NVFP4 tensors, else every expert bf16.
+fn moe_host_weights(config: &ModelConfig, m: &ModelMoeWeights) -> Result<MoeHostWeights> {
+    let shape = moe_shape(config);
+    let has_shared = shape.shared_intermediate > 0;
+    let nvfp4 = |e: &ModelExpertWeights| {
+        e.nvfp4
+            .as_ref()
+            .map(|[gate, up, down]| ExpertWeights::Nvfp4 {
+                gate: gate.clone(),
+                up: up.clone(),
+                down: down.clone(),
+            })
+    };
+    let experts: Option<Vec<ExpertWeights>> = m.experts.iter().map(nvfp4).collect();
+    let shared = if has_shared {
+        nvfp4(&m.shared).map(Some)
+    } else {
+        Some(None)
+    };
+    if let (Some(experts), Some(shared)) = (experts, shared) {
+        let host = MoeHostWeights {
+            shape,
+            router: to_bf16(&m.router),
+            shared_gate: has_shared.then(|| to_bf16(&m.shared_gate)),
+            experts,
+            shared,
+        };
+        host.check()?;
+        return Ok(host);
+    }
+    let gate_up: Vec<f32> = m.experts.iter().flat_map(|e| e.gate_up.clone()).collect();
+    let down: Vec<f32> = m.experts.iter().flat_map(|e| e.down.clone()).collect();
+    MoeHostWeights::from_fused(
+        shape,
+        &FusedBlock {
+            router: &m.router,
+            shared_gate: has_shared.then_some(m.shared_gate.as_slice()),
+            gate_up: &gate_up,
+            down: &down,
+            shared: has_shared.then_some((m.shared.gate_up.as_slice(), m.shared.down.as_slice())),
+        },
     )
 }
 
@@ -191,8 +244,8 @@ fn check_config(config: &ModelConfig) -> Result<()> {
 }
 
 impl DeviceModel {
-    /// Puts `model`'s target weights (not its MTP head) on `backend`, every linear and expert
-    /// as bf16.
+    /// Puts `model`'s target weights (not its MTP head) on `backend`: linears and experts stored
+    /// as NVFP4 (separate per-expert tensors for experts) as NVFP4, the rest as bf16.
     ///
     /// # Errors
     /// [`Error::Invalid`] for a config the kernels do not take (no output gate, head or expert
@@ -232,34 +285,19 @@ impl DeviceModel {
                             &g.norm,
                             eps,
                         )?,
-                        out: bf16_linear(backend, &g.out)?,
+                        out: device_linear(backend, &g.out)?,
                     }
                 }
                 MixerWeights::Attention(a) => DeviceMixer::Attention {
-                    q: bf16_linear(backend, &a.q)?,
-                    k: bf16_linear(backend, &a.k)?,
-                    v: bf16_linear(backend, &a.v)?,
-                    o: bf16_linear(backend, &a.o)?,
+                    q: device_linear(backend, &a.q)?,
+                    k: device_linear(backend, &a.k)?,
+                    v: device_linear(backend, &a.v)?,
+                    o: device_linear(backend, &a.o)?,
                     q_norm: backend.upload(&a.q_norm)?,
                     k_norm: backend.upload(&a.k_norm)?,
                 },
             };
-            let m = &layer.moe;
-            let gate_up: Vec<f32> = m.experts.iter().flat_map(|e| e.gate_up.clone()).collect();
-            let down: Vec<f32> = m.experts.iter().flat_map(|e| e.down.clone()).collect();
-            let shape = moe_shape(config);
-            let has_shared = shape.shared_intermediate > 0;
-            let host = MoeHostWeights::from_fused(
-                shape,
-                &FusedBlock {
-                    router: &m.router,
-                    shared_gate: has_shared.then_some(m.shared_gate.as_slice()),
-                    gate_up: &gate_up,
-                    down: &down,
-                    shared: has_shared
-                        .then_some((m.shared.gate_up.as_slice(), m.shared.down.as_slice())),
-                },
-            )?;
+            let host = moe_host_weights(config, &layer.moe)?;
             layers.push(DeviceLayer {
                 input_norm: backend.upload(&layer.input_norm)?,
                 post_attention_norm: backend.upload(&layer.post_attention_norm)?,
@@ -273,7 +311,7 @@ impl DeviceModel {
             embed: backend.upload(&to_bf16(&w.embed))?,
             layers,
             final_norm: backend.upload(&w.final_norm)?,
-            lm_head: bf16_linear(backend, &w.lm_head)?,
+            lm_head: device_linear(backend, &w.lm_head)?,
         })
     }
 

@@ -23,6 +23,9 @@ pub struct HostLinear {
     pub cols: usize,
     /// `[rows][cols]`, row-major.
     pub weight: Vec<f32>,
+    /// The NVFP4 matrix `weight` was dequantised from, when the checkpoint stores the linear so:
+    /// what the device path runs (W4A16 on the codes and scales themselves).
+    pub nvfp4: Option<Nvfp4Matrix>,
 }
 
 impl HostLinear {
@@ -90,6 +93,9 @@ pub struct ExpertWeights {
     pub gate_up: Vec<f32>,
     /// `[H][I]`.
     pub down: Vec<f32>,
+    /// `[gate, up, down]` as stored, when the checkpoint stores the expert's three projections
+    /// as separate NVFP4 tensors (fused NVFP4 experts are kept dequantised only).
+    pub nvfp4: Option<[Nvfp4Matrix; 3]>,
 }
 
 /// A sparse MoE block.
@@ -175,11 +181,22 @@ impl Loader<'_> {
                     ),
                 ));
             }
-            matrix.dequantize()
+            let weight = matrix.dequantize();
+            return Ok(HostLinear {
+                rows,
+                cols,
+                weight,
+                nvfp4: Some(matrix),
+            });
         } else {
             self.dense(&format!("{prefix}.weight"), &[rows, cols])?
         };
-        Ok(HostLinear { rows, cols, weight })
+        Ok(HostLinear {
+            rows,
+            cols,
+            weight,
+            nvfp4: None,
+        })
     }
 
     fn attention(&self, p: &str) -> Result<AttentionWeights> {
@@ -238,6 +255,7 @@ impl Loader<'_> {
                         rows: weight.len() / h,
                         cols: h,
                         weight,
+                        nvfp4: None,
                     }
                 };
                 let q_rows = (0..hk).flat_map(|g| (0..dk).map(move |i| g * group + i));
@@ -276,13 +294,17 @@ impl Loader<'_> {
         let h = self.config.hidden_size;
         let gate = self.linear(&format!("{p}gate_proj"), intermediate, h)?;
         let up = self.linear(&format!("{p}up_proj"), intermediate, h)?;
+        let down = self.linear(&format!("{p}down_proj"), h, intermediate)?;
+        let nvfp4 = match (gate.nvfp4, up.nvfp4, down.nvfp4) {
+            (Some(gate), Some(up), Some(down)) => Some([gate, up, down]),
+            _ => None,
+        };
         let mut gate_up = gate.weight;
         gate_up.extend_from_slice(&up.weight);
         Ok(ExpertWeights {
             gate_up,
-            down: self
-                .linear(&format!("{p}down_proj"), h, intermediate)?
-                .weight,
+            down: down.weight,
+            nvfp4,
         })
     }
 
@@ -313,6 +335,7 @@ impl Loader<'_> {
                     Ok(ExpertWeights {
                         gate_up: dequant(&fused_name, 2 * i, h)?,
                         down: dequant(&format!("{m}experts.down_proj"), h, i)?,
+                        nvfp4: None,
                     })
                 })
                 .collect::<Result<_>>()?
@@ -325,6 +348,7 @@ impl Loader<'_> {
                 .map(|(gate_up, down)| ExpertWeights {
                     gate_up: gate_up.to_vec(),
                     down: down.to_vec(),
+                    nvfp4: None,
                 })
                 .collect()
         } else {
@@ -380,6 +404,7 @@ impl ModelWeights {
                 rows: v,
                 cols: h,
                 weight: embed.clone(),
+                nvfp4: None,
             }
         } else {
             loader.linear("lm_head", v, h)?

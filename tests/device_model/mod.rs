@@ -77,9 +77,21 @@ fn runner_step(
     (runner, scale, error)
 }
 
-/// Runs the comparison on `backend`; returns the largest relative logit error seen.
+/// Runs the comparison on `backend` with the demo model; returns the largest relative logit
+/// error seen.
 pub fn decode_matches_runner(backend: &Backend, prompt_steps: usize, greedy_steps: usize) -> f64 {
-    let model = Model::load(demo_dir()).expect("demo model loads");
+    decode_matches_runner_on(backend, &demo_dir(), prompt_steps, greedy_steps)
+}
+
+/// [`decode_matches_runner`] with the checkpoint in `dir` (the demo model's vocabulary: the
+/// prompts are bytes).
+pub fn decode_matches_runner_on(
+    backend: &Backend,
+    dir: &std::path::Path,
+    prompt_steps: usize,
+    greedy_steps: usize,
+) -> f64 {
+    let model = Model::load(dir).expect("model loads");
     let device = DeviceModel::from_model(backend, &model).expect("device model");
     let prompts: Vec<Vec<u32>> = ["def fib(n): return n", "The quick brown fox jumps"]
         .iter()
