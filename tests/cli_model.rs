@@ -202,7 +202,7 @@ fn bad_checkpoints_and_inputs_exit_2_naming_the_problem() {
         ),
         (
             vec!["logits", "--model", good, "--ids", "1", "--backend", "cuda"],
-            "no CUDA path",
+            "logits and generate run the CPU runner",
         ),
     ] {
         let (code, _, err) = fp4spec(&args);

@@ -29,8 +29,9 @@ pub struct ModelArgs {
     /// Checkpoint folder (config.json + safetensors); default: the embedded demo model.
     #[arg(long)]
     model: Option<PathBuf>,
-    /// auto, cpu or cuda. The runner computes on the CPU (the kernel families' references);
-    /// the CUDA model path is the full-size decode work, not built yet, so `cuda` is refused.
+    /// auto, cpu or cuda. These commands run the CPU runner (the kernel families' references,
+    /// with MTP speculation and sampling); the device path (`model::device`: greedy decode
+    /// without speculation so far) is measured by `fp4spec bench decode`, so `cuda` is refused.
     #[arg(long, default_value = "auto")]
     backend: String,
 }
@@ -41,8 +42,9 @@ impl ModelArgs {
             "auto" | "cpu" => {}
             "cuda" => {
                 return Err(Failure::Input(
-                    "--backend cuda: the model runner has no CUDA path yet (the GPU kernels run \
-                     through their own launch APIs and benches); use --backend cpu"
+                    "--backend cuda: logits and generate run the CPU runner (speculation and \
+                     sampling are not on the device path yet, which decodes greedily: see \
+                     `fp4spec bench decode` and fp4spec::model::device); use --backend cpu"
                         .into(),
                 ));
             }
