@@ -941,15 +941,9 @@ impl<'m> Decoder<'m> {
                     cu_seqlens: &cu_seqlens,
                 },
             )?;
-            let accepted: Vec<u32> = lengths.iter().map(|&l| l as u32).collect();
-            self.caches.sequences.commit(
-                backend,
-                gdn::Accepted::PerSequence(&backend.upload(&accepted)?),
-                StepMode::Decode,
-            )?;
-            let device: Vec<u32> = accepted;
-            backend.write(&mut self.step.attention_rows.position, 0, &device)?;
-            self.positions = lengths;
+            // from position 0, the commit the prefill asks for (positions += lengths, nothing
+            // pending) is what set_positions writes, for the attention rows too
+            self.set_positions(&lengths)?;
         }
         Ok(())
     }
