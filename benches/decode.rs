@@ -27,7 +27,7 @@ use criterion::{Criterion, Throughput};
 use fp4spec::backend::Backend;
 use fp4spec::model::config::ModelConfig;
 use fp4spec::model::device::{Decoder, DeviceModel, SyntheticWeights};
-use fp4spec::roofline::{self, Precision, Step};
+use fp4spec::roofline::{self, Step};
 use std::time::{Duration, Instant};
 
 const NVFP4_BATCHES: [usize; 6] = [1, 4, 8, 16, 32, 64];
@@ -99,10 +99,11 @@ fn run(
     rows: &mut Vec<Row>,
 ) {
     let config = ModelConfig::qwen36_35b_a3b();
-    let (label, precision) = match weights {
-        SyntheticWeights::Nvfp4 => ("nvfp4", Precision::Nvfp4),
-        SyntheticWeights::Bf16 => ("bf16", Precision::Bf16),
+    let label = match weights {
+        SyntheticWeights::Nvfp4 => "nvfp4",
+        SyntheticWeights::Bf16 => "bf16",
     };
+    let precision = weights.precision();
     let built = Instant::now();
     let model = match DeviceModel::synthetic(backend, &config, weights, 0x5eed) {
         Ok(model) => model,

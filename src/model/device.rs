@@ -60,6 +60,16 @@ pub enum SyntheticWeights {
     Nvfp4,
 }
 
+impl SyntheticWeights {
+    /// The roofline's storage of the same recipe (what a step of this model must read).
+    pub fn precision(self) -> crate::roofline::Precision {
+        match self {
+            Self::Bf16 => crate::roofline::Precision::Bf16,
+            Self::Nvfp4 => crate::roofline::Precision::Nvfp4,
+        }
+    }
+}
+
 /// A model's weights on a backend, in the layouts the kernels consume.
 pub struct DeviceModel {
     backend: Backend,

@@ -10,7 +10,7 @@ use crate::Failure;
 use fp4spec::backend::{Backend, BackendKind};
 use fp4spec::model::config::ModelConfig;
 use fp4spec::model::device::{Decoder, DeviceModel, SyntheticWeights};
-use fp4spec::roofline::{self, Precision, Step};
+use fp4spec::roofline::{self, Step};
 use std::path::PathBuf;
 
 /// What `fp4spec bench` measures.
@@ -99,15 +99,16 @@ pub fn run(bench: Bench) -> Result<(), Failure> {
 }
 
 fn decode(args: DecodeArgs) -> Result<(), Failure> {
-    let (weights, precision) = match args.weights.as_str() {
-        "nvfp4" => (SyntheticWeights::Nvfp4, Precision::Nvfp4),
-        "bf16" => (SyntheticWeights::Bf16, Precision::Bf16),
+    let weights = match args.weights.as_str() {
+        "nvfp4" => SyntheticWeights::Nvfp4,
+        "bf16" => SyntheticWeights::Bf16,
         other => {
             return Err(Failure::Input(format!(
                 "--weights `{other}` is not one of nvfp4, bf16"
             )));
         }
     };
+    let precision = weights.precision();
     if args.batch.is_empty() || args.batch.contains(&0) || args.context.is_empty() {
         return Err(Failure::Input(
             "--batch needs positive sizes and --context at least one length".into(),
