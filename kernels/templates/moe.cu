@@ -695,19 +695,22 @@ FP4_DEVICE void reset_counters_when_last(const MoeArgs& a, const Plan& p, MoeSha
     }
 }
 
+// Every moe kernel's start: the arguments and the plan in shared memory, read where used (kept in
+// registers across the item loop, they would crowd out the tile products').
+#define MOE_LAUNCH_SETUP(args)        \
+    __shared__ MoeShared<ROWS> sh;    \
+    __shared__ MoeArgs a;             \
+    __shared__ Plan p;                \
+    if (thread_x() == 0) {            \
+        a = args;                     \
+        p = make_plan<ROWS>(args);    \
+    }                                 \
+    block_barrier();
+
 /// The whole block: claims items until none are left; the last block out resets the counters.
 template <class W, int ROWS, int STAGES, int ROUTER_STAGES>
 FP4_DEVICE void moe_block(const MoeArgs& args) {
-    // The arguments and the plan live in shared memory and are read where used: kept in
-    // registers across the item loop, they would crowd out the tile products'.
-    __shared__ MoeShared<ROWS> sh;
-    __shared__ MoeArgs a;
-    __shared__ Plan p;
-    if (thread_x() == 0) {
-        a = args;
-        p = make_plan<ROWS>(args);
-    }
-    block_barrier();
+    MOE_LAUNCH_SETUP(args)
     const u32 S = a.shared_experts;
     u32 next = 0u;
     if (thread_x() == 0) next = atomic_add_relaxed_gpu(a.control + CONTROL_NEXT_ITEM, 1u);
@@ -758,15 +761,6 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
 // Items and counters are the persistent kernel's, so the two forms cannot disagree.
 // ============================================================================================
 
-#define MOE_LAUNCH_SETUP(args)        \
-    __shared__ MoeShared<ROWS> sh;    \
-    __shared__ MoeArgs a;             \
-    __shared__ Plan p;                \
-    if (thread_x() == 0) {            \
-        a = args;                     \
-        p = make_plan<ROWS>(args);    \
-    }                                 \
-    block_barrier();
 
 template <int ROWS, int ROUTER_STAGES>
 FP4_DEVICE void moe_split_route(const MoeArgs& args) {
