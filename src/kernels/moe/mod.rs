@@ -751,7 +751,10 @@ fn moe_block_device(
             MoeLaunch::Persistent => false,
             MoeLaunch::Split => true,
         };
-        let launches = if split {
+        // (kernel, blocks) of each launch, without a heap allocation per block
+        let split_launches;
+        let persistent_launch;
+        let launches: &[(&str, u32)] = if split {
             let plan = SplitGrids::new(
                 target,
                 shape,
@@ -760,14 +763,16 @@ fn moe_block_device(
                 tokens,
                 rows,
             );
-            vec![
+            split_launches = [
                 (moe_kernel(target, route, rows)?, plan.route),
                 (moe_kernel(target, gate_up, rows)?, plan.gate_up),
                 (moe_kernel(target, down, rows)?, plan.down),
-            ]
+            ];
+            &split_launches
         } else {
             let blocks = multiprocessors * tiles.blocks_per_sm;
-            vec![(moe_kernel(target, persistent, rows)?, blocks)]
+            persistent_launch = [(moe_kernel(target, persistent, rows)?, blocks)];
+            &persistent_launch
         };
         let chunk = start * h..(start + tokens) * h;
         let residual_rows = match residual {
@@ -781,7 +786,7 @@ fn moe_block_device(
         ];
         // tokens <= capacity, checked against 16-bit slot counts
         let args = moe_arguments(io, device, w, tokens as u32, sizes);
-        for (kernel, blocks) in launches {
+        for &(kernel, blocks) in launches {
             let dims = LaunchDims::linear(blocks, threads);
             // SAFETY: every moe kernel takes MOE_PARAMETERS in order (moe_arguments); X, Y and
             // the residual hold t * H bf16 (checked by the caller) and the chunk lies within
