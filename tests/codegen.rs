@@ -120,6 +120,40 @@ fn the_gb10_w4a4_kernels_use_the_block_scaled_fp4_mma() {
     assert!(!out.cubin.is_empty(), "ptxas produced no sm_121a code");
 }
 
+/// On the targets with programmatic dependent launch (the CUDA backend launches with
+/// programmatic stream serialization there), every kernel of every family waits for the previous
+/// grid (`griddepcontrol.wait` once per kernel in the PTX): one kernel without it could finish
+/// before its predecessor and break the stream's order for the kernels after it.
+#[test]
+fn every_nvidia_kernel_waits_for_the_previous_grid() {
+    let include = fp4spec::backend::cuda::nvrtc::cuda_include_dir()
+        .expect("CUDA headers: run the tests as `bash tools/toolchains.sh cargo test --release`");
+    for t in target::all()
+        .iter()
+        .filter(|t| t.instructions.grid_dependency_control)
+    {
+        for source in RENDERED_SOURCES.iter().filter(|s| s.target == t.name) {
+            let out = fp4spec::backend::cuda::nvrtc::compile(source, t, &include)
+                .unwrap_or_else(|e| panic!("{} {}: {e}", t.name, source.family));
+            for kernel in source.kernels {
+                let body = out
+                    .ptx
+                    .split(".entry ")
+                    .find(|entry| {
+                        entry.starts_with(kernel) && entry[kernel.len()..].starts_with('(')
+                    })
+                    .unwrap_or_else(|| panic!("{} {kernel}: no entry in the PTX", t.name));
+                assert!(
+                    body.contains("griddepcontrol.wait")
+                        && body.contains("griddepcontrol.launch_dependents"),
+                    "{} {kernel}: no griddepcontrol in its PTX",
+                    t.name
+                );
+            }
+        }
+    }
+}
+
 /// The gfx1151 GEMM kernels run on the WMMA units.
 #[test]
 fn the_gfx1151_gemm_kernels_use_wmma() {

@@ -33,6 +33,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_PREPARE_WARPS * FP4_WARP_SIZE) attention_
     const u32* __restrict__ row_pos, float* __restrict__ q_out, u16* __restrict__ k_cache,
     u16* __restrict__ v_cache, u32 rows, u32 heads, u32 kv_heads, u32 head_dim,
     u32 rotary_half, u32 capacity, float eps) {
+    chain_after_previous_grid();
     __shared__ float normed[ATTN_PREPARE_WARPS][ATTN_MAX_HEAD_DIM];
     const u32 warp = thread_x() / FP4_WARP_SIZE;
     const u32 lane = thread_x() % FP4_WARP_SIZE;
@@ -189,6 +190,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(16 * FP4_WARP_SIZE) attention_decode(
     const u32* __restrict__ row_slot, const u32* __restrict__ row_pos,
     float* __restrict__ partial_ml, float* __restrict__ partial_acc, u32 heads, u32 kv_heads,
     u32 head_dim, u32 capacity, u32 splits) {
+    chain_after_previous_grid();
     const u32 split = block_x(), kv_head = block_y(), row = block_z();
     const u32 group = heads / kv_heads;
     const u32 warp = thread_x() / FP4_WARP_SIZE;
@@ -233,6 +235,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_COMBINE_WARPS * FP4_WARP_SIZE) attention_
     const float* __restrict__ partial_ml, const float* __restrict__ partial_acc,
     const u16* __restrict__ q_gate, const u32* __restrict__ row_pos, u16* __restrict__ out,
     u32 rows, u32 heads, u32 head_dim, u32 splits) {
+    chain_after_previous_grid();
     __shared__ float warp_acc[ATTN_COMBINE_WARPS][ATTN_MAX_HEAD_DIM];
     const u32 warp = thread_x() / FP4_WARP_SIZE;
     const u32 lane = thread_x() % FP4_WARP_SIZE;

@@ -12,6 +12,7 @@
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(DEQUANT_THREADS) dequant_nvfp4_bf16(
     const u8* __restrict__ packed, const u8* __restrict__ scales, float global_scale,
     u16* __restrict__ out, u64 blocks) {
+    chain_after_previous_grid();
     const u64 block = (u64)block_x() * DEQUANT_THREADS + thread_x();
     if (block >= blocks) return;
     const u32x2 q = load_u32x2(packed + block * 8);

@@ -243,6 +243,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     const u32* __restrict__ slots, const u32* __restrict__ positions, const u32* __restrict__ pending,
     u16* out, float* o_scratch, u32* counters,
     u32 hk, u32 hv, u32 dk, u32 dv, u32 kernel, u32 ring_len, u32 n_slots, u32 m, u32 verify) {
+    chain_after_previous_grid();
     constexpr int STEP_MAX_ROWS = {{ max_dk }} / STEP_ROW_GROUPS;
     __shared__ StepShared<{{ max_dk }}> sh;
     const u32 tid = thread_x();
@@ -527,6 +528,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
 // or 0 (fold: decode, prefill and flush stored the state after their tokens).
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(COMMIT_THREADS) gdn_commit(u32* positions, u32* pending, const u32* accepted,
                                                              u32 uniform, u32 count, u32 fold) {
+    chain_after_previous_grid();
     const u32 i = block_x() * COMMIT_THREADS + thread_x();
     if (i >= count) return;
     const u32 a = accepted != nullptr ? accepted[i] : uniform;
@@ -539,6 +541,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(COMMIT_THREADS) gdn_commit(u32* positions, u32
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) gdn_gated_norm(u16* out, const u16* __restrict__ z, u32 z_stride,
                                                                const float* __restrict__ norm_w, float eps,
                                                                u32 rows, u32 hv, u32 dv) {
+    chain_after_previous_grid();
     const u64 task = (u64)block_x() * (NORM_THREADS / FP4_WARP_SIZE) + thread_x() / FP4_WARP_SIZE;
     if (task >= (u64)rows * hv) return;  // whole warps
     const u64 row = task / hv, h = task % hv;
@@ -574,6 +577,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_prepare_dk{{ dk }}(
     const u32* __restrict__ positions,
     u16* ws_q, u16* ws_k, u16* ws_w, u16* ws_u, u16* ws_m, float* ws_gamma,
     u32 hk, u32 hv, u32 dv, u32 kernel, u32 ring_len, u32 sequences) {
+    chain_after_previous_grid();
     constexpr u32 DK = {{ dk }};
     constexpr u32 LDK = DK + PAD;
     constexpr u32 LDA = CHUNK + PAD;  // fp32 A / T rows; the same bytes hold T_w and T_u (bf16) later
@@ -810,6 +814,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
     const u32* __restrict__ cu_seqlens, const u32* __restrict__ slots, const u32* __restrict__ positions,
     const u32* __restrict__ pending, u16* out,
     u32 hk, u32 hv, u32 dv, u32 kernel, u32 ring_len, u32 n_slots) {
+    chain_after_previous_grid();
     constexpr u32 DK = {{ dk }}, DVS = {{ dvs }}, NB = DVS / 8, MB = DK / 64;
     constexpr u32 LDK = DK + PAD, LDM = CHUNK + PAD, LDV = DVS + PAD;
     GDN_SHARED smem[];

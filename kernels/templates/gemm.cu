@@ -22,6 +22,7 @@
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_gemv(
     const u16* __restrict__ x, const u8* __restrict__ packed, const u8* __restrict__ scales,
     float global_scale, u16* __restrict__ y, u32 m, u32 n, u32 k) {
+    chain_after_previous_grid();
     const u32 warp = thread_x() / FP4_WARP_SIZE;
     const u32 lane = thread_x() % FP4_WARP_SIZE;
     const u32 col = block_x() * GEMV_WARPS + warp;
@@ -278,6 +279,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_mma
     const u16* __restrict__ x, const u32x4* __restrict__ words, const u16* __restrict__ scales,
     float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
     u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
+    chain_after_previous_grid();
     gemm_mma<Nvfp4Weights, {{ rows }} / 8, {{ target.gemm.mma_stages_nvfp4 }}>(x, Nvfp4Weights{words, scales}, alpha, y, residual, partials, counters,
         m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile, epilogue);
 }
@@ -286,6 +288,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_bf16_bf16_mma_
     const u16* __restrict__ x, const u32x4* __restrict__ words,
     float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
     u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
+    chain_after_previous_grid();
     gemm_mma<Bf16Weights, {{ rows }} / 8, {{ target.gemm.mma_stages_bf16 }}>(x, Bf16Weights{words}, alpha, y, residual, partials, counters,
         m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile, epilogue);
 }
@@ -483,6 +486,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STREAM_BOUNDS) gemm_nvfp4_bf16_stream_m{{ rows
     const u16* __restrict__ x, const u32x4* __restrict__ words, const u16* __restrict__ scales,
     float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
     u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
+    chain_after_previous_grid();
     gemm_stream<{{ rows }} / 8>(x, words, scales, alpha, y, residual, partials, counters,
         m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile, epilogue);
 }
@@ -534,6 +538,7 @@ FP4_DEVICE u32 f32_to_e4m3(float v) {
 // layout of both outputs.
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(QUANTIZE_THREADS) quantize_nvfp4_rows(
     const u16* __restrict__ x, float input_scale, u8* __restrict__ packed, u8* __restrict__ scales, u64 blocks) {
+    chain_after_previous_grid();
     const u64 block = (u64)block_x() * QUANTIZE_THREADS + thread_x();
     if (block >= blocks) return;
     const u32x4 lo = load_u32x4(x + block * 16), hi = load_u32x4(x + block * 16 + 8);
@@ -606,6 +611,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_nvfp4_nvfp4_mm
     const u8* __restrict__ xq, const u8* __restrict__ xs, const u32x4* __restrict__ words,
     const u32* __restrict__ w_scales, float alpha, u16* y, const u16* residual,
     u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 epilogue) {
+    chain_after_previous_grid();
     gemm_w4a4<{{ rows }} / 8>(xq, xs, words, w_scales, alpha, y, residual, m, n, k, n_tiles, k_groups, epilogue);
 }
 {% endfor %}
@@ -682,12 +688,14 @@ FP4_DEVICE void gemm_wmma(const u16* __restrict__ x, Weights weights, float alph
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(WMMA_WAVES * FP4_WARP_SIZE) gemm_nvfp4_bf16_wmma_m{{ rows }}(
     const u16* __restrict__ x, const u32x4* __restrict__ words, const u32* __restrict__ scales, float alpha,
     u16* y, const u16* residual, u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 epilogue) {
+    chain_after_previous_grid();
     gemm_wmma<WmmaNvfp4Weights, {{ rows }} / 16>(x, WmmaNvfp4Weights{words, scales}, alpha, y, residual, m, n, k, n_tiles, k_groups, epilogue);
 }
 
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(WMMA_WAVES * FP4_WARP_SIZE) gemm_bf16_bf16_wmma_m{{ rows }}(
     const u16* __restrict__ x, const u16* __restrict__ words, float alpha,
     u16* y, const u16* residual, u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 epilogue) {
+    chain_after_previous_grid();
     gemm_wmma<WmmaBf16Weights, {{ rows }} / 16>(x, WmmaBf16Weights{words}, alpha, y, residual, m, n, k, n_tiles, k_groups, epilogue);
 }
 {% endfor %}

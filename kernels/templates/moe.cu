@@ -803,22 +803,27 @@ FP4_DEVICE void moe_split_down(const MoeArgs& args) {
 // variant that holds T; an expert with more tokens takes more passes).
 {% for rows in target.moe.token_rows %}
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_nvfp4_m{{ rows }}(MOE_PARAMETERS) {
+    chain_after_previous_grid();
     moe_block<ExpertNvfp4, {{ rows }}, {{ target.moe.stages_nvfp4 }}, {{ target.moe.router_stages }}>(MOE_ARGUMENTS);
 }
 
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_bf16_m{{ rows }}(MOE_PARAMETERS) {
+    chain_after_previous_grid();
     moe_block<ExpertBf16, {{ rows }}, {{ target.moe.stages_bf16 }}, {{ target.moe.router_stages }}>(MOE_ARGUMENTS);
 }
 
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_route_m{{ rows }}(MOE_PARAMETERS) {
+    chain_after_previous_grid();
     moe_split_route<{{ rows }}, {{ target.moe.route_stages }}>(MOE_ARGUMENTS);
 }
 {% for format in ["nvfp4", "bf16"] %}{% if format == "nvfp4" %}{% set weights = "ExpertNvfp4" %}{% set stages = target.moe.stages_nvfp4 %}{% else %}{% set weights = "ExpertBf16" %}{% set stages = target.moe.stages_bf16 %}{% endif %}
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_{{ format }}_gate_up_m{{ rows }}(MOE_PARAMETERS) {
+    chain_after_previous_grid();
     moe_split_gate_up<{{ weights }}, {{ rows }}, {{ stages }}>(MOE_ARGUMENTS);
 }
 
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_{{ format }}_down_m{{ rows }}(MOE_PARAMETERS) {
+    chain_after_previous_grid();
     moe_split_down<{{ weights }}, {{ rows }}, {{ stages }}>(MOE_ARGUMENTS);
 }
 {% endfor %}{% endfor %}

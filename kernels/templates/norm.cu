@@ -11,30 +11,68 @@
 //   out = bf16(residual * rsqrt(mean(residual^2) + eps) * (1 + weight))
 // One block per row. The residual stays fp32 between layers so the stream of additions does not
 // lose bits to bf16 (the CPU runner keeps f32 too); what the GEMMs read is the bf16 `out`.
-// The second pass re-reads the row the same threads wrote (their own writes: no barrier needed
-// for them, only for the sum).
+// At decode a row is one block's latency chain, so a row of up to NORM_THREADS * NORM_ITEMS
+// values is held in registers (one pass over memory) and its norm weight is loaded before the
+// wait for the previous kernel (no kernel writes it). Wider rows take the two-pass loop.
+#define NORM_ITEMS 8
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) rms_norm_residual(
     float* __restrict__ residual, const u16* __restrict__ delta, const float* __restrict__ weight,
     float eps, u16* __restrict__ out, u32 dim) {
+    allow_next_grid();
     __shared__ float warp_sums[NORM_WARPS];
     const u64 row = block_x();
     float* r = residual + row * dim;
-    float sum = 0.0f;
-    for (u32 i = thread_x(); i < dim; i += NORM_THREADS) {
-        float v = r[i];
-        if (delta) {
-            v += bf16_to_f32(delta[row * dim + i]);
-            r[i] = v;
+    const bool held = dim <= NORM_THREADS * NORM_ITEMS;
+    float w[NORM_ITEMS], v[NORM_ITEMS];
+    if (held) {
+        #pragma unroll
+        for (int j = 0; j < NORM_ITEMS; ++j) {
+            const u32 i = j * NORM_THREADS + thread_x();
+            w[j] = i < dim ? weight[i] : 0.0f;
         }
-        sum += v * v;
+    }
+    wait_for_previous_grid();
+    float sum = 0.0f;
+    if (held) {
+        #pragma unroll
+        for (int j = 0; j < NORM_ITEMS; ++j) {
+            const u32 i = j * NORM_THREADS + thread_x();
+            v[j] = 0.0f;
+            if (i < dim) {
+                v[j] = r[i];
+                if (delta) v[j] += bf16_to_f32(delta[row * dim + i]);
+            }
+            sum += v[j] * v[j];
+        }
+    } else {
+        for (u32 i = thread_x(); i < dim; i += NORM_THREADS) {
+            float x = r[i];
+            if (delta) {
+                x += bf16_to_f32(delta[row * dim + i]);
+                r[i] = x;
+            }
+            sum += x * x;
+        }
     }
     sum = warp_sum(sum);
     if (thread_x() % FP4_WARP_SIZE == 0) warp_sums[thread_x() / FP4_WARP_SIZE] = sum;
     block_barrier();
     float total = 0.0f;
     #pragma unroll
-    for (int w = 0; w < NORM_WARPS; ++w) total += warp_sums[w];
+    for (int k = 0; k < NORM_WARPS; ++k) total += warp_sums[k];
     const float inv = 1.0f / sqrt_f32(total / (float)dim + eps);
-    for (u32 i = thread_x(); i < dim; i += NORM_THREADS)
-        out[row * dim + i] = f32_to_bf16(r[i] * inv * (1.0f + weight[i]));
+    if (held) {
+        #pragma unroll
+        for (int j = 0; j < NORM_ITEMS; ++j) {
+            const u32 i = j * NORM_THREADS + thread_x();
+            if (i < dim) {
+                if (delta) r[i] = v[j];
+                out[row * dim + i] = f32_to_bf16(v[j] * inv * (1.0f + w[j]));
+            }
+        }
+    } else {
+        // the row re-read is this thread's own writes: no barrier needed for them
+        for (u32 i = thread_x(); i < dim; i += NORM_THREADS)
+            out[row * dim + i] = f32_to_bf16(r[i] * inv * (1.0f + weight[i]));
+    }
 }

@@ -13,6 +13,7 @@
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(TOKENS_THREADS) tokens_embed(
     const u32* __restrict__ tokens, const u16* __restrict__ table, u32 vocab, u32 hidden,
     float* __restrict__ residual) {
+    chain_after_previous_grid();
     const u64 row = block_x();
     const u32 token = tokens[row];
     const u16* source = table + (u64)token * hidden;
@@ -60,6 +61,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(TOKENS_THREADS) tokens_argmax(
     const u16* __restrict__ logits, u32 vocab, u32 chunk, float* __restrict__ partial_values,
     u32* __restrict__ partial_indices, u32* __restrict__ counters, u32* __restrict__ tokens,
     u32* __restrict__ positions) {
+    chain_after_previous_grid();
     __shared__ u32 last;
     const u32 split = block_x(), splits = grid_blocks();
     const u64 row = block_y();

@@ -987,6 +987,7 @@ VERIFY_RARE void plan_row(const VerifyArgs& a, const VerifyRow& row, const Verif
 }
 
 FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
+    chain_after_previous_grid();
     __shared__ HistogramShared sh;
     const u32 r = block_y();
     const VerifyRow row = a.rows[r];
@@ -1646,6 +1647,7 @@ FP4_DEVICE void select_chunks(const VerifyArgs& a, u32 r, const VerifySequence& 
 }
 
 FP4_KERNEL void {{ bounds }}verify_select(const VerifyArgs a) {
+    chain_after_previous_grid();
     __shared__ SelectShared sh;
     const u32 r = block_y();
     u64* state = a.row_state + (u64)r * VROW_WORDS;
@@ -1661,6 +1663,7 @@ FP4_KERNEL void {{ bounds }}verify_select(const VerifyArgs a) {
 /// One block per row: the exact finish of a sampled row, then (the sequence's last row) the
 /// acceptance chain.
 FP4_KERNEL void {{ bounds }}verify_finish(const VerifyArgs a) {
+    chain_after_previous_grid();
     __shared__ FinishShared sh;
     const u32 r = block_y();
     // read beside the row and its sequence, not after them: it depends on neither
@@ -1734,6 +1737,7 @@ struct ResidualShared {
 };
 
 FP4_KERNEL void {{ bounds }}verify_residual(const VerifyArgs a) {
+    chain_after_previous_grid();
     __shared__ ResidualShared sh;
     const u32 s = block_y();
     u32* st = a.status + (u64)s * VSTATUS_WORDS;

@@ -85,6 +85,9 @@ pub struct Instructions {
     pub bulk_copy_mbarrier: bool,
     /// RDNA WMMA with bf16 operands.
     pub wmma_bf16: bool,
+    /// Programmatic dependent launch (`griddepcontrol`, sm_90 and later): a kernel's blocks may
+    /// start while the previous kernel in the stream finishes, and wait for it in the kernel.
+    pub grid_dependency_control: bool,
 }
 
 /// Launch parameters of `dequant_nvfp4_bf16`.

@@ -10,6 +10,11 @@
 //   (fibers only switch at barriers), fences are no-ops, arithmetic intrinsics are the IEEE
 //   operations they name (compile with -ffp-contract=off).
 #pragma once
+
+// one launch at a time: nothing to chain after (common/prelude.cuh keeps these definitions)
+#define allow_next_grid() do {} while (0)
+#define wait_for_previous_grid() do {} while (0)
+#define chain_after_previous_grid() do {} while (0)
 #include <csetjmp>
 #include <cmath>
 #include <cstdint>

@@ -270,19 +270,46 @@ impl CudaBackend {
                 .dynamic_shared_allowed
                 .fetch_max(dims.shared_bytes, Ordering::Relaxed);
         }
+        use cudarc::driver::sys;
+        // Programmatic stream serialization where the target's kernels chain themselves
+        // (chain_after_previous_grid() in common/prelude.cuh): the kernel's blocks may start
+        // while the previous kernel finishes and wait for it on the device.
+        let mut serialization = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        };
+        let chained = self.target.instructions.grid_dependency_control;
+        let config = sys::CUlaunchConfig {
+            gridDimX: dims.grid.0,
+            gridDimY: dims.grid.1,
+            gridDimZ: dims.grid.2,
+            blockDimX: dims.block.0,
+            blockDimY: dims.block.1,
+            blockDimZ: dims.block.2,
+            sharedMemBytes: dims.shared_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: if chained {
+                &mut serialization
+            } else {
+                std::ptr::null_mut()
+            },
+            numAttrs: u32::from(chained),
+        };
         // SAFETY: one pointer per parameter, each to a value of the parameter's size (checked
-        // above where the driver reports sizes) living in `args` for the call; the caller
-        // vouches for the indexing.
+        // above where the driver reports sizes) living in `args` for the call; the config and
+        // its attribute outlive the call; the caller vouches for the indexing.
         unsafe {
-            cudarc::driver::result::launch_kernel(
+            sys::cuLaunchKernelEx(
+                &config,
                 target.function.cu_function(),
-                dims.grid,
-                dims.block,
-                dims.shared_bytes,
-                self.stream.cu_stream(),
-                &mut params[..args.len()],
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
             )
         }
+        .result()
         .map_err(|e| Error::cuda(op(), e))
     }
 
