@@ -887,6 +887,14 @@ const DK128_DV64: GdnShape = GdnShape {
     dk: 128,
     dv: 64,
 };
+/// The demo model's heads (dk = dv = 32): the chunk kernels' smallest dk, where two of the
+/// state kernel's four warps hold no state rows.
+const DK32: GdnShape = GdnShape {
+    key_heads: 2,
+    value_heads: 4,
+    dk: 32,
+    dv: 32,
+};
 const DV48: GdnShape = GdnShape {
     key_heads: 1,
     value_heads: 2,
@@ -904,6 +912,7 @@ fn emulated_sm_90a_prefill_and_steps_match_the_cpu_reference() {
     scenario("sm_90a", SMALL, true, 12);
     scenario("sm_90a", DV48, true, 13);
     scenario("sm_90a", DK128_DV64, true, 16);
+    scenario("sm_90a", DK32, true, 19);
 }
 
 #[test]

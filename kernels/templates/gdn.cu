@@ -3,9 +3,9 @@
 // (cache layout, the speculative step, why each kernel is shaped as it is): src/kernels/gdn/mod.rs.
 //
 // Kernels, in the order of a forward:
-//   gdn_chunk_prepare_dk{64,128}            prefill, per (chunk of 64, value head): conv + SiLU,
+//   gdn_chunk_prepare_dk{32,64,128}         prefill, per (chunk of 64, value head): conv + SiLU,
 //                                            L2 norms, gates, the WY/UT transform (tensor cores)
-//   gdn_chunk_state_dk{64,128}_dv{16,32}   prefill, per (value head, dv slice, sequence): the
+//   gdn_chunk_state_dk{32,64,128}_dv{16,32} prefill, per (value head, dv slice, sequence): the
 //                                            sequential pass over chunks (tensor cores), outputs,
 //                                            final state, conv window
 //   gdn_gated_norm                          prefill: w * rmsnorm(o) * silu(z) in place
@@ -568,7 +568,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) gdn_gated_norm(u16* out, const u
 // ============================================================================================
 #define PAD 8  // bf16 elements of row padding: rows 16-byte aligned, ldmatrix conflict-free
 
-{% for dk in [64, 128] %}
+{% for dk in [32, 64, 128] %}
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_prepare_dk{{ dk }}(
     const u16* __restrict__ qkv, u32 qkv_stride, const u16* __restrict__ a_in, u32 a_stride,
     const u16* __restrict__ b_in, u32 b_stride,
@@ -754,14 +754,16 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_prepare_dk{{ dk }}(
     block_barrier();
 
     // W = T_w K and U = T_u V on tensor cores (T lower triangular: k-blocks up to the warp's own)
+    // W's columns in passes of up to 64 (8 n-blocks of 8; dk 32 takes one pass of 4)
+    constexpr int WNB = DK < 64 ? DK / 8 : 8;
     u16* w_out = ws_w + ((u64)chunk * hv + h) * CHUNK * DK;
-    for (u32 n0 = 0; n0 < DK; n0 += 64) {
-        float acc[8][4];
+    for (u32 n0 = 0; n0 < DK; n0 += 8 * WNB) {
+        float acc[WNB][4];
         #pragma unroll
-        for (int nb = 0; nb < 8; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
-        for (u32 k0 = 0; k0 <= 16 * warp; k0 += 16) mma_k16<8, false, false>(acc, tw_s, LDA, 16 * warp, k0, xb, LDK, n0);
+        for (int nb = 0; nb < WNB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
+        for (u32 k0 = 0; k0 <= 16 * warp; k0 += 16) mma_k16<WNB, false, false>(acc, tw_s, LDA, 16 * warp, k0, xb, LDK, n0);
         #pragma unroll
-        for (int nb = 0; nb < 8; ++nb)
+        for (int nb = 0; nb < WNB; ++nb)
             #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const u32 i = 16 * warp + acc_row(lane, 2 * half);
@@ -804,7 +806,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_prepare_dk{{ dk }}(
 {% include "common/cp_async.cuh" %}
 {% endif %}
 
-{% for dk in [64, 128] %}{% for dvs in [16, 32] %}
+{% for dk in [32, 64, 128] %}{% for dvs in [16, 32] %}
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{ dvs }}(
     const u16* __restrict__ ws_q, const u16* __restrict__ ws_k, const u16* __restrict__ ws_w,
     const u16* __restrict__ ws_u, const u16* __restrict__ ws_m, const float* __restrict__ ws_gamma,
@@ -815,7 +817,9 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
     const u32* __restrict__ pending, u16* out,
     u32 hk, u32 hv, u32 dv, u32 kernel, u32 ring_len, u32 n_slots) {
     chain_after_previous_grid();
-    constexpr u32 DK = {{ dk }}, DVS = {{ dvs }}, NB = DVS / 8, MB = DK / 64;
+    // the state's DK rows in blocks of 16, warp w holding blocks w, w + 4, ...: MB per warp (at
+    // dk 32 warps 2 and 3 hold none, `owns` says which)
+    constexpr u32 DK = {{ dk }}, DVS = {{ dvs }}, NB = DVS / 8, MB = (DK + 63) / 64;
     constexpr u32 LDK = DK + PAD, LDM = CHUNK + PAD, LDV = DVS + PAD;
     GDN_SHARED smem[];
     const u32 tid = thread_x(), warp = tid / FP4_WARP_SIZE, lane = tid % FP4_WARP_SIZE;
@@ -823,6 +827,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
     const u32 h = block_x() / splits, split = block_x() % splits, j0 = split * DVS;
     const u32 seq = block_y();
     const u32 ratio = hv / hk, kh = h / ratio;
+    auto owns = [&](u32 mb) { return 16 * (warp + 4 * mb) < DK; };  // blocks past mb are not owned either
     const u32 slot = slots[seq];
     if (slot >= n_slots) return;
     const u32 conv_dim = 2 * hk * DK + hv * dv;
@@ -855,7 +860,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
     float s[MB][NB][4];
     float* s_base = state + (u64)slot * hv * DK * dv + (u64)h * DK * dv + j0;
     #pragma unroll
-    for (u32 mb = 0; mb < MB; ++mb)
+    for (u32 mb = 0; mb < MB && owns(mb); ++mb)
         #pragma unroll
         for (u32 nb = 0; nb < NB; ++nb)
             #pragma unroll
@@ -867,7 +872,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
         const u64 at = (u64)slot * ring_len + (pos - pend + c) % ring_len;
         const float decay = exp_f32(ring_g[at * hv + h]);
         #pragma unroll
-        for (u32 mb = 0; mb < MB; ++mb)
+        for (u32 mb = 0; mb < MB && owns(mb); ++mb)
             #pragma unroll
             for (u32 nb = 0; nb < NB; ++nb)
                 #pragma unroll
@@ -879,7 +884,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
     // S as the B operand
     auto store_sb = [&]() {
         #pragma unroll
-        for (u32 mb = 0; mb < MB; ++mb)
+        for (u32 mb = 0; mb < MB && owns(mb); ++mb)
             #pragma unroll
             for (u32 nb = 0; nb < NB; ++nb)
                 #pragma unroll
@@ -984,7 +989,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
         // S = e^gamma_last S + K^T V''
         const float decay = exp_f32(gamma_last);
         #pragma unroll
-        for (u32 mb = 0; mb < MB; ++mb) {
+        for (u32 mb = 0; mb < MB && owns(mb); ++mb) {
             #pragma unroll
             for (u32 nb = 0; nb < NB; ++nb)
                 #pragma unroll
@@ -1001,7 +1006,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
 
     // the final state
     #pragma unroll
-    for (u32 mb = 0; mb < MB; ++mb)
+    for (u32 mb = 0; mb < MB && owns(mb); ++mb)
         #pragma unroll
         for (u32 nb = 0; nb < NB; ++nb)
             #pragma unroll

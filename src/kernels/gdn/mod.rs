@@ -87,7 +87,7 @@ pub const CHUNK: usize = 64;
 /// Largest dk of the step kernel (its shared-memory tiles).
 pub const STEP_MAX_DK: usize = 256;
 /// The dk values the prefill kernels are instantiated for.
-pub const CHUNK_DK: [usize; 2] = [64, 128];
+pub const CHUNK_DK: [usize; 3] = [32, 64, 128];
 
 /// Bytes of one sequence's recurrent state (fp32): what a decode step must read and write.
 pub fn state_bytes(shape: GdnShape) -> u64 {
@@ -963,11 +963,16 @@ fn check_call(params: &GdnParams, cache: &GdnCache) -> Result<()> {
 
 /// `gdn_step_dk{128,256}`: the step kernel for dk up to 128, else up to 256.
 const STEP_KERNELS: [&str; 2] = ["gdn_step_dk128", "gdn_step_dk256"];
-/// `gdn_chunk_prepare_dk{64,128}`, in the order of [`CHUNK_DK`].
-const PREPARE_KERNELS: [&str; 2] = ["gdn_chunk_prepare_dk64", "gdn_chunk_prepare_dk128"];
-/// `gdn_chunk_state_dk{64,128}_dv{16,32}`: `[dk in the order of CHUNK_DK][value columns per
+/// `gdn_chunk_prepare_dk{32,64,128}`, in the order of [`CHUNK_DK`].
+const PREPARE_KERNELS: [&str; 3] = [
+    "gdn_chunk_prepare_dk32",
+    "gdn_chunk_prepare_dk64",
+    "gdn_chunk_prepare_dk128",
+];
+/// `gdn_chunk_state_dk{32,64,128}_dv{16,32}`: `[dk in the order of CHUNK_DK][value columns per
 /// block in the order of CHUNK_DV_PER_BLOCK]`.
-const STATE_KERNELS: [[&str; 2]; 2] = [
+const STATE_KERNELS: [[&str; 2]; 3] = [
+    ["gdn_chunk_state_dk32_dv16", "gdn_chunk_state_dk32_dv32"],
     ["gdn_chunk_state_dk64_dv16", "gdn_chunk_state_dk64_dv32"],
     ["gdn_chunk_state_dk128_dv16", "gdn_chunk_state_dk128_dv32"],
 ];
