@@ -18,6 +18,18 @@ fn device_prefill_on_the_cpu_backend_matches_the_runner() {
     device_model::prefill_matches_runner(&Backend::Cpu, 8);
 }
 
+#[test]
+fn device_speculation_on_the_cpu_backend_equals_decoding_without_it() {
+    for drafts in [1, 3] {
+        device_model::speculation_matches_plain_decoding(&Backend::Cpu, drafts, 24);
+    }
+}
+
+#[test]
+fn device_mtp_drafts_on_the_cpu_backend_match_the_runner() {
+    device_model::mtp_drafts_match_runner(&Backend::Cpu, 5);
+}
+
 /// The demo model quantised to ModelOpt NVFP4 (per-expert experts): the device path runs the
 /// stored codes and scales (its weights stream fewer bytes than the bf16 model's) and matches the
 /// runner, which computes with the same codes dequantised.

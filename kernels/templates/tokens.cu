@@ -7,15 +7,17 @@
 #define TOKENS_THREADS {{ target.tokens.threads_per_block }}
 #define TOKENS_WARPS (TOKENS_THREADS / FP4_WARP_SIZE)
 
-// tokens_embed: residual[row] = f32(table[tokens[row]]), one block per row. A token past the
-// vocabulary gives a zero row: the launcher checks host-given tokens, and tokens_argmax only
-// writes indices below the vocabulary, so this guard only keeps a corrupted buffer in bounds.
+// tokens_embed: residual[row] = f32(table[tokens[row * token_stride]]), one block per row (the
+// tokens may be one column of a table, e.g. the drafts at one depth of a [B][n + 1] verify
+// table). A token past the vocabulary gives a zero row: the launcher checks host-given tokens,
+// and tokens_argmax only writes indices below the vocabulary, so this guard only keeps a
+// corrupted buffer in bounds.
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(TOKENS_THREADS) tokens_embed(
-    const u32* __restrict__ tokens, const u16* __restrict__ table, u32 vocab, u32 hidden,
-    float* __restrict__ residual) {
+    const u32* __restrict__ tokens, u32 token_stride, const u16* __restrict__ table, u32 vocab,
+    u32 hidden, float* __restrict__ residual) {
     chain_after_previous_grid();
     const u64 row = block_x();
-    const u32 token = tokens[row];
+    const u32 token = tokens[row * token_stride];
     const u16* source = table + (u64)token * hidden;
     for (u32 i = thread_x(); i < hidden; i += TOKENS_THREADS)
         residual[row * hidden + i] = token < vocab ? bf16_to_f32(source[i]) : 0.0f;
@@ -52,7 +54,7 @@ FP4_DEVICE void block_best(float& value, u32& index) {
 }
 
 // tokens_argmax: for every row of bf16 logits (`vocab` wide), the lowest index of the largest
-// value into tokens[row] (the next step's input) and, when `positions` is not null,
+// value into tokens[row * token_stride] (the next step's input, or a column of drafts) and, when `positions` is not null,
 // positions[row] += 1 (the attention rows' position of the next step). Grid (splits, rows): block
 // (s, row) takes `chunk` values of the row and leaves its best in partial_*[row * splits + s];
 // the row's last block to arrive (counters[row], acquire-release) reduces the partials, writes
@@ -60,7 +62,7 @@ FP4_DEVICE void block_best(float& value, u32& index) {
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(TOKENS_THREADS) tokens_argmax(
     const u16* __restrict__ logits, u32 vocab, u32 chunk, float* __restrict__ partial_values,
     u32* __restrict__ partial_indices, u32* __restrict__ counters, u32* __restrict__ tokens,
-    u32* __restrict__ positions) {
+    u32 token_stride, u32* __restrict__ positions) {
     chain_after_previous_grid();
     __shared__ u32 last;
     const u32 split = block_x(), splits = grid_blocks();
@@ -88,8 +90,46 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(TOKENS_THREADS) tokens_argmax(
                load_coherent_u32(partial_indices + row * splits + s));
     block_best(best_value, best_index);
     if (thread_x() == 0) {
-        tokens[row] = best_index < vocab ? best_index : 0u;
+        tokens[row * token_stride] = best_index < vocab ? best_index : 0u;
         if (positions) positions[row] += 1u;
         counters[row] = 0u;
+    }
+}
+
+// tokens_accept_greedy: greedy verification of a speculative step and its bookkeeping, one block
+// per sequence b, after the verify forward (rows [pending, d_1 .. d_n] at positions p .. p + n)
+// and the MTP catch-up over the same rows. With t_r the target's greedy token of row r, the
+// sequence accepts a = the length of the prefix where d_{r+1} == t_r, so t_0 .. t_a are its new
+// tokens (the accepted drafts and the target's own next token) at positions p + 1 .. p + a + 1:
+//   history[b][p + 1 + i] = t_i (i <= a, below `capacity`); verify_tokens[b][0] = t_a (the next
+//   pending token); accepted[b] = a + 1 (what the Gated DeltaNet commit keeps);
+//   row_positions[b][r] += a + 1 (the next verify rows); chain_positions[b] = p + a + 1 (the first
+//   chained draft's position); chain_hidden[b] = mtp_hidden[b][a] (the catch-up row that
+//   predicts the first draft of the next step); stats[b][0] += 1, stats[b][1 + j] += 1 for j < a.
+// Every thread finds a itself (n <= a few reads), and reads p before the barrier that precedes
+// the writes.
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(TOKENS_THREADS) tokens_accept_greedy(
+    u32* __restrict__ verify_tokens, const u32* __restrict__ target, const u16* __restrict__ mtp_hidden,
+    u16* __restrict__ chain_hidden, u32* __restrict__ accepted, u32* __restrict__ row_positions,
+    u32* __restrict__ chain_positions, u32* __restrict__ history, u32* __restrict__ stats,
+    u32 n, u32 hidden, u32 capacity) {
+    chain_after_previous_grid();
+    const u64 b = block_x();
+    const u64 first = b * (n + 1);
+    u32 a = 0;
+    while (a < n && verify_tokens[first + 1 + a] == target[first + a]) ++a;
+    const u32 p = row_positions[first];
+    const u16* source = mtp_hidden + (first + a) * hidden;
+    for (u32 i = thread_x(); i < hidden; i += TOKENS_THREADS) chain_hidden[b * hidden + i] = source[i];
+    block_barrier();
+    for (u32 r = thread_x(); r <= n; r += TOKENS_THREADS) row_positions[first + r] = p + r + a + 1;
+    if (thread_x() == 0) {
+        for (u32 i = 0; i <= a; ++i)
+            if (p + 1 + i < capacity) history[b * capacity + p + 1 + i] = target[first + i];
+        verify_tokens[first] = target[first + a];
+        accepted[b] = a + 1;
+        chain_positions[b] = p + a + 1;
+        stats[first] += 1;
+        for (u32 j = 0; j < a; ++j) stats[first + 1 + j] += 1;
     }
 }

@@ -10,8 +10,8 @@
 
 use fp4spec::backend::Backend;
 use fp4spec::model::cache::SequenceCache;
-use fp4spec::model::device::{Decoder, DeviceModel};
-use fp4spec::model::forward::{ForwardInput, Model};
+use fp4spec::model::device::{Decoder, DeviceModel, SpecDecoder};
+use fp4spec::model::forward::{ForwardInput, Model, MtpInput};
 use std::path::PathBuf;
 
 /// Largest |device - runner| logit over a step, relative to the largest |runner| logit. The
@@ -220,4 +220,182 @@ pub fn prefill_matches_runner(backend: &Backend, greedy_steps: usize) -> f64 {
         prompts[1].len()
     );
     worst
+}
+
+/// Prompts of different lengths for the speculative tests (one is a single token: its first
+/// drafts come from no hidden at all).
+fn spec_prompts() -> Vec<Vec<u32>> {
+    ["def fib(n):\n    if n < 2:", "Once upon a time", "x"]
+        .iter()
+        .map(|p| p.bytes().map(u32::from).collect())
+        .collect()
+}
+
+/// Greedy decoding with `drafts` MTP drafts per step against greedy decoding without them, both
+/// on the device path: every sequence's first `tokens` generated tokens must be equal, except
+/// that a sequence may part ways at a token where the plain decoder's best two logits were
+/// within bf16 noise (rounding differs between a verify forward and a decode step; on the CPU
+/// backend nothing may part). Returns the acceptance rate per draft depth.
+pub fn speculation_matches_plain_decoding(
+    backend: &Backend,
+    drafts: usize,
+    tokens: usize,
+) -> Vec<f64> {
+    let model = Model::load(demo_dir()).expect("demo model loads");
+    let device = DeviceModel::from_model(backend, &model).expect("device model");
+    let prompts = spec_prompts();
+    let views: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let capacity = longest + tokens + 2 * drafts + 2 * (drafts + 1);
+    // plain: the tokens and each step's margin between the best two logits
+    let mut plain = Decoder::new(&device, prompts.len(), capacity).expect("decoder");
+    plain.prefill(&views).expect("plain prefill");
+    let vocab = model.config.vocab_size;
+    let mut plain_tokens = vec![Vec::new(); prompts.len()];
+    let mut margins = vec![Vec::new(); prompts.len()];
+    for _ in 0..tokens {
+        plain.step().expect("plain step");
+        let logits = plain.logits().expect("logits");
+        for (s, token) in plain.tokens().expect("tokens").into_iter().enumerate() {
+            let row = &logits[s * vocab..(s + 1) * vocab];
+            let (_, margin) = argmax(row);
+            let scale = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            plain_tokens[s].push(token);
+            margins[s].push(f64::from(margin) / f64::from(scale));
+        }
+    }
+    let mut spec = SpecDecoder::new(&device, prompts.len(), capacity, drafts).expect("spec");
+    spec.prefill(&views).expect("spec prefill");
+    let mut steps = 0;
+    while spec
+        .generated()
+        .expect("generated")
+        .iter()
+        .any(|g| g.len() < tokens)
+    {
+        spec.step().expect("spec step");
+        steps += 1;
+        assert!(steps <= tokens, "{steps} steps without {tokens} tokens");
+    }
+    let generated = spec.generated().expect("generated");
+    let exact = matches!(backend, Backend::Cpu);
+    for (s, (got, want)) in generated.iter().zip(&plain_tokens).enumerate() {
+        if let Some(i) = (0..tokens).find(|&i| got[i] != want[i]) {
+            assert!(
+                !exact && margins[s][i] < 2.0 * LOGIT_TOLERANCE,
+                "{}: sequence {s}, {drafts} drafts: token {i} is {} with speculation, {} \
+                 without (margin {:.2e} of the largest logit)\nwith:    {:?}\nwithout: {:?}",
+                backend.name(),
+                got[i],
+                want[i],
+                margins[s][i],
+                &got[..tokens],
+                want
+            );
+        }
+    }
+    let stats = spec.acceptance().expect("acceptance");
+    let rates: Vec<f64> = stats
+        .drafted
+        .iter()
+        .zip(&stats.accepted)
+        .map(|(&d, &a)| {
+            assert!(a <= d, "accepted {a} of {d} drafts");
+            a as f64 / d.max(1) as f64
+        })
+        .collect();
+    let emitted: usize = generated.iter().map(Vec::len).sum();
+    println!(
+        "{}: {drafts} drafts per step: {emitted} tokens in {steps} steps over {} sequences \
+         (graph: {}), acceptance per depth {rates:.2?}, equal to decoding without drafts",
+        backend.name(),
+        prompts.len(),
+        spec.replays_graph()
+    );
+    rates
+}
+
+/// The device MTP head against the runner's: after a prefill, each sequence's first drafts
+/// equal the runner's (its MTP over the prompt's rows, then chained rows), as far as the
+/// runner's draft logits have a clear best token. Returns the drafts checked.
+pub fn mtp_drafts_match_runner(backend: &Backend, drafts: usize) -> usize {
+    let model = Model::load(demo_dir()).expect("demo model loads");
+    let device = DeviceModel::from_model(backend, &model).expect("device model");
+    let prompts: Vec<Vec<u32>> = [
+        "def fib(n):\n    if n < 2:",
+        "Once upon a time",
+        "for (int i = 0; i < n; ++i) {",
+        "The capital of France is",
+        "import numpy as np\nx = np.",
+        "SELECT name FROM users WHERE",
+    ]
+    .iter()
+    .map(|p| p.bytes().map(u32::from).collect())
+    .collect();
+    let views: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let mut spec =
+        SpecDecoder::new(&device, prompts.len(), longest + 4 * drafts + 4, drafts).expect("spec");
+    spec.prefill(&views).expect("spec prefill");
+    let device_drafts = spec.next_drafts().expect("drafts");
+    let h = model.config.hidden_size;
+    let depth = model.config.mtp_num_hidden_layers.max(1);
+    let mut checked = 0;
+    for (s, prompt) in prompts.iter().enumerate() {
+        let mut cache = SequenceCache::new(&model.config);
+        let rows = &prompt[..prompt.len() - 1];
+        let target = model
+            .forward(&mut [ForwardInput {
+                cache: &mut cache,
+                tokens: rows,
+                record: false,
+                all_logits: false,
+            }])
+            .expect("runner prefill")
+            .remove(0);
+        let mut out = model
+            .mtp_forward(&mut [MtpInput {
+                cache: &mut cache,
+                tokens: &prompt[1..],
+                hidden: &target.hidden,
+                layer: 0,
+            }])
+            .expect("runner MTP")
+            .remove(0);
+        let vocab = model.config.vocab_size;
+        let mut logits = out.logits[(rows.len() - 1) * vocab..].to_vec();
+        let mut hidden = out.hidden[(rows.len() - 1) * h..].to_vec();
+        for d in 0..drafts {
+            let (token, margin) = argmax(&logits);
+            let scale = logits.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            if f64::from(margin) <= 2.0 * LOGIT_TOLERANCE * f64::from(scale) {
+                break;
+            }
+            assert_eq!(
+                device_drafts[s][d],
+                token,
+                "{}: sequence {s} draft {d}: device {:?}",
+                backend.name(),
+                device_drafts[s]
+            );
+            checked += 1;
+            out = model
+                .mtp_forward(&mut [MtpInput {
+                    cache: &mut cache,
+                    tokens: &[token],
+                    hidden: &hidden,
+                    layer: (d + 1) % depth,
+                }])
+                .expect("runner chained MTP")
+                .remove(0);
+            logits = out.logits;
+            hidden = out.hidden;
+        }
+    }
+    assert!(checked >= prompts.len(), "only {checked} drafts had a clear margin");
+    println!(
+        "{}: device MTP drafts equal the runner's: {checked} drafts checked",
+        backend.name()
+    );
+    checked
 }

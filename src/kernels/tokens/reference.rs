@@ -37,6 +37,18 @@ pub fn argmax(logits: &[bf16]) -> u32 {
     best.map_or(0, |(_, i)| i as u32)
 }
 
+/// Drafts a sequence accepts under greedy verification: `verify` is its verify rows (the pending
+/// token, then the drafts `d_1 .. d_n`), `target` the target's greedy token of each row; draft
+/// `d_{r+1}` stands when it equals `target[r]` and every earlier draft stood.
+pub fn accepted_drafts(verify: &[u32], target: &[u32]) -> usize {
+    verify
+        .iter()
+        .skip(1)
+        .zip(target)
+        .take_while(|(draft, target)| draft == target)
+        .count()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -52,6 +64,15 @@ mod tests {
         assert_eq!(argmax(&row(&[f32::NAN, f32::NEG_INFINITY])), 1);
         assert_eq!(argmax(&row(&[f32::NAN, f32::NAN])), 0);
         assert_eq!(argmax(&row(&[f32::NEG_INFINITY, f32::NEG_INFINITY])), 0);
+    }
+
+    #[test]
+    fn accepted_drafts_is_the_prefix_that_matches_the_rows_before() {
+        // verify rows [pending, d1, d2, d3]; target of each row
+        assert_eq!(accepted_drafts(&[9, 4, 5, 6], &[4, 5, 6, 7]), 3);
+        assert_eq!(accepted_drafts(&[9, 4, 0, 6], &[4, 5, 6, 7]), 1);
+        assert_eq!(accepted_drafts(&[9, 1, 5, 6], &[4, 5, 6, 7]), 0);
+        assert_eq!(accepted_drafts(&[9], &[4]), 0);
     }
 
     #[test]

@@ -25,6 +25,10 @@
 //! tokens then go through the captured step. Not yet on this path: MTP drafting and
 //! verification, sampling.
 
+mod speculative;
+
+pub use speculative::{MAX_DRAFTS, SpecDecoder};
+
 use crate::backend::{Backend, DeviceVec, Graph};
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::Nvfp4Matrix;
@@ -40,7 +44,7 @@ use crate::kernels::moe::{
     MoeWorkspace, moe_block,
 };
 use crate::kernels::norm::rms_norm_residual;
-use crate::kernels::tokens::{self, ArgmaxWorkspace};
+use crate::kernels::tokens::{self, ArgmaxWorkspace, TokenColumn};
 use crate::model::config::{LayerKind, ModelConfig};
 use crate::model::forward::Model;
 use crate::model::params::{
@@ -79,6 +83,22 @@ pub struct DeviceModel {
     layers: Vec<DeviceLayer>,
     final_norm: DeviceVec<f32>,
     lm_head: Linear,
+    mtp: Option<DeviceMtp>,
+}
+
+/// The MTP head: `x = fc([norm_e(embed(t)); norm_h(hidden)])` as two GEMMs over the halves of
+/// `fc`'s columns (the second adds the first's output in its epilogue, so the concatenation
+/// is never materialised), then its decoder layers (full attention and MoE, caches of their
+/// own), then `norm`; the logits come from the target's lm_head.
+struct DeviceMtp {
+    pre_fc_norm_embedding: DeviceVec<f32>,
+    pre_fc_norm_hidden: DeviceVec<f32>,
+    /// `fc[:, :H]`, `[H][H]`.
+    fc_embedding: Linear,
+    /// `fc[:, H:]`, `[H][H]`.
+    fc_hidden: Linear,
+    layers: Vec<DeviceLayer>,
+    norm: DeviceVec<f32>,
 }
 
 struct DeviceLayer {
@@ -239,6 +259,81 @@ fn moe_host_weights(config: &ModelConfig, m: &ModelMoeWeights) -> Result<MoeHost
     )
 }
 
+/// One decoder layer of a loaded model on `backend` (target or MTP): linears the checkpoint
+/// stores as NVFP4 as NVFP4, the Gated DeltaNet projections fused into one bf16 weight.
+fn device_layer(
+    backend: &Backend,
+    config: &ModelConfig,
+    layer: &crate::model::params::LayerWeights,
+) -> Result<DeviceLayer> {
+    let (h, eps) = (config.hidden_size, config.rms_norm_eps as f32);
+    let mixer = match &layer.mixer {
+        MixerWeights::Gdn(g) => {
+            let mut rows = Vec::new();
+            for part in [&g.qkv, &g.z, &g.b, &g.a] {
+                rows.extend_from_slice(&part.weight);
+            }
+            let count = gdn_projection_rows(config);
+            let padded = count.next_multiple_of(8);
+            rows.resize(padded * h, 0.0);
+            DeviceMixer::Gdn {
+                in_proj: Linear::bf16(backend, &to_bf16(&rows), padded, h, RowOrder::Plain)?,
+                params: GdnParams::upload(
+                    backend,
+                    gdn_shape(config),
+                    config.linear_conv_kernel_dim,
+                    &g.conv,
+                    &g.a_log,
+                    &g.dt_bias,
+                    &g.norm,
+                    eps,
+                )?,
+                out: device_linear(backend, &g.out)?,
+            }
+        }
+        MixerWeights::Attention(a) => DeviceMixer::Attention {
+            q: device_linear(backend, &a.q)?,
+            k: device_linear(backend, &a.k)?,
+            v: device_linear(backend, &a.v)?,
+            o: device_linear(backend, &a.o)?,
+            q_norm: backend.upload(&a.q_norm)?,
+            k_norm: backend.upload(&a.k_norm)?,
+        },
+    };
+    let host = moe_host_weights(config, &layer.moe)?;
+    Ok(DeviceLayer {
+        input_norm: backend.upload(&layer.input_norm)?,
+        post_attention_norm: backend.upload(&layer.post_attention_norm)?,
+        mixer,
+        moe: MoeWeights::new(backend, &host)?,
+    })
+}
+
+/// The MTP `fc` (`[H][2H]`, input `[embedding; hidden]`) as its two `[H][H]` halves, bf16.
+fn split_fc(backend: &Backend, fc: &HostLinear, h: usize) -> Result<(Linear, Linear)> {
+    if fc.rows != h || fc.cols != 2 * h {
+        return Err(Error::invalid(
+            "mtp.fc",
+            format!(
+                "[{}, {}] where [{h}, {}] was expected",
+                fc.rows,
+                fc.cols,
+                2 * h
+            ),
+        ));
+    }
+    let half = |first: usize| -> Vec<bf16> {
+        fc.weight
+            .chunks_exact(2 * h)
+            .flat_map(|row| row[first..first + h].iter().map(|&v| bf16::from_f32(v)))
+            .collect()
+    };
+    Ok((
+        Linear::bf16(backend, &half(0), h, h, RowOrder::Plain)?,
+        Linear::bf16(backend, &half(h), h, h, RowOrder::Plain)?,
+    ))
+}
+
 /// Checks what the device path assumes of a config.
 fn check_config(config: &ModelConfig) -> Result<()> {
     if !config.attn_output_gate {
@@ -265,56 +360,31 @@ impl DeviceModel {
         let config = &model.config;
         check_config(config)?;
         let w = &model.weights;
-        let (h, eps) = (config.hidden_size, config.rms_norm_eps as f32);
-        let mut layers = Vec::with_capacity(w.layers.len());
-        for layer in &w.layers {
-            let mixer = match &layer.mixer {
-                MixerWeights::Gdn(g) => {
-                    let mut rows = Vec::new();
-                    for part in [&g.qkv, &g.z, &g.b, &g.a] {
-                        rows.extend_from_slice(&part.weight);
-                    }
-                    let count = gdn_projection_rows(config);
-                    let padded = count.next_multiple_of(8);
-                    rows.resize(padded * h, 0.0);
-                    DeviceMixer::Gdn {
-                        in_proj: Linear::bf16(
-                            backend,
-                            &to_bf16(&rows),
-                            padded,
-                            h,
-                            RowOrder::Plain,
-                        )?,
-                        params: GdnParams::upload(
-                            backend,
-                            gdn_shape(config),
-                            config.linear_conv_kernel_dim,
-                            &g.conv,
-                            &g.a_log,
-                            &g.dt_bias,
-                            &g.norm,
-                            eps,
-                        )?,
-                        out: device_linear(backend, &g.out)?,
-                    }
-                }
-                MixerWeights::Attention(a) => DeviceMixer::Attention {
-                    q: device_linear(backend, &a.q)?,
-                    k: device_linear(backend, &a.k)?,
-                    v: device_linear(backend, &a.v)?,
-                    o: device_linear(backend, &a.o)?,
-                    q_norm: backend.upload(&a.q_norm)?,
-                    k_norm: backend.upload(&a.k_norm)?,
-                },
-            };
-            let host = moe_host_weights(config, &layer.moe)?;
-            layers.push(DeviceLayer {
-                input_norm: backend.upload(&layer.input_norm)?,
-                post_attention_norm: backend.upload(&layer.post_attention_norm)?,
-                mixer,
-                moe: MoeWeights::new(backend, &host)?,
-            });
-        }
+        let h = config.hidden_size;
+        let layers = w
+            .layers
+            .iter()
+            .map(|layer| device_layer(backend, config, layer))
+            .collect::<Result<Vec<_>>>()?;
+        let mtp = w
+            .mtp
+            .as_ref()
+            .map(|m| -> Result<DeviceMtp> {
+                let (fc_embedding, fc_hidden) = split_fc(backend, &m.fc, h)?;
+                Ok(DeviceMtp {
+                    pre_fc_norm_embedding: backend.upload(&m.pre_fc_norm_embedding)?,
+                    pre_fc_norm_hidden: backend.upload(&m.pre_fc_norm_hidden)?,
+                    fc_embedding,
+                    fc_hidden,
+                    layers: m
+                        .layers
+                        .iter()
+                        .map(|layer| device_layer(backend, config, layer))
+                        .collect::<Result<Vec<_>>>()?,
+                    norm: backend.upload(&m.norm)?,
+                })
+            })
+            .transpose()?;
         Ok(Self {
             backend: backend.clone(),
             config: config.clone(),
@@ -322,6 +392,7 @@ impl DeviceModel {
             layers,
             final_norm: backend.upload(&w.final_norm)?,
             lm_head: device_linear(backend, &w.lm_head)?,
+            mtp,
         })
     }
 
@@ -440,6 +511,50 @@ impl DeviceModel {
             });
         }
 
+        // the MTP head in bf16 (ModelOpt leaves it unquantised): full-attention layers with
+        // bf16 experts
+        let mtp = if config.mtp_num_hidden_layers > 0 {
+            let moe = match weights {
+                SyntheticWeights::Bf16 => moe_template.try_clone(backend)?,
+                SyntheticWeights::Nvfp4 => MoeWeights::new(
+                    backend,
+                    &MoeHostWeights::synthetic(
+                        moe_shape(config),
+                        ExpertFormat::Bf16,
+                        rng.next_u64(),
+                    ),
+                )?,
+            };
+            let q_rows = att.heads * att.head_dim * 2;
+            let kv_rows = att.kv_heads * att.head_dim;
+            let mut layers = Vec::with_capacity(config.mtp_num_hidden_layers);
+            for _ in 0..config.mtp_num_hidden_layers {
+                layers.push(DeviceLayer {
+                    input_norm: norm(&mut rng, h)?,
+                    post_attention_norm: norm(&mut rng, h)?,
+                    mixer: DeviceMixer::Attention {
+                        q: dense(&mut rng, q_rows, h)?,
+                        k: dense(&mut rng, kv_rows, h)?,
+                        v: dense(&mut rng, kv_rows, h)?,
+                        o: dense(&mut rng, h, att.heads * att.head_dim)?,
+                        q_norm: norm(&mut rng, att.head_dim)?,
+                        k_norm: norm(&mut rng, att.head_dim)?,
+                    },
+                    moe: moe.try_clone(backend)?,
+                });
+            }
+            Some(DeviceMtp {
+                pre_fc_norm_embedding: norm(&mut rng, h)?,
+                pre_fc_norm_hidden: norm(&mut rng, h)?,
+                fc_embedding: dense(&mut rng, h, h)?,
+                fc_hidden: dense(&mut rng, h, h)?,
+                layers,
+                norm: norm(&mut rng, h)?,
+            })
+        } else {
+            None
+        };
+
         let vocab = config.vocab_size;
         let block_rows = vocab.min(4096);
         let block = uniform_bf16(&mut rng, block_rows * h, 1.0);
@@ -451,6 +566,7 @@ impl DeviceModel {
             layers,
             final_norm: norm(&mut rng, h)?,
             lm_head: dense(&mut rng, vocab, h)?,
+            mtp,
         })
     }
 
@@ -462,6 +578,11 @@ impl DeviceModel {
     /// The backend the weights live on.
     pub fn backend(&self) -> &Backend {
         &self.backend
+    }
+
+    /// Whether the model has an MTP head (speculative decoding needs one).
+    pub fn has_mtp(&self) -> bool {
+        self.mtp.is_some()
     }
 
     /// Weight bytes one decode step of `tokens` rows streams at least, with `distinct_experts`
@@ -546,8 +667,9 @@ impl Activations {
 
 /// How the Gated DeltaNet layers of a forward run.
 enum GdnForward<'a> {
-    /// One token per sequence ([`gdn::step`]).
-    Step,
+    /// `tokens` tokens per sequence ([`gdn::step`]): a decode step (1, [`StepMode::Decode`]) or
+    /// a speculative verify step (the pending token and the drafts, [`StepMode::Verify`]).
+    Step { tokens: usize, mode: StepMode },
     /// Each sequence's rows `cu_seqlens[b]..cu_seqlens[b + 1]` ([`gdn::prefill`]).
     Prefill {
         workspace: &'a mut gdn::ChunkWorkspace,
@@ -572,85 +694,142 @@ fn run_layers(
     moe_workspace: &mut MoeWorkspace,
     mut gdn_forward: GdnForward<'_>,
 ) -> Result<()> {
+    let (mut gdn_index, mut kv_index) = (0, 0);
+    for (i, layer) in model.layers.iter().enumerate() {
+        let cache = match &layer.mixer {
+            DeviceMixer::Gdn { .. } => {
+                gdn_index += 1;
+                LayerCache::Gdn(&mut caches.gdn[gdn_index - 1])
+            }
+            DeviceMixer::Attention { .. } => {
+                kv_index += 1;
+                LayerCache::Kv(&mut caches.kv[kv_index - 1])
+            }
+        };
+        let shared = SharedCaches {
+            sequences: &caches.sequences,
+            rope: &caches.rope,
+        };
+        run_layer(
+            model,
+            layer,
+            act,
+            cache,
+            shared,
+            moe_workspace,
+            &mut gdn_forward,
+            i > 0,
+        )?;
+    }
+    Ok(())
+}
+
+/// The cache of one layer's token mixer.
+enum LayerCache<'a> {
+    Gdn(&'a mut GdnCache),
+    Kv(&'a mut KvCache),
+}
+
+/// What every layer of a forward reads besides its own cache.
+#[derive(Clone, Copy)]
+struct SharedCaches<'a> {
+    sequences: &'a Sequences,
+    rope: &'a RopeTable,
+}
+
+/// One decoder layer over `act`'s rows: the residual takes the previous layer's delta (when
+/// `add_delta`), then `residual += mixer(norm(residual))`, and the MoE block of the
+/// post-attention norm goes to `act.delta`.
+#[allow(clippy::too_many_arguments)]
+fn run_layer(
+    model: &DeviceModel,
+    layer: &DeviceLayer,
+    act: &mut Activations,
+    cache: LayerCache<'_>,
+    shared: SharedCaches<'_>,
+    moe_workspace: &mut MoeWorkspace,
+    gdn_forward: &mut GdnForward<'_>,
+    add_delta: bool,
+) -> Result<()> {
     let (backend, config) = (&model.backend, &model.config);
     let (b, eps) = (act.rows, config.rms_norm_eps as f32);
     let gdn = gdn_shape(config);
     let att = attention_shape(config);
-    let (mut gdn_index, mut kv_index) = (0, 0);
-    for (i, layer) in model.layers.iter().enumerate() {
-        let delta = (i > 0).then_some(&act.delta);
-        rms_norm_residual(
-            backend,
-            &mut act.residual,
-            delta,
-            &layer.input_norm,
-            eps,
-            &mut act.normed,
-            b,
-        )?;
-        match &layer.mixer {
+    let delta = add_delta.then_some(&act.delta);
+    rms_norm_residual(
+        backend,
+        &mut act.residual,
+        delta,
+        &layer.input_norm,
+        eps,
+        &mut act.normed,
+        b,
+    )?;
+    match (&layer.mixer, cache) {
+        (
             DeviceMixer::Gdn {
                 in_proj,
                 params,
                 out,
-            } => {
-                linear(
+            },
+            LayerCache::Gdn(cache),
+        ) => {
+            linear(
+                backend,
+                &act.normed,
+                b,
+                in_proj,
+                Epilogue::None,
+                &mut act.gdn_projections,
+            )?;
+            let width = in_proj.out_features();
+            let (conv_dim, value_dim) = (config.linear_conv_dim(), gdn.value_heads * gdn.dv);
+            let at = |offset: usize| gdn::Rows {
+                data: &act.gdn_projections,
+                offset,
+                stride: width,
+            };
+            let inputs = Projections {
+                qkv: at(0),
+                z: Some(at(conv_dim)),
+                b: at(conv_dim + value_dim),
+                a: at(conv_dim + value_dim + gdn.value_heads),
+            };
+            match gdn_forward {
+                GdnForward::Step { tokens, mode } => gdn::step(
                     backend,
-                    &act.normed,
-                    b,
-                    in_proj,
-                    Epilogue::None,
-                    &mut act.gdn_projections,
-                )?;
-                let width = in_proj.out_features();
-                let (conv_dim, value_dim) = (config.linear_conv_dim(), gdn.value_heads * gdn.dv);
-                let at = |offset: usize| gdn::Rows {
-                    data: &act.gdn_projections,
-                    offset,
-                    stride: width,
-                };
-                let inputs = Projections {
-                    qkv: at(0),
-                    z: Some(at(conv_dim)),
-                    b: at(conv_dim + value_dim),
-                    a: at(conv_dim + value_dim + gdn.value_heads),
-                };
-                let cache = &mut caches.gdn[gdn_index];
-                gdn_index += 1;
-                match &mut gdn_forward {
-                    GdnForward::Step => gdn::step(
-                        backend,
-                        params,
-                        cache,
-                        &caches.sequences,
-                        1,
-                        &inputs,
-                        StepMode::Decode,
-                        &mut act.gdn_out,
-                    )?,
-                    GdnForward::Prefill {
-                        workspace,
-                        cu_seqlens,
-                    } => gdn::prefill(
-                        backend,
-                        params,
-                        cache,
-                        workspace,
-                        &caches.sequences,
-                        cu_seqlens,
-                        &inputs,
-                        &mut act.gdn_out,
-                    )?,
-                }
-                linear(
+                    params,
+                    cache,
+                    shared.sequences,
+                    *tokens,
+                    &inputs,
+                    *mode,
+                    &mut act.gdn_out,
+                )?,
+                GdnForward::Prefill {
+                    workspace,
+                    cu_seqlens,
+                } => gdn::prefill(
                     backend,
-                    &act.gdn_out,
-                    b,
-                    out,
-                    Epilogue::None,
-                    &mut act.delta,
-                )?;
+                    params,
+                    cache,
+                    workspace,
+                    shared.sequences,
+                    cu_seqlens,
+                    &inputs,
+                    &mut act.gdn_out,
+                )?,
             }
+            linear(
+                backend,
+                &act.gdn_out,
+                b,
+                out,
+                Epilogue::None,
+                &mut act.delta,
+            )?;
+        }
+        (
             DeviceMixer::Attention {
                 q,
                 k,
@@ -658,68 +837,166 @@ fn run_layers(
                 o,
                 q_norm,
                 k_norm,
-            } => {
-                linear(backend, &act.normed, b, q, Epilogue::None, &mut act.q_gate)?;
-                linear(backend, &act.normed, b, k, Epilogue::None, &mut act.k)?;
-                linear(backend, &act.normed, b, v, Epilogue::None, &mut act.v)?;
-                let cache = &mut caches.kv[kv_index];
-                kv_index += 1;
-                attention::prepare(
-                    backend,
-                    &GatedAttention {
-                        shape: att,
-                        q_norm,
-                        k_norm,
-                        eps,
-                        rope: &caches.rope,
-                    },
-                    &act.q_gate,
-                    &act.k,
-                    &act.v,
-                    &act.attention_rows,
-                    cache,
-                    &mut act.q,
-                )?;
-                attention::attend(
-                    backend,
-                    att,
-                    &act.q,
-                    &act.q_gate,
-                    cache,
-                    &act.attention_rows,
-                    &mut act.attention_workspace,
-                    &mut act.attention_out,
-                )?;
-                linear(
-                    backend,
-                    &act.attention_out,
-                    b,
-                    o,
-                    Epilogue::None,
-                    &mut act.delta,
-                )?;
-            }
+            },
+            LayerCache::Kv(cache),
+        ) => {
+            linear(backend, &act.normed, b, q, Epilogue::None, &mut act.q_gate)?;
+            linear(backend, &act.normed, b, k, Epilogue::None, &mut act.k)?;
+            linear(backend, &act.normed, b, v, Epilogue::None, &mut act.v)?;
+            attention::prepare(
+                backend,
+                &GatedAttention {
+                    shape: att,
+                    q_norm,
+                    k_norm,
+                    eps,
+                    rope: shared.rope,
+                },
+                &act.q_gate,
+                &act.k,
+                &act.v,
+                &act.attention_rows,
+                cache,
+                &mut act.q,
+            )?;
+            attention::attend(
+                backend,
+                att,
+                &act.q,
+                &act.q_gate,
+                cache,
+                &act.attention_rows,
+                &mut act.attention_workspace,
+                &mut act.attention_out,
+            )?;
+            linear(
+                backend,
+                &act.attention_out,
+                b,
+                o,
+                Epilogue::None,
+                &mut act.delta,
+            )?;
         }
-        rms_norm_residual(
-            backend,
-            &mut act.residual,
-            Some(&act.delta),
-            &layer.post_attention_norm,
-            eps,
-            &mut act.normed,
-            b,
-        )?;
-        moe_block(
-            backend,
-            &layer.moe,
-            &act.normed,
-            b,
-            None,
-            moe_workspace,
-            &mut act.delta,
-        )?;
+        _ => {
+            return Err(Error::invalid(
+                "decoder layer",
+                "a layer's cache is not of its mixer's kind",
+            ));
+        }
+    }
+    rms_norm_residual(
+        backend,
+        &mut act.residual,
+        Some(&act.delta),
+        &layer.post_attention_norm,
+        eps,
+        &mut act.normed,
+        b,
+    )?;
+    moe_block(
+        backend,
+        &layer.moe,
+        &act.normed,
+        b,
+        None,
+        moe_workspace,
+        &mut act.delta,
+    )
+}
+
+/// Checks a batch's prompts: one non-empty prompt per sequence, none longer than `capacity`.
+fn check_prompts(prompts: &[&[u32]], batch: usize, capacity: usize) -> Result<()> {
+    if prompts.len() != batch || prompts.iter().any(|p| p.is_empty()) {
+        return Err(Error::invalid(
+            "decoder prompts",
+            format!(
+                "{} prompts for {batch} sequences: one non-empty prompt each",
+                prompts.len()
+            ),
+        ));
+    }
+    if let Some(p) = prompts.iter().find(|p| p.len() > capacity) {
+        return Err(Error::invalid(
+            "decoder prompts",
+            format!(
+                "a prompt of {} tokens exceeds the capacity of {capacity}",
+                p.len()
+            ),
+        ));
     }
     Ok(())
+}
+
+/// What [`prefill_rows`] leaves: the forward's activations (the residual before the final norm:
+/// the last layer's MoE output still in `delta`) and each sequence's rows.
+struct PrefillRows {
+    act: Activations,
+    /// Rows of each sequence: its prompt but the last token.
+    lengths: Vec<usize>,
+}
+
+/// The target forward over every prompt but its last token, all sequences in one forward (GEMMs
+/// over every row, the chunked Gated DeltaNet prefill from position 0, attention over each
+/// row's causal prefix, the MoE block over every row); `None` when every prompt is one token.
+/// The caches hold the prompts afterwards; the caller commits the positions. Allocates the
+/// rows' buffers for the call.
+fn prefill_rows(
+    model: &DeviceModel,
+    caches: &mut Caches,
+    capacity: usize,
+    prompts: &[&[u32]],
+) -> Result<Option<PrefillRows>> {
+    let lengths: Vec<usize> = prompts.iter().map(|p| p.len() - 1).collect();
+    let rows: usize = lengths.iter().sum();
+    if rows == 0 {
+        return Ok(None);
+    }
+    let (backend, config) = (&model.backend, &model.config);
+    let mut cu_seqlens = vec![0u32];
+    let (mut tokens, mut slots, mut positions) = (Vec::new(), Vec::new(), Vec::new());
+    for (b, (prompt, &len)) in prompts.iter().zip(&lengths).enumerate() {
+        tokens.extend_from_slice(&prompt[..len]);
+        slots.extend(std::iter::repeat_n(b as u32, len));
+        positions.extend(0..len as u32);
+        cu_seqlens.push(tokens.len() as u32);
+    }
+    let vocab = config.vocab_size;
+    if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::invalid(
+            "token id",
+            format!("{bad} is outside the vocabulary of {vocab}"),
+        ));
+    }
+    let mut act = Activations::new(backend, config, capacity, &slots, &positions)?;
+    let mut workspace = gdn::ChunkWorkspace::new(backend, gdn_shape(config), rows, prompts.len())?;
+    tokens::embed(
+        backend,
+        &backend.upload(&tokens)?,
+        TokenColumn::packed(rows),
+        &model.embed,
+        config.hidden_size,
+        &mut act.residual,
+    )?;
+    let mut moe_workspace = prefill_moe_workspace(model, &model.layers[0].moe, rows)?;
+    run_layers(
+        model,
+        &mut act,
+        caches,
+        &mut moe_workspace,
+        GdnForward::Prefill {
+            workspace: &mut workspace,
+            cu_seqlens: &cu_seqlens,
+        },
+    )?;
+    Ok(Some(PrefillRows { act, lengths }))
+}
+
+/// A MoE workspace for a prefill of `rows` rows through `moe`'s blocks: every row in one
+/// launch where the kernels' slot counts allow.
+fn prefill_moe_workspace(model: &DeviceModel, moe: &MoeWeights, rows: usize) -> Result<MoeWorkspace> {
+    let top_k = model.config.num_experts_per_tok.max(1);
+    MoeWorkspace::new(&model.backend, moe, rows.min(MAX_SLOTS_PER_LAUNCH / top_k).max(1))
 }
 
 /// A batch of sequences decoding on a [`DeviceModel`]: their caches, the step's buffers, and on
@@ -884,76 +1161,14 @@ impl<'m> Decoder<'m> {
     /// outside the vocabulary or a prompt longer than the capacity allows; errors of the
     /// launches.
     pub fn prefill(&mut self, prompts: &[&[u32]]) -> Result<()> {
-        if prompts.len() != self.batch || prompts.iter().any(|p| p.is_empty()) {
-            return Err(Error::invalid(
-                "decoder prompts",
-                format!(
-                    "{} prompts for {} sequences: one non-empty prompt each",
-                    prompts.len(),
-                    self.batch
-                ),
-            ));
-        }
-        if let Some(p) = prompts.iter().find(|p| p.len() > self.capacity) {
-            return Err(Error::invalid(
-                "decoder prompts",
-                format!(
-                    "a prompt of {} tokens exceeds the capacity of {}",
-                    p.len(),
-                    self.capacity
-                ),
-            ));
-        }
+        check_prompts(prompts, self.batch, self.capacity)?;
         let last: Vec<u32> = prompts.iter().map(|p| p[p.len() - 1]).collect();
         self.restart()?;
         self.set_tokens(&last)?;
-        let lengths: Vec<usize> = prompts.iter().map(|p| p.len() - 1).collect();
-        let rows: usize = lengths.iter().sum();
-        if rows > 0 {
-            let model = self.model;
-            let (backend, config) = (&model.backend, &model.config);
-            let mut cu_seqlens = vec![0u32];
-            let (mut tokens, mut slots, mut positions) = (Vec::new(), Vec::new(), Vec::new());
-            for (b, (prompt, &len)) in prompts.iter().zip(&lengths).enumerate() {
-                tokens.extend_from_slice(&prompt[..len]);
-                slots.extend(std::iter::repeat_n(b as u32, len));
-                positions.extend(0..len as u32);
-                cu_seqlens.push(tokens.len() as u32);
-            }
-            let vocab = config.vocab_size;
-            if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-                return Err(Error::invalid(
-                    "token id",
-                    format!("{bad} is outside the vocabulary of {vocab}"),
-                ));
-            }
-            let mut act = Activations::new(backend, config, self.capacity, &slots, &positions)?;
-            let mut workspace =
-                gdn::ChunkWorkspace::new(backend, gdn_shape(config), rows, self.batch)?;
-            tokens::embed(
-                backend,
-                &backend.upload(&tokens)?,
-                &model.embed,
-                config.hidden_size,
-                &mut act.residual,
-            )?;
-            // every prompt row in one MoE launch where the kernels' slot counts allow
-            let moe = &model.layers[0].moe;
-            let moe_rows = rows.min(MAX_SLOTS_PER_LAUNCH / config.num_experts_per_tok.max(1));
-            let mut moe_workspace = MoeWorkspace::new(backend, moe, moe_rows.max(1))?;
-            run_layers(
-                model,
-                &mut act,
-                &mut self.caches,
-                &mut moe_workspace,
-                GdnForward::Prefill {
-                    workspace: &mut workspace,
-                    cu_seqlens: &cu_seqlens,
-                },
-            )?;
+        if let Some(rows) = prefill_rows(self.model, &mut self.caches, self.capacity, prompts)? {
             // from position 0, the commit the prefill asks for (positions += lengths, nothing
             // pending) is what set_positions writes, for the attention rows too
-            self.set_positions(&lengths)?;
+            self.set_positions(&rows.lengths)?;
         }
         Ok(())
     }
@@ -1063,6 +1278,7 @@ impl<'m> Decoder<'m> {
         tokens::embed(
             backend,
             &self.tokens,
+            TokenColumn::packed(self.batch),
             &model.embed,
             config.hidden_size,
             &mut self.step.residual,
@@ -1072,7 +1288,10 @@ impl<'m> Decoder<'m> {
             &mut self.step,
             &mut self.caches,
             &mut self.moe_workspace,
-            GdnForward::Step,
+            GdnForward::Step {
+                tokens: 1,
+                mode: StepMode::Decode,
+            },
         )?;
         rms_norm_residual(
             backend,
@@ -1096,6 +1315,7 @@ impl<'m> Decoder<'m> {
             &self.logits,
             &mut self.argmax_workspace,
             &mut self.tokens,
+            TokenColumn::packed(self.batch),
             Some(&mut self.step.attention_rows.position),
         )?;
         self.caches
