@@ -392,7 +392,10 @@ pub fn mtp_drafts_match_runner(backend: &Backend, drafts: usize) -> usize {
             hidden = out.hidden;
         }
     }
-    assert!(checked >= prompts.len(), "only {checked} drafts had a clear margin");
+    assert!(
+        checked >= prompts.len(),
+        "only {checked} drafts had a clear margin"
+    );
     println!(
         "{}: device MTP drafts equal the runner's: {checked} drafts checked",
         backend.name()

@@ -1,16 +1,21 @@
 //! `fp4spec bench decode`: the device decode path ([`fp4spec::model::device`]) on synthetic
-//! weights of a model's real shapes, per (batch, context): ms per step replayed from the captured
-//! graph and launched call by call, tokens/s, the roofline's bytes per step, the fraction of the
-//! copy bandwidth measured in the same run, and projections for GB10 and Strix Halo at the same
-//! fraction of their measured bandwidth (labelled as projections). n = 0 only: the device path
-//! does not draft with the MTP head yet. criterion's statistics are in `cargo bench --bench
-//! decode`; this command is the tool a user runs on their own box, with JSON for scripts.
+//! weights of a model's real shapes, per (batch, drafts n, context): ms per step replayed from
+//! the captured graphs and launched call by call, for n > 0 split into the verification (target
+//! forward over the n + 1 rows per sequence, MTP catch-up, acceptance) and the drafting (n
+//! lm_head rows, n - 1 chained MTP rows), tokens/s, the roofline's bytes per step, the fraction of
+//! the copy bandwidth measured in the same run, and projections for GB10 and Strix Halo at the
+//! same fraction of their measured bandwidth. Then per (batch, context) the verify-cost fit
+//! (fixed + per-row ms over the verification's rows per sequence) and the speed-up speculation
+//! would give at the acceptance rates the seeds measured: random weights accept nothing, so
+//! these are projections from measured step times, labelled so. criterion's statistics are in
+//! `cargo bench --bench decode`; this command is the tool a user runs on their own box, with
+//! JSON and SVG charts.
 
 use crate::Failure;
 use fp4spec::backend::{Backend, BackendKind};
 use fp4spec::model::config::ModelConfig;
-use fp4spec::model::device::{Decoder, DeviceModel, SyntheticWeights};
-use fp4spec::roofline::{self, Step};
+use fp4spec::model::device::{Decoder, DeviceModel, MAX_DRAFTS, SpecDecoder, SyntheticWeights};
+use fp4spec::roofline::{self, RowFit, Step};
 use std::path::PathBuf;
 
 /// What `fp4spec bench` measures.
@@ -35,6 +40,10 @@ pub struct DecodeArgs {
     /// Sequences decoded together, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,4,8,16,32,64")]
     batch: Vec<usize>,
+    /// MTP drafts per step, comma-separated (0 = plain decoding; the model needs an MTP head
+    /// for more).
+    #[arg(long, value_delimiter = ',', default_value = "0,1,2,3,4")]
+    drafts: Vec<usize>,
     /// Tokens already behind every sequence, comma-separated (the caches hold synthetic
     /// values; the bytes read are a real sequence's).
     #[arg(long, value_delimiter = ',', default_value = "0,20000")]
@@ -60,15 +69,27 @@ pub struct DecodeArgs {
     chart: Option<PathBuf>,
 }
 
+/// Acceptance rates the seeds measured (per draft, across their runs), at which the speed-up of
+/// speculation is projected.
+const SEED_ACCEPTANCE: [f64; 5] = [0.47, 0.60, 0.70, 0.76, 0.94];
+
 /// One measured case.
 #[derive(serde::Serialize)]
 struct Case {
     batch: usize,
+    /// MTP drafts per step (0: plain decoding).
+    drafts: usize,
     context: usize,
     /// Median ms per step, graph replays (launch by launch on backends without graphs).
     ms_per_step: f64,
+    /// Of which the verification (the whole step at n = 0), median.
+    verify_ms: f64,
+    /// Of which the drafting, median (0 at n = 0).
+    draft_ms: f64,
     /// Median ms per step launched call by call.
     eager_ms_per_step: f64,
+    /// Tokens per second at one token per sequence and step (n = 0: the real rate; n > 0: the
+    /// rate were no draft accepted; see `projected`).
     tokens_per_second: f64,
     /// The roofline's bytes per step.
     bytes_per_step: f64,
@@ -82,6 +103,20 @@ struct Case {
     projected_strix_halo_tokens_per_second: f64,
 }
 
+/// Per (batch, context): the verification's cost against its rows per sequence, and the
+/// projected speed-up of each n over n = 0 at the seeds' acceptance rates.
+#[derive(serde::Serialize)]
+struct Speculation {
+    batch: usize,
+    context: usize,
+    /// `verify_ms = fixed + per_row * (n + 1)` over the measured n.
+    fit: Option<RowFit>,
+    /// The verification at 3 rows per sequence (n = 2) over 1 row (n = 0), where both ran.
+    three_rows_over_one: Option<f64>,
+    /// `(n, [speed-up at each of SEED_ACCEPTANCE])`.
+    speedups: Vec<(usize, Vec<f64>)>,
+}
+
 #[derive(serde::Serialize)]
 struct Report<'a> {
     device: String,
@@ -89,6 +124,8 @@ struct Report<'a> {
     copy_bandwidth_gbs: f64,
     graph: bool,
     cases: Vec<Case>,
+    acceptance_rates: [f64; 5],
+    speculation: Vec<Speculation>,
 }
 
 /// Runs `fp4spec bench ...`.
@@ -114,6 +151,14 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
             "--batch needs positive sizes and --context at least one length".into(),
         ));
     }
+    if let Some(&n) = args.drafts.iter().find(|&&n| n > MAX_DRAFTS) {
+        return Err(Failure::Input(format!(
+            "--drafts {n}: at most {MAX_DRAFTS} drafts per step"
+        )));
+    }
+    if args.drafts.is_empty() {
+        return Err(Failure::Input("--drafts needs at least one count".into()));
+    }
     if args.steps == 0 || args.repeats == 0 {
         return Err(Failure::Input(
             "--steps and --repeats must be positive".into(),
@@ -135,13 +180,20 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
     let started = std::time::Instant::now();
     let model = DeviceModel::synthetic(&backend, &config, weights, args.seed)?;
     println!(
-        "synthetic {} weights built in {:.1} s; n = 0 (no MTP drafting on the device path yet)",
+        "synthetic {} weights built in {:.1} s",
         args.weights,
         started.elapsed().as_secs_f64()
     );
+    if args.drafts.iter().any(|&n| n > 0) && !model.has_mtp() {
+        return Err(Failure::Input(
+            "--drafts above 0 needs an MTP head; the config has mtp_num_hidden_layers = 0".into(),
+        ));
+    }
     let longest = args.context.iter().copied().max().unwrap_or(0);
-    // every timed run starts again at its context: room for the warm-up and one run
-    let capacity = longest + args.steps + 2;
+    let most_drafts = args.drafts.iter().copied().max().unwrap_or(0);
+    // every timed run starts again at its context: room for the warm-up and one run of steps
+    // of up to n + 1 tokens, and the chained drafts past the last
+    let capacity = longest + (args.steps + 1) * (most_drafts + 1) + 2 * most_drafts + 2;
     let preset = |name: &str| {
         roofline::DEVICES
             .iter()
@@ -152,68 +204,72 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
     let mut cases = Vec::new();
     let mut graph = false;
     for &batch in &args.batch {
-        let mut decoder = Decoder::new(&model, batch, capacity)?;
-        graph = decoder.replays_graph();
-        decoder.start_distinct()?;
-        for &context in &args.context {
-            let bytes = roofline::step_bytes(
-                &config,
-                precision,
-                Step {
-                    batch,
-                    rows: 1,
-                    context,
-                },
-            )
-            .total();
-            let time = |decoder: &mut Decoder<'_>, eager: bool| -> Result<f64, Failure> {
-                let mut runs = Vec::with_capacity(args.repeats);
-                for _ in 0..args.repeats {
-                    decoder.skip_to(context)?;
-                    decoder.step()?; // warm: the first replay after a restart
-                    let start = backend.record_event()?;
-                    for _ in 0..args.steps {
-                        if eager {
-                            decoder.step_without_graph()?;
-                        } else {
-                            decoder.step()?;
-                        }
-                    }
-                    let end = backend.record_event()?;
-                    backend.synchronize()?;
-                    runs.push(f64::from(start.elapsed_ms(&end)?) / args.steps as f64);
-                }
-                runs.sort_by(f64::total_cmp);
-                Ok(runs[runs.len() / 2])
+        for &drafts in &args.drafts {
+            let mut stepper = if drafts == 0 {
+                let mut decoder = Decoder::new(&model, batch, capacity)?;
+                decoder.start_distinct()?;
+                Stepper::Plain(decoder)
+            } else {
+                let mut decoder = SpecDecoder::new(&model, batch, capacity, drafts)?;
+                // one-token prompts spread over the vocabulary: the rows of a batch differ
+                let vocab = config.vocab_size as u64;
+                let firsts: Vec<[u32; 1]> = (0..batch as u64)
+                    .map(|b| [((b * 7919 + 13) % vocab) as u32])
+                    .collect();
+                let prompts: Vec<&[u32]> = firsts.iter().map(|f| f.as_slice()).collect();
+                decoder.prefill(&prompts)?;
+                Stepper::Speculative(decoder)
             };
-            let ms = time(&mut decoder, false)?;
-            let eager_ms = time(&mut decoder, true)?;
-            let fraction = bytes / (ms / 1e3) / copy;
-            let projected = |bandwidth: f64| batch as f64 * fraction * bandwidth / bytes;
-            cases.push(Case {
-                batch,
-                context,
-                ms_per_step: ms,
-                eager_ms_per_step: eager_ms,
-                tokens_per_second: batch as f64 / (ms / 1e3),
-                bytes_per_step: bytes,
-                fraction_of_copy: fraction,
-                distinct_experts: decoder.last_layer_distinct_experts()?,
-                expected_experts: roofline::expected_distinct_experts(
-                    config.num_experts,
-                    config.num_experts_per_tok,
+            graph = stepper.replays_graph();
+            for &context in &args.context {
+                let bytes = roofline::step_bytes(
+                    &config,
+                    precision,
+                    Step {
+                        batch,
+                        rows: drafts + 1,
+                        context,
+                    },
+                )
+                .total()
+                    + drafts as f64 * roofline::draft_bytes(&config, batch, context);
+                let timed = time_steps(&backend, &mut stepper, context, &args)?;
+                let fraction = bytes / (timed.step_ms / 1e3) / copy;
+                let projected = |bandwidth: f64| batch as f64 * fraction * bandwidth / bytes;
+                cases.push(Case {
                     batch,
-                ),
-                projected_gb10_tokens_per_second: projected(gb10),
-                projected_strix_halo_tokens_per_second: projected(strix),
-            });
+                    drafts,
+                    context,
+                    ms_per_step: timed.step_ms,
+                    verify_ms: timed.verify_ms,
+                    draft_ms: timed.draft_ms,
+                    eager_ms_per_step: timed.eager_ms,
+                    tokens_per_second: batch as f64 / (timed.step_ms / 1e3),
+                    bytes_per_step: bytes,
+                    fraction_of_copy: fraction,
+                    distinct_experts: match &stepper {
+                        Stepper::Plain(d) => d.last_layer_distinct_experts()?,
+                        Stepper::Speculative(_) => 0,
+                    },
+                    expected_experts: roofline::expected_distinct_experts(
+                        config.num_experts,
+                        config.num_experts_per_tok,
+                        batch * (drafts + 1),
+                    ),
+                    projected_gb10_tokens_per_second: projected(gb10),
+                    projected_strix_halo_tokens_per_second: projected(strix),
+                });
+            }
         }
     }
     println!(
-        "{:>3} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7} {:>8} {:>8} {:>10} {:>10}",
+        "{:>3} {:>2} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>8} {:>8} {:>10} {:>10}",
         "B",
+        "n",
         "context",
         "ms/step",
+        "verify ms",
+        "draft ms",
         "eager ms",
         "tok/s",
         "MB/step",
@@ -225,10 +281,13 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
     );
     for c in &cases {
         println!(
-            "{:>3} {:>7} {:>9.3} {:>9.3} {:>9.1} {:>9.1} {:>6.1}% {:>8} {:>8.1} {:>10.1} {:>10.1}",
+            "{:>3} {:>2} {:>7} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>9.1} {:>9.1} {:>6.1}% {:>8} {:>8.1} {:>10.1} {:>10.1}",
             c.batch,
+            c.drafts,
             c.context,
             c.ms_per_step,
+            c.verify_ms,
+            c.draft_ms,
             c.eager_ms_per_step,
             c.tokens_per_second,
             c.bytes_per_step / 1e6,
@@ -240,29 +299,83 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
         );
     }
     println!(
-        "(GB10 / Strix tok/s: projections at this run's fraction of copy bandwidth and the boxes' \
-         measured bandwidths, not measurements; {})",
+        "(tok/s: one token per sequence and step, what n > 0 gives with no draft accepted; \
+         experts: the last layer's distinct experts in the last step, n = 0 only. GB10 / Strix \
+         tok/s: projections at this run's fraction of copy bandwidth and the boxes' measured \
+         bandwidths, not measurements; {})",
         if graph {
-            "steps replayed from the captured CUDA graph"
+            "steps replayed from the captured CUDA graphs"
         } else {
             "this backend captures no graphs: steps launched call by call"
         }
     );
+    let speculation = speculation(&args, &cases);
+    if speculation.iter().any(|s| !s.speedups.is_empty()) {
+        println!(
+            "speculation (projected from the measured step times: tokens per step at i.i.d. \
+             acceptance a, (1 - a^(n + 1)) / (1 - a), over the n = 0 step; the synthetic \
+             weights' own drafts are never accepted):"
+        );
+        println!(
+            "{:>3} {:>7} {:>22} {:>10}   speed-up over n = 0 at acceptance {:?}",
+            "B", "context", "verify ms fit", "3 rows/1", SEED_ACCEPTANCE
+        );
+        for sp in &speculation {
+            let fit = sp.fit.map_or_else(
+                || "-".to_string(),
+                |f| format!("{:.3} + {:.3}/row", f.fixed_ms, f.per_row_ms),
+            );
+            let ratio = sp
+                .three_rows_over_one
+                .map_or_else(|| "-".to_string(), |r| format!("{r:.3}x"));
+            println!("{:>3} {:>7} {fit:>22} {ratio:>10}", sp.batch, sp.context);
+            for (n, speedups) in &sp.speedups {
+                let cells: Vec<String> = speedups.iter().map(|v| format!("{v:.2}x")).collect();
+                println!("{:>14} n = {n}: {}", "", cells.join("  "));
+            }
+        }
+    }
     if let Some(prefix) = &args.chart {
-        let title = format!("{} ({} weights, n = 0)", config_name(&args), args.weights);
-        for (suffix, y_label, value) in [
+        let context = args.context[0];
+        let title = format!(
+            "{} ({} weights, context {context})",
+            config_name(&args),
+            args.weights
+        );
+        let charts: [(&str, &str, &str, Value); 2] = [
             (
                 "tokens",
-                "tokens/s",
-                (|c: &Case| c.tokens_per_second) as fn(&Case) -> f64,
+                "sequences",
+                "tokens/s (n > 0: projected at acceptance 0.70)",
+                |c: &Case| {
+                    (
+                        c.batch as f64,
+                        c.tokens_per_second * roofline::tokens_per_forward(c.drafts, 0.70),
+                    )
+                },
             ),
-            ("step-ms", "ms per step", |c: &Case| c.ms_per_step),
-        ] {
+            (
+                "verify-ms",
+                "verify rows per step (sequences x (n + 1))",
+                "verification ms per step",
+                |c: &Case| ((c.batch * (c.drafts + 1)) as f64, c.verify_ms),
+            ),
+        ];
+        for (suffix, x_label, y_label, value) in charts {
             let mut path = prefix.clone().into_os_string();
             path.push(format!("-{suffix}.svg"));
             let path = PathBuf::from(path);
-            chart(&path, &title, y_label, &args.context, &cases, value)
-                .map_err(|e| Failure::Input(format!("{}: {e}", path.display())))?;
+            let points: Vec<&Case> = cases.iter().filter(|c| c.context == context).collect();
+            chart(
+                &path,
+                &title,
+                x_label,
+                y_label,
+                &args.drafts,
+                &points,
+                value,
+            )
+            .map_err(|e| Failure::Input(format!("{}: {e}", path.display())))?;
             println!("chart: {}", path.display());
         }
     }
@@ -273,6 +386,8 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
             copy_bandwidth_gbs: copy / 1e9,
             graph,
             cases,
+            acceptance_rates: SEED_ACCEPTANCE,
+            speculation,
         };
         let text = serde_json::to_string_pretty(&report)
             .map_err(|e| Failure::Input(format!("JSON of the report: {e}")))?;
@@ -290,21 +405,24 @@ fn config_name(args: &DecodeArgs) -> String {
     )
 }
 
-/// One SVG line chart: `value` of every case against its batch (rows per step at n = 0), one
-/// line per context.
+/// A chart's (x, y) of a case.
+type Value = fn(&Case) -> (f64, f64);
+
+/// One SVG line chart of `value` over `cases`, one line per number of drafts.
 fn chart(
     path: &std::path::Path,
     title: &str,
+    x_label: &str,
     y_label: &str,
-    contexts: &[usize],
-    cases: &[Case],
-    value: fn(&Case) -> f64,
+    drafts: &[usize],
+    cases: &[&Case],
+    value: Value,
 ) -> Result<(), Box<dyn std::error::Error>> {
     use plotters::prelude::*;
-    let x_max = cases.iter().map(|c| c.batch).max().unwrap_or(1) as f64;
+    let x_max = cases.iter().map(|c| value(c).0).fold(1.0, f64::max);
     let y_max = cases
         .iter()
-        .map(value)
+        .map(|c| value(c).1)
         .fold(0.0, f64::max)
         .max(f64::MIN_POSITIVE)
         * 1.1;
@@ -318,19 +436,19 @@ fn chart(
         .build_cartesian_2d(0f64..x_max * 1.05, 0f64..y_max)?;
     chart
         .configure_mesh()
-        .x_desc("sequences (rows per step)")
+        .x_desc(x_label)
         .y_desc(y_label)
         .draw()?;
-    for (i, &context) in contexts.iter().enumerate() {
+    for (i, &n) in drafts.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
         let points: Vec<(f64, f64)> = cases
             .iter()
-            .filter(|c| c.context == context)
-            .map(|c| (c.batch as f64, value(c)))
+            .filter(|c| c.drafts == n)
+            .map(|c| value(c))
             .collect();
         chart
             .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
-            .label(format!("context {context}"))
+            .label(format!("n = {n}"))
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
         chart.draw_series(
             points
@@ -345,4 +463,162 @@ fn chart(
         .draw()?;
     root.present()?;
     Ok(())
+}
+
+/// A decoder of either kind, stepped the same way by the timing loop.
+enum Stepper<'m> {
+    Plain(Decoder<'m>),
+    Speculative(SpecDecoder<'m>),
+}
+
+impl Stepper<'_> {
+    fn replays_graph(&self) -> bool {
+        match self {
+            Self::Plain(d) => d.replays_graph(),
+            Self::Speculative(d) => d.replays_graph(),
+        }
+    }
+
+    fn skip_to(&mut self, position: usize) -> Result<(), Failure> {
+        match self {
+            Self::Plain(d) => d.skip_to(position)?,
+            Self::Speculative(d) => d.skip_to(position)?,
+        }
+        Ok(())
+    }
+
+    fn step(&mut self, eager: bool) -> Result<(), Failure> {
+        match (self, eager) {
+            (Self::Plain(d), false) => d.step()?,
+            (Self::Plain(d), true) => d.step_without_graph()?,
+            (Self::Speculative(d), false) => d.step()?,
+            (Self::Speculative(d), true) => d.step_without_graph()?,
+        }
+        Ok(())
+    }
+}
+
+/// Medians over the timed runs of one case, ms.
+struct Timed {
+    step_ms: f64,
+    verify_ms: f64,
+    draft_ms: f64,
+    eager_ms: f64,
+}
+
+fn median(mut runs: Vec<f64>) -> f64 {
+    runs.sort_by(f64::total_cmp);
+    runs[runs.len() / 2]
+}
+
+/// Times `args.repeats` runs of `args.steps` steps from `context` (each after one warm step):
+/// graph replays with the verification and the drafting apart (events around each half of
+/// every speculative step), then launch by launch.
+fn time_steps(
+    backend: &Backend,
+    stepper: &mut Stepper<'_>,
+    context: usize,
+    args: &DecodeArgs,
+) -> Result<Timed, Failure> {
+    let steps = args.steps as f64;
+    let (mut step_runs, mut verify_runs, mut draft_runs, mut eager_runs) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..args.repeats {
+        stepper.skip_to(context)?;
+        stepper.step(false)?; // warm: the first replay after a restart
+        match stepper {
+            Stepper::Plain(decoder) => {
+                let start = backend.record_event()?;
+                for _ in 0..args.steps {
+                    decoder.step()?;
+                }
+                let end = backend.record_event()?;
+                backend.synchronize()?;
+                let ms = f64::from(start.elapsed_ms(&end)?) / steps;
+                step_runs.push(ms);
+                verify_runs.push(ms);
+                draft_runs.push(0.0);
+            }
+            Stepper::Speculative(decoder) => {
+                let mut events = Vec::with_capacity(args.steps);
+                for _ in 0..args.steps {
+                    events.push(decoder.step_with_events()?);
+                }
+                backend.synchronize()?;
+                let (mut verify, mut draft) = (0.0, 0.0);
+                for e in &events {
+                    verify += f64::from(e.start.elapsed_ms(&e.verified)?);
+                    draft += f64::from(e.verified.elapsed_ms(&e.drafted)?);
+                }
+                let (first, last) = (&events[0], &events[events.len() - 1]);
+                step_runs.push(f64::from(first.start.elapsed_ms(&last.drafted)?) / steps);
+                verify_runs.push(verify / steps);
+                draft_runs.push(draft / steps);
+            }
+        }
+        stepper.skip_to(context)?;
+        stepper.step(true)?;
+        let start = backend.record_event()?;
+        for _ in 0..args.steps {
+            stepper.step(true)?;
+        }
+        let end = backend.record_event()?;
+        backend.synchronize()?;
+        eager_runs.push(f64::from(start.elapsed_ms(&end)?) / steps);
+    }
+    Ok(Timed {
+        step_ms: median(step_runs),
+        verify_ms: median(verify_runs),
+        draft_ms: median(draft_runs),
+        eager_ms: median(eager_runs),
+    })
+}
+
+/// The verify-cost fit and the projected speed-ups of every (batch, context) measured.
+fn speculation(args: &DecodeArgs, cases: &[Case]) -> Vec<Speculation> {
+    let mut out = Vec::new();
+    for &batch in &args.batch {
+        for &context in &args.context {
+            let of = |n: usize| {
+                cases
+                    .iter()
+                    .find(|c| c.batch == batch && c.context == context && c.drafts == n)
+            };
+            let points: Vec<(f64, f64)> = args
+                .drafts
+                .iter()
+                .filter_map(|&n| of(n).map(|c| ((n + 1) as f64, c.verify_ms)))
+                .collect();
+            let base = of(0);
+            let speedups = match base {
+                Some(base) => args
+                    .drafts
+                    .iter()
+                    .filter(|&&n| n > 0)
+                    .filter_map(|&n| of(n))
+                    .map(|c| {
+                        let rates = SEED_ACCEPTANCE
+                            .iter()
+                            .map(|&a| {
+                                roofline::tokens_per_forward(c.drafts, a) * base.ms_per_step
+                                    / c.ms_per_step
+                            })
+                            .collect();
+                        (c.drafts, rates)
+                    })
+                    .collect(),
+                None => Vec::new(),
+            };
+            out.push(Speculation {
+                batch,
+                context,
+                fit: RowFit::fit(&points).ok(),
+                three_rows_over_one: of(2)
+                    .zip(base)
+                    .map(|(three, one)| three.verify_ms / one.verify_ms),
+                speedups,
+            });
+        }
+    }
+    out
 }

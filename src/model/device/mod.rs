@@ -22,12 +22,12 @@
 //!
 //! [`Decoder::prefill`] runs every prompt but its last token in one forward over all prompt rows
 //! (the chunked Gated DeltaNet prefill, attention over each row's causal prefix); the last
-//! tokens then go through the captured step. Not yet on this path: MTP drafting and
-//! verification, sampling.
+//! tokens then go through the captured step. [`SpecDecoder`] decodes greedily with the MTP head
+//! drafting `n` tokens per step (see its module). Not yet on this path: sampling.
 
 mod speculative;
 
-pub use speculative::{MAX_DRAFTS, SpecDecoder};
+pub use speculative::{MAX_DRAFTS, SpecDecoder, StepEvents};
 
 use crate::backend::{Backend, DeviceVec, Graph};
 use crate::error::{Error, Result};
@@ -994,9 +994,17 @@ fn prefill_rows(
 
 /// A MoE workspace for a prefill of `rows` rows through `moe`'s blocks: every row in one
 /// launch where the kernels' slot counts allow.
-fn prefill_moe_workspace(model: &DeviceModel, moe: &MoeWeights, rows: usize) -> Result<MoeWorkspace> {
+fn prefill_moe_workspace(
+    model: &DeviceModel,
+    moe: &MoeWeights,
+    rows: usize,
+) -> Result<MoeWorkspace> {
     let top_k = model.config.num_experts_per_tok.max(1);
-    MoeWorkspace::new(&model.backend, moe, rows.min(MAX_SLOTS_PER_LAUNCH / top_k).max(1))
+    MoeWorkspace::new(
+        &model.backend,
+        moe,
+        rows.min(MAX_SLOTS_PER_LAUNCH / top_k).max(1),
+    )
 }
 
 /// A batch of sequences decoding on a [`DeviceModel`]: their caches, the step's buffers, and on

@@ -31,7 +31,7 @@ use super::{
     attention_shape, check_prompts, gdn_shape, prefill_moe_workspace, prefill_rows, run_layer,
     run_layers,
 };
-use crate::backend::{DeviceVec, Graph};
+use crate::backend::{DeviceEvent, DeviceVec, Graph};
 use crate::error::{Error, Result};
 use crate::kernels::attention::{KvCache, RopeTable};
 use crate::kernels::gdn::{self, GdnCache, Sequences, StepMode};
@@ -192,7 +192,20 @@ pub struct SpecDecoder<'m> {
     history: DeviceVec<u32>,
     /// `[B][n + 1]`: verify steps, then accepted drafts per depth.
     stats: DeviceVec<u32>,
-    graph: Option<Graph>,
+    /// On CUDA the step's two halves, captured: the verification (target forward, MTP
+    /// catch-up, acceptance, commit) and the drafting, launched back to back (the bench times
+    /// each).
+    graphs: Option<[Graph; 2]>,
+}
+
+/// Events around the two halves of one step ([`SpecDecoder::step_with_events`]).
+pub struct StepEvents {
+    /// Before the verification.
+    pub start: DeviceEvent,
+    /// After the verification, before the drafting.
+    pub verified: DeviceEvent,
+    /// After the drafting.
+    pub drafted: DeviceEvent,
 }
 
 impl<'m> SpecDecoder<'m> {
@@ -234,13 +247,9 @@ impl<'m> SpecDecoder<'m> {
         let mut kv_caches = Vec::new();
         for layer in &model.layers {
             match &layer.mixer {
-                super::DeviceMixer::Gdn { params, .. } => gdn_caches.push(GdnCache::new(
-                    backend,
-                    gdn,
-                    params.kernel(),
-                    batch,
-                    width,
-                )?),
+                super::DeviceMixer::Gdn { params, .. } => {
+                    gdn_caches.push(GdnCache::new(backend, gdn, params.kernel(), batch, width)?)
+                }
                 super::DeviceMixer::Attention { .. } => {
                     kv_caches.push(KvCache::new(backend, att, batch, capacity)?)
                 }
@@ -288,16 +297,21 @@ impl<'m> SpecDecoder<'m> {
             accepted: backend.zeros(batch)?,
             history: backend.zeros(batch * capacity)?,
             stats: backend.zeros(rows)?,
-            graph: None,
+            graphs: None,
         };
-        decoder.queue_step()?;
+        decoder.queue_verify()?;
+        decoder.queue_drafts()?;
         decoder.restart(&vec![0; batch])?;
         if matches!(backend, crate::backend::Backend::Cuda(_)) {
-            let graph = {
+            let verify = {
                 let this = &mut decoder;
-                backend.capture(|| this.queue_step())?
+                backend.capture(|| this.queue_verify())?
             };
-            decoder.graph = Some(graph);
+            let drafts = {
+                let this = &mut decoder;
+                backend.capture(|| this.queue_drafts())?
+            };
+            decoder.graphs = Some([verify, drafts]);
         }
         Ok(decoder)
     }
@@ -312,9 +326,9 @@ impl<'m> SpecDecoder<'m> {
         self.drafts
     }
 
-    /// Whether steps replay a captured graph (CUDA) or are launched one call at a time.
+    /// Whether steps replay captured graphs (CUDA) or are launched one call at a time.
     pub fn replays_graph(&self) -> bool {
-        self.graph.is_some()
+        self.graphs.is_some()
     }
 
     /// Every sequence's pending token at `pending[b]` (nothing generated yet), drafts zero,
@@ -363,7 +377,11 @@ impl<'m> SpecDecoder<'m> {
         let model = self.model;
         let (backend, config) = (&model.backend, &model.config);
         let vocab = config.vocab_size;
-        if let Some(bad) = prompts.iter().flat_map(|p| p.iter()).find(|&&t| t as usize >= vocab) {
+        if let Some(bad) = prompts
+            .iter()
+            .flat_map(|p| p.iter())
+            .find(|&&t| t as usize >= vocab)
+        {
             return Err(Error::invalid(
                 "token id",
                 format!("{bad} is outside the vocabulary of {vocab}"),
@@ -441,30 +459,59 @@ impl<'m> SpecDecoder<'m> {
         self.queue_drafts()
     }
 
-    /// Queues one step (graph replay on CUDA): verify, accept, draft. Every sequence emits 1 to
-    /// n + 1 tokens.
+    /// Queues one step (graph replays on CUDA): verify, accept, draft. Every sequence emits 1
+    /// to n + 1 tokens.
     ///
     /// # Errors
     /// [`Error::Invalid`] when a sequence may lack room for the step; errors of the launches.
     pub fn step(&mut self) -> Result<()> {
         self.check_room()?;
-        match &self.graph {
-            Some(graph) => graph.launch()?,
-            None => self.queue_step()?,
-        }
+        self.queue_half(0)?;
+        self.queue_half(1)?;
         self.furthest += self.drafts + 1;
         Ok(())
     }
 
-    /// [`SpecDecoder::step`] launch by launch, without the graph.
+    /// [`SpecDecoder::step`] with events recorded before, between and after its two halves
+    /// (verification, drafting), for timing each.
+    ///
+    /// # Errors
+    /// As [`SpecDecoder::step`]; [`Error::Cuda`] / [`Error::Hip`] when an event fails.
+    pub fn step_with_events(&mut self) -> Result<StepEvents> {
+        self.check_room()?;
+        let backend = &self.model.backend;
+        let start = backend.record_event()?;
+        self.queue_half(0)?;
+        let verified = backend.record_event()?;
+        self.queue_half(1)?;
+        let drafted = backend.record_event()?;
+        self.furthest += self.drafts + 1;
+        Ok(StepEvents {
+            start,
+            verified,
+            drafted,
+        })
+    }
+
+    /// [`SpecDecoder::step`] launch by launch, without the graphs.
     ///
     /// # Errors
     /// As [`SpecDecoder::step`].
     pub fn step_without_graph(&mut self) -> Result<()> {
         self.check_room()?;
-        self.queue_step()?;
+        self.queue_verify()?;
+        self.queue_drafts()?;
         self.furthest += self.drafts + 1;
         Ok(())
+    }
+
+    /// Half 0 (verification) or 1 (drafting) of a step: its graph, or its launches.
+    fn queue_half(&mut self, half: usize) -> Result<()> {
+        match (&self.graphs, half) {
+            (Some(graphs), _) => graphs[half].launch(),
+            (None, 0) => self.queue_verify(),
+            (None, _) => self.queue_drafts(),
+        }
     }
 
     /// Each sequence's pending position (waits for the device); tightens the host's bound.
@@ -473,7 +520,10 @@ impl<'m> SpecDecoder<'m> {
     /// [`Error::Cuda`] / [`Error::Hip`] when the copy fails.
     pub fn positions(&mut self) -> Result<Vec<usize>> {
         // each sequence's first verify row sits at its pending position
-        let rows = self.model.backend.download(&self.verify.attention_rows.position)?;
+        let rows = self
+            .model
+            .backend
+            .download(&self.verify.attention_rows.position)?;
         let positions: Vec<usize> = rows
             .iter()
             .step_by(self.drafts + 1)
@@ -571,7 +621,9 @@ impl<'m> SpecDecoder<'m> {
         Ok(())
     }
 
-    fn queue_step(&mut self) -> Result<()> {
+    /// The verification: the target forward over the verify rows, the MTP catch-up over them,
+    /// the acceptance and the Gated DeltaNet commit.
+    fn queue_verify(&mut self) -> Result<()> {
         let model = self.model;
         let (backend, config) = (&model.backend, &model.config);
         let (h, eps) = (config.hidden_size, config.rms_norm_eps as f32);
@@ -654,8 +706,7 @@ impl<'m> SpecDecoder<'m> {
             backend,
             gdn::Accepted::PerSequence(&self.accepted),
             StepMode::Verify,
-        )?;
-        self.queue_drafts()
+        )
     }
 
     /// The n drafts of every sequence from its chain hidden: the first from the target lm_head
