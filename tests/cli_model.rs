@@ -212,9 +212,10 @@ fn bad_checkpoints_and_inputs_exit_2_naming_the_problem() {
 }
 
 /// `fp4spec bench decode` on the CPU backend with the demo model's shapes: every (batch, context)
-/// case measured, the JSON written with positive times and the roofline's bytes, the routing's
-/// distinct experts within 1..=min(E, B k), both charts drawn with a line per context; bad
-/// arguments exit 2 naming the argument.
+/// case measured (with and without drafts), the JSON written with positive times, the halves of
+/// a speculative step timed apart, the roofline's bytes, the routing's distinct experts within
+/// 1..=min(E, B k), the verify-cost fit and the projected speed-ups, both charts drawn with a line
+/// per n; bad arguments exit 2 naming the argument.
 #[test]
 fn bench_decode_measures_every_case_and_writes_json() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -231,6 +232,8 @@ fn bench_decode_measures_every_case_and_writes_json() {
         "bf16",
         "--batch",
         "1,3",
+        "--drafts",
+        "0,2",
         "--context",
         "0,40",
         "--steps",
@@ -246,10 +249,11 @@ fn bench_decode_measures_every_case_and_writes_json() {
     ]);
     assert_eq!(code, 0, "{stdout}\n{stderr}");
     assert!(stdout.contains("projections"), "{stdout}");
-    for chart in ["decode-tokens.svg", "decode-step-ms.svg"] {
+    assert!(stdout.contains("speed-up over n = 0"), "{stdout}");
+    for chart in ["decode-tokens.svg", "decode-verify-ms.svg"] {
         let svg = std::fs::read_to_string(dir.path().join(chart)).expect("chart written");
         assert!(
-            svg.starts_with("<svg") && svg.contains("context 0") && svg.contains("context 40"),
+            svg.starts_with("<svg") && svg.contains("n = 0") && svg.contains("n = 2"),
             "{chart}"
         );
     }
@@ -257,21 +261,49 @@ fn bench_decode_measures_every_case_and_writes_json() {
         serde_json::from_str(&std::fs::read_to_string(&json).expect("JSON written"))
             .expect("JSON parses");
     let cases = report["cases"].as_array().expect("cases");
-    assert_eq!(cases.len(), 4);
-    for (case, (batch, context)) in cases.iter().zip([(1, 0), (1, 40), (3, 0), (3, 40)]) {
+    assert_eq!(cases.len(), 8);
+    let order = [1, 3].into_iter().flat_map(|b| {
+        [0, 2]
+            .into_iter()
+            .flat_map(move |n| [(b, n, 0), (b, n, 40)])
+    });
+    for (case, (batch, drafts, context)) in cases.iter().zip(order) {
         assert_eq!(case["batch"], batch);
+        assert_eq!(case["drafts"], drafts);
         assert_eq!(case["context"], context);
+        let ms = |field: &str| case[field].as_f64().unwrap_or(f64::NAN);
+        assert!(ms("ms_per_step") > 0.0 && ms("verify_ms") > 0.0, "{case}");
+        // the halves are timed apart, each within the whole step
         assert!(
-            case["ms_per_step"].as_f64().is_some_and(|v| v > 0.0),
+            ms("verify_ms") + ms("draft_ms") <= 1.5 * ms("ms_per_step"),
             "{case}"
         );
+        assert_eq!(drafts == 0, ms("draft_ms") == 0.0, "{case}");
         assert!(
             case["bytes_per_step"].as_f64().is_some_and(|v| v > 0.0),
             "{case}"
         );
-        let experts = case["distinct_experts"].as_u64().expect("experts");
-        assert!((1..=(batch * 2).min(8)).contains(&experts), "{case}");
+        if drafts == 0 {
+            let experts = case["distinct_experts"].as_u64().expect("experts");
+            assert!((1..=(batch * 2).min(8)).contains(&experts), "{case}");
+        }
     }
+    for speculation in report["speculation"].as_array().expect("speculation") {
+        assert!(
+            speculation["fit"]["per_row_ms"].is_number(),
+            "{speculation}"
+        );
+        let speedups = &speculation["speedups"][0];
+        assert_eq!(speedups[0], 2, "{speculation}");
+        assert_eq!(
+            speedups[1].as_array().map(Vec::len),
+            Some(5),
+            "{speculation}"
+        );
+    }
+    let (code, _, stderr) = fp4spec(&["bench", "decode", "--backend", "cpu", "--drafts", "9"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("--drafts 9"), "{stderr}");
     let (code, _, stderr) = fp4spec(&["bench", "decode", "--backend", "cpu", "--weights", "fp8"]);
     assert_eq!(code, 2);
     assert!(stderr.contains("--weights `fp8`"), "{stderr}");

@@ -86,6 +86,8 @@ struct alignas(16) u32x4 { u32 x, y, z, w; };
 FP4_DEVICE u32x2 load_u32x2(const void* p) { u32x2 v; std::memcpy(&v, p, 8); return v; }
 FP4_DEVICE u32x4 load_u32x4(const void* p) { u32x4 v; std::memcpy(&v, p, 16); return v; }
 FP4_DEVICE void store_u32x4(void* p, u32x4 v) { std::memcpy(p, &v, 16); }
+// a hint to the L2: nothing to do on the host
+FP4_DEVICE void prefetch_l2(const void*, u32) {}
 
 //@@ vendor
 FP4_DEVICE void block_barrier() { emu::block->arrive_and_wait(); }

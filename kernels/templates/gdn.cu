@@ -827,7 +827,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
     const u32 h = block_x() / splits, split = block_x() % splits, j0 = split * DVS;
     const u32 seq = block_y();
     const u32 ratio = hv / hk, kh = h / ratio;
-    auto owns = [&](u32 mb) { return 16 * (warp + 4 * mb) < DK; };  // blocks past mb are not owned either
+    // (constant true from dk 64 up; blocks past an unowned one are not owned either)
+    auto owns = [&](u32 mb) { return DK >= 64 || 16 * (warp + 4 * mb) < DK; };
     const u32 slot = slots[seq];
     if (slot >= n_slots) return;
     const u32 conv_dim = 2 * hk * DK + hv * dv;

@@ -90,6 +90,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_ge
 // significant bits, normal range); the epilogue multiplies by global_scale * 2^7.
 // ============================================================================================
 #define MMA_WARPS {{ target.gemm.mma_warps_per_block }}
+#define L2_PREFETCH_GROUPS {{ target.gemm.mma_l2_prefetch_groups }}
 
 {% include "common/mma.cuh" %}
 
@@ -210,12 +211,23 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
     for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
 
     const u64 tile_base = (u64)tile * k_groups * 32 + lane;
+    // Before the wait for the previous kernel (weights are constants): the first STAGES groups
+    // of every warp into registers, and the first L2_PREFETCH_GROUPS groups of the tile's split
+    // asked of the L2 by the tile's first lane, so the stream is under way while the kernels
+    // this one depends on finish. Then wait, and only then let the next kernel start: its
+    // blocks may read, before their own wait, what the kernels before this one wrote.
     typename Weights::Group ring[STAGES];
     #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
         const u32 group = first + s * warps_per_tile;
         if (group < split_end) ring[s] = weights.load(tile_base + (u64)group * 32);
     }
+    if (L2_PREFETCH_GROUPS > 0 && part == 0 && lane == 0 && split_end > split_begin) {
+        const u32 groups = min(split_end - split_begin, (u32)L2_PREFETCH_GROUPS);
+        weights.prefetch((u64)tile * k_groups * 32 + (u64)split_begin * 32, groups * 32);
+    }
+    wait_for_previous_grid();
+    allow_next_grid();
 
     // Where the weights say so (bf16) and M <= 16, the X fragments run one group ahead of their
     // use (two buffers; STAGES is even so each unrolled stage's buffer is a compile-time index).
@@ -279,7 +291,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_mma
     const u16* __restrict__ x, const u32x4* __restrict__ words, const u16* __restrict__ scales,
     float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
     u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
-    chain_after_previous_grid();
+    // gemm_mma waits for the previous grid after its weight prologue
     gemm_mma<Nvfp4Weights, {{ rows }} / 8, {{ target.gemm.mma_stages_nvfp4 }}>(x, Nvfp4Weights{words, scales}, alpha, y, residual, partials, counters,
         m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile, epilogue);
 }
@@ -288,7 +300,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_bf16_bf16_mma_
     const u16* __restrict__ x, const u32x4* __restrict__ words,
     float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
     u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
-    chain_after_previous_grid();
+    // gemm_mma waits for the previous grid after its weight prologue
     gemm_mma<Bf16Weights, {{ rows }} / 8, {{ target.gemm.mma_stages_bf16 }}>(x, Bf16Weights{words}, alpha, y, residual, partials, counters,
         m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile, epilogue);
 }

@@ -18,7 +18,6 @@
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) rms_norm_residual(
     float* __restrict__ residual, const u16* __restrict__ delta, const float* __restrict__ weight,
     float eps, u16* __restrict__ out, u32 dim) {
-    allow_next_grid();
     __shared__ float warp_sums[NORM_WARPS];
     const u64 row = block_x();
     float* r = residual + row * dim;
@@ -32,6 +31,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) rms_norm_residual(
         }
     }
     wait_for_previous_grid();
+    allow_next_grid();
     float sum = 0.0f;
     if (held) {
         #pragma unroll

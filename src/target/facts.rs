@@ -116,6 +116,9 @@ pub struct GemmTiles {
     pub mma_stages_nvfp4: u32,
     /// `gemm_bf16_*_mma_*`: 64-wide K groups of weights in flight per warp.
     pub mma_stages_bf16: u32,
+    /// `gemm_*_mma_*`: K groups of each tile's split its block asks the L2 to fetch before it
+    /// waits for the previous kernel (0: none; targets without bulk prefetch ignore it).
+    pub mma_l2_prefetch_groups: u32,
     /// `gemm_*_mma_*`: split K across blocks until this many warps per multiprocessor have work.
     pub mma_min_warps_per_sm: u32,
     /// `gemm_*_mma_*`: the fewest K groups one split may get.

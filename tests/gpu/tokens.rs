@@ -136,8 +136,20 @@ fn argmax_picks_the_lowest_index_of_the_largest_logit() {
     }
 }
 
-/// Runs [`tokens::accept_greedy`] on `backend` from the given inputs; every buffer it writes,
-/// downloaded, in the order of [`AcceptBuffers`].
+/// Every buffer [`tokens::accept_greedy`] writes, downloaded, in the order of [`AcceptBuffers`]:
+/// verify tokens, chain hidden, accepted counts, row positions, chain positions, history,
+/// statistics.
+type Accepted = (
+    Vec<u32>,
+    Vec<bf16>,
+    Vec<u32>,
+    Vec<u32>,
+    Vec<u32>,
+    Vec<u32>,
+    Vec<u32>,
+);
+
+/// Runs [`tokens::accept_greedy`] on `backend` from the given inputs.
 #[allow(clippy::too_many_arguments)]
 fn accept_on(
     backend: &Backend,
@@ -149,15 +161,7 @@ fn accept_on(
     target: &[u32],
     mtp: &[bf16],
     positions: &[u32],
-) -> (
-    Vec<u32>,
-    Vec<bf16>,
-    Vec<u32>,
-    Vec<u32>,
-    Vec<u32>,
-    Vec<u32>,
-    Vec<u32>,
-) {
+) -> Accepted {
     let up = |v: &[u32]| backend.upload(v).expect("upload");
     let mut verify_d = up(verify);
     let target_d = up(target);

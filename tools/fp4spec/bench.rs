@@ -208,7 +208,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
             let mut stepper = if drafts == 0 {
                 let mut decoder = Decoder::new(&model, batch, capacity)?;
                 decoder.start_distinct()?;
-                Stepper::Plain(decoder)
+                Stepper::Plain(Box::new(decoder))
             } else {
                 let mut decoder = SpecDecoder::new(&model, batch, capacity, drafts)?;
                 // one-token prompts spread over the vocabulary: the rows of a batch differ
@@ -218,7 +218,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
                     .collect();
                 let prompts: Vec<&[u32]> = firsts.iter().map(|f| f.as_slice()).collect();
                 decoder.prefill(&prompts)?;
-                Stepper::Speculative(decoder)
+                Stepper::Speculative(Box::new(decoder))
             };
             graph = stepper.replays_graph();
             for &context in &args.context {
@@ -467,8 +467,8 @@ fn chart(
 
 /// A decoder of either kind, stepped the same way by the timing loop.
 enum Stepper<'m> {
-    Plain(Decoder<'m>),
-    Speculative(SpecDecoder<'m>),
+    Plain(Box<Decoder<'m>>),
+    Speculative(Box<SpecDecoder<'m>>),
 }
 
 impl Stepper<'_> {

@@ -48,6 +48,11 @@ struct Nvfp4Weights {
     const u16* scales;    // [n_tiles][k_groups][32]
     typedef Nvfp4Group Group;
     FP4_DEVICE Group load(u64 index) const { return {load_stream_u32x4(words + index), load_stream_u16(scales + index)}; }
+    /// L2 prefetch of the `count` lane entries from `index` (whole groups: count % 32 == 0).
+    FP4_DEVICE void prefetch(u64 index, u32 count) const {
+        prefetch_l2(words + index, count * 16u);
+        prefetch_l2(scales + index, count * 2u);
+    }
     /// The four A registers of MMA j of a group.
     FP4_DEVICE void fragment(const Group& group, int j, u32 (&a)[4]) const {
         const u32 word = j == 0 ? group.w.x : j == 1 ? group.w.y : j == 2 ? group.w.z : group.w.w;
@@ -64,6 +69,8 @@ struct Bf16Weights {
     static constexpr bool PREFETCH_X = true;
     const u32x4* words;   // [n_tiles][k_groups][32][4]
     typedef Bf16Group Group;
+    /// L2 prefetch of the `count` lane entries from `index` (whole groups: count % 32 == 0).
+    FP4_DEVICE void prefetch(u64 index, u32 count) const { prefetch_l2(words + index * 4, count * 64u); }
     FP4_DEVICE Group load(u64 index) const {
         Group group;
         #pragma unroll

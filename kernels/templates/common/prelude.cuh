@@ -12,14 +12,17 @@ typedef int i32;
 #define FP4_KERNEL extern "C" __global__
 
 // Every kernel starts with chain_after_previous_grid(). Where the target has programmatic
-// dependent launch (the host launches with programmatic stream serialization), it lets the next
-// kernel of the stream put its blocks on the SMs now, so that its launch and ramp overlap this
-// kernel's work (they wait at their own call below), and then waits until the previous kernel has
-// finished and its writes are visible. Every kernel waiting before it reads or writes anything
-// another kernel writes keeps the stream's order: a kernel cannot finish before its predecessor
-// has. A kernel may split the call to load what no kernel writes (weights) in between:
-// allow_next_grid(); <loads of constant data>; wait_for_previous_grid(). Elsewhere nothing.
-// (A host emulation of the kernels, tests/verify_support/cuda_emu.h, defines them first.)
+// dependent launch (the host launches with programmatic stream serialization), it waits until
+// the previous kernel has finished and its writes are visible, then lets the next kernel of the
+// stream put its blocks on the SMs, so that its launch and ramp overlap this kernel's work (they
+// wait at their own call). Waiting before allowing is the rule every kernel keeps: when a kernel
+// starts, the one before it has passed its wait, so every kernel before THAT one has finished. A
+// kernel may therefore split the call and read, before its wait, what no kernel writes (weights)
+// or what only kernels two or more launches back wrote (a layer's recurrent state, written by
+// the previous step), with loads that bypass L1:
+//   <such loads>; wait_for_previous_grid(); allow_next_grid();
+// Elsewhere these are nothing. (Host emulations of the kernels, tests/gdn_emulator.cpp and
+// tests/verify_support/cuda_emu.h, define them first.)
 #ifndef allow_next_grid
 {% if target.instructions.grid_dependency_control %}
 #define allow_next_grid() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
@@ -30,8 +33,8 @@ typedef int i32;
 {% endif %}
 #define chain_after_previous_grid() \
     do {                            \
-        allow_next_grid();          \
         wait_for_previous_grid();   \
+        allow_next_grid();          \
     } while (0)
 #endif
 {% if target.vendor == "nvidia" %}
@@ -83,6 +86,13 @@ struct u32x4 { u32 x, y, z, w; };
 FP4_DEVICE u32x2 load_u32x2(const void* p) { uint2 v = *reinterpret_cast<const uint2*>(p); return {v.x, v.y}; }
 FP4_DEVICE u32x4 load_u32x4(const void* p) { uint4 v = *reinterpret_cast<const uint4*>(p); return {v.x, v.y, v.z, v.w}; }
 FP4_DEVICE void store_u32x4(void* p, u32x4 v) { *reinterpret_cast<uint4*>(p) = make_uint4(v.x, v.y, v.z, v.w); }
+/// Asks the L2 to fetch `bytes` (a multiple of 16, not 0) at `p` (16-byte aligned) and returns at
+/// once: a block names what it will read before it waits for the previous kernel.
+FP4_DEVICE void prefetch_l2(const void* p, u32 bytes) {
+{% if target.instructions.bulk_copy_mbarrier %}
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(p), "r"(bytes) : "memory");
+{% endif %}
+}
 {% else %}
 // HIP without the ROCm headers: the attributes and builtins clang provides for amdgcn.
 #define __global__ __attribute__((global))
@@ -157,5 +167,7 @@ struct __attribute__((aligned(16))) u32x4 { u32 x, y, z, w; };
 FP4_DEVICE u32x2 load_u32x2(const void* p) { return *reinterpret_cast<const u32x2*>(p); }
 FP4_DEVICE u32x4 load_u32x4(const void* p) { return *reinterpret_cast<const u32x4*>(p); }
 FP4_DEVICE void store_u32x4(void* p, u32x4 v) { *reinterpret_cast<u32x4*>(p) = v; }
+/// An L2 prefetch hint (nothing on this target: no programmatic dependent launch to overlap).
+FP4_DEVICE void prefetch_l2(const void*, u32) {}
 {% endif %}
 // ---- end of portability layer ----

@@ -153,14 +153,16 @@ pub fn embed(
                 check_u32("embedding rows", rows)?,
                 target.tokens.threads_per_block,
             );
-            let args = [
+            let args = embed_arguments(
                 KernelArg::input_range(tokens, span)?,
-                KernelArg::u32(check_u32("embedding token stride", column.stride)?),
-                KernelArg::input(table),
-                KernelArg::u32(check_u32("vocabulary", vocab)?),
-                KernelArg::u32(check_u32("hidden size", hidden)?),
-                KernelArg::output(residual),
-            ];
+                table,
+                residual,
+                [
+                    check_u32("embedding token stride", column.stride)?,
+                    check_u32("vocabulary", vocab)?,
+                    check_u32("hidden size", hidden)?,
+                ],
+            );
             // SAFETY: tokens.cu's tokens_embed parameters in order; one block per token, its
             // token at `row * stride` inside the range passed (checked above), rows of `hidden`
             // values in the residual (checked above), table rows read only for tokens below
@@ -267,17 +269,17 @@ pub fn argmax(
                 block: (target.tokens.threads_per_block, 1, 1),
                 shared_bytes: 0,
             };
-            let args = [
-                KernelArg::input(logits),
-                KernelArg::u32(check_u32("vocabulary", vocab)?),
-                KernelArg::u32(target.tokens.argmax_chunk),
-                KernelArg::output(&mut workspace.partial_values),
-                KernelArg::output(&mut workspace.partial_indices),
-                KernelArg::output(&mut workspace.counters),
+            let args = argmax_arguments(
+                logits,
+                workspace,
                 KernelArg::output_range(tokens, span)?,
-                KernelArg::u32(check_u32("argmax token stride", column.stride)?),
                 KernelArg::optional_output(positions),
-            ];
+                [
+                    check_u32("vocabulary", vocab)?,
+                    target.tokens.argmax_chunk,
+                    check_u32("argmax token stride", column.stride)?,
+                ],
+            );
             // SAFETY: tokens.cu's tokens_argmax parameters in order; `splits` blocks of
             // `argmax_chunk` logits cover each row's `vocab` (the workspace's split count), the
             // partials and counters hold `rows` (checked above) rows of `splits`, row `row`'s
@@ -431,24 +433,142 @@ pub fn accept_greedy(
                 check_u32("acceptance sequences", sequences)?,
                 target.tokens.threads_per_block,
             );
-            let args = [
-                KernelArg::output(b.verify_tokens),
-                KernelArg::input(b.target),
-                KernelArg::input(b.mtp_hidden),
-                KernelArg::output(b.chain_hidden),
-                KernelArg::output(b.accepted),
-                KernelArg::output(b.row_positions),
-                KernelArg::output(b.chain_positions),
-                KernelArg::output(b.history),
-                KernelArg::output(b.stats),
-                KernelArg::u32(check_u32("drafts", drafts)?),
-                KernelArg::u32(check_u32("hidden size", hidden)?),
-                KernelArg::u32(check_u32("history capacity", capacity)?),
-            ];
+            let args = accept_arguments(
+                b,
+                [
+                    check_u32("drafts", drafts)?,
+                    check_u32("hidden size", hidden)?,
+                    check_u32("history capacity", capacity)?,
+                ],
+            );
             // SAFETY: tokens.cu's tokens_accept_greedy parameters in order; one block per
             // sequence, every buffer holds the rows the kernel indexes for `sequences` sequences
             // of `drafts + 1` rows (checked above), history writes stay below `capacity`.
             unsafe { backend.launch(FAMILY, KERNEL_ACCEPT_GREEDY, &dims, &args) }
         }
+    }
+}
+
+/// `tokens_embed`'s arguments: the tokens (from the column's first), the table, the residual,
+/// `[token stride, vocabulary, hidden]`.
+fn embed_arguments<'a>(
+    tokens: KernelArg<'a>,
+    table: &'a DeviceVec<bf16>,
+    residual: &'a mut DeviceVec<f32>,
+    [stride, vocab, hidden]: [u32; 3],
+) -> [KernelArg<'a>; 6] {
+    [
+        tokens,
+        KernelArg::u32(stride),
+        KernelArg::input(table),
+        KernelArg::u32(vocab),
+        KernelArg::u32(hidden),
+        KernelArg::output(residual),
+    ]
+}
+
+/// `tokens_argmax`'s arguments: the logits, the workspace's partials and counters, the tokens
+/// (from the column's first), the optional positions, `[vocabulary, chunk, token stride]`.
+fn argmax_arguments<'a>(
+    logits: &'a DeviceVec<bf16>,
+    workspace: &'a mut ArgmaxWorkspace,
+    tokens: KernelArg<'a>,
+    positions: KernelArg<'a>,
+    [vocab, chunk, stride]: [u32; 3],
+) -> [KernelArg<'a>; 9] {
+    [
+        KernelArg::input(logits),
+        KernelArg::u32(vocab),
+        KernelArg::u32(chunk),
+        KernelArg::output(&mut workspace.partial_values),
+        KernelArg::output(&mut workspace.partial_indices),
+        KernelArg::output(&mut workspace.counters),
+        tokens,
+        KernelArg::u32(stride),
+        positions,
+    ]
+}
+
+/// `tokens_accept_greedy`'s arguments: the buffers in the order of [`AcceptBuffers`], then
+/// `[drafts, hidden, history capacity]`.
+fn accept_arguments<'a>(b: AcceptBuffers<'a>, scalars: [u32; 3]) -> [KernelArg<'a>; 12] {
+    let [drafts, hidden, capacity] = scalars;
+    [
+        KernelArg::output(b.verify_tokens),
+        KernelArg::input(b.target),
+        KernelArg::input(b.mtp_hidden),
+        KernelArg::output(b.chain_hidden),
+        KernelArg::output(b.accepted),
+        KernelArg::output(b.row_positions),
+        KernelArg::output(b.chain_positions),
+        KernelArg::output(b.history),
+        KernelArg::output(b.stats),
+        KernelArg::u32(drafts),
+        KernelArg::u32(hidden),
+        KernelArg::u32(capacity),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::launch_check;
+    use crate::target;
+
+    /// Every launch's argument list (built by [`embed_arguments`], [`argmax_arguments`] and
+    /// [`accept_arguments`]) meets every target's compiled kernels: count, kinds and scalar
+    /// widths, with and without argmax positions.
+    #[test]
+    fn the_argument_lists_meet_the_compiled_kernels_parameters() {
+        let cpu = Backend::Cpu;
+        let words = |n: usize| DeviceVec::Host(vec![0u32; n]);
+        let halves = |n: usize| DeviceVec::Host(vec![bf16::ZERO; n]);
+        let mut checks = launch_check::ArgumentChecks::new(FAMILY);
+        for t in target::all() {
+            let name = t.name.as_str();
+            let tokens = words(4);
+            let table = halves(8);
+            let mut residual = DeviceVec::Host(vec![0.0f32; 8]);
+            checks.check(
+                name,
+                KERNEL_EMBED,
+                &embed_arguments(KernelArg::input(&tokens), &table, &mut residual, [1, 4, 2]),
+            );
+            let logits = halves(8);
+            let mut workspace = ArgmaxWorkspace::new(&cpu, 2, 4).expect("workspace");
+            for with_positions in [false, true] {
+                let (mut out, mut positions) = (words(2), words(2));
+                let positions =
+                    KernelArg::optional_output(with_positions.then_some(&mut positions));
+                let args = argmax_arguments(
+                    &logits,
+                    &mut workspace,
+                    KernelArg::output(&mut out),
+                    positions,
+                    [4, 4, 1],
+                );
+                checks.check(name, KERNEL_ARGMAX, &args);
+            }
+            let (target_tokens, mtp) = (words(2), halves(4));
+            let (mut verify, mut chain, mut accepted) = (words(2), halves(2), words(1));
+            let (mut rows, mut chain_positions) = (words(2), words(1));
+            let (mut history, mut stats) = (words(4), words(2));
+            let args = accept_arguments(
+                AcceptBuffers {
+                    verify_tokens: &mut verify,
+                    target: &target_tokens,
+                    mtp_hidden: &mtp,
+                    chain_hidden: &mut chain,
+                    accepted: &mut accepted,
+                    row_positions: &mut rows,
+                    chain_positions: &mut chain_positions,
+                    history: &mut history,
+                    stats: &mut stats,
+                },
+                [1, 2, 4],
+            );
+            checks.check(name, KERNEL_ACCEPT_GREEDY, &args);
+        }
+        checks.assert_all_match();
     }
 }

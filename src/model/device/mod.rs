@@ -685,6 +685,37 @@ struct Caches {
     rope: RopeTable,
 }
 
+impl Caches {
+    /// Empty caches of `model`'s layers for `batch` sequences of up to `capacity` tokens, each
+    /// step taking up to `step_tokens` tokens per sequence (1 to decode, n + 1 to verify).
+    fn new(model: &DeviceModel, batch: usize, capacity: usize, step_tokens: usize) -> Result<Self> {
+        let (backend, config) = (&model.backend, &model.config);
+        let (gdn, att) = (gdn_shape(config), attention_shape(config));
+        let (mut gdn_caches, mut kv_caches) = (Vec::new(), Vec::new());
+        for layer in &model.layers {
+            match &layer.mixer {
+                DeviceMixer::Gdn { params, .. } => gdn_caches.push(GdnCache::new(
+                    backend,
+                    gdn,
+                    params.kernel(),
+                    batch,
+                    step_tokens,
+                )?),
+                DeviceMixer::Attention { .. } => {
+                    kv_caches.push(KvCache::new(backend, att, batch, capacity)?)
+                }
+            }
+        }
+        let slots: Vec<u32> = (0..batch as u32).collect();
+        Ok(Self {
+            gdn: gdn_caches,
+            kv: kv_caches,
+            sequences: Sequences::new(backend, &slots, &vec![0; batch])?,
+            rope: RopeTable::new(backend, config.rotary_dim(), config.rope_theta, capacity)?,
+        })
+    }
+}
+
 /// Every layer over `act`'s rows, from its residual (the embeddings) to the last MoE block's
 /// output in `act.delta` (not yet added to the residual).
 fn run_layers(
@@ -722,6 +753,51 @@ fn run_layers(
         )?;
     }
     Ok(())
+}
+
+/// The target model from tokens to logits over `act`'s rows: the embeddings of the tokens
+/// `column` names in `tokens`, every layer, the final norm into `hidden` (bf16 `[rows][H]`, what
+/// the lm_head and the MTP head read) and the lm_head into `logits` (bf16 `[rows][V]`).
+#[allow(clippy::too_many_arguments)]
+fn target_logits(
+    model: &DeviceModel,
+    tokens: &DeviceVec<u32>,
+    column: TokenColumn,
+    act: &mut Activations,
+    caches: &mut Caches,
+    moe_workspace: &mut MoeWorkspace,
+    gdn_forward: GdnForward<'_>,
+    hidden: &mut DeviceVec<bf16>,
+    logits: &mut DeviceVec<bf16>,
+) -> Result<()> {
+    let (backend, config) = (&model.backend, &model.config);
+    let rows = act.rows;
+    tokens::embed(
+        backend,
+        tokens,
+        column,
+        &model.embed,
+        config.hidden_size,
+        &mut act.residual,
+    )?;
+    run_layers(model, act, caches, moe_workspace, gdn_forward)?;
+    rms_norm_residual(
+        backend,
+        &mut act.residual,
+        Some(&act.delta),
+        &model.final_norm,
+        config.rms_norm_eps as f32,
+        hidden,
+        rows,
+    )?;
+    linear(
+        backend,
+        hidden,
+        rows,
+        &model.lm_head,
+        Epilogue::None,
+        logits,
+    )
 }
 
 /// The cache of one layer's token mixer.
@@ -1018,6 +1094,8 @@ pub struct Decoder<'m> {
     positions: Vec<usize>,
     tokens: DeviceVec<u32>,
     step: Activations,
+    /// `[B][H]`: the last step's hidden after the final norm.
+    hidden: DeviceVec<bf16>,
     logits: DeviceVec<bf16>,
     caches: Caches,
     moe_workspace: MoeWorkspace,
@@ -1042,19 +1120,6 @@ impl<'m> Decoder<'m> {
             ));
         }
         let (backend, config) = (&model.backend, &model.config);
-        let (gdn, att) = (gdn_shape(config), attention_shape(config));
-        let mut gdn_caches = Vec::new();
-        let mut kv_caches = Vec::new();
-        for layer in &model.layers {
-            match &layer.mixer {
-                DeviceMixer::Gdn { params, .. } => {
-                    gdn_caches.push(GdnCache::new(backend, gdn, params.kernel(), batch, 1)?)
-                }
-                DeviceMixer::Attention { .. } => {
-                    kv_caches.push(KvCache::new(backend, att, batch, capacity)?)
-                }
-            }
-        }
         let slots: Vec<u32> = (0..batch as u32).collect();
         let zeros = vec![0u32; batch];
         let mut decoder = Self {
@@ -1064,13 +1129,9 @@ impl<'m> Decoder<'m> {
             positions: vec![0; batch],
             tokens: backend.zeros(batch)?,
             step: Activations::new(backend, config, capacity, &slots, &zeros)?,
+            hidden: backend.zeros(batch * config.hidden_size)?,
             logits: backend.zeros(batch * config.vocab_size)?,
-            caches: Caches {
-                gdn: gdn_caches,
-                kv: kv_caches,
-                sequences: Sequences::new(backend, &slots, &zeros)?,
-                rope: RopeTable::new(backend, config.rotary_dim(), config.rope_theta, capacity)?,
-            },
+            caches: Caches::new(model, batch, capacity, 1)?,
             moe_workspace: MoeWorkspace::new(backend, &model.layers[0].moe, batch)?,
             argmax_workspace: ArgmaxWorkspace::new(backend, batch, config.vocab_size)?,
             graph: None,
@@ -1281,18 +1342,11 @@ impl<'m> Decoder<'m> {
 
     fn queue_step(&mut self) -> Result<()> {
         let model = self.model;
-        let (backend, config) = (&model.backend, &model.config);
-        let eps = config.rms_norm_eps as f32;
-        tokens::embed(
-            backend,
+        let backend = &model.backend;
+        target_logits(
+            model,
             &self.tokens,
             TokenColumn::packed(self.batch),
-            &model.embed,
-            config.hidden_size,
-            &mut self.step.residual,
-        )?;
-        run_layers(
-            model,
             &mut self.step,
             &mut self.caches,
             &mut self.moe_workspace,
@@ -1300,22 +1354,7 @@ impl<'m> Decoder<'m> {
                 tokens: 1,
                 mode: StepMode::Decode,
             },
-        )?;
-        rms_norm_residual(
-            backend,
-            &mut self.step.residual,
-            Some(&self.step.delta),
-            &model.final_norm,
-            eps,
-            &mut self.step.normed,
-            self.batch,
-        )?;
-        linear(
-            backend,
-            &self.step.normed,
-            self.batch,
-            &model.lm_head,
-            Epilogue::None,
+            &mut self.hidden,
             &mut self.logits,
         )?;
         tokens::argmax(

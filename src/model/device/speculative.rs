@@ -28,13 +28,12 @@
 
 use super::{
     Activations, Caches, DeviceModel, DeviceMtp, GdnForward, LayerCache, SharedCaches,
-    attention_shape, check_prompts, gdn_shape, prefill_moe_workspace, prefill_rows, run_layer,
-    run_layers,
+    attention_shape, check_prompts, prefill_moe_workspace, prefill_rows, run_layer, target_logits,
 };
 use crate::backend::{DeviceEvent, DeviceVec, Graph};
 use crate::error::{Error, Result};
 use crate::kernels::attention::{KvCache, RopeTable};
-use crate::kernels::gdn::{self, GdnCache, Sequences, StepMode};
+use crate::kernels::gdn::{self, Sequences, StepMode};
 use crate::kernels::gemm::{Epilogue, linear};
 use crate::kernels::moe::MoeWorkspace;
 use crate::kernels::norm::rms_norm_residual;
@@ -242,19 +241,7 @@ impl<'m> SpecDecoder<'m> {
         let (h, vocab) = (config.hidden_size, config.vocab_size);
         let width = drafts + 1;
         let rows = batch * width;
-        let (gdn, att) = (gdn_shape(config), attention_shape(config));
-        let mut gdn_caches = Vec::new();
-        let mut kv_caches = Vec::new();
-        for layer in &model.layers {
-            match &layer.mixer {
-                super::DeviceMixer::Gdn { params, .. } => {
-                    gdn_caches.push(GdnCache::new(backend, gdn, params.kernel(), batch, width)?)
-                }
-                super::DeviceMixer::Attention { .. } => {
-                    kv_caches.push(KvCache::new(backend, att, batch, capacity)?)
-                }
-            }
-        }
+        let att = attention_shape(config);
         let slots: Vec<u32> = (0..batch as u32).collect();
         let row_slots: Vec<u32> = (0..rows as u32).map(|r| r / width as u32).collect();
         let zeros = vec![0u32; batch];
@@ -277,12 +264,7 @@ impl<'m> SpecDecoder<'m> {
             logits: backend.zeros(rows * vocab)?,
             target_tokens: backend.zeros(rows)?,
             verify_argmax: ArgmaxWorkspace::new(backend, rows, vocab)?,
-            caches: Caches {
-                gdn: gdn_caches,
-                kv: kv_caches,
-                sequences: Sequences::new(backend, &slots, &zeros)?,
-                rope: RopeTable::new(backend, config.rotary_dim(), config.rope_theta, capacity)?,
-            },
+            caches: Caches::new(model, batch, capacity, width)?,
             moe_workspace: MoeWorkspace::new(backend, &model.layers[0].moe, rows)?,
             mtp_caches: MtpCaches {
                 kv: mtp_kv,
@@ -626,19 +608,13 @@ impl<'m> SpecDecoder<'m> {
     fn queue_verify(&mut self) -> Result<()> {
         let model = self.model;
         let (backend, config) = (&model.backend, &model.config);
-        let (h, eps) = (config.hidden_size, config.rms_norm_eps as f32);
+        let h = config.hidden_size;
         let width = self.drafts + 1;
         let rows = self.batch * width;
-        tokens::embed(
-            backend,
+        target_logits(
+            model,
             &self.verify_tokens,
             TokenColumn::packed(rows),
-            &model.embed,
-            h,
-            &mut self.verify.residual,
-        )?;
-        run_layers(
-            model,
             &mut self.verify,
             &mut self.caches,
             &mut self.moe_workspace,
@@ -646,22 +622,7 @@ impl<'m> SpecDecoder<'m> {
                 tokens: width,
                 mode: StepMode::Verify,
             },
-        )?;
-        rms_norm_residual(
-            backend,
-            &mut self.verify.residual,
-            Some(&self.verify.delta),
-            &model.final_norm,
-            eps,
             &mut self.verify_hidden,
-            rows,
-        )?;
-        linear(
-            backend,
-            &self.verify_hidden,
-            rows,
-            &model.lm_head,
-            Epilogue::None,
             &mut self.logits,
         )?;
         tokens::argmax(
