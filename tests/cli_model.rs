@@ -202,7 +202,21 @@ fn bad_checkpoints_and_inputs_exit_2_naming_the_problem() {
         ),
         (
             vec!["logits", "--model", good, "--ids", "1", "--backend", "cuda"],
-            "logits and generate run the CPU runner",
+            "logits and demo run the CPU runner",
+        ),
+        (
+            vec![
+                "generate",
+                "--model",
+                good,
+                "--ids",
+                "1",
+                "--backend",
+                "cuda",
+                "--temperature",
+                "0.8",
+            ],
+            "--backend cuda decodes greedily",
         ),
     ] {
         let (code, _, err) = fp4spec(&args);

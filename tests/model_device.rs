@@ -5,8 +5,10 @@ mod device_model;
 
 use fp4spec::backend::Backend;
 use fp4spec::checkpoint::quantize::{QuantizeOptions, quantize};
-use fp4spec::model::device::DeviceModel;
+use fp4spec::kernels::verify::SamplingParams;
+use fp4spec::model::device::{DeviceModel, generate_greedy};
 use fp4spec::model::forward::Model;
+use fp4spec::model::generate::{FinishReason, Request};
 
 #[test]
 fn device_decode_on_the_cpu_backend_matches_the_runner() {
@@ -23,6 +25,72 @@ fn device_speculation_on_the_cpu_backend_equals_decoding_without_it() {
     for drafts in [1, 3] {
         device_model::speculation_matches_plain_decoding(&Backend::Cpu, drafts, 24);
     }
+}
+
+/// `generate_greedy` on the device path: the same tokens with and without drafts, the length
+/// and stop rules of the CPU runner's `generate` (a stop token ends the sequence and is kept),
+/// acceptance only with drafts, and sampling refused.
+#[test]
+fn device_greedy_generation_with_drafts_equals_it_without() {
+    let model = Model::load(device_model::demo_dir()).expect("demo model");
+    let device = DeviceModel::from_model(&Backend::Cpu, &model).expect("device model");
+    let request = |prompt: &str, max_new_tokens: usize, stop_tokens: Vec<u32>| Request {
+        prompt: prompt.bytes().map(u32::from).collect(),
+        max_new_tokens,
+        params: SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        },
+        stop_tokens,
+    };
+    let plain = generate_greedy(
+        &device,
+        &[
+            request("def fib(n):", 30, vec![]),
+            request("Once upon", 0, vec![]),
+        ],
+        0,
+    )
+    .expect("plain");
+    assert_eq!(plain[0].tokens.len(), 30);
+    assert_eq!(plain[0].finish_reason, FinishReason::Length);
+    assert!(plain[1].tokens.is_empty());
+    // stop at the 12th token of the plain output: kept, nothing after it
+    let stop = plain[0].tokens[11];
+    let first = plain[0]
+        .tokens
+        .iter()
+        .position(|&t| t == stop)
+        .expect("in the output");
+    for drafts in [0, 2, 3] {
+        let out = generate_greedy(
+            &device,
+            &[
+                request("def fib(n):", 30, vec![]),
+                request("def fib(n):", 30, vec![stop]),
+            ],
+            drafts,
+        )
+        .expect("generate");
+        assert_eq!(out[0].tokens, plain[0].tokens, "{drafts} drafts");
+        assert_eq!(
+            out[1].tokens,
+            plain[0].tokens[..=first],
+            "{drafts} drafts, stop"
+        );
+        assert_eq!(out[1].finish_reason, FinishReason::Stop);
+        assert_eq!(out[0].drafted() > 0, drafts > 0, "{drafts} drafts");
+        assert!(out[0].accepted() <= out[0].drafted());
+    }
+    let sampled = Request {
+        params: SamplingParams {
+            temperature: 0.7,
+            ..SamplingParams::default()
+        },
+        ..request("x", 4, vec![])
+    };
+    let refused = generate_greedy(&device, &[sampled], 1).expect_err("sampling refused");
+    assert!(refused.to_string().contains("greedily"), "{refused}");
 }
 
 #[test]

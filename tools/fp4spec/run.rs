@@ -3,8 +3,10 @@
 
 use crate::Failure;
 use clap::Args;
+use fp4spec::backend::{Backend, BackendKind};
 use fp4spec::kernels::verify::reference::SamplingParams;
 use fp4spec::model::cache::SequenceCache;
+use fp4spec::model::device::{DeviceModel, generate_greedy};
 use fp4spec::model::forward::{ForwardInput, Model, MtpInput};
 use fp4spec::model::generate::{self, Generation, Request};
 use fp4spec::model::tokenizer::ByteTokenizer;
@@ -29,31 +31,45 @@ pub struct ModelArgs {
     /// Checkpoint folder (config.json + safetensors); default: the embedded demo model.
     #[arg(long)]
     model: Option<PathBuf>,
-    /// auto, cpu or cuda. These commands run the CPU runner (the kernel families' references,
-    /// with MTP speculation and sampling); the device path (`model::device`: greedy decode
-    /// without speculation so far) is measured by `fp4spec bench decode`, so `cuda` is refused.
+    /// auto, cpu or cuda. auto and cpu run the CPU runner (the kernel families' references,
+    /// MTP speculation and sampling); cuda runs `generate` on the device path (greedy, with
+    /// `--spec-tokens` MTP drafts: `fp4spec::model::device`); `logits` and `demo` are CPU only.
     #[arg(long, default_value = "auto")]
     backend: String,
 }
 
+/// Where a model command runs.
+enum RunOn {
+    /// The CPU runner.
+    Runner,
+    /// The device path on CUDA.
+    Cuda,
+}
+
 impl ModelArgs {
-    fn load(&self) -> Result<(Model, Option<ByteTokenizer>, PathBuf), Failure> {
+    fn run_on(&self) -> Result<RunOn, Failure> {
         match self.backend.as_str() {
-            "auto" | "cpu" => {}
-            "cuda" => {
-                return Err(Failure::Input(
-                    "--backend cuda: logits and generate run the CPU runner (speculation and \
-                     sampling are not on the device path yet, which decodes greedily: see \
-                     `fp4spec bench decode` and fp4spec::model::device); use --backend cpu"
-                        .into(),
-                ));
-            }
-            other => {
-                return Err(Failure::Input(format!(
-                    "--backend `{other}` is not one of auto, cpu, cuda"
-                )));
-            }
+            "auto" | "cpu" => Ok(RunOn::Runner),
+            "cuda" => Ok(RunOn::Cuda),
+            other => Err(Failure::Input(format!(
+                "--backend `{other}` is not one of auto, cpu, cuda"
+            ))),
         }
+    }
+
+    /// The model for a command that runs on the CPU runner only.
+    fn load(&self) -> Result<(Model, Option<ByteTokenizer>, PathBuf), Failure> {
+        if let RunOn::Cuda = self.run_on()? {
+            return Err(Failure::Input(
+                "--backend cuda: logits and demo run the CPU runner; `generate --backend cuda` \
+                 runs the device path"
+                    .into(),
+            ));
+        }
+        self.load_checkpoint()
+    }
+
+    fn load_checkpoint(&self) -> Result<(Model, Option<ByteTokenizer>, PathBuf), Failure> {
         let dir = self.model.clone().unwrap_or_else(demo_model);
         let model = Model::load(&dir)?;
         let tokenizer = ByteTokenizer::load(&dir, model.config.vocab_size)?;
@@ -192,6 +208,7 @@ fn report(
     tokenizer: Option<&ByteTokenizer>,
     seconds: f64,
     json: bool,
+    place: &str,
 ) -> String {
     let rates = generation.acceptance.rates();
     let tokens_per_s = generation.tokens.len() as f64 / seconds.max(1e-9);
@@ -217,7 +234,7 @@ fn report(
     }
     let drafted = generation.drafted();
     out.push_str(&format!(
-        "{} tokens, finish_reason {}, {} forwards, {:.2} tokens per forward, {tokens_per_s:.0} tokens/s (CPU)",
+        "{} tokens, finish_reason {}, {} forwards, {:.2} tokens per forward, {tokens_per_s:.0} tokens/s ({place})",
         generation.tokens.len(),
         generation.finish_reason.as_str(),
         generation.forwards,
@@ -241,7 +258,15 @@ fn report(
 
 /// `fp4spec generate`.
 pub fn generate(args: GenerateArgs) -> Result<(), Failure> {
-    let (model, tokenizer, dir) = args.model.load()?;
+    let on = args.model.run_on()?;
+    if matches!(on, RunOn::Cuda) && (args.temperature != 0.0 || !args.logit_bias.is_empty()) {
+        return Err(Failure::Input(
+            "--backend cuda decodes greedily: --temperature 0 and no --logit-bias (sampling runs \
+             on --backend cpu)"
+                .into(),
+        ));
+    }
+    let (model, tokenizer, dir) = args.model.load_checkpoint()?;
     let prompt = match (&args.ids, &args.prompt) {
         (Some(ids), _) => parse_ids(ids)?,
         (None, Some(text)) => tokenizer
@@ -271,17 +296,29 @@ pub fn generate(args: GenerateArgs) -> Result<(), Failure> {
         },
         stop_tokens,
     };
-    let start = Instant::now();
-    let generation =
-        generate::generate(&model, std::slice::from_ref(&request), args.spec_tokens)?.remove(0);
+    let requests = std::slice::from_ref(&request);
+    let (generation, seconds, place) = match on {
+        RunOn::Runner => {
+            let start = Instant::now();
+            let generation = generate::generate(&model, requests, args.spec_tokens)?.remove(0);
+            (generation, start.elapsed().as_secs_f64(), "CPU")
+        }
+        RunOn::Cuda => {
+            let backend = Backend::new(BackendKind::Cuda)?;
+            let device = DeviceModel::from_model(&backend, &model)?;
+            // timed from the prefill: what the device path does, not the upload
+            let start = Instant::now();
+            let generation = generate_greedy(&device, requests, args.spec_tokens)?.remove(0);
+            (
+                generation,
+                start.elapsed().as_secs_f64(),
+                "CUDA device path",
+            )
+        }
+    };
     println!(
         "{}",
-        report(
-            &generation,
-            tokenizer.as_ref(),
-            start.elapsed().as_secs_f64(),
-            args.json
-        )
+        report(&generation, tokenizer.as_ref(), seconds, args.json, place)
     );
     Ok(())
 }
@@ -339,13 +376,16 @@ pub fn demo(args: DemoArgs) -> Result<(), Failure> {
             println!("-- spec tokens {n}");
             match &plain {
                 None => {
-                    println!("{}", report(&generation, Some(&tokenizer), seconds, false));
+                    println!(
+                        "{}",
+                        report(&generation, Some(&tokenizer), seconds, false, "CPU")
+                    );
                     plain = Some(generation.tokens.clone());
                 }
                 Some(reference) => {
                     let same = *reference == generation.tokens;
                     mismatches += usize::from(!same);
-                    let mut line = report(&generation, Some(&tokenizer), seconds, false);
+                    let mut line = report(&generation, Some(&tokenizer), seconds, false, "CPU");
                     // the text is the plain run's when equal: print the statistics only
                     if same {
                         line = line.lines().skip(1).collect::<Vec<_>>().join("\n");
@@ -384,7 +424,8 @@ pub fn demo(args: DemoArgs) -> Result<(), Failure> {
                 &generation,
                 Some(&tokenizer),
                 start.elapsed().as_secs_f64(),
-                false
+                false,
+                "CPU"
             )
         );
     }

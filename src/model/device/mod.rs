@@ -25,8 +25,10 @@
 //! tokens then go through the captured step. [`SpecDecoder`] decodes greedily with the MTP head
 //! drafting `n` tokens per step (see its module). Not yet on this path: sampling.
 
+mod generate;
 mod speculative;
 
+pub use generate::generate_greedy;
 pub use speculative::{MAX_DRAFTS, SpecDecoder, StepEvents};
 
 use crate::backend::{Backend, DeviceVec, Graph};

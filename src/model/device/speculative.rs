@@ -552,17 +552,38 @@ impl<'m> SpecDecoder<'m> {
     /// # Errors
     /// [`Error::Cuda`] / [`Error::Hip`] when the copy fails.
     pub fn acceptance(&self) -> Result<AcceptanceStats> {
-        let stats = self.model.backend.download(&self.stats)?;
-        let width = self.drafts + 1;
-        let mut drafted = vec![0u64; self.drafts];
-        let mut accepted = vec![0u64; self.drafts];
-        for row in stats.chunks_exact(width) {
-            for d in 0..self.drafts {
-                drafted[d] += u64::from(row[0]);
-                accepted[d] += u64::from(row[1 + d]);
-            }
+        let mut total = AcceptanceStats {
+            drafted: vec![0; self.drafts],
+            accepted: vec![0; self.drafts],
+        };
+        for s in self.acceptance_by_sequence()? {
+            total
+                .drafted
+                .iter_mut()
+                .zip(&s.drafted)
+                .for_each(|(t, d)| *t += d);
+            total
+                .accepted
+                .iter_mut()
+                .zip(&s.accepted)
+                .for_each(|(t, a)| *t += a);
         }
-        Ok(AcceptanceStats { drafted, accepted })
+        Ok(total)
+    }
+
+    /// [`SpecDecoder::acceptance`] of each sequence.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] / [`Error::Hip`] when the copy fails.
+    pub fn acceptance_by_sequence(&self) -> Result<Vec<AcceptanceStats>> {
+        let stats = self.model.backend.download(&self.stats)?;
+        Ok(stats
+            .chunks_exact(self.drafts + 1)
+            .map(|row| AcceptanceStats {
+                drafted: vec![u64::from(row[0]); self.drafts],
+                accepted: row[1..].iter().map(|&a| u64::from(a)).collect(),
+            })
+            .collect())
     }
 
     /// For benchmarks: every sequence continues as if `position` tokens were behind it, with
