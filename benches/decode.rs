@@ -1,7 +1,8 @@
 //! End-to-end decode on the device: a full-size Qwen3.6-35B-A3B with synthetic weights
 //! ([`DeviceModel::synthetic`], NVFP4 by the ModelOpt recipe and all-bf16), `B` sequences decoding
-//! one token each per step (n = 0, no speculation), the step replayed from its captured CUDA
-//! graph, beside the device copy bandwidth measured in the same run.
+//! one token each per step (n = 0), the step replayed from its captured CUDA graph, beside the
+//! device copy bandwidth measured in the same run; then speculative steps ([`SpecDecoder`], n MTP
+//! drafts) at B = 1 and 16, with their projected speed-up over n = 0.
 //!
 //! Each case times steps back to back between events (criterion's samples; median per step).
 //! Context: "short" starts every sequence empty and lets it grow while timing (a few thousand
@@ -26,17 +27,29 @@ use common::{Samples, announce, copy_bandwidth_gbs, criterion};
 use criterion::{Criterion, Throughput};
 use fp4spec::backend::Backend;
 use fp4spec::model::config::ModelConfig;
-use fp4spec::model::device::{Decoder, DeviceModel, SyntheticWeights};
+use fp4spec::model::device::{Decoder, DeviceModel, SpecDecoder, SyntheticWeights};
 use fp4spec::roofline::{self, Step};
 use std::time::{Duration, Instant};
 
 const NVFP4_BATCHES: [usize; 6] = [1, 4, 8, 16, 32, 64];
+/// Speculative cases: batches and drafts per step (NVFP4, short context).
+const SPEC_BATCHES: [usize; 2] = [1, 16];
+const SPEC_DRAFTS: [usize; 4] = [1, 2, 3, 4];
+/// The acceptance rate the speculative table projects tokens/s at (per draft, i.i.d.).
+const SPEC_ACCEPTANCE: f64 = 0.70;
 const BF16_BATCHES: [usize; 2] = [1, 16];
 const LONG_CONTEXT: usize = 20000;
 /// Positions per sequence: room for the long-context start plus every timed step.
 const CAPACITY: usize = LONG_CONTEXT + 4096;
 /// Steps timed per eager measurement.
 const EAGER_STEPS: usize = 20;
+
+/// One speculative case: B sequences, n drafts per step (short context, NVFP4).
+struct SpecRow {
+    batch: usize,
+    drafts: usize,
+    step_s: f64,
+}
 
 struct Row {
     weights: &'static str,
@@ -49,26 +62,32 @@ struct Row {
     experts: usize,
 }
 
-/// Median seconds per step of `decoder.step()` (graph replays), timed by criterion.
+/// What the timing loop asks of a decoder.
+enum Phase {
+    /// Make room for this many steps (restart the sequences when they would run out).
+    Room(usize),
+    /// Queue one step.
+    Step,
+}
+
+/// Median seconds per step of `queue(Phase::Step)` (graph replays), timed by criterion between
+/// events after `queue(Phase::Room(iters))`.
 fn time_steps(
     c: &mut Criterion,
     backend: &Backend,
-    decoder: &mut Decoder<'_>,
     name: &str,
     bytes: f64,
-    start: usize,
+    mut queue: impl FnMut(Phase),
 ) -> f64 {
     let samples = Samples::default();
     let mut g = c.benchmark_group("decode");
     g.throughput(Throughput::Bytes(bytes as u64));
     g.bench_function(name, |b| {
         b.iter_custom(|iters| {
-            if decoder.position() + iters as usize > CAPACITY {
-                decoder.skip_to(start).expect("restart the sequences");
-            }
+            queue(Phase::Room(iters as usize));
             let begin = backend.record_event().expect("event");
             for _ in 0..iters {
-                decoder.step().expect("decode step");
+                queue(Phase::Step);
             }
             let end = backend.record_event().expect("event");
             let seconds = f64::from(begin.elapsed_ms(&end).expect("event timing")) / 1e3;
@@ -97,6 +116,7 @@ fn run(
     weights: SyntheticWeights,
     batches: &[usize],
     rows: &mut Vec<Row>,
+    spec_rows: &mut Vec<SpecRow>,
 ) {
     let config = ModelConfig::qwen36_35b_a3b();
     let label = match weights {
@@ -132,7 +152,14 @@ fn run(
             )
             .total();
             let name = format!("{label}/B{batch}/ctx_{context}");
-            let step_s = time_steps(c, backend, &mut decoder, &name, bytes, start);
+            let step_s = time_steps(c, backend, &name, bytes, |phase| match phase {
+                Phase::Room(steps) => {
+                    if decoder.position() + steps > CAPACITY {
+                        decoder.skip_to(start).expect("restart the sequences");
+                    }
+                }
+                Phase::Step => decoder.step().expect("decode step"),
+            });
             let eager_s = time_eager(backend, &mut decoder, start);
             let experts = decoder.last_layer_distinct_experts().expect("routing");
             rows.push(Row {
@@ -143,6 +170,50 @@ fn run(
                 eager_s,
                 bytes,
                 experts,
+            });
+        }
+    }
+    // speculation: the same model with n MTP drafts per step (bf16 MTP head, ModelOpt's
+    // exclusion), short context; the synthetic drafts are never accepted, so a step emits one
+    // token and the speed-up at an acceptance rate is projected from the step times
+    if weights != SyntheticWeights::Nvfp4 {
+        return;
+    }
+    for &batch in &SPEC_BATCHES {
+        for drafts in SPEC_DRAFTS {
+            let mut decoder =
+                SpecDecoder::new(&model, batch, CAPACITY, drafts).expect("speculative decoder");
+            let vocab = config.vocab_size as u64;
+            let firsts: Vec<[u32; 1]> = (0..batch as u64)
+                .map(|b| [((b * 7919 + 13) % vocab) as u32])
+                .collect();
+            let prompts: Vec<&[u32]> = firsts.iter().map(|f| f.as_slice()).collect();
+            decoder.prefill(&prompts).expect("prefill");
+            let bytes = roofline::step_bytes(
+                &config,
+                precision,
+                Step {
+                    batch,
+                    rows: drafts + 1,
+                    context: 0,
+                },
+            )
+            .total()
+                + drafts as f64 * roofline::draft_bytes(&config, batch, 0);
+            let name = format!("{label}/B{batch}/n{drafts}/ctx_short");
+            let step_s = time_steps(c, backend, &name, bytes, |phase| match phase {
+                Phase::Room(steps) => {
+                    // a step advances a sequence by n + 1 tokens at most and looks 2 n ahead
+                    if decoder.position_bound() + (steps + 2) * (drafts + 1) >= CAPACITY {
+                        decoder.skip_to(0).expect("restart the sequences");
+                    }
+                }
+                Phase::Step => decoder.step().expect("speculative step"),
+            });
+            spec_rows.push(SpecRow {
+                batch,
+                drafts,
+                step_s,
             });
         }
     }
@@ -163,13 +234,14 @@ fn main() {
     let mut c = criterion();
     let copy = copy_bandwidth_gbs(&mut c, &backend);
     let config = ModelConfig::qwen36_35b_a3b();
-    let mut rows = Vec::new();
+    let (mut rows, mut spec_rows) = (Vec::new(), Vec::new());
     run(
         &mut c,
         &backend,
         SyntheticWeights::Nvfp4,
         &NVFP4_BATCHES,
         &mut rows,
+        &mut spec_rows,
     );
     run(
         &mut c,
@@ -177,6 +249,7 @@ fn main() {
         SyntheticWeights::Bf16,
         &BF16_BATCHES,
         &mut rows,
+        &mut spec_rows,
     );
     println!();
     println!("device copy bandwidth: {copy:.0} GB/s (measured in this run)");
@@ -216,5 +289,30 @@ fn main() {
                 r.batch
             ),
         );
+    }
+    if !spec_rows.is_empty() {
+        println!();
+        println!(
+            "speculative (nvfp4, short context; tok/s projected at acceptance {SPEC_ACCEPTANCE} \
+             per draft from the measured step: the synthetic drafts are never accepted)"
+        );
+        println!(
+            "{:>3} {:>2} {:>9} {:>10} {:>14}",
+            "B", "n", "ms/step", "x n = 0", "proj. speed-up"
+        );
+        for r in &spec_rows {
+            let plain = rows
+                .iter()
+                .find(|p| p.weights == "nvfp4" && p.batch == r.batch && p.context == "short")
+                .map_or(f64::NAN, |p| p.step_s);
+            println!(
+                "{:>3} {:>2} {:>9.3} {:>9.3}x {:>13.2}x",
+                r.batch,
+                r.drafts,
+                r.step_s * 1e3,
+                r.step_s / plain,
+                roofline::tokens_per_forward(r.drafts, SPEC_ACCEPTANCE) * plain / r.step_s
+            );
+        }
     }
 }

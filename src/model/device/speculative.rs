@@ -496,6 +496,12 @@ impl<'m> SpecDecoder<'m> {
         }
     }
 
+    /// The host's upper bound of the furthest sequence's pending position (no wait; each step
+    /// adds n + 1 to it, [`SpecDecoder::positions`] tightens it).
+    pub fn position_bound(&self) -> usize {
+        self.furthest
+    }
+
     /// Each sequence's pending position (waits for the device); tightens the host's bound.
     ///
     /// # Errors
