@@ -27,8 +27,10 @@
 //!   827392 at 4.3 (the GPU's failing element at 2.4), the worst state element of 2 million at
 //!   3.6, gated outputs below 2.6. The gated outputs carry the same errors through
 //!   `w * o / rms(o) * silu(z)`. The whole tensor stays within 1.5e-2 relative L2 (3e-2 gated).
-//!   The states a prefill stores are held to the same model; after one more decode step (fp32,
-//!   contracting the error) to CHUNK_STATE.
+//!   The states a prefill stores are held to the same model; after one more decode step to what
+//!   that step can make of the model's bound (`one_step_allowance`: each element plus its
+//!   column's norm), or CHUNK_STATE where that is larger. (CHUNK_STATE alone, a heuristic, failed
+//!   for about one input in four: one element in 524288 at 1.9 of its allowance.)
 //!
 //! `gdn_peers` compares with transformers and fla on the CUDA GPU host (CUDA only: the peers are
 //! CUDA's): see tools/reference/gdn_peers.py.
@@ -168,6 +170,31 @@ fn check_tol(
     let allowed =
         |i: usize| tol.elem_rel * f64::from(want[i].abs()) + tol.rms_rel * rms + tol.max_rel * max;
     check(what, got, want, tol.l2, &allowed, locate);
+}
+
+/// How far a state may be after one decode step, per element, when before it every element
+/// `(h, i, j)` was within `before[h][i][j]` (`[Hv][dk][dv]`): the step maps the difference dS to
+/// `e^g (I - beta k k^T) dS` (the same k, beta, g on both sides; |k| = 1, 0 < beta < 1, g <= 0),
+/// so element (i, j) moves by at most `|dS_ij| + |k_i| |k . dS_:j| <= before_ij + ||before_:j||`
+/// (Cauchy-Schwarz). The step's own fp32 roundings (about 2^-24 of the state) are far inside the
+/// CHUNK_STATE heuristic the check takes where it is larger.
+fn one_step_allowance(before: &[f64], dk: usize, dv: usize) -> Vec<f64> {
+    let mut out = before.to_vec();
+    for (head, after) in before
+        .chunks_exact(dk * dv)
+        .zip(out.chunks_exact_mut(dk * dv))
+    {
+        for j in 0..dv {
+            let column = (0..dk)
+                .map(|i| head[i * dv + j].powi(2))
+                .sum::<f64>()
+                .sqrt();
+            for i in 0..dk {
+                after[i * dv + j] += column;
+            }
+        }
+    }
+    out
 }
 
 /// Per-element allowances of a prefill from the rounding model (module docs): the outputs
@@ -519,8 +546,16 @@ impl Twin {
         }
     }
 
-    /// Flushes both sides and compares every sequence's state and conv window.
-    fn compare_caches(&mut self, what: &str, state_tol: Tolerance) {
+    /// Flushes both sides and compares every sequence's state and conv window: each element
+    /// within `state_tol`, or, for the slots of `after_prefill` (one decode step after a prefill
+    /// whose states were held to the allowances given), within what that step can make of them
+    /// ([`one_step_allowance`]), whichever is larger.
+    fn compare_caches(
+        &mut self,
+        what: &str,
+        state_tol: Tolerance,
+        after_prefill: Option<(&[u32], &[Vec<f64>])>,
+    ) {
         for side in [&mut self.cpu, &mut self.gpu] {
             gdn::flush(&side.backend, &side.params, &mut side.cache, &mut side.seqs)
                 .expect("flush");
@@ -559,11 +594,27 @@ impl Twin {
                     i % dv
                 )
             };
-            check_tol(
+            let propagated = after_prefill.and_then(|(seq_slots, states)| {
+                let k = seq_slots.iter().position(|&s| s as usize == slot)?;
+                Some(one_step_allowance(&states[k], dk, dv))
+            });
+            let n = want.len().max(1) as f64;
+            let rms = (want.iter().map(|w| f64::from(*w).powi(2)).sum::<f64>() / n).sqrt();
+            let max = want.iter().fold(0.0f64, |m, w| m.max(f64::from(w.abs())));
+            let allowed = |i: usize| {
+                let heuristic = state_tol.elem_rel * f64::from(want[i].abs())
+                    + state_tol.rms_rel * rms
+                    + state_tol.max_rel * max;
+                propagated
+                    .as_ref()
+                    .map_or(heuristic, |p| heuristic.max(p[i]))
+            };
+            check(
                 &format!("{what}: state of slot {slot}"),
                 &got,
                 &want,
-                state_tol,
+                state_tol.l2,
+                &allowed,
                 &locate,
             );
         }
@@ -642,7 +693,7 @@ fn gdn_decode_matches_the_cpu_reference() {
                     side.commit(&[m as u32; 3], StepMode::Decode);
                 }
             }
-            twin.compare_caches(&format!("{shape:?} after decode"), STEP_STATE);
+            twin.compare_caches(&format!("{shape:?} after decode"), STEP_STATE, None);
             twin.compare_windows(&format!("{shape:?} after decode"), &seq_slots);
         }
     }
@@ -688,7 +739,7 @@ fn gdn_verify_then_commit_every_k_matches_the_cpu_reference() {
                     for side in [&mut twin.cpu, &mut twin.gpu] {
                         side.commit(&[1, 1], StepMode::Decode);
                     }
-                    twin.compare_caches(&what, STEP_STATE);
+                    twin.compare_caches(&what, STEP_STATE, None);
                     twin.compare_windows(&what, &seq_slots);
                 }
             }
@@ -770,7 +821,7 @@ fn gdn_prefill_matches_the_cpu_reference() {
                 for side in [&mut twin.cpu, &mut twin.gpu] {
                     side.commit(&vec![1; count], StepMode::Decode);
                 }
-                twin.compare_caches(&what, CHUNK_STATE);
+                twin.compare_caches(&what, CHUNK_STATE, Some((&seq_slots, &allowance.states)));
             }
         }
         // a verify step, two tokens accepted, then a prefill that replays them first
