@@ -183,13 +183,8 @@ fn run(
         for drafts in SPEC_DRAFTS {
             let mut decoder =
                 SpecDecoder::new(&model, batch, CAPACITY, drafts).expect("speculative decoder");
-            let vocab = config.vocab_size as u64;
-            let firsts: Vec<[u32; 1]> = (0..batch as u64)
-                .map(|b| [((b * 7919 + 13) % vocab) as u32])
-                .collect();
-            let prompts: Vec<&[u32]> = firsts.iter().map(|f| f.as_slice()).collect();
-            decoder.prefill(&prompts).expect("prefill");
-            let bytes = roofline::step_bytes(
+            decoder.start_distinct().expect("first tokens");
+            let bytes = roofline::speculative_step_bytes(
                 &config,
                 precision,
                 Step {
@@ -197,9 +192,7 @@ fn run(
                     rows: drafts + 1,
                     context: 0,
                 },
-            )
-            .total()
-                + drafts as f64 * roofline::draft_bytes(&config, batch, 0);
+            );
             let name = format!("{label}/B{batch}/n{drafts}/ctx_short");
             let step_s = time_steps(c, backend, &name, bytes, |phase| match phase {
                 Phase::Room(steps) => {

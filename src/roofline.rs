@@ -155,6 +155,14 @@ pub fn draft_bytes(config: &ModelConfig, batch: usize, context: usize) -> f64 {
     config.mtp_num_hidden_layers as f64 * (layer.total() - layer.norms) + fc + norms
 }
 
+/// Bytes one speculative step reads: the target forward over `step.rows` = n + 1 rows per
+/// sequence ([`step_bytes`]) and the n MTP draft steps ([`draft_bytes`]).
+pub fn speculative_step_bytes(config: &ModelConfig, precision: Precision, step: Step) -> f64 {
+    let drafts = step.rows.saturating_sub(1);
+    step_bytes(config, precision, step).total()
+        + drafts as f64 * draft_bytes(config, step.batch, step.context)
+}
+
 /// Expected tokens a target forward yields with `n` drafts accepted i.i.d. with probability
 /// `acceptance`: `(1 - a^(n + 1)) / (1 - a)` (`n + 1` at a = 1).
 pub fn tokens_per_forward(n: usize, acceptance: f64) -> f64 {

@@ -257,3 +257,27 @@ fn a_model_folder_s_quantisation_config_decides_the_precision() {
     assert!(quantised < float, "{quantised} vs {float}");
     assert_eq!(quantised, bytes("qwen35_text", &["--precision", "nvfp4"]));
 }
+
+#[test]
+fn a_speculative_step_reads_its_verify_rows_and_one_draft_step_per_draft() {
+    let config = qwen36();
+    for (batch, context) in [(1, 0), (16, 20000)] {
+        let step = |rows| Step {
+            batch,
+            rows,
+            context,
+        };
+        let plain = roofline::step_bytes(&config, Precision::Nvfp4, step(1)).total();
+        assert_eq!(
+            roofline::speculative_step_bytes(&config, Precision::Nvfp4, step(1)),
+            plain
+        );
+        let verify = roofline::step_bytes(&config, Precision::Nvfp4, step(4)).total();
+        let draft = roofline::draft_bytes(&config, batch, context);
+        assert!(draft > 0.0);
+        assert_eq!(
+            roofline::speculative_step_bytes(&config, Precision::Nvfp4, step(4)),
+            verify + 3.0 * draft
+        );
+    }
+}

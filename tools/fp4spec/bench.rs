@@ -211,18 +211,12 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
                 Stepper::Plain(Box::new(decoder))
             } else {
                 let mut decoder = SpecDecoder::new(&model, batch, capacity, drafts)?;
-                // one-token prompts spread over the vocabulary: the rows of a batch differ
-                let vocab = config.vocab_size as u64;
-                let firsts: Vec<[u32; 1]> = (0..batch as u64)
-                    .map(|b| [((b * 7919 + 13) % vocab) as u32])
-                    .collect();
-                let prompts: Vec<&[u32]> = firsts.iter().map(|f| f.as_slice()).collect();
-                decoder.prefill(&prompts)?;
+                decoder.start_distinct()?;
                 Stepper::Speculative(Box::new(decoder))
             };
             graph = stepper.replays_graph();
             for &context in &args.context {
-                let bytes = roofline::step_bytes(
+                let bytes = roofline::speculative_step_bytes(
                     &config,
                     precision,
                     Step {
@@ -230,9 +224,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
                         rows: drafts + 1,
                         context,
                     },
-                )
-                .total()
-                    + drafts as f64 * roofline::draft_bytes(&config, batch, context);
+                );
                 let timed = time_steps(&backend, &mut stepper, context, &args)?;
                 let fraction = bytes / (timed.step_ms / 1e3) / copy;
                 let projected = |bandwidth: f64| batch as f64 * fraction * bandwidth / bytes;

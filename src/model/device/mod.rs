@@ -983,6 +983,14 @@ fn run_layer(
     )
 }
 
+/// For benchmarks: one first token per sequence, spread over the vocabulary (a prime stride), so
+/// that the rows of a batch differ and route to different experts as a real batch's do.
+fn distinct_first_tokens(batch: usize, vocab: usize) -> Vec<u32> {
+    (0..batch as u64)
+        .map(|b| ((b * 7919 + 13) % vocab as u64) as u32)
+        .collect()
+}
+
 /// Checks a batch's prompts: one non-empty prompt per sequence, none longer than `capacity`.
 fn check_prompts(prompts: &[&[u32]], batch: usize, capacity: usize) -> Result<()> {
     if prompts.len() != batch || prompts.iter().any(|p| p.is_empty()) {
@@ -1172,10 +1180,7 @@ impl<'m> Decoder<'m> {
     /// # Errors
     /// [`Error::Cuda`] / [`Error::Hip`] when a copy fails.
     pub fn start_distinct(&mut self) -> Result<()> {
-        let vocab = self.model.config.vocab_size as u64;
-        let first: Vec<u32> = (0..self.batch as u64)
-            .map(|b| ((b * 7919 + 13) % vocab) as u32)
-            .collect();
+        let first = distinct_first_tokens(self.batch, self.model.config.vocab_size);
         self.start(&first)
     }
 

@@ -28,7 +28,8 @@
 
 use super::{
     Activations, Caches, DeviceModel, DeviceMtp, GdnForward, LayerCache, SharedCaches,
-    attention_shape, check_prompts, prefill_moe_workspace, prefill_rows, run_layer, target_logits,
+    attention_shape, check_prompts, distinct_first_tokens, prefill_moe_workspace, prefill_rows,
+    run_layer, target_logits,
 };
 use crate::backend::{DeviceEvent, DeviceVec, Graph};
 use crate::error::{Error, Result};
@@ -63,12 +64,6 @@ impl MtpScratch {
     }
 }
 
-/// The MTP head's caches: per MTP layer its keys and values, per sequence.
-struct MtpCaches {
-    kv: Vec<KvCache>,
-    moe_workspace: MoeWorkspace,
-}
-
 /// One MTP forward over `act`'s rows (their attention rows give the positions): row `i` pairs
 /// the token `column` names in `tokens` with row `i` of `hidden` (bf16 `[rows][H]`), and its
 /// output (after `mtp.norm`) replaces that row of `hidden`. Uses `act`'s buffers, so `act` must
@@ -83,7 +78,8 @@ fn mtp_forward(
     column: TokenColumn,
     hidden: &mut DeviceVec<bf16>,
     scratch: &mut MtpScratch,
-    caches: &mut MtpCaches,
+    kv: &mut KvCache,
+    moe_workspace: &mut MoeWorkspace,
     rope: &RopeTable,
     sequences: &Sequences,
 ) -> Result<()> {
@@ -134,9 +130,9 @@ fn mtp_forward(
         model,
         &mtp.layers[layer],
         act,
-        LayerCache::Kv(&mut caches.kv[layer]),
+        LayerCache::Kv(kv),
         shared,
-        &mut caches.moe_workspace,
+        moe_workspace,
         &mut GdnForward::Step {
             tokens: 1,
             mode: StepMode::Decode,
@@ -177,7 +173,9 @@ pub struct SpecDecoder<'m> {
     verify_argmax: ArgmaxWorkspace,
     caches: Caches,
     moe_workspace: MoeWorkspace,
-    mtp_caches: MtpCaches,
+    /// Per MTP layer its keys and values, per sequence.
+    mtp_kv: Vec<KvCache>,
+    mtp_moe_workspace: MoeWorkspace,
     verify_scratch: MtpScratch,
     /// The chained drafts' rows: one per sequence.
     chain: Activations,
@@ -266,10 +264,8 @@ impl<'m> SpecDecoder<'m> {
             verify_argmax: ArgmaxWorkspace::new(backend, rows, vocab)?,
             caches: Caches::new(model, batch, capacity, width)?,
             moe_workspace: MoeWorkspace::new(backend, &model.layers[0].moe, rows)?,
-            mtp_caches: MtpCaches {
-                kv: mtp_kv,
-                moe_workspace: MoeWorkspace::new(backend, &mtp.layers[0].moe, rows)?,
-            },
+            mtp_kv,
+            mtp_moe_workspace: MoeWorkspace::new(backend, &mtp.layers[0].moe, rows)?,
             verify_scratch: MtpScratch::new(model, rows)?,
             chain: Activations::new(backend, config, capacity, &slots, &zeros)?,
             chain_hidden: backend.zeros(batch * h)?,
@@ -392,11 +388,7 @@ impl<'m> SpecDecoder<'m> {
                 .filter(|p| p.len() > 1)
                 .flat_map(|p| p[1..].iter().copied())
                 .collect();
-            let mut mtp_caches = MtpCaches {
-                kv: std::mem::take(&mut self.mtp_caches.kv),
-                moe_workspace: prefill_moe_workspace(model, &self.mtp.layers[0].moe, count)?,
-            };
-            let ran = mtp_forward(
+            mtp_forward(
                 model,
                 self.mtp,
                 0,
@@ -405,12 +397,11 @@ impl<'m> SpecDecoder<'m> {
                 TokenColumn::packed(count),
                 &mut hidden,
                 &mut MtpScratch::new(model, count)?,
-                &mut mtp_caches,
+                &mut self.mtp_kv[0],
+                &mut prefill_moe_workspace(model, &self.mtp.layers[0].moe, count)?,
                 &self.caches.rope,
                 &self.caches.sequences,
-            );
-            self.mtp_caches.kv = mtp_caches.kv;
-            ran?;
+            )?;
             // each sequence's last prompt row predicts its first draft
             let mut end = 0;
             for (b, &len) in rows.lengths.iter().enumerate() {
@@ -439,6 +430,17 @@ impl<'m> SpecDecoder<'m> {
         backend.write(&mut self.history, 0, &history)?;
         self.prompt_lengths = prompts.iter().map(|p| p.len()).collect();
         self.queue_drafts()
+    }
+
+    /// For benchmarks: empties every sequence and starts each from its own one-token prompt
+    /// (spread over the vocabulary), as [`super::Decoder::start_distinct`] does.
+    ///
+    /// # Errors
+    /// As [`SpecDecoder::prefill`].
+    pub fn start_distinct(&mut self) -> Result<()> {
+        let firsts = distinct_first_tokens(self.batch, self.model.config.vocab_size);
+        let prompts: Vec<&[u32]> = firsts.iter().map(std::slice::from_ref).collect();
+        self.prefill(&prompts)
     }
 
     /// Queues one step (graph replays on CUDA): verify, accept, draft. Every sequence emits 1
@@ -669,7 +671,8 @@ impl<'m> SpecDecoder<'m> {
             TokenColumn::packed(rows),
             &mut self.verify_hidden,
             &mut self.verify_scratch,
-            &mut self.mtp_caches,
+            &mut self.mtp_kv[0],
+            &mut self.mtp_moe_workspace,
             &self.caches.rope,
             &self.caches.sequences,
         )?;
@@ -715,7 +718,8 @@ impl<'m> SpecDecoder<'m> {
                     TokenColumn::of_table(b, width, d - 1),
                     &mut self.chain_hidden,
                     &mut self.chain_scratch,
-                    &mut self.mtp_caches,
+                    &mut self.mtp_kv[(d - 1) % depth],
+                    &mut self.mtp_moe_workspace,
                     &self.caches.rope,
                     &self.caches.sequences,
                 )?;
