@@ -86,6 +86,10 @@ struct alignas(16) u32x4 { u32 x, y, z, w; };
 FP4_DEVICE u32x2 load_u32x2(const void* p) { u32x2 v; std::memcpy(&v, p, 8); return v; }
 FP4_DEVICE u32x4 load_u32x4(const void* p) { u32x4 v; std::memcpy(&v, p, 16); return v; }
 FP4_DEVICE void store_u32x4(void* p, u32x4 v) { std::memcpy(p, &v, 16); }
+// the host's threads see each other's writes (atomic loads for the counters' data races)
+FP4_DEVICE u32 load_coherent_u32(const u32* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
+FP4_DEVICE float load_coherent_f32(const float* p) { return *p; }
+FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) { return load_u32x4(p); }
 // a hint to the L2: nothing to do on the host
 FP4_DEVICE void prefetch_l2(const void*, u32) {}
 
@@ -94,7 +98,6 @@ FP4_DEVICE void block_barrier() { emu::block->arrive_and_wait(); }
 FP4_DEVICE float shfl_xor(float v, u32 mask) { return emu_shfl_xor(v, mask); }
 FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 FP4_DEVICE void fence_device() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-FP4_DEVICE float load_coherent(const float* p) { return *p; }
 FP4_DEVICE float exp_f32(float v) { return std::exp(v); }
 FP4_DEVICE float log_f32(float v) { return std::log(v); }
 FP4_DEVICE float rsqrt_f32(float v) { return 1.0f / std::sqrt(v); }

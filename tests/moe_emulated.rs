@@ -280,7 +280,7 @@ fn emulate(
     let active_offset = emu.zeros(4 * e);
     let active_count = emu.zeros(4 * e);
     let n_active = emu.zeros(4);
-    let logits = emu.zeros(4 * t * (e + 1));
+    let logits = emu.zeros(4 * facts.moe.router_planes as usize * t * (e + 1));
     let route_weight = emu.zeros(4 * t * k);
     let shared_scale = emu.zeros(4 * t);
     let partial = emu.zeros(4 * positions * h);

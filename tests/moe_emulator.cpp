@@ -21,9 +21,6 @@ FP4_DEVICE u32 atomic_add_acq_rel_gpu(u32* p, u32 v) { return __atomic_fetch_add
 FP4_DEVICE void add_release_gpu(u32* p, u32 v) { __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 FP4_DEVICE void store_release_gpu(u32* p, u32 v) { __atomic_store_n(p, v, __ATOMIC_SEQ_CST); }
 FP4_DEVICE u32 load_acquire_gpu(const u32* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
-FP4_DEVICE u32 load_coherent_u32(const u32* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
-FP4_DEVICE float load_coherent_f32(const float* p) { return *p; }
-FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) { return load_u32x4(p); }
 FP4_DEVICE u32 shuffle_xor(u32 v, int offset) { return f32_to_bits(emu_shfl_xor(bits_to_f32(v), offset)); }
 FP4_DEVICE void spin_pause() { std::this_thread::yield(); }
 FP4_DEVICE u64 wall_clock() {

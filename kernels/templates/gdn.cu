@@ -33,8 +33,6 @@
 FP4_DEVICE float shfl_xor(float v, u32 mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return atomicAdd(p, v); }
 FP4_DEVICE void fence_device() { __threadfence(); }
-/// A load that sees other blocks' writes made visible by their fence (bypasses L1).
-FP4_DEVICE float load_coherent(const float* p) { return __ldcg(p); }
 FP4_DEVICE float exp_f32(float v) { return expf(v); }
 FP4_DEVICE float log_f32(float v) { return logf(v); }
 FP4_DEVICE float rsqrt_f32(float v) { return rsqrtf(v); }
@@ -50,7 +48,6 @@ FP4_DEVICE float shfl_xor(float v, u32 mask) {
 }
 FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
 FP4_DEVICE void fence_device() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent"); }
-FP4_DEVICE float load_coherent(const float* p) { return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
 FP4_DEVICE float exp_f32(float v) { return __builtin_expf(v); }
 FP4_DEVICE float log_f32(float v) { return __builtin_logf(v); }
 FP4_DEVICE float rsqrt_f32(float v) { return __builtin_amdgcn_rsqf(v); }
@@ -243,7 +240,10 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     const u32* __restrict__ slots, const u32* __restrict__ positions, const u32* __restrict__ pending,
     u16* out, float* o_scratch, u32* counters,
     u32 hk, u32 hv, u32 dk, u32 dv, u32 kernel, u32 ring_len, u32 n_slots, u32 m, u32 verify) {
-    chain_after_previous_grid();
+    // Before the wait for the previous kernel (the projection GEMM that writes qkv, a, b, z): the
+    // sequences' slots, positions and pending counts and the state slice, which kernels two or more
+    // launches back wrote (chain_after_previous_grid), with loads that bypass L1. At B = 1 the
+    // state's DRAM round trip is then hidden behind the GEMM instead of starting the step's chain.
     constexpr int STEP_MAX_ROWS = {{ max_dk }} / STEP_ROW_GROUPS;
     __shared__ StepShared<{{ max_dk }}> sh;
     const u32 tid = thread_x();
@@ -253,10 +253,11 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     const u32 j0 = split * STEP_DV;
     const u32 b = block_y();
     const u32 ratio = hv / hk, kh = h / ratio;
-    const u32 slot = slots[b];
-    if (slot >= n_slots) return;  // a caller's bad slot: touch nothing (uniform per block)
-    const u32 pos = positions[b];
-    const u32 pend = min_u32(pending[b], (u32)STEP_MAX_TOKENS);
+    const u32 given_slot = load_coherent_u32(slots + b);
+    const bool slot_ok = given_slot < n_slots;  // a caller's bad slot: nothing is touched
+    const u32 slot = slot_ok ? given_slot : 0u;
+    const u32 pos = load_coherent_u32(positions + b);
+    const u32 pend = min_u32(load_coherent_u32(pending + b), (u32)STEP_MAX_TOKENS);
     const u32 conv_dim = 2 * hk * dk + hv * dv;
     const u32 tc = tid % STEP_COL_LANES, tr = tid / STEP_COL_LANES;
     const bool col_ok = j0 + 4 * tc < dv;  // dv is a multiple of 16: a thread's 4 columns go together
@@ -272,17 +273,20 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
 
     // 1. the state slice
     float s[STEP_MAX_ROWS][4];
-    const bool has_state = pos > pend;
+    const bool has_state = slot_ok && pos > pend;
     #pragma unroll
     for (int r = 0; r < STEP_MAX_ROWS; ++r) {
         const u32 row = tr + STEP_ROW_GROUPS * r;
         if (has_state && row < dk) {
-            const u32x4 v = load_u32x4(state_load_at(row));
+            const u32x4 v = load_coherent_u32x4(state_load_at(row));
             s[r][0] = bits_to_f32(v.x); s[r][1] = bits_to_f32(v.y); s[r][2] = bits_to_f32(v.z); s[r][3] = bits_to_f32(v.w);
         } else {
             s[r][0] = s[r][1] = s[r][2] = s[r][3] = 0.0f;
         }
     }
+
+    chain_after_previous_grid();
+    if (!slot_ok) return;  // uniform per block
 
     // 2. front end: every load of a pass is issued before its first use (the step is a latency
     //    chain at small batches: a block's lifetime, not the state's bytes, sets its cost)
@@ -516,7 +520,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     for (u32 t = warp; t < m; t += STEP_WARPS) {
         const u64 row = (u64)(b * m + t);
         const float* o = o_scratch + row * hv * dv + h * dv;
-        gated_norm_row([&](u32 j) { return load_coherent(o + j); }, z + row * z_stride + h * dv, norm_w, dv, eps,
+        gated_norm_row([&](u32 j) { return load_coherent_f32(o + j); }, z + row * z_stride + h * dv, norm_w, dv, eps,
                        out + row * hv * dv + h * dv);
     }
     if (tid == 0) counters[(u64)b * hv + h] = 0;  // ready for the next launch

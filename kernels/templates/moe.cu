@@ -11,7 +11,8 @@
 // of work items, claimed in order from a counter in global memory by a grid of resident-sized
 // blocks, that hand results to each other through counters:
 //   1. router       (router tile group, token chunk): logits[T][E + 1] in fp32 (row E is the
-//                   shared-expert gate); the last router item of a chunk routes its tokens
+//                   shared-expert gate) as ROUTER_PLANES planes of partial sums over K, summed in
+//                   plane order where they are read; the last router item of a chunk routes its tokens
 //                   (softmax, top-k, renormalisation, sigmoid of the gate; a warp per token), the
 //                   last chunk to be routed aligns every slot by expert, then raises
 //                   routing_ready
@@ -48,6 +49,10 @@
 #define MOE_EXPERTS_PER_LANE (MOE_MAX_EXPERTS / FP4_WARP_SIZE)
 // warps sharing one 16-row weight tile (they split its K groups); tiles per item = the rest
 #define ROUTER_WARPS_PER_TILE {{ target.moe.router_warps_per_tile }}
+// the router's K groups in this many planes of partial logits, summed in plane order by the
+// routing (the split route launch gives each plane its own blocks; the persistent launch computes
+// them one after another, so both round the logits the same way)
+#define ROUTER_PLANES {{ target.moe.router_planes }}
 #define GATE_UP_WARPS_PER_TILE {{ target.moe.gate_up_warps_per_tile }}
 #define DOWN_WARPS_PER_TILE {{ target.moe.down_warps_per_tile }}
 #define ROUTER_TILES_PER_ITEM (MOE_WARPS / ROUTER_WARPS_PER_TILE)
@@ -91,7 +96,7 @@ struct MoeArgs {
     u32* active_offset;       // [E] first position of each active rank
     u32* active_count;        // [E] tokens of each active rank
     u32* n_active;            // [1] active experts
-    float* logits;            // [T][E + 1]
+    float* logits;            // [ROUTER_PLANES][T][E + 1] partial logits
     float* route_weight;      // [T][k] renormalised probabilities
     float* shared_scale;      // [T] sigmoid(shared gate), 1 without a gate
     float* partial;           // [positions][H] fp32 down outputs
@@ -125,6 +130,7 @@ struct MoeArgs {
 struct Plan {
     u32 chunks;          // token chunks of ROWS (shared-expert and router items)
     u32 router_tiles, router_groups;
+    u32 router_plane_groups;  // K groups per router plane (the last plane may hold fewer, or none)
     u32 gate_up_tiles, gate_up_groups;
     u32 down_tiles, down_groups;
     u32 hidden_k_groups, inter_k_groups;
@@ -147,6 +153,7 @@ FP4_DEVICE Plan make_plan(const MoeArgs& a) {
     p.down_tiles = div_up(a.hidden, TILE_ROWS);
     p.down_groups = div_up(p.down_tiles, DOWN_TILES_PER_ITEM);
     p.hidden_k_groups = div_up(a.hidden, GROUP_COLS);
+    p.router_plane_groups = div_up(p.hidden_k_groups, ROUTER_PLANES);
     p.inter_k_groups = div_up(a.inter, GROUP_COLS);
     p.end_router = p.router_groups * p.chunks;
     p.end_shared_gate_up = p.end_router + a.shared_experts * p.gate_up_groups * p.chunks;
@@ -197,14 +204,16 @@ struct TileAcc {
 
 /// This warp's partial product of weight tile `tile` (of a [tiles][k_groups][32] fragment array)
 /// with up to ROWS token rows, over the K groups first, first + step, ... < end. x_rows[i] is the
-/// bf16 row of token row TileAcc::x_row(i) (null past the pass). With `wait_counter`, the weight
-/// loads of the first STAGES groups are issued before the block waits for
-/// `*wait_counter >= wait_target` (the X rows are produced by other blocks). Every warp of the
-/// block must call it (the wait is a block barrier).
+/// bf16 row of token row TileAcc::x_row(i) (null past the pass). The weight loads of the first
+/// STAGES groups are issued, and the warp's later groups asked of the L2, before the X rows are
+/// waited for: with `wait_counter`, until `*wait_counter >= wait_target` (X produced by other
+/// blocks of the launch; a block barrier, so every warp of the block must call it); with
+/// `wait_grid`, until the previous kernel has finished (X produced by it: see
+/// chain_after_previous_grid, which the caller has not called).
 template <class W, int ROWS, int STAGES>
 FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k,
                              const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
-                             const u32* wait_counter, u32 wait_target, TileAcc<ROWS>& acc) {
+                             const u32* wait_counter, u32 wait_target, bool wait_grid, TileAcc<ROWS>& acc) {
     constexpr int MT = ROWS / 8;
     const u32 lane = lane_index(), t = lane % 4;
     float c[MT][4];
@@ -218,7 +227,16 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
         const u32 group = first + s * step;
         if (group < end) ring[s] = w.load(tile_base + group * 32);
     }
+    // the groups past the ring (and the other parts' between them) at once into the L2: the ring's
+    // reloads then wait for the L2, not for DRAM (a warp's groups are otherwise 2-3 DRAM round
+    // trips one after another, the whole cost of an expert item at decode sizes)
+    const u32 rest = first + STAGES * step;
+    if (lane == 0 && rest < end) w.prefetch(tile_base + rest * 32, (end - rest) * 32);
     if (wait_counter) block_wait_at_least(wait_counter, wait_target, "the gate_up items of an expert");
+    if (wait_grid) {
+        wait_for_previous_grid();
+        allow_next_grid();
+    }
     const u32 m_tiles = (rows + 7) / 8;
     for (u32 base = first; base < end; base += STAGES * step) {
         #pragma unroll
@@ -301,7 +319,7 @@ struct TileAcc {
 template <class W, int ROWS, int STAGES>
 FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k,
                              const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
-                             const u32* wait_counter, u32 wait_target, TileAcc<ROWS>& acc) {
+                             const u32* wait_counter, u32 wait_target, bool wait_grid, TileAcc<ROWS>& acc) {
     constexpr int MT = (ROWS + 15) / 16;
     const u32 lane = lane_index(), r = lane % 16;
     v8f sums[MT];
@@ -310,6 +328,10 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
         #pragma unroll
         for (int e = 0; e < 8; ++e) sums[mt][e] = 0.0f;
     if (wait_counter) block_wait_at_least(wait_counter, wait_target, "the gate_up items of an expert");
+    if (wait_grid) {
+        wait_for_previous_grid();
+        allow_next_grid();
+    }
     const u32 m_tiles = (rows + 15) / 16;
     for (u32 group = first; group < end; group += step) {
         const u64 index = (tile * k_groups + group) * 16 + r;
@@ -349,6 +371,7 @@ struct ExpertJob {
     bool gathered;           // gate_up: the token of row r is sorted_token[position0 + r] (else r)
     const u32* wait_counter; // down: weights in flight, then wait for *wait_counter >= wait_target
     u32 wait_target;
+    bool wait_grid;          // split down: weights in flight, then wait for the gate_up launch
 };
 
 /// Block-shared scratch: the cross-warp sums of a tile, or the routing tables (never both live).
@@ -396,12 +419,20 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1) {
     const float minus_infinity = bits_to_f32(0xff800000u);
     for (u32 t = t0 + warp; t < t1; t += MOE_WARPS) {
         const float* row = a.logits + (u64)t * stride;
+        const u64 plane = (u64)a.tokens * stride;
+        // logit e of the token: its planes summed in plane order
+        auto logit = [&](u32 e) {
+            float sum = 0.0f;
+            #pragma unroll
+            for (int q = 0; q < ROUTER_PLANES; ++q) sum += load_coherent_f32(row + q * plane + e);
+            return sum;
+        };
         float l[MOE_EXPERTS_PER_LANE];
         float top = minus_infinity;
         #pragma unroll
         for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) {
             const u32 e = i * FP4_WARP_SIZE + lane;
-            float v = e < E ? load_coherent_f32(row + e) : minus_infinity;
+            float v = e < E ? logit(e) : minus_infinity;
             if (!(v == v)) v = minus_infinity;  // a NaN logit (NaN input) is never preferred
             l[i] = v;
             top = max_f32(top, v);
@@ -449,15 +480,77 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1) {
             a.topk_ids[t * k + lane] = mine;
             a.route_weight[t * k + lane] = mine_p / kept;
         }
-        if (lane == 0) a.shared_scale[t] = a.has_shared_gate ? sigmoid(load_coherent_f32(row + E)) : 1.0f;
+        if (lane == 0) a.shared_scale[t] = a.has_shared_gate ? sigmoid(logit(E)) : 1.0f;
     }
 }
 
 /// The alignment of every slot by expert, by the block that routed the last chunk: per expert
-/// its slots (counted here), its rank among the active experts (ascending ids) and first
-/// position; per slot its position, per position its token. Ends by raising routing_ready.
+/// its slots, its rank among the active experts (ascending ids) and first position; per slot its
+/// position, per position its token. Ends by raising routing_ready. Two ways to the same tables
+/// (positions within one expert's group may come in another order, which nothing depends on):
+/// align_slots when every slot has a thread of its own (decode and small verify batches), else
+/// align_by_scan.
+template <int ROWS>
+FP4_DEVICE void align_by_scan(const MoeArgs& a, MoeShared<ROWS>& sh);
+template <int ROWS>
+FP4_DEVICE void align_slots(const MoeArgs& a, MoeShared<ROWS>& sh);
 template <int ROWS>
 FP4_DEVICE void align(const MoeArgs& a, MoeShared<ROWS>& sh) {
+    if (a.tokens * a.top_k <= MOE_THREADS && a.tokens * a.top_k <= MOE_MAX_EXPERTS) {
+        align_slots<ROWS>(a, sh);
+    } else {
+        align_by_scan<ROWS>(a, sh);
+    }
+    release_before_barrier();
+    block_barrier();
+    if (thread_x() == 0) store_release_gpu(a.control + CONTROL_ROUTING_READY, 1u);
+}
+
+/// Thread s takes slot s and, reading every slot's expert from shared memory, counts the slots
+/// of its expert (all of them, and those before s) and those of lower experts, then the distinct
+/// lower experts: no atomics and no scan, so at T = 1 the alignment is two short loops (the scan
+/// form is a chain of 16 block barriers). Positions within an expert follow slot order.
+template <int ROWS>
+FP4_DEVICE void align_slots(const MoeArgs& a, MoeShared<ROWS>& sh) {
+    const u32 n = a.tokens * a.top_k, s = thread_x();
+    u32* const expert_of = sh.route.count;  // [n] the expert of each slot
+    u32* const leads = sh.route.fill;       // [n] 1 when the slot is its expert's first
+    if (s < n) expert_of[s] = load_coherent_u32(a.topk_ids + s);
+    block_barrier();
+    const u32 e = s < n ? expert_of[s] : 0u;
+    u32 same = 0u, same_before = 0u, below = 0u;
+    for (u32 l = 0; l < n; ++l) {
+        const u32 other = expert_of[l];
+        same += other == e ? 1u : 0u;
+        same_before += other == e && l < s ? 1u : 0u;
+        below += other < e ? 1u : 0u;
+    }
+    const bool lead = s < n && same_before == 0u;
+    if (s < n) leads[s] = lead ? 1u : 0u;
+    block_barrier();
+    u32 rank = 0u, active = 0u;
+    for (u32 l = 0; l < n; ++l) {
+        const u32 f = leads[l];
+        active += f;
+        rank += f != 0u && expert_of[l] < e ? 1u : 0u;
+    }
+    if (s < n) {
+        const u32 offset = a.shared_experts * a.tokens + below;
+        if (lead) {
+            a.active_expert[rank] = e;
+            a.active_offset[rank] = offset;
+            a.active_count[rank] = same;
+        }
+        a.sorted_token[offset + same_before] = s / a.top_k;
+        a.slot_pos[s] = offset + same_before;
+    }
+    if (s == 0) *a.n_active = active;
+}
+
+/// Per expert its slots counted with shared-memory atomics, ranks and first positions from a
+/// block scan, then each slot's position from a per-expert atomic.
+template <int ROWS>
+FP4_DEVICE void align_by_scan(const MoeArgs& a, MoeShared<ROWS>& sh) {
     const u32 E = a.experts, k = a.top_k, T = a.tokens, tid = thread_x();
     for (u32 e = tid; e < MOE_MAX_EXPERTS; e += MOE_THREADS) sh.route.count[e] = sh.route.fill[e] = 0u;
     block_barrier();
@@ -500,15 +593,15 @@ FP4_DEVICE void align(const MoeArgs& a, MoeShared<ROWS>& sh) {
         a.sorted_token[position] = s / k;
         a.slot_pos[s] = position;
     }
-    release_before_barrier();
-    block_barrier();
-    if (tid == 0) store_release_gpu(a.control + CONTROL_ROUTING_READY, 1u);
 }
 
-/// Router item: logits of router tile group `group` for the tokens of chunk `chunk`. The last
-/// router item of the chunk routes its tokens; the last chunk routed aligns them all.
+/// Router item: planes [plane_begin, plane_end) of the partial logits of router tile group
+/// `group` for the tokens of chunk `chunk`. The chunk's router items arrive on its counter,
+/// `arrivals` in all: the last routes its tokens; the last chunk routed aligns them all. With
+/// `wait_grid` the caller has not waited for the previous kernel: the weights load first.
 template <int ROWS, int STAGES>
-FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chunk, MoeShared<ROWS>& sh) {
+FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chunk, u32 plane_begin, u32 plane_end,
+                            u32 arrivals, bool wait_grid, MoeShared<ROWS>& sh) {
     const u32 lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
     const u32 part = warp % ROUTER_WARPS_PER_TILE;
     const u32 tile = group * ROUTER_TILES_PER_ITEM + warp / ROUTER_WARPS_PER_TILE;
@@ -520,24 +613,40 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
         const u32 row = TileAcc<ROWS>::x_row(i, lane);
         x_rows[i] = row < rows ? a.x + (u64)(r0 + row) * a.hidden : nullptr;
     }
-    TileAcc<ROWS> acc;
-    tile_product<RouterWeights, ROWS, STAGES>(weights_at<RouterWeights>(a.router, nullptr), tile, p.hidden_k_groups, part, ROUTER_WARPS_PER_TILE,
-                                              active ? p.hidden_k_groups : 0u, a.hidden, x_rows, rows, nullptr, 0u, acc);
-    reduce_parts<ROWS>(acc, warp, part, ROUTER_WARPS_PER_TILE, sh);
-    if (active && part == 0) {
-        const u32 logit_rows = a.experts + a.has_shared_gate, stride = a.experts + 1;
-        acc.for_each_pair(lane, [&](u32 row, u32 r, float top, float bottom) {
-            if (row >= rows) return;
-            float* out = a.logits + (u64)(r0 + row) * stride;
-            const u32 e = tile * TILE_ROWS + r;
-            if (e < logit_rows) out[e] = top;
-            if (e + 8 < logit_rows) out[e + 8] = bottom;
-        });
+    for (u32 plane = plane_begin; plane < plane_end; ++plane) {
+        const u32 g0 = plane * p.router_plane_groups;
+        const u32 g1 = min_u32(p.hidden_k_groups, g0 + p.router_plane_groups);
+        TileAcc<ROWS> acc;
+        tile_product<RouterWeights, ROWS, STAGES>(weights_at<RouterWeights>(a.router, nullptr), tile, p.hidden_k_groups,
+                                                  g0 + part, ROUTER_WARPS_PER_TILE, active ? g1 : 0u, a.hidden, x_rows,
+                                                  rows, nullptr, 0u, wait_grid && plane == plane_begin, acc);
+        reduce_parts<ROWS>(acc, warp, part, ROUTER_WARPS_PER_TILE, sh);
+        if (active && part == 0) {
+            const u32 logit_rows = a.experts + a.has_shared_gate, stride = a.experts + 1;
+            acc.for_each_pair(lane, [&](u32 row, u32 r, float top, float bottom) {
+                if (row >= rows) return;
+                float* out = a.logits + ((u64)plane * a.tokens + r0 + row) * stride;
+                const u32 e = tile * TILE_ROWS + r;
+                if (e < logit_rows) out[e] = top;
+                if (e + 8 < logit_rows) out[e + 8] = bottom;
+            });
+        }
+    }
+    if (wait_grid) {  // already done in the first plane's product, unless there was none
+        wait_for_previous_grid();
+        allow_next_grid();
     }
     u32* const chunk_done = a.control + CONTROL_GATE_UP_DONE + a.experts + a.shared_experts + p.down_groups;
-    if (!block_arrive(chunk_done + chunk, p.router_groups, &sh.flag)) return;
+    if (!block_arrive(chunk_done + chunk, arrivals, &sh.flag)) return;
     route_tokens(a, r0, r0 + rows);
-    if (block_arrive(a.control + CONTROL_ROUTER_DONE, p.chunks, &sh.flag)) align<ROWS>(a, sh);
+    // one chunk: this block routed every token (the barrier orders its routing before the
+    // alignment's reads), no second arrival needed
+    if (p.chunks == 1) {
+        block_barrier();
+        align<ROWS>(a, sh);
+    } else if (block_arrive(a.control + CONTROL_ROUTER_DONE, p.chunks, &sh.flag)) {
+        align<ROWS>(a, sh);
+    }
 }
 
 
@@ -576,7 +685,8 @@ FP4_DEVICE void expert_item(const MoeArgs& a, const Plan& p, const ExpertJob& jo
         TileAcc<ROWS> acc;
         tile_product<W, ROWS, STAGES>(weights, (u64)job.expert * n_tiles + tile, k_groups, part, warps_per_tile,
                                       active ? k_groups : 0u, k, x_rows, rows,
-                                      r0 == job.r_begin ? job.wait_counter : nullptr, job.wait_target, acc);
+                                      r0 == job.r_begin ? job.wait_counter : nullptr, job.wait_target,
+                                      r0 == job.r_begin && job.wait_grid, acc);
         reduce_parts<ROWS>(acc, warp, part, warps_per_tile, sh);
         if (active && part == 0) {
             acc.for_each_pair(lane, [&](u32 row, u32 r, float top, float bottom) {
@@ -636,6 +746,7 @@ FP4_DEVICE u32* expert_job(const MoeArgs& a, const Plan& p, u32 item, u32 routed
     u32* const down_done = gate_up_done + a.experts + S;
     job.wait_counter = nullptr;
     job.wait_target = 0u;
+    job.wait_grid = false;
     u32 shared_item = 0u, rank = 0u;
     bool shared;
     if (item < p.end_shared_gate_up) {
@@ -731,7 +842,8 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
         // claim the following item now: its round trip hides behind this one
         if (thread_x() == 0) next = atomic_add_relaxed_gpu(a.control + CONTROL_NEXT_ITEM, 1u);
         if (item < p.end_router) {
-            router_item<ROWS, ROUTER_STAGES>(a, p, item / p.chunks, item % p.chunks, sh);
+            router_item<ROWS, ROUTER_STAGES>(a, p, item / p.chunks, item % p.chunks, 0u, ROUTER_PLANES,
+                                             p.router_groups, false, sh);
             continue;
         }
         ExpertJob job;
@@ -753,7 +865,7 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
 // The same block in three launches, for small T: at decode sizes the persistent launch spends
 // most of its time with blocks idle until the routing is known (the router phase is a chain of
 // dependent steps), while kernel boundaries order the phases for about a microsecond each.
-//   moe_route_m*:           the router items (one block each), the last routes and aligns;
+//   moe_route_m*:           the router items, one block per plane, the last routes and aligns;
 //   moe_{fmt}_gate_up_m*:   one block per gate_up item (shared, then every possible active rank:
 //                           blocks past the n_active ranks leave at once);
 //   moe_{fmt}_down_m*:      one block per down item, the last of a hidden-row group combines;
@@ -762,10 +874,16 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
 // ============================================================================================
 
 
+/// One block per (router item, plane): the planes' blocks each hold a quarter (for 4 planes) of
+/// the K groups, so every warp's chain of loads and MMAs is that much shorter (at T = 1 the
+/// router of 17 tiles is otherwise 17 blocks of long chains, the route launch's whole cost). The
+/// router weights load before the wait for the previous kernel (the norm that writes X).
 template <int ROWS, int ROUTER_STAGES>
 FP4_DEVICE void moe_split_route(const MoeArgs& args) {
     MOE_LAUNCH_SETUP(args)
-    router_item<ROWS, ROUTER_STAGES>(a, p, block_x() / p.chunks, block_x() % p.chunks, sh);
+    const u32 item = block_x() / ROUTER_PLANES, plane = block_x() % ROUTER_PLANES;
+    router_item<ROWS, ROUTER_STAGES>(a, p, item / p.chunks, item % p.chunks, plane, plane + 1,
+                                     p.router_groups * ROUTER_PLANES, true, sh);
 }
 
 template <class W, int ROWS, int STAGES>
@@ -782,20 +900,29 @@ FP4_DEVICE void moe_split_gate_up(const MoeArgs& args) {
     expert_item<W, ROWS, STAGES>(a, p, sh.job, sh);
 }
 
+/// One block per down item. The routing is read before the wait for the previous kernel: the
+/// route launch wrote it two launches back, so it is final once this kernel starts
+/// (chain_after_previous_grid), and the down weights stream while the gate_up launch runs; the
+/// gate_up outputs are read after the wait, in tile_product.
 template <class W, int ROWS, int STAGES>
 FP4_DEVICE void moe_split_down(const MoeArgs& args) {
     MOE_LAUNCH_SETUP(args)
-    const u32 n_active = *a.n_active;
+    const u32 n_active = load_coherent_u32(a.n_active);
     const u32 routed = n_active * p.gate_up_groups + block_x();
     if (routed < n_active * (p.gate_up_groups + p.down_groups) + p.shared_down_items) {
         ExpertJob job;
         u32* const done = expert_job<ROWS>(a, p, p.end_shared_gate_up + routed, routed, n_active, job);
         job.wait_counter = nullptr;  // every gate_up finished in the previous launch
+        job.wait_grid = true;
         if (thread_x() == 0) sh.job = job;
         block_barrier();
         expert_item<W, ROWS, STAGES>(a, p, sh.job, sh);
         if (block_arrive(done, n_active + a.shared_experts * p.chunks, &sh.flag)) combine(a, sh.job.group);
     }
+    // blocks without an item (and any whose product had no rows) wait here: the rule of
+    // chain_after_previous_grid holds for every block (a no-op where already waited)
+    wait_for_previous_grid();
+    allow_next_grid();
     reset_counters_when_last<ROWS>(a, p, sh);
 }
 
@@ -813,8 +940,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_bf16_m{{ rows }}(MOE_PARAMETER
 }
 
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_route_m{{ rows }}(MOE_PARAMETERS) {
-    chain_after_previous_grid();
-    moe_split_route<{{ rows }}, {{ target.moe.route_stages }}>(MOE_ARGUMENTS);
+    moe_split_route<{{ rows }}, {{ target.moe.router_stages }}>(MOE_ARGUMENTS);
 }
 {% for format in ["nvfp4", "bf16"] %}{% if format == "nvfp4" %}{% set weights = "ExpertNvfp4" %}{% set stages = target.moe.stages_nvfp4 %}{% else %}{% set weights = "ExpertBf16" %}{% set stages = target.moe.stages_bf16 %}{% endif %}
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_{{ format }}_gate_up_m{{ rows }}(MOE_PARAMETERS) {
@@ -823,7 +949,6 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_{{ format }}_gate_up_m{{ rows 
 }
 
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_{{ format }}_down_m{{ rows }}(MOE_PARAMETERS) {
-    chain_after_previous_grid();
     moe_split_down<{{ weights }}, {{ rows }}, {{ stages }}>(MOE_ARGUMENTS);
 }
 {% endfor %}{% endfor %}

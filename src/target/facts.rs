@@ -239,8 +239,9 @@ pub struct MoeTiles {
     /// Blocks of at most this many tokens run as the three split launches (route, gate_up,
     /// down) instead of the persistent one; 0 never.
     pub split_max_tokens: u32,
-    /// The split route launch's router weights (bf16): 64-wide K groups in flight per warp.
-    pub route_stages: u32,
+    /// Planes of partial router logits: the router's K groups split this many ways (the split
+    /// route launch gives each plane its own blocks), summed in plane order by the routing.
+    pub router_planes: u32,
 }
 
 impl TargetTable {
@@ -486,13 +487,18 @@ impl TargetFacts {
             ("stages_nvfp4", m.stages_nvfp4),
             ("stages_bf16", m.stages_bf16),
             ("router_stages", m.router_stages),
-            ("route_stages", m.route_stages),
         ] {
             if !(1..=8).contains(&stages) {
                 return fail(format!(
                     "{name} {stages} outside 1..=8 (registers per stage)"
                 ));
             }
+        }
+        if !(1..=16).contains(&m.router_planes) {
+            return fail(format!(
+                "router_planes {} outside 1..=16 (each plane is a pass over [T][E + 1] logits)",
+                m.router_planes
+            ));
         }
         if m.token_rows.is_empty()
             || m.token_rows.windows(2).any(|w| w[0] >= w[1])

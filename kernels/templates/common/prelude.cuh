@@ -86,6 +86,14 @@ struct u32x4 { u32 x, y, z, w; };
 FP4_DEVICE u32x2 load_u32x2(const void* p) { uint2 v = *reinterpret_cast<const uint2*>(p); return {v.x, v.y}; }
 FP4_DEVICE u32x4 load_u32x4(const void* p) { uint4 v = *reinterpret_cast<const uint4*>(p); return {v.x, v.y, v.z, v.w}; }
 FP4_DEVICE void store_u32x4(void* p, u32x4 v) { *reinterpret_cast<uint4*>(p) = make_uint4(v.x, v.y, v.z, v.w); }
+/// Loads that bypass L1: data another block wrote during the launch (after a counter's acquire),
+/// or an earlier kernel wrote, read before this kernel's grid wait (chain_after_previous_grid).
+FP4_DEVICE u32 load_coherent_u32(const u32* p) { return __ldcg(p); }
+FP4_DEVICE float load_coherent_f32(const float* p) { return __ldcg(p); }
+FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) {
+    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
+    return {v.x, v.y, v.z, v.w};
+}
 /// Asks the L2 to fetch `bytes` (a multiple of 16, not 0) at `p` (16-byte aligned) and returns at
 /// once: a block names what it will read before it waits for the previous kernel.
 FP4_DEVICE void prefetch_l2(const void* p, u32 bytes) {
@@ -167,6 +175,11 @@ struct __attribute__((aligned(16))) u32x4 { u32 x, y, z, w; };
 FP4_DEVICE u32x2 load_u32x2(const void* p) { return *reinterpret_cast<const u32x2*>(p); }
 FP4_DEVICE u32x4 load_u32x4(const void* p) { return *reinterpret_cast<const u32x4*>(p); }
 FP4_DEVICE void store_u32x4(void* p, u32x4 v) { *reinterpret_cast<u32x4*>(p) = v; }
+/// Plain loads: with no grid dependency control nothing is read before a kernel's start, and
+/// after acquire_after_barrier() (common/sync.cuh) plain loads see every released write.
+FP4_DEVICE u32 load_coherent_u32(const u32* p) { return *p; }
+FP4_DEVICE float load_coherent_f32(const float* p) { return *p; }
+FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) { return load_u32x4(p); }
 /// An L2 prefetch hint (nothing on this target: no programmatic dependent launch to overlap).
 FP4_DEVICE void prefetch_l2(const void*, u32) {}
 {% endif %}

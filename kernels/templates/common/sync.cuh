@@ -35,12 +35,6 @@ FP4_DEVICE u32 load_acquire_gpu(const u32* p) {
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-FP4_DEVICE u32 load_coherent_u32(const u32* p) { return __ldcg(p); }
-FP4_DEVICE float load_coherent_f32(const float* p) { return __ldcg(p); }
-FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) {
-    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
-    return {v.x, v.y, v.z, v.w};
-}
 
 /// The value `v` of the lane `lane ^ offset`.
 FP4_DEVICE u32 shuffle_xor(u32 v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
@@ -87,10 +81,6 @@ FP4_DEVICE void store_release_gpu(u32* p, u32 v) {
 FP4_DEVICE u32 load_acquire_gpu(const u32* p) {
     return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
 }
-// after acquire_after_barrier() plain loads see every released write
-FP4_DEVICE u32 load_coherent_u32(const u32* p) { return *p; }
-FP4_DEVICE float load_coherent_f32(const float* p) { return *p; }
-FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) { return load_u32x4(p); }
 
 FP4_DEVICE u32 shuffle_xor(u32 v, int offset) {
     return (u32)__builtin_amdgcn_ds_bpermute((int)((lane_id() ^ offset) << 2), (int)v);

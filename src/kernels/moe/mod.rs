@@ -309,10 +309,11 @@ impl MoeWorkspace {
                 ),
             ));
         }
-        let storage = match backend {
-            Backend::Cpu => WorkspaceStorage::Host(None),
-            Backend::Cuda(_) | Backend::Hip(_) => {
+        let storage = match backend.target() {
+            None => WorkspaceStorage::Host(None),
+            Some(target) => {
                 let (e, k, h, i) = (shape.experts, shape.top_k, shape.hidden, shape.intermediate);
+                let planes = target.moe.router_planes as usize;
                 let positions = capacity * (k + weights.shared_experts);
                 let u32s = |len: usize| backend.zeros::<u32>(len.max(1));
                 let f32s = |len: usize| backend.zeros::<f32>(len.max(1));
@@ -329,7 +330,7 @@ impl MoeWorkspace {
                     active_offset: u32s(e)?,
                     active_count: u32s(e)?,
                     n_active: u32s(1)?,
-                    logits: f32s(capacity * (e + 1))?,
+                    logits: f32s(planes * capacity * (e + 1))?,
                     route_weight: f32s(capacity * k)?,
                     shared_scale: f32s(capacity)?,
                     partial: f32s(positions * h)?,
@@ -561,7 +562,7 @@ fn reference_block(host: &MoeHostWeights, x: &[bf16], t: usize) -> (Vec<f32>, Ro
     (out, routing)
 }
 
-/// Blocks of the three split launches: one per router item, per gate_up item and per down item
+/// Blocks of the three split launches: one per router item and plane, per gate_up item and per down item
 /// (shared sub-experts' items for every chunk of `rows` tokens, then every rank that could be
 /// active, `min(E, tokens * k)`; blocks past the actual active ranks leave at once). The kernels'
 /// `make_plan` counts items the same way.
@@ -596,7 +597,7 @@ impl SplitGrids {
         let ranks = shape.experts.min(tokens * shape.top_k);
         let blocks = |n: usize| n.clamp(1, u32::MAX as usize) as u32;
         Self {
-            route: blocks(router_groups * chunks),
+            route: blocks(router_groups * chunks * m.router_planes as usize),
             gate_up: blocks((shared * chunks + ranks) * gate_up_groups),
             down: blocks((shared * chunks + ranks) * down_groups),
         }
