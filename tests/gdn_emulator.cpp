@@ -90,6 +90,7 @@ FP4_DEVICE void store_u32x4(void* p, u32x4 v) { std::memcpy(p, &v, 16); }
 FP4_DEVICE u32 load_coherent_u32(const u32* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
 FP4_DEVICE float load_coherent_f32(const float* p) { return *p; }
 FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) { return load_u32x4(p); }
+FP4_DEVICE void store_coherent_u32x4(void* p, u32x4 v) { store_u32x4(p, v); }
 // a hint to the L2: nothing to do on the host
 FP4_DEVICE void prefetch_l2(const void*, u32) {}
 

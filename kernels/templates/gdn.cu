@@ -418,7 +418,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
         #pragma unroll
         for (int r = 0; r < STEP_MAX_ROWS; ++r) {
             const u32 row = tr + STEP_ROW_GROUPS * r;
-            if (row < state_rows) store_u32x4(state_at(row), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
+            if (row < state_rows) store_coherent_u32x4(state_at(row), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
         }
     }
 
@@ -471,13 +471,13 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
                 #pragma unroll
                 for (int e = 0; e < 4; ++e) sh.o[t][4 * tc + e] = o[e];  // normed after the tokens
             } else if (col_ok && norm) {
-                store_u32x4(o_scratch + row * hv * dv + col, {f32_to_bits(o[0]), f32_to_bits(o[1]), f32_to_bits(o[2]), f32_to_bits(o[3])});
+                store_coherent_u32x4(o_scratch + row * hv * dv + col, {f32_to_bits(o[0]), f32_to_bits(o[1]), f32_to_bits(o[2]), f32_to_bits(o[3])});
             } else if (col_ok) {
                 *reinterpret_cast<u32x2*>(out + row * hv * dv + col) = {pack_bf16x2(o[0], o[1]), pack_bf16x2(o[2], o[3])};
             }
             if (verify && col_ok) {
                 float* dst = ring_u + ((u64)slot * ring_len + (pos + t) % ring_len) * hv * dv + col;
-                store_u32x4(dst, {f32_to_bits(u[0]), f32_to_bits(u[1]), f32_to_bits(u[2]), f32_to_bits(u[3])});
+                store_coherent_u32x4(dst, {f32_to_bits(u[0]), f32_to_bits(u[1]), f32_to_bits(u[2]), f32_to_bits(u[3])});
             }
         }
     }
@@ -488,7 +488,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
         #pragma unroll
         for (int r = 0; r < STEP_MAX_ROWS; ++r) {
             const u32 row = tr + STEP_ROW_GROUPS * r;
-            if (row < state_rows) store_u32x4(state_at(row), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
+            if (row < state_rows) store_coherent_u32x4(state_at(row), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
         }
     };
     if (!norm || m == 0) {  // uniform per block

@@ -94,6 +94,10 @@ FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) {
     const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
     return {v.x, v.y, v.z, v.w};
 }
+/// Their counterpart: 16 bytes to global memory for another block or a later kernel, not kept in
+/// L1, and always one vector store (store_u32x4 came out of NVRTC as four scalar stores in the
+/// Gated DeltaNet step, 4x the store instructions of its state).
+FP4_DEVICE void store_coherent_u32x4(void* p, u32x4 v) { __stcg(reinterpret_cast<uint4*>(p), make_uint4(v.x, v.y, v.z, v.w)); }
 /// Asks the L2 to fetch `bytes` (a multiple of 16, not 0) at `p` (16-byte aligned) and returns at
 /// once: a block names what it will read before it waits for the previous kernel.
 FP4_DEVICE void prefetch_l2(const void* p, u32 bytes) {
@@ -180,6 +184,7 @@ FP4_DEVICE void store_u32x4(void* p, u32x4 v) { *reinterpret_cast<u32x4*>(p) = v
 FP4_DEVICE u32 load_coherent_u32(const u32* p) { return *p; }
 FP4_DEVICE float load_coherent_f32(const float* p) { return *p; }
 FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) { return load_u32x4(p); }
+FP4_DEVICE void store_coherent_u32x4(void* p, u32x4 v) { store_u32x4(p, v); }
 /// An L2 prefetch hint (nothing on this target: no programmatic dependent launch to overlap).
 FP4_DEVICE void prefetch_l2(const void*, u32) {}
 {% endif %}
