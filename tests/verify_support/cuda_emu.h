@@ -270,6 +270,7 @@ inline unsigned atomicCAS(unsigned* p, unsigned expected, unsigned desired) {
 }
 inline unsigned long long __ldcg(const unsigned long long* p) { return *p; }
 inline unsigned __ldcg(const unsigned* p) { return *p; }
+inline float __ldcg(const float* p) { return *p; }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline int __ffs(int v) { return __builtin_ffs(v); }
 inline float __fmul_rn(float a, float b) { return a * b; }
@@ -306,3 +307,5 @@ struct uint4 {
     unsigned x, y, z, w;
 };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline uint4 __ldcg(const uint4* p) { return *p; }
+inline void __stcg(uint4* p, uint4 v) { *p = v; }
