@@ -909,20 +909,23 @@ FP4_DEVICE void moe_split_down(const MoeArgs& args) {
     MOE_LAUNCH_SETUP(args)
     const u32 n_active = load_coherent_u32(a.n_active);
     const u32 routed = n_active * p.gate_up_groups + block_x();
-    if (routed < n_active * (p.gate_up_groups + p.down_groups) + p.shared_down_items) {
+    const bool has_item = routed < n_active * (p.gate_up_groups + p.down_groups) + p.shared_down_items;
+    u32* done = nullptr;
+    if (has_item) {
         ExpertJob job;
-        u32* const done = expert_job<ROWS>(a, p, p.end_shared_gate_up + routed, routed, n_active, job);
+        done = expert_job<ROWS>(a, p, p.end_shared_gate_up + routed, routed, n_active, job);
         job.wait_counter = nullptr;  // every gate_up finished in the previous launch
         job.wait_grid = true;
         if (thread_x() == 0) sh.job = job;
         block_barrier();
         expert_item<W, ROWS, STAGES>(a, p, sh.job, sh);
-        if (block_arrive(done, n_active + a.shared_experts * p.chunks, &sh.flag)) combine(a, sh.job.group);
     }
-    // blocks without an item (and any whose product had no rows) wait here: the rule of
-    // chain_after_previous_grid holds for every block (a no-op where already waited)
+    // every block waits before it writes anything (a no-op where tile_product already waited;
+    // blocks without an item, or a product without rows, have not): the rule of
+    // chain_after_previous_grid
     wait_for_previous_grid();
     allow_next_grid();
+    if (has_item && block_arrive(done, n_active + a.shared_experts * p.chunks, &sh.flag)) combine(a, sh.job.group);
     reset_counters_when_last<ROWS>(a, p, sh);
 }
 
