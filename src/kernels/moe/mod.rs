@@ -14,7 +14,12 @@
 //!   allocation, no host synchronisation. Up to `moe.split_max_tokens` tokens (targets.toml) the
 //!   same items run as three launches instead ([`MoeLaunch::Split`]: route, gate_up, down), which
 //!   was faster at every T benched: the persistent launch's blocks idle until the routing is
-//!   known, while a kernel boundary orders the phases in about a microsecond. Experts nobody chose cost nothing (they get no work
+//!   known, while a kernel boundary orders the phases in about a microsecond. The router runs as
+//!   `moe.router_planes` planes of partial logits (one block per router tile and plane in the
+//!   route launch, so each warp's chain of loads is short; the persistent launch computes the
+//!   same planes in turn and rounds alike); the route launch loads the router, and the down
+//!   launch the routing and its weights, before waiting for the kernel before them (programmatic
+//!   dependent launch). Experts nobody chose cost nothing (they get no work
 //!   items); every chosen expert's weights are read once from DRAM per launch (an expert with
 //!   more tokens than a pass, 8, re-reads its tiles from L2). Work items are claimed in order
 //!   from a counter, so the kernel cannot deadlock whatever number of its blocks is resident; a
