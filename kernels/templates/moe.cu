@@ -233,10 +233,7 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
     const u32 rest = first + STAGES * step;
     if (lane == 0 && rest < end) w.prefetch(tile_base + rest * 32, (end - rest) * 32);
     if (wait_counter) block_wait_at_least(wait_counter, wait_target, "the gate_up items of an expert");
-    if (wait_grid) {
-        wait_for_previous_grid();
-        allow_next_grid();
-    }
+    if (wait_grid) chain_after_previous_grid();
     const u32 m_tiles = (rows + 7) / 8;
     for (u32 base = first; base < end; base += STAGES * step) {
         #pragma unroll
@@ -328,10 +325,7 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
         #pragma unroll
         for (int e = 0; e < 8; ++e) sums[mt][e] = 0.0f;
     if (wait_counter) block_wait_at_least(wait_counter, wait_target, "the gate_up items of an expert");
-    if (wait_grid) {
-        wait_for_previous_grid();
-        allow_next_grid();
-    }
+    if (wait_grid) chain_after_previous_grid();
     const u32 m_tiles = (rows + 15) / 16;
     for (u32 group = first; group < end; group += step) {
         const u64 index = (tile * k_groups + group) * 16 + r;
@@ -417,9 +411,9 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1) {
     const u32 E = a.experts, k = a.top_k, stride = E + 1;
     const u32 lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
     const float minus_infinity = bits_to_f32(0xff800000u);
+    const u64 plane = (u64)a.tokens * stride;  // floats per plane of partial logits
     for (u32 t = t0 + warp; t < t1; t += MOE_WARPS) {
         const float* row = a.logits + (u64)t * stride;
-        const u64 plane = (u64)a.tokens * stride;
         // logit e of the token: its planes summed in plane order
         auto logit = [&](u32 e) {
             float sum = 0.0f;
@@ -484,32 +478,11 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1) {
     }
 }
 
-/// The alignment of every slot by expert, by the block that routed the last chunk: per expert
-/// its slots, its rank among the active experts (ascending ids) and first position; per slot its
-/// position, per position its token. Ends by raising routing_ready. Two ways to the same tables
-/// (positions within one expert's group may come in another order, which nothing depends on):
-/// align_slots when every slot has a thread of its own (decode and small verify batches), else
-/// align_by_scan.
-template <int ROWS>
-FP4_DEVICE void align_by_scan(const MoeArgs& a, MoeShared<ROWS>& sh);
-template <int ROWS>
-FP4_DEVICE void align_slots(const MoeArgs& a, MoeShared<ROWS>& sh);
-template <int ROWS>
-FP4_DEVICE void align(const MoeArgs& a, MoeShared<ROWS>& sh) {
-    if (a.tokens * a.top_k <= MOE_THREADS && a.tokens * a.top_k <= MOE_MAX_EXPERTS) {
-        align_slots<ROWS>(a, sh);
-    } else {
-        align_by_scan<ROWS>(a, sh);
-    }
-    release_before_barrier();
-    block_barrier();
-    if (thread_x() == 0) store_release_gpu(a.control + CONTROL_ROUTING_READY, 1u);
-}
-
-/// Thread s takes slot s and, reading every slot's expert from shared memory, counts the slots
-/// of its expert (all of them, and those before s) and those of lower experts, then the distinct
-/// lower experts: no atomics and no scan, so at T = 1 the alignment is two short loops (the scan
-/// form is a chain of 16 block barriers). Positions within an expert follow slot order.
+/// align() (below) when every slot has a thread: thread s takes slot s and, reading every slot's
+/// expert from shared memory, counts the slots of its expert (all of them, and those before s)
+/// and those of lower experts, then the distinct lower experts: no atomics and no scan, so at
+/// T = 1 the alignment is two short loops (the scan form is a chain of 16 block barriers).
+/// Positions within an expert follow slot order.
 template <int ROWS>
 FP4_DEVICE void align_slots(const MoeArgs& a, MoeShared<ROWS>& sh) {
     const u32 n = a.tokens * a.top_k, s = thread_x();
@@ -547,8 +520,9 @@ FP4_DEVICE void align_slots(const MoeArgs& a, MoeShared<ROWS>& sh) {
     if (s == 0) *a.n_active = active;
 }
 
-/// Per expert its slots counted with shared-memory atomics, ranks and first positions from a
-/// block scan, then each slot's position from a per-expert atomic.
+/// align() for any number of slots: per expert its slots counted with shared-memory atomics,
+/// ranks and first positions from a block scan, then each slot's position from a per-expert
+/// atomic.
 template <int ROWS>
 FP4_DEVICE void align_by_scan(const MoeArgs& a, MoeShared<ROWS>& sh) {
     const u32 E = a.experts, k = a.top_k, T = a.tokens, tid = thread_x();
@@ -595,6 +569,24 @@ FP4_DEVICE void align_by_scan(const MoeArgs& a, MoeShared<ROWS>& sh) {
     }
 }
 
+/// The alignment of every slot by expert, by the block that routed the last chunk: per expert
+/// its slots, its rank among the active experts (ascending ids) and first position; per slot its
+/// position, per position its token. Ends by raising routing_ready. Two ways to the same tables
+/// (positions within one expert's group may come in another order, which nothing depends on):
+/// align_slots when every slot has a thread of its own (decode and small verify batches), else
+/// align_by_scan.
+template <int ROWS>
+FP4_DEVICE void align(const MoeArgs& a, MoeShared<ROWS>& sh) {
+    if (a.tokens * a.top_k <= MOE_THREADS && a.tokens * a.top_k <= MOE_MAX_EXPERTS) {
+        align_slots<ROWS>(a, sh);
+    } else {
+        align_by_scan<ROWS>(a, sh);
+    }
+    release_before_barrier();
+    block_barrier();
+    if (thread_x() == 0) store_release_gpu(a.control + CONTROL_ROUTING_READY, 1u);
+}
+
 /// Router item: planes [plane_begin, plane_end) of the partial logits of router tile group
 /// `group` for the tokens of chunk `chunk`. The chunk's router items arrive on its counter,
 /// `arrivals` in all: the last routes its tokens; the last chunk routed aligns them all. With
@@ -632,10 +624,7 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
             });
         }
     }
-    if (wait_grid) {  // already done in the first plane's product, unless there was none
-        wait_for_previous_grid();
-        allow_next_grid();
-    }
+    if (wait_grid) chain_after_previous_grid();  // done in the first plane's product, unless there was none
     u32* const chunk_done = a.control + CONTROL_GATE_UP_DONE + a.experts + a.shared_experts + p.down_groups;
     if (!block_arrive(chunk_done + chunk, arrivals, &sh.flag)) return;
     route_tokens(a, r0, r0 + rows);
@@ -923,8 +912,7 @@ FP4_DEVICE void moe_split_down(const MoeArgs& args) {
     // every block waits before it writes anything (a no-op where tile_product already waited;
     // blocks without an item, or a product without rows, have not): the rule of
     // chain_after_previous_grid
-    wait_for_previous_grid();
-    allow_next_grid();
+    chain_after_previous_grid();
     if (has_item && block_arrive(done, n_active + a.shared_experts * p.chunks, &sh.flag)) combine(a, sh.job.group);
     reset_counters_when_last<ROWS>(a, p, sh);
 }
