@@ -38,6 +38,9 @@ FP4_DEVICE u32 load_acquire_gpu(const u32* p) {
 
 /// The value `v` of the lane `lane ^ offset`.
 FP4_DEVICE u32 shuffle_xor(u32 v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
+/// The largest / smallest `v` of the warp's lanes, every lane gets it (one redux.sync each).
+FP4_DEVICE u32 warp_max_u32(u32 v) { return __reduce_max_sync(0xffffffffu, v); }
+FP4_DEVICE u32 warp_min_u32(u32 v) { return __reduce_min_sync(0xffffffffu, v); }
 
 FP4_DEVICE void spin_pause() { __nanosleep(128); }
 /// Nanoseconds (the global timer).
@@ -84,6 +87,20 @@ FP4_DEVICE u32 load_acquire_gpu(const u32* p) {
 
 FP4_DEVICE u32 shuffle_xor(u32 v, int offset) {
     return (u32)__builtin_amdgcn_ds_bpermute((int)((lane_id() ^ offset) << 2), (int)v);
+}
+FP4_DEVICE u32 warp_max_u32(u32 v) {
+    for (int offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        const u32 other = shuffle_xor(v, offset);
+        v = other > v ? other : v;
+    }
+    return v;
+}
+FP4_DEVICE u32 warp_min_u32(u32 v) {
+    for (int offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        const u32 other = shuffle_xor(v, offset);
+        v = other < v ? other : v;
+    }
+    return v;
 }
 
 FP4_DEVICE void spin_pause() { __builtin_amdgcn_s_sleep(2); }
