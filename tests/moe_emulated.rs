@@ -5,7 +5,8 @@
 //! library's [`MoeHostWeights::kernel_layout`] for the target's tensor core), against the CPU
 //! reference. One OS thread per GPU thread, blocks one after another: the persistent kernel
 //! lets the first block do every item (they are claimed in order), so this checks the item
-//! decoding, routing, alignment, fragment addressing, passes, combine and the counters' reset
+//! decoding, routing, alignment, fragment addressing, passes, combine and the counters' reset, and
+//! the split launches (route, gate_up, down) after it on the same workspace, bit-equal
 //! where no GPU is available; it cannot see races between blocks or timing.
 //!
 //! Needs a C++20 compiler (`$CXX`, else clang++-19 or clang++: the gfx1151 source uses clang's
@@ -14,7 +15,7 @@
 use fp4spec::kernels::compare;
 use fp4spec::kernels::gemm::TensorCore;
 use fp4spec::kernels::moe::reference::{self, ExpertRef, MoeShape, Routing};
-use fp4spec::kernels::moe::{ExpertFormat, ExpertWeights, MoeHostWeights};
+use fp4spec::kernels::moe::{ExpertFormat, ExpertWeights, MoeHostWeights, SplitGrids};
 use fp4spec::kernels::table;
 use fp4spec::rng::SplitMix64;
 use fp4spec::target;
@@ -217,13 +218,16 @@ fn layout(host: &MoeHostWeights, target_name: &str) -> Layout {
 
 // ---- one block on the emulator ----
 
-/// What the emulated launches produced.
+/// What the emulated launches produced: the persistent launch twice, then the split launches
+/// (route, gate_up, down) twice, on one workspace.
 struct Emulated {
-    /// Y after the first and after the second launch (same inputs).
-    y: [Vec<bf16>; 2],
+    /// Y after each of the four (same inputs).
+    y: [Vec<bf16>; 4],
+    /// The routing of the second persistent launch.
     routing: Routing,
-    /// The counters after the launches: all zero when every launch reset them.
-    control: Vec<u32>,
+    /// The counters after the persistent launches and after the split ones: all zero when every
+    /// launch left them ready for the next (whichever form it takes).
+    control: [Vec<u32>; 2],
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -325,6 +329,31 @@ fn emulate(
     for buffer in [y_buf, topk_ids, route_weight, shared_scale, control] {
         emu.dump(buffer);
     }
+    let grids = SplitGrids::new(
+        facts,
+        s,
+        l.shared_experts,
+        host.shared_gate.is_some(),
+        t,
+        rows,
+    );
+    for _ in 0..2 {
+        emu.launch(&format!("moe_route_m{rows}"), grids.route, threads, &args);
+        emu.launch(
+            &format!("moe_{format}_gate_up_m{rows}"),
+            grids.gate_up,
+            threads,
+            &args,
+        );
+        emu.launch(
+            &format!("moe_{format}_down_m{rows}"),
+            grids.down,
+            threads,
+            &args,
+        );
+        emu.dump(y_buf);
+    }
+    emu.dump(control);
     let dumps = emu.run(&emulator(target_name), test);
     let to_bf16 = |b: &[u8]| -> Vec<bf16> {
         b.chunks_exact(2)
@@ -332,7 +361,12 @@ fn emulate(
             .collect()
     };
     Emulated {
-        y: [to_bf16(&dumps[0]), to_bf16(&dumps[1])],
+        y: [
+            to_bf16(&dumps[0]),
+            to_bf16(&dumps[1]),
+            to_bf16(&dumps[6]),
+            to_bf16(&dumps[7]),
+        ],
         routing: Routing {
             top_k: k,
             experts: u32s(&dumps[2]),
@@ -343,7 +377,7 @@ fn emulate(
                 Vec::new()
             },
         },
-        control: u32s(&dumps[5]),
+        control: [u32s(&dumps[5]), u32s(&dumps[8])],
     }
 }
 
@@ -418,20 +452,24 @@ fn check(
     let agreement = compare::compare_bf16_with_slack(&got.y[1], &reference_y, &slack);
     println!("{label}: {agreement}");
     assert!(agreement.passed(), "{label}: {agreement}");
-    let differ = got.y[0]
-        .iter()
-        .zip(&got.y[1])
-        .filter(|(a, b)| a.to_bits() != b.to_bits())
-        .count();
-    assert_eq!(
-        differ, 0,
-        "{label}: the second launch differs in {differ} elements (counters not reset?)"
-    );
-    assert!(
-        got.control.iter().all(|&c| c == 0),
-        "{label}: counters left after the launches: {:?}",
-        got.control
-    );
+    for (n, y) in got.y.iter().enumerate().skip(1) {
+        let differ = y
+            .iter()
+            .zip(&got.y[0])
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differ, 0,
+            "{label}: launch {n} (0, 1 persistent; 2, 3 split) differs from launch 0 in {differ} \
+             elements (counters not reset, or the forms round differently)"
+        );
+    }
+    for (control, after) in got.control.iter().zip(["persistent", "split"]) {
+        assert!(
+            control.iter().all(|&c| c == 0),
+            "{label}: counters left after the {after} launches: {control:?}"
+        );
+    }
 }
 
 fn shape(

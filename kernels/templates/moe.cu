@@ -67,7 +67,8 @@
 #define MOE_BOUNDS MOE_THREADS
 {% endif %}
 
-// Counters in `control` (zero between launches: the last block to leave resets them).
+// Counters in `control`, zero between launches: arrival counters rearm themselves (the block that
+// completes one zeroes it), the persistent launch's last block resets the rest.
 #define CONTROL_NEXT_ITEM 0u
 #define CONTROL_ROUTER_DONE 1u
 #define CONTROL_ROUTING_READY 2u
@@ -578,14 +579,17 @@ FP4_DEVICE void align_by_scan(const MoeArgs& a, MoeShared<ROWS>& sh) {
 /// position, per position its token. Ends by raising routing_ready. Two ways to the same tables
 /// (positions within one expert's group may come in another order, which nothing depends on):
 /// align_slots when every slot has a thread of its own (decode and small verify batches), else
-/// align_by_scan.
+/// align_by_scan. `raise_ready`: the persistent launch's blocks wait for routing_ready; the split
+/// launches hand the routing on at the kernel boundary (and leave the flag down for the next
+/// persistent launch).
 template <int ROWS>
-FP4_DEVICE void align(const MoeArgs& a, MoeShared<ROWS>& sh) {
+FP4_DEVICE void align(const MoeArgs& a, MoeShared<ROWS>& sh, bool raise_ready) {
     if (a.tokens * a.top_k <= MOE_THREADS && a.tokens * a.top_k <= MOE_MAX_EXPERTS) {
         align_slots<ROWS>(a, sh);
     } else {
         align_by_scan<ROWS>(a, sh);
     }
+    if (!raise_ready) return;
     release_before_barrier();
     block_barrier();
     if (thread_x() == 0) store_release_gpu(a.control + CONTROL_ROUTING_READY, 1u);
@@ -593,11 +597,13 @@ FP4_DEVICE void align(const MoeArgs& a, MoeShared<ROWS>& sh) {
 
 /// Router item: planes [plane_begin, plane_end) of the partial logits of router tile group
 /// `group` for the tokens of chunk `chunk`. The chunk's router items arrive on its counter,
-/// `arrivals` in all: the last routes its tokens; the last chunk routed aligns them all. With
-/// `wait_grid` the caller has not waited for the previous kernel: the weights load first.
+/// `arrivals` in all: the last routes its tokens; the last chunk routed aligns them all (both
+/// counters rearm themselves). `split`: the route launch of the split form, whose caller has not
+/// waited for the previous kernel (the weights load first) and which hands the routing on at the
+/// kernel boundary.
 template <int ROWS, int STAGES>
 FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chunk, u32 plane_begin, u32 plane_end,
-                            u32 arrivals, bool wait_grid, MoeShared<ROWS>& sh) {
+                            u32 arrivals, bool split, MoeShared<ROWS>& sh) {
     const u32 lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
     const u32 part = warp % ROUTER_WARPS_PER_TILE;
     const u32 tile = group * ROUTER_TILES_PER_ITEM + warp / ROUTER_WARPS_PER_TILE;
@@ -615,7 +621,7 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
         TileAcc<ROWS> acc;
         tile_product<RouterWeights, ROWS, STAGES>(weights_at<RouterWeights>(a.router, nullptr), tile, p.hidden_k_groups,
                                                   g0 + part, ROUTER_WARPS_PER_TILE, active ? g1 : 0u, a.hidden, x_rows,
-                                                  rows, nullptr, 0u, wait_grid && plane == plane_begin, acc);
+                                                  rows, nullptr, 0u, split && plane == plane_begin, acc);
         reduce_parts<ROWS>(acc, warp, part, ROUTER_WARPS_PER_TILE, sh);
         if (active && part == 0) {
             const u32 logit_rows = a.experts + a.has_shared_gate, stride = a.experts + 1;
@@ -628,17 +634,17 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
             });
         }
     }
-    if (wait_grid) chain_after_previous_grid();  // done in the first plane's product, unless there was none
+    if (split) chain_after_previous_grid();  // done in the first plane's product, unless there was none
     u32* const chunk_done = a.control + CONTROL_GATE_UP_DONE + a.experts + a.shared_experts + p.down_groups;
-    if (!block_arrive(chunk_done + chunk, arrivals, &sh.flag)) return;
+    if (!block_arrive_and_rearm(chunk_done + chunk, arrivals, &sh.flag)) return;
     route_tokens(a, r0, r0 + rows);
     // one chunk: this block routed every token (the barrier orders its routing before the
     // alignment's reads), no second arrival needed
     if (p.chunks == 1) {
         block_barrier();
-        align<ROWS>(a, sh);
-    } else if (block_arrive(a.control + CONTROL_ROUTER_DONE, p.chunks, &sh.flag)) {
-        align<ROWS>(a, sh);
+        align<ROWS>(a, sh, !split);
+    } else if (block_arrive_and_rearm(a.control + CONTROL_ROUTER_DONE, p.chunks, &sh.flag)) {
+        align<ROWS>(a, sh, !split);
     }
 }
 
@@ -789,12 +795,14 @@ FP4_DEVICE u32* expert_job(const MoeArgs& a, const Plan& p, u32 item, u32 routed
     return down_done + job.group;
 }
 
-/// The last block of a launch to get here resets every counter for the next launch. Every
-/// thread of every block must call it once.
+/// The persistent launch's last block to get here resets the counters that blocks wait on or
+/// claim from (next item, routing_ready, blocks done, gate_up done) for the next launch; the
+/// arrival-only counters (down groups, router chunks) rearm themselves. Every thread of every
+/// block must call it once.
 template <int ROWS>
-FP4_DEVICE void reset_counters_when_last(const MoeArgs& a, const Plan& p, MoeShared<ROWS>& sh) {
+FP4_DEVICE void reset_counters_when_last(const MoeArgs& a, MoeShared<ROWS>& sh) {
     if (block_arrive(a.control + CONTROL_BLOCKS_DONE, grid_blocks(), &sh.flag)) {
-        const u32 counters = CONTROL_GATE_UP_DONE + a.experts + a.shared_experts + p.down_groups + p.chunks;
+        const u32 counters = CONTROL_GATE_UP_DONE + a.experts + a.shared_experts;
         for (u32 i = thread_x(); i < counters; i += MOE_THREADS) a.control[i] = 0u;
     }
 }
@@ -847,11 +855,11 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
         expert_item<W, ROWS, STAGES>(a, p, sh.job, sh);
         if (job.gate_up) {
             block_signal(done);
-        } else if (block_arrive(done, n_active + S * p.chunks, &sh.flag)) {
+        } else if (block_arrive_and_rearm(done, n_active + S * p.chunks, &sh.flag)) {
             combine(a, job.group);
         }
     }
-    reset_counters_when_last<ROWS>(a, p, sh);
+    reset_counters_when_last<ROWS>(a, sh);
 }
 
 // ============================================================================================
@@ -861,9 +869,10 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
 //   moe_route_m*:           the router items, one block per plane, the last routes and aligns;
 //   moe_{fmt}_gate_up_m*:   one block per gate_up item (shared, then every possible active rank:
 //                           blocks past the n_active ranks leave at once);
-//   moe_{fmt}_down_m*:      one block per down item, the last of a hidden-row group combines;
-//                           the last block resets the counters of all three.
-// Items and counters are the persistent kernel's, so the two forms cannot disagree.
+//   moe_{fmt}_down_m*:      one block per down item, the last of a hidden-row group combines.
+// Items and counters are the persistent kernel's, so the two forms cannot disagree. The split
+// launches use only arrival counters, which rearm themselves (no grid-wide reset at the end, and
+// routing_ready stays down).
 // ============================================================================================
 
 
@@ -879,18 +888,27 @@ FP4_DEVICE void moe_split_route(const MoeArgs& args) {
                                      p.router_groups * ROUTER_PLANES, true, sh);
 }
 
+/// One block per gate_up item. The shared expert's items run whole before the wait for the route
+/// launch: they read X (written by the norm two launches back, final once this kernel starts, see
+/// chain_after_previous_grid) and write only their own act rows, which the route launch beside
+/// them never touches; so at decode the shared expert costs the step nothing after the routing.
+/// The routed items wait first: which expert they multiply is the routing.
 template <class W, int ROWS, int STAGES>
 FP4_DEVICE void moe_split_gate_up(const MoeArgs& args) {
     MOE_LAUNCH_SETUP(args)
     const u32 item = p.end_router + block_x();
-    const u32 n_active = *a.n_active;  // written by the routing launch
-    const u32 routed = item >= p.end_shared_gate_up ? item - p.end_shared_gate_up : 0u;
-    if (item >= p.end_shared_gate_up && routed >= n_active * p.gate_up_groups) return;
-    ExpertJob job;
-    expert_job<ROWS>(a, p, item, routed, n_active, job);
-    if (thread_x() == 0) sh.job = job;
-    block_barrier();
-    expert_item<W, ROWS, STAGES>(a, p, sh.job, sh);
+    const bool shared = item < p.end_shared_gate_up;
+    if (!shared) chain_after_previous_grid();
+    const u32 n_active = shared ? 0u : load_coherent_u32(a.n_active);  // written by the route launch
+    const u32 routed = shared ? 0u : item - p.end_shared_gate_up;
+    if (shared || routed < n_active * p.gate_up_groups) {
+        ExpertJob job;
+        expert_job<ROWS>(a, p, item, routed, n_active, job);
+        if (thread_x() == 0) sh.job = job;
+        block_barrier();
+        expert_item<W, ROWS, STAGES>(a, p, sh.job, sh);
+    }
+    if (shared) chain_after_previous_grid();  // every block waits before it lets the down launch in
 }
 
 /// One block per down item. The routing is read before the wait for the previous kernel: the
@@ -917,8 +935,8 @@ FP4_DEVICE void moe_split_down(const MoeArgs& args) {
     // blocks without an item, or a product without rows, have not): the rule of
     // chain_after_previous_grid
     chain_after_previous_grid();
-    if (has_item && block_arrive(done, n_active + a.shared_experts * p.chunks, &sh.flag)) combine(a, sh.job.group);
-    reset_counters_when_last<ROWS>(a, p, sh);
+    if (has_item && block_arrive_and_rearm(done, n_active + a.shared_experts * p.chunks, &sh.flag))
+        combine(a, sh.job.group);
 }
 
 // Kernels: expert weights NVFP4 or bf16, ROWS tokens per pass (the host picks the smallest
@@ -939,7 +957,6 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_route_m{{ rows }}(MOE_PARAMETE
 }
 {% for format in ["nvfp4", "bf16"] %}{% if format == "nvfp4" %}{% set weights = "ExpertNvfp4" %}{% set stages = target.moe.stages_nvfp4 %}{% else %}{% set weights = "ExpertBf16" %}{% set stages = target.moe.stages_bf16 %}{% endif %}
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_{{ format }}_gate_up_m{{ rows }}(MOE_PARAMETERS) {
-    chain_after_previous_grid();
     moe_split_gate_up<{{ weights }}, {{ rows }}, {{ stages }}>(MOE_ARGUMENTS);
 }
 

@@ -149,4 +149,13 @@ FP4_DEVICE bool block_arrive(u32* counter, u32 total, u32* flag) {
     if (last) acquire_after_barrier();
     return last;
 }
+
+/// block_arrive() on a counter that only arrivals touch: the block that completes it sets it back
+/// to zero, so the next launch finds it ready without a reset pass (no arrival of this launch
+/// follows the last one).
+FP4_DEVICE bool block_arrive_and_rearm(u32* counter, u32 total, u32* flag) {
+    const bool last = block_arrive(counter, total, flag);
+    if (last && thread_x() == 0) *counter = 0u;
+    return last;
+}
 // ---- end of block and grid cooperation ----

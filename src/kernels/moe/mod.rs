@@ -19,7 +19,8 @@
 //!   route launch, so each warp's chain of loads is short; the persistent launch computes the
 //!   same planes in turn and rounds alike); the route launch loads the router, and the down
 //!   launch the routing and its weights, before waiting for the kernel before them (programmatic
-//!   dependent launch). Experts nobody chose cost nothing (they get no work
+//!   dependent launch); the gate_up launch runs the shared expert's items whole before its wait
+//!   (they need only X), so at decode the shared expert overlaps the routing. Experts nobody chose cost nothing (they get no work
 //!   items); every chosen expert's weights are read once from DRAM per launch (an expert with
 //!   more tokens than a pass, 8, re-reads its tiles from L2). Work items are claimed in order
 //!   from a counter, so the kernel cannot deadlock whatever number of its blocks is resident; a
@@ -570,15 +571,21 @@ fn reference_block(host: &MoeHostWeights, x: &[bf16], t: usize) -> (Vec<f32>, Ro
 /// Blocks of the three split launches: one per router item and plane, per gate_up item and per down item
 /// (shared sub-experts' items for every chunk of `rows` tokens, then every rank that could be
 /// active, `min(E, tokens * k)`; blocks past the actual active ranks leave at once). The kernels'
-/// `make_plan` counts items the same way.
-struct SplitGrids {
-    route: u32,
-    gate_up: u32,
-    down: u32,
+/// `make_plan` counts items the same way. Public for the kernels' host emulation
+/// (tests/moe_emulated.rs), which launches them as the runner does.
+pub struct SplitGrids {
+    /// Blocks of `moe_route_m{rows}`.
+    pub route: u32,
+    /// Blocks of `moe_{format}_gate_up_m{rows}`.
+    pub gate_up: u32,
+    /// Blocks of `moe_{format}_down_m{rows}`.
+    pub down: u32,
 }
 
 impl SplitGrids {
-    fn new(
+    /// The grids for `tokens` tokens of a block of `shape` with `shared` shared sub-experts (and a
+    /// shared gate row in the router when `has_shared_gate`), `rows` tokens per pass, on `target`.
+    pub fn new(
         target: &TargetFacts,
         shape: MoeShape,
         shared: usize,
@@ -798,8 +805,8 @@ fn moe_block_device(
             // the residual hold t * H bf16 (checked by the caller) and the chunk lies within
             // them; the weights were laid out for this shape and the target's tensor core, and
             // the workspace sized for `capacity` tokens of it (shape checked by the caller); its
-            // counters are zero between launches (the last block of the persistent or of the
-            // down launch resets them); the split launches' grids are the item counts of
+            // counters are zero between launches (arrival counters rearm themselves, the
+            // persistent launch's last block resets the rest); the split launches' grids are the item counts of
             // SplitGrids, which the kernels derive the same way.
             unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
         }
