@@ -15,7 +15,7 @@
 use fp4spec::kernels::compare;
 use fp4spec::kernels::gemm::TensorCore;
 use fp4spec::kernels::moe::reference::{self, ExpertRef, MoeShape, Routing};
-use fp4spec::kernels::moe::{ExpertFormat, ExpertWeights, MoeHostWeights, SplitGrids};
+use fp4spec::kernels::moe::{ExpertFormat, ExpertWeights, MoeHostWeights, SplitGrids, tile_warps};
 use fp4spec::kernels::table;
 use fp4spec::rng::SplitMix64;
 use fp4spec::target;
@@ -112,7 +112,7 @@ impl Emu {
         self.buffer(vec![0; bytes])
     }
 
-    fn launch(&mut self, name: &str, grid: u32, threads: u32, args: &[u64; 30]) {
+    fn launch(&mut self, name: &str, grid: u32, threads: u32, args: &[u64; 32]) {
         let c = &mut self.commands;
         c.extend(2u32.to_le_bytes());
         c.extend((name.len() as u32).to_le_bytes());
@@ -289,7 +289,8 @@ fn emulate(
     let shared_scale = emu.zeros(4 * t);
     let partial = emu.zeros(4 * positions * h);
     let act = emu.zeros(2 * positions * i);
-    let args: [u64; 30] = [
+    let persistent_warps = tile_warps(facts, t, false);
+    let mut args: [u64; 32] = [
         x_buf,
         residual_buf,
         y_buf,
@@ -320,6 +321,8 @@ fn emulate(
         i as u64,
         sh as u64,
         u64::from(host.shared_gate.is_some()),
+        u64::from(persistent_warps.gate_up),
+        u64::from(persistent_warps.down),
     ];
     let kernel = format!("moe_{format}_m{rows}");
     let threads = facts.moe.warps_per_block * facts.warp_size;
@@ -337,6 +340,10 @@ fn emulate(
         t,
         rows,
     );
+    // the split launches' own warps per tile (the wide ones for a few tokens)
+    let split_warps = tile_warps(facts, t, true);
+    args[30] = u64::from(split_warps.gate_up);
+    args[31] = u64::from(split_warps.down);
     for _ in 0..2 {
         emu.launch(&format!("moe_route_m{rows}"), grids.route, threads, &args);
         emu.launch(

@@ -47,24 +47,26 @@
 #define MOE_THREADS (MOE_WARPS * FP4_WARP_SIZE)
 #define MOE_MAX_EXPERTS {{ target.moe.max_experts }}
 #define MOE_EXPERTS_PER_LANE (MOE_MAX_EXPERTS / FP4_WARP_SIZE)
-// warps sharing one 16-row weight tile (they split its K groups); tiles per item = the rest
+// warps sharing one 16-row router tile (they split its K groups); tiles per item = the rest. The
+// experts' gate_up and down tiles take theirs from the launch (MoeArgs), so the split launches can
+// spread a small batch's tiles over more warps.
 #define ROUTER_WARPS_PER_TILE {{ target.moe.router_warps_per_tile }}
 // the router's K groups in this many planes of partial logits, summed in plane order by the
 // routing (the split route launch gives each plane its own blocks; the persistent launch computes
 // them one after another, so both round the logits the same way)
 #define ROUTER_PLANES {{ target.moe.router_planes }}
-#define GATE_UP_WARPS_PER_TILE {{ target.moe.gate_up_warps_per_tile }}
-#define DOWN_WARPS_PER_TILE {{ target.moe.down_warps_per_tile }}
 #define ROUTER_TILES_PER_ITEM (MOE_WARPS / ROUTER_WARPS_PER_TILE)
-#define GATE_UP_TILES_PER_ITEM (MOE_WARPS / GATE_UP_WARPS_PER_TILE)
-#define DOWN_TILES_PER_ITEM (MOE_WARPS / DOWN_WARPS_PER_TILE)
 #define TILE_ROWS 16
 #define GROUP_COLS 64
 {% if target.vendor == "nvidia" %}
 // __launch_bounds__(threads, blocks per SM): the grid is sized for that many resident blocks
 #define MOE_BOUNDS MOE_THREADS, {{ target.moe.blocks_per_sm }}
+// the split launches' expert kernels: more resident blocks (fewer registers), so that a decode
+// step's items fit in one wave
+#define MOE_SPLIT_BOUNDS MOE_THREADS, {{ target.moe.split_blocks_per_sm }}
 {% else %}
 #define MOE_BOUNDS MOE_THREADS
+#define MOE_SPLIT_BOUNDS MOE_THREADS
 {% endif %}
 
 // Counters in `control`, zero between launches: arrival counters rearm themselves (the block that
@@ -74,7 +76,7 @@
 #define CONTROL_ROUTING_READY 2u
 #define CONTROL_BLOCKS_DONE 3u
 #define CONTROL_GATE_UP_DONE 4u  // [E + S]: finished gate_up items per rank (sub-experts first)
-// then [down groups]: finished down items per group of DOWN_TILES_PER_ITEM * 16 hidden rows,
+// then [down groups]: finished down items per group of (down tiles per item) * 16 hidden rows,
 // then [chunks]: finished router items per token chunk
 
 /// Everything one launch needs: the kernels' parameters (MOE_PARAMETERS), gathered.
@@ -109,6 +111,8 @@ struct MoeArgs {
     u32 inter;                // I (multiple of 16)
     u32 shared_experts;       // S
     u32 has_shared_gate;      // 1 when router row E is the shared expert's gate
+    u32 gate_up_warps_per_tile;  // warps splitting a gate_up tile's K groups (power of two <= MOE_WARPS)
+    u32 down_warps_per_tile;     // the same for a down tile
 };
 
 // The kernels' parameters: MoeArgs's fields one by one, in order (src/kernels/moe/mod.rs passes
@@ -120,20 +124,21 @@ struct MoeArgs {
         u32* slot_pos, u32* sorted_token, u32* active_expert, u32* active_offset,                  \
         u32* active_count, u32* n_active, float* logits, float* route_weight, float* shared_scale, \
         float* partial, u16* act, u32 tokens, u32 experts, u32 top_k, u32 hidden, u32 inter,      \
-        u32 shared_experts, u32 has_shared_gate
+        u32 shared_experts, u32 has_shared_gate, u32 gate_up_warps_per_tile, u32 down_warps_per_tile
 #define MOE_ARGUMENTS                                                                               \
     MoeArgs{x, residual, y, router, gate_up, gate_up_scales, down, down_scales, gate_up_alpha,     \
             down_alpha, control, topk_ids, slot_pos, sorted_token, active_expert, active_offset,   \
             active_count, n_active, logits, route_weight, shared_scale, partial, act, tokens,      \
-            experts, top_k, hidden, inter, shared_experts, has_shared_gate}
+            experts, top_k, hidden, inter, shared_experts, has_shared_gate, gate_up_warps_per_tile, \
+            down_warps_per_tile}
 
 /// Item counts of one launch, derived from the sizes (the host only sizes the grid).
 struct Plan {
     u32 chunks;          // token chunks of ROWS (shared-expert and router items)
     u32 router_tiles, router_groups;
     u32 router_plane_groups;  // K groups per router plane (the last plane may hold fewer, or none)
-    u32 gate_up_tiles, gate_up_groups;
-    u32 down_tiles, down_groups;
+    u32 gate_up_tiles, gate_up_groups, gate_up_tiles_per_item;
+    u32 down_tiles, down_groups, down_tiles_per_item;
     u32 hidden_k_groups, inter_k_groups;
     u32 end_router, end_shared_gate_up;  // the items before the routing is known
     u32 shared_down_items;
@@ -150,9 +155,11 @@ FP4_DEVICE Plan make_plan(const MoeArgs& a) {
     p.router_tiles = div_up(a.experts + a.has_shared_gate, TILE_ROWS);
     p.router_groups = div_up(p.router_tiles, ROUTER_TILES_PER_ITEM);
     p.gate_up_tiles = div_up(a.inter, TILE_ROWS / 2);  // RowOrder::GateUp: 8 gate + 8 up rows
-    p.gate_up_groups = div_up(p.gate_up_tiles, GATE_UP_TILES_PER_ITEM);
+    p.gate_up_tiles_per_item = MOE_WARPS / a.gate_up_warps_per_tile;
+    p.gate_up_groups = div_up(p.gate_up_tiles, p.gate_up_tiles_per_item);
     p.down_tiles = div_up(a.hidden, TILE_ROWS);
-    p.down_groups = div_up(p.down_tiles, DOWN_TILES_PER_ITEM);
+    p.down_tiles_per_item = MOE_WARPS / a.down_warps_per_tile;
+    p.down_groups = div_up(p.down_tiles, p.down_tiles_per_item);
     p.hidden_k_groups = div_up(a.hidden, GROUP_COLS);
     p.router_plane_groups = div_up(p.hidden_k_groups, ROUTER_PLANES);
     p.inter_k_groups = div_up(a.inter, GROUP_COLS);
@@ -655,12 +662,14 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
 template <class W, int ROWS, int STAGES>
 FP4_DEVICE void expert_item(const MoeArgs& a, const Plan& p, const ExpertJob& job, MoeShared<ROWS>& sh) {
     const u32 lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
-    const u32 warps_per_tile = job.gate_up ? GATE_UP_WARPS_PER_TILE : DOWN_WARPS_PER_TILE;
     const u32 n_tiles = job.gate_up ? p.gate_up_tiles : p.down_tiles;
     const u32 k = job.gate_up ? a.hidden : a.inter;
     const u32 k_groups = job.gate_up ? p.hidden_k_groups : p.inter_k_groups;
-    const u32 part = warp % warps_per_tile;
-    const u32 tile = job.group * (MOE_WARPS / warps_per_tile) + warp / warps_per_tile;
+    // powers of two: the divisions are shifts (MOE_WARPS is a constant)
+    const u32 tiles_per_item = job.gate_up ? p.gate_up_tiles_per_item : p.down_tiles_per_item;
+    const u32 warps_per_tile = MOE_WARPS / tiles_per_item;
+    const u32 part = warp & (warps_per_tile - 1u);
+    const u32 tile = job.group * tiles_per_item + warp * tiles_per_item / MOE_WARPS;
     const bool active = tile < n_tiles;
     const W weights = job.gate_up ? weights_at<W>(a.gate_up, a.gate_up_scales) : weights_at<W>(a.down, a.down_scales);
     const float alpha0 = job.gate_up ? a.gate_up_alpha[2 * job.expert] : a.down_alpha[job.expert];
@@ -711,10 +720,10 @@ FP4_DEVICE void expert_item(const MoeArgs& a, const Plan& p, const ExpertJob& jo
 /// The output rows of down group `group` for every token: the routing-weighted sum of the
 /// token's k expert outputs in slot order, plus the shared-expert scale times the sum of its
 /// sub-experts, plus the residual, rounded once to bf16.
-FP4_DEVICE void combine(const MoeArgs& a, u32 group) {
+FP4_DEVICE void combine(const MoeArgs& a, const Plan& p, u32 group) {
     const u32 H = a.hidden, T = a.tokens, k = a.top_k;
-    const u32 h0 = group * DOWN_TILES_PER_ITEM * TILE_ROWS;
-    const u32 width = min_u32(DOWN_TILES_PER_ITEM * TILE_ROWS, H - h0);
+    const u32 h0 = group * p.down_tiles_per_item * TILE_ROWS;
+    const u32 width = min_u32(p.down_tiles_per_item * TILE_ROWS, H - h0);
     for (u32 i = thread_x(); i < T * width; i += MOE_THREADS) {
         const u32 t = i / width, h = h0 + i % width;
         float sum = 0.0f;
@@ -856,7 +865,7 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
         if (job.gate_up) {
             block_signal(done);
         } else if (block_arrive_and_rearm(done, n_active + S * p.chunks, &sh.flag)) {
-            combine(a, job.group);
+            combine(a, p, job.group);
         }
     }
     reset_counters_when_last<ROWS>(a, sh);
@@ -936,7 +945,7 @@ FP4_DEVICE void moe_split_down(const MoeArgs& args) {
     // chain_after_previous_grid
     chain_after_previous_grid();
     if (has_item && block_arrive_and_rearm(done, n_active + a.shared_experts * p.chunks, &sh.flag))
-        combine(a, sh.job.group);
+        combine(a, p, sh.job.group);
 }
 
 // Kernels: expert weights NVFP4 or bf16, ROWS tokens per pass (the host picks the smallest
@@ -956,11 +965,11 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_route_m{{ rows }}(MOE_PARAMETE
     moe_split_route<{{ rows }}, {{ target.moe.router_stages }}>(MOE_ARGUMENTS);
 }
 {% for format in ["nvfp4", "bf16"] %}{% if format == "nvfp4" %}{% set weights = "ExpertNvfp4" %}{% set stages = target.moe.stages_nvfp4 %}{% else %}{% set weights = "ExpertBf16" %}{% set stages = target.moe.stages_bf16 %}{% endif %}
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_{{ format }}_gate_up_m{{ rows }}(MOE_PARAMETERS) {
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_SPLIT_BOUNDS) moe_{{ format }}_gate_up_m{{ rows }}(MOE_PARAMETERS) {
     moe_split_gate_up<{{ weights }}, {{ rows }}, {{ stages }}>(MOE_ARGUMENTS);
 }
 
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BOUNDS) moe_{{ format }}_down_m{{ rows }}(MOE_PARAMETERS) {
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_SPLIT_BOUNDS) moe_{{ format }}_down_m{{ rows }}(MOE_PARAMETERS) {
     moe_split_down<{{ weights }}, {{ rows }}, {{ stages }}>(MOE_ARGUMENTS);
 }
 {% endfor %}{% endfor %}

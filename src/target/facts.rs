@@ -236,6 +236,16 @@ pub struct MoeTiles {
     /// The most routed experts a block may have (a multiple of the warp size, at most 32 per
     /// lane: the top-k keeps one bit per expert).
     pub max_experts: u32,
+    /// Resident blocks per SM the split launches' gate_up and down kernels are compiled for
+    /// (their launch bounds: fewer registers per thread than the persistent kernel's).
+    pub split_blocks_per_sm: u32,
+    /// Split launches of at most this many tokens use the `wide_*_warps_per_tile` (more warps
+    /// per tile, each a shorter chain); 0 never.
+    pub wide_max_tokens: u32,
+    /// As `gate_up_warps_per_tile`, for split launches of at most `wide_max_tokens` tokens.
+    pub wide_gate_up_warps_per_tile: u32,
+    /// As `down_warps_per_tile`, for split launches of at most `wide_max_tokens` tokens.
+    pub wide_down_warps_per_tile: u32,
     /// Blocks of at most this many tokens run as the three split launches (route, gate_up,
     /// down) instead of the persistent one; 0 never.
     pub split_max_tokens: u32,
@@ -468,13 +478,15 @@ impl TargetFacts {
                 m.warps_per_block
             ));
         }
-        if m.blocks_per_sm == 0 {
-            return fail("blocks_per_sm must be positive".into());
+        if m.blocks_per_sm == 0 || m.split_blocks_per_sm == 0 {
+            return fail("blocks_per_sm and split_blocks_per_sm must be positive".into());
         }
         for (name, warps) in [
             ("router_warps_per_tile", m.router_warps_per_tile),
             ("gate_up_warps_per_tile", m.gate_up_warps_per_tile),
             ("down_warps_per_tile", m.down_warps_per_tile),
+            ("wide_gate_up_warps_per_tile", m.wide_gate_up_warps_per_tile),
+            ("wide_down_warps_per_tile", m.wide_down_warps_per_tile),
         ] {
             if !warps.is_power_of_two() || warps > m.warps_per_block {
                 return fail(format!(

@@ -568,6 +568,33 @@ fn reference_block(host: &MoeHostWeights, x: &[bf16], t: usize) -> (Vec<f32>, Ro
     (out, routing)
 }
 
+/// Warps per gate_up tile and per down tile of a launch of `tokens` tokens: the wide choice of
+/// `moe.wide_*` for split launches of at most `moe.wide_max_tokens` tokens, else the target's.
+pub fn tile_warps(target: &TargetFacts, tokens: usize, split: bool) -> TileWarps {
+    let m = &target.moe;
+    if split && tokens <= m.wide_max_tokens as usize {
+        TileWarps {
+            gate_up: m.wide_gate_up_warps_per_tile,
+            down: m.wide_down_warps_per_tile,
+        }
+    } else {
+        TileWarps {
+            gate_up: m.gate_up_warps_per_tile,
+            down: m.down_warps_per_tile,
+        }
+    }
+}
+
+/// Warps splitting the K groups of one 16-row expert tile (powers of two dividing
+/// `moe.warps_per_block`; an item holds the rest of its block's warps as tiles). Kernel arguments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TileWarps {
+    /// Per gate_up tile.
+    pub gate_up: u32,
+    /// Per down tile.
+    pub down: u32,
+}
+
 /// Blocks of the three split launches: one per router item and plane, per gate_up item and per down item
 /// (shared sub-experts' items for every chunk of `rows` tokens, then every rank that could be
 /// active, `min(E, tokens * k)`; blocks past the actual active ranks leave at once). The kernels'
@@ -594,6 +621,7 @@ impl SplitGrids {
         rows: u32,
     ) -> Self {
         let m = &target.moe;
+        let warps = tile_warps(target, tokens, true);
         let per_item = |warps_per_tile: u32| (m.warps_per_block / warps_per_tile) as usize;
         let chunks = tokens.div_ceil(rows as usize);
         let router_tiles = (shape.experts + usize::from(has_shared_gate)).div_ceil(16);
@@ -601,11 +629,8 @@ impl SplitGrids {
         let gate_up_groups = shape
             .intermediate
             .div_ceil(8)
-            .div_ceil(per_item(m.gate_up_warps_per_tile));
-        let down_groups = shape
-            .hidden
-            .div_ceil(16)
-            .div_ceil(per_item(m.down_warps_per_tile));
+            .div_ceil(per_item(warps.gate_up));
+        let down_groups = shape.hidden.div_ceil(16).div_ceil(per_item(warps.down));
         let ranks = shape.experts.min(tokens * shape.top_k);
         let blocks = |n: usize| n.clamp(1, u32::MAX as usize) as u32;
         Self {
@@ -662,15 +687,16 @@ fn moe_kernel(target: &TargetFacts, prefix: &str, rows: u32) -> Result<&'static 
 /// chunk's `[x, residual, y]`, the weights (router, gate_up, gate_up_scales, down, down_scales,
 /// gate_up_alpha, down_alpha), the workspace (control, topk_ids, slot_pos, sorted_token,
 /// active_expert, active_offset, active_count, n_active, logits, route_weight, shared_scale,
-/// partial, act), then tokens and `sizes` (experts, top_k, hidden, inter, shared_experts,
-/// has_shared_gate).
+/// partial, act), then tokens, `sizes` (experts, top_k, hidden, inter, shared_experts,
+/// has_shared_gate) and the warps per gate_up and per down tile.
 fn moe_arguments<'a>(
     [x, residual, y]: [KernelArg<'a>; 3],
     weights: &'a DeviceMoe,
     w: &'a mut DeviceWorkspace,
     tokens: u32,
     sizes: [u32; 6],
-) -> [KernelArg<'a>; 30] {
+    warps: TileWarps,
+) -> [KernelArg<'a>; 32] {
     [
         x,
         residual,
@@ -702,6 +728,8 @@ fn moe_arguments<'a>(
         KernelArg::u32(sizes[3]),
         KernelArg::u32(sizes[4]),
         KernelArg::u32(sizes[5]),
+        KernelArg::u32(warps.gate_up),
+        KernelArg::u32(warps.down),
     ]
 }
 
@@ -798,7 +826,8 @@ fn moe_block_device(
             KernelArg::output_range(y, chunk)?,
         ];
         // tokens <= capacity, checked against 16-bit slot counts
-        let args = moe_arguments(io, device, w, tokens as u32, sizes);
+        let warps = tile_warps(target, tokens, split);
+        let args = moe_arguments(io, device, w, tokens as u32, sizes, warps);
         for &(kernel, blocks) in launches {
             let dims = LaunchDims::linear(blocks, threads);
             // SAFETY: every moe kernel takes MOE_PARAMETERS in order (moe_arguments); X, Y and
@@ -870,8 +899,9 @@ mod tests {
                             KernelArg::optional_input(residual),
                             KernelArg::output(&mut y),
                         ];
-                        let args =
-                            moe_arguments(io, &weights, &mut workspace, 1, [8, 2, 64, 32, 0, 1]);
+                        let sizes = [8, 2, 64, 32, 0, 1];
+                        let warps = tile_warps(t, 1, true);
+                        let args = moe_arguments(io, &weights, &mut workspace, 1, sizes, warps);
                         checks.check(&t.name, kernel, &args);
                     }
                 }
