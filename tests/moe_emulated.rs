@@ -289,8 +289,8 @@ fn emulate(
     let shared_scale = emu.zeros(4 * t);
     let partial = emu.zeros(4 * positions * h);
     let act = emu.zeros(2 * positions * i);
-    let persistent_warps = tile_warps(facts, t, false);
-    let mut args: [u64; 32] = [
+    let warps = tile_warps(facts, t);
+    let args: [u64; 32] = [
         x_buf,
         residual_buf,
         y_buf,
@@ -321,8 +321,8 @@ fn emulate(
         i as u64,
         sh as u64,
         u64::from(host.shared_gate.is_some()),
-        u64::from(persistent_warps.gate_up),
-        u64::from(persistent_warps.down),
+        u64::from(warps.gate_up),
+        u64::from(warps.down),
     ];
     let kernel = format!("moe_{format}_m{rows}");
     let threads = facts.moe.warps_per_block * facts.warp_size;
@@ -340,10 +340,6 @@ fn emulate(
         t,
         rows,
     );
-    // the split launches' own warps per tile (the wide ones for a few tokens)
-    let split_warps = tile_warps(facts, t, true);
-    args[30] = u64::from(split_warps.gate_up);
-    args[31] = u64::from(split_warps.down);
     for _ in 0..2 {
         emu.launch(&format!("moe_route_m{rows}"), grids.route, threads, &args);
         emu.launch(

@@ -239,12 +239,12 @@ pub struct MoeTiles {
     /// Resident blocks per SM the split launches' gate_up and down kernels are compiled for
     /// (their launch bounds: fewer registers per thread than the persistent kernel's).
     pub split_blocks_per_sm: u32,
-    /// Split launches of at most this many tokens use the `wide_*_warps_per_tile` (more warps
-    /// per tile, each a shorter chain); 0 never.
+    /// Launches of at most this many tokens use the `wide_*_warps_per_tile` (more warps per
+    /// tile, each a shorter chain); 0 never.
     pub wide_max_tokens: u32,
-    /// As `gate_up_warps_per_tile`, for split launches of at most `wide_max_tokens` tokens.
+    /// As `gate_up_warps_per_tile`, for launches of at most `wide_max_tokens` tokens.
     pub wide_gate_up_warps_per_tile: u32,
-    /// As `down_warps_per_tile`, for split launches of at most `wide_max_tokens` tokens.
+    /// As `down_warps_per_tile`, for launches of at most `wide_max_tokens` tokens.
     pub wide_down_warps_per_tile: u32,
     /// Blocks of at most this many tokens run as the three split launches (route, gate_up,
     /// down) instead of the persistent one; 0 never.

@@ -568,11 +568,12 @@ fn reference_block(host: &MoeHostWeights, x: &[bf16], t: usize) -> (Vec<f32>, Ro
     (out, routing)
 }
 
-/// Warps per gate_up tile and per down tile of a launch of `tokens` tokens: the wide choice of
-/// `moe.wide_*` for split launches of at most `moe.wide_max_tokens` tokens, else the target's.
-pub fn tile_warps(target: &TargetFacts, tokens: usize, split: bool) -> TileWarps {
+/// Warps per gate_up tile and per down tile of a launch of `tokens` tokens: `moe.wide_*` up to
+/// `moe.wide_max_tokens` tokens, else the target's. The persistent and the split launches of the
+/// same tokens use the same, so they sum every tile's K groups alike (bit-equal outputs).
+pub fn tile_warps(target: &TargetFacts, tokens: usize) -> TileWarps {
     let m = &target.moe;
-    if split && tokens <= m.wide_max_tokens as usize {
+    if tokens <= m.wide_max_tokens as usize {
         TileWarps {
             gate_up: m.wide_gate_up_warps_per_tile,
             down: m.wide_down_warps_per_tile,
@@ -621,7 +622,7 @@ impl SplitGrids {
         rows: u32,
     ) -> Self {
         let m = &target.moe;
-        let warps = tile_warps(target, tokens, true);
+        let warps = tile_warps(target, tokens);
         let per_item = |warps_per_tile: u32| (m.warps_per_block / warps_per_tile) as usize;
         let chunks = tokens.div_ceil(rows as usize);
         let router_tiles = (shape.experts + usize::from(has_shared_gate)).div_ceil(16);
@@ -826,7 +827,7 @@ fn moe_block_device(
             KernelArg::output_range(y, chunk)?,
         ];
         // tokens <= capacity, checked against 16-bit slot counts
-        let warps = tile_warps(target, tokens, split);
+        let warps = tile_warps(target, tokens);
         let args = moe_arguments(io, device, w, tokens as u32, sizes, warps);
         for &(kernel, blocks) in launches {
             let dims = LaunchDims::linear(blocks, threads);
@@ -900,7 +901,7 @@ mod tests {
                             KernelArg::output(&mut y),
                         ];
                         let sizes = [8, 2, 64, 32, 0, 1];
-                        let warps = tile_warps(t, 1, true);
+                        let warps = tile_warps(t, 1);
                         let args = moe_arguments(io, &weights, &mut workspace, 1, sizes, warps);
                         checks.check(&t.name, kernel, &args);
                     }
