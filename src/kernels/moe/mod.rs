@@ -20,7 +20,11 @@
 //!   same planes in turn and rounds alike); the route launch loads the router, and the down
 //!   launch the routing and its weights, before waiting for the kernel before them (programmatic
 //!   dependent launch); the gate_up launch runs the shared expert's items whole before its wait
-//!   (they need only X), so at decode the shared expert overlaps the routing. Experts nobody chose cost nothing (they get no work
+//!   (they need only X), so at decode the shared expert overlaps the routing. The warps that
+//!   share one expert tile's K groups are a launch argument ([`tile_warps`]): more of them, each
+//!   a shorter chain, up to `moe.wide_max_tokens` tokens (the split gate_up and down kernels are
+//!   compiled for `moe.split_blocks_per_sm` resident blocks, so a decode step's items fit one
+//!   wave). Experts nobody chose cost nothing (they get no work
 //!   items); every chosen expert's weights are read once from DRAM per launch (an expert with
 //!   more tokens than a pass, 8, re-reads its tiles from L2). Work items are claimed in order
 //!   from a counter, so the kernel cannot deadlock whatever number of its blocks is resident; a
