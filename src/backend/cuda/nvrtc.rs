@@ -109,7 +109,7 @@ pub fn cuda_include_dir() -> Result<PathBuf> {
 const COMPILER_STACK_BYTES: usize = 64 << 20;
 
 /// Compiles `source` for `target` (its real architecture, so the output holds a CUBIN and the
-/// ptxas resource report), on a thread of [`COMPILER_STACK_BYTES`] whatever the caller's stack.
+/// ptxas resource report), on a thread of `COMPILER_STACK_BYTES` whatever the caller's stack.
 ///
 /// # Errors
 /// [`Error::CudaUnavailable`] without NVRTC, [`Error::Compile`] with NVRTC's log on failure (or

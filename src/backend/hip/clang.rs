@@ -1,5 +1,5 @@
 //! clang for amdgcn: compiles a rendered HIP source for a gfx target with no ROCm install
-//! (`-x hip -nogpuinc -nogpulib --cuda-device-only`, flags in [`toolchain`]) into a code object,
+//! (`-x hip -nogpuinc -nogpulib --cuda-device-only`, flags in `toolchain`) into a code object,
 //! and reads clang's per-kernel resource remarks (VGPRs, SGPRs, scratch, spills, LDS).
 
 use super::toolchain;

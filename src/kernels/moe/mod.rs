@@ -2,7 +2,7 @@
 //! experts, top-k, renormalisation; per expert `down(silu(gate x) * up x)`; a shared expert scaled
 //! by `sigmoid(shared_expert_gate x)`), `kernels/templates/moe.cu`.
 //!
-//! - [`reference`]: the CPU reference, the definition.
+//! - [`reference`](mod@reference): the CPU reference, the definition.
 //! - [`weights`]: the block's weights on the host (from float slices, per-expert NVFP4 matrices or
 //!   a checkpoint) and their kernel layout.
 //! - [`MoeWeights`] on a backend, a caller-held [`MoeWorkspace`], and [`moe_block`]: the whole

@@ -145,7 +145,7 @@ const FP32_SUM_ERROR: f64 = 1.0 / 16384.0;
 /// [`expert_mlp_accumulate`] with every activation `silu(gate) * up` rounded to bf16 as the GPU
 /// kernels do (round to nearest even, [`crate::formats::bf16::round_f64`]). An activation whose
 /// exact value lies so close to a bf16 rounding midpoint that the kernel's fp32 gate and up sums
-/// (within [`FP32_SUM_ERROR`] of their absolute sums) may round it the other way adds
+/// (within `FP32_SUM_ERROR` of their absolute sums) may round it the other way adds
 /// `|scale| |down[row][i]|` times the gap between its two possible values to `slack[row]`: the
 /// output's legitimate disagreement beyond the reference's own rounding.
 pub fn expert_mlp_accumulate_bf16(

@@ -3,7 +3,7 @@
 //! ragged draft counts, counter-based random numbers, per-sequence errors and per-position
 //! acceptance statistics (`kernels/templates/verify.cu`).
 //!
-//! [`reference`] is the definition; the device kernels reproduce it bit for bit (same tokens, same
+//! [`reference`](mod@reference) is the definition; the device kernels reproduce it bit for bit (same tokens, same
 //! accept counts), which is what the GPU tests check. The kernels never sort the vocabulary:
 //!
 //! - `verify_histogram` (pass 1 over the logits): each row's blocks histogram the tokens by
@@ -228,7 +228,7 @@ pub mod device {
         pub emitted: u64,
         /// Out: `[sequences][STATUS_WORDS]`.
         pub status: u64,
-        /// In/out: drafted[max_drafts], then accepted[max_drafts] (u64, accumulated).
+        /// In/out: `drafted[max_drafts]`, then `accepted[max_drafts]` (u64, accumulated).
         pub stats: u64,
         /// V.
         pub vocab: u32,
