@@ -315,10 +315,19 @@ fn bench_decode_measures_every_case_and_writes_json() {
             "{speculation}"
         );
     }
+    // --kernel-costs was not asked for (and needs a device backend: refused below)
+    assert_eq!(
+        report["kernel_costs"].as_array().map(Vec::len),
+        Some(0),
+        "{report}"
+    );
     let (code, _, stderr) = fp4spec(&["bench", "decode", "--backend", "cpu", "--drafts", "9"]);
     assert_eq!(code, 2);
     assert!(stderr.contains("--drafts 9"), "{stderr}");
     let (code, _, stderr) = fp4spec(&["bench", "decode", "--backend", "cpu", "--weights", "fp8"]);
     assert_eq!(code, 2);
     assert!(stderr.contains("--weights `fp8`"), "{stderr}");
+    let (code, _, stderr) = fp4spec(&["bench", "decode", "--backend", "cpu", "--kernel-costs"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("--kernel-costs needs a device"), "{stderr}");
 }

@@ -168,6 +168,11 @@ impl Backend {
                 ),
             ));
         }
+        if let Some(filter) = self.launch_filter() {
+            if !filter.admits(kernel, dims) {
+                return Ok(());
+            }
+        }
         match self {
             Self::Cpu => Err(Error::invalid(
                 format!("launch of `{kernel}` ({family})"),
@@ -177,6 +182,46 @@ impl Backend {
             Self::Cuda(c) => unsafe { c.launch(family, kernel, dims, args) },
             // SAFETY: forwarded from the caller.
             Self::Hip(h) => unsafe { h.launch(family, kernel, dims, args) },
+        }
+    }
+
+    /// The device backend's launch filter (none on the CPU).
+    fn launch_filter(&self) -> Option<&LaunchFilter> {
+        match self {
+            Self::Cpu => None,
+            Self::Cuda(c) => Some(c.launch_filter()),
+            Self::Hip(h) => Some(h.launch_filter()),
+        }
+    }
+
+    /// Starts (`true`: forgetting what was seen) or stops noting the kind of every launch, for
+    /// [`Backend::recorded_launches`]. Nothing on the CPU backend.
+    pub fn record_launches(&self, on: bool) {
+        if let Some(filter) = self.launch_filter() {
+            filter.update(|state| {
+                state.record = on;
+                if on {
+                    state.seen.clear();
+                }
+            });
+        }
+    }
+
+    /// The kinds of launch noted since [`Backend::record_launches`] was turned on, in order of
+    /// first appearance (empty on the CPU backend).
+    pub fn recorded_launches(&self) -> Vec<LaunchClass> {
+        self.launch_filter()
+            .map(|filter| filter.state().seen.clone())
+            .unwrap_or_default()
+    }
+
+    /// Leaves every launch of `class` out from now on (they return `Ok` without running), or
+    /// none with `None`: a step captured without one kernel tells what that kernel costs it
+    /// (`fp4spec bench decode --kernel-costs`). Results that depend on the kernel are wrong
+    /// while it is left out. Nothing on the CPU backend.
+    pub fn leave_out(&self, class: Option<LaunchClass>) {
+        if let Some(filter) = self.launch_filter() {
+            filter.update(|state| state.skip = class);
         }
     }
 
@@ -571,6 +616,69 @@ pub struct SplitKScratch {
 /// A device backend's split-K scratch, empty until the first launch that splits K.
 pub(crate) type SplitKCell = Mutex<SplitKScratch>;
 
+/// One kind of launch: a kernel at one grid size (the same GEMM kernel serves several layers'
+/// shapes, told apart by their blocks).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchClass {
+    /// The kernel's name.
+    pub kernel: &'static str,
+    /// Blocks in the grid (x * y * z).
+    pub blocks: u32,
+}
+
+impl std::fmt::Display for LaunchClass {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}@{}", self.kernel, self.blocks)
+    }
+}
+
+/// What a device backend notes about launches and which it leaves out
+/// ([`Backend::record_launches`], [`Backend::leave_out`]); idle (one relaxed load per launch)
+/// unless asked.
+#[derive(Default)]
+pub(crate) struct LaunchFilter {
+    active: std::sync::atomic::AtomicBool,
+    state: Mutex<LaunchFilterState>,
+}
+
+#[derive(Default)]
+pub(crate) struct LaunchFilterState {
+    record: bool,
+    seen: Vec<LaunchClass>,
+    skip: Option<LaunchClass>,
+}
+
+impl LaunchFilter {
+    fn state(&self) -> MutexGuard<'_, LaunchFilterState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn update(&self, change: impl FnOnce(&mut LaunchFilterState)) {
+        let mut state = self.state();
+        change(&mut state);
+        let active = state.record || state.skip.is_some();
+        self.active
+            .store(active, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether a launch of `kernel` on `dims` runs (noting it when recording).
+    fn admits(&self, kernel: &'static str, dims: &LaunchDims) -> bool {
+        if !self.active.load(std::sync::atomic::Ordering::Relaxed) {
+            return true;
+        }
+        let (x, y, z) = dims.grid;
+        let class = LaunchClass {
+            kernel,
+            blocks: x.saturating_mul(y).saturating_mul(z),
+        };
+        let mut state = self.state();
+        if state.record && !state.seen.contains(&class) {
+            state.seen.push(class.clone());
+        }
+        state.skip.as_ref() != Some(&class)
+    }
+}
+
 /// The most arguments one launch passes (the longest list, `gdn_step_*`'s, has 33).
 pub const MAX_KERNEL_ARGS: usize = 40;
 
@@ -889,6 +997,49 @@ pub struct KernelResources {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The filter admits everything until asked; recording notes each kind once in order of
+    /// first appearance; a left-out kind (kernel and blocks) is refused, others of the same
+    /// kernel are not.
+    #[test]
+    fn the_launch_filter_notes_kinds_and_leaves_out_only_the_one_asked() {
+        let filter = LaunchFilter::default();
+        let dims = |x: u32, y: u32| LaunchDims {
+            grid: (x, y, 1),
+            block: (32, 1, 1),
+            shared_bytes: 0,
+        };
+        assert!(filter.admits("gemm", &dims(386, 1)));
+        assert!(filter.state().seen.is_empty(), "noted while idle");
+        filter.update(|s| s.record = true);
+        for (kernel, x, y) in [
+            ("gemm", 386, 1),
+            ("norm", 1, 1),
+            ("gemm", 128, 3),
+            ("gemm", 386, 1),
+        ] {
+            assert!(filter.admits(kernel, &dims(x, y)));
+        }
+        let seen: Vec<String> = filter
+            .state()
+            .seen
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(seen, ["gemm@386", "norm@1", "gemm@384"]);
+        filter.update(|s| {
+            s.record = false;
+            s.skip = Some(LaunchClass {
+                kernel: "gemm",
+                blocks: 384,
+            });
+        });
+        assert!(!filter.admits("gemm", &dims(128, 3)));
+        assert!(filter.admits("gemm", &dims(386, 1)));
+        assert!(filter.admits("norm", &dims(1, 1)));
+        filter.update(|s| s.skip = None);
+        assert!(filter.admits("gemm", &dims(128, 3)));
+    }
 
     #[test]
     fn each_argument_points_at_its_own_value_of_its_own_size() {

@@ -67,6 +67,11 @@ pub struct DecodeArgs {
     /// against rows per step), one line per context.
     #[arg(long, value_name = "PREFIX")]
     chart: Option<PathBuf>,
+    /// Also, for every plain (n = 0) case: what each kind of launch (a kernel at one grid size)
+    /// costs the step, from the step captured and timed without it (a device backend; one more
+    /// timed case per kind of launch).
+    #[arg(long)]
+    kernel_costs: bool,
 }
 
 /// Acceptance rates the seeds measured (per draft, across their runs), at which the speed-up of
@@ -117,6 +122,19 @@ struct Speculation {
     speedups: Vec<(usize, Vec<f64>)>,
 }
 
+/// What one kind of launch costs a plain step (`--kernel-costs`).
+#[derive(serde::Serialize)]
+struct KernelCost {
+    batch: usize,
+    context: usize,
+    /// The kernel and its grid's blocks, `kernel@blocks`.
+    launch: String,
+    /// Median ms per step with every launch of this kind left out (graph replays).
+    ms_per_step_without: f64,
+    /// The full step's ms minus that: what the launches add to the step's critical path.
+    cost_ms: f64,
+}
+
 #[derive(serde::Serialize)]
 struct Report<'a> {
     device: String,
@@ -126,6 +144,7 @@ struct Report<'a> {
     cases: Vec<Case>,
     acceptance_rates: [f64; 5],
     speculation: Vec<Speculation>,
+    kernel_costs: Vec<KernelCost>,
 }
 
 /// Runs `fp4spec bench ...`.
@@ -166,6 +185,11 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
     }
     let kind: BackendKind = args.backend.parse()?;
     let backend = Backend::new(kind)?;
+    if args.kernel_costs && matches!(backend, Backend::Cpu) {
+        return Err(Failure::Input(
+            "--kernel-costs needs a device backend (the CPU runs no kernels)".into(),
+        ));
+    }
     let config = match &args.model {
         Some(dir) => ModelConfig::load(dir)?,
         None => ModelConfig::qwen36_35b_a3b(),
@@ -202,6 +226,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
     };
     let (gb10, strix) = (preset("gb10"), preset("strix-halo"));
     let mut cases = Vec::new();
+    let mut kernel_costs = Vec::new();
     let mut graph = false;
     for &batch in &args.batch {
         for &drafts in &args.drafts {
@@ -251,6 +276,15 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
                     projected_gb10_tokens_per_second: projected(gb10),
                     projected_strix_halo_tokens_per_second: projected(strix),
                 });
+                if args.kernel_costs && drafts == 0 {
+                    kernel_costs.extend(costs_of_launches(
+                        &backend,
+                        &model,
+                        (batch, context, capacity),
+                        timed.step_ms,
+                        &args,
+                    )?);
+                }
             }
         }
     }
@@ -301,6 +335,23 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
             "this backend captures no graphs: steps launched call by call"
         }
     );
+    if !kernel_costs.is_empty() {
+        println!(
+            "kernel costs (each kind of launch left out of the captured step: the full step's ms \
+             minus the step's without it; a kernel whose results steer later steps, such as \
+             positions or the next tokens, changes their work when left out):"
+        );
+        println!(
+            "{:>3} {:>7} {:<36} {:>12} {:>9}",
+            "B", "context", "kernel@blocks", "ms without", "cost ms"
+        );
+        for k in &kernel_costs {
+            println!(
+                "{:>3} {:>7} {:<36} {:>12.3} {:>9.3}",
+                k.batch, k.context, k.launch, k.ms_per_step_without, k.cost_ms
+            );
+        }
+    }
     let speculation = speculation(&args, &cases);
     if speculation.iter().any(|s| !s.speedups.is_empty()) {
         println!(
@@ -380,6 +431,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
             cases,
             acceptance_rates: SEED_ACCEPTANCE,
             speculation,
+            kernel_costs,
         };
         let text = serde_json::to_string_pretty(&report)
             .map_err(|e| Failure::Input(format!("JSON of the report: {e}")))?;
@@ -488,6 +540,48 @@ impl Stepper<'_> {
         }
         Ok(())
     }
+}
+
+/// `--kernel-costs` for one plain case (`batch` sequences at `context`, caches of `capacity`
+/// positions, `full_ms` per step with every launch): the kinds of launch a step makes (noted
+/// while a decoder captures its step), then per kind a decoder captured without it, timed as the
+/// case was.
+fn costs_of_launches(
+    backend: &Backend,
+    model: &DeviceModel,
+    (batch, context, capacity): (usize, usize, usize),
+    full_ms: f64,
+    args: &DecodeArgs,
+) -> Result<Vec<KernelCost>, Failure> {
+    backend.record_launches(true);
+    let noted = Decoder::new(model, batch, capacity).map(drop);
+    backend.record_launches(false);
+    noted?;
+    let mut costs = Vec::new();
+    for class in backend.recorded_launches() {
+        backend.leave_out(Some(class.clone()));
+        let timed = Decoder::new(model, batch, capacity)
+            .map_err(Failure::from)
+            .and_then(|mut decoder| {
+                decoder.start_distinct()?;
+                time_steps(
+                    backend,
+                    &mut Stepper::Plain(Box::new(decoder)),
+                    context,
+                    args,
+                )
+            });
+        backend.leave_out(None);
+        let timed = timed?;
+        costs.push(KernelCost {
+            batch,
+            context,
+            launch: class.to_string(),
+            ms_per_step_without: timed.step_ms,
+            cost_ms: full_ms - timed.step_ms,
+        });
+    }
+    Ok(costs)
 }
 
 /// Medians over the timed runs of one case, ms.

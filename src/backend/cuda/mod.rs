@@ -8,7 +8,8 @@ pub mod cublas;
 pub mod nvrtc;
 
 use crate::backend::{
-    KernelArg, LaunchDims, MAX_KERNEL_ARGS, SplitKCell, check_arg_backends, check_arg_sizes,
+    KernelArg, LaunchDims, LaunchFilter, MAX_KERNEL_ARGS, SplitKCell, check_arg_backends,
+    check_arg_sizes,
 };
 use crate::error::{Error, Result};
 use crate::kernels::table;
@@ -35,6 +36,7 @@ pub struct CudaBackend {
     launch_targets: Mutex<HashMap<(&'static str, &'static str), Arc<LaunchTarget>>>,
     driver_version: i32,
     split_k: SplitKCell,
+    launch_filter: LaunchFilter,
 }
 
 /// A kernel as [`CudaBackend::launch`] needs it: the function and, where the driver can say,
@@ -114,6 +116,7 @@ impl CudaBackend {
             launch_targets: Mutex::new(HashMap::new()),
             driver_version,
             split_k: SplitKCell::default(),
+            launch_filter: LaunchFilter::default(),
         })
     }
 
@@ -134,6 +137,11 @@ impl CudaBackend {
 
     /// The device's split-K scratch (grown by
     /// [`Backend::split_k_scratch`](crate::backend::Backend::split_k_scratch)).
+    /// Which launches are noted and which left out (`Backend::leave_out`).
+    pub(crate) fn launch_filter(&self) -> &LaunchFilter {
+        &self.launch_filter
+    }
+
     pub(crate) fn split_k_scratch(&self) -> &SplitKCell {
         &self.split_k
     }

@@ -23,7 +23,9 @@ mod runtime;
 #[path = "runtime_absent.rs"]
 mod runtime;
 
-use crate::backend::{KernelArg, LaunchDims, MAX_KERNEL_ARGS, SplitKCell, check_arg_backends};
+use crate::backend::{
+    KernelArg, LaunchDims, LaunchFilter, MAX_KERNEL_ARGS, SplitKCell, check_arg_backends,
+};
 use crate::error::{Error, Result};
 use crate::kernels::table;
 use crate::target::{self, TargetFacts, Vendor};
@@ -100,6 +102,7 @@ pub struct HipBackend {
     modules: Mutex<HashMap<&'static str, Arc<LoadedModule>>>,
     functions: Mutex<HashMap<(&'static str, &'static str), LoadedFunction>>,
     split_k: SplitKCell,
+    launch_filter: LaunchFilter,
 }
 
 // SAFETY: the HIP runtime's handles may be used from any host thread (its API is thread-safe);
@@ -187,6 +190,7 @@ impl HipBackend {
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             split_k: SplitKCell::default(),
+            launch_filter: LaunchFilter::default(),
         })
     }
 
@@ -227,6 +231,11 @@ impl HipBackend {
 
     /// The device's split-K scratch (grown by
     /// [`Backend::split_k_scratch`](crate::backend::Backend::split_k_scratch)).
+    /// Which launches are noted and which left out (`Backend::leave_out`).
+    pub(crate) fn launch_filter(&self) -> &LaunchFilter {
+        &self.launch_filter
+    }
+
     pub(crate) fn split_k_scratch(&self) -> &SplitKCell {
         &self.split_k
     }
