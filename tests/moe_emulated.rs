@@ -5,9 +5,9 @@
 //! library's [`MoeHostWeights::kernel_layout`] for the target's tensor core), against the CPU
 //! reference. One OS thread per GPU thread, blocks one after another: the persistent kernel
 //! lets the first block do every item (they are claimed in order), so this checks the item
-//! decoding, routing, alignment, fragment addressing, passes, combine and the counters' reset, and
-//! the split launches (route, gate_up, down) after it on the same workspace, bit-equal
-//! where no GPU is available; it cannot see races between blocks or timing.
+//! decoding, routing, alignment, fragment addressing, passes, combine and the counters' reset
+//! where no GPU is available, and that the split launches (route, gate_up, down) run after it on
+//! the same workspace give bit-equal outputs; it cannot see races between blocks or timing.
 //!
 //! Needs a C++20 compiler (`$CXX`, else clang++-19 or clang++: the gfx1151 source uses clang's
 //! vector extensions).

@@ -12,8 +12,8 @@
 // blocks, that hand results to each other through counters:
 //   1. router       (router tile group, token chunk): logits[T][E + 1] in fp32 (row E is the
 //                   shared-expert gate) as ROUTER_PLANES planes of partial sums over K, summed in
-//                   plane order where they are read; the last router item of a chunk routes its tokens
-//                   (softmax, top-k, renormalisation, sigmoid of the gate; a warp per token), the
+//                   plane order where they are read; the last router item of a chunk routes its
+//                   tokens (softmax, top-k, renormalisation, sigmoid of the gate; a warp per token), the
 //                   last chunk to be routed aligns every slot by expert, then raises
 //                   routing_ready
 //   2. shared gate_up  (sub-expert, tile group, token chunk): needs only X

@@ -229,13 +229,13 @@ impl HipBackend {
         )
     }
 
-    /// The device's split-K scratch (grown by
-    /// [`Backend::split_k_scratch`](crate::backend::Backend::split_k_scratch)).
     /// Which launches are noted and which left out (`Backend::leave_out`).
     pub(crate) fn launch_filter(&self) -> &LaunchFilter {
         &self.launch_filter
     }
 
+    /// The device's split-K scratch (grown by
+    /// [`Backend::split_k_scratch`](crate::backend::Backend::split_k_scratch)).
     pub(crate) fn split_k_scratch(&self) -> &SplitKCell {
         &self.split_k
     }

@@ -24,9 +24,9 @@
 //!   share one expert tile's K groups are a launch argument ([`tile_warps`]): more of them, each
 //!   a shorter chain, up to `moe.wide_max_tokens` tokens (the split gate_up and down kernels are
 //!   compiled for `moe.split_blocks_per_sm` resident blocks, so a decode step's items fit one
-//!   wave). Experts nobody chose cost nothing (they get no work
-//!   items); every chosen expert's weights are read once from DRAM per launch (an expert with
-//!   more tokens than a pass, 8, re-reads its tiles from L2). Work items are claimed in order
+//!   wave). Experts nobody chose cost nothing (they get no work items); every chosen expert's
+//!   weights are read once from DRAM per launch (an expert with more tokens than a pass, 8,
+//!   re-reads its tiles from L2). Work items are claimed in order
 //!   from a counter, so the kernel cannot deadlock whatever number of its blocks is resident; a
 //!   wait longer than 4 s traps (a launch error naming the wait on stdout) instead of hanging.
 //! - The weights are laid out for the target's [`TensorCore`] (chosen by its instructions):
@@ -600,9 +600,10 @@ pub struct TileWarps {
     pub down: u32,
 }
 
-/// Blocks of the three split launches: one per router item and plane, per gate_up item and per down item
-/// (shared sub-experts' items for every chunk of `rows` tokens, then every rank that could be
-/// active, `min(E, tokens * k)`; blocks past the actual active ranks leave at once). The kernels'
+/// Blocks of the three split launches: one per router item and plane, per gate_up item and per
+/// down item (shared sub-experts' items for every chunk of `rows` tokens, then every rank that
+/// could be active, `min(E, tokens * k)`; blocks past the actual active ranks leave at once). The
+/// kernels'
 /// `make_plan` counts items the same way. Public for the kernels' host emulation
 /// (tests/moe_emulated.rs), which launches them as the runner does.
 pub struct SplitGrids {
@@ -840,8 +841,8 @@ fn moe_block_device(
             // them; the weights were laid out for this shape and the target's tensor core, and
             // the workspace sized for `capacity` tokens of it (shape checked by the caller); its
             // counters are zero between launches (arrival counters rearm themselves, the
-            // persistent launch's last block resets the rest); the split launches' grids are the item counts of
-            // SplitGrids, which the kernels derive the same way.
+            // persistent launch's last block resets the rest); the split launches' grids are the
+            // item counts of SplitGrids, which the kernels derive the same way.
             unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
         }
         w.last_tokens = tokens;
