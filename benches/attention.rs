@@ -2,7 +2,8 @@
 //! a Qwen3.6-35B-A3B full-attention layer (16 query heads over 2 KV heads of 256; prepare,
 //! split-K attention, merge + gate) for B sequences at a given context, replayed from a CUDA
 //! graph (on HIP: launched back to back), beside the time to read the sequences' K and V once at
-//! the device copy bandwidth measured in the same run.
+//! the device copy bandwidth measured in the same run; every split kernel the target renders
+//! ([`DecodeKernel`]: the warp-per-head reference and the mma kernel), so they compare in one run.
 //!
 //! Run: `cargo bench --bench attention` on a CUDA or ROCm host (prints one skip line elsewhere).
 
@@ -10,7 +11,9 @@ mod common;
 
 use common::bench_graph;
 use fp4spec::kernels::attention::reference::AttentionShape;
-use fp4spec::kernels::attention::{self, GatedAttention, KvCache, RopeTable, Rows, Workspace};
+use fp4spec::kernels::attention::{
+    self, DecodeKernel, GatedAttention, KvCache, RopeTable, Rows, Workspace,
+};
 use fp4spec::rng::SplitMix64;
 use half::bf16;
 
@@ -80,31 +83,37 @@ fn main() {
             let mut out = backend.zeros::<bf16>(b * SHAPE.heads * 256).expect("out");
             let mut workspace = Workspace::new(&backend, SHAPE, b, capacity).expect("workspace");
             let bytes = b as u64 * attention::kv_bytes(SHAPE, context + 1);
-            let seconds = bench_graph(
-                &mut criterion,
-                &backend,
-                "attention_decode_step",
-                &format!("B{b}_context{context}"),
-                bytes,
-                |_| {
-                    attention::prepare(
-                        &backend, &layer, &q_gate, &k, &v, &rows, &mut cache, &mut q,
-                    )
-                    .expect("prepare");
-                    attention::attend(
-                        &backend,
-                        SHAPE,
-                        &q,
-                        &q_gate,
-                        &cache,
-                        &rows,
-                        &mut workspace,
-                        &mut out,
-                    )
-                    .expect("attend");
-                },
-            );
-            rows_out.push((b, context, bytes, seconds));
+            for decode in [DecodeKernel::Warp, DecodeKernel::Mma] {
+                if !backend.target().is_some_and(|t| decode.runs_on(t)) {
+                    continue;
+                }
+                let seconds = bench_graph(
+                    &mut criterion,
+                    &backend,
+                    "attention_decode_step",
+                    &format!("{}_B{b}_context{context}", decode.name()),
+                    bytes,
+                    |_| {
+                        attention::prepare(
+                            &backend, &layer, &q_gate, &k, &v, &rows, &mut cache, &mut q,
+                        )
+                        .expect("prepare");
+                        attention::attend_with(
+                            &backend,
+                            decode,
+                            SHAPE,
+                            &q,
+                            &q_gate,
+                            &cache,
+                            &rows,
+                            &mut workspace,
+                            &mut out,
+                        )
+                        .expect("attend");
+                    },
+                );
+                rows_out.push((decode.name(), b, context, bytes, seconds));
+            }
         }
     }
     criterion.final_summary();
@@ -113,13 +122,13 @@ fn main() {
         "one decode step of one full-attention layer (prepare + attend + merge/gate); floor = K/V bytes / copy bandwidth"
     );
     println!(
-        "{:>3} {:>7} {:>12} {:>9} {:>9} {:>7} {:>8}",
-        "B", "context", "KV bytes", "us", "floor us", "GB/s", "of copy"
+        "{:<20} {:>3} {:>7} {:>12} {:>9} {:>9} {:>7} {:>8}",
+        "split kernel", "B", "context", "KV bytes", "us", "floor us", "GB/s", "of copy"
     );
-    for (b, context, bytes, seconds) in rows_out {
+    for (kernel, b, context, bytes, seconds) in rows_out {
         let gbs = bytes as f64 / seconds / 1e9;
         println!(
-            "{b:>3} {context:>7} {bytes:>12} {:>9.2} {:>9.2} {gbs:>7.0} {:>7.1}%",
+            "{kernel:<20} {b:>3} {context:>7} {bytes:>12} {:>9.2} {:>9.2} {gbs:>7.0} {:>7.1}%",
             seconds * 1e6,
             bytes as f64 / (copy_gbs * 1e9) * 1e6,
             100.0 * gbs / copy_gbs

@@ -226,6 +226,198 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(16 * FP4_WARP_SIZE) attention_decode(
     }
 }
 
+{% if target.instructions.mma_sync_bf16 and target.instructions.cp_async %}
+// ============================================================================================
+// attention_decode_mma: attention_decode's blocks and partials, for targets with mma.sync and
+// cp.async. attention_decode's warps each walk the whole split with 2 * ATTN_UNROLL row loads in
+// flight, and the group's warps load the SAME rows, so a block has ~8 KiB of distinct KV in flight
+// and a long context runs at a fraction of the bandwidth (H200, 20000 positions: ~80 us per layer
+// at B = 1 for 41 MB). Here every thread copies its share of the split's K and V rows into shared
+// memory at once (cp.async: the whole split, 64 KiB at head_dim 256, in flight per block), and both
+// products run on the tensor cores, positions as the M dimension and the group's query heads as N
+// (n8 tiles, a group of up to 16 heads in two):
+//   scores[pos][head] = K[pos][:] . q[head][:]   (A = K rows, ldmatrix; B = q from global)
+//   out[dim][head]    = sum_pos V[pos][dim] p[head][pos]   (A = V^T, ldmatrix.trans; B = p)
+// q and p are fp32 values split into bf16 hi + lo halves, each product run on both (the error of
+// hi + lo is ~2^-17 relative), so the result keeps attention_decode's fp32 accuracy with bf16 MMAs.
+// Before its grid wait a block asks the L2 for its rows: always safe (the L2 is coherent), and the
+// reads of a long context start while the kernels before it finish.
+// ============================================================================================
+{% include "common/block_mma.cuh" %}
+{% include "common/cp_async.cuh" %}
+#define ATTN_MMA_WARPS 8
+#define ATTN_POS_TILES (ATTN_SPLIT / 16)
+// warps sharing one 16-position tile of the scores (they split its k16 steps over head_dim)
+#define ATTN_K_PARTS (ATTN_MMA_WARPS / ATTN_POS_TILES)
+// staged K / V rows hold head_dim + 8 bf16: rows 16 bytes apart in the banks, so the 8 rows of
+// an ldmatrix hit distinct banks (head_dim is a multiple of 32)
+#define ATTN_ROW_PAD 8
+// p rows (per head, bf16) likewise: ATTN_SPLIT + 8
+#define ATTN_P_PAD 8
+static_assert(ATTN_SPLIT % 32 == 0 && ATTN_MMA_WARPS % ATTN_POS_TILES == 0,
+              "split_positions: a multiple of 32 whose 16-position tiles divide the warps");
+
+/// `v` as bf16 hi + lo halves packed in pairs with `w`: {hi(v), hi(w)} and {lo(v), lo(w)}.
+FP4_DEVICE void split_bf16_pair(float v, float w, u32& hi, u32& lo) {
+    const u16 hv = f32_to_bf16(v), hw = f32_to_bf16(w);
+    hi = (u32)hv | ((u32)hw << 16);
+    lo = (u32)f32_to_bf16(v - bf16_to_f32(hv)) | ((u32)f32_to_bf16(w - bf16_to_f32(hw)) << 16);
+}
+
+// grid (splits, kv_heads, rows), ATTN_MMA_WARPS warps; dynamic shared memory (bytes, as
+// src/kernels/attention/mod.rs sizes it): K rows, V rows [ATTN_SPLIT][head_dim + ATTN_ROW_PAD]
+// bf16, scores [ATTN_K_PARTS][8 n_tiles][ATTN_SPLIT] f32, p hi and lo [8 n_tiles][ATTN_SPLIT +
+// ATTN_P_PAD] bf16.
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_MMA_WARPS * FP4_WARP_SIZE) attention_decode_mma(
+    const float* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
+    const u32* __restrict__ row_slot, const u32* __restrict__ row_pos,
+    float* __restrict__ partial_ml, float* __restrict__ partial_acc, u32 heads, u32 kv_heads,
+    u32 head_dim, u32 capacity, u32 splits) {
+    extern __shared__ __align__(16) u8 attention_shared[];
+    const u32 split = block_x(), kv_head = block_y(), row = block_z();
+    const u32 group = heads / kv_heads, n_tiles = (group + 7) / 8;
+    const u32 warp = thread_x() / FP4_WARP_SIZE, lane = thread_x() % FP4_WARP_SIZE;
+    const u32 g = lane / 4, t = lane % 4;
+    const u64 first_part = ((u64)row * heads + kv_head * group) * splits + split;  // head 0 of the group
+    // row_slot / row_pos come from launches before the previous one: final before the wait
+    const u32 len = row_pos[row] + 1;
+    const u32 start = split * ATTN_SPLIT;
+    if (start >= len) {
+        chain_after_previous_grid();
+        for (u32 h = thread_x(); h < group; h += ATTN_MMA_WARPS * FP4_WARP_SIZE) {
+            partial_ml[2 * (first_part + (u64)h * splits)] = neg_inf();
+            partial_ml[2 * (first_part + (u64)h * splits) + 1] = 0.0f;
+        }
+        return;
+    }
+    const u32 count = min_u32(ATTN_SPLIT, len - start);
+    const u64 stride = (u64)kv_heads * head_dim;
+    const u64 base = ((u64)row_slot[row] * capacity + start) * stride + (u64)kv_head * head_dim;
+    for (u32 i = thread_x(); i < 2 * count; i += ATTN_MMA_WARPS * FP4_WARP_SIZE)
+        prefetch_l2((i < count ? k_cache : v_cache) + base + (u64)(i % count) * stride, head_dim * 2);
+    chain_after_previous_grid();
+
+    const u32 row_elems = head_dim + ATTN_ROW_PAD, p_elems = ATTN_SPLIT + ATTN_P_PAD;
+    u16* const k_rows = reinterpret_cast<u16*>(attention_shared);
+    u16* const v_rows = k_rows + ATTN_SPLIT * row_elems;
+    float* const scores = reinterpret_cast<float*>(v_rows + ATTN_SPLIT * row_elems);
+    u16* const p_hi = reinterpret_cast<u16*>(scores + ATTN_K_PARTS * 8 * n_tiles * ATTN_SPLIT);
+    u16* const p_lo = p_hi + 8 * n_tiles * p_elems;
+
+    // the split's rows, 16 bytes per copy; positions past the context are zero (their scores are
+    // masked, and zeros keep NaN out of the products)
+    const u32 chunks = head_dim / 8;
+    for (u32 i = thread_x(); i < ATTN_SPLIT * chunks; i += ATTN_MMA_WARPS * FP4_WARP_SIZE) {
+        const u32 pos = i / chunks, c = i % chunks;
+        const u64 at = base + (u64)(pos < count ? pos : 0u) * stride + 8 * c;
+        const u32 bytes = pos < count ? 16u : 0u;
+        cp_async16_zfill(k_rows + pos * row_elems + 8 * c, k_cache + at, bytes);
+        cp_async16_zfill(v_rows + pos * row_elems + 8 * c, v_cache + at, bytes);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    block_barrier();
+
+    // scores: warp (pos tile, k part) takes the k16 steps part, part + ATTN_K_PARTS, ...
+    const float scale = LOG2E / sqrt_f32((float)head_dim);
+    const float* q_group = q + ((u64)row * heads + kv_head * group) * head_dim;
+    {
+        const u32 tile = warp % ATTN_POS_TILES, part = warp / ATTN_POS_TILES;
+        float acc[2][4] = {};
+        for (u32 k0 = 16 * part; k0 < head_dim; k0 += 16 * ATTN_K_PARTS) {
+            u32 a[4];
+            load_a_fragment<false>(a, k_rows, row_elems, 16 * tile, k0);
+            #pragma unroll
+            for (u32 nt = 0; nt < 2; ++nt) {
+                if (nt >= n_tiles) break;
+                const u32 head = 8 * nt + g;
+                u32x2 lo_half = {0u, 0u}, hi_half = {0u, 0u};
+                if (head < group) {
+                    const float* qh = q_group + (u64)head * head_dim + k0 + 2 * t;
+                    const u32x2 q0 = load_u32x2(qh), q1 = load_u32x2(qh + 8);
+                    split_bf16_pair(bits_to_f32(q0.x) * scale, bits_to_f32(q0.y) * scale, hi_half.x, lo_half.x);
+                    split_bf16_pair(bits_to_f32(q1.x) * scale, bits_to_f32(q1.y) * scale, hi_half.y, lo_half.y);
+                }
+                mma_bf16_m16n8k16(acc[nt], a, hi_half.x, hi_half.y);
+                mma_bf16_m16n8k16(acc[nt], a, lo_half.x, lo_half.y);
+            }
+        }
+        #pragma unroll
+        for (u32 nt = 0; nt < 2; ++nt) {
+            if (nt >= n_tiles) break;
+            #pragma unroll
+            for (int i = 0; i < 4; ++i)
+                scores[(part * 8 * n_tiles + acc_col(lane, nt, i)) * ATTN_SPLIT + 16 * tile + acc_row(lane, i)] =
+                    acc[nt][i];
+        }
+    }
+    block_barrier();
+
+    // softmax in base 2 per head (a warp each): the split's (max, sum) to the workspace, p = 2^(s -
+    // max) as bf16 hi + lo for the second product
+    for (u32 h = warp; h < group; h += ATTN_MMA_WARPS) {
+        float s[ATTN_SPLIT / FP4_WARP_SIZE];
+        float m = neg_inf();
+        #pragma unroll
+        for (int j = 0; j < ATTN_SPLIT / FP4_WARP_SIZE; ++j) {
+            const u32 pos = j * FP4_WARP_SIZE + lane;
+            float sum = 0.0f;
+            #pragma unroll
+            for (u32 part = 0; part < ATTN_K_PARTS; ++part) sum += scores[(part * 8 * n_tiles + h) * ATTN_SPLIT + pos];
+            s[j] = pos < count ? sum : neg_inf();
+            m = s[j] > m ? s[j] : m;
+        }
+        m = warp_max(m);
+        float l = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < ATTN_SPLIT / FP4_WARP_SIZE; ++j) {
+            const u32 pos = j * FP4_WARP_SIZE + lane;
+            const float p = exp2_f32(s[j] - m);
+            l += p;
+            const u16 hi = f32_to_bf16(p);
+            p_hi[h * p_elems + pos] = hi;
+            p_lo[h * p_elems + pos] = f32_to_bf16(p - bf16_to_f32(hi));
+        }
+        l = warp_sum(l);
+        if (lane == 0) {
+            partial_ml[2 * (first_part + (u64)h * splits)] = m;
+            partial_ml[2 * (first_part + (u64)h * splits) + 1] = l;
+        }
+    }
+    block_barrier();
+
+    // out^T[dim][head]: warp w takes the 16-dimension tiles w, w + ATTN_MMA_WARPS, ...
+    for (u32 d0 = 16 * warp; d0 < head_dim; d0 += 16 * ATTN_MMA_WARPS) {
+        float acc[2][4] = {};
+        #pragma unroll
+        for (u32 p0 = 0; p0 < ATTN_SPLIT; p0 += 16) {
+            u32 a[4];
+            load_a_fragment<true>(a, v_rows, row_elems, d0, p0);
+            #pragma unroll
+            for (u32 nt = 0; nt < 2; ++nt) {
+                if (nt >= n_tiles) break;
+                // heads past the group hold stale p: their columns are never stored
+                const u32 at = (8 * nt + g) * p_elems + p0 + 2 * t;
+                mma_bf16_m16n8k16(acc[nt], a, *reinterpret_cast<const u32*>(p_hi + at),
+                                  *reinterpret_cast<const u32*>(p_hi + at + 8));
+                mma_bf16_m16n8k16(acc[nt], a, *reinterpret_cast<const u32*>(p_lo + at),
+                                  *reinterpret_cast<const u32*>(p_lo + at + 8));
+            }
+        }
+        #pragma unroll
+        for (u32 nt = 0; nt < 2; ++nt) {
+            if (nt >= n_tiles) break;
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 head = acc_col(lane, nt, i);
+                if (head < group)
+                    partial_acc[(first_part + (u64)head * splits) * head_dim + d0 + acc_row(lane, i)] = acc[nt][i];
+            }
+        }
+    }
+}
+{% endif %}
+
 // One block per (row, query head): the row's splits merged, times sigmoid(gate), bf16 out.
 // Every warp finds the max and the rescaled sum over all used splits (2 floats per split, cheap
 // to repeat); the accumulators, 1 KiB per split at head_dim 256, are split across the warps (warp

@@ -57,7 +57,6 @@ FP4_DEVICE float rsqrt_f32(float v) { return __builtin_amdgcn_rsqf(v); }
 // ---- end of vendor differences ----
 
 typedef long long i64;
-FP4_DEVICE u32 min_u32(u32 a, u32 b) { return a < b ? a : b; }
 FP4_DEVICE float silu_f32(float v) { return v / (1.0f + exp_f32(-v)); }
 /// ln(1 + e^v) without a log1p: e^v below -15 (where 1 + e^v rounds to 1), v above 20.
 FP4_DEVICE float softplus_f32(float v) { return v > 20.0f ? v : (v < -15.0f ? exp_f32(v) : log_f32(1.0f + exp_f32(v))); }

@@ -145,7 +145,6 @@ struct Plan {
 };
 
 FP4_DEVICE u32 div_up(u32 a, u32 b) { return (a + b - 1) / b; }
-FP4_DEVICE u32 min_u32(u32 a, u32 b) { return a < b ? a : b; }
 FP4_DEVICE float max_f32(float a, float b) { return a > b ? a : b; }  // operands are never NaN here
 
 template <int ROWS>

@@ -393,6 +393,28 @@ impl TargetFacts {
         if a.split_positions == 0 {
             return fail("attention.split_positions must be positive".into());
         }
+        // attention_decode_mma: 16-position tiles over 8 warps, 32 positions per softmax lane pass
+        if self.instructions.mma_sync_bf16
+            && self.instructions.cp_async
+            && !matches!(a.split_positions, 32 | 64 | 128)
+        {
+            return fail(format!(
+                "attention.split_positions {}: 32, 64 or 128 on a target with mma.sync and \
+                 cp.async (attention_decode_mma's tiles)",
+                a.split_positions
+            ));
+        }
+        // attention_decode_mma: 16-position tiles over 8 warps, 32 positions per softmax lane pass
+        if self.instructions.mma_sync_bf16
+            && self.instructions.cp_async
+            && !matches!(a.split_positions, 32 | 64 | 128)
+        {
+            return fail(format!(
+                "attention.split_positions {}: 32, 64 or 128 on a target with mma.sync and \
+                 cp.async (attention_decode_mma's tiles)",
+                a.split_positions
+            ));
+        }
         let gdn = &self.gdn;
         let lanes = gdn.step_dv_per_block / 4;
         if !matches!(gdn.step_dv_per_block, 4 | 8 | 16 | 32 | 64 | 128)

@@ -1,7 +1,7 @@
 //! What the emulated-kernel tests (tests/gdn_emulated.rs, tests/moe_emulated.rs,
-//! tests/gemm_emulated.rs) share: cutting sections out of an emulator file, splicing them over
-//! the vendor layers of a rendered kernel source, compiling the result for the host, and
-//! reading back the buffers it dumped. Each test file includes it with `mod emulation;`.
+//! tests/gemm_emulated.rs, tests/attention_emulated.rs) share: cutting sections out of an
+//! emulator file, splicing them over the vendor layers of a rendered kernel source, compiling the
+//! result for the host, and reading back the buffers it dumped. Each test file includes it with `mod emulation;`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -5,7 +5,9 @@
 use crate::common::{cuda, random_bf16, rng};
 use fp4spec::backend::{Backend, DeviceVec};
 use fp4spec::kernels::attention::reference::AttentionShape;
-use fp4spec::kernels::attention::{self, GatedAttention, KvCache, RopeTable, Rows, Workspace};
+use fp4spec::kernels::attention::{
+    self, DecodeKernel, GatedAttention, KvCache, RopeTable, Rows, Workspace,
+};
 use fp4spec::kernels::compare::compare_bf16;
 use fp4spec::kernels::norm;
 use fp4spec::rng::SplitMix64;
@@ -103,6 +105,7 @@ fn inputs(rng: &mut SplitMix64, shape: AttentionShape, rows: usize) -> Inputs {
 
 fn run(
     backend: &Backend,
+    decode: DecodeKernel,
     s: &Scenario,
     history: &Inputs,
     step: &Inputs,
@@ -154,8 +157,9 @@ fn run(
         let mut out = backend
             .upload(&vec![bf16::NAN; n * shape.heads * shape.head_dim])
             .expect("out");
-        attention::attend(
+        attention::attend_with(
             backend,
+            decode,
             shape,
             &q,
             &q_gate,
@@ -183,26 +187,33 @@ fn check(test: &str, s: Scenario) {
     let step_rows: usize = s.step.iter().map(|p| p.2).sum();
     let history = inputs(&mut rng, s.shape, history_rows);
     let step = inputs(&mut rng, s.shape, step_rows);
-    let (cpu_q, cpu_keys, cpu_out) = run(&Backend::Cpu, &s, &history, &step);
-    let (gpu_q, gpu_keys, gpu_out) = run(gpu, &s, &history, &step);
-    let q_err = cpu_q
-        .iter()
-        .zip(&gpu_q)
-        .map(|(a, b)| ((a - b).abs() / a.abs().max(1e-3)) as f64)
-        .fold(0.0, f64::max);
-    println!("{test}: q max rel err {q_err:.2e}");
-    assert!(
-        q_err < 1e-4 && gpu_q.iter().all(|v| v.is_finite()),
-        "{test}: q off by {q_err:.2e}"
-    );
-    let want_keys: Vec<f32> = cpu_keys.iter().map(|v| v.to_f32()).collect();
-    let keys = compare_bf16(&gpu_keys, &want_keys);
-    println!("{test}: cached keys {keys}");
-    assert!(keys.passed(), "{test}: cached keys {keys}");
-    let want: Vec<f32> = cpu_out.iter().map(|v| v.to_f32()).collect();
-    let agreement = compare_bf16(&gpu_out, &want);
-    println!("{test}: gated output {agreement}");
-    assert!(agreement.passed(), "{test}: gated output {agreement}");
+    let (cpu_q, cpu_keys, cpu_out) = run(&Backend::Cpu, DecodeKernel::Warp, &s, &history, &step);
+    let target = gpu.target().expect("a device target");
+    for decode in [DecodeKernel::Warp, DecodeKernel::Mma] {
+        if !decode.runs_on(target) {
+            continue;
+        }
+        let test = format!("{test} ({})", decode.name());
+        let (gpu_q, gpu_keys, gpu_out) = run(gpu, decode, &s, &history, &step);
+        let q_err = cpu_q
+            .iter()
+            .zip(&gpu_q)
+            .map(|(a, b)| ((a - b).abs() / a.abs().max(1e-3)) as f64)
+            .fold(0.0, f64::max);
+        println!("{test}: q max rel err {q_err:.2e}");
+        assert!(
+            q_err < 1e-4 && gpu_q.iter().all(|v| v.is_finite()),
+            "{test}: q off by {q_err:.2e}"
+        );
+        let want_keys: Vec<f32> = cpu_keys.iter().map(|v| v.to_f32()).collect();
+        let keys = compare_bf16(&gpu_keys, &want_keys);
+        println!("{test}: cached keys {keys}");
+        assert!(keys.passed(), "{test}: cached keys {keys}");
+        let want: Vec<f32> = cpu_out.iter().map(|v| v.to_f32()).collect();
+        let agreement = compare_bf16(&gpu_out, &want);
+        println!("{test}: gated output {agreement}");
+        assert!(agreement.passed(), "{test}: gated output {agreement}");
+    }
 }
 
 fn norms(rng: &mut SplitMix64, head_dim: usize) -> (Vec<f32>, Vec<f32>) {

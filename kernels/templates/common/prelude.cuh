@@ -189,3 +189,6 @@ FP4_DEVICE void store_coherent_u32x4(void* p, u32x4 v) { store_u32x4(p, v); }
 FP4_DEVICE void prefetch_l2(const void*, u32) {}
 {% endif %}
 // ---- end of portability layer ----
+
+// ---- shared by every family (outside the portability layer, so emulated builds keep it) ----
+FP4_DEVICE u32 min_u32(u32 a, u32 b) { return a < b ? a : b; }

@@ -19,6 +19,7 @@ pub mod reference;
 use super::{check_len, check_u32};
 use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
 use crate::error::{Error, Result};
+use crate::target::TargetFacts;
 use half::bf16;
 use reference::AttentionShape;
 
@@ -26,8 +27,15 @@ use reference::AttentionShape;
 pub const FAMILY: &str = "attention";
 /// q/k norm + RoPE, KV append.
 pub const KERNEL_PREPARE: &str = "attention_prepare";
-/// Split-K attention over the cache.
+/// Split-K attention over the cache, one warp per query head (every target; the reference GPU
+/// version of [`KERNEL_DECODE_MMA`]).
 pub const KERNEL_DECODE: &str = "attention_decode";
+/// The same splits and partials as [`KERNEL_DECODE`], the split's K and V rows staged in shared
+/// memory by cp.async and both products on mma.sync (targets with both; [`attend`] picks it
+/// there).
+pub const KERNEL_DECODE_MMA: &str = "attention_decode_mma";
+/// Warps per block of [`KERNEL_DECODE_MMA`] (`ATTN_MMA_WARPS` in the template).
+const DECODE_MMA_WARPS: u32 = 8;
 /// Merge of the splits and the output gate.
 pub const KERNEL_COMBINE_GATE: &str = "attention_combine_gate";
 /// Largest head dimension the kernels hold in registers.
@@ -156,6 +164,21 @@ fn splits_for(backend: &Backend, capacity: usize) -> usize {
             .div_ceil(t.attention.split_positions as usize)
             .max(1)
     })
+}
+
+/// Dynamic shared memory of one [`KERNEL_DECODE_MMA`] block, bytes: the split's K and V rows
+/// (`head_dim + 8` bf16 each, the padding that keeps ldmatrix free of bank conflicts), the
+/// scores of its k parts (f32) and p as bf16 hi and lo halves, for the group's heads in tiles of 8.
+/// The layout the template's comment above the kernel gives, in the same order.
+/// `split_positions` is the target's `attention.split_positions` (a multiple of 16).
+pub fn decode_mma_shared_bytes(shape: AttentionShape, split_positions: usize) -> usize {
+    let n_tiles = (shape.heads / shape.kv_heads).div_ceil(8);
+    let pos_tiles = split_positions / 16;
+    let k_parts = DECODE_MMA_WARPS as usize / pos_tiles.max(1);
+    let rows = 2 * split_positions * (shape.head_dim + 8) * 2;
+    let scores = k_parts * 8 * n_tiles * split_positions * 4;
+    let p = 2 * 8 * n_tiles * (split_positions + 8) * 2;
+    rows + scores + p
 }
 
 impl Workspace {
@@ -395,9 +418,48 @@ pub fn prepare(
     }
 }
 
+/// The split kernel of [`attend`] on a device (both write the same partials, merged by
+/// `attention_combine_gate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeKernel {
+    /// [`KERNEL_DECODE`]: one warp per query head, every target.
+    Warp,
+    /// [`KERNEL_DECODE_MMA`]: shared-memory staging and mma.sync (targets with mma.sync and
+    /// cp.async).
+    Mma,
+}
+
+impl DecodeKernel {
+    /// The kernel [`attend`] uses on `target`: [`DecodeKernel::Mma`] where it exists.
+    pub fn preferred(target: &TargetFacts) -> Self {
+        if Self::Mma.runs_on(target) {
+            Self::Mma
+        } else {
+            Self::Warp
+        }
+    }
+
+    /// Whether `target` renders this kernel.
+    pub fn runs_on(self, target: &TargetFacts) -> bool {
+        match self {
+            Self::Warp => true,
+            Self::Mma => target.instructions.mma_sync_bf16 && target.instructions.cp_async,
+        }
+    }
+
+    /// The kernel's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Warp => KERNEL_DECODE,
+            Self::Mma => KERNEL_DECODE_MMA,
+        }
+    }
+}
+
 /// Step 2: every row's attention over positions `0 ..= position` of its slot, merged over the
 /// splits and multiplied by `sigmoid(gate)` (the second half of each head in `q_gate`), into
-/// `out` (`[rows][heads * head_dim]` bf16).
+/// `out` (`[rows][heads * head_dim]` bf16). On a device the split kernel is
+/// [`DecodeKernel::preferred`] for its target.
 ///
 /// # Errors
 /// [`Error::Invalid`] for buffer lengths that disagree with the shapes, a workspace made for
@@ -406,6 +468,33 @@ pub fn prepare(
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     backend: &Backend,
+    shape: AttentionShape,
+    q: &DeviceVec<f32>,
+    q_gate: &DeviceVec<bf16>,
+    cache: &KvCache,
+    rows: &Rows,
+    workspace: &mut Workspace,
+    out: &mut DeviceVec<bf16>,
+) -> Result<()> {
+    let decode = backend
+        .target()
+        .map_or(DecodeKernel::Warp, DecodeKernel::preferred);
+    attend_with(
+        backend, decode, shape, q, q_gate, cache, rows, workspace, out,
+    )
+}
+
+/// [`attend`] with the split kernel `decode` (ignored on the CPU), so benches and tests can run
+/// both on one device.
+///
+/// # Errors
+/// As [`attend`]; [`Error::Invalid`] when the target does not render `decode`, or when its
+/// shared memory cannot hold one split of [`KERNEL_DECODE_MMA`] (lower
+/// `attention.split_positions`).
+#[allow(clippy::too_many_arguments)]
+pub fn attend_with(
+    backend: &Backend,
+    decode: DecodeKernel,
     shape: AttentionShape,
     q: &DeviceVec<f32>,
     q_gate: &DeviceVec<bf16>,
@@ -500,10 +589,41 @@ pub fn attend(
                 ));
             }
             let warp = target.warp_size;
-            let decode = LaunchDims {
-                grid: (splits32, kv, n32),
-                block: ((heads / kv) * warp, 1, 1),
-                shared_bytes: 0,
+            if !decode.runs_on(target) {
+                return Err(Error::invalid(
+                    "attention decode kernel",
+                    format!("{} is not rendered for {}", decode.name(), target.name),
+                ));
+            }
+            let (kernel, decode) = if decode == DecodeKernel::Mma {
+                let bytes =
+                    decode_mma_shared_bytes(shape, target.attention.split_positions as usize);
+                if bytes > target.max_shared_bytes_per_block as usize {
+                    return Err(Error::invalid(
+                        "attention split",
+                        format!(
+                            "{KERNEL_DECODE_MMA} on {} needs {bytes} bytes of shared memory for \
+                             {} positions of head_dim {hd} (at most {}): lower \
+                             attention.split_positions in kernels/targets.toml",
+                            target.name,
+                            target.attention.split_positions,
+                            target.max_shared_bytes_per_block
+                        ),
+                    ));
+                }
+                let dims = LaunchDims {
+                    grid: (splits32, kv, n32),
+                    block: (DECODE_MMA_WARPS * warp, 1, 1),
+                    shared_bytes: check_u32("attention shared memory", bytes)?,
+                };
+                (KERNEL_DECODE_MMA, dims)
+            } else {
+                let dims = LaunchDims {
+                    grid: (splits32, kv, n32),
+                    block: ((heads / kv) * warp, 1, 1),
+                    shared_bytes: 0,
+                };
+                (KERNEL_DECODE, dims)
             };
             let args = [
                 KernelArg::input(q),
@@ -519,11 +639,11 @@ pub fn attend(
                 KernelArg::u32(check_u32("cache capacity", cache.capacity)?),
                 KernelArg::u32(splits32),
             ];
-            // SAFETY: the arguments are attention_decode's parameters in order; q holds rows x
+            // SAFETY: the arguments are the decode kernels' parameters in order; q holds rows x
             // heads x head_dim, the workspace rows x heads x splits partials (checked above);
             // the cache is indexed by the rows' slots and positions, which the caller keeps in
             // range.
-            unsafe { backend.launch(FAMILY, KERNEL_DECODE, &decode, &args) }?;
+            unsafe { backend.launch(FAMILY, kernel, &decode, &args) }?;
             let combine_warps = target.attention.combine_warps_per_block;
             let combine = LaunchDims::linear(n32 * heads, combine_warps * warp);
             let args = [
