@@ -1,6 +1,6 @@
 //! The `attention` decode kernels run on the CPU: the source rendered for each mma.sync target is
 //! compiled for the host with tests/attention_emulator.cpp (and the GDN and GEMM emulators'
-//! layers it names) in place of its vendor layers, and `attention_decode_mma` runs with the
+//! layers it names) in place of its vendor layers, and `attention_decode_mma_g*` runs with the
 //! arguments src/kernels/attention/mod.rs passes, beside `attention_decode` (its reference GPU
 //! version), on the real head shape and awkward ones (a group of 12 heads, two n8 tiles; head_dim
 //! 160, an odd number of k16 steps per k part; a group of one), contexts of one position, of a
@@ -12,7 +12,9 @@
 //! Needs a C++20 compiler (`$CXX`, else clang++-19, clang++, g++ or c++).
 
 use fp4spec::kernels::attention::reference::{self, AttentionShape};
-use fp4spec::kernels::attention::{self, KERNEL_DECODE, KERNEL_DECODE_MMA};
+use fp4spec::kernels::attention::{
+    self, KERNEL_DECODE, KERNEL_DECODE_MMA_G8, KERNEL_DECODE_MMA_G16,
+};
 use fp4spec::kernels::table;
 use fp4spec::rng::SplitMix64;
 use fp4spec::target::{self, TargetFacts};
@@ -62,7 +64,7 @@ fn emulator(target: &TargetFacts) -> PathBuf {
         "the mma kernel's dynamic shared memory"
     );
     source = source.replace(shared, "u8* attention_shared = emu::dynamic_smem;");
-    let table_entries: String = [KERNEL_DECODE, KERNEL_DECODE_MMA]
+    let table_entries: String = [KERNEL_DECODE, KERNEL_DECODE_MMA_G8, KERNEL_DECODE_MMA_G16]
         .iter()
         .map(|k| format!("        {{\"{k}\", emu::kernel({k})}},\n"))
         .collect();
@@ -127,7 +129,7 @@ fn run_row(
     let mut outputs = Vec::new();
     for (kernel, threads, shared) in [
         (
-            KERNEL_DECODE_MMA,
+            attention::decode_mma_kernel(shape),
             256,
             attention::decode_mma_shared_bytes(shape, split),
         ),
@@ -224,7 +226,8 @@ fn the_mma_decode_kernel_matches_the_reference_and_the_warp_kernel() {
             for len in [1, split + 1, 3 * split - 5] {
                 let [mma, warp, want] = run_row(&exe, target, shape, len, &mut rng);
                 let rms = (want.iter().map(|v| v * v).sum::<f64>() / want.len() as f64).sqrt();
-                for (name, got) in [(KERNEL_DECODE_MMA, &mma), (KERNEL_DECODE, &warp)] {
+                let mma_name = attention::decode_mma_kernel(shape);
+                for (name, got) in [(mma_name, &mma), (KERNEL_DECODE, &warp)] {
                     let worst = got
                         .iter()
                         .zip(&want)

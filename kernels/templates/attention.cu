@@ -11,7 +11,9 @@
 //                           ATTN_SPLIT positions, KV head, row) with one warp per query head of
 //                           the GQA group, so K/V rows are fetched once per group; online
 //                           softmax in base 2, partial (max, sum, acc) to a workspace;
-//   attention_combine_gate  the splits merged, times sigmoid(gate), bf16 out for o_proj.
+//   attention_combine_gate  the splits merged, times sigmoid(gate), bf16 out for o_proj (a
+//                           block per (row, head), or per part of its dimensions at small
+//                           batches).
 {% include "common/prelude.cuh" %}
 
 #define ATTN_PREPARE_WARPS {{ target.attention.prepare_warps_per_block }}
@@ -228,15 +230,16 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(16 * FP4_WARP_SIZE) attention_decode(
 
 {% if target.instructions.mma_sync_bf16 and target.instructions.cp_async %}
 // ============================================================================================
-// attention_decode_mma: attention_decode's blocks and partials, for targets with mma.sync and
+// attention_decode_mma_g*: attention_decode's blocks and partials, for targets with mma.sync and
 // cp.async. attention_decode's warps each walk the whole split with 2 * ATTN_UNROLL row loads in
 // flight, and the group's warps load the SAME rows, so a block has ~8 KiB of distinct KV in flight
 // and a long context runs at a fraction of the bandwidth (H200, 20000 positions: ~80 us per layer
 // at B = 1 for 41 MB). Here every thread copies its share of the split's K and V rows into shared
-// memory at once (cp.async: the whole split, 64 KiB at head_dim 256, in flight per block), and both
-// products run on the tensor cores, positions as the M dimension and the group's query heads as N
-// (n8 tiles, a group of up to 16 heads in two):
-//   scores[pos][head] = K[pos][:] . q[head][:]   (A = K rows, ldmatrix; B = q from global)
+// memory at once (cp.async: the whole split, 64 KiB at head_dim 256, in flight per block; the
+// warps split their q fragments into registers meanwhile), and both products run on the tensor
+// cores, positions as the M dimension and the group's query heads as N (n8 tiles, a group of up to
+// 16 heads in two):
+//   scores[pos][head] = K[pos][:] . q[head][:]   (A = K rows, ldmatrix; B = q, in registers)
 //   out[dim][head]    = sum_pos V[pos][dim] p[head][pos]   (A = V^T, ldmatrix.trans; B = p)
 // q and p are fp32 values split into bf16 hi + lo halves, each product run on both (the error of
 // hi + lo is ~2^-17 relative), so the result keeps attention_decode's fp32 accuracy with bf16 MMAs.
@@ -264,20 +267,22 @@ FP4_DEVICE void split_bf16_pair(float v, float w, u32& hi, u32& lo) {
     lo = (u32)f32_to_bf16(v - bf16_to_f32(hv)) | ((u32)f32_to_bf16(w - bf16_to_f32(hw)) << 16);
 }
 
-// grid (splits, kv_heads, rows), ATTN_MMA_WARPS warps; dynamic shared memory (bytes, as
+// The body of attention_decode_mma_g{8,16}: a group of up to 8 NT heads (NT n8 tiles). grid
+// (splits, kv_heads, rows), ATTN_MMA_WARPS warps; dynamic shared memory (bytes, as
 // src/kernels/attention/mod.rs sizes it): K rows, V rows [ATTN_SPLIT][head_dim + ATTN_ROW_PAD]
-// bf16, scores [ATTN_K_PARTS][8 n_tiles][ATTN_SPLIT] f32, p hi and lo [8 n_tiles][ATTN_SPLIT +
-// ATTN_P_PAD] bf16.
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_MMA_WARPS * FP4_WARP_SIZE) attention_decode_mma(
-    const float* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
-    const u32* __restrict__ row_slot, const u32* __restrict__ row_pos,
-    float* __restrict__ partial_ml, float* __restrict__ partial_acc, u32 heads, u32 kv_heads,
-    u32 head_dim, u32 capacity, u32 splits) {
-    extern __shared__ __align__(16) u8 attention_shared[];
+// bf16, scores [ATTN_K_PARTS][8 NT][ATTN_SPLIT] f32, p hi and lo [8 NT][ATTN_SPLIT + ATTN_P_PAD]
+// bf16.
+template <int NT>
+FP4_DEVICE void decode_mma(const float* q, const u16* k_cache, const u16* v_cache, const u32* row_slot,
+                           const u32* row_pos, float* partial_ml, float* partial_acc, u32 heads, u32 kv_heads,
+                           u32 head_dim, u32 capacity, u32 splits, u8* attention_shared) {
+    // k16 steps of the scores per warp, at most (ATTN_K_PARTS warps share a position tile)
+    constexpr int STEPS = ATTN_MAX_HEAD_DIM / 16 / ATTN_K_PARTS;
     const u32 split = block_x(), kv_head = block_y(), row = block_z();
-    const u32 group = heads / kv_heads, n_tiles = (group + 7) / 8;
+    const u32 group = heads / kv_heads;
     const u32 warp = thread_x() / FP4_WARP_SIZE, lane = thread_x() % FP4_WARP_SIZE;
     const u32 g = lane / 4, t = lane % 4;
+    const u32 tile = warp % ATTN_POS_TILES, part = warp / ATTN_POS_TILES;
     const u64 first_part = ((u64)row * heads + kv_head * group) * splits + split;  // head 0 of the group
     // row_slot / row_pos come from launches before the previous one: final before the wait
     const u32 len = row_pos[row] + 1;
@@ -301,8 +306,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_MMA_WARPS * FP4_WARP_SIZE) attention_deco
     u16* const k_rows = reinterpret_cast<u16*>(attention_shared);
     u16* const v_rows = k_rows + ATTN_SPLIT * row_elems;
     float* const scores = reinterpret_cast<float*>(v_rows + ATTN_SPLIT * row_elems);
-    u16* const p_hi = reinterpret_cast<u16*>(scores + ATTN_K_PARTS * 8 * n_tiles * ATTN_SPLIT);
-    u16* const p_lo = p_hi + 8 * n_tiles * p_elems;
+    u16* const p_hi = reinterpret_cast<u16*>(scores + ATTN_K_PARTS * 8 * NT * ATTN_SPLIT);
+    u16* const p_lo = p_hi + 8 * NT * p_elems;
 
     // the split's rows, 16 bytes per copy; positions past the context are zero (their scores are
     // masked, and zeros keep NaN out of the products)
@@ -315,41 +320,51 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_MMA_WARPS * FP4_WARP_SIZE) attention_deco
         cp_async16_zfill(v_rows + pos * row_elems + 8 * c, v_cache + at, bytes);
     }
     cp_async_commit();
+
+    // while the rows arrive: this warp's q fragments (the B operand of its k16 steps part, part +
+    // ATTN_K_PARTS, ...), scaled, as bf16 hi / lo pairs {b0, b1}; zero past head_dim and the group
+    const float scale = LOG2E / sqrt_f32((float)head_dim);
+    const float* q_group = q + ((u64)row * heads + kv_head * group) * head_dim;
+    u32 q_hi[STEPS][NT][2], q_lo[STEPS][NT][2];
+    #pragma unroll
+    for (int i = 0; i < STEPS; ++i) {
+        const u32 k0 = 16 * (part + ATTN_K_PARTS * i);
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const u32 head = 8 * nt + g;
+            q_hi[i][nt][0] = q_hi[i][nt][1] = q_lo[i][nt][0] = q_lo[i][nt][1] = 0u;
+            if (k0 < head_dim && head < group) {
+                const float* qh = q_group + (u64)head * head_dim + k0 + 2 * t;
+                const u32x2 q0 = load_u32x2(qh), q1 = load_u32x2(qh + 8);
+                split_bf16_pair(bits_to_f32(q0.x) * scale, bits_to_f32(q0.y) * scale, q_hi[i][nt][0], q_lo[i][nt][0]);
+                split_bf16_pair(bits_to_f32(q1.x) * scale, bits_to_f32(q1.y) * scale, q_hi[i][nt][1], q_lo[i][nt][1]);
+            }
+        }
+    }
     cp_async_wait<0>();
     block_barrier();
 
-    // scores: warp (pos tile, k part) takes the k16 steps part, part + ATTN_K_PARTS, ...
-    const float scale = LOG2E / sqrt_f32((float)head_dim);
-    const float* q_group = q + ((u64)row * heads + kv_head * group) * head_dim;
+    // scores: warp (position tile, k part) takes the k16 steps part, part + ATTN_K_PARTS, ...
     {
-        const u32 tile = warp % ATTN_POS_TILES, part = warp / ATTN_POS_TILES;
-        float acc[2][4] = {};
-        for (u32 k0 = 16 * part; k0 < head_dim; k0 += 16 * ATTN_K_PARTS) {
+        float acc[NT][4] = {};
+        #pragma unroll
+        for (int i = 0; i < STEPS; ++i) {
+            const u32 k0 = 16 * (part + ATTN_K_PARTS * i);
+            if (k0 >= head_dim) break;
             u32 a[4];
             load_a_fragment<false>(a, k_rows, row_elems, 16 * tile, k0);
             #pragma unroll
-            for (u32 nt = 0; nt < 2; ++nt) {
-                if (nt >= n_tiles) break;
-                const u32 head = 8 * nt + g;
-                u32x2 lo_half = {0u, 0u}, hi_half = {0u, 0u};
-                if (head < group) {
-                    const float* qh = q_group + (u64)head * head_dim + k0 + 2 * t;
-                    const u32x2 q0 = load_u32x2(qh), q1 = load_u32x2(qh + 8);
-                    split_bf16_pair(bits_to_f32(q0.x) * scale, bits_to_f32(q0.y) * scale, hi_half.x, lo_half.x);
-                    split_bf16_pair(bits_to_f32(q1.x) * scale, bits_to_f32(q1.y) * scale, hi_half.y, lo_half.y);
-                }
-                mma_bf16_m16n8k16(acc[nt], a, hi_half.x, hi_half.y);
-                mma_bf16_m16n8k16(acc[nt], a, lo_half.x, lo_half.y);
+            for (int nt = 0; nt < NT; ++nt) {
+                mma_bf16_m16n8k16(acc[nt], a, q_hi[i][nt][0], q_hi[i][nt][1]);
+                mma_bf16_m16n8k16(acc[nt], a, q_lo[i][nt][0], q_lo[i][nt][1]);
             }
         }
         #pragma unroll
-        for (u32 nt = 0; nt < 2; ++nt) {
-            if (nt >= n_tiles) break;
+        for (int nt = 0; nt < NT; ++nt)
             #pragma unroll
             for (int i = 0; i < 4; ++i)
-                scores[(part * 8 * n_tiles + acc_col(lane, nt, i)) * ATTN_SPLIT + 16 * tile + acc_row(lane, i)] =
+                scores[(part * 8 * NT + acc_col(lane, nt, i)) * ATTN_SPLIT + 16 * tile + acc_row(lane, i)] =
                     acc[nt][i];
-        }
     }
     block_barrier();
 
@@ -363,7 +378,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_MMA_WARPS * FP4_WARP_SIZE) attention_deco
             const u32 pos = j * FP4_WARP_SIZE + lane;
             float sum = 0.0f;
             #pragma unroll
-            for (u32 part = 0; part < ATTN_K_PARTS; ++part) sum += scores[(part * 8 * n_tiles + h) * ATTN_SPLIT + pos];
+            for (u32 kp = 0; kp < ATTN_K_PARTS; ++kp) sum += scores[(kp * 8 * NT + h) * ATTN_SPLIT + pos];
             s[j] = pos < count ? sum : neg_inf();
             m = s[j] > m ? s[j] : m;
         }
@@ -388,14 +403,13 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_MMA_WARPS * FP4_WARP_SIZE) attention_deco
 
     // out^T[dim][head]: warp w takes the 16-dimension tiles w, w + ATTN_MMA_WARPS, ...
     for (u32 d0 = 16 * warp; d0 < head_dim; d0 += 16 * ATTN_MMA_WARPS) {
-        float acc[2][4] = {};
+        float acc[NT][4] = {};
         #pragma unroll
         for (u32 p0 = 0; p0 < ATTN_SPLIT; p0 += 16) {
             u32 a[4];
             load_a_fragment<true>(a, v_rows, row_elems, d0, p0);
             #pragma unroll
-            for (u32 nt = 0; nt < 2; ++nt) {
-                if (nt >= n_tiles) break;
+            for (int nt = 0; nt < NT; ++nt) {
                 // heads past the group hold stale p: their columns are never stored
                 const u32 at = (8 * nt + g) * p_elems + p0 + 2 * t;
                 mma_bf16_m16n8k16(acc[nt], a, *reinterpret_cast<const u32*>(p_hi + at),
@@ -405,33 +419,48 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_MMA_WARPS * FP4_WARP_SIZE) attention_deco
             }
         }
         #pragma unroll
-        for (u32 nt = 0; nt < 2; ++nt) {
-            if (nt >= n_tiles) break;
+        for (int nt = 0; nt < NT; ++nt)
             #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const u32 head = acc_col(lane, nt, i);
                 if (head < group)
                     partial_acc[(first_part + (u64)head * splits) * head_dim + d0 + acc_row(lane, i)] = acc[nt][i];
             }
-        }
     }
 }
+
+// attention_decode_mma_g8: groups of 1 to 8 query heads per KV head (one n8 tile); _g16: 9 to 16
+{% for tiles in [1, 2] %}
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_MMA_WARPS * FP4_WARP_SIZE) attention_decode_mma_g{{ 8 * tiles }}(
+    const float* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
+    const u32* __restrict__ row_slot, const u32* __restrict__ row_pos,
+    float* __restrict__ partial_ml, float* __restrict__ partial_acc, u32 heads, u32 kv_heads,
+    u32 head_dim, u32 capacity, u32 splits) {
+    extern __shared__ __align__(16) u8 attention_shared[];
+    decode_mma<{{ tiles }}>(q, k_cache, v_cache, row_slot, row_pos, partial_ml, partial_acc, heads, kv_heads,
+                               head_dim, capacity, splits, attention_shared);
+}
+{% endfor %}
 {% endif %}
 
-// One block per (row, query head): the row's splits merged, times sigmoid(gate), bf16 out.
-// Every warp finds the max and the rescaled sum over all used splits (2 floats per split, cheap
-// to repeat); the accumulators, 1 KiB per split at head_dim 256, are split across the warps (warp
-// w takes splits w, w + ATTN_COMBINE_WARPS, ...) and their sums added through shared memory: at a
-// long context a (row, head) has hundreds of splits, which one warp alone would read as a chain.
+// One block per (row, query head, dims_per_block dimensions): the row's splits merged, times
+// sigmoid(gate), bf16 out. Every warp finds the max and the rescaled sum over all used splits (2
+// floats per split, cheap to repeat); the accumulators are split across the warps (warp w takes
+// splits w, w + ATTN_COMBINE_WARPS, ...; lane l dimensions l, l + 32, ... of the block's range)
+// and their sums added through shared memory. At a long context a (row, head) has hundreds of
+// splits (313 at 20000 positions): at small batches the host cuts each head's dimensions over
+// several blocks so those reads spread over the SMs (one block per (row, head) read them as
+// chains of 40 loads per warp on 16 SMs at B = 1), at large batches one block takes a head.
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_COMBINE_WARPS * FP4_WARP_SIZE) attention_combine_gate(
     const float* __restrict__ partial_ml, const float* __restrict__ partial_acc,
     const u16* __restrict__ q_gate, const u32* __restrict__ row_pos, u16* __restrict__ out,
-    u32 rows, u32 heads, u32 head_dim, u32 splits) {
+    u32 rows, u32 heads, u32 head_dim, u32 splits, u32 dims_per_block) {
     chain_after_previous_grid();
     __shared__ float warp_acc[ATTN_COMBINE_WARPS][ATTN_MAX_HEAD_DIM];
     const u32 warp = thread_x() / FP4_WARP_SIZE;
     const u32 lane = thread_x() % FP4_WARP_SIZE;
-    const u32 item = block_x();
+    const u32 item = block_x(), d0 = block_y() * dims_per_block;
+    const u32 d1 = min_u32(head_dim, d0 + dims_per_block);
     const u32 row = item / heads, head = item % heads;
     const u32 used_splits = (row_pos[row] + ATTN_SPLIT) / ATTN_SPLIT;  // splits holding positions
     const u32 used = used_splits < splits ? used_splits : splits;
@@ -449,23 +478,24 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_COMBINE_WARPS * FP4_WARP_SIZE) attention_
     float o[ATTN_MAX_ELEMS];
     #pragma unroll
     for (int i = 0; i < ATTN_MAX_ELEMS; ++i) o[i] = 0.0f;
+    #pragma unroll 2
     for (u32 s = warp; s < used; s += ATTN_COMBINE_WARPS) {
         const float scale = exp2_f32(partial_ml[2 * (first + s)] - m);
         const float* acc = partial_acc + (first + s) * head_dim;
         #pragma unroll
         for (int i = 0; i < ATTN_MAX_ELEMS; ++i) {
-            const u32 d = i * FP4_WARP_SIZE + lane;
-            if (d < head_dim) o[i] += acc[d] * scale;
+            const u32 d = d0 + i * FP4_WARP_SIZE + lane;
+            if (d < d1) o[i] += acc[d] * scale;
         }
     }
     #pragma unroll
     for (int i = 0; i < ATTN_MAX_ELEMS; ++i) warp_acc[warp][i * FP4_WARP_SIZE + lane] = o[i];
     block_barrier();
     const u16* gate = q_gate + ((u64)row * heads + head) * 2 * head_dim + head_dim;
-    for (u32 d = thread_x(); d < head_dim; d += ATTN_COMBINE_WARPS * FP4_WARP_SIZE) {
+    for (u32 d = d0 + thread_x(); d < d1; d += ATTN_COMBINE_WARPS * FP4_WARP_SIZE) {
         float sum = 0.0f;
         #pragma unroll
-        for (int w = 0; w < ATTN_COMBINE_WARPS; ++w) sum += warp_acc[w][d];
+        for (int w = 0; w < ATTN_COMBINE_WARPS; ++w) sum += warp_acc[w][d - d0];
         const float g = bf16_to_f32(gate[d]);
         out[(u64)item * head_dim + d] = f32_to_bf16(sum / total / (1.0f + fast_exp(-g)));
     }

@@ -165,8 +165,8 @@ pub struct AttentionTiles {
     pub prepare_warps_per_block: u32,
     /// `attention_decode`: KV positions per split (one block per split, KV head and row).
     pub split_positions: u32,
-    /// `attention_combine_gate`: warps per block, one block per (row, head), the warps
-    /// splitting its splits.
+    /// `attention_combine_gate`: warps per block, one block per (row, head, 32 dimensions), the
+    /// warps splitting its splits.
     pub combine_warps_per_block: u32,
 }
 
@@ -392,17 +392,6 @@ impl TargetFacts {
         }
         if a.split_positions == 0 {
             return fail("attention.split_positions must be positive".into());
-        }
-        // attention_decode_mma: 16-position tiles over 8 warps, 32 positions per softmax lane pass
-        if self.instructions.mma_sync_bf16
-            && self.instructions.cp_async
-            && !matches!(a.split_positions, 32 | 64 | 128)
-        {
-            return fail(format!(
-                "attention.split_positions {}: 32, 64 or 128 on a target with mma.sync and \
-                 cp.async (attention_decode_mma's tiles)",
-                a.split_positions
-            ));
         }
         // attention_decode_mma: 16-position tiles over 8 warps, 32 positions per softmax lane pass
         if self.instructions.mma_sync_bf16

@@ -32,9 +32,11 @@ pub const KERNEL_PREPARE: &str = "attention_prepare";
 pub const KERNEL_DECODE: &str = "attention_decode";
 /// The same splits and partials as [`KERNEL_DECODE`], the split's K and V rows staged in shared
 /// memory by cp.async and both products on mma.sync (targets with both; [`attend`] picks it
-/// there).
-pub const KERNEL_DECODE_MMA: &str = "attention_decode_mma";
-/// Warps per block of [`KERNEL_DECODE_MMA`] (`ATTN_MMA_WARPS` in the template).
+/// there): the kernel for GQA groups of 1 to 8 query heads (one n8 tile of heads).
+pub const KERNEL_DECODE_MMA_G8: &str = "attention_decode_mma_g8";
+/// [`KERNEL_DECODE_MMA_G8`] for groups of 9 to 16 query heads (two n8 tiles).
+pub const KERNEL_DECODE_MMA_G16: &str = "attention_decode_mma_g16";
+/// Warps per block of the mma decode kernels (`ATTN_MMA_WARPS` in the template).
 const DECODE_MMA_WARPS: u32 = 8;
 /// Merge of the splits and the output gate.
 pub const KERNEL_COMBINE_GATE: &str = "attention_combine_gate";
@@ -166,11 +168,21 @@ fn splits_for(backend: &Backend, capacity: usize) -> usize {
     })
 }
 
-/// Dynamic shared memory of one [`KERNEL_DECODE_MMA`] block, bytes: the split's K and V rows
-/// (`head_dim + 8` bf16 each, the padding that keeps ldmatrix free of bank conflicts), the
-/// scores of its k parts (f32) and p as bf16 hi and lo halves, for the group's heads in tiles of 8.
-/// The layout the template's comment above the kernel gives, in the same order.
-/// `split_positions` is the target's `attention.split_positions` (a multiple of 16).
+/// The mma decode kernel for `shape`'s GQA group ([`KERNEL_DECODE_MMA_G8`] up to 8 query heads
+/// per KV head, else [`KERNEL_DECODE_MMA_G16`]; groups above [`MAX_GROUP`] are refused before).
+pub fn decode_mma_kernel(shape: AttentionShape) -> &'static str {
+    if shape.heads / shape.kv_heads <= 8 {
+        KERNEL_DECODE_MMA_G8
+    } else {
+        KERNEL_DECODE_MMA_G16
+    }
+}
+
+/// Dynamic shared memory of one mma decode block ([`decode_mma_kernel`]), bytes: the split's K
+/// and V rows (`head_dim + 8` bf16 each, the padding that keeps ldmatrix free of bank
+/// conflicts), the scores of its k parts (f32) and p as bf16 hi and lo halves, for the kernel's
+/// tiles of 8 heads. The layout the template's comment above the kernels gives, in the same
+/// order. `split_positions` is the target's `attention.split_positions` (32, 64 or 128).
 pub fn decode_mma_shared_bytes(shape: AttentionShape, split_positions: usize) -> usize {
     let n_tiles = (shape.heads / shape.kv_heads).div_ceil(8);
     let pos_tiles = split_positions / 16;
@@ -179,6 +191,18 @@ pub fn decode_mma_shared_bytes(shape: AttentionShape, split_positions: usize) ->
     let scores = k_parts * 8 * n_tiles * split_positions * 4;
     let p = 2 * 8 * n_tiles * (split_positions + 8) * 2;
     rows + scores + p
+}
+
+/// Dimensions of a head one `attention_combine_gate` block merges: a multiple of 32, the whole
+/// head once `rows * heads` blocks give every SM two, else fewer so the (row, head)s' split
+/// partials are read by about that many blocks (at B = 1 and 20000 positions each head has 313
+/// splits; H200, seventh session: 48 -> 33 us per layer).
+fn combine_dims_per_block(shape: AttentionShape, rows: usize, multiprocessors: u32) -> u32 {
+    let items = (rows * shape.heads).max(1);
+    let wanted_blocks = 2 * multiprocessors as usize;
+    let lanes = shape.head_dim / 32;
+    let parts = wanted_blocks.div_ceil(items).clamp(1, lanes);
+    (32 * lanes.div_ceil(parts)) as u32
 }
 
 impl Workspace {
@@ -424,7 +448,7 @@ pub fn prepare(
 pub enum DecodeKernel {
     /// [`KERNEL_DECODE`]: one warp per query head, every target.
     Warp,
-    /// [`KERNEL_DECODE_MMA`]: shared-memory staging and mma.sync (targets with mma.sync and
+    /// [`decode_mma_kernel`]: shared-memory staging and mma.sync (targets with mma.sync and
     /// cp.async).
     Mma,
 }
@@ -447,11 +471,11 @@ impl DecodeKernel {
         }
     }
 
-    /// The kernel's name.
+    /// The kernel's name (for the mma kernels, the prefix of their names).
     pub fn name(self) -> &'static str {
         match self {
             Self::Warp => KERNEL_DECODE,
-            Self::Mma => KERNEL_DECODE_MMA,
+            Self::Mma => "attention_decode_mma",
         }
     }
 }
@@ -489,7 +513,7 @@ pub fn attend(
 ///
 /// # Errors
 /// As [`attend`]; [`Error::Invalid`] when the target does not render `decode`, or when its
-/// shared memory cannot hold one split of [`KERNEL_DECODE_MMA`] (lower
+/// shared memory cannot hold one split of the mma kernel (lower
 /// `attention.split_positions`).
 #[allow(clippy::too_many_arguments)]
 pub fn attend_with(
@@ -602,9 +626,10 @@ pub fn attend_with(
                     return Err(Error::invalid(
                         "attention split",
                         format!(
-                            "{KERNEL_DECODE_MMA} on {} needs {bytes} bytes of shared memory for \
+                            "{} on {} needs {bytes} bytes of shared memory for \
                              {} positions of head_dim {hd} (at most {}): lower \
                              attention.split_positions in kernels/targets.toml",
+                            decode_mma_kernel(shape),
                             target.name,
                             target.attention.split_positions,
                             target.max_shared_bytes_per_block
@@ -616,7 +641,7 @@ pub fn attend_with(
                     block: (DECODE_MMA_WARPS * warp, 1, 1),
                     shared_bytes: check_u32("attention shared memory", bytes)?,
                 };
-                (KERNEL_DECODE_MMA, dims)
+                (decode_mma_kernel(shape), dims)
             } else {
                 let dims = LaunchDims {
                     grid: (splits32, kv, n32),
@@ -645,7 +670,12 @@ pub fn attend_with(
             // range.
             unsafe { backend.launch(FAMILY, kernel, &decode, &args) }?;
             let combine_warps = target.attention.combine_warps_per_block;
-            let combine = LaunchDims::linear(n32 * heads, combine_warps * warp);
+            let dims_per_block = combine_dims_per_block(shape, n, target.multiprocessors);
+            let combine = LaunchDims {
+                grid: (n32 * heads, hd32.div_ceil(dims_per_block), 1),
+                block: (combine_warps * warp, 1, 1),
+                shared_bytes: 0,
+            };
             let args = [
                 KernelArg::input(&workspace.partial_ml),
                 KernelArg::input(&workspace.partial_acc),
@@ -656,6 +686,7 @@ pub fn attend_with(
                 KernelArg::u32(heads),
                 KernelArg::u32(hd32),
                 KernelArg::u32(splits32),
+                KernelArg::u32(dims_per_block),
             ];
             // SAFETY: as above; out holds rows x heads x head_dim.
             unsafe { backend.launch(FAMILY, KERNEL_COMBINE_GATE, &combine, &args) }
