@@ -53,6 +53,7 @@ FP4_DEVICE u32 thread_x() { return emu::self.tid; }
 FP4_DEVICE u32 block_x() { return emu::self.bx; }
 FP4_DEVICE u32 block_y() { return emu::self.by; }
 FP4_DEVICE u32 lane_id() { return emu::self.tid % 32; }
+FP4_DEVICE void warp_barrier() { emu::warp_sync(); }
 FP4_DEVICE float bits_to_f32(u32 b) { float f; std::memcpy(&f, &b, 4); return f; }
 FP4_DEVICE u32 f32_to_bits(float f) { u32 b; std::memcpy(&b, &f, 4); return b; }
 FP4_DEVICE float f32_nan() { return NAN; }

@@ -501,7 +501,8 @@ fn inputs(seed: u64, len: usize) -> Vec<bf16> {
 
 /// E = 8, k = 2, H = 272 and I = 48 (K not a multiple of 64), Is = 80 (two sub-experts, one
 /// padded): NVFP4 at T = 9 (two token chunks) with a residual, bf16 at T = 1 without a gate on a
-/// grid of two blocks (the second finds no work and resets the counters).
+/// grid of two blocks (the second finds no work and resets the counters); and E = 32, k = 8 at
+/// T = 1, NVFP4 with a residual.
 #[test]
 fn the_sm90a_kernels_run_emulated() {
     let s = shape(8, 2, 272, 48, 80);
@@ -518,6 +519,19 @@ fn the_sm90a_kernels_run_emulated() {
         1,
         None,
         2,
+    );
+    // one token, top-8 of 32: the alignment lays its slots out by the chosen experts' ranks
+    // (ascending ids), which are not their slots (most probable first), so a position taken
+    // from the wrong one shows (with k = 2 above, the two orders agree half the time)
+    let top8 = MoeHostWeights::synthetic(shape(32, 8, 272, 48, 80), ExpertFormat::Nvfp4, 8);
+    check(
+        "one token, top-8",
+        "sm_90a",
+        &top8,
+        &inputs(9, 272),
+        1,
+        Some(&inputs(10, 272)),
+        1,
     );
 }
 
