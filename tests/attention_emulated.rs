@@ -127,13 +127,20 @@ fn run_row(
     let slot = emu.buffer(1u32.to_le_bytes().to_vec());
     let position = emu.buffer((len as u32 - 1).to_le_bytes().to_vec());
     let mut outputs = Vec::new();
-    for (kernel, threads, shared) in [
+    let (splits32, kv32) = (splits as u32, kv_heads as u32);
+    for (kernel, grid, threads, shared) in [
         (
             attention::decode_mma_kernel(shape),
+            (kv32, splits32),
             256,
             attention::decode_mma_shared_bytes(shape, split),
         ),
-        (KERNEL_DECODE, (heads / kv_heads) as u32 * 32, 0),
+        (
+            KERNEL_DECODE,
+            (splits32, kv32),
+            (heads / kv_heads) as u32 * 32,
+            0,
+        ),
     ] {
         // NaN: a partial the kernel leaves unwritten poisons the merge
         let ml = emu.buffer(bytes(&vec![f32::NAN; 2 * heads * splits], f32::to_le_bytes));
@@ -143,7 +150,7 @@ fn run_row(
         ));
         emu.launch(
             kernel,
-            (splits as u32, kv_heads as u32),
+            grid,
             threads,
             shared,
             &[

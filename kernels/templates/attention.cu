@@ -243,8 +243,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(16 * FP4_WARP_SIZE) attention_decode(
 //   out[dim][head]    = sum_pos V[pos][dim] p[head][pos]   (A = V^T, ldmatrix.trans; B = p)
 // q and p are fp32 values split into bf16 hi + lo halves, each product run on both (the error of
 // hi + lo is ~2^-17 relative), so the result keeps attention_decode's fp32 accuracy with bf16 MMAs.
-// Before its grid wait a block asks the L2 for its rows: always safe (the L2 is coherent), and the
-// reads of a long context start while the kernels before it finish.
+// No L2 prefetch of the rows before the grid wait (the GEMMs' trick): asking the L2 for them and
+// then copying them cost 12% at B = 64 and 20000 positions (H200, seventh session).
 // ============================================================================================
 {% include "common/block_mma.cuh" %}
 {% include "common/cp_async.cuh" %}
@@ -268,7 +268,7 @@ FP4_DEVICE void split_bf16_pair(float v, float w, u32& hi, u32& lo) {
 }
 
 // The body of attention_decode_mma_g{8,16}: a group of up to 8 NT heads (NT n8 tiles). grid
-// (splits, kv_heads, rows), ATTN_MMA_WARPS warps; dynamic shared memory (bytes, as
+// (kv_heads, splits, rows), ATTN_MMA_WARPS warps; dynamic shared memory (bytes, as
 // src/kernels/attention/mod.rs sizes it): K rows, V rows [ATTN_SPLIT][head_dim + ATTN_ROW_PAD]
 // bf16, scores [ATTN_K_PARTS][8 NT][ATTN_SPLIT] f32, p hi and lo [8 NT][ATTN_SPLIT + ATTN_P_PAD]
 // bf16.
@@ -278,7 +278,9 @@ FP4_DEVICE void decode_mma(const float* q, const u16* k_cache, const u16* v_cach
                            u32 head_dim, u32 capacity, u32 splits, u8* attention_shared) {
     // k16 steps of the scores per warp, at most (ATTN_K_PARTS warps share a position tile)
     constexpr int STEPS = ATTN_MAX_HEAD_DIM / 16 / ATTN_K_PARTS;
-    const u32 split = block_x(), kv_head = block_y(), row = block_z();
+    // the KV heads of a split are neighbours in the grid (they read the two halves of the same
+    // cache rows; no faster than splits first on the H200, seventh session)
+    const u32 kv_head = block_x(), split = block_y(), row = block_z();
     const u32 group = heads / kv_heads;
     const u32 warp = thread_x() / FP4_WARP_SIZE, lane = thread_x() % FP4_WARP_SIZE;
     const u32 g = lane / 4, t = lane % 4;
@@ -298,8 +300,6 @@ FP4_DEVICE void decode_mma(const float* q, const u16* k_cache, const u16* v_cach
     const u32 count = min_u32(ATTN_SPLIT, len - start);
     const u64 stride = (u64)kv_heads * head_dim;
     const u64 base = ((u64)row_slot[row] * capacity + start) * stride + (u64)kv_head * head_dim;
-    for (u32 i = thread_x(); i < 2 * count; i += ATTN_MMA_WARPS * FP4_WARP_SIZE)
-        prefetch_l2((i < count ? k_cache : v_cache) + base + (u64)(i % count) * stride, head_dim * 2);
     chain_after_previous_grid();
 
     const u32 row_elems = head_dim + ATTN_ROW_PAD, p_elems = ATTN_SPLIT + ATTN_P_PAD;
@@ -350,13 +350,14 @@ FP4_DEVICE void decode_mma(const float* q, const u16* k_cache, const u16* v_cach
         #pragma unroll
         for (int i = 0; i < STEPS; ++i) {
             const u32 k0 = 16 * (part + ATTN_K_PARTS * i);
-            if (k0 >= head_dim) break;
-            u32 a[4];
-            load_a_fragment<false>(a, k_rows, row_elems, 16 * tile, k0);
-            #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                mma_bf16_m16n8k16(acc[nt], a, q_hi[i][nt][0], q_hi[i][nt][1]);
-                mma_bf16_m16n8k16(acc[nt], a, q_lo[i][nt][0], q_lo[i][nt][1]);
+            if (k0 < head_dim) {
+                u32 a[4];
+                load_a_fragment<false>(a, k_rows, row_elems, 16 * tile, k0);
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    mma_bf16_m16n8k16(acc[nt], a, q_hi[i][nt][0], q_hi[i][nt][1]);
+                    mma_bf16_m16n8k16(acc[nt], a, q_lo[i][nt][0], q_lo[i][nt][1]);
+                }
             }
         }
         #pragma unroll

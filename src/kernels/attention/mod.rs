@@ -637,7 +637,7 @@ pub fn attend_with(
                     ));
                 }
                 let dims = LaunchDims {
-                    grid: (splits32, kv, n32),
+                    grid: (kv, splits32, n32),
                     block: (DECODE_MMA_WARPS * warp, 1, 1),
                     shared_bytes: check_u32("attention shared memory", bytes)?,
                 };
