@@ -7,9 +7,13 @@
 //!    to the cache at each row's position, q to an f32 buffer;
 //! 2. [`attend`]: each row attends over positions `0 ..= position` of its slot (causal and
 //!    variable-length by construction), split over the sequence in chunks of
-//!    `attention.split_positions` (targets.toml) so long contexts fill the device, one warp per
-//!    query head of a GQA group so K/V rows are fetched once per group; then the splits are
-//!    merged and multiplied by `sigmoid(gate)`, bf16 out for o_proj.
+//!    `attention.split_positions` (targets.toml) so long contexts fill the device, one block per
+//!    (split, KV head, row) so K/V rows are fetched once per GQA group; then the splits are
+//!    merged and multiplied by `sigmoid(gate)`, bf16 out for o_proj. The split kernel
+//!    ([`DecodeKernel`]) stages the split's K and V in shared memory with cp.async and runs both
+//!    products on mma.sync where the target has them (sm_90a, sm_121a); elsewhere (gfx1151) one
+//!    warp per query head reads the rows directly (the reference GPU version, also run by the
+//!    attention bench and GPU tests on NVIDIA for comparison).
 //!
 //! Bytes a decode row must read at least: its K and V over the context,
 //! `2 * positions * kv_heads * head_dim * 2` ([`kv_bytes`]).
