@@ -32,7 +32,7 @@ pub const FAMILY: &str = "attention";
 /// q/k norm + RoPE, KV append.
 pub const KERNEL_PREPARE: &str = "attention_prepare";
 /// Split-K attention over the cache, one warp per query head (every target; the reference GPU
-/// version of [`KERNEL_DECODE_MMA`]).
+/// version of the mma kernels, [`decode_mma_kernel`]).
 pub const KERNEL_DECODE: &str = "attention_decode";
 /// The same splits and partials as [`KERNEL_DECODE`], the split's K and V rows staged in shared
 /// memory by cp.async and both products on mma.sync (targets with both; [`attend`] picks it
