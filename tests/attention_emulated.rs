@@ -30,7 +30,7 @@ const GEMM_EMULATOR: &str = include_str!("gemm_emulator.cpp");
 #[path = "emulation/driver.rs"]
 mod driver;
 mod emulation;
-use driver::{Arg, Emu};
+use driver::{Arg, Emu, driver_for};
 use emulation::{build_host, section, splice};
 
 /// The host binary of `target`'s rendered attention source.
@@ -64,18 +64,9 @@ fn emulator(target: &TargetFacts) -> PathBuf {
         "the mma kernel's dynamic shared memory"
     );
     source = source.replace(shared, "u8* attention_shared = emu::dynamic_smem;");
-    let table_entries: String = [KERNEL_DECODE, KERNEL_DECODE_MMA_G8, KERNEL_DECODE_MMA_G16]
-        .iter()
-        .map(|k| format!("        {{\"{k}\", emu::kernel({k})}},\n"))
-        .collect();
-    source.push_str(&splice(
+    source.push_str(&driver_for(
         section(GDN_EMULATOR, "driver"),
-        "    std::map<std::string, std::function",
-        "    };",
-        &format!(
-            "    std::map<std::string, std::function<void(const std::vector<emu::Arg>&)>> \
-             kernels = {{\n{table_entries}    }};\n"
-        ),
+        &[KERNEL_DECODE, KERNEL_DECODE_MMA_G8, KERNEL_DECODE_MMA_G16],
     ));
     build_host(
         "attention",

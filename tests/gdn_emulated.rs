@@ -29,7 +29,7 @@ const EMULATOR: &str = include_str!("gdn_emulator.cpp");
 #[path = "emulation/driver.rs"]
 mod driver;
 mod emulation;
-use driver::{Arg, Buf, Emu};
+use driver::{Arg, Buf, Emu, driver_for};
 use emulation::{build_host, splice, splice_if_present};
 
 // ---- building the host binary of a target's rendered source ----
@@ -46,11 +46,9 @@ fn emulator(target_name: &'static str) -> PathBuf {
     if let Some(path) = built.get(target_name) {
         return path.clone();
     }
-    let rendered = table::rendered(target_name, "gdn")
-        .expect("gdn rendered")
-        .source;
+    let rendered = table::rendered(target_name, "gdn").expect("gdn rendered");
     let mut source = splice(
-        rendered,
+        rendered.source,
         "// ---- fp4spec portability layer",
         "// ---- end of portability layer ----",
         section("portability"),
@@ -81,7 +79,7 @@ fn emulator(target_name: &'static str) -> PathBuf {
         "GDN_SHARED smem[];",
         "unsigned char* smem = emu::dynamic_smem;",
     );
-    source.push_str(section("driver"));
+    source.push_str(&driver_for(section("driver"), rendered.kernels));
     let exe = build_host(
         "gdn",
         target_name,

@@ -27,7 +27,7 @@ const MOE_EMULATOR: &str = include_str!("moe_emulator.cpp");
 #[path = "emulation/driver.rs"]
 mod driver;
 mod emulation;
-use driver::{Arg, Buf, Emu};
+use driver::{Arg, Buf, Emu, driver_for};
 use emulation::{build_host, section, splice};
 
 /// The host binary of `target`'s rendered gemm source.
@@ -65,19 +65,9 @@ fn emulator(target: &TargetFacts) -> PathBuf {
         "the stream kernel's dynamic shared memory"
     );
     source = source.replace(shared, "u8* stream_shared = emu::dynamic_smem;");
-    let table_entries: String = rendered
-        .kernels
-        .iter()
-        .map(|k| format!("        {{\"{k}\", emu::kernel({k})}},\n"))
-        .collect();
-    source.push_str(&splice(
+    source.push_str(&driver_for(
         section(GDN_EMULATOR, "driver"),
-        "    std::map<std::string, std::function",
-        "    };",
-        &format!(
-            "    std::map<std::string, std::function<void(const std::vector<emu::Arg>&)>> \
-             kernels = {{\n{table_entries}    }};\n"
-        ),
+        rendered.kernels,
     ));
     let set_block = "emu::self = {t, bx, by};";
     assert!(

@@ -3,10 +3,28 @@
 //! and dumps, written to a file and run by the emulator binary. Included with
 //! `#[path = "emulation/driver.rs"] mod driver;`.
 
-use super::emulation::read_dumps;
+use super::emulation::{read_dumps, splice};
 use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
+
+/// tests/gdn_emulator.cpp's `driver` section (`driver`) with its kernel table replaced by
+/// `kernels`, the `extern "C"` names of the rendered source the test compiles.
+pub fn driver_for(driver: &str, kernels: &[&str]) -> String {
+    let entries: String = kernels
+        .iter()
+        .map(|k| format!("        {{\"{k}\", emu::kernel({k})}},\n"))
+        .collect();
+    splice(
+        driver,
+        "    std::map<std::string, std::function",
+        "    };",
+        &format!(
+            "    std::map<std::string, std::function<void(const std::vector<emu::Arg>&)>> \
+             kernels = {{\n{entries}    }};\n"
+        ),
+    )
+}
 
 /// A buffer of the command stream (its id).
 #[derive(Clone, Copy)]
