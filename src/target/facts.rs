@@ -165,9 +165,12 @@ pub struct AttentionTiles {
     pub prepare_warps_per_block: u32,
     /// `attention_decode`: KV positions per split (one block per split, KV head and row).
     pub split_positions: u32,
-    /// `attention_combine_gate`: warps per block, one block per (row, head, 32 dimensions), the
-    /// warps splitting its splits.
+    /// `attention_combine_gate`: warps per block, one block per (row, head) and part of its
+    /// dimensions, the warps splitting its splits.
     pub combine_warps_per_block: u32,
+    /// `attention_combine_gate`: a head's dimensions are cut over several blocks (multiples of
+    /// 32) until the launch has this many blocks per multiprocessor (or each block 32).
+    pub combine_blocks_per_sm: u32,
 }
 
 /// Launch parameters of the `gdn` family (Gated DeltaNet).
@@ -392,6 +395,9 @@ impl TargetFacts {
         }
         if a.split_positions == 0 {
             return fail("attention.split_positions must be positive".into());
+        }
+        if a.combine_blocks_per_sm == 0 {
+            return fail("attention.combine_blocks_per_sm must be positive".into());
         }
         // attention_decode_mma: 16-position tiles over 8 warps, 32 positions per softmax lane pass
         if self.instructions.mma_sync_bf16

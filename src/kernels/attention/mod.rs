@@ -198,12 +198,12 @@ pub fn decode_mma_shared_bytes(shape: AttentionShape, split_positions: usize) ->
 }
 
 /// Dimensions of a head one `attention_combine_gate` block merges: a multiple of 32, the whole
-/// head once `rows * heads` blocks give every SM two, else fewer so the (row, head)s' split
-/// partials are read by about that many blocks (at B = 1 and 20000 positions each head has 313
-/// splits; H200, seventh session: 48 -> 33 us per layer).
-fn combine_dims_per_block(shape: AttentionShape, rows: usize, multiprocessors: u32) -> u32 {
+/// head once `rows * heads` blocks give every SM `attention.combine_blocks_per_sm`, else fewer
+/// so the (row, head)s' split partials are read by about that many blocks (at B = 1 and 20000
+/// positions each head has 313 splits).
+fn combine_dims_per_block(shape: AttentionShape, rows: usize, target: &TargetFacts) -> u32 {
     let items = (rows * shape.heads).max(1);
-    let wanted_blocks = 2 * multiprocessors as usize;
+    let wanted_blocks = (target.attention.combine_blocks_per_sm * target.multiprocessors) as usize;
     let lanes = shape.head_dim / 32;
     let parts = wanted_blocks.div_ceil(items).clamp(1, lanes);
     (32 * lanes.div_ceil(parts)) as u32
@@ -674,7 +674,7 @@ pub fn attend_with(
             // range.
             unsafe { backend.launch(FAMILY, kernel, &decode, &args) }?;
             let combine_warps = target.attention.combine_warps_per_block;
-            let dims_per_block = combine_dims_per_block(shape, n, target.multiprocessors);
+            let dims_per_block = combine_dims_per_block(shape, n, target);
             let combine = LaunchDims {
                 grid: (n32 * heads, hd32.div_ceil(dims_per_block), 1),
                 block: (combine_warps * warp, 1, 1),
@@ -695,5 +695,44 @@ pub fn attend_with(
             // SAFETY: as above; out holds rows x heads x head_dim.
             unsafe { backend.launch(FAMILY, KERNEL_COMBINE_GATE, &combine, &args) }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const QWEN: AttentionShape = AttentionShape {
+        heads: 16,
+        kv_heads: 2,
+        head_dim: 256,
+    };
+
+    #[test]
+    fn combine_blocks_cut_heads_only_at_small_batches() {
+        let h200 = crate::target::by_name("sm_90a").expect("sm_90a");
+        // B = 1: 16 (row, head)s, 8 blocks of 32 dimensions each (128 blocks for 132 SMs x 2)
+        assert_eq!(combine_dims_per_block(QWEN, 1, h200), 32);
+        // B = 8: 128 items, 3 parts wanted: 96-dimension blocks (3 per head)
+        assert_eq!(combine_dims_per_block(QWEN, 8, h200), 96);
+        // B = 64: 1024 items already give every SM more than two blocks
+        assert_eq!(combine_dims_per_block(QWEN, 64, h200), 256);
+        // head_dim 160: 5 lanes of 32, never a block past the head
+        let odd = AttentionShape {
+            heads: 12,
+            kv_heads: 1,
+            head_dim: 160,
+        };
+        let dims = combine_dims_per_block(odd, 1, h200);
+        assert!(dims % 32 == 0 && dims <= 160, "{dims}");
+    }
+
+    #[test]
+    fn the_mma_split_fits_three_blocks_per_h200_sm() {
+        let bytes = decode_mma_shared_bytes(QWEN, 64);
+        // K and V rows (2 x 64 x 264 bf16), scores (2 k parts x 8 heads x 64 f32), p hi / lo
+        assert_eq!(bytes, 2 * 64 * 264 * 2 + 2 * 8 * 64 * 4 + 2 * 8 * 72 * 2);
+        assert!(3 * (bytes + 1024) <= 228 * 1024, "{bytes}");
+        assert_eq!(decode_mma_kernel(QWEN), KERNEL_DECODE_MMA_G8);
     }
 }
