@@ -132,7 +132,7 @@ fn bench_shape(
         record(out, "mma nvfp4", nvfp4_bytes, seconds);
         let staged = backend
             .target()
-            .is_some_and(|t| t.instructions.cp_async && t.instructions.mma_sync_bf16);
+            .is_some_and(|t| t.instructions.staged_mma());
         if staged && m <= gemm::STREAM_MAX_ROWS {
             let seconds = bench_graph(
                 criterion,

@@ -208,10 +208,7 @@ fn run_row(
 
 #[test]
 fn the_mma_decode_kernel_matches_the_reference_and_the_warp_kernel() {
-    for target in target::all()
-        .iter()
-        .filter(|t| t.instructions.mma_sync_bf16 && t.instructions.cp_async)
-    {
+    for target in target::all().iter().filter(|t| t.instructions.staged_mma()) {
         let exe = emulator(target);
         let mut rng = SplitMix64::new(0xa77e);
         let split = target.attention.split_positions as usize;

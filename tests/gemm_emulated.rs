@@ -181,11 +181,10 @@ fn run_case(
 fn the_stream_kernel_matches_the_reference_and_the_register_kernel() {
     // sm_121a renders the same stream kernel (only the stream_* numbers differ) beside W4A4
     // code whose FP4 conversions the host cannot compile: the targets without it stand for it
-    for target in target::all().iter().filter(|t| {
-        t.instructions.cp_async
-            && t.instructions.mma_sync_bf16
-            && !t.instructions.mma_block_scaled_fp4
-    }) {
+    for target in target::all()
+        .iter()
+        .filter(|t| t.instructions.staged_mma() && !t.instructions.mma_block_scaled_fp4)
+    {
         let exe = emulator(target);
         let mut rng = SplitMix64::new(0x57e4);
         let plan = |warps_per_tile, splits, groups_per_split| MmaPlan {

@@ -24,6 +24,8 @@
 #define ATTN_UNROLL 4
 #define LOG2E 1.4426950408889634f
 FP4_DEVICE float neg_inf() { return bits_to_f32(0xff800000u); }
+// scores are taken in base 2: q . k times log2(e) / sqrt(head_dim)
+FP4_DEVICE float score_scale(u32 head_dim) { return LOG2E / sqrt_f32((float)head_dim); }
 
 // One warp per (row, head) item: items [0, rows*heads) are query heads, the next rows*kv_heads
 // are KV heads. Lane l owns dimensions l, l + 32, ... (coalesced). RoPE pairs dimension j with
@@ -134,7 +136,7 @@ FP4_DEVICE void load_bf16_row(float (&dst)[E], const u16* p) {
 template <int E>
 FP4_DEVICE void decode_split(const float* q_row, const u16* k_base, const u16* v_base, u64 stride,
                              u32 start, u32 end, u32 lane, float* ml, float* acc_out) {
-    const float scale = LOG2E / sqrt_f32((float)(E * FP4_WARP_SIZE));
+    const float scale = score_scale(E * FP4_WARP_SIZE);
     float qr[E], acc[E];
     #pragma unroll
     for (int i = 0; i < E; ++i) {
@@ -323,7 +325,7 @@ FP4_DEVICE void decode_mma(const float* q, const u16* k_cache, const u16* v_cach
 
     // while the rows arrive: this warp's q fragments (the B operand of its k16 steps part, part +
     // ATTN_K_PARTS, ...), scaled, as bf16 hi / lo pairs {b0, b1}; zero past head_dim and the group
-    const float scale = LOG2E / sqrt_f32((float)head_dim);
+    const float scale = score_scale(head_dim);
     const float* q_group = q + ((u64)row * heads + kv_head * group) * head_dim;
     u32 q_hi[STEPS][NT][2], q_lo[STEPS][NT][2];
     #pragma unroll
@@ -479,6 +481,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_COMBINE_WARPS * FP4_WARP_SIZE) attention_
     float o[ATTN_MAX_ELEMS];
     #pragma unroll
     for (int i = 0; i < ATTN_MAX_ELEMS; ++i) o[i] = 0.0f;
+    // two splits per step: left to the compiler's own unrolling, this loop spilled 4 bytes on sm_121a
     #pragma unroll 2
     for (u32 s = warp; s < used; s += ATTN_COMBINE_WARPS) {
         const float scale = exp2_f32(partial_ml[2 * (first + s)] - m);

@@ -90,6 +90,14 @@ pub struct Instructions {
     pub grid_dependency_control: bool,
 }
 
+impl Instructions {
+    /// mma.sync fed from shared memory that cp.async fills: what the staged kernels (the stream
+    /// GEMM, the GDN chunk kernels, `attention_decode_mma_g*`) are rendered for.
+    pub fn staged_mma(&self) -> bool {
+        self.mma_sync_bf16 && self.cp_async
+    }
+}
+
 /// Launch parameters of `dequant_nvfp4_bf16`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -400,10 +408,7 @@ impl TargetFacts {
             return fail("attention.combine_blocks_per_sm must be positive".into());
         }
         // attention_decode_mma: 16-position tiles over 8 warps, 32 positions per softmax lane pass
-        if self.instructions.mma_sync_bf16
-            && self.instructions.cp_async
-            && !matches!(a.split_positions, 32 | 64 | 128)
-        {
+        if self.instructions.staged_mma() && !matches!(a.split_positions, 32 | 64 | 128) {
             return fail(format!(
                 "attention.split_positions {}: 32, 64 or 128 on a target with mma.sync and \
                  cp.async (attention_decode_mma's tiles)",
@@ -434,7 +439,7 @@ impl TargetFacts {
         if !matches!(gdn.chunk_dv_per_block, 16 | 32) {
             return fail("gdn.chunk_dv_per_block must be 16 or 32".into());
         }
-        let staged = self.instructions.mma_sync_bf16 && self.instructions.cp_async;
+        let staged = self.instructions.staged_mma();
         if (staged && !(1..=3).contains(&gdn.chunk_stages)) || (!staged && gdn.chunk_stages != 0) {
             return fail(format!(
                 "gdn.chunk_stages {}: 1..=3 where mma.sync and cp.async exist (ldmatrix reads \

@@ -471,7 +471,7 @@ impl DecodeKernel {
     pub fn runs_on(self, target: &TargetFacts) -> bool {
         match self {
             Self::Warp => true,
-            Self::Mma => target.instructions.mma_sync_bf16 && target.instructions.cp_async,
+            Self::Mma => target.instructions.staged_mma(),
         }
     }
 
