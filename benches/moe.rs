@@ -56,7 +56,9 @@ struct Row {
     bytes: f64,
     persistent: f64,
     split: f64,
-    /// The form the library picks for this T (moe.split_max_tokens).
+    /// The streaming launches (NaN where the target has none).
+    stream: f64,
+    /// The form the library picks for this T (moe.split_max_tokens, moe.stream_min_tokens).
     chosen: f64,
     baseline: f64,
 }
@@ -317,8 +319,15 @@ fn bench_format(
             .collect();
         let mut y: DeviceVec<bf16> = backend.zeros(t * h).expect("Y");
         let name = format!("T{t}");
+        let target = backend.target();
+        let streams = target.is_some_and(|target| target.moe.stream_min_tokens > 0);
+        let launches: &[MoeLaunch] = if streams {
+            &[MoeLaunch::Persistent, MoeLaunch::Split, MoeLaunch::Stream]
+        } else {
+            &[MoeLaunch::Persistent, MoeLaunch::Split]
+        };
         let mut timed = Vec::new();
-        for launch in [MoeLaunch::Persistent, MoeLaunch::Split] {
+        for &launch in launches {
             timed.push(bench_graph(
                 criterion,
                 backend,
@@ -341,16 +350,20 @@ fn bench_format(
             ));
         }
         let (persistent, split) = (timed[0], timed[1]);
-        let split_max = backend
-            .target()
-            .map_or(0, |target| target.moe.split_max_tokens);
-        let chosen = if t <= split_max as usize {
-            split
-        } else {
+        let stream = timed.get(2).copied().unwrap_or(f64::NAN);
+        let (split_max, stream_min) = target.map_or((0, 0), |target| {
+            (target.moe.split_max_tokens, target.moe.stream_min_tokens)
+        });
+        let chosen = if t > split_max as usize {
             persistent
+        } else if streams && t >= stream_min as usize {
+            stream
+        } else {
+            split
         };
-        // the graph's last call (split) left its output in y: a direct launch must give the
-        // same bits
+        let last_launch = *launches.last().expect("a launch form");
+        // the graph's last call (the last form) left its output in y: a direct launch must give
+        // the same bits
         let replayed = backend.download(&y).expect("Y");
         let last = LAUNCHES - 1;
         let mut direct: DeviceVec<bf16> = backend.zeros(t * h).expect("Y");
@@ -362,7 +375,7 @@ fn bench_format(
             None,
             &mut workspace,
             &mut direct,
-            MoeLaunch::Split,
+            last_launch,
         )
         .expect("moe_block");
         let direct = backend.download(&direct).expect("Y");
@@ -392,6 +405,7 @@ fn bench_format(
             bytes: mean_bytes,
             persistent,
             split,
+            stream,
             chosen,
             baseline: baseline_time,
         });
@@ -420,7 +434,7 @@ fn main() {
         "MoE block {QWEN:?}: read-once = MB / copy bandwidth; goal: T=1 read-once + 6 us, T=16/64 1.3 x read-once + 6 us"
     );
     println!(
-        "{:<6} {:>3} {:>7} {:>8} {:>9} {:>8} {:>8} {:>8} {:>4} {:>6} {:>7} {:>9} {:>6}",
+        "{:<6} {:>3} {:>7} {:>8} {:>9} {:>8} {:>8} {:>9} {:>8} {:>4} {:>6} {:>7} {:>9} {:>6}",
         "format",
         "T",
         "experts",
@@ -428,6 +442,7 @@ fn main() {
         "read-once",
         "persist",
         "split us",
+        "stream us",
         "goal us",
         "met",
         "GB/s",
@@ -444,7 +459,7 @@ fn main() {
         };
         let gbs = row.bytes / row.chosen / 1e9;
         println!(
-            "{:<6} {:>3} {:>7.1} {:>8.2} {:>9.2} {:>8.2} {:>8.2} {:>8} {:>4} {:>6.0} {:>6.1}% {:>9.2} {:>6.2}",
+            "{:<6} {:>3} {:>7.1} {:>8.2} {:>9.2} {:>8.2} {:>8.2} {:>9.2} {:>8} {:>4} {:>6.0} {:>6.1}% {:>9.2} {:>6.2}",
             format!("{:?}", row.format).to_lowercase(),
             row.t,
             row.experts,
@@ -452,6 +467,7 @@ fn main() {
             read_once * 1e6,
             row.persistent * 1e6,
             row.split * 1e6,
+            row.stream * 1e6,
             goal.map_or("-".into(), |g| format!("{:.2}", g * 1e6)),
             goal.map_or("-", |g| if row.chosen <= g { "yes" } else { "no" }),
             gbs,

@@ -15,7 +15,9 @@
 use fp4spec::kernels::compare;
 use fp4spec::kernels::gemm::TensorCore;
 use fp4spec::kernels::moe::reference::{self, ExpertRef, MoeShape, Routing};
-use fp4spec::kernels::moe::{ExpertFormat, ExpertWeights, MoeHostWeights, SplitGrids, tile_warps};
+use fp4spec::kernels::moe::{
+    ExpertFormat, ExpertWeights, MoeHostWeights, SplitGrids, stream_combine_blocks, tile_warps,
+};
 use fp4spec::kernels::table;
 use fp4spec::rng::SplitMix64;
 use fp4spec::target;
@@ -28,6 +30,8 @@ use std::sync::{Mutex, OnceLock};
 const EMULATOR: &str = include_str!("moe_emulator.cpp");
 /// The portability layer and mma.sync emulation this emulator builds on.
 const GDN_EMULATOR: &str = include_str!("gdn_emulator.cpp");
+/// cp.async (copies at once, zero fill) for the streaming launches.
+const GEMM_EMULATOR: &str = include_str!("gemm_emulator.cpp");
 
 mod emulation;
 use emulation::{build_host, read_dumps, section, splice, splice_if_present};
@@ -66,6 +70,12 @@ fn emulator(target_name: &'static str) -> PathBuf {
             section(GDN_EMULATOR, "mma"),
             section(EMULATOR, "mma_adapters")
         ),
+    );
+    source = splice_if_present(
+        &source,
+        "// ---- cp.async instructions ----",
+        "// ---- end of cp.async instructions ----",
+        section(GEMM_EMULATOR, "cp_async"),
     );
     source = splice_if_present(
         &source,
@@ -219,10 +229,14 @@ fn layout(host: &MoeHostWeights, target_name: &str) -> Layout {
 // ---- one block on the emulator ----
 
 /// What the emulated launches produced: the persistent launch twice, then the split launches
-/// (route, gate_up, down) twice, on one workspace.
+/// (route, gate_up, down) twice, then (where the target renders them) the streaming form's
+/// launches (route, gate_up, streaming down on grids of 1 and 3 blocks, combine), on one
+/// workspace.
 struct Emulated {
-    /// Y after each of the four (same inputs).
+    /// Y after each of the first four (same inputs).
     y: [Vec<bf16>; 4],
+    /// Y after each streaming form (the two grids split the units differently).
+    stream: Option<[Vec<bf16>; 2]>,
     /// The routing of the second persistent launch.
     routing: Routing,
     /// The counters after the persistent launches and after the split ones: all zero when every
@@ -357,6 +371,20 @@ fn emulate(
         emu.dump(y_buf);
     }
     emu.dump(control);
+    let streams = facts.moe.stream_min_tokens > 0;
+    if streams {
+        for stream_grid in [1, 3] {
+            emu.launch(&format!("moe_route_m{rows}"), grids.route, threads, &args);
+            let gate_up = format!("moe_{format}_gate_up_m{rows}");
+            emu.launch(&gate_up, grids.gate_up, threads, &args);
+            let down = format!("moe_{format}_down_stream");
+            emu.launch(&down, stream_grid, threads, &args);
+            let combine = stream_combine_blocks(facts, h, t);
+            emu.launch("moe_stream_combine", combine, threads, &args);
+            emu.dump(y_buf);
+        }
+        emu.dump(control);
+    }
     let dumps = emu.run(&emulator(target_name), test);
     let to_bf16 = |b: &[u8]| -> Vec<bf16> {
         b.chunks_exact(2)
@@ -380,7 +408,11 @@ fn emulate(
                 Vec::new()
             },
         },
-        control: [u32s(&dumps[5]), u32s(&dumps[8])],
+        stream: streams.then(|| [to_bf16(&dumps[9]), to_bf16(&dumps[10])]),
+        control: [
+            u32s(&dumps[5]),
+            u32s(if streams { &dumps[11] } else { &dumps[8] }),
+        ],
     }
 }
 
@@ -455,6 +487,35 @@ fn check(
     let agreement = compare::compare_bf16_with_slack(&got.y[1], &reference_y, &slack);
     println!("{label}: {agreement}");
     assert!(agreement.passed(), "{label}: {agreement}");
+    if let Some([one_block, three_blocks]) = &got.stream {
+        // the streaming form: its own agreement with the reference, the same bits whatever the
+        // grid of its down launch, and the split form's bits wherever that sums a down tile in
+        // one warp too (above moe.wide_max_tokens)
+        let agreement = compare::compare_bf16_with_slack(one_block, &reference_y, &slack);
+        println!("{label} stream: {agreement}");
+        assert!(agreement.passed(), "{label} stream: {agreement}");
+        let facts = target::by_name(target_name).expect("target");
+        if t > facts.moe.wide_max_tokens as usize {
+            let differ = one_block
+                .iter()
+                .zip(&got.y[2])
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(
+                differ, 0,
+                "{label}: the streaming form differs from the split one in {differ} elements"
+            );
+        }
+        let differ = one_block
+            .iter()
+            .zip(three_blocks)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differ, 0,
+            "{label}: the streaming launches on 3 blocks differ from 1 block in {differ} elements"
+        );
+    }
     for (n, y) in got.y.iter().enumerate().skip(1) {
         let differ = y
             .iter()
@@ -467,7 +528,7 @@ fn check(
              elements (counters not reset, or the forms round differently)"
         );
     }
-    for (control, after) in got.control.iter().zip(["persistent", "split"]) {
+    for (control, after) in got.control.iter().zip(["persistent", "split and stream"]) {
         assert!(
             control.iter().all(|&c| c == 0),
             "{label}: counters left after the {after} launches: {control:?}"

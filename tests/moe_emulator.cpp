@@ -7,6 +7,7 @@
 // Sections start at `//@@ name` lines; the test splices them in.
 
 //@@ sync
+#define STREAM_RARE inline
 namespace emu {
 inline u32 grid_blocks = 1;
 }

@@ -947,6 +947,311 @@ FP4_DEVICE void moe_split_down(const MoeArgs& args) {
         combine(a, p, sh.job.group);
 }
 
+{% if target.instructions.mma_sync_bf16 and target.instructions.cp_async %}
+// ============================================================================================
+// The streaming form, for T from moe.stream_min_tokens to moe.split_max_tokens: the split
+// form's route and gate_up launches, then moe_{fmt}_down_stream and moe_stream_combine. Why: at
+// T = 16..64 the split down launch is 8448 items of 4 tiles of 8 K groups (T = 64), each a short
+// chain of its own (its job read from the routing, each K group's X fragment loaded from L2 when
+// the group is used, the epilogue), and the last item of each group of hidden rows combines
+// them for every token; ncu at B = 64 (H200, eighth session): 148 us at 19% of DRAM bandwidth for
+// 131 MB of weights. Here a grid of resident blocks splits the launch's units, (token chunk,
+// 16-row tile) pairs in chunk order, evenly over its warps; a warp owns whole tiles (one warp sums
+// a tile's K groups in order, as the split down launch does; no block barrier after the start)
+// and walks its units' (tile, K group) sequence as ONE stream: the stages_* groups in flight,
+// weights in registers (as tile_product) and X fragments copied by cp.async into the warp's
+// ring in shared memory (each lane copies, and reads back, its own 32-byte fragment), so
+// neither waits at a unit's edge. Chunks: the shared sub-experts' chunks of STREAM_ROWS tokens
+// first, then each active rank's (a rank with more tokens has several); each block builds the
+// table of chunks per rank from the routing. The combine is its own launch (every hidden row of
+// every token, in slot order as combine()): the units of one hidden row finish all over the grid.
+// Measured and not kept (eighth session, BENCHMARKS.md): the same streaming for gate_up (slower
+// than the split items, which split K over 2 warps and ask the L2 for their tiles) and L2
+// prefetch windows ahead of the stream (slower at every T: the L2 thrashes).
+// ============================================================================================
+{% include "common/cp_async.cuh" %}
+#define STREAM_ROWS 8
+// Out of line: a chunk's lookup runs a few times per warp, off the streaming loop, whose
+// unrolled stages would otherwise each carry a copy (tests/moe_emulator.cpp defines it first).
+#ifndef STREAM_RARE
+#define STREAM_RARE __device__ __noinline__
+#endif
+
+/// The launch's chunks: chunk_begin[r] routed chunks come before rank r's ([n_active]: all).
+struct StreamTable {
+    u32 chunk_begin[MOE_MAX_EXPERTS + 1];
+    u32 count[MOE_MAX_EXPERTS];  // tokens of rank r
+    u32 n_active, shared_chunks, chunks;
+};
+
+/// Builds the table from the routing (warp 0; a block barrier, so every thread must call it).
+FP4_DEVICE void build_stream_table(const MoeArgs& a, StreamTable& st) {
+    if (thread_x() < FP4_WARP_SIZE) {
+        const u32 lane = lane_index();
+        const u32 n_active = load_coherent_u32(a.n_active);
+        // lane L holds ranks [L * EPL, (L + 1) * EPL): its chunks summed, then an inclusive scan
+        // over the lanes by butterfly (a lane adds the partner group's total where its bit is set)
+        u32 counts[MOE_EXPERTS_PER_LANE];
+        u32 mine = 0u;
+        #pragma unroll
+        for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) {
+            const u32 r = lane * MOE_EXPERTS_PER_LANE + i;
+            counts[i] = r < n_active ? load_coherent_u32(a.active_count + r) : 0u;
+            mine += div_up(counts[i], STREAM_ROWS);
+        }
+        u32 prefix = mine, total = mine;
+        for (int offset = 1; offset < FP4_WARP_SIZE; offset <<= 1) {
+            const u32 other = shuffle_xor(total, offset);
+            if (lane & offset) prefix += other;
+            total += other;
+        }
+        u32 begin = prefix - mine;
+        #pragma unroll
+        for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) {
+            const u32 r = lane * MOE_EXPERTS_PER_LANE + i;
+            if (r < n_active) {
+                st.count[r] = counts[i];
+                st.chunk_begin[r] = begin;
+            }
+            begin += div_up(counts[i], STREAM_ROWS);
+        }
+        if (lane == 0) {
+            st.chunk_begin[n_active] = total;
+            st.n_active = n_active;
+            st.shared_chunks = a.shared_experts * div_up(a.tokens, STREAM_ROWS);
+            st.chunks = st.shared_chunks + total;
+        }
+    }
+    block_barrier();
+}
+
+/// One chunk: its weight index (a routed expert, or E + c for shared sub-expert c), its first
+/// position and its rows (positions position0 ..).
+struct StreamChunk {
+    u32 expert, position0, rows;
+};
+
+FP4_DEVICE StreamChunk stream_chunk(const MoeArgs& a, const StreamTable& st, u32 c) {
+    StreamChunk k;
+    if (c < st.shared_chunks) {
+        const u32 per_expert = div_up(a.tokens, STREAM_ROWS), sub = c / per_expert;
+        const u32 r_begin = (c % per_expert) * STREAM_ROWS;
+        k.expert = a.experts + sub;
+        k.position0 = sub * a.tokens + r_begin;
+        k.rows = min_u32(STREAM_ROWS, a.tokens - r_begin);
+        return k;
+    }
+    c -= st.shared_chunks;
+    u32 lo = 0u, hi = st.n_active;  // chunk_begin[lo] <= c < chunk_begin[hi]
+    while (hi - lo > 1u) {
+        const u32 mid = (lo + hi) / 2u;
+        if (st.chunk_begin[mid] <= c) lo = mid;
+        else hi = mid;
+    }
+    const u32 r_begin = (c - st.chunk_begin[lo]) * STREAM_ROWS;
+    k.expert = load_coherent_u32(a.active_expert + lo);
+    k.position0 = load_coherent_u32(a.active_offset + lo) + r_begin;
+    k.rows = min_u32(STREAM_ROWS, st.count[lo] - r_begin);
+    return k;
+}
+
+/// Where a warp's stream stands: unit (chunk, tile) and K group, the chunk, and for the loads the
+/// weight index of the unit's group 0 and this lane's X row (null past the chunk's rows).
+struct StreamCursor {
+    u32 chunk, tile, group;
+    StreamChunk meta;
+    u32 tile_base;
+    const u16* x_row;
+};
+
+/// The cursor at unit `unit`, group 0 (unit < the launch's units).
+STREAM_RARE StreamCursor stream_cursor(const MoeArgs& a, const StreamTable& st, u32 n_tiles, u32 k_groups, u32 unit) {
+    StreamCursor cur;
+    cur.chunk = unit / n_tiles;
+    cur.tile = unit % n_tiles;
+    cur.group = 0u;
+    cur.meta = stream_chunk(a, st, cur.chunk);
+    cur.tile_base = (cur.meta.expert * n_tiles + cur.tile) * k_groups * 32u + lane_index();
+    const u32 row = lane_index() / 4u;  // this lane's token row of the MMA's B operand
+    cur.x_row = row < cur.meta.rows ? a.act + (u64)(cur.meta.position0 + row) * a.inter : nullptr;
+    return cur;
+}
+
+/// The next (unit, group) of the stream (the caller knows it exists).
+FP4_DEVICE void stream_advance(const MoeArgs& a, const StreamTable& st, u32 n_tiles, u32 k_groups, StreamCursor& cur) {
+    if (++cur.group < k_groups) return;
+    const u32 unit = cur.chunk * n_tiles + cur.tile + 1u;
+    if (cur.tile + 1u < n_tiles) {  // same chunk: the next tile of the same expert
+        ++cur.tile;
+        cur.group = 0u;
+        cur.tile_base += k_groups * 32u;
+        return;
+    }
+    cur = stream_cursor(a, st, n_tiles, k_groups, unit);
+}
+
+/// This warp's X ring: per stage, per lane its 32-byte fragment as two 16-byte halves.
+template <int STAGES>
+struct StreamRing {
+    u32x4 x[STAGES][2][FP4_WARP_SIZE];
+};
+
+/// Copies this lane's X fragment of the cursor's group into ring stage `s` (zeros past the
+/// chunk's rows and past K; `anywhere` is a valid global address for the copies of no bytes).
+template <int STAGES>
+FP4_DEVICE void stream_copy_x(const StreamCursor& cur, u32 k, const u16* anywhere, StreamRing<STAGES>& ring, int s) {
+    const u32 col = cur.group * GROUP_COLS + 16u * (lane_index() % 4u);
+    const bool valid = cur.x_row != nullptr && col < k;
+    const u16* src = valid ? cur.x_row + col : anywhere;
+    cp_async16_zfill(&ring.x[s][0][lane_index()], src, valid ? 16u : 0u);
+    cp_async16_zfill(&ring.x[s][1][lane_index()], valid ? src + 8 : src, valid ? 16u : 0u);
+}
+
+/// The epilogue of one unit: its down partial rows (fp32).
+FP4_DEVICE void stream_store(const MoeArgs& a, const StreamCursor& cur, float alpha, const float (&c)[4]) {
+    const u32 lane = lane_index(), h = cur.tile * TILE_ROWS + lane / 4u;
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const u32 row = 2u * (lane % 4u) + half;
+        if (row >= cur.meta.rows) continue;
+        float* out = a.partial + (u64)(cur.meta.position0 + row) * a.hidden;
+        if (h < a.hidden) out[h] = c[half] * alpha;
+        if (h + 8u < a.hidden) out[h + 8u] = c[2 + half] * alpha;
+    }
+}
+
+/// The streaming down launch. The routing (the route launch wrote it two launches back) is read,
+/// and the first weight loads issued, before the wait for the gate_up launch, whose act rows
+/// are the X.
+template <class W, int STAGES>
+FP4_DEVICE void moe_stream_down(const MoeArgs& args) {
+    __shared__ MoeArgs a;
+    __shared__ StreamTable st;
+    __shared__ StreamRing<STAGES> rings[MOE_WARPS];
+    if (thread_x() == 0) a = args;
+    block_barrier();
+    build_stream_table(a, st);
+    const u32 n_tiles = div_up(a.hidden, TILE_ROWS), k = a.inter, k_groups = div_up(k, GROUP_COLS);
+    const W weights = weights_at<W>(a.down, a.down_scales);
+    // this warp's units [u0, u1) of the launch's, as even a share as whole units allow
+    const u32 warps = grid_blocks() * MOE_WARPS, warp = block_x() * MOE_WARPS + thread_x() / FP4_WARP_SIZE;
+    const u32 units = st.chunks * n_tiles;
+    const u32 u0 = (u32)((u64)units * warp / warps), u1 = (u32)((u64)units * (warp + 1u) / warps);
+    StreamRing<STAGES>& ring = rings[thread_x() / FP4_WARP_SIZE];
+    const u32 steps = (u1 - u0) * k_groups;  // (unit, group) pairs of this warp
+    typename W::Group w_ring[STAGES];
+    StreamCursor load = {}, use = {};
+    if (steps > 0u) {
+        load = stream_cursor(a, st, n_tiles, k_groups, u0);
+        use = load;
+        #pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            if ((u32)s < steps) {  // the load cursor ends at the last step in the ring
+                if (s > 0) stream_advance(a, st, n_tiles, k_groups, load);
+                w_ring[s] = weights.load(load.tile_base + load.group * 32u);
+            }
+        }
+    }
+    chain_after_previous_grid();
+    if (steps == 0u) return;
+    // the prologue's X copies, one commit per stage (a later step waits for its own stage)
+    {
+        StreamCursor x_cur = use;
+        #pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            if ((u32)s < steps) {
+                if (s > 0) stream_advance(a, st, n_tiles, k_groups, x_cur);
+                stream_copy_x(x_cur, k, a.x, ring, s);
+            }
+            cp_async_commit();
+        }
+    }
+    float alpha = 0.0f;
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (u32 base = 0u; base < steps; base += STAGES) {
+        #pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            const u32 step = base + s;
+            if (step < steps) {  // warp-uniform
+                if (use.group == 0u) alpha = a.down_alpha[use.meta.expert];  // arrives while the unit runs
+                cp_async_wait<STAGES - 1>();
+                const u32x4 lo = ring.x[s][0][lane_index()], hi = ring.x[s][1][lane_index()];
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    u32 frag[4];
+                    weights.fragment(w_ring[s], j, frag);
+                    const u32x4& q = j / 2 == 0 ? lo : hi;
+                    mma_m16n8k16_bf16(c, frag[0], frag[1], frag[2], frag[3], (j % 2 == 0) ? q.x : q.z,
+                                      (j % 2 == 0) ? q.y : q.w);
+                }
+                // refill this stage with the step STAGES ahead (its X slot was read above: the
+                // MMAs consumed the registers)
+                if (step + STAGES < steps) {
+                    stream_advance(a, st, n_tiles, k_groups, load);
+                    w_ring[s] = weights.load(load.tile_base + load.group * 32u);
+                    stream_copy_x(load, k, a.x, ring, s);
+                }
+                cp_async_commit();
+                if (use.group + 1u == k_groups) {
+                    stream_store(a, use, alpha, c);
+                    c[0] = c[1] = c[2] = c[3] = 0.0f;
+                }
+                if (step + 1u < steps) stream_advance(a, st, n_tiles, k_groups, use);
+            }
+        }
+    }
+}
+
+/// Every token's output rows: the routing-weighted sum of its k expert outputs in slot order,
+/// plus the shared-expert scale times the sum of its sub-experts, plus the residual, rounded once
+/// to bf16 (combine()'s sums in combine()'s order, so the same bits; 4 hidden rows per thread). The routing (two launches back) and the
+/// residual load before the wait for the down launch.
+FP4_DEVICE void moe_stream_combine_block(const MoeArgs& a) {
+    __shared__ u32 slot_position[FP4_WARP_SIZE];
+    __shared__ float slot_weight[FP4_WARP_SIZE];
+    const u32 per_token = div_up(a.hidden, 4u * MOE_THREADS);
+    const u32 t = block_x() / per_token, h = (block_x() % per_token) * 4u * MOE_THREADS + 4u * thread_x();
+    const u32 k = a.top_k, H = a.hidden, T = a.tokens;
+    if (thread_x() < k) {
+        slot_position[thread_x()] = load_coherent_u32(a.slot_pos + t * k + thread_x());
+        slot_weight[thread_x()] = load_coherent_f32(a.route_weight + t * k + thread_x());
+    }
+    const float shared_scale = a.shared_experts > 0u ? load_coherent_f32(a.shared_scale + t) : 0.0f;
+    float residual[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const bool has_residual = a.residual != nullptr;
+    if (has_residual && h < H) {
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) residual[i] = bf16_to_f32(a.residual[(u64)t * H + h + i]);
+    }
+    block_barrier();
+    chain_after_previous_grid();
+    if (h >= H) return;  // H is a multiple of 16: a thread's 4 rows are all in or all out
+    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    #pragma unroll 4
+    for (u32 j = 0; j < k; ++j) {
+        const u32x4 p = load_coherent_u32x4(a.partial + (u64)slot_position[j] * H + h);
+        const float w = slot_weight[j];
+        sum[0] += w * bits_to_f32(p.x); sum[1] += w * bits_to_f32(p.y);
+        sum[2] += w * bits_to_f32(p.z); sum[3] += w * bits_to_f32(p.w);
+    }
+    if (a.shared_experts > 0u) {
+        float shared[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (u32 c = 0; c < a.shared_experts; ++c) {
+            const u32x4 p = load_coherent_u32x4(a.partial + ((u64)c * T + t) * H + h);
+            shared[0] += bits_to_f32(p.x); shared[1] += bits_to_f32(p.y);
+            shared[2] += bits_to_f32(p.z); shared[3] += bits_to_f32(p.w);
+        }
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) sum[i] += shared_scale * shared[i];
+    }
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if (has_residual) sum[i] += residual[i];  // added only where there is one, as combine()
+        a.y[(u64)t * H + h + i] = f32_to_bf16(sum[i]);
+    }
+}
+{% endif %}
+
 // Kernels: expert weights NVFP4 or bf16, ROWS tokens per pass (the host picks the smallest
 // variant that holds T; an expert with more tokens takes more passes).
 {% for rows in target.moe.token_rows %}
@@ -972,3 +1277,13 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_SPLIT_BOUNDS) moe_{{ format }}_down_m{{ ro
     moe_split_down<{{ weights }}, {{ rows }}, {{ stages }}>(MOE_ARGUMENTS);
 }
 {% endfor %}{% endfor %}
+{% if target.instructions.mma_sync_bf16 and target.instructions.cp_async %}
+{% for format in ["nvfp4", "bf16"] %}{% if format == "nvfp4" %}{% set weights = "ExpertNvfp4" %}{% set stages = target.moe.stages_nvfp4 %}{% else %}{% set weights = "ExpertBf16" %}{% set stages = target.moe.stages_bf16 %}{% endif %}
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_SPLIT_BOUNDS) moe_{{ format }}_down_stream(MOE_PARAMETERS) {
+    moe_stream_down<{{ weights }}, {{ stages }}>(MOE_ARGUMENTS);
+}
+{% endfor %}
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_THREADS) moe_stream_combine(MOE_PARAMETERS) {
+    moe_stream_combine_block(MOE_ARGUMENTS);
+}
+{% endif %}

@@ -263,6 +263,11 @@ pub struct MoeTiles {
     /// Planes of partial router logits: the router's K groups split this many ways (the split
     /// route launch gives each plane its own blocks), summed in plane order by the routing.
     pub router_planes: u32,
+    /// Blocks of at least this many tokens (and at most `split_max_tokens`) run in the streaming
+    /// form (the split route and gate_up launches, then `moe_{format}_down_stream` and
+    /// `moe_stream_combine`); 0 never. Only on targets with mma.sync and cp.async, which render
+    /// those kernels.
+    pub stream_min_tokens: u32,
 }
 
 impl TargetTable {
@@ -543,6 +548,12 @@ impl TargetFacts {
             return fail(format!(
                 "token_rows {:?} must be ascending multiples of 8 in 8..=64",
                 m.token_rows
+            ));
+        }
+        if m.stream_min_tokens > 0 && !self.instructions.staged_mma() {
+            return fail(format!(
+                "stream_min_tokens {}: the streaming launches need mma.sync and cp.async (0 turns them off)",
+                m.stream_min_tokens
             ));
         }
         if m.max_experts == 0

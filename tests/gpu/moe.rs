@@ -345,9 +345,22 @@ fn check_block(
         let residual_dev = residual
             .as_ref()
             .map(|r| backend.upload(r).expect("upload residual"));
-        // both launch forms run the same items and combine in the same order: equal bits
+        // the persistent and split forms run the same items and combine in the same order:
+        // equal bits; so does the streaming form (where the target has it) wherever the split
+        // form sums each down tile in one warp too (above moe.wide_max_tokens)
+        let (streams, wide_max) = backend.target().map_or((false, 0), |target| {
+            (
+                target.moe.stream_min_tokens > 0,
+                target.moe.wide_max_tokens as usize,
+            )
+        });
+        let launches: &[MoeLaunch] = if streams {
+            &[MoeLaunch::Persistent, MoeLaunch::Split, MoeLaunch::Stream]
+        } else {
+            &[MoeLaunch::Persistent, MoeLaunch::Split]
+        };
         let mut outputs = Vec::new();
-        for launch in [MoeLaunch::Persistent, MoeLaunch::Split] {
+        for &launch in launches {
             let mut y = poisoned(backend, t * h);
             moe::moe_block_with(
                 backend,
@@ -366,6 +379,7 @@ fn check_block(
                     .unwrap_or_else(|e| panic!("{test} T={t} {launch:?}: {e}")),
             );
         }
+        let stream = streams.then(|| outputs.pop().expect("the streaming output"));
         let got = outputs.swap_remove(0);
         let differing = got
             .iter()
@@ -405,6 +419,25 @@ fn check_block(
             want[worst],
             &routing.experts[token * s.top_k..(token + 1) * s.top_k]
         );
+        if let Some(stream) = &stream {
+            let agreement = compare::compare_bf16_with_slack(stream, &want, &slack);
+            println!("{label} stream: {agreement}");
+            if !agreement.passed() {
+                print_token_errors(&format!("{label} stream"), stream, &want, h);
+            }
+            assert!(agreement.passed(), "{label} stream: {agreement}");
+            if t > wide_max {
+                let differing = stream
+                    .iter()
+                    .zip(&got)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(
+                    differing, 0,
+                    "{label}: the streaming form differs from the persistent one in {differing} values"
+                );
+            }
+        }
         outcomes.push(Outcome { routing, y: got });
     }
     outcomes
@@ -577,8 +610,9 @@ fn moe_e512_k10() {
 
 /// E = 8, k = 2 at awkward sizes: H = 272 and I = 48 (K not a multiple of 64), Is = 80 (a padded
 /// second sub-expert); without a shared-expert gate (scale 1) and without a shared expert. Then
-/// 100 tokens through a 40-token workspace (three launches) give the same bits as one launch:
-/// every token's routing and output depend on that token only.
+/// 100 tokens through a 40-token workspace (three launches, split form) give the same bits as
+/// one persistent launch: every token's routing and output depend on that token only (the split
+/// and persistent forms sum alike; the streaming form is checked against the reference).
 #[test]
 fn moe_e8_k2_awkward() {
     let test = "moe_e8_k2_awkward";
@@ -599,8 +633,17 @@ fn moe_e8_k2_awkward() {
                 let case = &cases[2];
                 let x = backend.upload(&case.x).expect("x");
                 let mut y = poisoned(backend, case.t * s.hidden);
-                moe::moe_block(backend, &weights, &x, case.t, None, &mut small, &mut y)
-                    .expect("three launches");
+                moe::moe_block_with(
+                    backend,
+                    &weights,
+                    &x,
+                    case.t,
+                    None,
+                    &mut small,
+                    &mut y,
+                    MoeLaunch::Split,
+                )
+                .expect("three launches");
                 let chunked = backend.download(&y).expect("y");
                 let differ = chunked
                     .iter()

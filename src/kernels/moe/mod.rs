@@ -24,7 +24,10 @@
 //!   share one expert tile's K groups are a launch argument ([`tile_warps`]): more of them, each
 //!   a shorter chain, up to `moe.wide_max_tokens` tokens (the split gate_up and down kernels are
 //!   compiled for `moe.split_blocks_per_sm` resident blocks, so a decode step's items fit one
-//!   wave). Experts nobody chose cost nothing (they get no work items); every chosen expert's
+//!   wave). From `moe.stream_min_tokens` tokens ([`MoeLaunch::Stream`], targets with mma.sync
+//!   and cp.async) the down launch is a grid of resident blocks whose warps each stream whole
+//!   tiles of several experts, X through a cp.async ring, and the combine is a launch of its
+//!   own (same sums in the same order: the split form's bits). Experts nobody chose cost nothing (they get no work items); every chosen expert's
 //!   weights are read once from DRAM per launch (an expert with more tokens than a pass, 8,
 //!   re-reads its tiles from L2). Work items are claimed in order
 //!   from a counter, so the kernel cannot deadlock whatever number of its blocks is resident; a
@@ -437,8 +440,9 @@ pub fn moe_block(
 /// How a device runs [`moe_block_with`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MoeLaunch {
-    /// The target's choice: [`MoeLaunch::Split`] for at most `moe.split_max_tokens` tokens
-    /// (kernels/targets.toml), else [`MoeLaunch::Persistent`].
+    /// The target's choice (kernels/targets.toml): [`MoeLaunch::Stream`] from
+    /// `moe.stream_min_tokens` to `moe.split_max_tokens` tokens, [`MoeLaunch::Split`] below and
+    /// [`MoeLaunch::Persistent`] above.
     #[default]
     Auto,
     /// One persistent launch (`moe_{format}_m{rows}`).
@@ -446,6 +450,11 @@ pub enum MoeLaunch {
     /// Three launches: route, gate_up, down (`moe_route_m{rows}`,
     /// `moe_{format}_{gate_up,down}_m{rows}`).
     Split,
+    /// Four launches: the split form's route and gate_up, then the streaming down launch (a grid
+    /// of resident blocks whose warps each stream whole tiles of several experts,
+    /// `moe_{format}_down_stream`) and `moe_stream_combine`. On targets that render them
+    /// (mma.sync and cp.async); [`Error::Invalid`] elsewhere.
+    Stream,
 }
 
 /// [`moe_block`] with the device launch chosen by the caller (the bench and the tests compare
@@ -647,6 +656,37 @@ impl SplitGrids {
     }
 }
 
+/// The streaming form's own kernels for one format: the down launch, then the combine.
+fn stream_kernel_names(format: ExpertFormat) -> [&'static str; 2] {
+    match format {
+        ExpertFormat::Nvfp4 => ["moe_nvfp4_down_stream", "moe_stream_combine"],
+        ExpertFormat::Bf16 => ["moe_bf16_down_stream", "moe_stream_combine"],
+    }
+}
+
+/// Blocks of `moe_stream_combine` for `tokens` tokens of `hidden` rows: each thread sums 4 rows
+/// of one token (the kernel's `per_token` blocks per token). Public for the kernels' host
+/// emulation (tests/moe_emulated.rs).
+pub fn stream_combine_blocks(target: &TargetFacts, hidden: usize, tokens: usize) -> u32 {
+    let rows_per_block = 4 * (target.moe.warps_per_block * target.warp_size) as usize;
+    (tokens * hidden.div_ceil(rows_per_block)).clamp(1, u32::MAX as usize) as u32
+}
+
+/// The rendered kernel `name` of `target` (as the kernel table holds it).
+fn named_kernel(target: &TargetFacts, name: &str) -> Result<&'static str> {
+    table::rendered(&target.name, FAMILY)
+        .and_then(|source| source.kernels.iter().copied().find(|k| *k == name))
+        .ok_or_else(|| {
+            Error::invalid(
+                format!("kernel `{name}`"),
+                format!(
+                    "not among the {} moe kernels (the streaming launches need mma.sync and cp.async)",
+                    target.name
+                ),
+            )
+        })
+}
+
 /// The kernel name prefixes of one expert format (`{prefix}{rows}` names a kernel): the
 /// persistent launch, then the split launches' route, gate_up and down.
 fn kernel_prefixes(format: ExpertFormat) -> [&'static str; 4] {
@@ -793,33 +833,60 @@ fn moe_block_device(
             .or_else(|| tiles.token_rows.last().copied())
             .unwrap_or(8);
         let [persistent, route, gate_up, down] = kernel_prefixes(weights.format);
-        let split = match launch {
-            MoeLaunch::Auto => tokens <= tiles.split_max_tokens as usize,
-            MoeLaunch::Persistent => false,
-            MoeLaunch::Split => true,
+        let launch = match launch {
+            MoeLaunch::Auto if tokens > tiles.split_max_tokens as usize => MoeLaunch::Persistent,
+            MoeLaunch::Auto
+                if tiles.stream_min_tokens > 0 && tokens >= tiles.stream_min_tokens as usize =>
+            {
+                MoeLaunch::Stream
+            }
+            MoeLaunch::Auto => MoeLaunch::Split,
+            chosen => chosen,
         };
-        // (kernel, blocks) of each launch, without a heap allocation per block
-        let split_launches;
-        let persistent_launch;
-        let launches: &[(&str, u32)] = if split {
-            let plan = SplitGrids::new(
+        let split_grids = || {
+            SplitGrids::new(
                 target,
                 shape,
                 weights.shared_experts,
                 device.has_shared_gate,
                 tokens,
                 rows,
-            );
-            split_launches = [
-                (moe_kernel(target, route, rows)?, plan.route),
-                (moe_kernel(target, gate_up, rows)?, plan.gate_up),
-                (moe_kernel(target, down, rows)?, plan.down),
-            ];
-            &split_launches
-        } else {
-            let blocks = multiprocessors * tiles.blocks_per_sm;
-            persistent_launch = [(moe_kernel(target, persistent, rows)?, blocks)];
-            &persistent_launch
+            )
+        };
+        // (kernel, blocks) of each launch, without a heap allocation per block
+        let (split_launches, stream_launches, persistent_launch);
+        let launches: &[(&str, u32)] = match launch {
+            MoeLaunch::Split => {
+                let plan = split_grids();
+                split_launches = [
+                    (moe_kernel(target, route, rows)?, plan.route),
+                    (moe_kernel(target, gate_up, rows)?, plan.gate_up),
+                    (moe_kernel(target, down, rows)?, plan.down),
+                ];
+                &split_launches
+            }
+            MoeLaunch::Stream => {
+                let [stream_down, combine] = stream_kernel_names(weights.format);
+                let plan = split_grids();
+                stream_launches = [
+                    (moe_kernel(target, route, rows)?, plan.route),
+                    (moe_kernel(target, gate_up, rows)?, plan.gate_up),
+                    (
+                        named_kernel(target, stream_down)?,
+                        multiprocessors * tiles.split_blocks_per_sm,
+                    ),
+                    (
+                        named_kernel(target, combine)?,
+                        stream_combine_blocks(target, h, tokens),
+                    ),
+                ];
+                &stream_launches
+            }
+            MoeLaunch::Persistent | MoeLaunch::Auto => {
+                let blocks = multiprocessors * tiles.blocks_per_sm;
+                persistent_launch = [(moe_kernel(target, persistent, rows)?, blocks)];
+                &persistent_launch
+            }
         };
         let chunk = start * h..(start + tokens) * h;
         let residual_rows = match residual {
@@ -912,13 +979,29 @@ mod tests {
                     }
                 }
             }
+            if t.moe.stream_min_tokens > 0 {
+                for format in [ExpertFormat::Nvfp4, ExpertFormat::Bf16] {
+                    for name in stream_kernel_names(format) {
+                        let kernel = named_kernel(t, name).expect("rendered");
+                        let io = [
+                            KernelArg::input(&x),
+                            KernelArg::optional_input(Some(&x)),
+                            KernelArg::output(&mut y),
+                        ];
+                        let sizes = [8, 2, 64, 32, 1, 1];
+                        let args =
+                            moe_arguments(io, &weights, &mut workspace, 9, sizes, tile_warps(t, 9));
+                        checks.check(&t.name, kernel, &args);
+                    }
+                }
+            }
         }
         checks.assert_all_match();
     }
 
     /// Every variant a launch can pick (each target's `moe.token_rows`, both formats, persistent
-    /// and split) is a kernel
-    /// of the target's rendered source; other row counts are refused by name.
+    /// and split, and the streaming kernels where `moe.stream_min_tokens` turns them on) is a
+    /// kernel of the target's rendered source; other row counts are refused by name.
     #[test]
     fn every_token_rows_variant_resolves_to_a_rendered_kernel() {
         for t in target::all() {
@@ -932,6 +1015,21 @@ mod tests {
             }
             let e = moe_kernel(t, "moe_bf16_m", 3).unwrap_err().to_string();
             assert!(e.contains("moe_bf16_m3") && e.contains(&t.name), "{e}");
+            // the streaming launches exactly where targets.toml turns them on
+            for format in [ExpertFormat::Nvfp4, ExpertFormat::Bf16] {
+                for name in stream_kernel_names(format) {
+                    match named_kernel(t, name) {
+                        Ok(kernel) => {
+                            assert!(t.moe.stream_min_tokens > 0, "{} {kernel}", t.name);
+                            assert_eq!(kernel, name);
+                        }
+                        Err(e) => {
+                            assert_eq!(t.moe.stream_min_tokens, 0, "{} {name}: {e}", t.name);
+                            assert!(e.to_string().contains(name), "{e}");
+                        }
+                    }
+                }
+            }
         }
     }
 }
