@@ -496,32 +496,20 @@ fn check(
         assert!(agreement.passed(), "{label} stream: {agreement}");
         let facts = target::by_name(target_name).expect("target");
         if t > facts.moe.wide_max_tokens as usize {
-            let differ = one_block
-                .iter()
-                .zip(&got.y[2])
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
+            let differ = differing_bits(one_block, &got.y[2]);
             assert_eq!(
                 differ, 0,
                 "{label}: the streaming form differs from the split one in {differ} elements"
             );
         }
-        let differ = one_block
-            .iter()
-            .zip(three_blocks)
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
+        let differ = differing_bits(one_block, three_blocks);
         assert_eq!(
             differ, 0,
             "{label}: the streaming launches on 3 blocks differ from 1 block in {differ} elements"
         );
     }
     for (n, y) in got.y.iter().enumerate().skip(1) {
-        let differ = y
-            .iter()
-            .zip(&got.y[0])
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
+        let differ = differing_bits(y, &got.y[0]);
         assert_eq!(
             differ, 0,
             "{label}: launch {n} (0, 1 persistent; 2, 3 split) differs from launch 0 in {differ} \
@@ -534,6 +522,14 @@ fn check(
             "{label}: counters left after the {after} launches: {control:?}"
         );
     }
+}
+
+/// Elements of `a` and `b` whose bits differ.
+fn differing_bits(a: &[bf16], b: &[bf16]) -> usize {
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count()
 }
 
 fn shape(
