@@ -69,7 +69,8 @@ pub struct DecodeArgs {
     chart: Option<PathBuf>,
     /// Also, for every plain (n = 0) case: what each kind of launch (a kernel at one grid size)
     /// costs the step, from the step captured and timed without it (a device backend; one more
-    /// timed case per kind of launch).
+    /// timed case per kind of launch). Reliable for kernels whose outputs steer nothing: leaving
+    /// out one upstream of a MoE router changes which experts a batch reads.
     #[arg(long)]
     kernel_costs: bool,
 }
@@ -338,8 +339,10 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
     if !kernel_costs.is_empty() {
         println!(
             "kernel costs (each kind of launch left out of the captured step: the full step's ms \
-             minus the step's without it; a kernel whose results steer later steps, such as \
-             positions or the next tokens, changes their work when left out):"
+             minus the step's without it; a kernel whose results steer later work changes that \
+             work when left out: positions or the next tokens steer later steps, and every kernel \
+             upstream of a MoE router steers which experts the batch reads, so at B > 1 their \
+             figures include the expert bytes a changed routing saves):"
         );
         println!(
             "{:>3} {:>7} {:<36} {:>12} {:>9}",
