@@ -1031,6 +1031,8 @@ struct StreamChunk {
     u32 expert, position0, rows;
 };
 
+/// Chunk `c` of the launch's list: a shared sub-expert's (no lookup), or the routed rank whose
+/// chunks hold it (a binary search of the table, then the rank's expert and first position).
 FP4_DEVICE StreamChunk stream_chunk(const MoeArgs& a, const StreamTable& st, u32 c) {
     StreamChunk k;
     if (c < st.shared_chunks) {
