@@ -2,7 +2,9 @@
 // (rendered for {{ target.name }}): router logits, fp32 softmax / top-k / renormalisation /
 // shared-expert gate, alignment of the (token, expert) slots by expert, the grouped gate_up GEMM
 // with silu(gate) * up fused, the grouped down GEMM, and the weighted combine over the k experts
-// plus the shared expert (plus an optional residual), bf16 out.
+// plus the shared expert (plus an optional residual), bf16 out. For small T the same items run
+// as three launches (route, gate_up, down), and from moe.stream_min_tokens the down launch
+// streams whole tiles per warp with a combine launch of its own (the sections below).
 // CPU reference: src/kernels/moe/reference.rs. Launch: src/kernels/moe/mod.rs; weight layouts:
 // src/kernels/moe/weights.rs.
 //
