@@ -319,13 +319,8 @@ fn bench_format(
             .collect();
         let mut y: DeviceVec<bf16> = backend.zeros(t * h).expect("Y");
         let name = format!("T{t}");
-        let target = backend.target();
-        let streams = target.is_some_and(|target| target.moe.stream_min_tokens > 0);
-        let launches: &[MoeLaunch] = if streams {
-            &[MoeLaunch::Persistent, MoeLaunch::Split, MoeLaunch::Stream]
-        } else {
-            &[MoeLaunch::Persistent, MoeLaunch::Split]
-        };
+        let target = backend.target().expect("a device backend");
+        let launches = MoeLaunch::forms(target);
         let mut timed = Vec::new();
         for &launch in launches {
             timed.push(bench_graph(
@@ -351,16 +346,11 @@ fn bench_format(
         }
         let (persistent, split) = (timed[0], timed[1]);
         let stream = timed.get(2).copied().unwrap_or(f64::NAN);
-        let (split_max, stream_min) = target.map_or((0, 0), |target| {
-            (target.moe.split_max_tokens, target.moe.stream_min_tokens)
-        });
-        let chosen = if t > split_max as usize {
-            persistent
-        } else if streams && t >= stream_min as usize {
-            stream
-        } else {
-            split
-        };
+        let auto = MoeLaunch::Auto.resolve(target, t);
+        let chosen = launches
+            .iter()
+            .position(|&form| form == auto)
+            .map_or(f64::NAN, |i| timed[i]);
         let last_launch = *launches.last().expect("a launch form");
         // the graph's last call (the last form) left its output in y: a direct launch must give
         // the same bits

@@ -16,7 +16,8 @@ use fp4spec::kernels::compare;
 use fp4spec::kernels::gemm::TensorCore;
 use fp4spec::kernels::moe::reference::{self, ExpertRef, MoeShape, Routing};
 use fp4spec::kernels::moe::{
-    ExpertFormat, ExpertWeights, MoeHostWeights, SplitGrids, stream_combine_blocks, tile_warps,
+    ExpertFormat, ExpertWeights, MoeHostWeights, MoeLaunch, SplitGrids, stream_combine_blocks,
+    tile_warps,
 };
 use fp4spec::kernels::table;
 use fp4spec::rng::SplitMix64;
@@ -371,7 +372,7 @@ fn emulate(
         emu.dump(y_buf);
     }
     emu.dump(control);
-    let streams = facts.moe.stream_min_tokens > 0;
+    let streams = MoeLaunch::forms(facts).contains(&MoeLaunch::Stream);
     if streams {
         for stream_grid in [1, 3] {
             emu.launch(&format!("moe_route_m{rows}"), grids.route, threads, &args);

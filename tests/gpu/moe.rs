@@ -348,17 +348,10 @@ fn check_block(
         // the persistent and split forms run the same items and combine in the same order:
         // equal bits; so does the streaming form (where the target has it) wherever the split
         // form sums each down tile in one warp too (above moe.wide_max_tokens)
-        let (streams, wide_max) = backend.target().map_or((false, 0), |target| {
-            (
-                target.moe.stream_min_tokens > 0,
-                target.moe.wide_max_tokens as usize,
-            )
-        });
-        let launches: &[MoeLaunch] = if streams {
-            &[MoeLaunch::Persistent, MoeLaunch::Split, MoeLaunch::Stream]
-        } else {
-            &[MoeLaunch::Persistent, MoeLaunch::Split]
-        };
+        let target = backend.target().expect("a device backend");
+        let launches = MoeLaunch::forms(target);
+        let streams = launches.contains(&MoeLaunch::Stream);
+        let wide_max = target.moe.wide_max_tokens as usize;
         let mut outputs = Vec::new();
         for &launch in launches {
             let mut y = poisoned(backend, t * h);

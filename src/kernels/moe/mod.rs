@@ -457,6 +457,35 @@ pub enum MoeLaunch {
     Stream,
 }
 
+impl MoeLaunch {
+    /// The form a launch of `tokens` tokens takes on `target`: [`MoeLaunch::Auto`] resolved by
+    /// kernels/targets.toml (`moe.split_max_tokens`, `moe.stream_min_tokens`), any other choice
+    /// itself.
+    pub fn resolve(self, target: &TargetFacts, tokens: usize) -> MoeLaunch {
+        let m = &target.moe;
+        match self {
+            MoeLaunch::Auto if tokens > m.split_max_tokens as usize => MoeLaunch::Persistent,
+            MoeLaunch::Auto
+                if m.stream_min_tokens > 0 && tokens >= m.stream_min_tokens as usize =>
+            {
+                MoeLaunch::Stream
+            }
+            MoeLaunch::Auto => MoeLaunch::Split,
+            chosen => chosen,
+        }
+    }
+
+    /// The forms `target` renders kernels for: persistent and split, and streaming where
+    /// `moe.stream_min_tokens` turns it on.
+    pub fn forms(target: &TargetFacts) -> &'static [MoeLaunch] {
+        if target.moe.stream_min_tokens > 0 {
+            &[MoeLaunch::Persistent, MoeLaunch::Split, MoeLaunch::Stream]
+        } else {
+            &[MoeLaunch::Persistent, MoeLaunch::Split]
+        }
+    }
+}
+
 /// [`moe_block`] with the device launch chosen by the caller (the bench and the tests compare
 /// them; the CPU backend runs the reference whatever the choice).
 ///
@@ -833,16 +862,7 @@ fn moe_block_device(
             .or_else(|| tiles.token_rows.last().copied())
             .unwrap_or(8);
         let [persistent, route, gate_up, down] = kernel_prefixes(weights.format);
-        let launch = match launch {
-            MoeLaunch::Auto if tokens > tiles.split_max_tokens as usize => MoeLaunch::Persistent,
-            MoeLaunch::Auto
-                if tiles.stream_min_tokens > 0 && tokens >= tiles.stream_min_tokens as usize =>
-            {
-                MoeLaunch::Stream
-            }
-            MoeLaunch::Auto => MoeLaunch::Split,
-            chosen => chosen,
-        };
+        let launch = launch.resolve(target, tokens);
         let split_grids = || {
             SplitGrids::new(
                 target,
@@ -979,7 +999,7 @@ mod tests {
                     }
                 }
             }
-            if t.moe.stream_min_tokens > 0 {
+            if MoeLaunch::forms(t).contains(&MoeLaunch::Stream) {
                 for format in [ExpertFormat::Nvfp4, ExpertFormat::Bf16] {
                     for name in stream_kernel_names(format) {
                         let kernel = named_kernel(t, name).expect("rendered");
@@ -997,6 +1017,32 @@ mod tests {
             }
         }
         checks.assert_all_match();
+    }
+
+    /// `Auto` follows each target's thresholds: split up to `moe.stream_min_tokens` (or to
+    /// `moe.split_max_tokens` without the streaming form), streaming from there, persistent
+    /// above; an explicit choice stays itself.
+    #[test]
+    fn auto_resolves_by_the_targets_thresholds() {
+        for t in target::all() {
+            let (split_max, stream_min) = (
+                t.moe.split_max_tokens as usize,
+                t.moe.stream_min_tokens as usize,
+            );
+            for tokens in 1..=split_max + 1 {
+                let want = if tokens > split_max {
+                    MoeLaunch::Persistent
+                } else if stream_min > 0 && tokens >= stream_min {
+                    MoeLaunch::Stream
+                } else {
+                    MoeLaunch::Split
+                };
+                let got = MoeLaunch::Auto.resolve(t, tokens);
+                assert_eq!(got, want, "{} T={tokens}", t.name);
+                assert!(MoeLaunch::forms(t).contains(&got), "{} T={tokens}", t.name);
+                assert_eq!(MoeLaunch::Split.resolve(t, tokens), MoeLaunch::Split);
+            }
+        }
     }
 
     /// Every variant a launch can pick (each target's `moe.token_rows`, both formats, persistent
