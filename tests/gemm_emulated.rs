@@ -12,13 +12,15 @@
 
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
 use fp4spec::kernels::compare;
-use fp4spec::kernels::gemm::layout::Nvfp4Fragments;
+use fp4spec::kernels::gemm::layout::{Bf16Fragments, Nvfp4Fragments, TileGrid};
 use fp4spec::kernels::gemm::{self, MmaPlan, RowOrder};
 use fp4spec::kernels::table;
 use fp4spec::rng::SplitMix64;
 use fp4spec::target::{self, TargetFacts};
 use half::bf16;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
 
 const EMULATOR: &str = include_str!("gemm_emulator.cpp");
 const GDN_EMULATOR: &str = include_str!("gdn_emulator.cpp");
@@ -30,8 +32,22 @@ mod emulation;
 use driver::{Arg, Buf, Emu, driver_for};
 use emulation::{build_host, section, splice};
 
-/// The host binary of `target`'s rendered gemm source.
+/// The host binary of `target`'s rendered gemm source (built once per test process: the tests
+/// run in parallel and would otherwise rebuild it under each other).
 fn emulator(target: &TargetFacts) -> PathBuf {
+    static BUILT: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
+    let mut built = BUILT
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    built
+        .entry(target.name.clone())
+        .or_insert_with(|| build_emulator(target))
+        .clone()
+}
+
+/// Renders `target`'s gemm source with the emulator's layers and compiles it for the host.
+fn build_emulator(target: &TargetFacts) -> PathBuf {
     let rendered = table::rendered(&target.name, "gemm").expect("gemm rendered");
     let mut source = splice(
         rendered.source,
@@ -65,6 +81,12 @@ fn emulator(target: &TargetFacts) -> PathBuf {
         "the stream kernel's dynamic shared memory"
     );
     source = source.replace(shared, "u8* stream_shared = emu::dynamic_smem;");
+    let mma_shared = "extern __shared__ __align__(16) u8 mma_shared[];";
+    assert!(
+        source.contains(mma_shared),
+        "the mma kernels' dynamic shared memory (staged X)"
+    );
+    source = source.replace(mma_shared, "u8* mma_shared = emu::dynamic_smem;");
     source.push_str(&driver_for(
         section(GDN_EMULATOR, "driver"),
         rendered.kernels,
@@ -83,8 +105,26 @@ fn emulator(target: &TargetFacts) -> PathBuf {
     )
 }
 
-/// One product on one partition: the stream kernel and the register kernel launched as
-/// src/kernels/gemm/mod.rs launches them (parameters of `mma_nvfp4_arguments`).
+/// The targets the emulator runs: sm_121a renders the same kernels (only the tuning numbers
+/// differ) beside W4A4 code whose FP4 conversions the host cannot compile, so the mma.sync
+/// targets without it stand for it.
+fn emulated_targets() -> impl Iterator<Item = &'static TargetFacts> {
+    target::all()
+        .iter()
+        .filter(|t| t.instructions.staged_mma() && !t.instructions.mma_block_scaled_fp4)
+}
+
+/// A partition: `warps_per_tile` warps per tile, `splits` K ranges of `groups_per_split` groups.
+fn plan(warps_per_tile: u32, splits: u32, groups_per_split: u32) -> MmaPlan {
+    MmaPlan {
+        warps_per_tile,
+        splits,
+        groups_per_split,
+    }
+}
+
+/// One product on one partition: the stream kernel (up to 16 rows) and the register kernel
+/// launched as src/kernels/gemm/mod.rs launches them (parameters of `mma_nvfp4_arguments`).
 struct Case {
     n: usize,
     k: usize,
@@ -92,14 +132,26 @@ struct Case {
     plan: MmaPlan,
 }
 
-/// Runs `case` on both kernels; returns their outputs, stream kernel first.
+/// Dynamic shared memory of `kernel` on `case`, as src/kernels/gemm/mod.rs sizes it.
+fn shared_bytes(target: &TargetFacts, kernel: &str, case: &Case) -> usize {
+    if kernel.contains("stream") {
+        gemm::stream_shared_bytes(&target.gemm, case.m, case.plan.groups_per_split)
+    } else if gemm::mma_x_shared(target, case.m) {
+        gemm::x_shared_bytes(&target.gemm, case.m, &case.plan)
+    } else {
+        0
+    }
+}
+
+/// Runs `case` on the stream kernel (at most 16 rows) and the register kernel; returns their
+/// outputs in that order.
 fn run_case(
     exe: &Path,
     target: &TargetFacts,
     case: &Case,
     q: &Nvfp4Matrix,
     x: &[bf16],
-) -> [Vec<bf16>; 2] {
+) -> Vec<Vec<bf16>> {
     let fragments = Nvfp4Fragments::new(q, RowOrder::Plain).expect("layout");
     let grid = fragments.grid;
     let tiles = &target.gemm;
@@ -121,24 +173,24 @@ fn run_case(
     let x_buf = emu.buffer(x.iter().flat_map(|v| v.to_le_bytes()).collect());
     let m_tiles = case.m.div_ceil(8).next_power_of_two();
     let mut outputs = Vec::new();
-    for (kernel, warps) in [
-        (
-            format!("gemm_nvfp4_bf16_stream_m{}", 8 * m_tiles),
-            tiles.stream_warps_per_block,
-        ),
-        (
-            format!("gemm_nvfp4_bf16_mma_m{}", 8 * m_tiles),
-            tiles.mma_warps_per_block,
-        ),
-    ] {
+    let stream = (
+        format!("gemm_nvfp4_bf16_stream_m{}", 8 * m_tiles),
+        tiles.stream_warps_per_block,
+    );
+    let register = (
+        format!("gemm_nvfp4_bf16_mma_m{}", 8 * m_tiles),
+        tiles.mma_warps_per_block,
+    );
+    let kernels = if case.m <= gemm::STREAM_MAX_ROWS {
+        vec![stream, register]
+    } else {
+        vec![register]
+    };
+    for (kernel, warps) in kernels {
         let y = emu.buffer(vec![0xff; 2 * case.m * case.n]);
         let partials = emu.zeros(grid.n_tiles * case.plan.splits as usize * 32 * m_tiles * 16);
         let counters = emu.zeros(4 * grid.n_tiles);
-        let shared = if kernel.contains("stream") {
-            gemm::stream_shared_bytes(tiles, case.m, case.plan.groups_per_split)
-        } else {
-            0
-        };
+        let shared = shared_bytes(target, &kernel, case);
         let blocks = (grid.n_tiles as u32).div_ceil(warps / case.plan.warps_per_tile);
         emu.launch(
             &kernel,
@@ -146,52 +198,104 @@ fn run_case(
             warps * target.warp_size,
             shared,
             &[
-                Arg::Ptr(x_buf),
-                Arg::Ptr(words),
-                Arg::Ptr(scales),
-                Arg::F32(q.global_scale * 128.0),
-                Arg::Ptr(y),
-                Arg::Null,
-                Arg::Ptr(partials),
-                Arg::Ptr(counters),
-                Arg::U32(case.m as u32),
-                Arg::U32(case.n as u32),
-                Arg::U32(case.k as u32),
-                Arg::U32(grid.n_tiles as u32),
-                Arg::U32(grid.k_groups as u32),
-                Arg::U32(case.plan.groups_per_split),
-                Arg::U32(case.plan.warps_per_tile),
-                Arg::U32(0),
-            ],
+                &[
+                    Arg::Ptr(x_buf),
+                    Arg::Ptr(words),
+                    Arg::Ptr(scales),
+                    Arg::F32(q.global_scale * 128.0),
+                    Arg::Ptr(y),
+                    Arg::Null,
+                ][..],
+                &split_and_shape_args(partials, counters, case, grid),
+            ]
+            .concat(),
         );
         emu.dump(y);
         outputs.push(y);
     }
     let dumps = emu.run(exe, &format!("case_{}x{}_m{}", case.n, case.k, case.m));
-    let read = |b: Buf| -> Vec<bf16> {
-        dumps[&b.0]
-            .chunks_exact(2)
-            .map(|c| bf16::from_le_bytes([c[0], c[1]]))
-            .collect()
-    };
-    [read(outputs[0]), read(outputs[1])]
+    outputs.into_iter().map(|y| read_bf16(&dumps, y)).collect()
+}
+
+/// The mma kernels' arguments from `partials` on (`SplitArgs`, then `TileShape` with the rows,
+/// no epilogue), for `case` on `grid`.
+fn split_and_shape_args(partials: Buf, counters: Buf, case: &Case, grid: TileGrid) -> [Arg; 10] {
+    [
+        Arg::Ptr(partials),
+        Arg::Ptr(counters),
+        Arg::U32(case.m as u32),
+        Arg::U32(case.n as u32),
+        Arg::U32(case.k as u32),
+        Arg::U32(grid.n_tiles as u32),
+        Arg::U32(grid.k_groups as u32),
+        Arg::U32(case.plan.groups_per_split),
+        Arg::U32(case.plan.warps_per_tile),
+        Arg::U32(0),
+    ]
+}
+
+/// A dumped bf16 buffer.
+fn read_bf16(dumps: &HashMap<u32, Vec<u8>>, buffer: Buf) -> Vec<bf16> {
+    dumps[&buffer.0]
+        .chunks_exact(2)
+        .map(|c| bf16::from_le_bytes([c[0], c[1]]))
+        .collect()
+}
+
+/// Runs `case` on `gemm_bf16_bf16_mma_m*` (parameters of `mma_bf16_arguments`) with the bf16
+/// weight `w` (`[n, k]` row-major); returns its output.
+fn run_bf16_case(
+    exe: &Path,
+    target: &TargetFacts,
+    case: &Case,
+    w: &[bf16],
+    x: &[bf16],
+) -> Vec<bf16> {
+    let fragments = Bf16Fragments::new(w, case.n, case.k, RowOrder::Plain).expect("layout");
+    let grid = fragments.grid;
+    let warps = target.gemm.mma_warps_per_block;
+    let m_tiles = case.m.div_ceil(8).next_power_of_two();
+    let kernel = format!("gemm_bf16_bf16_mma_m{}", 8 * m_tiles);
+    let mut emu = Emu::default();
+    let words = emu.buffer(
+        fragments
+            .words
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect(),
+    );
+    let x_buf = emu.buffer(x.iter().flat_map(|v| v.to_le_bytes()).collect());
+    let y = emu.buffer(vec![0xff; 2 * case.m * case.n]);
+    let partials = emu.zeros(grid.n_tiles * case.plan.splits as usize * 32 * m_tiles * 16);
+    let counters = emu.zeros(4 * grid.n_tiles);
+    let blocks = (grid.n_tiles as u32).div_ceil(warps / case.plan.warps_per_tile);
+    emu.launch(
+        &kernel,
+        (blocks, case.plan.splits),
+        warps * target.warp_size,
+        shared_bytes(target, &kernel, case),
+        &[
+            &[
+                Arg::Ptr(x_buf),
+                Arg::Ptr(words),
+                Arg::F32(1.0),
+                Arg::Ptr(y),
+                Arg::Null,
+            ][..],
+            &split_and_shape_args(partials, counters, case, grid),
+        ]
+        .concat(),
+    );
+    emu.dump(y);
+    let dumps = emu.run(exe, &format!("bf16_case_{}x{}_m{}", case.n, case.k, case.m));
+    read_bf16(&dumps, y)
 }
 
 #[test]
 fn the_stream_kernel_matches_the_reference_and_the_register_kernel() {
-    // sm_121a renders the same stream kernel (only the stream_* numbers differ) beside W4A4
-    // code whose FP4 conversions the host cannot compile: the targets without it stand for it
-    for target in target::all()
-        .iter()
-        .filter(|t| t.instructions.staged_mma() && !t.instructions.mma_block_scaled_fp4)
-    {
+    for target in emulated_targets() {
         let exe = emulator(target);
         let mut rng = SplitMix64::new(0x57e4);
-        let plan = |warps_per_tile, splits, groups_per_split| MmaPlan {
-            warps_per_tile,
-            splits,
-            groups_per_split,
-        };
         for case in [
             // one warp per tile, K not a multiple of 64 (the last group half empty)
             Case {
@@ -230,10 +334,11 @@ fn the_stream_kernel_matches_the_reference_and_the_register_kernel() {
                 .into_iter()
                 .map(bf16::from_f32)
                 .collect();
-            let [stream, registers] = run_case(&exe, target, &case, &q, &x);
+            let outputs = run_case(&exe, target, &case, &q, &x);
+            let [stream, registers] = [&outputs[0], &outputs[1]];
             let (n, k, m) = (case.n, case.k, case.m);
             let want = gemm::reference::nvfp4_gemm_f32(&x, m, q.view());
-            let agreement = compare::compare_bf16(&stream, &want);
+            let agreement = compare::compare_bf16(stream, &want);
             println!(
                 "{} stream ({n}, {k}) M={m} {:?}: {agreement}",
                 target.name, case.plan
@@ -249,6 +354,82 @@ fn the_stream_kernel_matches_the_reference_and_the_register_kernel() {
             assert_eq!(
                 differ, 0,
                 "{} ({n}, {k}) M={m}: {differ} outputs differ from the register kernel",
+                target.name
+            );
+        }
+    }
+}
+
+/// The kernels that stream X through shared memory (`mma_x_shared`: the m64 variants on
+/// `cp.async` targets) on partitions that take every path: one to eight warps per tile (their
+/// sums through the ring's memory), K split with a short last range, K not a multiple of 64,
+/// rows past M, NVFP4 and bf16 weights: each against the CPU reference.
+#[test]
+fn the_x_shared_kernels_match_the_reference() {
+    for target in emulated_targets() {
+        assert!(gemm::mma_x_shared(target, 33) && !gemm::mma_x_shared(target, 32));
+        let exe = emulator(target);
+        let mut rng = SplitMix64::new(0x5a4ed);
+        for case in [
+            Case {
+                n: 100,
+                k: 528,
+                m: 40,
+                plan: plan(1, 1, 9),
+            },
+            Case {
+                n: 37,
+                k: 1040,
+                m: 33,
+                plan: plan(8, 2, 9),
+            },
+            Case {
+                n: 64,
+                k: 2048,
+                m: 64,
+                plan: plan(2, 3, 11),
+            },
+            Case {
+                n: 48,
+                k: 192,
+                m: 50,
+                plan: plan(4, 1, 3),
+            },
+        ] {
+            let (n, k, m) = (case.n, case.k, case.m);
+            let x: Vec<bf16> = rng
+                .normal_vec(m * k, 1.0)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect();
+            let q = Nvfp4Matrix::quantize("W", &rng.normal_vec(n * k, 0.02), n, k).expect("finite");
+            let nvfp4 = run_case(&exe, target, &case, &q, &x).remove(0);
+            let want = gemm::reference::nvfp4_gemm_f32(&x, m, q.view());
+            let agreement = compare::compare_bf16(&nvfp4, &want);
+            println!(
+                "{} nvfp4 ({n}, {k}) M={m} {:?}: {agreement}",
+                target.name, case.plan
+            );
+            assert!(
+                agreement.passed(),
+                "{} nvfp4 ({n}, {k}) M={m}: {agreement}",
+                target.name
+            );
+            let w: Vec<bf16> = rng
+                .normal_vec(n * k, 0.02)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect();
+            let dense = run_bf16_case(&exe, target, &case, &w, &x);
+            let want = gemm::reference::bf16_gemm_f32(&x, m, &w, n, k);
+            let agreement = compare::compare_bf16(&dense, &want);
+            println!(
+                "{} bf16 ({n}, {k}) M={m} {:?}: {agreement}",
+                target.name, case.plan
+            );
+            assert!(
+                agreement.passed(),
+                "{} bf16 ({n}, {k}) M={m}: {agreement}",
                 target.name
             );
         }

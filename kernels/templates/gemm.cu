@@ -93,6 +93,17 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_ge
 #define L2_PREFETCH_GROUPS {{ target.gemm.mma_l2_prefetch_groups }}
 
 {% include "common/mma.cuh" %}
+{% if target.instructions.cp_async %}
+{% include "common/cp_async.cuh" %}
+{% endif %}
+// gemm_*_mma_m* of at least mma_x_shared_min_rows rows on cp.async targets stream X through
+// shared memory (gemm_mma, X_SHARED): (threads, resident blocks per SM) cap their registers so
+// that mma_x_shared_blocks_per_sm blocks fit
+#define MMA_X_SHARED_BOUNDS MMA_WARPS * FP4_WARP_SIZE, {{ target.gemm.mma_x_shared_blocks_per_sm }}
+// the X ring's slots (rounds in flight + the one computed) and bf16 per staged row (64 + 8 pad);
+// src/kernels/gemm/mod.rs, x_shared_bytes, sizes the ring the same way
+#define X_SLOTS {{ target.gemm.mma_x_shared_slots }}
+#define X_ROW 72
 
 /// Writes one lane's 16 x (8 * MT) tile of fp32 results: scaled by alpha, with the epilogue.
 template <int MT>
@@ -190,7 +201,19 @@ FP4_DEVICE void finish_tile(float (&acc)[MT][4], float alpha, u32 tile, u32 lane
 /// and the last of the tile's blocks to finish (a counter per tile) adds the partials in split
 /// order and writes Y, so the result does not depend on scheduling. STAGES groups of weights
 /// are in flight per warp.
-template <class Weights, int MT, int STAGES>
+///
+/// X: at M <= 32 each lane loads its X fragment from global memory per group (L1 / L2). At
+/// M = 64 that was the kernel's limit: a lane's X for one group is MT * 32 bytes, 4x (bf16) to
+/// 14x (NVFP4) its weight bytes, re-read by every tile (H200, B = 64 decode step, ncu: the GDN
+/// in_proj [12352, 2048] at 524 GB/s, 97 us against 12 us of weights at the copy bandwidth) and
+/// waited for when its group is used. So where the target says (X_SHARED: cp.async, at least
+/// mma_x_shared_min_rows rows) the block copies X into a ring of X_SLOTS slots in dynamic shared
+/// memory, one round ahead of another: round r is the warps_per_tile groups split_begin + r *
+/// warps_per_tile + part the block's warps compute next (part p's m rows of X_ROW bf16, the
+/// 16-byte pad putting the 8 rows a warp reads at once in different banks), with a block barrier
+/// per round; every warp of the block reads its fragments from there. The products and their
+/// order are the same either way.
+template <class Weights, int MT, int STAGES, bool X_SHARED>
 FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha, u16* y,
                          const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
                          u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split,
@@ -229,55 +252,133 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
     wait_for_previous_grid();
     allow_next_grid();
 
+    // X_SHARED: MMAs per read of X from shared memory (16 bytes per row for two; NVFP4, whose
+    // decode needs the registers, and M = 64 read 8)
+    constexpr int X_MMAS = Weights::PREFETCH_X && MT <= 4 ? 2 : 1;
+    extern __shared__ __align__(16) u8 mma_shared[];
+
     // Where the weights say so (bf16) and M <= 16, the X fragments run one group ahead of their
     // use (two buffers; STAGES is even so each unrolled stage's buffer is a compile-time index).
     // Otherwise the registers are better spent on occupancy and X is loaded when its group is
     // used (measured on the H200: prefetching X cost NVFP4 20% at M = 1, gained bf16 20% at 16).
     constexpr int X_BUFFERS = Weights::PREFETCH_X && MT <= 2 ? 2 : 1;
     static_assert(X_BUFFERS == 1 || STAGES % 2 == 0, "the X double buffer needs an even stage count");
-    u32x4 xs[X_BUFFERS][MT][2];
+    u32x4 xs[X_BUFFERS][MT][2];  // unused with X_SHARED
     if (X_BUFFERS == 2) load_x_fragment<MT>(x, m, k, first, g, t, first < split_end, xs[0]);
 
-    for (u32 base = first; base < split_end; base += STAGES * warps_per_tile) {
-        #pragma unroll
-        for (int s = 0; s < STAGES; ++s) {
-            const u32 group = base + s * warps_per_tile;
-            if (group < split_end) {
-                const u32 after = group + warps_per_tile;
-                if (X_BUFFERS == 2) load_x_fragment<MT>(x, m, k, after, g, t, after < split_end, xs[(s + 1) % X_BUFFERS]);
-                else load_x_fragment<MT>(x, m, k, group, g, t, true, xs[0]);
+    if constexpr (X_SHARED) {
+        // rounds of the block's K range (inactive warps copy and meet the barriers too)
+        const u32 block_end = min(k_groups, split_begin + groups_per_split);
+        const u32 rounds = (block_end - split_begin + warps_per_tile - 1) / warps_per_tile;
+        u16* x_ring = reinterpret_cast<u16*>(mma_shared);
+        const u32 slot_elems = warps_per_tile * m * X_ROW;
+        // round r's X into slot r % X_SLOTS, zero past K (the weights are zero there, and zero
+        // times stale shared memory could be NaN); one commit group per round, empty past the end
+        auto issue = [&](u32 r) {
+            if (r < rounds) {
+                u16* slot = x_ring + (r % X_SLOTS) * slot_elems;
+                const u32 g0 = split_begin + r * warps_per_tile;
+                for (u32 u = thread_x(); u < warps_per_tile * m * 8; u += MMA_WARPS * FP4_WARP_SIZE) {
+                    const u32 p = u / (m * 8), row = (u / 8) % m, unit = u % 8;
+                    const u32 group = g0 + p, col = group * 64 + unit * 8;
+                    const bool inside = group < block_end && col < k;
+                    cp_async16_zfill(slot + (p * m + row) * X_ROW + unit * 8, inside ? x + (u64)row * k + col : x, inside ? 16u : 0u);
+                }
+            }
+            cp_async_commit();
+        };
+        for (u32 r = 0; r + 1 < X_SLOTS; ++r) issue(r);
+        for (u32 r0 = 0; r0 < rounds; r0 += STAGES) {
+            #pragma unroll
+            for (int s = 0; s < STAGES; ++s) {
+                const u32 r = r0 + s;
+                if (r >= rounds) break;  // uniform across the block
+                cp_async_wait<X_SLOTS - 2>();  // round r landed (this thread's copies) ...
+                __syncthreads();               // ... and everyone's; round r - 1's slot is free
+                issue(r + X_SLOTS - 1);
+                const u32 group = first + r * warps_per_tile;
+                if (group >= split_end) continue;
+                const u16* xg = x_ring + (r % X_SLOTS) * slot_elems + (part * m + g) * X_ROW + 16 * t;
+                // X for X_MMAS of the group's 4 MMAs at a time (4 bf16 per row each)
                 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    u32 a[4];
-                    weights.fragment(ring[s], j, a);
+                for (int j0 = 0; j0 < 4; j0 += X_MMAS) {
+                    u32 xf[MT][2 * X_MMAS];
                     #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
-                        const u32x4& q = xs[s % X_BUFFERS][mt][j / 2];
-                        const u32 b0 = (j % 2 == 0) ? q.x : q.z;
-                        const u32 b1 = (j % 2 == 0) ? q.y : q.w;
-                        mma_m16n8k16_bf16(acc[mt], a[0], a[1], a[2], a[3], b0, b1);
+                        const u16* p = xg + mt * 8 * X_ROW + 4 * j0;
+                        const bool row_ok = mt * 8 + g < m;
+                        if constexpr (X_MMAS == 2) {
+                            const u32x4 v = row_ok ? *reinterpret_cast<const u32x4*>(p) : u32x4{0u, 0u, 0u, 0u};
+                            xf[mt][0] = v.x; xf[mt][1] = v.y; xf[mt][2] = v.z; xf[mt][3] = v.w;
+                        } else {
+                            const u32x2 v = row_ok ? *reinterpret_cast<const u32x2*>(p) : u32x2{0u, 0u};
+                            xf[mt][0] = v.x; xf[mt][1] = v.y;
+                        }
+                    }
+                    #pragma unroll
+                    for (int jj = 0; jj < X_MMAS; ++jj) {
+                        u32 a[4];
+                        weights.fragment(ring[s], j0 + jj, a);
+                        #pragma unroll
+                        for (int mt = 0; mt < MT; ++mt)
+                            mma_m16n8k16_bf16(acc[mt], a[0], a[1], a[2], a[3], xf[mt][2 * jj], xf[mt][2 * jj + 1]);
                     }
                 }
                 const u32 next = group + STAGES * warps_per_tile;
                 if (next < split_end) ring[s] = weights.load(tile_base + (u64)next * 32);
             }
         }
+        cp_async_wait<0>();  // the empty groups past the end: nothing is left in flight
+    } else {
+        for (u32 base = first; base < split_end; base += STAGES * warps_per_tile) {
+            #pragma unroll
+            for (int s = 0; s < STAGES; ++s) {
+                const u32 group = base + s * warps_per_tile;
+                if (group < split_end) {
+                    const u32 after = group + warps_per_tile;
+                    if (X_BUFFERS == 2) load_x_fragment<MT>(x, m, k, after, g, t, after < split_end, xs[(s + 1) % X_BUFFERS]);
+                    else load_x_fragment<MT>(x, m, k, group, g, t, true, xs[0]);
+                    #pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        u32 a[4];
+                        weights.fragment(ring[s], j, a);
+                        #pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            const u32x4& q = xs[s % X_BUFFERS][mt][j / 2];
+                            const u32 b0 = (j % 2 == 0) ? q.x : q.z;
+                            const u32 b1 = (j % 2 == 0) ? q.y : q.w;
+                            mma_m16n8k16_bf16(acc[mt], a[0], a[1], a[2], a[3], b0, b1);
+                        }
+                    }
+                    const u32 next = group + STAGES * warps_per_tile;
+                    if (next < split_end) ring[s] = weights.load(tile_base + (u64)next * 32);
+                }
+            }
+        }
     }
 
     if (warps_per_tile > 1) {
         // the tile's warps add up in warp order through shared memory (uniform branch: every
-        // warp of the block reaches the barrier)
-        __shared__ float4 warp_sums[MMA_WARPS][MT][32];
+        // warp of the block reaches the barrier); with X_SHARED in the X area, once every warp
+        // is done with X (the host sizes it for both)
+        float4* warp_sums;
+        if constexpr (X_SHARED) {
+            __syncthreads();
+            warp_sums = reinterpret_cast<float4*>(mma_shared);
+        } else {
+            __shared__ float4 static_sums[MMA_WARPS * MT * 32];
+            warp_sums = static_sums;
+        }
         if (part > 0) {
             #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) warp_sums[warp][mt][lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+            for (int mt = 0; mt < MT; ++mt) warp_sums[(warp * MT + mt) * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
         }
         __syncthreads();
         if (part > 0) return;
         for (u32 w = warp + 1; w < warp + warps_per_tile; ++w) {
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                const float4 v = warp_sums[w][mt][lane];
+                const float4 v = warp_sums[(w * MT + mt) * 32 + lane];
                 acc[mt][0] += v.x; acc[mt][1] += v.y; acc[mt][2] += v.z; acc[mt][3] += v.w;
             }
         }
@@ -287,21 +388,32 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
 }
 
 {% for rows in [8, 16, 32, 64] %}
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_mma_m{{ rows }}(
+{% if rows >= target.gemm.mma_x_shared_min_rows and target.instructions.cp_async %}
+{% set x_shared = "true" %}
+{% set bounds = "MMA_X_SHARED_BOUNDS" %}
+{% set stages_nvfp4 = target.gemm.mma_x_shared_stages_nvfp4 %}
+{% set stages_bf16 = target.gemm.mma_x_shared_stages_bf16 %}
+{% else %}
+{% set x_shared = "false" %}
+{% set bounds = "MMA_WARPS * FP4_WARP_SIZE" %}
+{% set stages_nvfp4 = target.gemm.mma_stages_nvfp4 %}
+{% set stages_bf16 = target.gemm.mma_stages_bf16 %}
+{% endif %}
+FP4_KERNEL void FP4_LAUNCH_BOUNDS({{ bounds }}) gemm_nvfp4_bf16_mma_m{{ rows }}(
     const u16* __restrict__ x, const u32x4* __restrict__ words, const u16* __restrict__ scales,
     float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
     u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
     // gemm_mma waits for the previous grid after its weight prologue
-    gemm_mma<Nvfp4Weights, {{ rows }} / 8, {{ target.gemm.mma_stages_nvfp4 }}>(x, Nvfp4Weights{words, scales}, alpha, y, residual, partials, counters,
+    gemm_mma<Nvfp4Weights, {{ rows }} / 8, {{ stages_nvfp4 }}, {{ x_shared }}>(x, Nvfp4Weights{words, scales}, alpha, y, residual, partials, counters,
         m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile, epilogue);
 }
 
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_bf16_bf16_mma_m{{ rows }}(
+FP4_KERNEL void FP4_LAUNCH_BOUNDS({{ bounds }}) gemm_bf16_bf16_mma_m{{ rows }}(
     const u16* __restrict__ x, const u32x4* __restrict__ words,
     float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
     u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
     // gemm_mma waits for the previous grid after its weight prologue
-    gemm_mma<Bf16Weights, {{ rows }} / 8, {{ target.gemm.mma_stages_bf16 }}>(x, Bf16Weights{words}, alpha, y, residual, partials, counters,
+    gemm_mma<Bf16Weights, {{ rows }} / 8, {{ stages_bf16 }}, {{ x_shared }}>(x, Bf16Weights{words}, alpha, y, residual, partials, counters,
         m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile, epilogue);
 }
 {% endfor %}
@@ -328,8 +440,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_bf16_bf16_mma_
 //   memory once per block, rows padded by 16 bytes so the 8 rows a warp reads at once fall in
 //   different banks; per group a lane reads its fragment from shared memory instead of global.
 // The weight layout, the decode (Nvfp4Weights::fragment), the partition (warps per tile, K
-// splits) and the split-K finish are the register kernel's; larger M stays on that kernel,
-// where re-reading X per tile, not the weight stream, limits.
+// splits) and the split-K finish are the register kernel's; larger M stays on that kernel
+// (whose m64 variant streams X through shared memory itself).
 //
 // Synchronisation: one cp.async group per stage (empty past the end, so the wait count is
 // fixed); before computing a stage, cp.async.wait_group STREAM_STAGES - 2 (this lane's copies of
@@ -348,8 +460,6 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_bf16_bf16_mma_
 
 static_assert(STREAM_STAGES >= 2, "one stage computes while the others are in flight");
 static_assert(STREAM_CHUNK >= 1 && STREAM_CHUNK <= 8, "a chunk's scales are one 16-byte copy by each of 4 * STREAM_CHUNK lanes");
-
-{% include "common/cp_async.cuh" %}
 
 /// One block of STREAM_WARPS warps, partitioned as gemm_mma's blocks (warps_per_tile warps per
 /// tile, K split across blockIdx.y), on dynamic shared memory of STREAM_WARPS rings, then X:

@@ -131,6 +131,22 @@ pub struct GemmTiles {
     pub mma_min_warps_per_sm: u32,
     /// `gemm_*_mma_*`: the fewest K groups one split may get.
     pub mma_min_groups_per_split: u32,
+    /// `gemm_*_mma_m*` variants of at least this many rows stream X through shared memory on
+    /// `cp.async` targets (17..=64: the m32 and m64 variants, or m64 only).
+    pub mma_x_shared_min_rows: u32,
+    /// `gemm_*_mma_m*` streaming X: slots of the shared-memory ring X streams
+    /// through (rounds of one K group per warp of a tile; at least 2).
+    pub mma_x_shared_slots: u32,
+    /// `gemm_*_mma_m*` streaming X: most warps per tile (a power of two; K is
+    /// split across blocks instead, since a round holds X for each warp of a tile).
+    pub mma_x_shared_max_warps_per_tile: u32,
+    /// `gemm_*_mma_m*` streaming X: resident blocks per multiprocessor the
+    /// launch bounds ask for.
+    pub mma_x_shared_blocks_per_sm: u32,
+    /// `gemm_nvfp4_*_mma_m*` streaming X: K groups of weights in flight per warp.
+    pub mma_x_shared_stages_nvfp4: u32,
+    /// `gemm_bf16_*_mma_m*` streaming X: K groups of weights in flight per warp.
+    pub mma_x_shared_stages_bf16: u32,
     /// `gemm_nvfp4_bf16_stream_*` (targets with `cp.async`): warps per block (a power of two).
     pub stream_warps_per_block: u32,
     /// `gemm_nvfp4_bf16_stream_*`: stages in each warp's shared-memory ring (one computes while
@@ -325,6 +341,8 @@ impl TargetFacts {
         }
         if !(1..=8).contains(&self.gemm.mma_stages_nvfp4)
             || !(1..=8).contains(&self.gemm.mma_stages_bf16)
+            || !(1..=8).contains(&self.gemm.mma_x_shared_stages_nvfp4)
+            || !(1..=8).contains(&self.gemm.mma_x_shared_stages_bf16)
         {
             return fail("gemm.mma_stages_* must be in 1..=8 (registers per stage)".into());
         }
@@ -332,6 +350,25 @@ impl TargetFacts {
             return fail(format!(
                 "gemm.mma_warps_per_block {} must be a power of two (tiles share blocks)",
                 self.gemm.mma_warps_per_block
+            ));
+        }
+        let x_ring = self.gemm.mma_x_shared_slots
+            * self.gemm.mma_x_shared_max_warps_per_tile
+            * 64
+            * (64 + 8)
+            * 2;
+        if self.gemm.mma_x_shared_blocks_per_sm == 0
+            || !(17..=64).contains(&self.gemm.mma_x_shared_min_rows)
+            || self.gemm.mma_x_shared_slots < 2
+            || !self.gemm.mma_x_shared_max_warps_per_tile.is_power_of_two()
+            || self.gemm.mma_x_shared_max_warps_per_tile > self.gemm.mma_warps_per_block
+            || x_ring > self.max_shared_bytes_per_block
+        {
+            return fail(format!(
+                "gemm.mma_x_shared_*: blocks_per_sm positive, min_rows in 17..=64, at least 2 slots, \
+                 max_warps_per_tile \
+                 a power of two up to mma_warps_per_block, and the ring at 64 rows ({x_ring} \
+                 bytes) within max_shared_bytes_per_block"
             ));
         }
         if self.gemm.mma_min_warps_per_sm == 0 || self.gemm.mma_min_groups_per_split == 0 {

@@ -11,7 +11,10 @@
 //!   1..8 MMAs per weight fragment and the weights are read once whatever M is. Each tile gets
 //!   1..8 warps ([`mma_plan`]: the fewest that fill the device), K is split across blocks only
 //!   when even that does not, and the last block of a tile adds the splits in order
-//!   (deterministic). Epilogues: residual add, `silu(gate) * up` ([`RowOrder::GateUp`]).
+//!   (deterministic). Epilogues: residual add, `silu(gate) * up` ([`RowOrder::GateUp`]). The
+//!   variants of at least `gemm.mma_x_shared_min_rows` rows (m64 on sm_90a and sm_121a) stream X
+//!   through a `cp.async` ring in shared memory that the block's warps share ([`mma_x_shared`],
+//!   [`x_shared_plan`]); the others load X fragments from global memory per group.
 //! - `gemm_nvfp4_bf16_stream_m{8,16}` (mma.sync and `cp.async`: sm_90a, sm_121a): the NVFP4
 //!   weight stream of the mma kernels with the groups in flight in shared-memory rings (cp.async)
 //!   instead of registers and X staged in shared memory once per block, for calls of at most
@@ -30,8 +33,9 @@
 //! fragment and `mma_stages_*` (targets.toml) groups stay in flight per warp. Measured on the
 //! H200 (BENCHMARKS.md): bf16 weights stream at 92% of the copy bandwidth at M = 1; NVFP4 at
 //! 65%, latency-bound with its registers limiting the warps per SM (ncu), which is what the
-//! `stream` kernels trade shared memory for; M = 64 is slow because X fragments are re-read per
-//! tile.
+//! `stream` kernels trade shared memory for. At M = 64 re-reading X per tile from L1 / L2 held
+//! the GDN in_proj at 524 GB/s (97 us in a B = 64 decode step); X through shared memory: 45 us
+//! (ncu, BENCHMARKS.md, ninth session), still far from its 12 us of weights.
 //!
 //! The bytes a GEMM must move at least are [`nvfp4_gemm_bytes`] / [`Linear::bytes`]; benches
 //! report achieved bandwidth against them.
@@ -751,6 +755,49 @@ pub fn stream_plan(
     }
 }
 
+/// Whether a launch of `rows` rows (at most [`MMA_MAX_ROWS`]) runs a `gemm_*_mma_m*` variant
+/// that streams X through shared memory (`X_SHARED` in gemm.cu): on `cp.async` targets, the
+/// variants of at least `gemm.mma_x_shared_min_rows` rows.
+pub fn mma_x_shared(target: &TargetFacts, rows: usize) -> bool {
+    let variant_rows = rows.div_ceil(8).next_power_of_two() * 8;
+    target.instructions.cp_async && variant_rows >= target.gemm.mma_x_shared_min_rows as usize
+}
+
+/// The partition of the `gemm_*_mma_m*` variants that stream X through shared memory
+/// ([`mma_x_shared`]): [`mma_plan`] with at most `mma_x_shared_max_warps_per_tile` warps per
+/// tile (a round of the X ring holds one K group for each warp of a tile), K split across
+/// blocks for the rest.
+pub fn x_shared_plan(
+    n_tiles: usize,
+    k_groups: usize,
+    tiles: &GemmTiles,
+    multiprocessors: u32,
+) -> MmaPlan {
+    mma_plan(
+        n_tiles,
+        k_groups,
+        tiles.mma_x_shared_max_warps_per_tile,
+        multiprocessors,
+        tiles.mma_min_warps_per_sm,
+        tiles.mma_min_groups_per_split,
+    )
+}
+
+/// Dynamic shared memory of one `gemm_*_mma_m*` block that streams X ([`mma_x_shared`]): the ring
+/// (`mma_x_shared_slots` rounds of `warps_per_tile` x `rows` rows of 72 bf16), which the tile's
+/// warps reuse for their sums when they share a tile (`mma_warps_per_block` x `m_tiles` x 32
+/// lanes x 16 bytes), as `gemm_mma` in gemm.cu lays it out.
+pub fn x_shared_bytes(tiles: &GemmTiles, rows: usize, plan: &MmaPlan) -> usize {
+    let ring = tiles.mma_x_shared_slots as usize * plan.warps_per_tile as usize * rows * 72 * 2;
+    let m_tiles = rows.div_ceil(8).next_power_of_two();
+    let sums = if plan.warps_per_tile > 1 {
+        tiles.mma_warps_per_block as usize * m_tiles * 32 * 16
+    } else {
+        0
+    };
+    ring.max(sums)
+}
+
 /// Dynamic shared memory of one `gemm_nvfp4_bf16_stream_m*` block: the warps' rings, then X
 /// (`rows` rows of `groups_per_split * 64 + 8` bf16), as `gemm_stream` in gemm.cu lays it out.
 pub fn stream_shared_bytes(tiles: &GemmTiles, rows: usize, groups_per_split: u32) -> usize {
@@ -1246,31 +1293,40 @@ fn linear_mma(
 ) -> Result<()> {
     let (target, multiprocessors) = device_facts(backend)?;
     let tiles = &target.gemm;
-    let plan = mma_plan(
-        w.grid.n_tiles,
-        w.grid.k_groups,
-        tiles.mma_warps_per_block,
-        multiprocessors,
-        tiles.mma_min_warps_per_sm,
-        tiles.mma_min_groups_per_split,
-    );
     let shape = TileShape::new(w, epilogue)?;
     let (k, n_out) = (w.grid.cols, w.out_features());
-    let dims = plan.dims(
-        shape.n_tiles,
-        tiles.mma_warps_per_block,
-        target.warp_size,
-        0,
-    );
     for start in (0..m).step_by(MMA_MAX_ROWS) {
         let rows = (m - start).min(MMA_MAX_ROWS);
+        let (plan, shared_bytes) = if mma_x_shared(target, rows) {
+            let plan = x_shared_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors);
+            (plan, x_shared_bytes(tiles, rows, &plan))
+        } else {
+            let plan = mma_plan(
+                w.grid.n_tiles,
+                w.grid.k_groups,
+                tiles.mma_warps_per_block,
+                multiprocessors,
+                tiles.mma_min_warps_per_sm,
+                tiles.mma_min_groups_per_split,
+            );
+            (plan, 0)
+        };
+        let dims = plan.dims(
+            shape.n_tiles,
+            tiles.mma_warps_per_block,
+            target.warp_size,
+            u32::try_from(shared_bytes).map_err(|_| {
+                Error::invalid("gemm shared memory", format!("{shared_bytes} bytes"))
+            })?,
+        );
         let m_tiles = rows.div_ceil(8).next_power_of_two();
         let mut scratch = split_k_scratch(backend, &plan, w.grid.n_tiles, m_tiles)?;
         let split = SplitArgs::new(scratch.as_deref_mut(), &plan);
         let chunk = ChunkArgs::new(x, y, residual, start, rows, k, n_out)?;
         // Both kernels index only what is checked here: X, Y and the residual were checked
         // against (m, n, k) and the chunk's rows lie within them; the weights were laid out
-        // for (n_tiles, k_groups); with splits > 1 the scratch holds
+        // for (n_tiles, k_groups); the X ring and the warps' sums fit the dynamic shared memory
+        // (x_shared_bytes); with splits > 1 the scratch holds
         // n_tiles * splits * 32 * 4 * m_tiles floats and n_tiles zeroed counters, and its guard
         // is held until the launch is queued.
         match weights {
@@ -1643,6 +1699,39 @@ mod tests {
                     {
                         assert_eq!(plan, mma, "{}: ({n}, {k}) x {rows}", t.name);
                     }
+                }
+            }
+        }
+    }
+
+    /// Where X streams through shared memory the plan keeps the tile's warps within
+    /// `mma_x_shared_max_warps_per_tile`, covers every K group, and the ring (with the warps'
+    /// sums) fits a block's shared memory and the resident blocks the launch bounds ask for.
+    #[test]
+    fn the_x_shared_plan_fits_the_ring() {
+        for t in target::all().iter().filter(|t| t.instructions.cp_async) {
+            let tiles = &t.gemm;
+            let most =
+                t.max_shared_bytes_per_block as usize / tiles.mma_x_shared_blocks_per_sm as usize;
+            assert!(!mma_x_shared(t, tiles.mma_x_shared_min_rows as usize - 9));
+            for (n, k) in MODEL_SHAPES
+                .into_iter()
+                .chain([(248320, 2048), (65536, 4096), (37, 528)])
+            {
+                let (n_tiles, k_groups) = (n.div_ceil(16), k.div_ceil(64));
+                for rows in [33, 50, 64] {
+                    if !mma_x_shared(t, rows) {
+                        continue;
+                    }
+                    let plan = x_shared_plan(n_tiles, k_groups, tiles, t.multiprocessors);
+                    assert!(plan.warps_per_tile <= tiles.mma_x_shared_max_warps_per_tile);
+                    assert!(plan.splits as usize * plan.groups_per_split as usize >= k_groups);
+                    let bytes = x_shared_bytes(tiles, rows, &plan);
+                    assert!(
+                        bytes <= most,
+                        "{}: ({n}, {k}) x {rows}: {bytes} bytes for {plan:?}",
+                        t.name
+                    );
                 }
             }
         }
