@@ -171,7 +171,7 @@ fn run_case(
             .collect(),
     );
     let x_buf = emu.buffer(x.iter().flat_map(|v| v.to_le_bytes()).collect());
-    let m_tiles = case.m.div_ceil(8).next_power_of_two();
+    let m_tiles = gemm::row_tiles(case.m);
     let mut outputs = Vec::new();
     let stream = (
         format!("gemm_nvfp4_bf16_stream_m{}", 8 * m_tiles),
@@ -254,7 +254,7 @@ fn run_bf16_case(
     let fragments = Bf16Fragments::new(w, case.n, case.k, RowOrder::Plain).expect("layout");
     let grid = fragments.grid;
     let warps = target.gemm.mma_warps_per_block;
-    let m_tiles = case.m.div_ceil(8).next_power_of_two();
+    let m_tiles = gemm::row_tiles(case.m);
     let kernel = format!("gemm_bf16_bf16_mma_m{}", 8 * m_tiles);
     let mut emu = Emu::default();
     let words = emu.buffer(

@@ -257,15 +257,6 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
     constexpr int X_MMAS = Weights::PREFETCH_X && MT <= 4 ? 2 : 1;
     extern __shared__ __align__(16) u8 mma_shared[];
 
-    // Where the weights say so (bf16) and M <= 16, the X fragments run one group ahead of their
-    // use (two buffers; STAGES is even so each unrolled stage's buffer is a compile-time index).
-    // Otherwise the registers are better spent on occupancy and X is loaded when its group is
-    // used (measured on the H200: prefetching X cost NVFP4 20% at M = 1, gained bf16 20% at 16).
-    constexpr int X_BUFFERS = Weights::PREFETCH_X && MT <= 2 ? 2 : 1;
-    static_assert(X_BUFFERS == 1 || STAGES % 2 == 0, "the X double buffer needs an even stage count");
-    u32x4 xs[X_BUFFERS][MT][2];  // unused with X_SHARED
-    if (X_BUFFERS == 2) load_x_fragment<MT>(x, m, k, first, g, t, first < split_end, xs[0]);
-
     if constexpr (X_SHARED) {
         // rounds of the block's K range (inactive warps copy and meet the barriers too)
         const u32 block_end = min(k_groups, split_begin + groups_per_split);
@@ -330,6 +321,15 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
         }
         cp_async_wait<0>();  // the empty groups past the end: nothing is left in flight
     } else {
+        // Where the weights say so (bf16) and M <= 16, the X fragments run one group ahead of
+        // their use (two buffers; STAGES is even so each unrolled stage's buffer is a
+        // compile-time index). Otherwise the registers are better spent on occupancy and X is
+        // loaded when its group is used (measured on the H200: prefetching X cost NVFP4 20% at
+        // M = 1, gained bf16 20% at 16).
+        constexpr int X_BUFFERS = Weights::PREFETCH_X && MT <= 2 ? 2 : 1;
+        static_assert(X_BUFFERS == 1 || STAGES % 2 == 0, "the X double buffer needs an even stage count");
+        u32x4 xs[X_BUFFERS][MT][2];
+        if (X_BUFFERS == 2) load_x_fragment<MT>(x, m, k, first, g, t, first < split_end, xs[0]);
         for (u32 base = first; base < split_end; base += STAGES * warps_per_tile) {
             #pragma unroll
             for (int s = 0; s < STAGES; ++s) {

@@ -755,11 +755,17 @@ pub fn stream_plan(
     }
 }
 
+/// The 8-row tiles of X in the `gemm_*_mma_m*` / `_stream_m*` variant that takes `rows` rows
+/// (the kernels' MT: 1, 2, 4 or 8).
+pub fn row_tiles(rows: usize) -> usize {
+    rows.div_ceil(8).next_power_of_two()
+}
+
 /// Whether a launch of `rows` rows (at most [`MMA_MAX_ROWS`]) runs a `gemm_*_mma_m*` variant
 /// that streams X through shared memory (`X_SHARED` in gemm.cu): on `cp.async` targets, the
 /// variants of at least `gemm.mma_x_shared_min_rows` rows.
 pub fn mma_x_shared(target: &TargetFacts, rows: usize) -> bool {
-    let variant_rows = rows.div_ceil(8).next_power_of_two() * 8;
+    let variant_rows = row_tiles(rows) * 8;
     target.instructions.cp_async && variant_rows >= target.gemm.mma_x_shared_min_rows as usize
 }
 
@@ -789,7 +795,7 @@ pub fn x_shared_plan(
 /// lanes x 16 bytes), as `gemm_mma` in gemm.cu lays it out.
 pub fn x_shared_bytes(tiles: &GemmTiles, rows: usize, plan: &MmaPlan) -> usize {
     let ring = tiles.mma_x_shared_slots as usize * plan.warps_per_tile as usize * rows * 72 * 2;
-    let m_tiles = rows.div_ceil(8).next_power_of_two();
+    let m_tiles = row_tiles(rows);
     let sums = if plan.warps_per_tile > 1 {
         tiles.mma_warps_per_block as usize * m_tiles * 32 * 16
     } else {
@@ -1315,11 +1321,9 @@ fn linear_mma(
             shape.n_tiles,
             tiles.mma_warps_per_block,
             target.warp_size,
-            u32::try_from(shared_bytes).map_err(|_| {
-                Error::invalid("gemm shared memory", format!("{shared_bytes} bytes"))
-            })?,
+            check_u32("gemm mma shared memory", shared_bytes)?,
         );
-        let m_tiles = rows.div_ceil(8).next_power_of_two();
+        let m_tiles = row_tiles(rows);
         let mut scratch = split_k_scratch(backend, &plan, w.grid.n_tiles, m_tiles)?;
         let split = SplitArgs::new(scratch.as_deref_mut(), &plan);
         let chunk = ChunkArgs::new(x, y, residual, start, rows, k, n_out)?;
@@ -1378,7 +1382,7 @@ fn linear_stream(
         target.warp_size,
         check_u32("gemm stream shared memory", shared_bytes)?,
     );
-    let m_tiles = m.div_ceil(8).next_power_of_two();
+    let m_tiles = row_tiles(m);
     let mut scratch = split_k_scratch(backend, &plan, w.grid.n_tiles, m_tiles)?;
     let split = SplitArgs::new(scratch.as_deref_mut(), &plan);
     let (k, n_out) = (w.grid.cols, w.out_features());
