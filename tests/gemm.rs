@@ -166,7 +166,7 @@ fn bf16_fragments_hold_each_element_once_in_register_order() {
                 let index = f.grid.lane_index(tile, group, lane);
                 for j in 0..4 {
                     for r in 0..4 {
-                        let word = f.words[(index * 4 + j) * 4 + r];
+                        let word = f.words[Bf16Fragments::word_index(index, j, r)];
                         let row = tile * 16 + g + 8 * (r % 2);
                         let col = group * 64 + 16 * t + 4 * j + 2 * (r / 2);
                         for (half, c) in [(word & 0xffff, col), (word >> 16, col + 1)] {

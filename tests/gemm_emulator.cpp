@@ -34,6 +34,10 @@ FP4_DEVICE void cp_async16_zfill(void* dst, const void* src, u32 src_bytes) {
     if (src_bytes == 16) std::memcpy(dst, src, 16);
     else std::memset(dst, 0, 16);
 }
+FP4_DEVICE void cp_async8_zfill(void* dst, const void* src, u32 src_bytes) {
+    if (src_bytes == 8) std::memcpy(dst, src, 8);
+    else std::memset(dst, 0, 8);
+}
 FP4_DEVICE void cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
 FP4_DEVICE void cp_async_commit() {}
 template <int N>

@@ -103,7 +103,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_ge
 // the X ring's slots (rounds in flight + the one computed) and bf16 per staged row (64 + 8 pad);
 // src/kernels/gemm/mod.rs, x_shared_bytes, sizes the ring the same way
 #define X_SLOTS {{ target.gemm.mma_x_shared_slots }}
-#define X_ROW 72
+#define X_ROW 80
 
 /// Writes one lane's 16 x (8 * MT) tile of fp32 results: scaled by alpha, with the epilogue.
 template <int MT>
@@ -209,10 +209,13 @@ FP4_DEVICE void finish_tile(float (&acc)[MT][4], float alpha, u32 tile, u32 lane
 /// waited for when its group is used. So where the target says (X_SHARED: cp.async, at least
 /// mma_x_shared_min_rows rows) the block copies X into a ring of X_SLOTS slots in dynamic shared
 /// memory, one round ahead of another: round r is the warps_per_tile groups split_begin + r *
-/// warps_per_tile + part the block's warps compute next (part p's m rows of X_ROW bf16, the
-/// 16-byte pad putting the 8 rows a warp reads at once in different banks), with a block barrier
-/// per round; every warp of the block reads its fragments from there. The products and their
-/// order are the same either way.
+/// warps_per_tile + part the block's warps compute next, with a block barrier per round; every
+/// warp of the block reads its fragments from there. A ring row (part p's row of a group, X_ROW
+/// bf16) holds lane quad t's 4 columns of MMA j (columns 16t + 4j ..) at 16j + 4t, so that a
+/// warp's 8-byte reads of one MMA take 32 contiguous bytes per row; with rows 160 bytes apart the
+/// 4 rows of a half-warp then fill the 32 banks once (the natural order at 144 bytes read each
+/// bank twice: ncu, half the shared wavefronts were conflicts). The products and their order
+/// are the same either way.
 template <class Weights, int MT, int STAGES, bool X_SHARED>
 FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha, u16* y,
                          const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
@@ -252,9 +255,6 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
     wait_for_previous_grid();
     allow_next_grid();
 
-    // X_SHARED: MMAs per read of X from shared memory (16 bytes per row for two; NVFP4, whose
-    // decode needs the registers, and M = 64 read 8)
-    constexpr int X_MMAS = Weights::PREFETCH_X && MT <= 4 ? 2 : 1;
     extern __shared__ __align__(16) u8 mma_shared[];
 
     if constexpr (X_SHARED) {
@@ -263,17 +263,18 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
         const u32 rounds = (block_end - split_begin + warps_per_tile - 1) / warps_per_tile;
         u16* x_ring = reinterpret_cast<u16*>(mma_shared);
         const u32 slot_elems = warps_per_tile * m * X_ROW;
-        // round r's X into slot r % X_SLOTS, zero past K (the weights are zero there, and zero
-        // times stale shared memory could be NaN); one commit group per round, empty past the end
+        // round r's X into slot r % X_SLOTS in 8-byte pieces (piece q = 4j + t of a ring row is
+        // columns 16t + 4j ..), zero past K (the weights are zero there, and zero times stale
+        // shared memory could be NaN); one commit group per round, empty past the end
         auto issue = [&](u32 r) {
             if (r < rounds) {
                 u16* slot = x_ring + (r % X_SLOTS) * slot_elems;
                 const u32 g0 = split_begin + r * warps_per_tile;
-                for (u32 u = thread_x(); u < warps_per_tile * m * 8; u += MMA_WARPS * FP4_WARP_SIZE) {
-                    const u32 p = u / (m * 8), row = (u / 8) % m, unit = u % 8;
-                    const u32 group = g0 + p, col = group * 64 + unit * 8;
+                for (u32 u = thread_x(); u < warps_per_tile * m * 16; u += MMA_WARPS * FP4_WARP_SIZE) {
+                    const u32 p = u / (m * 16), row = (u / 16) % m, piece = u % 16;
+                    const u32 group = g0 + p, col = group * 64 + 16 * (piece % 4) + 4 * (piece / 4);
                     const bool inside = group < block_end && col < k;
-                    cp_async16_zfill(slot + (p * m + row) * X_ROW + unit * 8, inside ? x + (u64)row * k + col : x, inside ? 16u : 0u);
+                    cp_async8_zfill(slot + (p * m + row) * X_ROW + piece * 4, inside ? x + (u64)row * k + col : x, inside ? 8u : 0u);
                 }
             }
             cp_async_commit();
@@ -289,30 +290,16 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
                 issue(r + X_SLOTS - 1);
                 const u32 group = first + r * warps_per_tile;
                 if (group >= split_end) continue;
-                const u16* xg = x_ring + (r % X_SLOTS) * slot_elems + (part * m + g) * X_ROW + 16 * t;
-                // X for X_MMAS of the group's 4 MMAs at a time (4 bf16 per row each)
+                const u16* xg = x_ring + (r % X_SLOTS) * slot_elems + (part * m + g) * X_ROW + 4 * t;
                 #pragma unroll
-                for (int j0 = 0; j0 < 4; j0 += X_MMAS) {
-                    u32 xf[MT][2 * X_MMAS];
+                for (int j = 0; j < 4; ++j) {
+                    u32 a[4];
+                    weights.fragment(ring[s], j, a);
                     #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
-                        const u16* p = xg + mt * 8 * X_ROW + 4 * j0;
                         const bool row_ok = mt * 8 + g < m;
-                        if constexpr (X_MMAS == 2) {
-                            const u32x4 v = row_ok ? *reinterpret_cast<const u32x4*>(p) : u32x4{0u, 0u, 0u, 0u};
-                            xf[mt][0] = v.x; xf[mt][1] = v.y; xf[mt][2] = v.z; xf[mt][3] = v.w;
-                        } else {
-                            const u32x2 v = row_ok ? *reinterpret_cast<const u32x2*>(p) : u32x2{0u, 0u};
-                            xf[mt][0] = v.x; xf[mt][1] = v.y;
-                        }
-                    }
-                    #pragma unroll
-                    for (int jj = 0; jj < X_MMAS; ++jj) {
-                        u32 a[4];
-                        weights.fragment(ring[s], j0 + jj, a);
-                        #pragma unroll
-                        for (int mt = 0; mt < MT; ++mt)
-                            mma_m16n8k16_bf16(acc[mt], a[0], a[1], a[2], a[3], xf[mt][2 * jj], xf[mt][2 * jj + 1]);
+                        const u32x2 v = row_ok ? *reinterpret_cast<const u32x2*>(xg + mt * 8 * X_ROW + 16 * j) : u32x2{0u, 0u};
+                        mma_m16n8k16_bf16(acc[mt], a[0], a[1], a[2], a[3], v.x, v.y);
                     }
                 }
                 const u32 next = group + STAGES * warps_per_tile;

@@ -1,7 +1,7 @@
 // ---- mma.sync m16n8k16 building blocks (NVIDIA targets with instructions.mma_sync_bf16) ----
 // Shared by the `gemm` and `moe` families. Weights arrive in the fragment order of
 // src/kernels/gemm/layout.rs (Nvfp4Fragments / Bf16Fragments): per (16-row tile, 64-wide K group,
-// lane) one 16-byte load is the lane's A fragment for the group's four MMAs. The NVFP4 decode is
+// lane) the lane's A fragments for the group's four MMAs (NVFP4: one 16-byte load). The NVFP4 decode is
 // exact: a fragment value is e2m1 * s * 2^-7 (s the e5m3 block scale), so the caller multiplies
 // by global_scale * 2^7 after accumulation.
 // ---- inline PTX of the mma building blocks ----
@@ -67,14 +67,17 @@ struct Nvfp4Weights {
 
 struct Bf16Weights {
     static constexpr bool PREFETCH_X = true;
-    const u32x4* words;   // [n_tiles][k_groups][32][4]
+    const u32x4* words;   // [n_tiles][k_groups][4 MMAs][32 lanes]
     typedef Bf16Group Group;
     /// L2 prefetch of the `count` lane entries from `index` (whole groups: count % 32 == 0).
     FP4_DEVICE void prefetch(u64 index, u32 count) const { prefetch_l2(words + index * 4, count * 64u); }
+    /// Lane entry `index` (group * 32 + lane): its four MMAs' registers, each load 512 contiguous
+    /// bytes across the warp.
     FP4_DEVICE Group load(u64 index) const {
+        const u32x4* group_words = words + (index / 32) * 128 + index % 32;
         Group group;
         #pragma unroll
-        for (int j = 0; j < 4; ++j) group.w[j] = load_stream_u32x4(words + index * 4 + j);
+        for (int j = 0; j < 4; ++j) group.w[j] = load_stream_u32x4(group_words + j * 32);
         return group;
     }
     FP4_DEVICE void fragment(const Group& group, int j, u32 (&a)[4]) const {

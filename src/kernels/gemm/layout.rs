@@ -13,7 +13,10 @@
 //!   the two rows' block scales, re-encoded as unsigned e5m3 (exponent offset 10, no
 //!   subnormals): exact for every non-zero e4m3 scale. A zero scale zeroes its block's nibbles
 //!   and a negative one flips their signs, so the kernel never sees either.
-//! - BF16: per (tile, group, lane, MMA) four `u32` registers of two bf16 each.
+//! - BF16: per (tile, group, MMA, lane) four `u32` registers of two bf16 each: a group is four
+//!   runs of 32 lanes x 16 bytes, so each of a warp's four loads reads 512 contiguous bytes (with
+//!   the lane's 64 bytes together, each load used half of every 32-byte sector it fetched and the
+//!   L2 served every sector twice).
 //!
 //! [`RowOrder::GateUp`] stores a `[gate; up]` weight (rows `0..I` gate, `I..2I` up) so tile
 //! rows 0..7 are gate rows `8 * tile ..` and 8..15 the matching up rows: the lane holding gate
@@ -324,8 +327,8 @@ fn block_for_kernel(matrix: &Nvfp4Matrix, row: usize, block: usize) -> Result<([
 pub struct Bf16Fragments {
     /// The tiles and K groups (K a multiple of 16).
     pub grid: TileGrid,
-    /// `[n_tiles][k_groups][32 lanes][4 MMAs][4 registers]`, two bf16 per register (low half =
-    /// even column).
+    /// `[n_tiles][k_groups][4 MMAs][32 lanes][4 registers]`, two bf16 per register (low half =
+    /// even column); [`Bf16Fragments::word_index`] finds one.
     pub words: Vec<u32>,
 }
 
@@ -357,13 +360,19 @@ impl Bf16Fragments {
                         let registers =
                             [(top, col), (bottom, col), (top, col + 2), (bottom, col + 2)];
                         for (r, (row, c)) in registers.into_iter().enumerate() {
-                            words[(index * 4 + j) * 4 + r] = at(row, c) | at(row, c + 1) << 16;
+                            words[Self::word_index(index, j, r)] = at(row, c) | at(row, c + 1) << 16;
                         }
                     }
                 }
             }
         }
         Ok(Self { grid, words })
+    }
+
+    /// Where register `register` (0..4) of MMA `mma` (0..4) of lane entry `index`
+    /// ([`TileGrid::lane_index`]) is in [`Bf16Fragments::words`].
+    pub fn word_index(index: usize, mma: usize, register: usize) -> usize {
+        ((index / LANES * 4 + mma) * LANES + index % LANES) * 4 + register
     }
 }
 
