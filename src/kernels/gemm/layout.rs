@@ -360,7 +360,8 @@ impl Bf16Fragments {
                         let registers =
                             [(top, col), (bottom, col), (top, col + 2), (bottom, col + 2)];
                         for (r, (row, c)) in registers.into_iter().enumerate() {
-                            words[Self::word_index(index, j, r)] = at(row, c) | at(row, c + 1) << 16;
+                            words[Self::word_index(index, j, r)] =
+                                at(row, c) | at(row, c + 1) << 16;
                         }
                     }
                 }
