@@ -898,7 +898,7 @@ fn bf16_fragment_value(grid: &TileGrid, words: &[u32], row: usize, col: usize) -
     let (t, j) = (within / 16, (within % 16) / 4);
     let register = 2 * ((within % 4) / 2) + usize::from(upper);
     let index = grid.lane_index(tile, group, g * 4 + t);
-    let word = words[(index * 4 + j) * 4 + register];
+    let word = words[Bf16Fragments::word_index(index, j, register)];
     bf16::from_bits((word >> (16 * (within % 2))) as u16)
 }
 
