@@ -100,8 +100,9 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_ge
 // shared memory (gemm_mma, X_SHARED): (threads, resident blocks per SM) cap their registers so
 // that mma_x_shared_blocks_per_sm blocks fit
 #define MMA_X_SHARED_BOUNDS MMA_WARPS * FP4_WARP_SIZE, {{ target.gemm.mma_x_shared_blocks_per_sm }}
-// the X ring's slots (rounds in flight + the one computed) and bf16 per staged row (64 + 8 pad);
-// src/kernels/gemm/mod.rs, x_shared_bytes, sizes the ring the same way
+// the X ring's slots (rounds in flight + the one computed) and bf16 per staged row (64 + 16 pad:
+// rows 160 bytes apart, see gemm_mma); src/kernels/gemm/mod.rs, X_RING_ROW_ELEMS, sizes the ring
+// the same way
 #define X_SLOTS {{ target.gemm.mma_x_shared_slots }}
 #define X_ROW 80
 

@@ -789,12 +789,21 @@ pub fn x_shared_plan(
     )
 }
 
+/// bf16 per row of the X ring of the `gemm_*_mma_m*` variants that stream X (`X_ROW` in gemm.cu):
+/// a 64-wide K group and 16 of padding, so that rows are 160 bytes apart and a half-warp's reads
+/// of one MMA hit each shared-memory bank once.
+const X_RING_ROW_ELEMS: usize = 80;
+
 /// Dynamic shared memory of one `gemm_*_mma_m*` block that streams X ([`mma_x_shared`]): the ring
 /// (`mma_x_shared_slots` rounds of `warps_per_tile` x `rows` rows of 80 bf16), which the tile's
 /// warps reuse for their sums when they share a tile (`mma_warps_per_block` x `m_tiles` x 32
 /// lanes x 16 bytes), as `gemm_mma` in gemm.cu lays it out.
 pub fn x_shared_bytes(tiles: &GemmTiles, rows: usize, plan: &MmaPlan) -> usize {
-    let ring = tiles.mma_x_shared_slots as usize * plan.warps_per_tile as usize * rows * 80 * 2;
+    let ring = tiles.mma_x_shared_slots as usize
+        * plan.warps_per_tile as usize
+        * rows
+        * X_RING_ROW_ELEMS
+        * 2;
     let m_tiles = row_tiles(rows);
     let sums = if plan.warps_per_tile > 1 {
         tiles.mma_warps_per_block as usize * m_tiles * 32 * 16
