@@ -246,7 +246,9 @@ impl Backend {
     /// and returns it ready to replay ([`Graph::launch`]): one submission for the whole sequence,
     /// so per-launch costs are paid once at capture. What `record` queues must not allocate,
     /// synchronise or copy from the host (the families' launches do not, after a first call
-    /// outside the capture has loaded their modules and grown their scratch).
+    /// outside the capture has loaded their modules and grown their scratch). Only the calling
+    /// thread's work is recorded: other threads sharing the backend keep running theirs
+    /// meanwhile, and a second capture waits for the first.
     ///
     /// # Errors
     /// [`Error::Invalid`] on the CPU and HIP backends (only CUDA captures graphs here); the
@@ -260,21 +262,10 @@ impl Backend {
                 format!("the {} backend captures no graphs (CUDA only)", self.name()),
             ));
         };
-        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-        let stream = c.stream();
-        stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| Error::cuda("begin a graph capture", e))?;
-        let recorded = record();
-        let ended = stream.end_capture(CUgraphInstantiate_flags(0));
-        recorded?;
-        let graph = ended
-            .map_err(|e| Error::cuda("end the graph capture and instantiate it", e))?
-            .ok_or_else(|| Error::invalid("graph capture", "nothing was queued while capturing"))?;
-        graph
-            .upload()
-            .map_err(|e| Error::cuda("upload the captured graph", e))?;
-        Ok(Graph { graph })
+        Ok(Graph {
+            graph: c.capture(record)?,
+            backend: Arc::clone(c),
+        })
     }
 
     /// Queues a copy of `src` into `dst` (same backend, same length): the device-to-device
@@ -532,6 +523,7 @@ impl Backend {
 
 /// Launches captured by [`Backend::capture`], replayed together.
 pub struct Graph {
+    backend: Arc<cuda::CudaBackend>,
     graph: cudarc::driver::CudaGraph,
 }
 
@@ -541,9 +533,7 @@ impl Graph {
     /// # Errors
     /// [`Error::Cuda`] when the launch fails.
     pub fn launch(&self) -> Result<()> {
-        self.graph
-            .launch()
-            .map_err(|e| Error::cuda("launch a captured graph", e))
+        self.backend.launch_graph(&self.graph)
     }
 }
 

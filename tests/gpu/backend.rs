@@ -5,7 +5,6 @@
 //! backend are refused before the launch; events time, copies copy.
 
 use crate::common::{cuda, devices, hip, poisoned, rng, skipped};
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use fp4spec::Error;
 use fp4spec::backend::{Backend, BackendKind, DeviceVec, KernelArg, LaunchDims};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
@@ -96,9 +95,6 @@ fn a_neutral_launch_replays_from_a_cuda_graph() {
     let Some(backend) = cuda(test) else {
         return;
     };
-    let Backend::Cuda(device) = backend else {
-        unreachable!("common::cuda opens CUDA")
-    };
     let mut rng = rng(test);
     let (n, k) = (64, 512);
     let q = Nvfp4Matrix::quantize("random W", &rng.normal_vec(n * k, 0.02), n, k).expect("finite");
@@ -109,20 +105,76 @@ fn a_neutral_launch_replays_from_a_cuda_graph() {
     launch_dequant(backend, &packed, &scales, q.global_scale, &mut out).expect("warm-up");
     backend.synchronize().expect("warm-up");
     let mut replayed = poisoned(backend, n * k);
-    let stream = device.stream();
-    stream
-        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .expect("begin capture");
-    let captured = launch_dequant(backend, &packed, &scales, q.global_scale, &mut replayed);
-    let graph = stream
-        .end_capture(CUgraphInstantiate_flags(0))
-        .expect("end capture");
-    captured.expect("launch during capture");
-    let graph = graph.expect("a captured graph");
+    let graph = backend
+        .capture(|| launch_dequant(backend, &packed, &scales, q.global_scale, &mut replayed))
+        .expect("capture");
     graph.launch().expect("replay the graph");
     let got = backend.download(&replayed).expect("download");
     let want = dequant::reference::dequant_nvfp4_bf16(q.view());
     assert_bit_exact("dequant replayed from a graph", &got, &want);
+}
+
+/// A capture records its own thread's work only: another thread sharing the backend uploads,
+/// copies, downloads and frees in the middle of the capture, and both its results and the
+/// replayed graph are right (on one shared capturing stream the other thread's download fails,
+/// and its copy lands in the graph, to be replayed against freed memory).
+#[test]
+fn a_capture_records_only_its_own_thread() {
+    let test = "a_capture_records_only_its_own_thread";
+    let Some(backend) = cuda(test) else {
+        return;
+    };
+    let bytes = 1 << 20;
+    let pattern = |seed: usize| {
+        (0..bytes)
+            .map(|i| (i * 7 + seed) as u8)
+            .collect::<Vec<u8>>()
+    };
+    let src = backend.upload(&pattern(1)).expect("upload");
+    let mut dst = backend.zeros::<u8>(bytes).expect("zeros");
+    let middle = std::sync::Barrier::new(2);
+    let done = std::sync::Barrier::new(2);
+    std::thread::scope(|scope| {
+        let other = scope.spawn(|| {
+            middle.wait();
+            let result = (|| {
+                let a = backend.upload(&pattern(2))?;
+                let mut b = backend.zeros::<u8>(bytes)?;
+                backend.copy(&a, &mut b)?;
+                backend.download(&b)
+            })();
+            done.wait();
+            result
+        });
+        let graph = backend
+            .capture(|| {
+                backend.copy(&src, &mut dst)?;
+                middle.wait();
+                done.wait();
+                Ok(())
+            })
+            .expect("capture");
+        let other = other.join().expect("the other thread");
+        assert_eq!(
+            other.expect("the other thread's work during the capture"),
+            pattern(2),
+            "the other thread's copy"
+        );
+        assert!(
+            backend
+                .download(&dst)
+                .expect("download")
+                .iter()
+                .all(|&b| b == 0),
+            "the captured copy ran at capture time"
+        );
+        graph.launch().expect("replay");
+        assert_eq!(
+            backend.download(&dst).expect("download"),
+            pattern(1),
+            "replayed copy"
+        );
+    });
 }
 
 /// Wrong argument lists never reach the device: a u32 where the kernel takes a u64 and a

@@ -1,8 +1,8 @@
-//! The CUDA backend: one context and stream on a device, the device's target from
-//! `kernels/targets.toml`, and a lazily filled module cache (one module per kernel family,
-//! compiled by NVRTC for the device's own architecture, CUBINs cached on disk). Launches come
-//! through the vendor-neutral [`Backend::launch`](crate::backend::Backend::launch) (raw
-//! `cuLaunchKernel`).
+//! The CUDA backend: one context and stream on a device (and a second stream that graph
+//! captures record on), the device's target from `kernels/targets.toml`, and a lazily filled
+//! module cache (one module per kernel family, compiled by NVRTC for the device's own
+//! architecture, CUBINs cached on disk). Launches come through the vendor-neutral
+//! [`Backend::launch`](crate::backend::Backend::launch) (raw `cuLaunchKernel`).
 
 pub mod cublas;
 pub mod nvrtc;
@@ -16,6 +16,7 @@ use crate::kernels::table;
 use crate::target::{self, TargetFacts};
 use cudarc::driver::sys::{CUfunction_attribute_enum, CUresult, cudaError_enum};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -28,6 +29,13 @@ const PARAM_INFO_DRIVER: i32 = 12040;
 pub struct CudaBackend {
     context: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// The stream [`CudaBackend::capture`] records on, for its own thread only: other threads'
+    /// launches, copies and frees keep running on `stream` meanwhile instead of landing in the
+    /// graph (one shared capturing stream would record them, and replay them later against
+    /// buffers their owners may have freed).
+    capture_stream: Arc<CudaStream>,
+    /// Held for the whole of a capture: one capture at a time on `capture_stream`.
+    capture_lock: Mutex<()>,
     target: &'static TargetFacts,
     device_name: String,
     include_dir: PathBuf,
@@ -37,6 +45,31 @@ pub struct CudaBackend {
     driver_version: i32,
     split_k: SplitKCell,
     launch_filter: LaunchFilter,
+}
+
+thread_local! {
+    /// The backend (its address) whose capture this thread is inside, or 0.
+    static CAPTURING: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Marks the current thread as capturing for a backend until dropped (also on a panic inside
+/// the recording).
+struct CaptureScope {
+    before: usize,
+}
+
+impl CaptureScope {
+    fn enter(backend: usize) -> Self {
+        Self {
+            before: CAPTURING.with(|c| c.replace(backend)),
+        }
+    }
+}
+
+impl Drop for CaptureScope {
+    fn drop(&mut self) {
+        CAPTURING.with(|c| c.set(self.before));
+    }
 }
 
 /// A kernel as [`CudaBackend::launch`] needs it: the function and, where the driver can say,
@@ -105,9 +138,14 @@ impl CudaBackend {
         let stream = context
             .new_stream()
             .map_err(|e| Error::cuda("create a stream", e))?;
+        let capture_stream = context
+            .new_stream()
+            .map_err(|e| Error::cuda("create the graph capture stream", e))?;
         Ok(Self {
             context,
             stream,
+            capture_stream,
+            capture_lock: Mutex::new(()),
             target,
             device_name,
             include_dir,
@@ -146,9 +184,75 @@ impl CudaBackend {
         &self.split_k
     }
 
-    /// The stream every launch and copy of this backend goes to.
+    /// The stream this thread's launches and copies go to: the backend's one stream, or, on the
+    /// thread inside [`CudaBackend::capture`], the stream being captured.
     pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+        if CAPTURING.with(Cell::get) == self.identity() {
+            &self.capture_stream
+        } else {
+            &self.stream
+        }
+    }
+
+    /// What [`CAPTURING`] holds while this backend captures on the current thread.
+    fn identity(&self) -> usize {
+        self as *const Self as usize
+    }
+
+    /// Records what `record` queues from this thread into a graph, instantiated and uploaded,
+    /// to replay on the backend's stream ([`CudaBackend::launch_graph`]). Only this thread's
+    /// work is recorded (on a stream of its own); other threads keep using the backend's stream
+    /// meanwhile; a second capture waits for the first.
+    ///
+    /// # Errors
+    /// The error `record` returns (the capture is ended and dropped first); [`Error::Cuda`]
+    /// when the capture, instantiation or upload fails (e.g. `record` allocated or
+    /// synchronised); [`Error::Invalid`] when `record` queued nothing.
+    pub fn capture(
+        &self,
+        record: impl FnOnce() -> Result<()>,
+    ) -> Result<cudarc::driver::CudaGraph> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        let _one_capture = self
+            .capture_lock
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        self.capture_stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| Error::cuda("begin a graph capture", e))?;
+        let recorded = {
+            let _capturing = CaptureScope::enter(self.identity());
+            record()
+        };
+        let ended = self.capture_stream.end_capture(CUgraphInstantiate_flags(0));
+        recorded?;
+        let graph = ended
+            .map_err(|e| Error::cuda("end the graph capture and instantiate it", e))?
+            .ok_or_else(|| Error::invalid("graph capture", "nothing was queued while capturing"))?;
+        self.context
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("bind the context to upload a graph", e))?;
+        // SAFETY: a live instantiated graph of this context, and this backend's stream.
+        unsafe {
+            cudarc::driver::result::graph::upload(graph.cu_graph_exec(), self.stream.cu_stream())
+        }
+        .map_err(|e| Error::cuda("upload the captured graph", e))?;
+        Ok(graph)
+    }
+
+    /// Queues one replay of `graph` (from [`CudaBackend::capture`]) on the backend's stream.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the launch fails.
+    pub fn launch_graph(&self, graph: &cudarc::driver::CudaGraph) -> Result<()> {
+        self.context
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("bind the context to launch a graph", e))?;
+        // SAFETY: a live instantiated graph of this context, and this backend's stream.
+        unsafe {
+            cudarc::driver::result::graph::launch(graph.cu_graph_exec(), self.stream().cu_stream())
+        }
+        .map_err(|e| Error::cuda("launch a captured graph", e))
     }
 
     /// The context.
@@ -298,7 +402,7 @@ impl CudaBackend {
             blockDimY: dims.block.1,
             blockDimZ: dims.block.2,
             sharedMemBytes: dims.shared_bytes,
-            hStream: self.stream.cu_stream(),
+            hStream: self.stream().cu_stream(),
             attrs: if chained {
                 &mut serialization
             } else {
