@@ -81,7 +81,9 @@ struct ConvSource {
         if (rel >= 0) return qkv + (u64)(first_row + rel) * stride + ch;
         const i64 position = position0 + rel;
         if (position < 0) return nullptr;
-        return ring + (u64)(position % ring_len) * conv_dim + ch;
+        // positions are u32 (the launches' positions[]): a 32-bit remainder, where the i64 one
+        // is a software division of some 70 instructions per tap in the step's front end
+        return ring + (u64)((u32)position % ring_len) * conv_dim + ch;
     }
     /// 8 consecutive channels (ch % 8 == 0, rows 16-byte aligned), zeros before position 0.
     FP4_DEVICE void load8(i32 row, u32 ch, float (&x)[8]) const {
@@ -172,20 +174,31 @@ FP4_DEVICE u32 first_chunk(const u32* __restrict__ cu_seqlens, u32 seq) {
     return before;
 }
 
-/// One warp: out[j] = w[j] * o[j] * rsqrt(mean(o^2) + eps) * silu(z[j]) over `dv` elements, o[j]
-/// = load(j) (fp32 another block wrote, a bf16 row of `out`, or this block's shared memory).
-template <class Load>
-FP4_DEVICE void gated_norm_row(Load load, const u16* __restrict__ z, const float* __restrict__ w, u32 dv, float eps,
-                               u16* out) {
+/// One warp: out[j] = w(j) * o(j) * rsqrt(mean(o^2) + eps) * silu(z(j)) over `dv` elements; o(j)
+/// is fp32 another block wrote, a bf16 row of `out`, or this block's shared memory, z(j) and
+/// w(j) global memory or what the block staged in shared memory.
+template <class LoadO, class LoadZ, class LoadW>
+FP4_DEVICE void gated_norm_row(LoadO o, LoadZ z, LoadW w, u32 dv, float eps, u16* out) {
     const u32 lane = thread_x() % FP4_WARP_SIZE;
     float sum = 0.0f;
     for (u32 j = lane; j < dv; j += FP4_WARP_SIZE) {
-        const float v = load(j);
+        const float v = o(j);
         sum += v * v;
     }
     const float inv = rsqrt_f32(warp_sum(sum) / (float)dv + eps);
-    for (u32 j = lane; j < dv; j += FP4_WARP_SIZE) out[j] = f32_to_bf16(w[j] * load(j) * inv * silu_f32(bf16_to_f32(z[j])));
+    for (u32 j = lane; j < dv; j += FP4_WARP_SIZE) out[j] = f32_to_bf16(w(j) * o(j) * inv * silu_f32(z(j)));
 }
+
+/// gated_norm_row's z from global memory: a bf16 row.
+struct Bf16Row {
+    const u16* __restrict__ at;
+    FP4_DEVICE float operator()(u32 j) const { return bf16_to_f32(at[j]); }
+};
+/// gated_norm_row's w from global memory.
+struct F32Row {
+    const float* __restrict__ at;
+    FP4_DEVICE float operator()(u32 j) const { return at[j]; }
+};
 
 // ============================================================================================
 // gdn_step_dk*: decode (every token final) or speculative verify (tokens provisional) of `m` tokens
@@ -225,6 +238,8 @@ struct StepShared {
     float rq[STEP_MAX_TOKENS], rk[STEP_MAX_TOKENS];
     float red[2][STEP_WARPS][2][STEP_DV];
     float o[STEP_MAX_TOKENS][STEP_DV];  // the whole head's o, for its gated norm
+    float z[STEP_MAX_TOKENS][STEP_DV];  // and its z and weights, loaded with the front end's loads
+    float norm_w[STEP_DV];
     u32 last;
 };
 
@@ -263,12 +278,16 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     const u32 state_rows = col_ok ? dk : 0u;  // rows this thread stores (one compare per row)
     // the whole head in one block: its gated RMSNorm needs no scratch and no arrival
     const bool whole_head = splits == 1;
-    // row `row` of this block's state slice (columns j0 + 4 tc .. + 3)
-    auto state_at = [&](u32 row) { return state + ((u64)slot * hv + h) * dk * dv + (u64)row * dv + j0 + 4 * tc; };
+    // the thread's row r (row tr + STEP_ROW_GROUPS * r of the head, columns j0 + 4 tc .. + 3) at a
+    // 32-bit offset (< dk * dv) from the head's state: one 64-bit address computation per
+    // thread, where one per row was some 20 instructions of each block's 16-row load and store
+    float* const head_state = state + ((u64)slot * hv + h) * dk * dv;
+    const u32 row_step = STEP_ROW_GROUPS * dv;
+    auto state_at = [&](int r) { return head_state + (tr * dv + j0 + 4 * tc + (u32)r * row_step); };
     // masked threads load the slice's first columns instead (in the head, never stored): the loads
     // need no column predicate (one per row cost ptxas its registers)
     const u32 load_col = j0 + 4 * (col_ok ? tc : 0u);
-    auto state_load_at = [&](u32 row) { return state + ((u64)slot * hv + h) * dk * dv + (u64)row * dv + load_col; };
+    auto state_load_at = [&](int r) { return head_state + (tr * dv + load_col + (u32)r * row_step); };
 
     // 1. the state slice
     float s[STEP_MAX_ROWS][4];
@@ -277,7 +296,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     for (int r = 0; r < STEP_MAX_ROWS; ++r) {
         const u32 row = tr + STEP_ROW_GROUPS * r;
         if (has_state && row < dk) {
-            const u32x4 v = load_coherent_u32x4(state_load_at(row));
+            const u32x4 v = load_coherent_u32x4(state_load_at(r));
             s[r][0] = bits_to_f32(v.x); s[r][1] = bits_to_f32(v.y); s[r][2] = bits_to_f32(v.z); s[r][3] = bits_to_f32(v.w);
         } else {
             s[r][0] = s[r][1] = s[r][2] = s[r][3] = 0.0f;
@@ -329,6 +348,16 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
         conv_silu_n<1>(src, conv_w, kernel, (i32)t, ch, y);
         sh.v[t][jj] = y[0];
         conv_ring[((u64)slot * ring_len + (pos + t) % ring_len) * conv_dim + ch[0]] = raw;
+    }
+    // the gated norm's z and weights when the block holds the whole head, in flight with the
+    // loads above (loaded at the norm, they were the last round trip of the block's chain)
+    const bool norm = z != nullptr;
+    if (norm && whole_head) {
+        for (u32 idx = tid; idx < m * STEP_DV; idx += STEP_THREADS) {
+            const u32 t = idx / STEP_DV, jj = idx % STEP_DV;
+            if (jj < dv) sh.z[t][jj] = bf16_to_f32(z[(u64)(b * m + t) * z_stride + h * dv + jj]);
+        }
+        for (u32 jj = tid; jj < dv; jj += STEP_THREADS) sh.norm_w[jj] = norm_w[jj];
     }
     if (tid < m) {
         float g, beta;
@@ -417,12 +446,11 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
         #pragma unroll
         for (int r = 0; r < STEP_MAX_ROWS; ++r) {
             const u32 row = tr + STEP_ROW_GROUPS * r;
-            if (row < state_rows) store_coherent_u32x4(state_at(row), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
+            if (row < state_rows) store_coherent_u32x4(state_at(r), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
         }
     }
 
     // 5. the new tokens
-    const bool norm = z != nullptr;
     for (u32 t = 0; t < m; ++t) {
         float sk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         #pragma unroll
@@ -487,7 +515,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
         #pragma unroll
         for (int r = 0; r < STEP_MAX_ROWS; ++r) {
             const u32 row = tr + STEP_ROW_GROUPS * r;
-            if (row < state_rows) store_coherent_u32x4(state_at(row), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
+            if (row < state_rows) store_coherent_u32x4(state_at(r), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
         }
     };
     if (!norm || m == 0) {  // uniform per block
@@ -499,8 +527,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
         block_barrier();
         for (u32 t = warp; t < m; t += STEP_WARPS) {
             const u64 row = (u64)(b * m + t);
-            gated_norm_row([&](u32 j) { return sh.o[t][j]; }, z + row * z_stride + h * dv, norm_w, dv, eps,
-                           out + row * hv * dv + h * dv);
+            gated_norm_row([&](u32 j) { return sh.o[t][j]; }, [&](u32 j) { return sh.z[t][j]; },
+                           [&](u32 j) { return sh.norm_w[j]; }, dv, eps, out + row * hv * dv + h * dv);
         }
         return;
     }
@@ -519,8 +547,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     for (u32 t = warp; t < m; t += STEP_WARPS) {
         const u64 row = (u64)(b * m + t);
         const float* o = o_scratch + row * hv * dv + h * dv;
-        gated_norm_row([&](u32 j) { return load_coherent_f32(o + j); }, z + row * z_stride + h * dv, norm_w, dv, eps,
-                       out + row * hv * dv + h * dv);
+        gated_norm_row([&](u32 j) { return load_coherent_f32(o + j); }, Bf16Row{z + row * z_stride + h * dv}, F32Row{norm_w},
+                       dv, eps, out + row * hv * dv + h * dv);
     }
     if (tid == 0) counters[(u64)b * hv + h] = 0;  // ready for the next launch
 }
@@ -549,7 +577,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) gdn_gated_norm(u16* out, const u
     if (task >= (u64)rows * hv) return;  // whole warps
     const u64 row = task / hv, h = task % hv;
     u16* o = out + row * hv * dv + h * dv;
-    gated_norm_row([&](u32 j) { return bf16_to_f32(o[j]); }, z + row * z_stride + h * dv, norm_w, dv, eps, o);
+    gated_norm_row([&](u32 j) { return bf16_to_f32(o[j]); }, Bf16Row{z + row * z_stride + h * dv}, F32Row{norm_w}, dv, eps, o);
 }
 
 // ============================================================================================
