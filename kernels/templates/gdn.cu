@@ -315,42 +315,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
         gate_in[2] = a_log[h];
         gate_in[3] = dt_bias[h];
     }
-    const ConvSource src{qkv, qkv_stride, (i32)(b * m), 0, (i64)pos, conv_ring + (u64)slot * ring_len * conv_dim, ring_len, conv_dim};
-    const bool qk_writer = h % ratio == 0;  // first value head of the key group writes q/k data
-    for (u32 idx = tid; idx < m * dk; idx += STEP_THREADS) {
-        const u32 t = idx / dk, i = idx % dk;
-        const u32 ch[2] = {kh * dk + i, hk * dk + kh * dk + i};
-        const bool ring_writer = qk_writer && i % splits == split;
-        u16 raw[2] = {0, 0};
-        if (ring_writer) {
-            raw[0] = qkv[(u64)(b * m + t) * qkv_stride + ch[0]];
-            raw[1] = qkv[(u64)(b * m + t) * qkv_stride + ch[1]];
-        }
-        float y[2];
-        conv_silu_n<2>(src, conv_w, kernel, (i32)t, ch, y);
-        sh.q[t][i] = y[0];
-        sh.k[t][i] = y[1];
-        if (ring_writer) {
-            u16* dst = conv_ring + ((u64)slot * ring_len + (pos + t) % ring_len) * conv_dim;
-            dst[ch[0]] = raw[0];
-            dst[ch[1]] = raw[1];
-        }
-    }
-    for (u32 idx = tid; idx < m * STEP_DV; idx += STEP_THREADS) {
-        const u32 t = idx / STEP_DV, jj = idx % STEP_DV;
-        if (j0 + jj >= dv) {
-            sh.v[t][jj] = 0.0f;
-            continue;
-        }
-        const u32 ch[1] = {2 * hk * dk + h * dv + j0 + jj};
-        const u16 raw = qkv[(u64)(b * m + t) * qkv_stride + ch[0]];
-        float y[1];
-        conv_silu_n<1>(src, conv_w, kernel, (i32)t, ch, y);
-        sh.v[t][jj] = y[0];
-        conv_ring[((u64)slot * ring_len + (pos + t) % ring_len) * conv_dim + ch[0]] = raw;
-    }
     // the gated norm's z and weights when the block holds the whole head, in flight with the
-    // loads above (loaded at the norm, they were the last round trip of the block's chain)
+    // conv's loads below (loaded at the norm, they were the last round trip of the block's chain)
     const bool norm = z != nullptr;
     if (norm && whole_head) {
         for (u32 idx = tid; idx < m * STEP_DV; idx += STEP_THREADS) {
@@ -358,6 +324,45 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
             if (jj < dv) sh.z[t][jj] = bf16_to_f32(z[(u64)(b * m + t) * z_stride + h * dv + jj]);
         }
         for (u32 jj = tid; jj < dv; jj += STEP_THREADS) sh.norm_w[jj] = norm_w[jj];
+    }
+    // conv + SiLU of the new tokens' channels: (q, k) pairs first, then this block's v columns,
+    // one index space over all threads (at m = 1 the 128 pairs and 128 v columns of a whole head
+    // take one pass of 256 threads, where two loops ran them one after the other on 128)
+    const ConvSource src{qkv, qkv_stride, (i32)(b * m), 0, (i64)pos, conv_ring + (u64)slot * ring_len * conv_dim, ring_len, conv_dim};
+    const bool qk_writer = h % ratio == 0;  // first value head of the key group writes q/k data
+    const u32 qk_items = m * dk;
+    for (u32 idx = tid; idx < qk_items + m * STEP_DV; idx += STEP_THREADS) {
+        if (idx < qk_items) {
+            const u32 t = idx / dk, i = idx % dk;
+            const u32 ch[2] = {kh * dk + i, hk * dk + kh * dk + i};
+            const bool ring_writer = qk_writer && i % splits == split;
+            u16 raw[2] = {0, 0};
+            if (ring_writer) {
+                raw[0] = qkv[(u64)(b * m + t) * qkv_stride + ch[0]];
+                raw[1] = qkv[(u64)(b * m + t) * qkv_stride + ch[1]];
+            }
+            float y[2];
+            conv_silu_n<2>(src, conv_w, kernel, (i32)t, ch, y);
+            sh.q[t][i] = y[0];
+            sh.k[t][i] = y[1];
+            if (ring_writer) {
+                u16* dst = conv_ring + ((u64)slot * ring_len + (pos + t) % ring_len) * conv_dim;
+                dst[ch[0]] = raw[0];
+                dst[ch[1]] = raw[1];
+            }
+        } else {
+            const u32 t = (idx - qk_items) / STEP_DV, jj = (idx - qk_items) % STEP_DV;
+            if (j0 + jj >= dv) {
+                sh.v[t][jj] = 0.0f;
+                continue;
+            }
+            const u32 ch[1] = {2 * hk * dk + h * dv + j0 + jj};
+            const u16 raw = qkv[(u64)(b * m + t) * qkv_stride + ch[0]];
+            float y[1];
+            conv_silu_n<1>(src, conv_w, kernel, (i32)t, ch, y);
+            sh.v[t][jj] = y[0];
+            conv_ring[((u64)slot * ring_len + (pos + t) % ring_len) * conv_dim + ch[0]] = raw;
+        }
     }
     if (tid < m) {
         float g, beta;
