@@ -14,7 +14,12 @@
 //!   `o = e^g S^T q + u (k . q)` needs no second pass. The gated RMSNorm needs the whole head:
 //!   where one block holds it (sm_90a: 256 threads over dv = 128) that block applies it;
 //!   otherwise the last of the head's blocks to finish does (an arrival counter per (sequence,
-//!   head), reset by that block), so a decode step stays one launch.
+//!   head), reset by that block), so a decode step stays one launch. A block's life is a latency
+//!   chain (at B = 1 one block per head, at B = 64 eight waves of them), so its front end is one
+//!   round of loads over all its threads: the conv taps of the (q, k) pairs and of its v columns
+//!   in one index space, z and the norm weights staged beside them; one 64-bit state address
+//!   per thread, 32-bit ring arithmetic (H200: 18.4 -> 13.6 us per launch at B = 1, 153 -> 122 us
+//!   at B = 64, BENCHMARKS.md).
 //! - [`prefill`]: chunk 64 in the WY / UT form on tensor cores (`mma.sync` bf16, fp32
 //!   accumulation; a lane-by-lane fallback of the same fragment layout on gfx1151), for a
 //!   variable-length batch given by `cu_seqlens`, continuing each sequence from its slot (state,
