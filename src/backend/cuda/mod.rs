@@ -200,7 +200,7 @@ impl CudaBackend {
     }
 
     /// Records what `record` queues from this thread into a graph, instantiated and uploaded,
-    /// to replay on the backend's stream ([`CudaBackend::launch_graph`]). Only this thread's
+    /// to replay with [`CudaBackend::launch_graph`]. Only this thread's
     /// work is recorded (on a stream of its own); other threads keep using the backend's stream
     /// meanwhile; a second capture waits for the first.
     ///
@@ -240,7 +240,9 @@ impl CudaBackend {
         Ok(graph)
     }
 
-    /// Queues one replay of `graph` (from [`CudaBackend::capture`]) on the backend's stream.
+    /// Queues one replay of `graph` (from [`CudaBackend::capture`]) where this thread's launches
+    /// go ([`CudaBackend::stream`]): the backend's stream, or, inside a capture, into the graph
+    /// being recorded, like any other launch.
     ///
     /// # Errors
     /// [`Error::Cuda`] when the launch fails.
