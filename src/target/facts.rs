@@ -143,6 +143,10 @@ pub struct GemmTiles {
     /// `gemm_*_mma_m*` streaming X: resident blocks per multiprocessor the
     /// launch bounds ask for.
     pub mma_x_shared_blocks_per_sm: u32,
+    /// `gemm_*_mma_m*` streaming X: the fewest K groups one split may get (their own bound: with
+    /// at most `mma_x_shared_max_warps_per_tile` warps per tile, small weights fill the device
+    /// only through K splits).
+    pub mma_x_shared_min_groups_per_split: u32,
     /// `gemm_nvfp4_*_mma_m*` streaming X: K groups of weights in flight per warp.
     pub mma_x_shared_stages_nvfp4: u32,
     /// `gemm_bf16_*_mma_m*` streaming X: K groups of weights in flight per warp.
@@ -371,9 +375,13 @@ impl TargetFacts {
                  bytes) within max_shared_bytes_per_block"
             ));
         }
-        if self.gemm.mma_min_warps_per_sm == 0 || self.gemm.mma_min_groups_per_split == 0 {
+        if self.gemm.mma_min_warps_per_sm == 0
+            || self.gemm.mma_min_groups_per_split == 0
+            || self.gemm.mma_x_shared_min_groups_per_split == 0
+        {
             return fail(
-                "gemm.mma_min_warps_per_sm and gemm.mma_min_groups_per_split must be positive"
+                "gemm.mma_min_warps_per_sm, gemm.mma_min_groups_per_split and \
+                 gemm.mma_x_shared_min_groups_per_split must be positive"
                     .into(),
             );
         }

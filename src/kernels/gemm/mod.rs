@@ -772,7 +772,7 @@ pub fn mma_x_shared(target: &TargetFacts, rows: usize) -> bool {
 /// The partition of the `gemm_*_mma_m*` variants that stream X through shared memory
 /// ([`mma_x_shared`]): [`mma_plan`] with at most `mma_x_shared_max_warps_per_tile` warps per
 /// tile (a round of the X ring holds one K group for each warp of a tile), K split across
-/// blocks for the rest.
+/// blocks for the rest, down to `mma_x_shared_min_groups_per_split` groups per split.
 pub fn x_shared_plan(
     n_tiles: usize,
     k_groups: usize,
@@ -785,7 +785,7 @@ pub fn x_shared_plan(
         tiles.mma_x_shared_max_warps_per_tile,
         multiprocessors,
         tiles.mma_min_warps_per_sm,
-        tiles.mma_min_groups_per_split,
+        tiles.mma_x_shared_min_groups_per_split,
     )
 }
 
