@@ -48,11 +48,17 @@
 //! - reductions combine up to three values in two barriers (every warp reduces the partials
 //!   itself), where one value took three.
 //!
-//! Not done yet, and the next candidates: the `__threadfence` pairs around each "last block"
-//! counter are `fence.sc.gpu` in every thread (MEMBAR.SC.GPU and an L1 invalidation, twice
-//! per kernel), where one release/acquire atomic by thread 0 after the barrier would do; and
-//! `verify_finish` ranks its candidates by counting (n^2 / 256 compares per thread: nothing at
-//! the 2-6 candidates of model-like rows, ~15 us at a full 1024).
+//! Measured and not kept (H200, BENCHMARKS.md, twelfth session): thread 0's fences after the
+//! barrier instead of a `__threadfence` pair in every thread around each "last block" counter
+//! (B = 1, n = 1 43.1 -> 42.7 us, the rest unchanged), and 8 or 4 items per thread instead of
+//! 16 (8: B = 1, n = 1 42.8 -> 39.6 us but n = 4 54.2 -> 60.7 and B = 64 slower; 4: slower at
+//! nearly every shape). What ncu shows instead at B = 1, n = 1: `verify_histogram` 33 us,
+//! `verify_select` 12 us, `verify_finish` 20 us (one block per row); pass 1 at 17% achieved
+//! occupancy, its stalls mostly fixed-latency dependencies and barriers, with a 464-byte local
+//! stack for its out-of-line calls. Next candidates: the finish's serial chain (a third of the
+//! time at B = 1), pass 1's dependent arithmetic per token, and `verify_finish`'s ranking of its
+//! candidates by counting (n^2 / 256 compares per thread: nothing at the 2-6 candidates of
+//! model-like rows, ~15 us at a full 1024).
 
 pub mod reference;
 
