@@ -377,7 +377,7 @@ impl Device {
         emu.launch(
             &format!("gdn_chunk_state_dk{}_dv{dvs}", s.dk),
             ((s.value_heads * s.dv / dvs) as u32, self.count as u32),
-            128,
+            gdn::chunk_state_threads(self.target),
             gdn::chunk_state_smem(s.dk, dvs, self.target.gdn.chunk_stages as usize),
             &args,
         );

@@ -103,6 +103,8 @@ FP4_DEVICE void fence_device() { std::atomic_thread_fence(std::memory_order_seq_
 FP4_DEVICE float exp_f32(float v) { return std::exp(v); }
 FP4_DEVICE float log_f32(float v) { return std::log(v); }
 FP4_DEVICE float rsqrt_f32(float v) { return 1.0f / std::sqrt(v); }
+// the reciprocal instruction, rounded as the host rounds one division by another
+FP4_DEVICE float fast_div(float a, float b) { return a * (1.0f / b); }
 #define STEP_BOUNDS STEP_THREADS
 
 //@@ mma

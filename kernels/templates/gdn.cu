@@ -17,6 +17,8 @@
 
 #define CHUNK 64
 #define CHUNK_THREADS 128
+#define STATE_COLUMN_SPLITS {{ target.gdn.chunk_state_column_splits }}
+#define STATE_THREADS (256 * STATE_COLUMN_SPLITS)
 #define CHUNK_STAGES {{ target.gdn.chunk_stages }}
 #define STEP_THREADS {{ target.gdn.step_threads }}
 #define STEP_DV {{ target.gdn.step_dv_per_block }}
@@ -36,6 +38,7 @@ FP4_DEVICE void fence_device() { __threadfence(); }
 FP4_DEVICE float exp_f32(float v) { return expf(v); }
 FP4_DEVICE float log_f32(float v) { return logf(v); }
 FP4_DEVICE float rsqrt_f32(float v) { return rsqrtf(v); }
+FP4_DEVICE float fast_div(float a, float b) { return __fdividef(a, b); }
 #define GDN_SHARED extern __shared__ __align__(16) unsigned char
 // gdn_step_*: at large batches the step streams states through as many blocks as are resident
 // (kernels/targets.toml, gdn.step_blocks_per_sm at dk 128: the register budget that leaves); the
@@ -51,13 +54,16 @@ FP4_DEVICE void fence_device() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent
 FP4_DEVICE float exp_f32(float v) { return __builtin_expf(v); }
 FP4_DEVICE float log_f32(float v) { return __builtin_logf(v); }
 FP4_DEVICE float rsqrt_f32(float v) { return __builtin_amdgcn_rsqf(v); }
+FP4_DEVICE float fast_div(float a, float b) { return a * __builtin_amdgcn_rcpf(b); }
 #define GDN_SHARED extern __attribute__((shared)) __attribute__((aligned(16))) unsigned char
 #define STEP_BOUNDS(max_dk) STEP_THREADS
 {% endif %}
 // ---- end of vendor differences ----
 
 typedef long long i64;
-FP4_DEVICE float silu_f32(float v) { return v / (1.0f + exp_f32(-v)); }
+/// silu with the reciprocal instruction's division (a few ulp): an IEEE division is a dozen
+/// instructions and a branch, and the prefill's prepare pass runs 192 of them per thread.
+FP4_DEVICE float silu_f32(float v) { return fast_div(v, 1.0f + exp_f32(-v)); }
 /// ln(1 + e^v) without a log1p: e^v below -15 (where 1 + e^v rounds to 1), v above 20.
 FP4_DEVICE float softplus_f32(float v) { return v > 20.0f ? v : (v < -15.0f ? exp_f32(v) : log_f32(1.0f + exp_f32(v))); }
 FP4_DEVICE u32 pack_bf16x2(float lo, float hi) { return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16); }
@@ -85,18 +91,11 @@ struct ConvSource {
         // is a software division of some 70 instructions per tap in the step's front end
         return ring + (u64)((u32)position % ring_len) * conv_dim + ch;
     }
-    /// 8 consecutive channels (ch % 8 == 0, rows 16-byte aligned), zeros before position 0.
-    FP4_DEVICE void load8(i32 row, u32 ch, float (&x)[8]) const {
+    /// 8 consecutive channels (ch % 8 == 0, rows 16-byte aligned) as 4 bf16 pairs, zeros before
+    /// position 0.
+    FP4_DEVICE u32x4 load8(i32 row, u32 ch) const {
         const u16* p = at(row, ch);
-        if (p == nullptr) {
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) x[i] = 0.0f;
-            return;
-        }
-        const u32x4 v = load_u32x4(p);
-        const u32 w[4] = {v.x, v.y, v.z, v.w};
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) { x[2 * i] = bf16_to_f32((u16)(w[i] & 0xffffu)); x[2 * i + 1] = bf16_to_f32((u16)(w[i] >> 16)); }
+        return p == nullptr ? u32x4{0u, 0u, 0u, 0u} : load_u32x4(p);
     }
     FP4_DEVICE float load1(i32 row, u32 ch) const {
         const u16* p = at(row, ch);
@@ -104,18 +103,44 @@ struct ConvSource {
     }
 };
 
-/// silu(conv) of 8 channels at chunk-relative `row`: sum_j w[c][j] x[row - (kernel - 1) + j].
-FP4_DEVICE void conv8_silu(const ConvSource& src, const float* __restrict__ conv_w, u32 kernel, i32 row, u32 ch, float (&y)[8]) {
+/// Rows per item of the prefill's conv: a thread convolves 8 channels at CONV_ROWS consecutive
+/// rows, so each tap's loads for all of them are in flight together: `kernel` memory round trips
+/// per item. With one row per item they were `kernel` round trips per row, the prepare kernel's
+/// largest stall (ncu at T = 512, H200, thirteenth session: 110 us, a third of its stall samples
+/// on the conv's loads).
+#define CONV_ROWS 8
+
+/// silu(conv) of channels ch .. ch + 7 at chunk-relative rows row0 .. row0 + CONV_ROWS - 1:
+/// y[r][i] = silu(sum_j w[ch + i][j] x[row0 + r - (kernel - 1) + j]), taps summed in order.
+/// Rows from `valid` on are zero (nothing is read for them: past the sequence's last row).
+FP4_DEVICE void conv8_silu_rows(const ConvSource& src, const float* __restrict__ conv_w, u32 kernel, u32 row0, u32 valid,
+                                u32 ch, float (&y)[CONV_ROWS][8]) {
     #pragma unroll
-    for (int i = 0; i < 8; ++i) y[i] = 0.0f;
-    for (u32 j = 0; j < kernel; ++j) {
-        float x[8];
-        src.load8(row - (i32)(kernel - 1) + (i32)j, ch, x);
+    for (int r = 0; r < CONV_ROWS; ++r)
         #pragma unroll
-        for (int i = 0; i < 8; ++i) y[i] += conv_w[(u64)(ch + i) * kernel + j] * x[i];
+        for (int i = 0; i < 8; ++i) y[r][i] = 0.0f;
+    for (u32 j = 0; j < kernel; ++j) {
+        float w[8];
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = conv_w[(u64)(ch + i) * kernel + j];
+        u32x4 x[CONV_ROWS];
+        #pragma unroll
+        for (int r = 0; r < CONV_ROWS; ++r)
+            x[r] = row0 + r < valid ? src.load8((i32)(row0 + r) - (i32)(kernel - 1) + (i32)j, ch) : u32x4{0u, 0u, 0u, 0u};
+        #pragma unroll
+        for (int r = 0; r < CONV_ROWS; ++r) {
+            const u32 words[4] = {x[r].x, x[r].y, x[r].z, x[r].w};
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                y[r][2 * i] += w[2 * i] * bf16_to_f32((u16)(words[i] & 0xffffu));
+                y[r][2 * i + 1] += w[2 * i + 1] * bf16_to_f32((u16)(words[i] >> 16));
+            }
+        }
     }
     #pragma unroll
-    for (int i = 0; i < 8; ++i) y[i] = silu_f32(y[i]);
+    for (int r = 0; r < CONV_ROWS; ++r)
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) y[r][i] = row0 + r < valid ? silu_f32(y[r][i]) : 0.0f;
 }
 
 /// Conv taps whose loads the step issues together (Qwen3.5's kernel is 4: one group).
@@ -640,35 +665,34 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_prepare_dk{{ dk }}(
     const ConvSource src{qkv, qkv_stride, (i32)cu_seqlens[seq], (i32)(local * CHUNK), (i64)positions[seq],
                          conv_ring + (u64)slots[seq] * ring_len * conv_dim, ring_len, conv_dim};
 
-    // conv + SiLU + L2 norms of q and k: the DK / 8 lanes of a row are adjacent in one warp
+    // conv + SiLU + L2 norms of q and k: an item is 8 channels of CONV_ROWS rows, the GROUPS items
+    // of a row block adjacent lanes of one warp (the items are a multiple of 32)
     constexpr u32 GROUPS = DK / 8;
     const bool qk_writer = h % ratio == 0;
     u16* q_out = ws_q + ((u64)chunk * hk + kh) * CHUNK * DK;
     u16* k_out = ws_k + ((u64)chunk * hk + kh) * CHUNK * DK;
-    for (u32 idx = tid; idx < CHUNK * GROUPS; idx += CHUNK_THREADS) {
-        const u32 row = idx / GROUPS, ch = 8 * (idx % GROUPS);
-        float q[8], k[8];
-        const bool live = row < valid;
-        if (live) {
-            conv8_silu(src, conv_w, kernel, (i32)row, kh * DK + ch, q);
-            conv8_silu(src, conv_w, kernel, (i32)row, hk * DK + kh * DK + ch, k);
-        } else {
+    for (u32 idx = tid; idx < CHUNK / CONV_ROWS * GROUPS; idx += CHUNK_THREADS) {
+        const u32 r0 = CONV_ROWS * (idx / GROUPS), ch = 8 * (idx % GROUPS);
+        #pragma unroll 1
+        for (u32 is_k = 0; is_k < 2; ++is_k) {
+            float y[CONV_ROWS][8];
+            conv8_silu_rows(src, conv_w, kernel, r0, valid, (is_k ? hk * DK : 0u) + kh * DK + ch, y);
+            u16* tile = is_k ? xb + ch : xa + ch;
+            const u32 ld = is_k ? LDK : ldx;
+            u16* out = (is_k ? k_out : q_out) + ch;
             #pragma unroll
-            for (int i = 0; i < 8; ++i) q[i] = k[i] = 0.0f;
-        }
-        float qq = 0.0f, kk = 0.0f;
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) { qq += q[i] * q[i]; kk += k[i] * k[i]; }
-        #pragma unroll
-        for (u32 off = 1; off < GROUPS; off *= 2) { qq += shfl_xor(qq, off); kk += shfl_xor(kk, off); }
-        const float rq = rsqrt_f32(qq + 1e-6f) * rsqrt_f32((float)DK), rk = rsqrt_f32(kk + 1e-6f);
-        const u32x4 qv = {pack_bf16x2(q[0] * rq, q[1] * rq), pack_bf16x2(q[2] * rq, q[3] * rq), pack_bf16x2(q[4] * rq, q[5] * rq), pack_bf16x2(q[6] * rq, q[7] * rq)};
-        const u32x4 kv = {pack_bf16x2(k[0] * rk, k[1] * rk), pack_bf16x2(k[2] * rk, k[3] * rk), pack_bf16x2(k[4] * rk, k[5] * rk), pack_bf16x2(k[6] * rk, k[7] * rk)};
-        store_u32x4(xa + row * ldx + ch, qv);
-        store_u32x4(xb + row * LDK + ch, kv);
-        if (qk_writer) {
-            store_u32x4(q_out + row * DK + ch, qv);
-            store_u32x4(k_out + row * DK + ch, kv);
+            for (int r = 0; r < CONV_ROWS; ++r) {
+                float sq = 0.0f;
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) sq += y[r][i] * y[r][i];
+                #pragma unroll
+                for (u32 off = 1; off < GROUPS; off *= 2) sq += shfl_xor(sq, off);
+                const float scale = is_k ? rsqrt_f32(sq + 1e-6f) : rsqrt_f32(sq + 1e-6f) * rsqrt_f32((float)DK);
+                const u32x4 packed = {pack_bf16x2(y[r][0] * scale, y[r][1] * scale), pack_bf16x2(y[r][2] * scale, y[r][3] * scale),
+                                      pack_bf16x2(y[r][4] * scale, y[r][5] * scale), pack_bf16x2(y[r][6] * scale, y[r][7] * scale)};
+                store_u32x4(tile + (r0 + r) * ld, packed);
+                if (qk_writer) store_u32x4(out + (r0 + r) * DK, packed);
+            }
         }
     }
     // gates: g and beta per row (zero past the sequence), gamma by a plain prefix sum
@@ -727,16 +751,14 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_prepare_dk{{ dk }}(
     block_barrier();
 
     // v (into q's tile, free now) and the diagonal 16x16 blocks of T by column substitution
-    for (u32 idx = tid; idx < CHUNK * (dv / 8); idx += CHUNK_THREADS) {
-        const u32 row = idx / (dv / 8), ch = 8 * (idx % (dv / 8));
-        float v[8];
-        if (row < valid) {
-            conv8_silu(src, conv_w, kernel, (i32)row, 2 * hk * DK + h * dv + ch, v);
-        } else {
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) v[i] = 0.0f;
-        }
-        store_u32x4(xa + row * ldx + ch, {pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7])});
+    for (u32 idx = tid; idx < CHUNK / CONV_ROWS * (dv / 8); idx += CHUNK_THREADS) {
+        const u32 r0 = CONV_ROWS * (idx / (dv / 8)), ch = 8 * (idx % (dv / 8));
+        float v[CONV_ROWS][8];
+        conv8_silu_rows(src, conv_w, kernel, r0, valid, 2 * hk * DK + h * dv + ch, v);
+        #pragma unroll
+        for (int r = 0; r < CONV_ROWS; ++r)
+            store_u32x4(xa + (r0 + r) * ldx + ch, {pack_bf16x2(v[r][0], v[r][1]), pack_bf16x2(v[r][2], v[r][3]),
+                                                   pack_bf16x2(v[r][4], v[r][5]), pack_bf16x2(v[r][6], v[r][7])});
     }
     float x[16];
     const u32 column = tid % CHUNK, base = 16 * (column / 16), lc = column % 16;
@@ -755,20 +777,28 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_prepare_dk{{ dk }}(
         for (int i = 0; i < 16; ++i) a_s[(base + i) * LDA + base + lc] = x[i];
     }
     block_barrier();
-    // block rows 1..3: T_ij = -T_ii sum_{k=j}^{i-1} A_ik T_kj
+    // block rows 1..3: T_ij = -T_ii sum_{k=j}^{i-1} A_ik T_kj (the 16-term sums unrolled from one
+    // row and one column pointer: immediate offsets, not an address computation per load)
     for (u32 bi = 1; bi < 4; ++bi) {
         for (u32 e = tid; e < bi * 256; e += CHUNK_THREADS) {
             const u32 bj = e / 256, r = (e / 16) % 16, c = e % 16;
             float sum = 0.0f;
-            for (u32 bk = bj; bk < bi; ++bk)
-                for (u32 kk = 0; kk < 16; ++kk) sum += a_s[(16 * bi + r) * LDA + 16 * bk + kk] * a_s[(16 * bk + kk) * LDA + 16 * bj + c];
+            for (u32 bk = bj; bk < bi; ++bk) {
+                const float* a_row = a_s + (16 * bi + r) * LDA + 16 * bk;
+                const float* t_col = a_s + 16 * bk * LDA + 16 * bj + c;
+                #pragma unroll
+                for (u32 kk = 0; kk < 16; ++kk) sum += a_row[kk] * t_col[kk * LDA];
+            }
             p_s[e] = sum;
         }
         block_barrier();
         for (u32 e = tid; e < bi * 256; e += CHUNK_THREADS) {
             const u32 bj = e / 256, r = (e / 16) % 16, c = e % 16;
+            const float* t_row = a_s + (16 * bi + r) * LDA + 16 * bi;
+            const float* p_col = p_s + bj * 256 + c;
             float sum = 0.0f;
-            for (u32 kk = 0; kk < 16; ++kk) sum -= a_s[(16 * bi + r) * LDA + 16 * bi + kk] * p_s[bj * 256 + kk * 16 + c];
+            #pragma unroll
+            for (u32 kk = 0; kk < 16; ++kk) sum -= t_row[kk] * p_col[kk * 16];
             a_s[(16 * bi + r) * LDA + 16 * bj + c] = sum;
         }
         block_barrier();
@@ -824,15 +854,19 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_prepare_dk{{ dk }}(
 {% endfor %}
 
 // ============================================================================================
-// gdn_chunk_state_dk{DK}_dv{DVS}: one block (4 warps) per (value head h, slice of DVS value
-// columns, sequence), walking the sequence's chunks in order. The state slice (DK x DVS fp32)
-// stays in registers in the accumulator layout (warp w owns rows 16 (w + 4 i)), with a bf16 copy
-// in shared memory as the B operand. Per chunk (operands staged CHUNK_STAGES chunks ahead with
-// cp.async where the target has it):
-//   X = W S, Y = Q S                     (warp w: rows 16w..16w+15)
-//   V' = U - X, O = e^gamma Y            (V' and e^(gamma_last - gamma) V' to shared, bf16)
-//   O += M V'                             (causal: k-blocks up to the warp's own)
-//   S = e^gamma_last S + K^T (e^(gamma_last - gamma) V')
+// gdn_chunk_state_dk{DK}_dv{DVS}: one block (8 warps) per (value head h, slice of DVS value
+// columns, sequence), walking the sequence's chunks in order. Warps 0-3 are the state warps: the
+// state slice (DK x DVS fp32) stays in their registers in the accumulator layout (state warp w
+// owns rows 16 (w + 4 i)), with a bf16 copy in shared memory as the B operand. Warps 4-7 are the
+// output warps. Per chunk (operands staged CHUNK_STAGES chunks ahead with cp.async where the
+// target has it), chunk rows 16w..16w+15 for warp w of either role:
+//   state warps:  X = W S, V' = U - X      (V' and e^(gamma_last - gamma) V' to shared, bf16)
+//   output warps: Y = Q S, O = e^gamma Y
+//   -- barrier --
+//   state warps:  S = e^gamma_last S + K^T (e^(gamma_last - gamma) V'), its bf16 copy
+//   output warps: O += M V' (causal: k-blocks up to the warp's own), O to `out`
+// The two roles split what was one chain of products per warp (4 warps, H200 thirteenth
+// session: ~4 us per chunk at one warp per scheduler) into two shorter ones side by side.
 // O goes to `out` as bf16 (raw; gdn_gated_norm applies the gated RMSNorm when asked). Before the
 // chunks: the initial state (the folded position > 0) with the pending tokens replayed; after:
 // the final state to the slot and the last kernel - 1 raw rows to the conv ring (designated
@@ -842,8 +876,23 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_prepare_dk{{ dk }}(
 {% include "common/cp_async.cuh" %}
 {% endif %}
 
+{% if target.gdn.chunk_stages > 0 %}
+/// cp.async of a [CHUNK][COLS] bf16 tile (COLS % 8 == 0), source rows `src_ld` apart, stage rows
+/// `dst_ld` apart, by the block's STATE_THREADS threads: a thread copies the 16-byte pieces of one
+/// column, every STATE_THREADS / (COLS / 8) rows (addresses from one row and column per thread,
+/// not a division per piece: the stage loads were a fifth of the pass's instructions).
+template <u32 COLS>
+FP4_DEVICE void stage_tile(const u16* dst, u32 dst_ld, const u16* src, u32 src_ld, u32 tid) {
+    constexpr u32 PIECES = COLS / 8, ROWS_PER_PASS = STATE_THREADS / PIECES;
+    const u32 r0 = tid / PIECES, col = 8 * (tid % PIECES);
+    #pragma unroll
+    for (u32 r = 0; r < CHUNK; r += ROWS_PER_PASS)
+        if (r0 + r < CHUNK) cp_async16((void*)(dst + (r0 + r) * dst_ld + col), src + (u64)(r0 + r) * src_ld + col);
+}
+{% endif %}
+
 {% for dk in [32, 64, 128] %}{% for dvs in [16, 32] %}
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{ dvs }}(
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(STATE_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{ dvs }}(
     const u16* __restrict__ ws_q, const u16* __restrict__ ws_k, const u16* __restrict__ ws_w,
     const u16* __restrict__ ws_u, const u16* __restrict__ ws_m, const float* __restrict__ ws_gamma,
     const u16* __restrict__ qkv, u32 qkv_stride,
@@ -853,18 +902,27 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
     const u32* __restrict__ pending, u16* out,
     u32 hk, u32 hv, u32 dv, u32 kernel, u32 ring_len, u32 n_slots) {
     chain_after_previous_grid();
-    // the state's DK rows in blocks of 16, warp w holding blocks w, w + 4, ...: MB per warp (at
-    // dk 32 warps 2 and 3 hold none, `owns` says which)
-    constexpr u32 DK = {{ dk }}, DVS = {{ dvs }}, NB = DVS / 8, MB = (DK + 63) / 64;
+    // ROLE_WARPS warps per role. The products: role warp r takes chunk rows 16 (r % 4) .. + 15
+    // and column slice r / 4 of CS (STATE_COLUMN_SPLITS where each slice keeps an even number of
+    // n-blocks, else 1: warps past the slices only load and wait). The state's DK rows in blocks
+    // of 16: state warp r holds blocks r, r + ROLE_WARPS, ...: MB per warp (`owns` says which
+    // where DK runs out first).
+    constexpr u32 DK = {{ dk }}, DVS = {{ dvs }}, NB = DVS / 8;
+    constexpr u32 CS = NB / 2 >= STATE_COLUMN_SPLITS ? STATE_COLUMN_SPLITS : 1, NBS = NB / CS;
+    constexpr u32 ROLE_WARPS = 4 * STATE_COLUMN_SPLITS, MB = (DK + 16 * ROLE_WARPS - 1) / (16 * ROLE_WARPS);
     constexpr u32 LDK = DK + PAD, LDM = CHUNK + PAD, LDV = DVS + PAD;
     GDN_SHARED smem[];
-    const u32 tid = thread_x(), warp = tid / FP4_WARP_SIZE, lane = tid % FP4_WARP_SIZE;
+    const u32 tid = thread_x(), lane = tid % FP4_WARP_SIZE;
+    const bool state_warp = tid < STATE_THREADS / 2;
+    const u32 role_warp = (tid / FP4_WARP_SIZE) % ROLE_WARPS;
+    const u32 warp = role_warp % 4, n0 = 8 * NBS * (role_warp / 4);
+    const bool computes = role_warp / 4 < CS;
     const u32 splits = dv / DVS;
     const u32 h = block_x() / splits, split = block_x() % splits, j0 = split * DVS;
     const u32 seq = block_y();
     const u32 ratio = hv / hk, kh = h / ratio;
     // (constant true from dk 64 up; blocks past an unowned one are not owned either)
-    auto owns = [&](u32 mb) { return DK >= 64 || 16 * (warp + 4 * mb) < DK; };
+    auto owns = [&](u32 mb) { return state_warp && 16 * (role_warp + ROLE_WARPS * mb) < DK; };
     const u32 slot = slots[seq];
     if (slot >= n_slots) return;
     const u32 conv_dim = 2 * hk * DK + hv * dv;
@@ -884,9 +942,9 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
         for (u32 p = from; p < end; ++p) {
             const u16* src = qkv + (u64)(row_first + p - pos) * qkv_stride;
             u16* dst = conv_ring + ((u64)slot * ring_len + p % ring_len) * conv_dim;
-            for (u32 c = tid; c < DVS; c += CHUNK_THREADS) dst[2 * hk * DK + h * dv + j0 + c] = src[2 * hk * DK + h * dv + j0 + c];
+            for (u32 c = tid; c < DVS; c += STATE_THREADS) dst[2 * hk * DK + h * dv + j0 + c] = src[2 * hk * DK + h * dv + j0 + c];
             if (h % ratio == 0)
-                for (u32 c = split + splits * tid; c < DK; c += splits * CHUNK_THREADS) {
+                for (u32 c = split + splits * tid; c < DK; c += splits * STATE_THREADS) {
                     dst[kh * DK + c] = src[kh * DK + c];
                     dst[hk * DK + kh * DK + c] = src[hk * DK + kh * DK + c];
                 }
@@ -902,7 +960,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
         for (u32 nb = 0; nb < NB; ++nb)
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const u32 i = 16 * (warp + 4 * mb) + acc_row(lane, e), j = acc_col(lane, nb, e);
+                const u32 i = 16 * (role_warp + ROLE_WARPS * mb) + acc_row(lane, e), j = acc_col(lane, nb, e);
                 s[mb][nb][e] = pos > pend ? s_base[(u64)i * dv + j] : 0.0f;
             }
     for (u32 c = 0; c < pend; ++c) {
@@ -914,7 +972,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
             for (u32 nb = 0; nb < NB; ++nb)
                 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const u32 i = 16 * (warp + 4 * mb) + acc_row(lane, e), j = acc_col(lane, nb, e);
+                    const u32 i = 16 * (role_warp + ROLE_WARPS * mb) + acc_row(lane, e), j = acc_col(lane, nb, e);
                     s[mb][nb][e] = decay * s[mb][nb][e] + ring_k[at * hk * DK + kh * DK + i] * ring_u[at * hv * dv + h * dv + j0 + j];
                 }
     }
@@ -926,7 +984,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
             for (u32 nb = 0; nb < NB; ++nb)
                 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    const u32 i = 16 * (warp + 4 * mb) + acc_row(lane, 2 * half);
+                    const u32 i = 16 * (role_warp + ROLE_WARPS * mb) + acc_row(lane, 2 * half);
                     *reinterpret_cast<u32*>(sb_s + i * LDV + acc_col(lane, nb, 0)) = pack_bf16x2(s[mb][nb][2 * half], s[mb][nb][2 * half + 1]);
                 }
     };
@@ -954,20 +1012,11 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
     auto load_stage = [&](u32 c) {
         if (c < chunks) {
             const Operands g = global_operands(c), d = stage_operands(c);
-            for (u32 e = tid; e < CHUNK * DK / 8; e += CHUNK_THREADS) {
-                const u32 r = e / (DK / 8), col = 8 * (e % (DK / 8));
-                cp_async16((void*)(d.w + r * LDK + col), g.w + r * DK + col);
-                cp_async16((void*)(d.q + r * LDK + col), g.q + r * DK + col);
-                cp_async16((void*)(d.k + r * LDK + col), g.k + r * DK + col);
-            }
-            for (u32 e = tid; e < CHUNK * CHUNK / 8; e += CHUNK_THREADS) {
-                const u32 r = e / (CHUNK / 8), col = 8 * (e % (CHUNK / 8));
-                cp_async16((void*)(d.m + r * LDM + col), g.m + r * CHUNK + col);
-            }
-            for (u32 e = tid; e < CHUNK * DVS / 8; e += CHUNK_THREADS) {
-                const u32 r = e / (DVS / 8), col = 8 * (e % (DVS / 8));
-                cp_async16((void*)(d.u + r * LDV + col), g.u + (u64)r * dv + col);
-            }
+            stage_tile<DK>(d.w, LDK, g.w, DK, tid);
+            stage_tile<DK>(d.q, LDK, g.q, DK, tid);
+            stage_tile<DK>(d.k, LDK, g.k, DK, tid);
+            stage_tile<CHUNK>(d.m, LDM, g.m, CHUNK, tid);
+            stage_tile<DVS>(d.u, LDV, g.u, dv, tid);
             if (tid < CHUNK / 4) cp_async16((void*)(d.gamma + 4 * tid), g.gamma + 4 * tid);
         }
         cp_async_commit();  // one group per chunk, empty past the end, so the wait count is fixed
@@ -987,52 +1036,68 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
 {% endif %}
         const u32 valid = min_u32((u32)CHUNK, len - c * CHUNK);
         const float gamma_last = op.gamma[CHUNK - 1];
-        // X = W S and Y = Q S
-        float x[NB][4], y[NB][4];
+        // state warps X = W S, output warps Y = Q S: acc
+        float acc[NBS][4];
         #pragma unroll
-        for (u32 nb = 0; nb < NB; ++nb)
+        for (u32 nb = 0; nb < NBS; ++nb)
             #pragma unroll
-            for (int e = 0; e < 4; ++e) x[nb][e] = y[nb][e] = 0.0f;
-        #pragma unroll
-        for (u32 k0 = 0; k0 < DK; k0 += 16) mma_k16_pair<NB, false>(x, op.w, y, op.q, op.ldk, 16 * warp, k0, sb_s, LDV, 0);
-        // V' = U - X, O = e^gamma Y
-        #pragma unroll
-        for (u32 nb = 0; nb < NB; ++nb)
+            for (int e = 0; e < 4; ++e) acc[nb][e] = 0.0f;
+        if (computes) {
+            const u16* a_rows = state_warp ? op.w : op.q;
+            // the thread's two rows' factors, e^(gamma_last - gamma) (state) or e^gamma (output),
+            // while the products run
+            float factor[2];
             #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const u32 i = 16 * warp + acc_row(lane, 2 * half), j = acc_col(lane, nb, 0);
-                const float gi = op.gamma[i], tail = exp_f32(gamma_last - gi), head = exp_f32(gi);
-                float vp[2];
+                const float gi = op.gamma[16 * warp + acc_row(lane, 2 * half)];
+                factor[half] = exp_f32(state_warp ? gamma_last - gi : gi);
+            }
+            #pragma unroll
+            for (u32 k0 = 0; k0 < DK; k0 += 16) mma_k16<NBS, false, false>(acc, a_rows, op.ldk, 16 * warp, k0, sb_s, LDV, n0);
+            #pragma unroll
+            for (u32 nb = 0; nb < NBS; ++nb)
                 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    vp[e] = bf16_to_f32(op.u[i * op.ldu + j + e]) - x[nb][2 * half + e];
-                    y[nb][2 * half + e] *= head;
+                for (int half = 0; half < 2; ++half) {
+                    const u32 i = 16 * warp + acc_row(lane, 2 * half), j = n0 + acc_col(lane, nb, 0);
+                    if (state_warp) {
+                        // V' = U - X
+                        float vp[2];
+                        #pragma unroll
+                        for (int e = 0; e < 2; ++e) vp[e] = bf16_to_f32(op.u[i * op.ldu + j + e]) - acc[nb][2 * half + e];
+                        *reinterpret_cast<u32*>(vp_s + i * LDV + j) = pack_bf16x2(vp[0], vp[1]);
+                        *reinterpret_cast<u32*>(vq_s + i * LDV + j) = pack_bf16x2(vp[0] * factor[half], vp[1] * factor[half]);
+                    } else {
+                        // O = e^gamma Y
+                        #pragma unroll
+                        for (int e = 0; e < 2; ++e) acc[nb][2 * half + e] *= factor[half];
+                    }
                 }
-                *reinterpret_cast<u32*>(vp_s + i * LDV + j) = pack_bf16x2(vp[0], vp[1]);
-                *reinterpret_cast<u32*>(vq_s + i * LDV + j) = pack_bf16x2(vp[0] * tail, vp[1] * tail);
-            }
-        block_barrier();
-        // O += M V', then out
-        for (u32 k0 = 0; k0 <= 16 * warp; k0 += 16) mma_k16<NB, false, false>(y, op.m, op.ldm, 16 * warp, k0, vp_s, LDV, 0);
-        #pragma unroll
-        for (u32 nb = 0; nb < NB; ++nb)
+        }
+        block_barrier();  // V' is whole; every read of S's bf16 copy is done
+        if (state_warp) {
+            // S = e^gamma_last S + K^T V''
+            const float decay = exp_f32(gamma_last);
             #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const u32 i = 16 * warp + acc_row(lane, 2 * half);
-                if (i < valid)
-                    *reinterpret_cast<u32*>(out + (u64)(row_first + c * CHUNK + i) * hv * dv + h * dv + j0 + acc_col(lane, nb, 0)) =
-                        pack_bf16x2(y[nb][2 * half], y[nb][2 * half + 1]);
-            }
-        // S = e^gamma_last S + K^T V''
-        const float decay = exp_f32(gamma_last);
-        #pragma unroll
-        for (u32 mb = 0; mb < MB && owns(mb); ++mb) {
-            #pragma unroll
-            for (u32 nb = 0; nb < NB; ++nb)
+            for (u32 mb = 0; mb < MB && owns(mb); ++mb) {
                 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[mb][nb][e] *= decay;
+                for (u32 nb = 0; nb < NB; ++nb)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mb][nb][e] *= decay;
+                #pragma unroll
+                for (u32 k0 = 0; k0 < CHUNK; k0 += 16) mma_k16<NB, true, false>(s[mb], op.k, op.ldk, 16 * (role_warp + ROLE_WARPS * mb), k0, vq_s, LDV, 0);
+            }
+        } else if (computes) {
+            // O += M V', then out
+            for (u32 k0 = 0; k0 <= 16 * warp; k0 += 16) mma_k16<NBS, false, false>(acc, op.m, op.ldm, 16 * warp, k0, vp_s, LDV, n0);
             #pragma unroll
-            for (u32 k0 = 0; k0 < CHUNK; k0 += 16) mma_k16<NB, true, false>(s[mb], op.k, op.ldk, 16 * (warp + 4 * mb), k0, vq_s, LDV, 0);
+            for (u32 nb = 0; nb < NBS; ++nb)
+                #pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const u32 i = 16 * warp + acc_row(lane, 2 * half);
+                    if (i < valid)
+                        *reinterpret_cast<u32*>(out + (u64)(row_first + c * CHUNK + i) * hv * dv + h * dv + j0 + n0 + acc_col(lane, nb, 0)) =
+                            pack_bf16x2(acc[nb][2 * half], acc[nb][2 * half + 1]);
+                }
         }
         store_sb();
         block_barrier();  // S, V' and the stage buffer are free again
@@ -1048,7 +1113,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
         for (u32 nb = 0; nb < NB; ++nb)
             #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const u32 i = 16 * (warp + 4 * mb) + acc_row(lane, 2 * half), j = acc_col(lane, nb, 0);
+                const u32 i = 16 * (role_warp + ROLE_WARPS * mb) + acc_row(lane, 2 * half), j = acc_col(lane, nb, 0);
                 *reinterpret_cast<u32x2*>(s_base + (u64)i * dv + j) = {f32_to_bits(s[mb][nb][2 * half]), f32_to_bits(s[mb][nb][2 * half + 1])};
             }
 }

@@ -28,7 +28,8 @@
 //!   to a [`ChunkWorkspace`]. `gdn_chunk_state_*` walks each sequence's chunks in order, one
 //!   block per (head, `chunk_dv_per_block` value columns): the columns of the state are
 //!   independent, so the sequential part runs on 32 x 4..8 blocks; the state slice stays in the
-//!   accumulator registers (fp32) and is rounded to bf16 only as an MMA operand. The gated
+//!   accumulator registers (fp32) of four warps and is rounded to bf16 only as an MMA operand,
+//!   while four more warps compute the outputs beside them. The gated
 //!   RMSNorm is then `gdn_gated_norm` over the rows (a separate pass: a head's columns are
 //!   spread over blocks).
 //! - [`Sequences::commit`] (`gdn_commit`): the bookkeeping after a step.
@@ -987,8 +988,13 @@ const CHUNK_DV_PER_BLOCK: [usize; 2] = [16, 32];
 const KERNEL_GATED_NORM: &str = "gdn_gated_norm";
 /// The sequence bookkeeping after a step.
 const KERNEL_COMMIT: &str = "gdn_commit";
-/// Threads per block of the chunk kernels (CHUNK_THREADS in gdn.cu).
+/// Threads per block of `gdn_chunk_prepare_*` (CHUNK_THREADS in gdn.cu).
 const CHUNK_THREADS: u32 = 128;
+/// Threads per block of `gdn_chunk_state_*` on `target` (STATE_THREADS in gdn.cu): state warps
+/// and output warps, 4 of each per column slice.
+pub fn chunk_state_threads(target: &TargetFacts) -> u32 {
+    256 * target.gdn.chunk_state_column_splits
+}
 /// Threads per block of `gdn_gated_norm`, one warp per (row, head) (NORM_THREADS in gdn.cu).
 const NORM_THREADS: u32 = 128;
 /// Threads per block of `gdn_commit` (COMMIT_THREADS in gdn.cu).
@@ -1550,7 +1556,7 @@ fn prefill_device(
             count32,
             1,
         ),
-        block: (CHUNK_THREADS, 1, 1),
+        block: (chunk_state_threads(target), 1, 1),
         shared_bytes: smem[1] as u32,
     };
     let qkv = [rows_arg(&inputs.qkv)?, KernelArg::u32(strides[0])];
