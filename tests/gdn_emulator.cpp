@@ -106,6 +106,7 @@ FP4_DEVICE float rsqrt_f32(float v) { return 1.0f / std::sqrt(v); }
 // the reciprocal instruction, rounded as the host rounds one division by another
 FP4_DEVICE float fast_div(float a, float b) { return a * (1.0f / b); }
 #define STEP_BOUNDS STEP_THREADS
+#define PREPARE_BOUNDS CHUNK_THREADS
 
 //@@ mma
 // ldmatrix .x4: lanes 8q .. 8q + 7 give the row addresses of matrix q; lane l receives of each
@@ -165,6 +166,9 @@ FP4_DEVICE u32 shared_address(const void*) { return 0; }
 
 //@@ cp_async
 FP4_DEVICE void cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+// shared addresses are offsets into the block's dynamic shared memory
+FP4_DEVICE u32 cp_async_shared_address(const void* p) { return (u32)(static_cast<const unsigned char*>(p) - emu::dynamic_smem); }
+FP4_DEVICE void cp_async16_shared(u32 dst, const void* src) { std::memcpy(emu::dynamic_smem + dst, src, 16); }
 FP4_DEVICE void cp_async_commit() {}
 template <int N>
 FP4_DEVICE void cp_async_wait() {}

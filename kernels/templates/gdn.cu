@@ -43,6 +43,7 @@ FP4_DEVICE float fast_div(float a, float b) { return __fdividef(a, b); }
 // gdn_step_*: at large batches the step streams states through as many blocks as are resident
 // (kernels/targets.toml, gdn.step_blocks_per_sm at dk 128: the register budget that leaves); the
 // dk 256 variant holds twice the state per thread, so half as many
+#define PREPARE_BOUNDS CHUNK_THREADS, {{ target.gdn.chunk_prepare_blocks_per_sm }}
 #define STEP_BOUNDS(max_dk) STEP_THREADS, ({{ target.gdn.step_blocks_per_sm }} * 128 / (max_dk) > 0 ? {{ target.gdn.step_blocks_per_sm }} * 128 / (max_dk) : 1)
 {% else %}
 FP4_DEVICE float shfl_xor(float v, u32 mask) {
@@ -56,14 +57,15 @@ FP4_DEVICE float log_f32(float v) { return __builtin_logf(v); }
 FP4_DEVICE float rsqrt_f32(float v) { return __builtin_amdgcn_rsqf(v); }
 FP4_DEVICE float fast_div(float a, float b) { return a * __builtin_amdgcn_rcpf(b); }
 #define GDN_SHARED extern __attribute__((shared)) __attribute__((aligned(16))) unsigned char
+#define PREPARE_BOUNDS CHUNK_THREADS
 #define STEP_BOUNDS(max_dk) STEP_THREADS
 {% endif %}
 // ---- end of vendor differences ----
 
 typedef long long i64;
-/// silu with the reciprocal instruction's division (a few ulp): an IEEE division is a dozen
-/// instructions and a branch, and the prefill's prepare pass runs 192 of them per thread.
-FP4_DEVICE float silu_f32(float v) { return fast_div(v, 1.0f + exp_f32(-v)); }
+/// silu from the exp and reciprocal instructions (a few ulp): expf and an IEEE division are some
+/// twenty instructions and a branch, and the prefill's prepare pass runs 192 per thread.
+FP4_DEVICE float silu_f32(float v) { return fast_div(v, 1.0f + fast_exp(-v)); }
 /// ln(1 + e^v) without a log1p: e^v below -15 (where 1 + e^v rounds to 1), v above 20.
 FP4_DEVICE float softplus_f32(float v) { return v > 20.0f ? v : (v < -15.0f ? exp_f32(v) : log_f32(1.0f + exp_f32(v))); }
 FP4_DEVICE u32 pack_bf16x2(float lo, float hi) { return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16); }
@@ -630,7 +632,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) gdn_gated_norm(u16* out, const u
 #define PAD 8  // bf16 elements of row padding: rows 16-byte aligned, ldmatrix conflict-free
 
 {% for dk in [32, 64, 128] %}
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_prepare_dk{{ dk }}(
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(PREPARE_BOUNDS) gdn_chunk_prepare_dk{{ dk }}(
     const u16* __restrict__ qkv, u32 qkv_stride, const u16* __restrict__ a_in, u32 a_stride,
     const u16* __restrict__ b_in, u32 b_stride,
     const float* __restrict__ conv_w, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
@@ -865,8 +867,9 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_prepare_dk{{ dk }}(
 //   -- barrier --
 //   state warps:  S = e^gamma_last S + K^T (e^(gamma_last - gamma) V'), its bf16 copy
 //   output warps: O += M V' (causal: k-blocks up to the warp's own), O to `out`
-// The two roles split what was one chain of products per warp (4 warps, H200 thirteenth
-// session: ~4 us per chunk at one warp per scheduler) into two shorter ones side by side.
+// The two roles split what was one chain of products per warp (4 warps, one per scheduler:
+// 34.1 us for the 8 chunks of T = 512 under ncu --set full, H200, thirteenth session) into two
+// shorter chains side by side.
 // O goes to `out` as bf16 (raw; gdn_gated_norm applies the gated RMSNorm when asked). Before the
 // chunks: the initial state (the folded position > 0) with the pending tokens replayed; after:
 // the final state to the slot and the last kernel - 1 raw rows to the conv ring (designated
@@ -877,17 +880,19 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(CHUNK_THREADS) gdn_chunk_prepare_dk{{ dk }}(
 {% endif %}
 
 {% if target.gdn.chunk_stages > 0 %}
-/// cp.async of a [CHUNK][COLS] bf16 tile (COLS % 8 == 0), source rows `src_ld` apart, stage rows
-/// `dst_ld` apart, by the block's STATE_THREADS threads: a thread copies the 16-byte pieces of one
+/// cp.async of a [CHUNK][COLS] bf16 tile (COLS % 8 == 0), source rows `src_ld` apart, to the
+/// shared address `dst` with rows `dst_ld` elements apart, by the block's STATE_THREADS threads: a thread copies the 16-byte pieces of one
 /// column, every STATE_THREADS / (COLS / 8) rows (addresses from one row and column per thread,
 /// not a division per piece: the stage loads were a fifth of the pass's instructions).
 template <u32 COLS>
-FP4_DEVICE void stage_tile(const u16* dst, u32 dst_ld, const u16* src, u32 src_ld, u32 tid) {
+FP4_DEVICE void stage_tile(u32 dst, u32 dst_ld, const u16* src, u32 src_ld, u32 tid) {
     constexpr u32 PIECES = COLS / 8, ROWS_PER_PASS = STATE_THREADS / PIECES;
     const u32 r0 = tid / PIECES, col = 8 * (tid % PIECES);
+    const u32 d = dst + 2 * (r0 * dst_ld + col);
+    const u16* s = src + (u64)r0 * src_ld + col;
     #pragma unroll
     for (u32 r = 0; r < CHUNK; r += ROWS_PER_PASS)
-        if (r0 + r < CHUNK) cp_async16((void*)(dst + (r0 + r) * dst_ld + col), src + (u64)(r0 + r) * src_ld + col);
+        if (r0 + r < CHUNK) cp_async16_shared(d + 2 * r * dst_ld, s + (u64)r * src_ld);
 }
 {% endif %}
 
@@ -1009,15 +1014,19 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STATE_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
         const float* gamma = reinterpret_cast<const float*>(u + CHUNK * LDV);
         return Operands{w, q, k, m, u, gamma, LDK, LDM, LDV};
     };
+    const u32 stage_address = cp_async_shared_address(stage_base);
     auto load_stage = [&](u32 c) {
         if (c < chunks) {
-            const Operands g = global_operands(c), d = stage_operands(c);
-            stage_tile<DK>(d.w, LDK, g.w, DK, tid);
-            stage_tile<DK>(d.q, LDK, g.q, DK, tid);
-            stage_tile<DK>(d.k, LDK, g.k, DK, tid);
-            stage_tile<CHUNK>(d.m, LDM, g.m, CHUNK, tid);
-            stage_tile<DVS>(d.u, LDV, g.u, dv, tid);
-            if (tid < CHUNK / 4) cp_async16((void*)(d.gamma + 4 * tid), g.gamma + 4 * tid);
+            // the stage's tiles in stage_operands' order, as shared addresses
+            const Operands g = global_operands(c);
+            const u32 w = stage_address + (c % CHUNK_STAGES) * STAGE_BYTES, q = w + 2 * CHUNK * LDK, k = q + 2 * CHUNK * LDK;
+            const u32 m = k + 2 * CHUNK * LDK, u = m + 2 * CHUNK * LDM, gamma = u + 2 * CHUNK * LDV;
+            stage_tile<DK>(w, LDK, g.w, DK, tid);
+            stage_tile<DK>(q, LDK, g.q, DK, tid);
+            stage_tile<DK>(k, LDK, g.k, DK, tid);
+            stage_tile<CHUNK>(m, LDM, g.m, CHUNK, tid);
+            stage_tile<DVS>(u, LDV, g.u, dv, tid);
+            if (tid < CHUNK / 4) cp_async16_shared(gamma + 16 * tid, g.gamma + 4 * tid);
         }
         cp_async_commit();  // one group per chunk, empty past the end, so the wait count is fixed
     };

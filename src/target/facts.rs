@@ -219,6 +219,9 @@ pub struct GdnTiles {
     /// `gdn_chunk_state_*`: chunks of operands staged ahead in shared memory (cp.async); 0 reads
     /// them from global memory (targets without `cp.async` / `ldmatrix`).
     pub chunk_stages: u32,
+    /// `gdn_chunk_prepare_*`: resident blocks per multiprocessor it is compiled for (its launch
+    /// bounds on NVIDIA, which cap its registers; unused on AMD).
+    pub chunk_prepare_blocks_per_sm: u32,
     /// `gdn_chunk_state_*`: column slices (1 or 2) each warp's products take of a block's value
     /// columns; a block runs `256 * chunk_state_column_splits` threads.
     pub chunk_state_column_splits: u32,
@@ -491,6 +494,9 @@ impl TargetFacts {
         }
         if !matches!(gdn.chunk_dv_per_block, 16 | 32) {
             return fail("gdn.chunk_dv_per_block must be 16 or 32".into());
+        }
+        if gdn.chunk_prepare_blocks_per_sm == 0 {
+            return fail("gdn.chunk_prepare_blocks_per_sm must be positive".into());
         }
         if !matches!(gdn.chunk_state_column_splits, 1 | 2) {
             return fail("gdn.chunk_state_column_splits must be 1 or 2".into());

@@ -31,7 +31,17 @@
 //!   accumulator registers (fp32) of four warps and is rounded to bf16 only as an MMA operand,
 //!   while four more warps compute the outputs beside them. The gated
 //!   RMSNorm is then `gdn_gated_norm` over the rows (a separate pass: a head's columns are
-//!   spread over blocks).
+//!   spread over blocks). Where the time goes (H200, thirteenth session, ncu at T = 4096): the
+//!   prepare pass 262 us, instruction-bound (117 M warp instructions, IPC 1.95 at 4 blocks per
+//!   SM; a thread convolves 8 rows of 8 channels so each tap's loads fly together: under
+//!   `ncu --set full` a T = 512 prepare went from 109.9 to 77.7 us with that change alone); the
+//!   state pass 150 us, 64 chunks of about 2.3 us, one
+//!   block per SM (stalls spread over the products, the stage loads and the barriers). Prefill
+//!   at T = 512 / 4096 / 16384: 165.6 / 744.9 / 2893.9 us before that session, 83.7 / 385.0 /
+//!   1475.2 after (BENCHMARKS.md). What would go further: the sequential pass computing only
+//!   the states (W, K, U per chunk, 40% fewer bytes staged) with the outputs in a parallel pass
+//!   over chunks from stored chunk states, as fla does; the prepare pass once per key head
+//!   (its q and k are computed by both value heads today).
 //! - [`Sequences::commit`] (`gdn_commit`): the bookkeeping after a step.
 //!
 //! # The cache and the speculative step
