@@ -856,11 +856,12 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(PREPARE_BOUNDS) gdn_chunk_prepare_dk{{ dk }}(
 {% endfor %}
 
 // ============================================================================================
-// gdn_chunk_state_dk{DK}_dv{DVS}: one block (8 warps) per (value head h, slice of DVS value
-// columns, sequence), walking the sequence's chunks in order. Warps 0-3 are the state warps: the
-// state slice (DK x DVS fp32) stays in their registers in the accumulator layout (state warp w
-// owns rows 16 (w + 4 i)), with a bf16 copy in shared memory as the B operand. Warps 4-7 are the
-// output warps. Per chunk (operands staged CHUNK_STAGES chunks ahead with cp.async where the
+// gdn_chunk_state_dk{DK}_dv{DVS}: one block per (value head h, slice of DVS value columns,
+// sequence), walking the sequence's chunks in order. The first half of its warps are the state
+// warps: the state slice (DK x DVS fp32) stays in their registers in the accumulator layout, with
+// a bf16 copy in shared memory as the B operand. The second half are the output warps. Each half
+// is 4 warps per column slice (gdn.chunk_state_column_splits; 1 slice, 8 warps, on every target
+// today, so below warp w of a role is warp w of 4). Per chunk (operands staged CHUNK_STAGES chunks ahead with cp.async where the
 // target has it), chunk rows 16w..16w+15 for warp w of either role:
 //   state warps:  X = W S, V' = U - X      (V' and e^(gamma_last - gamma) V' to shared, bf16)
 //   output warps: Y = Q S, O = e^gamma Y
@@ -881,9 +882,10 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(PREPARE_BOUNDS) gdn_chunk_prepare_dk{{ dk }}(
 
 {% if target.gdn.chunk_stages > 0 %}
 /// cp.async of a [CHUNK][COLS] bf16 tile (COLS % 8 == 0), source rows `src_ld` apart, to the
-/// shared address `dst` with rows `dst_ld` elements apart, by the block's STATE_THREADS threads: a thread copies the 16-byte pieces of one
-/// column, every STATE_THREADS / (COLS / 8) rows (addresses from one row and column per thread,
-/// not a division per piece: the stage loads were a fifth of the pass's instructions).
+/// shared address `dst` with rows `dst_ld` elements apart, by the block's STATE_THREADS threads:
+/// a thread copies the 16-byte pieces of one column, every STATE_THREADS / (COLS / 8) rows
+/// (addresses from one row and column per thread, not a division and 64-bit pointer arithmetic
+/// per piece: the stage loads were over a quarter of the pass's instructions).
 template <u32 COLS>
 FP4_DEVICE void stage_tile(u32 dst, u32 dst_ld, const u16* src, u32 src_ld, u32 tid) {
     constexpr u32 PIECES = COLS / 8, ROWS_PER_PASS = STATE_THREADS / PIECES;
@@ -1014,19 +1016,15 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STATE_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
         const float* gamma = reinterpret_cast<const float*>(u + CHUNK * LDV);
         return Operands{w, q, k, m, u, gamma, LDK, LDM, LDV};
     };
-    const u32 stage_address = cp_async_shared_address(stage_base);
     auto load_stage = [&](u32 c) {
         if (c < chunks) {
-            // the stage's tiles in stage_operands' order, as shared addresses
-            const Operands g = global_operands(c);
-            const u32 w = stage_address + (c % CHUNK_STAGES) * STAGE_BYTES, q = w + 2 * CHUNK * LDK, k = q + 2 * CHUNK * LDK;
-            const u32 m = k + 2 * CHUNK * LDK, u = m + 2 * CHUNK * LDM, gamma = u + 2 * CHUNK * LDV;
-            stage_tile<DK>(w, LDK, g.w, DK, tid);
-            stage_tile<DK>(q, LDK, g.q, DK, tid);
-            stage_tile<DK>(k, LDK, g.k, DK, tid);
-            stage_tile<CHUNK>(m, LDM, g.m, CHUNK, tid);
-            stage_tile<DVS>(u, LDV, g.u, dv, tid);
-            if (tid < CHUNK / 4) cp_async16_shared(gamma + 16 * tid, g.gamma + 4 * tid);
+            const Operands g = global_operands(c), d = stage_operands(c);
+            stage_tile<DK>(cp_async_shared_address(d.w), LDK, g.w, DK, tid);
+            stage_tile<DK>(cp_async_shared_address(d.q), LDK, g.q, DK, tid);
+            stage_tile<DK>(cp_async_shared_address(d.k), LDK, g.k, DK, tid);
+            stage_tile<CHUNK>(cp_async_shared_address(d.m), LDM, g.m, CHUNK, tid);
+            stage_tile<DVS>(cp_async_shared_address(d.u), LDV, g.u, dv, tid);
+            if (tid < CHUNK / 4) cp_async16_shared(cp_async_shared_address(d.gamma + 4 * tid), g.gamma + 4 * tid);
         }
         cp_async_commit();  // one group per chunk, empty past the end, so the wait count is fixed
     };
