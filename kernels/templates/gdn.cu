@@ -24,9 +24,14 @@
 #define STEP_DV {{ target.gdn.step_dv_per_block }}
 #define STEP_MAX_TOKENS {{ target.gdn.step_max_tokens }}
 #define STEP_WARPS (STEP_THREADS / FP4_WARP_SIZE)
-#define STEP_COL_LANES (STEP_DV / 4)
+#define STEP_COL_QUADS (STEP_DV / 4)
+// a warp's lanes along the columns, its other lanes along the rows; warps side by side over the
+// slice's column quads, the rest stacked along the rows (their sums meet in shared memory)
+#define STEP_COL_LANES {{ target.gdn.step_column_lanes }}
+#define STEP_COL_WARPS (STEP_COL_QUADS / STEP_COL_LANES)
+#define STEP_ROW_WARPS (STEP_WARPS / STEP_COL_WARPS)
 #define PENDING_GROUP 4
-#define STEP_ROW_GROUPS (STEP_THREADS / STEP_COL_LANES)
+#define STEP_ROW_GROUPS (STEP_THREADS / STEP_COL_QUADS)
 #define NORM_THREADS 128
 #define COMMIT_THREADS 128
 
@@ -233,7 +238,9 @@ struct F32Row {
 // (value head h, slice of STEP_DV value columns, sequence b; the last slice masked past dv); the
 // slice of the state (dk x STEP_DV fp32) lives in registers: thread (row group tr, column quad tc)
 // holds rows tr + STEP_ROW_GROUPS * r, columns 4 tc .. 4 tc + 3, loaded and stored with 16-byte
-// accesses.
+// accesses. A warp's lanes are STEP_COL_LANES column quads by the rest in row groups
+// (gdn.step_column_lanes); on sm_90a each warp holds every row of its 16 columns, so a token's
+// sums over dk never leave the warp.
 //
 //  1. issue the state loads (the folded position positions[b] - pending[b] > 0, else zeros);
 //  2. front end of the m new tokens into shared memory: conv + SiLU (window from the inputs and
@@ -243,8 +250,9 @@ struct F32Row {
 //     element by one designated block;
 //  3. replay the pending tokens: S = e^g S + k u^T (no reduction);
 //  4. verify: store the state now (after the replay: the pre-verify state);
-//  5. per new token: one reduction of (S^T k, S^T q) over dk (warp shuffles, then across warps
-//     through double-buffered shared memory: one barrier per token); u = beta (v - e^g S^T k),
+//  5. per new token: one reduction of (S^T k, S^T q) over dk (warp shuffles; where warps are
+//     stacked along the rows, then across them through double-buffered shared memory, one
+//     barrier per token); u = beta (v - e^g S^T k),
 //     o = e^g S^T q + u (k.q), S = e^g S + k u^T; verify: u to the ring;
 //  6. decode: store the state after the tokens (after the arrival of step 7 when there is one);
 //  7. outputs: raw o as bf16, or through the gated RMSNorm: when one block holds the whole head
@@ -263,7 +271,7 @@ struct StepShared {
     float pu[STEP_MAX_TOKENS][STEP_DV];
     float g[STEP_MAX_TOKENS], beta[STEP_MAX_TOKENS], kq[STEP_MAX_TOKENS], pg[STEP_MAX_TOKENS];
     float rq[STEP_MAX_TOKENS], rk[STEP_MAX_TOKENS];
-    float red[2][STEP_WARPS][2][STEP_DV];
+    float red[2][STEP_ROW_WARPS][2][STEP_DV];  // per-token sums of the warps stacked along the rows
     float o[STEP_MAX_TOKENS][STEP_DV];  // the whole head's o, for its gated norm
     float z[STEP_MAX_TOKENS][STEP_DV];  // and its z and weights, loaded with the front end's loads
     float norm_w[STEP_DV];
@@ -300,7 +308,10 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     const u32 pos = load_coherent_u32(positions + b);
     const u32 pend = min_u32(load_coherent_u32(pending + b), (u32)STEP_MAX_TOKENS);
     const u32 conv_dim = 2 * hk * dk + hv * dv;
-    const u32 tc = tid % STEP_COL_LANES, tr = tid / STEP_COL_LANES;
+    // column quad tc and row group tr of the thread (STEP_COL_LANES lanes along the columns)
+    const u32 warp_col = warp % STEP_COL_WARPS, warp_row = warp / STEP_COL_WARPS;
+    const u32 tc = warp_col * STEP_COL_LANES + lane % STEP_COL_LANES;
+    const u32 tr = warp_row * (FP4_WARP_SIZE / STEP_COL_LANES) + lane / STEP_COL_LANES;
     const bool col_ok = j0 + 4 * tc < dv;  // dv is a multiple of 16: a thread's 4 columns go together
     const u32 state_rows = col_ok ? dk : 0u;  // rows this thread stores (one compare per row)
     // the whole head in one block: its gated RMSNorm needs no scratch and no arrival
@@ -398,6 +409,13 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
         sh.beta[tid] = beta;
         if (verify && split == 0) ring_g[((u64)slot * ring_len + (pos + tid) % ring_len) * hv + h] = g;
     }
+    // rows dk .. MAX_DK - 1 of q, k and the pending k read as zeros (so do the state's), so the
+    // token loops multiply every row a thread holds without a test per row (a predicated branch
+    // each: some 120 of a token's 600 instructions per warp at dk 128, ncu, fourteenth session)
+    for (u32 idx = tid; idx < STEP_MAX_TOKENS * ({{ max_dk }} - dk); idx += STEP_THREADS) {
+        const u32 t = idx / ({{ max_dk }} - dk), i = dk + idx % ({{ max_dk }} - dk);
+        sh.q[t][i] = sh.k[t][i] = sh.pk[t][i] = 0.0f;
+    }
     // the pending tokens' replay data, PENDING_GROUP rows of the block's threads loaded before
     // any is stored (a load followed by its store per row made each pending token a round trip)
     for (u32 base = 0; base < pend * dk; base += PENDING_GROUP * STEP_THREADS) {
@@ -467,8 +485,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
         const float decay = exp_f32(sh.pg[c]);
         #pragma unroll
         for (int r = 0; r < STEP_MAX_ROWS; ++r) {
-            const u32 row = tr + STEP_ROW_GROUPS * r;
-            const float kr = row < dk ? sh.pk[c][row] : 0.0f;
+            const float kr = sh.pk[c][tr + STEP_ROW_GROUPS * r];
             #pragma unroll
             for (int e = 0; e < 4; ++e) s[r][e] = decay * s[r][e] + kr * sh.pu[c][4 * tc + e];
         }
@@ -488,26 +505,30 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
         #pragma unroll
         for (int r = 0; r < STEP_MAX_ROWS; ++r) {
             const u32 row = tr + STEP_ROW_GROUPS * r;
-            if (row < dk) {
-                const float kr = sh.k[t][row], qr = sh.q[t][row];
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) { sk[e] += s[r][e] * kr; sq[e] += s[r][e] * qr; }
-            }
+            const float kr = sh.k[t][row], qr = sh.q[t][row];
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) { sk[e] += s[r][e] * kr; sq[e] += s[r][e] * qr; }
         }
+        // over the warp's row lanes (every lane ends with its columns' sums), then, where warps
+        // are stacked along the rows, across them through shared memory: one barrier per token
         #pragma unroll
         for (u32 off = STEP_COL_LANES; off < FP4_WARP_SIZE; off *= 2) {
             #pragma unroll
             for (int e = 0; e < 4; ++e) { sk[e] += shfl_xor(sk[e], off); sq[e] += shfl_xor(sq[e], off); }
         }
-        if (lane < STEP_COL_LANES) {
+        float tk[4] = {sk[0], sk[1], sk[2], sk[3]}, tq[4] = {sq[0], sq[1], sq[2], sq[3]};
+        if (STEP_ROW_WARPS > 1) {
+            if (lane < STEP_COL_LANES) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) { sh.red[t % 2][warp_row][0][4 * tc + e] = sk[e]; sh.red[t % 2][warp_row][1][4 * tc + e] = sq[e]; }
+            }
+            block_barrier();
             #pragma unroll
-            for (int e = 0; e < 4; ++e) { sh.red[t % 2][warp][0][4 * tc + e] = sk[e]; sh.red[t % 2][warp][1][4 * tc + e] = sq[e]; }
-        }
-        block_barrier();
-        float tk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, tq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (u32 w = 0; w < STEP_WARPS; ++w) {
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) { tk[e] += sh.red[t % 2][w][0][4 * tc + e]; tq[e] += sh.red[t % 2][w][1][4 * tc + e]; }
+            for (int e = 0; e < 4; ++e) tk[e] = tq[e] = 0.0f;
+            for (u32 w = 0; w < STEP_ROW_WARPS; ++w) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) { tk[e] += sh.red[t % 2][w][0][4 * tc + e]; tq[e] += sh.red[t % 2][w][1][4 * tc + e]; }
+            }
         }
         const float decay = exp_f32(sh.g[t]), beta = sh.beta[t], kq = sh.kq[t], rk = sh.rk[t], rq = sh.rq[t];
         float u[4], o[4];
@@ -516,12 +537,15 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
             u[e] = beta * (sh.v[t][4 * tc + e] - decay * rk * tk[e]);
             o[e] = decay * rq * tq[e] + u[e] * kq;
         }
+        // S += (k rk) u^T as k (rk u): 4 products per token instead of one per row
+        float ku[4];
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) ku[e] = rk * u[e];
         #pragma unroll
         for (int r = 0; r < STEP_MAX_ROWS; ++r) {
-            const u32 row = tr + STEP_ROW_GROUPS * r;
-            const float kr = row < dk ? sh.k[t][row] * rk : 0.0f;
+            const float kr = sh.k[t][tr + STEP_ROW_GROUPS * r];
             #pragma unroll
-            for (int e = 0; e < 4; ++e) s[r][e] = decay * s[r][e] + kr * u[e];
+            for (int e = 0; e < 4; ++e) s[r][e] = decay * s[r][e] + kr * ku[e];
         }
         if (tr == 0) {
             const u64 row = (u64)(b * m + t);

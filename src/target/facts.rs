@@ -209,6 +209,11 @@ pub struct GdnTiles {
     pub step_threads: u32,
     /// `gdn_step`: value columns (of one head's state) per block; each thread holds 4 of them.
     pub step_dv_per_block: u32,
+    /// `gdn_step`: lanes of a warp side by side along the value columns (4 columns each); the
+    /// warp's other lanes, and further warps when the block's columns run out, split the rows.
+    /// The per-token sums over rows are warp shuffles, plus one block barrier per token only when
+    /// more than one warp holds rows of the same columns.
+    pub step_column_lanes: u32,
     /// `gdn_step`: most tokens per sequence in one step (and pending from the last one).
     pub step_max_tokens: u32,
     /// `gdn_step`: resident blocks per multiprocessor the kernel is compiled for (its launch
@@ -484,6 +489,21 @@ impl TargetFacts {
                 "gdn.step_threads {} and gdn.step_dv_per_block {}: the block must be whole warps \
                  and its row groups (threads / (dv_per_block / 4)) must divide 128",
                 gdn.step_threads, gdn.step_dv_per_block
+            ));
+        }
+        let column_lanes = gdn.step_column_lanes;
+        if !column_lanes.is_power_of_two()
+            || column_lanes > self.warp_size
+            || column_lanes > lanes
+            || lanes % column_lanes != 0
+            || (gdn.step_threads / self.warp_size) % (lanes / column_lanes) != 0
+        {
+            return fail(format!(
+                "gdn.step_column_lanes {column_lanes}: a power of two dividing the warp ({}) and the \
+                 block's column quads ({lanes}), and the block's warps ({}) a multiple of the warps \
+                 across its columns",
+                self.warp_size,
+                gdn.step_threads / self.warp_size
             ));
         }
         if gdn.step_blocks_per_sm == 0 {

@@ -10,7 +10,8 @@
 //!   for a batch, one launch. One block per (value head, `step_dv_per_block` value columns,
 //!   sequence; the last slice of a head masked past dv); the block's state slice lives in
 //!   registers (16-byte loads and stores, read once and written once per step); each token costs
-//!   one reduction of `(S^T k, S^T q)` (warp shuffles, then one barrier), since
+//!   one reduction of `(S^T k, S^T q)` (warp shuffles; then one barrier only where several
+//!   warps hold rows of the same columns, `gdn.step_column_lanes`), since
 //!   `o = e^g S^T q + u (k . q)` needs no second pass. The gated RMSNorm needs the whole head:
 //!   where one block holds it (sm_90a: 256 threads over dv = 128) that block applies it;
 //!   otherwise the last of the head's blocks to finish does (an arrival counter per (sequence,
