@@ -31,9 +31,9 @@
 #define STEP_COL_WARPS (STEP_COL_QUADS / STEP_COL_LANES)
 #define STEP_ROW_WARPS (STEP_WARPS / STEP_COL_WARPS)
 #define PENDING_GROUP 4
+#define STEP_ROW_GROUPS (STEP_THREADS / STEP_COL_QUADS)
 // gdn_step's lazy decays: below this scale the state takes it (1 / 2^-32 leaves room for u)
 #define LAZY_DECAY_FLOOR 2.3283064e-10f
-#define STEP_ROW_GROUPS (STEP_THREADS / STEP_COL_QUADS)
 #define NORM_THREADS 128
 #define COMMIT_THREADS 128
 
@@ -489,23 +489,26 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     // A verify of 3 tokens with 3 pending: 6 multiplies per element became 1 (H200, fourteenth
     // session: B = 64 149.97 -> 146.86 us, B = 8 20.03 -> 19.76).
     float scale = 1.0f;
-    auto decay_by = [&](float decay) {  // scale *= decay; returns 1 / scale
-        scale *= decay;
-        if (scale < LAZY_DECAY_FLOOR) {  // uniform per block
-            #pragma unroll
-            for (int r = 0; r < STEP_MAX_ROWS; ++r)
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) s[r][e] *= scale;
-            scale = 1.0f;
-        }
-        return 1.0f / scale;
-    };
     auto apply_scale = [&]() {
         #pragma unroll
         for (int r = 0; r < STEP_MAX_ROWS; ++r)
             #pragma unroll
             for (int e = 0; e < 4; ++e) s[r][e] *= scale;
         scale = 1.0f;
+    };
+    auto decay_by = [&](float decay) {  // scale *= decay; returns 1 / scale
+        scale *= decay;
+        if (scale < LAZY_DECAY_FLOOR) apply_scale();  // uniform per block
+        return 1.0f / scale;
+    };
+    // the state (scale applied) to the slot: verify before its tokens, decode after them
+    auto store_state = [&]() {
+        apply_scale();
+        #pragma unroll
+        for (int r = 0; r < STEP_MAX_ROWS; ++r) {
+            const u32 row = tr + STEP_ROW_GROUPS * r;
+            if (row < state_rows) store_coherent_u32x4(state_at(r), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
+        }
     };
     // 3. replay the pending tokens
     for (u32 c = 0; c < pend; ++c) {
@@ -521,14 +524,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
         }
     }
     // 4. verify keeps the pre-verify state
-    if (verify) {
-        apply_scale();
-        #pragma unroll
-        for (int r = 0; r < STEP_MAX_ROWS; ++r) {
-            const u32 row = tr + STEP_ROW_GROUPS * r;
-            if (row < state_rows) store_coherent_u32x4(state_at(r), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
-        }
-    }
+    if (verify) store_state();
 
     // 5. the new tokens
     for (u32 t = 0; t < m; ++t) {
@@ -599,16 +595,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
         }
     }
 
-    // 6. decode folds the tokens into the state; with the norm, after the arrival below, so the
-    //    fence before it waits for the o slices only, not for the state's stores too
-    auto store_state = [&]() {
-        apply_scale();
-        #pragma unroll
-        for (int r = 0; r < STEP_MAX_ROWS; ++r) {
-            const u32 row = tr + STEP_ROW_GROUPS * r;
-            if (row < state_rows) store_coherent_u32x4(state_at(r), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
-        }
-    };
+    // 6. decode folds the tokens into the state (store_state); with the norm, after the arrival
+    //    below, so the fence before it waits for the o slices only, not for the state's stores too
     if (!norm || m == 0) {  // uniform per block
         if (!verify) store_state();
         return;
@@ -1083,7 +1071,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STATE_THREADS) gdn_chunk_state_dk{{ dk }}_dv{{
             stage_tile<DK>(cp_async_shared_address(d.k), LDK, g.k, DK, tid);
             stage_tile<CHUNK>(cp_async_shared_address(d.m), LDM, g.m, CHUNK, tid);
             stage_tile<DVS>(cp_async_shared_address(d.u), LDV, g.u, dv, tid);
-            if (tid < CHUNK / 4) cp_async16_shared(cp_async_shared_address(d.gamma + 4 * tid), g.gamma + 4 * tid);
+            if (tid < CHUNK / 4) cp_async16((void*)(d.gamma + 4 * tid), g.gamma + 4 * tid);
         }
         cp_async_commit();  // one group per chunk, empty past the end, so the wait count is fixed
     };

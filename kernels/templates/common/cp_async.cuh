@@ -3,15 +3,13 @@
 // {% raw %}{% if target.instructions.cp_async %}{% endraw %}; the emulated tests replace the marked section. ----
 // ---- cp.async instructions ----
 FP4_DEVICE u32 cp_async_shared_address(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-/// 16 bytes global -> shared.
-FP4_DEVICE void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(cp_async_shared_address(dst)), "l"(src) : "memory");
-}
 /// 16 bytes global -> shared, the destination as cp_async_shared_address gives it (offsets
 /// added to one such address cost a 32-bit add, not 64-bit pointer arithmetic per copy).
 FP4_DEVICE void cp_async16_shared(u32 dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src) : "memory");
 }
+/// 16 bytes global -> shared.
+FP4_DEVICE void cp_async16(void* dst, const void* src) { cp_async16_shared(cp_async_shared_address(dst), src); }
 /// 16 bytes global -> shared, the last 16 - src_bytes of them zero (src_bytes 0 or 16).
 FP4_DEVICE void cp_async16_zfill(void* dst, const void* src, u32 src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(cp_async_shared_address(dst)), "l"(src), "r"(src_bytes) : "memory");
