@@ -227,11 +227,7 @@ impl Device {
         let s = self.shape;
         let out = emu.zeros((self.count * m * self.width()).max(1) * 2);
         let tiles = &self.target.gdn;
-        let kernel = if s.dk <= 128 {
-            "gdn_step_dk128"
-        } else {
-            "gdn_step_dk256"
-        };
+        let kernel = gdn::step_kernel(s.dk, s.dv);
         let u = |v: usize| Arg::U32(v as u32);
         let args = [
             Arg::Ptr(rows.qkv),
@@ -885,6 +881,13 @@ const DK128_DV64: GdnShape = GdnShape {
     dk: 128,
     dv: 64,
 };
+/// The real model's head dimensions (one key head): the exact kernel, `gdn_step_dk128_dv128`.
+const DK128_DV128: GdnShape = GdnShape {
+    key_heads: 1,
+    value_heads: 2,
+    dk: 128,
+    dv: 128,
+};
 /// The demo model's heads (dk = dv = 32): the chunk kernels' smallest dk, where two of the
 /// state kernel's four warps hold no state rows.
 const DK32: GdnShape = GdnShape {
@@ -911,11 +914,13 @@ fn emulated_sm_90a_prefill_and_steps_match_the_cpu_reference() {
     scenario("sm_90a", DV48, true, 13);
     scenario("sm_90a", DK128_DV64, true, 16);
     scenario("sm_90a", DK32, true, 19);
+    scenario("sm_90a", DK128_DV128, true, 20);
 }
 
 #[test]
 fn emulated_sm_121a_prefill_and_steps_match_the_cpu_reference() {
     scenario("sm_121a", DK128_DV64, true, 17);
+    scenario("sm_121a", DK128_DV128, false, 21);
     scenario(
         "sm_121a",
         GdnShape {

@@ -9,7 +9,8 @@
 //                                            sequential pass over chunks (tensor cores), outputs,
 //                                            final state, conv window
 //   gdn_gated_norm                          prefill: w * rmsnorm(o) * silu(z) in place
-//   gdn_step_dk{128,256}                    decode / speculative verify, per (value head, dv
+//   gdn_step_dk{128,256}, gdn_step_dk128_dv128
+//                                            decode / speculative verify, per (value head, dv
 //                                            slice, sequence): everything in one launch
 //   gdn_commit                              sequence bookkeeping after a step
 {% include "common/prelude.cuh" %}
@@ -281,9 +282,24 @@ struct StepShared {
     u32 last;
 };
 
-{% for max_dk in [128, 256] %}
-// gdn_step_dk{{ max_dk }}: dk up to {{ max_dk }} (registers and shared memory sized for it)
+{% for max_dk in [128, 256, 128] %}
+{# the last is the exact kernel for dk = dv = 128 #}
+{% if loop.last %}{% set exact_dv = 128 %}{% else %}{% set exact_dv = 0 %}{% endif %}
+{% if exact_dv %}
+// gdn_step_dk{{ max_dk }}_dv{{ exact_dv }}: exactly dk = {{ max_dk }} and dv = {{ exact_dv }} (the host picks it
+// for that shape only), so every row and column of a thread is in range and its state rows sit
+// at constant offsets from one address: each of the 16 stores is one instruction. In the general
+// kernel each cost some 20 (the row's address rebuilt, a predicated branch), and the stores'
+// address registers were rewritten while earlier stores still read them (ncu, H200, decode
+// B = 64: the state's load and store code 42% of the instructions, the stores 28% of the stall
+// samples, mostly long-scoreboard waits on those registers). gdn bench, H200, fifteenth session:
+// decode B = 1 / 8 / 64 8.72 / 15.02 / 116.00 -> 7.77 / 14.85 / 113.17 us, verify of 3 tokens
+// 13.26 / 19.61 / 145.80 -> 12.37 / 18.80 / 143.96.
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_dk }}_dv{{ exact_dv }}(
+{% else %}
+// gdn_step_dk{{ max_dk }}: dk up to {{ max_dk }} (registers and shared memory sized for it), any dv
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_dk }}(
+{% endif %}
     const u16* __restrict__ qkv, u32 qkv_stride, const u16* __restrict__ a_in, u32 a_stride,
     const u16* __restrict__ b_in, u32 b_stride, const u16* __restrict__ z, u32 z_stride,
     const float* __restrict__ conv_w, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
@@ -291,7 +307,13 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     float* state, u16* conv_ring, float* ring_k, float* ring_u, float* ring_g,
     const u32* __restrict__ slots, const u32* __restrict__ positions, const u32* __restrict__ pending,
     u16* out, float* o_scratch, u32* counters,
-    u32 hk, u32 hv, u32 dk, u32 dv, u32 kernel, u32 ring_len, u32 n_slots, u32 m, u32 verify) {
+    u32 hk, u32 hv, u32 dk_arg, u32 dv_arg, u32 kernel, u32 ring_len, u32 n_slots, u32 m, u32 verify) {
+{% if exact_dv %}
+    constexpr u32 dk = {{ max_dk }}, dv = {{ exact_dv }};
+    (void)dk_arg; (void)dv_arg;
+{% else %}
+    const u32 dk = dk_arg, dv = dv_arg;
+{% endif %}
     // Before the wait for the previous kernel (the projection GEMM that writes qkv, a, b, z): the
     // sequences' slots, positions and pending counts and the state slice, which kernels two or more
     // launches back wrote (chain_after_previous_grid), with loads that bypass L1. At B = 1 the
@@ -315,20 +337,24 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     const u32 warp_col = warp % STEP_COL_WARPS, warp_row = warp / STEP_COL_WARPS;
     const u32 tc = warp_col * STEP_COL_LANES + lane % STEP_COL_LANES;
     const u32 tr = warp_row * (FP4_WARP_SIZE / STEP_COL_LANES) + lane / STEP_COL_LANES;
-    const bool col_ok = j0 + 4 * tc < dv;  // dv is a multiple of 16: a thread's 4 columns go together
+    // dv is a multiple of 16: a thread's 4 columns go together (and where STEP_DV divides dv,
+    // every slice is whole: the exact kernel knows it at compile time)
+    const bool col_ok = dv % STEP_DV == 0 || j0 + 4 * tc < dv;
     const u32 state_rows = col_ok ? dk : 0u;  // rows this thread stores (one compare per row)
     // the whole head in one block: its gated RMSNorm needs no scratch and no arrival
     const bool whole_head = splits == 1;
-    // the thread's row r (row tr + STEP_ROW_GROUPS * r of the head, columns j0 + 4 tc .. + 3) at a
-    // 32-bit offset (< dk * dv) from the head's state: one 64-bit address computation per
-    // thread, where one per row was some 20 instructions of each block's 16-row load and store
+    // the thread's row r (row tr + STEP_ROW_GROUPS * r of the head, columns j0 + 4 tc .. + 3): its
+    // row 0 from one 64-bit address computation per thread, row r a further r row steps on (a
+    // constant offset in the exact kernel), where one full computation per row was some 20
+    // instructions of each block's 16-row load and store
     float* const head_state = state + ((u64)slot * hv + h) * dk * dv;
     const u32 row_step = STEP_ROW_GROUPS * dv;
-    auto state_at = [&](int r) { return head_state + (tr * dv + j0 + 4 * tc + (u32)r * row_step); };
+    float* const thread_state = head_state + (tr * dv + j0 + 4 * tc);
+    auto state_at = [&](int r) { return thread_state + (u64)((u32)r * row_step); };
     // masked threads load the slice's first columns instead (in the head, never stored): the loads
     // need no column predicate (one per row cost ptxas its registers)
-    const u32 load_col = j0 + 4 * (col_ok ? tc : 0u);
-    auto state_load_at = [&](int r) { return head_state + (tr * dv + load_col + (u32)r * row_step); };
+    const float* const thread_load_state = head_state + (tr * dv + j0 + 4 * (col_ok ? tc : 0u));
+    auto state_load_at = [&](int r) { return thread_load_state + (u64)((u32)r * row_step); };
 
     // 1. the state slice
     float s[STEP_MAX_ROWS][4];
@@ -336,7 +362,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     #pragma unroll
     for (int r = 0; r < STEP_MAX_ROWS; ++r) {
         const u32 row = tr + STEP_ROW_GROUPS * r;
-        if (has_state && row < dk) {
+        if (has_state && (dk == {{ max_dk }} || row < dk)) {  // every row exists at dk = MAX_DK
             const u32x4 v = load_coherent_u32x4(state_load_at(r));
             s[r][0] = bits_to_f32(v.x); s[r][1] = bits_to_f32(v.y); s[r][2] = bits_to_f32(v.z); s[r][3] = bits_to_f32(v.w);
         } else {
@@ -507,7 +533,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
         #pragma unroll
         for (int r = 0; r < STEP_MAX_ROWS; ++r) {
             const u32 row = tr + STEP_ROW_GROUPS * r;
-            if (row < state_rows) store_coherent_u32x4(state_at(r), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
+            if (dk == {{ max_dk }} ? col_ok : row < state_rows) store_coherent_u32x4(state_at(r), {f32_to_bits(s[r][0]), f32_to_bits(s[r][1]), f32_to_bits(s[r][2]), f32_to_bits(s[r][3])});
         }
     };
     // 3. replay the pending tokens

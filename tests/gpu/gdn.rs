@@ -699,6 +699,44 @@ fn gdn_decode_matches_the_cpu_reference() {
     }
 }
 
+/// More blocks (sequence, value head) than an H200 holds at once (10 x 32 against 132 x 2), so
+/// the step runs in waves: fresh and continued sequences side by side in scattered slots, a
+/// verify whose sequences accept different counts, then decode steps that replay them.
+#[test]
+fn gdn_steps_of_many_sequences_match_the_cpu_reference() {
+    for gpu in devices("gdn_steps_of_many_sequences_match_the_cpu_reference") {
+        let mut rng = rng("gdn_many");
+        let seq_slots: Vec<u32> = vec![3, 11, 0, 7, 1, 9, 4, 10, 2, 6];
+        let positions: Vec<u32> = vec![9, 0, 1, 5, 0, 12, 3, 1, 7, 2];
+        let count = seq_slots.len();
+        let mut twin = Twin::new(&mut rng, gpu, REAL, 12, 3, &seq_slots, &positions);
+        let rows = Rowset::random(&mut rng, REAL, 3 * count);
+        let want = twin.cpu.run(&rows, 3, None, StepMode::Verify, true);
+        let got = twin.gpu.run(&rows, 3, None, StepMode::Verify, true);
+        twin.compare_outputs("many sequences: verify of 3", &want, &got, STEP_OUT);
+        let accepted: Vec<u32> = (0..count as u32).map(|i| i % 4).collect();
+        for side in [&mut twin.cpu, &mut twin.gpu] {
+            side.commit(&accepted, StepMode::Verify);
+        }
+        for step in 0..2 {
+            let rows = Rowset::random(&mut rng, REAL, count);
+            let want = twin.cpu.run(&rows, 1, None, StepMode::Decode, true);
+            let got = twin.gpu.run(&rows, 1, None, StepMode::Decode, true);
+            twin.compare_outputs(
+                &format!("many sequences: decode {step}"),
+                &want,
+                &got,
+                STEP_OUT,
+            );
+            for side in [&mut twin.cpu, &mut twin.gpu] {
+                side.commit(&vec![1; count], StepMode::Decode);
+            }
+        }
+        twin.compare_caches("many sequences", STEP_STATE, None);
+        twin.compare_windows("many sequences", &seq_slots);
+    }
+}
+
 /// verify(n + 1) then commit(k) for every k (the two sequences accept k and n + 1 - k), then a
 /// decode step that replays the accepted tokens: outputs, states and windows against the CPU.
 #[test]

@@ -6,8 +6,8 @@
 //! through [`Backend::launch`]) runs the kernels below.
 //!
 //! # Kernels
-//! - [`step`] (`gdn_step_dk{128,256}`): decode or speculative verify of `m` tokens per sequence
-//!   for a batch, one launch. One block per (value head, `step_dv_per_block` value columns,
+//! - [`step`] (`gdn_step_dk{128,256}`, and `gdn_step_dk128_dv128` for exactly the real heads):
+//!   decode or speculative verify of `m` tokens per sequence for a batch, one launch. One block per (value head, `step_dv_per_block` value columns,
 //!   sequence; the last slice of a head masked past dv); the block's state slice lives in
 //!   registers (16-byte loads and stores, read once and written once per step); each token costs
 //!   one reduction of `(S^T k, S^T q)` (warp shuffles; then one barrier only where several
@@ -978,8 +978,10 @@ fn check_call(params: &GdnParams, cache: &GdnCache) -> Result<()> {
     Ok(())
 }
 
-/// `gdn_step_dk{128,256}`: the step kernel for dk up to 128, else up to 256.
-const STEP_KERNELS: [&str; 2] = ["gdn_step_dk128", "gdn_step_dk256"];
+/// `gdn_step_dk{128,256}`: the step kernel for dk up to 128, else up to 256; then
+/// `gdn_step_dk128_dv128`, for exactly dk = dv = 128 (the real shape: its state rows sit at
+/// constant offsets, see gdn.cu).
+const STEP_KERNELS: [&str; 3] = ["gdn_step_dk128", "gdn_step_dk256", "gdn_step_dk128_dv128"];
 /// `gdn_chunk_prepare_dk{32,64,128}`, in the order of [`CHUNK_DK`].
 const PREPARE_KERNELS: [&str; 3] = [
     "gdn_chunk_prepare_dk32",
@@ -1088,9 +1090,13 @@ fn step_arguments<'a>(
     ]
 }
 
-/// The step's kernel for dk.
-fn step_kernel(dk: usize) -> &'static str {
-    STEP_KERNELS[usize::from(dk > 128)]
+/// The name of the step kernel [`step`] launches for key dimension `dk` and value dimension `dv`.
+pub fn step_kernel(dk: usize, dv: usize) -> &'static str {
+    if dk == 128 && dv == 128 {
+        STEP_KERNELS[2]
+    } else {
+        STEP_KERNELS[usize::from(dk > 128)]
+    }
 }
 
 /// The device path of [`step`] (shapes checked by the caller): one launch of `gdn_step_dk*`.
@@ -1153,7 +1159,7 @@ fn step_device(
         block: (tiles.step_threads, 1, 1),
         shared_bytes: 0,
     };
-    let kernel = step_kernel(shape.dk);
+    let kernel = step_kernel(shape.dk, shape.dv);
     let args = step_arguments(
         rows,
         strides,
@@ -1727,12 +1733,14 @@ mod tests {
         checks.assert_all_match();
     }
 
-    /// The step kernel follows dk; dk outside the chunk kernels' instantiations is refused.
+    /// The step kernel follows dk, with its own kernel for exactly dk = dv = 128; dk outside the
+    /// chunk kernels' instantiations is refused.
     #[test]
     fn kernels_are_chosen_by_dk() {
-        assert_eq!(step_kernel(64), "gdn_step_dk128");
-        assert_eq!(step_kernel(128), "gdn_step_dk128");
-        assert_eq!(step_kernel(144), "gdn_step_dk256");
+        assert_eq!(step_kernel(64, 128), "gdn_step_dk128");
+        assert_eq!(step_kernel(128, 64), "gdn_step_dk128");
+        assert_eq!(step_kernel(128, 128), "gdn_step_dk128_dv128");
+        assert_eq!(step_kernel(144, 128), "gdn_step_dk256");
         assert_eq!(PREPARE_KERNELS.len(), CHUNK_DK.len());
         assert_eq!(STATE_KERNELS[0].len(), CHUNK_DV_PER_BLOCK.len());
     }
