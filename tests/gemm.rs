@@ -46,9 +46,16 @@ proptest! {
     }
 }
 
-/// bf16 of e2m1 * 2^-126 from the nibbles at bits 12..15 / 28..31 (the kernel's bit trick).
-fn e2m1x2_scaled(w: u32) -> [f32; 2] {
-    let bits = (w & 0x8000_8000) | ((w >> 6) & 0x01C0_01C0);
+/// bf16x2 of e2m1 * 2^-126 of A register `register` of an MMA word: the kernel's bit trick
+/// (common/mma.cuh, e2m1_word_to_bf16x2_scaled), written out here.
+fn e2m1x2_scaled(w: u32, register: usize) -> [f32; 2] {
+    const CODES: u32 = 0x81C0_81C0;
+    let bits = match register {
+        0 => w & CODES,
+        1 => (w << 3) & CODES,
+        2 => (w << 6) & CODES,
+        _ => ((w << 1) & 0x8000_8000) | ((w >> 3) & 0x0180_0180) | ((w >> 7) & 0x0040_0040),
+    };
     [
         f32::from_bits((bits & 0xffff) << 16),
         f32::from_bits(bits & 0xffff_0000),
@@ -80,7 +87,7 @@ fn kernel_weight(
     let index = f.grid.lane_index(tile, group, lane);
     let word = f.words[index * 4 + c / 4];
     let register = 2 * ((c % 4) / 2) + usize::from(upper);
-    let pair = e2m1x2_scaled(word << (4 * register));
+    let pair = e2m1x2_scaled(word, register);
     let scale = scale_scaled(u32::from(
         (f.scales[index] >> if upper { 8 } else { 0 }) as u8,
     ));

@@ -83,8 +83,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_ge
 // run and its weights one 16-byte load (NVFP4: 2 blocks of 8 bytes + 2 scale bytes; bf16: 64
 // bytes). The load is the fragment, straight to registers; STAGES groups are in flight per warp.
 //
-// NVFP4 decode, exact: nibbles sit at bits 12..15 / 28..31 of (word << 4r), so
-// (w & 0x80008000) | ((w >> 6) & 0x01C001C0) is bf16 of e2m1 * 2^-126 (0.5 as a subnormal);
+// NVFP4 decode, exact: the codes' bits are stored where a mask of the word (shifted) leaves a
+// bf16 of e2m1 * 2^-126 (0.5 as a subnormal; common/mma.cuh, e2m1_word_to_bf16x2_scaled);
 // the scale byte (re-encoded at load as unsigned e5m3, exponent offset 10, no subnormals) becomes
 // bf16 of s * 2^119 with one multiply-add; their bf16 product e2m1 * s * 2^-7 is exact (<= 6
 // significant bits, normal range); the epilogue multiplies by global_scale * 2^7.

@@ -32,8 +32,18 @@ FP4_DEVICE u32 load_stream_u16(const void* p) {
 }
 // ---- end of inline PTX of the mma building blocks ----
 
-/// Two e2m1 nibbles (bits 12..15 and 28..31 of `w`) -> bf16x2 of e2m1 * 2^-126.
-FP4_DEVICE u32 e2m1x2_to_bf16x2_scaled(u32 w) { return (w & 0x80008000u) | ((w >> 6) & 0x01C001C0u); }
+/// The four A registers of one MMA word (src/kernels/gemm/layout.rs, code_bits), each a bf16x2 of
+/// e2m1 * 2^-126: a code's sign at bit 15 / 31 and its exponent and mantissa bits at 8..6 / 24..22
+/// (exact; 0.5 is a subnormal). Registers 0..2 are one mask of the word shifted by 0, 3 and 6
+/// bits, register 3 gathers the bits left over: 11 instructions per word, where one shift and two
+/// masks per register took 15 (H200, ncu: the decode was most of the MoE kernels' instructions).
+FP4_DEVICE void e2m1_word_to_bf16x2_scaled(u32 w, u32 (&v)[4]) {
+    constexpr u32 CODES = 0x81C081C0u;  // sign and exponent / mantissa bits of both halves
+    v[0] = w & CODES;
+    v[1] = (w << 3) & CODES;
+    v[2] = (w << 6) & CODES;
+    v[3] = ((w << 1) & 0x80008000u) | ((w >> 3) & 0x01800180u) | ((w >> 7) & 0x00400040u);
+}
 
 /// A re-encoded scale byte -> bf16x2 {s * 2^119, s * 2^119}.
 FP4_DEVICE u32 scale_to_bf16x2(u32 byte) { return byte * 0x00100010u + 0x76007600u; }
@@ -58,10 +68,12 @@ struct Nvfp4Weights {
         const u32 word = j == 0 ? group.w.x : j == 1 ? group.w.y : j == 2 ? group.w.z : group.w.w;
         const u32 scale_g = scale_to_bf16x2(group.scales & 0xffu);
         const u32 scale_g8 = scale_to_bf16x2(group.scales >> 8);
-        a[0] = mul_bf16x2(e2m1x2_to_bf16x2_scaled(word), scale_g);
-        a[1] = mul_bf16x2(e2m1x2_to_bf16x2_scaled(word << 4), scale_g8);
-        a[2] = mul_bf16x2(e2m1x2_to_bf16x2_scaled(word << 8), scale_g);
-        a[3] = mul_bf16x2(e2m1x2_to_bf16x2_scaled(word << 12), scale_g8);
+        u32 v[4];
+        e2m1_word_to_bf16x2_scaled(word, v);
+        a[0] = mul_bf16x2(v[0], scale_g);
+        a[1] = mul_bf16x2(v[1], scale_g8);
+        a[2] = mul_bf16x2(v[2], scale_g);
+        a[3] = mul_bf16x2(v[3], scale_g8);
     }
 };
 

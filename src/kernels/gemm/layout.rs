@@ -8,9 +8,10 @@
 //! (columns `4j, 4j+1` / `4j+2, 4j+3`), registers 1/3 row `g + 8`. X is read with the same K
 //! permutation, so each lane's X for a group is one contiguous 32-byte run.
 //!
-//! - NVFP4: per (tile, group, lane) one `u32` word per MMA (8 nibbles, placed so that
-//!   `word << 4r` has register `r`'s two nibbles at bits 12..15 and 28..31) and one `u16` with
-//!   the two rows' block scales, re-encoded as unsigned e5m3 (exponent offset 10, no
+//! - NVFP4: per (tile, group, lane) one `u32` word per MMA, the 4-bit codes of its 8 values with
+//!   their bits spread so that the kernel gets register `r`'s bf16 pair with few instructions
+//!   (see [`code_bits`]: registers 0, 1, 2 are one mask of the word shifted by 0, 3 and 6 bits,
+//!   register 3 takes three shifts), and one `u16` with the two rows' block scales, re-encoded as unsigned e5m3 (exponent offset 10, no
 //!   subnormals): exact for every non-zero e4m3 scale. A zero scale zeroes its block's nibbles
 //!   and a negative one flips their signs, so the kernel never sees either.
 //! - BF16: per (tile, group, MMA, lane) four `u32` registers of two bf16 each: a group is four
@@ -188,17 +189,36 @@ impl TileGrid {
     }
 }
 
-/// The nibble slot (0..8) inside MMA word `j` of the element at (`row_is_upper`, column `c`
-/// of the lane's 16-column block): see the module docs.
-fn nibble_slot(upper: bool, c: usize) -> usize {
-    // columns 4j+0, 4j+1 go to register 0 (row g) or 1 (row g+8); 4j+2, 4j+3 to 2 or 3;
-    // register r's low half is slot 3 - r, high half slot 7 - r
+/// Where the bits of an E2M1 code (mantissa, low exponent, high exponent, sign) sit in MMA word
+/// `j` for the element at (`upper` = row g + 8, column `c` of the lane's 16-column block).
+///
+/// Columns 4j, 4j + 1 go to A register 0 (row g) or 1 (row g + 8), 4j + 2, 4j + 3 to 2 or 3; a
+/// register's even column is its low bf16, the odd one its high bf16 (16 bits up). The kernel
+/// makes bf16 of `e2m1 * 2^-126` by placing a code's sign at bit 15 and its other three bits at
+/// 8..6 (the exponent's two low bits and the mantissa's top bit, `common/mma.cuh`). Register 0's
+/// codes are stored there already, register 1's 3 bits lower and register 2's 6 bits lower, so
+/// each is the word (shifted) under one mask; only three disjoint shifts of that pattern fit in 16
+/// bits, so register 3 takes the 4 bits left over (sign at 14, exponent at 11..10, mantissa at
+/// 13) and three shifts. The old nibble order cost each register a shift and two masks.
+pub fn code_bits(upper: bool, c: usize) -> [u32; 4] {
+    const LOW_HALF: [[u32; 4]; 4] = [[6, 7, 8, 15], [3, 4, 5, 12], [0, 1, 2, 9], [13, 10, 11, 14]];
     let register = 2 * ((c % 4) / 2) + usize::from(upper);
-    if c % 2 == 0 {
-        3 - register
-    } else {
-        7 - register
-    }
+    let half = 16 * (c % 2) as u32;
+    LOW_HALF[register].map(|bit| bit + half)
+}
+
+/// `code`'s 4 bits placed in a word at `bits` (see [`code_bits`]).
+fn place_code(code: u8, bits: [u32; 4]) -> u32 {
+    bits.iter().enumerate().fold(0, |word, (i, &bit)| {
+        word | (u32::from(code >> i) & 1) << bit
+    })
+}
+
+/// The code whose bits sit in `word` at `bits` (the inverse of [`place_code`]).
+fn take_code(word: u32, bits: [u32; 4]) -> u8 {
+    bits.iter()
+        .enumerate()
+        .fold(0, |code, (i, &bit)| code | (((word >> bit) & 1) as u8) << i)
 }
 
 /// Encodes a positive e4m3 scale value exactly as unsigned e5m3 (exponent offset 10).
@@ -257,7 +277,7 @@ impl Nvfp4Fragments {
                         scale_pair |= u16::from(scale) << if upper { 8 } else { 0 };
                         for (c, nibble) in nibbles.iter().enumerate() {
                             let word = &mut words[index * 4 + c / 4];
-                            *word |= u32::from(*nibble) << (4 * nibble_slot(upper, c));
+                            *word |= place_code(*nibble, code_bits(upper, c));
                         }
                     }
                     scales[index] = scale_pair;
@@ -281,7 +301,7 @@ impl Nvfp4Fragments {
         let upper = tile_row >= 8;
         let index = self.grid.lane_index(tile, group, (tile_row % 8) * 4 + t);
         let word = self.words[index * 4 + c / 4];
-        let nibble = ((word >> (4 * nibble_slot(upper, c))) & 0xf) as u8;
+        let nibble = take_code(word, code_bits(upper, c));
         let scale = (self.scales[index] >> if upper { 8 } else { 0 }) as u8;
         e2m1_decode(nibble) * (e5m3_decode(scale) * self.global_scale)
     }
@@ -580,5 +600,31 @@ impl WmmaBf16Fragments {
             }
         }
         Ok(Self { grid, values: out })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The 8 codes of each MMA word fill its 32 bits exactly once, and a code survives the trip.
+    #[test]
+    fn codes_fill_each_word_once() {
+        for word in 0..4 {
+            let mut used = 0u64;
+            for upper in [false, true] {
+                for c in 4 * word..4 * word + 4 {
+                    let bits = code_bits(upper, c);
+                    for bit in bits {
+                        assert!(bit < 32 && used & (1 << bit) == 0, "bit {bit} twice");
+                        used |= 1 << bit;
+                    }
+                    for code in 0..16u8 {
+                        assert_eq!(take_code(place_code(code, bits), bits), code);
+                    }
+                }
+            }
+            assert_eq!(used, 0xffff_ffff);
+        }
     }
 }
