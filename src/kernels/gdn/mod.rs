@@ -7,20 +7,20 @@
 //!
 //! # Kernels
 //! - [`step`] (`gdn_step_dk{128,256}`, and `gdn_step_dk128_dv128` for exactly the real heads):
-//!   decode or speculative verify of `m` tokens per sequence for a batch, one launch. One block per (value head, `step_dv_per_block` value columns,
-//!   sequence; the last slice of a head masked past dv); the block's state slice lives in
-//!   registers (16-byte loads and stores, read once and written once per step); each token costs
-//!   one reduction of `(S^T k, S^T q)` (warp shuffles; then one barrier only where several
-//!   warps hold rows of the same columns, `gdn.step_column_lanes`), since
-//!   `o = e^g S^T q + u (k . q)` needs no second pass. The gated RMSNorm needs the whole head:
-//!   where one block holds it (sm_90a: 256 threads over dv = 128) that block applies it;
-//!   otherwise the last of the head's blocks to finish does (an arrival counter per (sequence,
-//!   head), reset by that block), so a decode step stays one launch. A block's life is a latency
-//!   chain (at B = 1 one block per head, at B = 64 eight waves of them), so its front end is one
-//!   round of loads over all its threads: the conv taps of the (q, k) pairs and of its v columns
-//!   in one index space, z and the norm weights staged beside them; one 64-bit state address
-//!   per thread, 32-bit ring arithmetic (H200: 18.4 -> 13.6 us per launch at B = 1, 153 -> 122 us
-//!   at B = 64, BENCHMARKS.md).
+//!   decode or speculative verify of `m` tokens per sequence for a batch, one launch. One block per
+//!   (value head, `step_dv_per_block` value columns, sequence; the last slice of a head masked past
+//!   dv); the block's state slice lives in registers (16-byte loads and stores, read once and
+//!   written once per step); each token costs one reduction of `(S^T k, S^T q)` (warp shuffles;
+//!   then one barrier only where several warps hold rows of the same columns,
+//!   `gdn.step_column_lanes`), since `o = e^g S^T q + u (k . q)` needs no second pass. The gated
+//!   RMSNorm needs the whole head: where one block holds it (sm_90a: 256 threads over dv = 128)
+//!   that block applies it; otherwise the last of the head's blocks to finish does (an arrival
+//!   counter per (sequence, head), reset by that block), so a decode step stays one launch. A
+//!   block's life is a latency chain (at B = 1 one block per head, at B = 64 eight waves of
+//!   them), so its front end is one round of loads over all its threads: the conv taps of the
+//!   (q, k) pairs and of its v columns in one index space, z and the norm weights staged beside
+//!   them; one 64-bit state address per thread, 32-bit ring arithmetic (H200: 18.4 -> 13.6 us
+//!   per launch at B = 1, 153 -> 122 us at B = 64, BENCHMARKS.md).
 //! - [`prefill`]: chunk 64 in the WY / UT form on tensor cores (`mma.sync` bf16, fp32
 //!   accumulation; a lane-by-lane fallback of the same fragment layout on gfx1151), for a
 //!   variable-length batch given by `cu_seqlens`, continuing each sequence from its slot (state,

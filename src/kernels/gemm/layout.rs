@@ -9,11 +9,12 @@
 //! permutation, so each lane's X for a group is one contiguous 32-byte run.
 //!
 //! - NVFP4: per (tile, group, lane) one `u32` word per MMA, the 4-bit codes of its 8 values with
-//!   their bits spread so that the kernel gets register `r`'s bf16 pair with few instructions
-//!   (see [`code_bits`]: registers 0, 1, 2 are one mask of the word shifted by 0, 3 and 6 bits,
-//!   register 3 takes three shifts), and one `u16` with the two rows' block scales, re-encoded as unsigned e5m3 (exponent offset 10, no
-//!   subnormals): exact for every non-zero e4m3 scale. A zero scale zeroes its block's nibbles
-//!   and a negative one flips their signs, so the kernel never sees either.
+//!   their bits spread so that the kernel gets register `r`'s bf16 pair with few instructions (see
+//!   [`code_bits`]: registers 0, 1, 2 are one mask of the word shifted by 0, 3 and 6 bits, register
+//!   3 takes three shifts), and one `u16` with the two rows' block scales, re-encoded as unsigned
+//!   e5m3 (exponent offset 10, no subnormals): exact for every non-zero e4m3 scale. A zero scale
+//!   zeroes its block's nibbles and a negative one flips their signs, so the kernel never sees
+//!   either.
 //! - BF16: per (tile, group, MMA, lane) four `u32` registers of two bf16 each: a group is four
 //!   runs of 32 lanes x 16 bytes, so each of a warp's four loads reads 512 contiguous bytes (with
 //!   the lane's 64 bytes together, each load used half of every 32-byte sector it fetched and the
