@@ -419,6 +419,7 @@ extern "C" int emu_launch(const char* kernel, unsigned gx, unsigned gy, unsigned
     if (!std::strcmp(kernel, "verify_select")) return emu::launch(gx, gy, threads, [a] { verify_select(a); });
     if (!std::strcmp(kernel, "verify_finish")) return emu::launch(gx, gy, threads, [a] { verify_finish(a); });
     if (!std::strcmp(kernel, "verify_residual")) return emu::launch(gx, gy, threads, [a] { verify_residual(a); });
+    if (!std::strcmp(kernel, "verify_greedy")) return emu::launch(gx, gy, threads, [a] { verify_greedy(a); });
     std::fprintf(stderr, "emulation: no kernel %s\n", kernel);
     return 2;
 }
@@ -694,7 +695,7 @@ extern "C" unsigned long long emu_take_trace(int what) {
 mod batches;
 
 use fp4spec::backend::Backend;
-use fp4spec::kernels::verify::DraftKind;
+use fp4spec::kernels::verify::{self as kernels, DraftKind, Layout};
 use fp4spec::target::VerifyTiles;
 
 fn sm90_tiles() -> VerifyTiles {
@@ -714,6 +715,7 @@ fn tiny_tiles() -> VerifyTiles {
         sub_buckets_per_octave: 2,
         candidates_per_row: 4,
         blocks_per_sm: 2,
+        greedy_blocks_per_sm: 2,
     }
 }
 
@@ -839,6 +841,38 @@ fn emulated_kernels_equal_the_reference_with_spiked_rows() {
     );
 }
 
+/// Batches of greedy sequences with point-mass drafts take the one-launch path (`verify_greedy`)
+/// and give the reference's outcomes: random ragged batches with bias, and every bad value a
+/// greedy sequence can have, on one block per row and on many (132 and 1 multiprocessors, the
+/// device's tiles and tiny ones). Sampled drafts take the general path on the same sequences.
+#[test]
+fn emulated_greedy_batches_equal_the_reference_in_one_launch() {
+    let mut rng = SplitMix64::new(18);
+    let (bad, bad_vocab) = batches::bad_values(&mut rng);
+    let mut cases = vec![("bad values", bad.greedy_sequences(bad_vocab), bad_vocab)];
+    for (vocab, sequences) in [(37usize, 8usize), (1000, 6), (20_000, 4)] {
+        let batch = batches::random(&mut rng, vocab, sequences, 4);
+        cases.push(("random", batch.greedy_sequences(vocab), vocab));
+    }
+    for (name, batch, vocab) in &cases {
+        for tiles in [sm90_tiles(), tiny_tiles()] {
+            for sms in [132, 1] {
+                let layout = Layout::new(batch.capacity(*vocab), &tiles, sms).expect("layout");
+                let encoded =
+                    kernels::Batch::encode(&layout, &batch.sequences(), DraftKind::PointMass)
+                        .expect("encode");
+                let grid = (encoded.blocks_per_row as u32, encoded.rows.len() as u32);
+                assert_eq!(
+                    layout.launches(&encoded),
+                    vec![(kernels::KERNEL_GREEDY, grid)],
+                    "{name} V={vocab}"
+                );
+            }
+            check_emulated(&format!("greedy {name}"), &tiles, *vocab, batch, &[132, 1]);
+        }
+    }
+}
+
 #[test]
 fn emulated_kernels_report_every_bad_value_as_the_reference_does() {
     let (batch, vocab) = batches::bad_values(&mut SplitMix64::new(15));
@@ -925,6 +959,7 @@ fn the_template_and_the_device_module_agree() {
             ("VSTATUS_TOKEN", device::STATUS_TOKEN),
             ("VSTATUS_PARAM", device::STATUS_PARAM),
             ("VSTATUS_PENDING", device::STATUS_PENDING),
+            ("VSTATUS_STALE", device::STATUS_STALE),
         ] {
             assert_eq!(define(name), u64::from(code), "{}: {name}", t.name);
         }

@@ -22,6 +22,8 @@
 //                     occupancy of its few registers.
 //   verify_residual   only for sampled drafts after a rejection: the residual max(0, p - q) of
 //                     the two rows, drawn by token id.
+//   verify_greedy     alone, for a batch of greedy sequences: pass 1's argmax, then each
+//                     sequence's acceptance chain, in one launch.
 // No sort of the vocabulary, no allocation, no host synchronisation: capturable in a graph.
 {% include "common/prelude.cuh" %}
 {% if target.warp_size != 32 %}
@@ -33,6 +35,13 @@
     verify_residual (without it they take 106 and 96 registers and spill nothing); AMD needs the
     bound, or the compiler sizes VGPRs for 1024-lane work-groups. #}
 {%- if target.vendor == "amd" %}{% set bounds = "FP4_LAUNCH_BOUNDS(VT) " %}{% else %}{% set bounds = "" %}{% endif %}
+// verify_greedy streams in one wave of greedy_blocks_per_sm blocks per multiprocessor (its grid
+// is sized for them); on NVIDIA its launch bounds hold its registers to that
+{%- if target.vendor == "amd" %}
+#define VGREEDY_BOUNDS VT
+{%- else %}
+#define VGREEDY_BOUNDS VT, {{ target.verify.greedy_blocks_per_sm }}
+{%- endif %}
 #define VI {{ target.verify.items_per_thread }}
 #define VG {{ target.verify.sub_buckets_per_octave }}
 #define VCAP {{ target.verify.candidates_per_row }}
@@ -57,6 +66,7 @@
 #define VSTATUS_TOKEN 3u
 #define VSTATUS_PARAM 4u
 #define VSTATUS_PENDING 5u
+#define VSTATUS_STALE 6u                      // verify_greedy ran for a sequence it cannot serve
 #define VSTATUS_WORDS 8                       // code, accepted, error row, token, value bits, residual row
 #define VSEQ_SAMPLED_DRAFTS 1u
 
@@ -478,11 +488,18 @@ FP4_DEVICE void stage_bias(RowView& v, u32* tokens, float* values) {
 /// The logits of chunk `chunk` of a row: element e = chunk * VCHUNK + thread_x() + VT * j is x[j];
 /// out-of-vocabulary elements read as -inf.
 FP4_DEVICE void load_logits(const float* logits, u32 vocab, u32 chunk, float (&x)[VI]) {
-    #pragma unroll
-    for (int j = 0; j < VI; ++j) {
-        const u32 e = chunk * VCHUNK + thread_x() + VT * j;
-        x[j] = e < vocab ? logits[e] : -f32_inf();
+    const u32 first = chunk * VCHUNK + thread_x();
+    const float* p = logits + first;
+    // Every chunk but a row's last lies inside the vocabulary: its VI loads are constant offsets
+    // from one address, where a bounds check per element kept VI addresses live (a 64-bit
+    // register pair each).
+    if (chunk * VCHUNK + VCHUNK <= vocab) {
+        #pragma unroll
+        for (int j = 0; j < VI; ++j) x[j] = p[VT * j];
+        return;
     }
+    #pragma unroll
+    for (int j = 0; j < VI; ++j) x[j] = first + VT * j < vocab ? p[VT * j] : -f32_inf();
 }
 
 /// Chunk `chunk` of a row, its logits in z (load_logits), with the bias applied in place. Bit j
@@ -518,6 +535,47 @@ FP4_DEVICE u32 bias_chunk(const RowView& v, u32 chunk, float (&z)[VI]) {
 FP4_DEVICE u32 load_chunk(const RowView& v, u32 chunk, float (&z)[VI]) {
     load_logits(v.logits, v.vocab, chunk, z);
     return bias_chunk(v, chunk, z);
+}
+
+/// Chunk `chunk` of a row, its logits in z (load_logits), biased in place (bias_chunk): the
+/// argmax code of its tokens (0: every token is -inf or bad); `bad` is lowered to its first bad
+/// token.
+FP4_DEVICE u64 argmax_chunk(const RowView& v, u32 chunk, float (&z)[VI], u32& bad) {
+    const u32 bad_bits = bias_chunk(v, chunk, z);
+    const u32 base = chunk * VCHUNK + thread_x();
+    if (bad_bits != 0) bad = umin(bad, base + VT * (u32)lowest_bit(bad_bits));
+    // The thread's tokens ascend with j, so a strict > keeps the lowest token among equal
+    // logits: a compare and two selects per token, one code per chunk (bad tokens read -inf).
+    float best_z = -f32_inf();
+    int best_j = -1;
+    #pragma unroll
+    for (int j = 0; j < VI; ++j) {
+        const bool better = z[j] > best_z;
+        best_z = better ? z[j] : best_z;
+        best_j = better ? j : best_j;
+    }
+    return best_j < 0 ? 0 : argmax_code(best_z, base + VT * (u32)best_j);
+}
+
+/// A row's verdict from its argmax code (0: no token) and first bad token (VNONE: none): its
+/// status and the words RS_STATUS (status, error token) and RS_VALUE (error value bits, argmax).
+struct RowVerdict {
+    u32 status;
+    u64 status_word;
+    u64 value_word;
+};
+FP4_DEVICE RowVerdict row_verdict(const RowView& v, u64 best, u32 bad) {
+    u32 status = VSTATUS_OK, error_token = 0, error_value = 0;
+    if (bad != VNONE) {
+        status = VSTATUS_NONFINITE;
+        error_token = bad;
+        float raw;
+        const float z = biased_logit(v, error_token, &raw);
+        error_value = f32_to_bits((raw != raw || raw == f32_inf()) ? raw : z);
+    } else if (best == 0) {
+        status = VSTATUS_EMPTY;
+    }
+    return {status, (u64)status | ((u64)error_token << 32), (u64)error_value | ((u64)~(u32)best << 32)};
 }
 
 // ---- block-wide helpers (every thread gets the result) ----
@@ -809,17 +867,7 @@ FP4_DEVICE i32 histogram_chunks(const RowView& v, bool sampling, u32 first, u32 
     i32 top = VNO_OCTAVE;
     for (u32 chunk = first; chunk < end; ++chunk) {
         if (chunk != first) load_logits(v.logits, v.vocab, chunk, z);
-        const u32 bad_bits = bias_chunk(v, chunk, z);
-        u64 chunk_best = 0;
-        #pragma unroll
-        for (int j = 0; j < VI; ++j) {
-            const u32 e = chunk * VCHUNK + thread_x() + VT * j;
-            if ((bad_bits >> j) & 1u) bad = umin(bad, e);
-            else if (z[j] > -f32_inf()) {
-                const u64 code = argmax_code(z[j], e);
-                chunk_best = code > chunk_best ? code : chunk_best;
-            }
-        }
+        const u64 chunk_best = argmax_chunk(v, chunk, z, bad);
         best = chunk_best > best ? chunk_best : best;
         if (!sampling) continue;
         const u64 chunk_top = block_reduce(chunk_best, VOP_MAX, sh.scratch);
@@ -1111,23 +1159,15 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
         if (thread_x() == 0) a.row_anchor[r] = 0;
     }
     block_sync();
-    u32 status = VSTATUS_OK, error_token = 0, error_value = 0;
-    if (row_bad != ~0ull && (u32)row_bad != VNONE) {
-        status = VSTATUS_NONFINITE;
-        error_token = (u32)row_bad;
-        float raw;
-        const float z = biased_logit(v, error_token, &raw);
-        error_value = f32_to_bits((raw != raw || raw == f32_inf()) ? raw : z);
-    } else if (row_best == 0) {
-        status = VSTATUS_EMPTY;
-    }
-    const u32 argmax = ~(u32)row_best;
+    // row_bad: the least of the blocks' first bad tokens (VNONE: none), after the reduction
+    const RowVerdict verdict = row_verdict(v, row_best, (u32)row_bad);
+    const u32 status = verdict.status;
     u32 top_mantissa = 0;
     if (status == VSTATUS_OK && sampling)
         top_mantissa = exp2_mantissa(token_parts(key_to_f32((u32)(row_best >> 32)), v.scale).frac);
     if (thread_x() == 0) {
-        state[RS_STATUS] = (u64)status | ((u64)error_token << 32);
-        state[RS_VALUE] = (u64)error_value | ((u64)argmax << 32);
+        state[RS_STATUS] = verdict.status_word;
+        state[RS_VALUE] = verdict.value_word;
         state[RS_TOP] = (u64)(u32)k_top | ((u64)top_mantissa << 32);
         state[RS_PASS2_MINP] = 0;
         a.counters[r] = 0;
@@ -1683,6 +1723,145 @@ FP4_KERNEL void {{ bounds }}verify_finish(const VerifyArgs a) {
     if (thread_x() == 0) {
         finish_sequence(a, row.sequence, rows);
         *done = 0;
+    }
+}
+
+// ============================================================================================
+// verify_greedy: a batch of greedy sequences in one launch.
+// ============================================================================================
+// When every sequence of a batch is greedy (temperature 0, controls the host accepted,
+// point-mass drafts, at most VT rows each), a row needs only its argmax and first bad logit, and
+// one launch replaces the three above: the blocks of a row stream its chunks as pass 1 does,
+// and the last block of a sequence to arrive (one counter over the blocks of all its rows, so
+// no per-row merge step in between) merges each row's block summaries, a warp per row, and
+// walks the acceptance chain.
+
+/// verify_greedy's pass over chunk `chunk` of a row, its raw logits in x (load_logits): lowers
+/// `best` to its argmax code and `bad` to its first bad token, as argmax_chunk does. The few
+/// biased tokens are left out of the register scan (a mask) and taken one by one with their
+/// bias (with_bias, the logit read again): biasing x in place, as bias_chunk does for the
+/// histogram, makes every x[j] a value of the bias loop, which ptxas keeps twice.
+FP4_DEVICE void greedy_chunk(const RowView& v, u32 chunk, const float (&x)[VI], u64& best, u32& bad) {
+    const u32 base = chunk * VCHUNK;
+    const float inf = f32_inf();
+    u32 biased = 0;
+    for (u32 i = first_bias_at(v, base); i < v.bias_end; ++i) {
+        const u32 token = v.bias_tokens[i];
+        if (token >= base + VCHUNK) break;
+        const u32 offset = token - base;
+        if (offset % VT != thread_x()) continue;
+        biased |= 1u << (offset / VT);
+        float raw;
+        const float z = biased_logit(v, token, &raw);
+        if (raw != raw || raw == inf || z == inf) bad = umin(bad, token);
+        else if (z > -inf) {
+            const u64 code = argmax_code(add32(z, 0.0f), token);
+            best = code > best ? code : best;
+        }
+    }
+    float best_z = -inf;
+    int best_j = -1;
+    u32 bad_bits = 0;
+    #pragma unroll
+    for (int j = 0; j < VI; ++j) {
+        if ((biased >> j) & 1u) continue;
+        if (x[j] != x[j] || x[j] == inf) bad_bits |= 1u << j;
+        // strict: the lowest of the thread's (ascending) tokens among equal logits; -0 and +0
+        // are equal here, as the reference's order has them after its -0 -> +0
+        const bool better = x[j] > best_z;
+        best_z = better ? x[j] : best_z;
+        best_j = better ? j : best_j;
+    }
+    const u32 first = base + thread_x();
+    if (bad_bits != 0) bad = umin(bad, first + VT * lowest_bit(bad_bits));
+    if (best_j >= 0) {
+        const u64 code = argmax_code(add32(best_z, 0.0f), first + VT * (u32)best_j);
+        best = code > best ? code : best;
+    }
+}
+
+struct GreedyShared {
+    u64 scratch[VREDUCE * VWARPS];
+    u32 bias_tokens[VT];  // stage_bias
+    float bias_values[VT];
+    u64 rows[2 * VT];  // per row of the sequence: its RS_STATUS and RS_VALUE words
+    u32 drafts[VT];
+    u32 last;
+};
+// a greedy chain reads only those two words of a row (finish_sequence): stride 2
+static_assert(RS_STATUS == 0 && RS_VALUE == 1, "verify_greedy keeps a row's first two words");
+
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs a) {
+    chain_after_previous_grid();
+    __shared__ GreedyShared sh;
+    const u32 r = block_y();
+    const VerifyRow row = a.rows[r];
+    // the first chunk is requested before the sequence, which it does not depend on
+    const u32 first = block_x() * a.chunks_per_block;
+    float z[VI];
+    load_logits(row_logits(a, row), a.vocab, first, z);
+    const VerifySequence seq = a.sequences[row.sequence];
+    // A graph captured for a greedy batch replays this kernel whatever set_batch uploaded since:
+    // a sequence it cannot serve gets VSTATUS_STALE (from its first row's first block), never a
+    // token, and its blocks touch no counter.
+    if (!(seq.temperature == 0.0f) || (seq.flags & VSEQ_SAMPLED_DRAFTS) || seq.drafts >= VT) {
+        if (thread_x() == 0 && block_x() == 0 && row.index == 0 && !row.is_draft)
+            a.status[(u64)row.sequence * VSTATUS_WORDS] = VSTATUS_STALE;
+        return;
+    }
+    RowView v = row_view(a, row, seq);
+    stage_bias(v, sh.bias_tokens, sh.bias_values);
+    block_sync();
+    const u32 end = umin(first + a.chunks_per_block, a.chunks_per_row);
+    u64 best = 0;
+    u32 bad = VNONE;
+    for (u32 chunk = first; chunk < end; ++chunk) {
+        if (chunk != first) load_logits(v.logits, v.vocab, chunk, z);
+        greedy_chunk(v, chunk, z, best, bad);
+    }
+    {
+        u64 found[2] = {best, bad};
+        block_reduce_n(found, {VOP_MAX, VOP_MIN}, sh.scratch);
+        best = found[0];
+        bad = (u32)found[1];
+    }
+    if (thread_x() == 0) {
+        const u64 slot = (u64)r * a.blocks_per_row + block_x();
+        a.block_summary[slot * 3] = best;
+        a.block_summary[slot * 3 + 1] = bad;
+    }
+    device_fence();
+    block_sync();
+    const u32 rows = seq.drafts + 1;
+    u32* arrived = &a.counters[a.row_count + row.sequence];
+    if (thread_x() == 0) sh.last = atomic_add_u32(arrived, 1) == rows * a.blocks_per_row - 1;
+    block_sync();
+    if (!sh.last) return;
+    device_fence();
+    for (u32 j = warp_index(); j < rows; j += VWARPS) {
+        const VerifyRow row_j = a.rows[seq.first_row + j];
+        const u64* summary = &a.block_summary[(u64)(seq.first_row + j) * a.blocks_per_row * 3];
+        u64 row_best = 0, row_bad = VNONE;
+        for (u32 k = lane_index(); k < a.blocks_per_row; k += FP4_WARP_SIZE) {
+            const u64 b = load_shared_u64(summary + 3 * k), e = load_shared_u64(summary + 3 * k + 1);
+            row_best = b > row_best ? b : row_best;
+            row_bad = e < row_bad ? e : row_bad;
+        }
+        for (u32 offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1) {
+            row_best = combine(row_best, shfl_u64(row_best, lane_index() ^ offset), VOP_MAX);
+            row_bad = combine(row_bad, shfl_u64(row_bad, lane_index() ^ offset), VOP_MIN);
+        }
+        if (lane_index() == 0) {
+            const RowVerdict verdict = row_verdict(row_view(a, row_j, seq), row_best, (u32)row_bad);
+            sh.rows[2 * j] = verdict.status_word;
+            sh.rows[2 * j + 1] = verdict.value_word;
+        }
+    }
+    for (u32 i = thread_x(); i < seq.drafts; i += VT) sh.drafts[i] = a.draft_tokens[seq.first_draft + i];
+    block_sync();
+    if (thread_x() == 0) {
+        finish_sequence(a, row.sequence, SequenceRows{sh.rows, 2, true, sh.drafts});
+        *arrived = 0;
     }
 }
 

@@ -247,6 +247,9 @@ pub struct VerifyTiles {
     pub candidates_per_row: u32,
     /// Blocks per multiprocessor the launch aims its grid at.
     pub blocks_per_sm: u32,
+    /// Resident blocks per multiprocessor of `verify_greedy`: its grid is one wave of them, and
+    /// on NVIDIA its launch bounds ask for them.
+    pub greedy_blocks_per_sm: u32,
 }
 
 /// Launch parameters of the `moe` family: one persistent launch per MoE block
@@ -551,9 +554,13 @@ impl TargetFacts {
                 verify.sub_buckets_per_octave
             ));
         }
-        if !(1..=1024).contains(&verify.candidates_per_row) || verify.blocks_per_sm == 0 {
+        if !(1..=1024).contains(&verify.candidates_per_row)
+            || verify.blocks_per_sm == 0
+            || verify.greedy_blocks_per_sm == 0
+        {
             return fail(
-                "verify.candidates_per_row must be in 1..=1024 and verify.blocks_per_sm positive"
+                "verify.candidates_per_row must be in 1..=1024, verify.blocks_per_sm and \
+                 verify.greedy_blocks_per_sm positive"
                     .into(),
             );
         }

@@ -45,6 +45,13 @@ fn verify_equals_the_reference_on_random_ragged_batches() {
                 &batch,
                 vocab,
             );
+            // the same sequences greedy: one launch of verify_greedy with point-mass drafts
+            check(
+                backend,
+                &format!("greedy random V={vocab} B={sequences}"),
+                &batch.greedy_sequences(vocab),
+                vocab,
+            );
         }
     }
 }
@@ -77,6 +84,12 @@ fn verify_reports_every_bad_value_as_the_reference_does() {
     for backend in devices("verify_reports_every_bad_value_as_the_reference_does") {
         let (batch, vocab) = batches::bad_values(&mut rng("verify bad values"));
         check(backend, "bad values", &batch, vocab);
+        check(
+            backend,
+            "greedy bad values",
+            &batch.greedy_sequences(vocab),
+            vocab,
+        );
     }
 }
 
@@ -176,6 +189,79 @@ fn verify_replays_from_a_cuda_graph() {
             );
         }
     }
+}
+
+/// A graph captured for a batch of greedy sequences (one launch of `verify_greedy`) replays
+/// correctly for new greedy controls, and reports an error, never a token, for sampling
+/// sequences uploaded since.
+#[test]
+fn a_greedy_graph_serves_greedy_batches_and_reports_others() {
+    let Some(backend) = cuda("a_greedy_graph_serves_greedy_batches_and_reports_others") else {
+        return;
+    };
+    let Backend::Cuda(device) = backend else {
+        unreachable!("cuda() opens CUDA")
+    };
+    let mut rng = rng("verify greedy graph");
+    let vocab = 248_320;
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..batches::all_controls()
+    };
+    let mut batch = batches::model_like(&mut rng, vocab, 6, 2, &greedy);
+    let kind = DraftKind::PointMass;
+    let mut ws = VerifyWorkspace::new(backend, batch.capacity(vocab)).expect("workspace");
+    ws.set_batch(&batch.sequences(), kind).expect("set_batch");
+    assert!(ws.batch().expect("batch").greedy, "the batch is greedy");
+    let target = backend.upload(&batch.target).expect("upload");
+    let tokens = backend.upload(&batch.tokens).expect("upload");
+    verify::verify(backend, &mut ws, &target, &tokens, None).expect("warm-up");
+    let stream = device.stream();
+    stream.synchronize().expect("warm-up");
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .expect("begin capture");
+    verify::verify(backend, &mut ws, &target, &tokens, None).expect("captured verify");
+    let graph = stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .expect("end capture")
+        .expect("a graph");
+    for replay in 0..2 {
+        if replay == 1 {
+            // a strong bias moves some argmaxes (the same number of entries: the capacity)
+            for (s, p) in batch.params.iter_mut().enumerate() {
+                p.logit_bias[0] = (s as u32 * 7, 40.0);
+            }
+            ws.set_batch(&batch.sequences(), kind).expect("set_batch");
+        }
+        ws.reset_stats().expect("reset statistics");
+        graph.launch().expect("graph launch");
+        let got = Run {
+            outcomes: ws.outcomes().expect("outcomes"),
+            stats: ws.stats().expect("stats"),
+        };
+        let want = on_backend(&Backend::Cpu, &batch, vocab, kind);
+        assert_same(
+            &format!("greedy graph replay {replay}"),
+            &batch,
+            vocab,
+            &got,
+            &want,
+        );
+    }
+    for p in &mut batch.params {
+        p.temperature = 0.7;
+    }
+    ws.set_batch(&batch.sequences(), kind).expect("set_batch");
+    graph.launch().expect("graph launch");
+    let err = ws
+        .outcomes()
+        .expect_err("sampling sequences under a greedy graph");
+    assert!(
+        err.to_string().contains("capture them again"),
+        "unexpected error: {err}"
+    );
+    println!("greedy graph: 2 replays equal, then {err}");
 }
 
 /// Statistics add up over launches until reset; buffers of another backend are errors.

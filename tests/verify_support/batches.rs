@@ -54,6 +54,35 @@ impl Batch {
         }
     }
 
+    /// Its sequences at temperature 0, without those whose controls the host then rejects: a
+    /// batch the greedy kernel serves alone (with point-mass drafts).
+    pub fn greedy_sequences(&self, vocab: usize) -> Batch {
+        let mut out = Batch::default();
+        let (mut row, mut draft) = (0, 0);
+        for (s, params) in self.params.iter().enumerate() {
+            let n = self.drafts[s];
+            let greedy = SamplingParams {
+                temperature: 0.0,
+                ..params.clone()
+            };
+            if verify::reference::check_params(&greedy, vocab).is_ok() {
+                let rows: Vec<Vec<f32>> = (row..=row + n)
+                    .map(|r| self.target[r * vocab..(r + 1) * vocab].to_vec())
+                    .collect();
+                let drafts: Vec<(u32, Vec<f32>)> = (draft..draft + n)
+                    .map(|d| {
+                        let logits = self.draft_logits[d * vocab..(d + 1) * vocab].to_vec();
+                        (self.tokens[d], logits)
+                    })
+                    .collect();
+                out.push(greedy, self.positions[s], &rows, &drafts);
+            }
+            row += n + 1;
+            draft += n;
+        }
+        out
+    }
+
     pub fn draft_logits_for(&self, kind: DraftKind) -> Option<&[f32]> {
         (kind == DraftKind::Sampled).then_some(self.draft_logits.as_slice())
     }

@@ -18,6 +18,10 @@
 //!   each sequence's last row walks its acceptance chain.
 //! - `verify_residual`: only for [`DraftKind::Sampled`], the correction after a rejection (the
 //!   residual `max(0, p - q)` needs both rows).
+//! - `verify_greedy`, alone, when every sequence is greedy ([`Batch::greedy`]): a greedy row needs
+//!   only its argmax and first bad logit, so pass 1's streaming and each sequence's acceptance
+//!   chain share one launch (the last block of a sequence to arrive walks its chain), where the
+//!   general path takes three launches and two per-row merge steps.
 //!
 //! One launch of each serves the whole batch; the controls of every sequence live on the device
 //! ([`VerifyWorkspace::set_batch`] uploads them), and [`verify`] allocates nothing and never waits
@@ -47,6 +51,15 @@
 //!   its own compare-and-swap instead of reading it back;
 //! - reductions combine up to three values in two barriers (every warp reduces the partials
 //!   itself), where one value took three.
+//!
+//! `verify_greedy` (H200, BENCHMARKS.md, sixteenth session) takes greedy B = 1 / 8 / 64, n = 1
+//! from 13.0 / 39.4 / 91.0 us (the three launches) to 7.6 / 16.3 / 49.8 us. Its streaming keeps
+//! x in registers untouched: biased tokens are left out of the register scan and taken one by
+//! one, and a grid of one wave (`greedy_blocks_per_sm`, 64 registers) streams more chunks per
+//! block. Slower and not kept: biasing by mask in the shared `bias_chunk` (sampled B = 8, n = 1
+//! 145.6 -> 160.3 us), the next chunk's loads issued before the current one's scan with the
+//! biased logit picked out of the registers (greedy 7.6 / 16.3 / 49.8 -> 8.1 / 17.4 / 52.1 us),
+//! and the caller's sequence passed to `finish_sequence` (it moved to local memory).
 //!
 //! Measured and not kept (H200, BENCHMARKS.md, twelfth session): thread 0's fences after the
 //! barrier instead of a `__threadfence` pair in every thread around each "last block" counter
@@ -79,6 +92,8 @@ pub const KERNEL_SELECT: &str = "verify_select";
 pub const KERNEL_FINISH: &str = "verify_finish";
 /// The residual draw after rejecting a sampled draft.
 pub const KERNEL_RESIDUAL: &str = "verify_residual";
+/// A batch of greedy sequences in one launch: argmax and acceptance chain ([`Batch::greedy`]).
+pub const KERNEL_GREEDY: &str = "verify_greedy";
 
 /// Largest vocabulary the kernels take (a token id is 20 bits of their sort keys).
 pub const MAX_VOCAB: usize = (1 << 20) - 1;
@@ -137,6 +152,9 @@ pub mod device {
     pub const STATUS_PARAM: u32 = 4;
     /// Status: waiting for `verify_residual` (never left after a complete launch).
     pub const STATUS_PENDING: u32 = 5;
+    /// Status: `verify_greedy` ran for a sequence it cannot serve (a graph captured for a greedy
+    /// batch, replayed after [`super::VerifyWorkspace::set_batch`] uploaded another kind).
+    pub const STATUS_STALE: u32 = 6;
     /// `Sequence::flags`: the batch has draft logit rows.
     pub const SEQUENCE_SAMPLED_DRAFTS: u32 = 1;
     /// Octaves of weight below the top that count (reference MASS_OCTAVES).
@@ -292,10 +310,14 @@ pub struct Layout {
     pub candidates_per_row: usize,
     /// Most rows: target rows plus draft rows.
     pub rows: usize,
-    /// Most (row, block) slots of pass 1.
+    /// Most (row, block) slots of pass 1 (or of `verify_greedy`).
     pub block_slots: usize,
     /// Blocks the launch aims at (multiprocessors x blocks_per_sm).
     pub target_blocks: usize,
+    /// Blocks of one wave of `verify_greedy` (multiprocessors x greedy_blocks_per_sm).
+    pub greedy_blocks: usize,
+    /// Threads per block, also the most rows a sequence of a [`Batch::greedy`] batch has.
+    pub threads_per_block: usize,
 }
 
 impl Layout {
@@ -326,6 +348,7 @@ impl Layout {
                 )
             })?;
         let target_blocks = (multiprocessors.max(1) * tiles.blocks_per_sm) as usize;
+        let greedy_blocks = (multiprocessors.max(1) * tiles.greedy_blocks_per_sm) as usize;
         Ok(Self {
             capacity,
             chunk,
@@ -336,18 +359,29 @@ impl Layout {
             row_words: device::ROW_STATE_FIXED_WORDS + buckets.div_ceil(64),
             candidates_per_row: tiles.candidates_per_row as usize,
             rows,
-            block_slots: target_blocks + rows,
+            block_slots: target_blocks.max(greedy_blocks) + rows,
             target_blocks,
+            greedy_blocks,
+            threads_per_block: tiles.threads_per_block as usize,
         })
     }
 
     /// Blocks per row and chunks per block of passes 1 and 2 for a batch of `rows` rows: enough
     /// blocks to fill the device, whole chunks each.
     pub fn split(&self, rows: usize) -> (usize, usize) {
-        let wanted = self
-            .target_blocks
-            .div_ceil(rows.max(1))
-            .clamp(1, self.chunks_per_row.min(MAX_BLOCKS_PER_ROW));
+        self.split_into(self.target_blocks.div_ceil(rows.max(1)))
+    }
+
+    /// As [`Layout::split`] for `verify_greedy`: at most one wave ([`Layout::greedy_blocks`])
+    /// while there are fewer rows, each block streaming the chunks one more would have had (a
+    /// second wave would wait for the first's chain of round trips).
+    pub fn split_greedy(&self, rows: usize) -> (usize, usize) {
+        self.split_into(self.greedy_blocks / rows.max(1))
+    }
+
+    /// Blocks per row (about `wanted`, at least 1, at most one per chunk) and chunks per block.
+    fn split_into(&self, wanted: usize) -> (usize, usize) {
+        let wanted = wanted.clamp(1, self.chunks_per_row.min(MAX_BLOCKS_PER_ROW));
         let chunks_per_block = self.chunks_per_row.div_ceil(wanted);
         (
             self.chunks_per_row.div_ceil(chunks_per_block),
@@ -388,6 +422,9 @@ impl Layout {
         let rows = batch.rows.len() as u32;
         if rows == 0 {
             return Vec::new();
+        }
+        if batch.greedy {
+            return vec![(KERNEL_GREEDY, (batch.blocks_per_row as u32, rows))];
         }
         let mut out = vec![
             (KERNEL_HISTOGRAM, (batch.blocks_per_row as u32, rows)),
@@ -461,10 +498,14 @@ pub struct Batch {
     pub target_rows: usize,
     /// Draft tokens (and draft logit rows).
     pub draft_rows: usize,
-    /// Blocks per row of passes 1 and 2.
+    /// Blocks per row of passes 1 and 2 (or of `verify_greedy`: [`Layout::split_greedy`]).
     pub blocks_per_row: usize,
     /// Chunks each of those blocks streams.
     pub chunks_per_block: usize,
+    /// Every sequence is greedy with controls the host accepted, the drafts are point masses,
+    /// and no sequence has more rows than a block has threads: [`KERNEL_GREEDY`] alone serves
+    /// the batch, one launch instead of three.
+    pub greedy: bool,
 }
 
 impl Batch {
@@ -497,6 +538,7 @@ impl Batch {
             draft_rows: 0,
             blocks_per_row: 0,
             chunks_per_block: 0,
+            greedy: kind == DraftKind::PointMass,
         };
         let sampled = kind == DraftKind::Sampled;
         for (s, seq) in sequences.iter().enumerate() {
@@ -570,11 +612,18 @@ impl Batch {
                 },
                 reserved: 0,
             });
+            batch.greedy &= params.temperature == 0.0
+                && host_error.is_none()
+                && seq.drafts < layout.threads_per_block;
             batch.host_errors.push(host_error);
             batch.target_rows += seq.drafts + 1;
             batch.draft_rows += seq.drafts;
         }
-        let (blocks_per_row, chunks_per_block) = layout.split(batch.rows.len());
+        let (blocks_per_row, chunks_per_block) = if batch.greedy {
+            layout.split_greedy(batch.rows.len())
+        } else {
+            layout.split(batch.rows.len())
+        };
         batch.blocks_per_row = blocks_per_row;
         batch.chunks_per_block = chunks_per_block;
         Ok(batch)
@@ -620,6 +669,13 @@ impl Batch {
                             "the kernels report a parameter error the host did not find",
                         )
                     })?),
+                    device::STATUS_STALE => {
+                        return Err(Error::invalid(
+                            format!("verify sequence {s}"),
+                            "the launches that ran were planned for a batch of greedy sequences \
+                             (a replayed graph?); capture them again for this batch",
+                        ));
+                    }
                     code => {
                         return Err(Error::invalid(
                             format!("verify sequence {s}"),
@@ -752,6 +808,11 @@ impl VerifyWorkspace {
     /// Sets the batch: each sequence's controls, position and draft count (the target logits
     /// then hold, per sequence in order, its n + 1 rows; the draft tokens and draft logits its
     /// n). Copies them to the device; call it before [`verify`], outside any captured graph.
+    ///
+    /// A captured graph replays the launches of the batch it was captured with
+    /// ([`Layout::launches`]): a new batch must have the same rows and blocks per row, and a graph
+    /// of a [`Batch::greedy`] batch serves only greedy sequences (any other reports
+    /// [`Error::Invalid`] from [`VerifyWorkspace::outcomes`], never a token).
     ///
     /// # Errors
     /// As [`Batch::encode`]; [`Error::Cuda`] / [`Error::Hip`] when a copy fails.
@@ -1094,6 +1155,7 @@ mod tests {
                 KERNEL_SELECT,
                 KERNEL_FINISH,
                 KERNEL_RESIDUAL,
+                KERNEL_GREEDY,
             ] {
                 checks.check(&t.name, kernel, &verify_arguments(&args));
             }
