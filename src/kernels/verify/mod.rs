@@ -53,7 +53,7 @@
 //!   itself), where one value took three.
 //!
 //! `verify_greedy` (H200, BENCHMARKS.md, sixteenth session) takes greedy B = 1 / 8 / 64, n = 1
-//! from 13.0 / 39.4 / 91.0 us (the three launches) to 7.6 / 16.3 / 49.8 us. Its streaming keeps
+//! from 13.1 / 39.7 / 91.0 us (the three launches) to 7.6 / 16.3 / 49.7 us. Its streaming keeps
 //! x in registers untouched: biased tokens are left out of the register scan and taken one by
 //! one, and a grid of one wave (`greedy_blocks_per_sm`, 64 registers) streams more chunks per
 //! block. Slower and not kept: biasing by mask in the shared `bias_chunk` (sampled B = 8, n = 1
