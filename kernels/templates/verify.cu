@@ -113,6 +113,7 @@ FP4_DEVICE u32 shfl_u32(u32 v, u32 src) { return __shfl_sync(0xffffffffu, v, (in
 FP4_DEVICE u32 ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
 FP4_DEVICE u32 popcount(u32 v) { return (u32)__popc(v); }
 FP4_DEVICE u32 lowest_bit(u32 v) { return (u32)(__ffs((int)v) - 1); }
+FP4_DEVICE u32 highest_bit64(u64 v) { return 63u - (u32)__clzll((long long)v); }
 // data other blocks of this launch wrote: past L1
 FP4_DEVICE u64 load_shared_u64(const u64* p) { return __ldcg(reinterpret_cast<const unsigned long long*>(p)); }
 FP4_DEVICE u32 load_shared_u32(const u32* p) { return __ldcg(reinterpret_cast<const unsigned int*>(p)); }
@@ -165,6 +166,7 @@ FP4_DEVICE u32 shfl_u32(u32 v, u32 src) {
 FP4_DEVICE u32 ballot(bool p) { return (u32)__builtin_amdgcn_ballot_w32(p); }
 FP4_DEVICE u32 popcount(u32 v) { return (u32)__builtin_popcount(v); }
 FP4_DEVICE u32 lowest_bit(u32 v) { return (u32)__builtin_ctz(v); }
+FP4_DEVICE u32 highest_bit64(u64 v) { return 63u - (u32)__builtin_clzll(v); }
 FP4_DEVICE u64 load_shared_u64(const u64* p) {
     return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
@@ -1616,6 +1618,33 @@ VERIFY_RARE void finish_sequence(const VerifyArgs& a, u32 s, const SequenceRows&
     st[5] = residual;
 }
 
+/// The least y = z * scale (token_parts, before floor) a token needs for pass 2 to look at it:
+/// one octave below the lowest-weighted bucket pass 2 collects or counts in (the planned
+/// buckets, the probe's, min-p's partial ones). A token below it lies at least two octaves
+/// under that bucket's octave, so in a bucket after it. -inf (look at every token) when the
+/// octave is too far from 0 for an exact float.
+FP4_DEVICE float pass2_floor(const u64* plan, u32 probe_bucket, u32 keep_end, u32 partial_end, i32 top) {
+    u32 last = 0;
+    bool any = false;
+    for (u32 w = 0; w < VPLAN_WORDS; ++w) {
+        if (plan[w] != 0) {
+            last = w * 64 + highest_bit64(plan[w]);
+            any = true;
+        }
+    }
+    if (probe_bucket != VNONE) {
+        last = any && last > probe_bucket ? last : probe_bucket;
+        any = true;
+    }
+    if (partial_end > keep_end) {
+        last = any && last > partial_end - 1 ? last : partial_end - 1;
+        any = true;
+    }
+    const i64 octave = (i64)top - bucket_below(last) - 1;
+    if (!any) return f32_inf();
+    return octave > -(1 << 23) && octave < (1 << 23) ? (float)octave : -f32_inf();
+}
+
 /// Pass 2 over one block's chunks: collects the planned buckets' tokens, and counts the tokens
 /// before the probe in its bucket and the min-p survivors of the partial buckets.
 FP4_DEVICE void select_chunks(const VerifyArgs& a, u32 r, const VerifySequence& seq, RowView v,
@@ -1634,11 +1663,17 @@ FP4_DEVICE void select_chunks(const VerifyArgs& a, u32 r, const VerifySequence& 
     block_sync();
     u32* collected = reinterpret_cast<u32*>(&state[RS_PASS2]);
     u64 before = 0, before_mass = 0, survivors = 0;
+    const float y_floor = pass2_floor(sh.plan, probe_bucket, keep_end, partial_end, top);
     const u32 first = block_x() * a.chunks_per_block;
     const u32 end = umin(first + a.chunks_per_block, a.chunks_per_row);
     for (u32 chunk = first; chunk < end; ++chunk) {
         float z[VI];
         load_chunk(v, chunk, z);
+        // a warp none of whose tokens reaches the floor has nothing to collect or count here
+        bool reaches = false;
+        #pragma unroll
+        for (int j = 0; j < VI; ++j) reaches = reaches || max32(mul32(z[j], v.scale), -1073741824.0f) >= y_floor;
+        if (ballot(reaches) == 0) continue;
         #pragma unroll
         for (int j = 0; j < VI; ++j) {
             const u32 e = chunk * VCHUNK + thread_x() + VT * j;
