@@ -63,7 +63,9 @@
 //!
 //! Pass 2 skips a chunk for a warp none of whose tokens reaches one octave below the
 //! lowest-weighted bucket it collects or counts in (`pass2_floor`): point-mass B = 64, n = 4
-//! 569.6 -> 517.5 us.
+//! 569.6 -> 517.5 us. Two chunks of loads in flight per thread in pass 2, or in both passes,
+//! gained under 1% at B = 64 and cost 2% at B = 1 (not kept): the passes stream at a quarter
+//! of the DRAM peak for some other reason than the loads in flight.
 //!
 //! Measured and not kept (H200, BENCHMARKS.md, twelfth session): thread 0's fences after the
 //! barrier instead of a `__threadfence` pair in every thread around each "last block" counter
