@@ -10,9 +10,10 @@ mod batches;
 
 use crate::common::{cuda, devices, rng};
 use batches::{Batch, Run, assert_same, on_backend};
+use cudarc::driver::CudaGraph;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use fp4spec::Error;
-use fp4spec::backend::Backend;
+use fp4spec::backend::{Backend, DeviceVec};
 use fp4spec::kernels::verify::{self, DraftKind, SamplingParams, VerifyWorkspace};
 
 const KINDS: [DraftKind; 2] = [DraftKind::PointMass, DraftKind::Sampled];
@@ -124,6 +125,66 @@ fn verify_equals_the_reference_when_logits_straddle_zero() {
     }
 }
 
+/// A `verify` launch of one batch captured into a CUDA graph, with the device buffers it reads.
+struct Captured {
+    graph: CudaGraph,
+    _inputs: (DeviceVec<f32>, DeviceVec<u32>, Option<DeviceVec<f32>>),
+}
+
+/// Uploads `batch`'s logits and drafts, runs `verify` once outside the capture (compiles and
+/// loads the module), then captures it once. The workspace holds `batch` already.
+fn capture(
+    backend: &Backend,
+    ws: &mut VerifyWorkspace,
+    batch: &Batch,
+    kind: DraftKind,
+) -> Captured {
+    let Backend::Cuda(device) = backend else {
+        unreachable!("cuda() opens CUDA")
+    };
+    let target = backend.upload(&batch.target).expect("upload");
+    let tokens = backend.upload(&batch.tokens).expect("upload");
+    let draft = batch
+        .draft_logits_for(kind)
+        .map(|d| backend.upload(d).expect("upload"));
+    verify::verify(backend, ws, &target, &tokens, draft.as_ref()).expect("warm-up");
+    let stream = device.stream();
+    stream.synchronize().expect("warm-up");
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .expect("begin capture");
+    verify::verify(backend, ws, &target, &tokens, draft.as_ref()).expect("captured verify");
+    let graph = stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .expect("end capture")
+        .expect("a graph");
+    Captured {
+        graph,
+        _inputs: (target, tokens, draft),
+    }
+}
+
+/// Replays the graph on fresh statistics and checks outcomes and statistics against the CPU
+/// reference on `batch` (what the workspace holds now); returns the reference's run.
+fn replay_equals_the_reference(
+    captured: &Captured,
+    ws: &mut VerifyWorkspace,
+    batch: &Batch,
+    vocab: usize,
+    kind: DraftKind,
+    what: &str,
+) -> Run {
+    ws.reset_stats().expect("reset statistics");
+    captured.graph.launch().expect("graph launch");
+    let got = Run {
+        outcomes: ws.outcomes().expect("outcomes"),
+        stats: ws.stats().expect("stats"),
+    };
+    let want = on_backend(&Backend::Cpu, batch, vocab, kind);
+    assert_same(what, batch, vocab, &got, &want);
+    want
+}
+
 /// The launches are captured once into a CUDA graph and replayed; new controls and positions
 /// (same shapes) are uploaded between replays without capturing again.
 #[test]
@@ -131,33 +192,13 @@ fn verify_replays_from_a_cuda_graph() {
     let Some(backend) = cuda("verify_replays_from_a_cuda_graph") else {
         return;
     };
-    let Backend::Cuda(device) = backend else {
-        unreachable!("cuda() opens CUDA")
-    };
     let mut rng = rng("verify graph");
     let vocab = 248_320;
     for kind in KINDS {
         let mut batch = batches::model_like(&mut rng, vocab, 4, 3, &batches::all_controls());
         let mut ws = VerifyWorkspace::new(backend, batch.capacity(vocab)).expect("workspace");
         ws.set_batch(&batch.sequences(), kind).expect("set_batch");
-        let target = backend.upload(&batch.target).expect("upload");
-        let tokens = backend.upload(&batch.tokens).expect("upload");
-        let draft = batch
-            .draft_logits_for(kind)
-            .map(|d| backend.upload(d).expect("upload"));
-        // warm-up outside the capture: compiles and loads the module
-        verify::verify(backend, &mut ws, &target, &tokens, draft.as_ref()).expect("warm-up");
-        let stream = device.stream();
-        stream.synchronize().expect("warm-up");
-        stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .expect("begin capture");
-        verify::verify(backend, &mut ws, &target, &tokens, draft.as_ref())
-            .expect("captured verify");
-        let graph = stream
-            .end_capture(CUgraphInstantiate_flags(0))
-            .expect("end capture")
-            .expect("a graph");
+        let captured = capture(backend, &mut ws, &batch, kind);
         for replay in 0..2 {
             if replay == 1 {
                 for (s, position) in batch.positions.iter_mut().enumerate() {
@@ -169,24 +210,9 @@ fn verify_replays_from_a_cuda_graph() {
                 }
                 ws.set_batch(&batch.sequences(), kind).expect("set_batch");
             }
-            ws.reset_stats().expect("reset statistics");
-            graph.launch().expect("graph launch");
-            let got = Run {
-                outcomes: ws.outcomes().expect("outcomes"),
-                stats: ws.stats().expect("stats"),
-            };
-            let want = on_backend(&Backend::Cpu, &batch, vocab, kind);
-            assert_same(
-                &format!("graph replay {replay} {kind:?}"),
-                &batch,
-                vocab,
-                &got,
-                &want,
-            );
-            println!(
-                "graph replay {replay} {kind:?}: equal, accepted {:?}",
-                want.stats.accepted
-            );
+            let what = format!("graph replay {replay} {kind:?}");
+            let want = replay_equals_the_reference(&captured, &mut ws, &batch, vocab, kind, &what);
+            println!("{what}: equal, accepted {:?}", want.stats.accepted);
         }
     }
 }
@@ -199,9 +225,6 @@ fn a_greedy_graph_serves_greedy_batches_and_reports_others() {
     let Some(backend) = cuda("a_greedy_graph_serves_greedy_batches_and_reports_others") else {
         return;
     };
-    let Backend::Cuda(device) = backend else {
-        unreachable!("cuda() opens CUDA")
-    };
     let mut rng = rng("verify greedy graph");
     let vocab = 248_320;
     let greedy = SamplingParams {
@@ -213,19 +236,7 @@ fn a_greedy_graph_serves_greedy_batches_and_reports_others() {
     let mut ws = VerifyWorkspace::new(backend, batch.capacity(vocab)).expect("workspace");
     ws.set_batch(&batch.sequences(), kind).expect("set_batch");
     assert!(ws.batch().expect("batch").greedy, "the batch is greedy");
-    let target = backend.upload(&batch.target).expect("upload");
-    let tokens = backend.upload(&batch.tokens).expect("upload");
-    verify::verify(backend, &mut ws, &target, &tokens, None).expect("warm-up");
-    let stream = device.stream();
-    stream.synchronize().expect("warm-up");
-    stream
-        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .expect("begin capture");
-    verify::verify(backend, &mut ws, &target, &tokens, None).expect("captured verify");
-    let graph = stream
-        .end_capture(CUgraphInstantiate_flags(0))
-        .expect("end capture")
-        .expect("a graph");
+    let captured = capture(backend, &mut ws, &batch, kind);
     for replay in 0..2 {
         if replay == 1 {
             // a strong bias moves some argmaxes (the same number of entries: the capacity)
@@ -234,26 +245,14 @@ fn a_greedy_graph_serves_greedy_batches_and_reports_others() {
             }
             ws.set_batch(&batch.sequences(), kind).expect("set_batch");
         }
-        ws.reset_stats().expect("reset statistics");
-        graph.launch().expect("graph launch");
-        let got = Run {
-            outcomes: ws.outcomes().expect("outcomes"),
-            stats: ws.stats().expect("stats"),
-        };
-        let want = on_backend(&Backend::Cpu, &batch, vocab, kind);
-        assert_same(
-            &format!("greedy graph replay {replay}"),
-            &batch,
-            vocab,
-            &got,
-            &want,
-        );
+        let what = format!("greedy graph replay {replay}");
+        replay_equals_the_reference(&captured, &mut ws, &batch, vocab, kind, &what);
     }
     for p in &mut batch.params {
         p.temperature = 0.7;
     }
     ws.set_batch(&batch.sequences(), kind).expect("set_batch");
-    graph.launch().expect("graph launch");
+    captured.graph.launch().expect("graph launch");
     let err = ws
         .outcomes()
         .expect_err("sampling sequences under a greedy graph");
