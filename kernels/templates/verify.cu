@@ -1622,7 +1622,8 @@ VERIFY_RARE void finish_sequence(const VerifyArgs& a, u32 s, const SequenceRows&
 /// one octave below the lowest-weighted bucket pass 2 collects or counts in (the planned
 /// buckets, the probe's, min-p's partial ones). A token below it lies at least two octaves
 /// under that bucket's octave, so in a bucket after it. -inf (look at every token) when the
-/// octave is too far from 0 for an exact float.
+/// octave is too far from 0 for an exact float; +inf (look at none) when there is nothing to
+/// collect or count, where verify_select does not call it.
 FP4_DEVICE float pass2_floor(const u64* plan, u32 probe_bucket, u32 keep_end, u32 partial_end, i32 top) {
     u32 last = 0;
     bool any = false;
@@ -1771,8 +1772,9 @@ FP4_KERNEL void {{ bounds }}verify_finish(const VerifyArgs a) {
 // no per-row merge step in between) merges each row's block summaries, a warp per row, and
 // walks the acceptance chain.
 
-/// verify_greedy's pass over chunk `chunk` of a row, its raw logits in x (load_logits): lowers
-/// `best` to its argmax code and `bad` to its first bad token, as argmax_chunk does. The few
+/// verify_greedy's pass over chunk `chunk` of a row, its raw logits in x (load_logits): raises
+/// `best` to the chunk's argmax code (argmax_chunk's code) and lowers `bad` to its first bad
+/// token. The few
 /// biased tokens are left out of the register scan (a mask) and taken one by one with their
 /// bias (with_bias, the logit read again): biasing x in place, as bias_chunk does for the
 /// histogram, makes every x[j] a value of the bias loop, which ptxas keeps twice.

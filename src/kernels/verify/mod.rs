@@ -815,10 +815,11 @@ impl VerifyWorkspace {
     /// then hold, per sequence in order, its n + 1 rows; the draft tokens and draft logits its
     /// n). Copies them to the device; call it before [`verify`], outside any captured graph.
     ///
-    /// A captured graph replays the launches of the batch it was captured with
-    /// ([`Layout::launches`]): a new batch must have the same rows and blocks per row, and a graph
-    /// of a [`Batch::greedy`] batch serves only greedy sequences (any other reports
-    /// [`Error::Invalid`] from [`VerifyWorkspace::outcomes`], never a token).
+    /// A captured graph replays the launches of the batch it was captured with, grids and
+    /// arguments included ([`Layout::launches`]): a new batch needs the same sequence and row
+    /// counts. A graph of a [`Batch::greedy`] batch serves only sequences at temperature 0 with
+    /// point-mass drafts and fewer drafts than a block has threads; any other gets
+    /// [`Error::Invalid`] from [`VerifyWorkspace::outcomes`], never a token.
     ///
     /// # Errors
     /// As [`Batch::encode`]; [`Error::Cuda`] / [`Error::Hip`] when a copy fails.
