@@ -2,7 +2,9 @@
 //! verification of B sequences with n drafts each at V = 248320 fp32 logits, every sampling control
 //! on (temperature 0.7, top-k 50, top-p 0.9, min-p 0.05, eight logit-bias entries), point-mass
 //! drafts (a greedy drafter such as the MTP head) and sampled drafts (with their logit rows),
-//! beside the device copy bandwidth measured in the same run. Greedy cases (the same controls at
+//! beside the device copy bandwidth measured in the same run; with top-k on `verify_topk` serves
+//! the batch, so the same controls with top-k off ("no-top-k") measure the histogram passes.
+//! Greedy cases (the same controls at
 //! temperature 0: pass 1 finds the argmax, pass 2 and the row finish do nothing) measure the floor
 //! of the launches and their fixed latency chains; the sampled cases' excess over them is the cost
 //! of the sampling machinery (histogram, plan, pass 2, exact finish).
@@ -75,6 +77,14 @@ fn greedy(seed: u64) -> SamplingParams {
     }
 }
 
+/// [`all_controls`] with top-k off: the histogram passes (with top-k on, `verify_topk`).
+fn top_k_off(seed: u64) -> SamplingParams {
+    SamplingParams {
+        top_k: 0,
+        ..all_controls(seed)
+    }
+}
+
 /// Which controls a case runs: a name for the table and the controls of sequence s.
 #[derive(Clone, Copy)]
 struct Controls {
@@ -89,6 +99,10 @@ const ALL_CONTROLS: Controls = Controls {
 const GREEDY: Controls = Controls {
     name: "greedy",
     params: greedy,
+};
+const TOP_K_OFF: Controls = Controls {
+    name: "no-top-k",
+    params: top_k_off,
 };
 
 struct Row {
@@ -220,6 +234,24 @@ fn main() {
             }
         }
     }
+    // the histogram passes: every control but top-k
+    for kind in [DraftKind::PointMass, DraftKind::Sampled] {
+        for batch in BATCHES {
+            for drafts in [1, 4] {
+                bench_case(
+                    &mut criterion,
+                    &backend,
+                    &rows_pool,
+                    &mut rng,
+                    TOP_K_OFF,
+                    kind,
+                    batch,
+                    drafts,
+                    &mut rows,
+                );
+            }
+        }
+    }
     // the floor: greedy rows (draft rows are not read, so point-mass drafts only)
     for batch in BATCHES {
         bench_case(
@@ -241,7 +273,7 @@ fn main() {
         COPY_BYTES >> 20
     );
     println!(
-        "V = {VOCAB}; controls: all = every control on, greedy = the same at temperature 0; bytes = logits read once; 1 pass = bytes / copy bandwidth; goal = 2 passes + 5 us"
+        "V = {VOCAB}; controls: all = every control on (verify_topk), no-top-k = all but top-k (the histogram passes), greedy = all at temperature 0; bytes = logits read once; 1 pass = bytes / copy bandwidth; goal = 2 passes + 5 us"
     );
     println!(
         "{:<8} {:<9} {:>3} {:>2} {:>10} {:>8} {:>8} {:>6} {:>7} {:>8} {:>5} {:>9}",

@@ -410,7 +410,7 @@ mod emulation {
     type LaunchFn = unsafe extern "C" fn(*const c_char, u32, u32, u32, *const c_void) -> c_int;
 
     const WRAPPER: &str = r#"
-static unsigned long long emu_trace[2] = {0, 0};
+static unsigned long long emu_trace[3] = {0, 0, 0};
 #define VERIFY_TRACE(what) (++emu_trace[what])
 #include "verify.cu"
 extern "C" int emu_launch(const char* kernel, unsigned gx, unsigned gy, unsigned threads, const void* args) {
@@ -420,6 +420,7 @@ extern "C" int emu_launch(const char* kernel, unsigned gx, unsigned gy, unsigned
     if (!std::strcmp(kernel, "verify_finish")) return emu::launch(gx, gy, threads, [a] { verify_finish(a); });
     if (!std::strcmp(kernel, "verify_residual")) return emu::launch(gx, gy, threads, [a] { verify_residual(a); });
     if (!std::strcmp(kernel, "verify_greedy")) return emu::launch(gx, gy, threads, [a] { verify_greedy(a); });
+    if (!std::strcmp(kernel, "verify_topk")) return emu::launch(gx, gy, threads, [a] { verify_topk(a); });
     std::fprintf(stderr, "emulation: no kernel %s\n", kernel);
     return 2;
 }
@@ -455,6 +456,8 @@ extern "C" unsigned long long emu_take_trace(int what) {
                     ["#define", "VI"] => define("VI", tiles.items_per_thread),
                     ["#define", "VG"] => define("VG", tiles.sub_buckets_per_octave),
                     ["#define", "VCAP"] => define("VCAP", tiles.candidates_per_row),
+                    ["#define", "VTOPK_MAX"] => define("VTOPK_MAX", tiles.top_k_max),
+                    ["#define", "VTOPK_BUF"] => define("VTOPK_BUF", tiles.top_k_buffer),
                     _ => line.to_string(),
                 }
             })
@@ -560,12 +563,15 @@ extern "C" unsigned long long emu_take_trace(int what) {
         pub radix_fallbacks: u64,
         /// Pass-1 blocks whose top lay above their row's grid.
         pub spilled_blocks: u64,
+        /// verify_topk candidate buffers that filled up (and were cut back to their top k).
+        pub full_top_k_buffers: u64,
     }
 
     impl std::ops::AddAssign for Trace {
         fn add_assign(&mut self, other: Trace) {
             self.radix_fallbacks += other.radix_fallbacks;
             self.spilled_blocks += other.spilled_blocks;
+            self.full_top_k_buffers += other.full_top_k_buffers;
         }
     }
 
@@ -685,6 +691,7 @@ extern "C" unsigned long long emu_take_trace(int what) {
             Trace {
                 radix_fallbacks: (kernels.trace)(0),
                 spilled_blocks: (kernels.trace)(1),
+                full_top_k_buffers: (kernels.trace)(2),
             }
         };
         (run, trace)
@@ -716,6 +723,8 @@ fn tiny_tiles() -> VerifyTiles {
         candidates_per_row: 4,
         blocks_per_sm: 2,
         greedy_blocks_per_sm: 2,
+        top_k_max: 8,
+        top_k_buffer: 72,
     }
 }
 
@@ -806,6 +815,9 @@ fn emulated_kernels_equal_the_reference_at_the_full_vocabulary() {
     check_emulated("full vocabulary", &sm90_tiles(), vocab, &batch, &[132]);
 }
 
+/// Model-like rows stay on each path's fast path: the histogram passes' plan never misses a
+/// bucket (top-k off), and no `verify_topk` block fills its candidate buffer (top-k 50: the first
+/// chunk's floor admits about k tokens, later chunks a few).
 #[test]
 fn emulated_kernels_keep_model_like_batches_on_the_fast_path() {
     let mut rng = SplitMix64::new(14);
@@ -814,10 +826,11 @@ fn emulated_kernels_keep_model_like_batches_on_the_fast_path() {
         top_p: 0.95,
         ..SamplingParams::default()
     };
-    for (name, params) in [
-        ("all controls", batches::all_controls()),
-        ("top-p only", top_p_only),
-    ] {
+    let top_k_off = SamplingParams {
+        top_k: 0,
+        ..batches::all_controls()
+    };
+    for (name, params) in [("all but top-k", top_k_off), ("top-p only", top_p_only)] {
         let batch = batches::model_like(&mut rng, 20_000, 4, 3, &params);
         let trace = check_emulated(name, &sm90_tiles(), 20_000, &batch, &[132]);
         assert_eq!(
@@ -825,6 +838,12 @@ fn emulated_kernels_keep_model_like_batches_on_the_fast_path() {
             "{name}: the plan missed a bucket: {trace:?}"
         );
     }
+    let batch = batches::model_like(&mut rng, 20_000, 4, 3, &batches::all_controls());
+    let trace = check_emulated("all controls", &sm90_tiles(), 20_000, &batch, &[132, 1]);
+    assert_eq!(
+        trace.full_top_k_buffers, 0,
+        "a verify_topk buffer filled up: {trace:?}"
+    );
 }
 
 /// Rows with one logit far above the rest at a low temperature: the blocks holding it have tops
@@ -871,6 +890,64 @@ fn emulated_greedy_batches_equal_the_reference_in_one_launch() {
             check_emulated(&format!("greedy {name}"), &tiles, *vocab, batch, &[132, 1]);
         }
     }
+}
+
+/// Batches whose every sequence has top-k on (up to the tiles' `top_k_max`), or is greedy, or was
+/// rejected by the host, take the one-launch top-k path (`verify_topk`, then `verify_residual`
+/// for sampled drafts) and give the reference's outcomes: random ragged batches, flat rows (every
+/// logit tied), the bad-value batch and a full vocabulary; on one block per row and on many. The
+/// tiny tiles' buffers (72 candidates, k up to 8) and the flat rows' fill up over and over.
+#[test]
+fn emulated_top_k_batches_equal_the_reference_in_one_launch() {
+    let mut rng = SplitMix64::new(19);
+    let (bad, bad_vocab) = batches::bad_values(&mut rng);
+    let mut cases = vec![("bad values", bad, bad_vocab)];
+    for (vocab, sequences) in [(37usize, 8usize), (1000, 6), (20_000, 4)] {
+        cases.push((
+            "random",
+            batches::random(&mut rng, vocab, sequences, 4),
+            vocab,
+        ));
+    }
+    cases.push(("flat rows", batches::flat_rows(&mut rng, 3000), 3000));
+    let mut fills = 0;
+    for (name, batch, vocab) in &cases {
+        for (tiles, ks) in [
+            (sm90_tiles(), &[1usize, 50, 256, 7, 20][..]),
+            (tiny_tiles(), &[1, 8, 3][..]),
+        ] {
+            let batch = batch.with_top_k(ks);
+            for sms in [132, 1] {
+                let layout = Layout::new(batch.capacity(*vocab), &tiles, sms).expect("layout");
+                for kind in [DraftKind::PointMass, DraftKind::Sampled] {
+                    let encoded =
+                        kernels::Batch::encode(&layout, &batch.sequences(), kind).expect("encode");
+                    let first = layout.launches(&encoded)[0];
+                    assert_eq!(
+                        first,
+                        (
+                            kernels::KERNEL_TOP_K,
+                            (encoded.blocks_per_row as u32, encoded.rows.len() as u32)
+                        ),
+                        "{name} V={vocab} {kind:?}"
+                    );
+                }
+            }
+            fills += check_emulated(&format!("top-k {name}"), &tiles, *vocab, &batch, &[132, 1])
+                .full_top_k_buffers;
+        }
+    }
+    let mut full = SplitMix64::new(20);
+    let vocab = 248_320;
+    let batch = batches::random(&mut full, vocab, 3, 2).with_top_k(&[50, 1, 256]);
+    check_emulated(
+        "top-k full vocabulary",
+        &sm90_tiles(),
+        vocab,
+        &batch,
+        &[132],
+    );
+    assert!(fills > 20, "the buffers filled only {fills} times");
 }
 
 #[test]

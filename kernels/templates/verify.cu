@@ -24,6 +24,10 @@
 //                     the two rows, drawn by token id.
 //   verify_greedy     alone, for a batch of greedy sequences: pass 1's argmax, then each
 //                     sequence's acceptance chain, in one launch.
+//   verify_topk       for a batch whose every sequence has top-k on (at most top_k_max) or is
+//                     greedy: one pass keeps each row's top k candidates, the row's last block
+//                     finishes it exactly, the sequence's last row walks the chain; one launch
+//                     (then verify_residual for sampled drafts).
 // No sort of the vocabulary, no allocation, no host synchronisation: capturable in a graph.
 {% include "common/prelude.cuh" %}
 {% if target.warp_size != 32 %}
@@ -88,9 +92,11 @@
 #define VROW_WORDS (RS_PLAN + VPLAN_WORDS)
 #define VFLAG_STREAM 1u
 // Marks the rare paths (a CPU emulation of the kernels counts them): VTRACE_RADIX per radix
-// fallback of the finish, VTRACE_SPILL per pass-1 block whose top lies above its row's grid.
+// fallback of the finish, VTRACE_SPILL per pass-1 block whose top lies above its row's grid,
+// VTRACE_TOPK_FULL per verify_topk candidate buffer that filled up (and was cut to its top k).
 #define VTRACE_RADIX 0
 #define VTRACE_SPILL 1
+#define VTRACE_TOPK_FULL 2
 #ifndef VERIFY_TRACE
 #define VERIFY_TRACE(what)
 #endif
@@ -106,6 +112,7 @@ FP4_DEVICE void block_sync() { __syncthreads(); }
 FP4_DEVICE void device_fence() { __threadfence(); }
 FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return atomicAdd(p, v); }
 FP4_DEVICE u32 atomic_cas_u32(u32* p, u32 expected, u32 desired) { return atomicCAS(p, expected, desired); }
+FP4_DEVICE u32 atomic_max_u32(u32* p, u32 v) { return atomicMax(p, v); }
 FP4_DEVICE u64 atomic_add_u64(u64* p, u64 v) {
     return atomicAdd(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
 }
@@ -155,6 +162,9 @@ FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) {
 FP4_DEVICE u64 atomic_add_u64(u64* p, u64 v) {
     return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
+FP4_DEVICE u32 atomic_max_u32(u32* p, u32 v) {
+    return __hip_atomic_fetch_max(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
 FP4_DEVICE u32 atomic_cas_u32(u32* p, u32 expected, u32 desired) {
     __hip_atomic_compare_exchange_strong(p, &expected, desired, __ATOMIC_RELAXED, __ATOMIC_RELAXED,
                                          __HIP_MEMORY_SCOPE_AGENT);
@@ -197,6 +207,16 @@ FP4_DEVICE u64 shfl_u64(u64 v, u32 src) {
     return (u64)shfl_u32((u32)v, src) | ((u64)shfl_u32((u32)(v >> 32), src) << 32);
 }
 FP4_DEVICE u32 umin(u32 a, u32 b) { return a < b ? a : b; }
+/// Inclusive prefix sum over the lanes of a warp (every lane calls it).
+template <typename T>
+FP4_DEVICE T warp_inclusive_sum(T v) {
+    for (u32 offset = 1; offset < FP4_WARP_SIZE; offset <<= 1) {
+        const u32 src = lane_index() >= offset ? lane_index() - offset : lane_index();
+        const T o = sizeof(T) == 8 ? (T)shfl_u64((u64)v, src) : (T)shfl_u32((u32)v, src);
+        if (lane_index() >= offset) v += o;
+    }
+    return v;
+}
 
 /// Unsigned 128-bit integers for weights (NVRTC has no __int128 without an extra flag).
 struct u128 {
@@ -264,10 +284,11 @@ struct VerifyArgs {
     u64* block_hist;                // [rows * blocks_per_row][VNB] (blocks above their row's grid)
     u64* block_summary;             // [rows * blocks_per_row][3]
     u64* row_grid;                  // [rows][VGRID], zero between launches
-    u32* row_anchor;                // [rows], zero between launches
+    u32* row_anchor;                // [rows], zero between launches (verify_topk: the row's bound key)
     u64* row_hist;                  // [rows][VNB]
     u64* row_state;                 // [rows][VROW_WORDS]
-    u64* candidates;                // [rows][VCAP]: logit bits << 32 | token
+    u64* candidates;                // [rows][VCAP]: logit bits << 32 | token (verify_topk: order codes,
+                                    // [rows][blocks per row][VTOPK_BUF])
     u64* residual_sums;             // [sequences][chunks_per_row]
     u32* counters;                  // [rows + 2 * sequences], zero between launches
     u32* emitted;                   // [sequences][max_drafts + 1]
@@ -539,15 +560,10 @@ FP4_DEVICE u32 load_chunk(const RowView& v, u32 chunk, float (&z)[VI]) {
     return bias_chunk(v, chunk, z);
 }
 
-/// Chunk `chunk` of a row, its logits in z (load_logits), biased in place (bias_chunk): the
-/// argmax code of its tokens (0: every token is -inf or bad); `bad` is lowered to its first bad
-/// token.
-FP4_DEVICE u64 argmax_chunk(const RowView& v, u32 chunk, float (&z)[VI], u32& bad) {
-    const u32 bad_bits = bias_chunk(v, chunk, z);
-    const u32 base = chunk * VCHUNK + thread_x();
-    if (bad_bits != 0) bad = umin(bad, base + VT * (u32)lowest_bit(bad_bits));
-    // The thread's tokens ascend with j, so a strict > keeps the lowest token among equal
-    // logits: a compare and two selects per token, one code per chunk (bad tokens read -inf).
+/// The argmax code of a thread's biased logits z of a chunk, token base + VT * j for z[j] (0: every
+/// one is -inf). The tokens ascend with j, so a strict > keeps the lowest token among equal logits:
+/// a compare and two selects per token, one code per chunk (bad tokens read -inf).
+FP4_DEVICE u64 thread_argmax(const float (&z)[VI], u32 base) {
     float best_z = -f32_inf();
     int best_j = -1;
     #pragma unroll
@@ -557,6 +573,16 @@ FP4_DEVICE u64 argmax_chunk(const RowView& v, u32 chunk, float (&z)[VI], u32& ba
         best_j = better ? j : best_j;
     }
     return best_j < 0 ? 0 : argmax_code(best_z, base + VT * (u32)best_j);
+}
+
+/// Chunk `chunk` of a row, its logits in z (load_logits), biased in place (bias_chunk): the
+/// argmax code of its tokens (0: every token is -inf or bad); `bad` is lowered to its first bad
+/// token.
+FP4_DEVICE u64 argmax_chunk(const RowView& v, u32 chunk, float (&z)[VI], u32& bad) {
+    const u32 bad_bits = bias_chunk(v, chunk, z);
+    const u32 base = chunk * VCHUNK + thread_x();
+    if (bad_bits != 0) bad = umin(bad, base + VT * (u32)lowest_bit(bad_bits));
+    return thread_argmax(z, base);
 }
 
 /// A row's verdict from its argmax code (0: no token) and first bad token (VNONE: none): its
@@ -1414,12 +1440,7 @@ FP4_DEVICE void finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row, con
             sh.prefix[i] = exp2_mantissa(token_parts(z, v.scale).frac);
             own += sh.prefix[i];
         }
-        u64 incl = own;
-        for (u32 offset = 1; offset < FP4_WARP_SIZE; offset <<= 1) {
-            const u32 src = lane_index() >= offset ? lane_index() - offset : lane_index();
-            const u64 o = shfl_u64(incl, src);
-            if (lane_index() >= offset) incl += o;
-        }
+        const u64 incl = warp_inclusive_sum(own);
         if (lane_index() == FP4_WARP_SIZE - 1) sh.scratch[warp_index()] = incl;
         block_sync();
         u64 running = incl - own;
@@ -1505,12 +1526,14 @@ struct SequenceRows {
     FP4_DEVICE u128 wide(u32 row, u32 index) const { return {word(row, index), word(row, index + 1)}; }
 };
 
-/// Block-wide: brings sequence `s`'s row words and drafts into shared memory when they fit.
-FP4_DEVICE SequenceRows gather_sequence(const VerifyArgs& a, const VerifySequence& seq, FinishShared& sh) {
+/// Block-wide: brings sequence `s`'s row words and drafts into the shared arrays `words` and
+/// `drafts` when they fit (`word_capacity` and `draft_capacity` elements).
+FP4_DEVICE SequenceRows gather_sequence(const VerifyArgs& a, const VerifySequence& seq, u64* words,
+                                        u32 word_capacity, u32* drafts, u32 draft_capacity) {
     SequenceRows out;
     const u32 rows = rows_of(seq);
     const u64* global_rows = a.row_state + (u64)seq.first_row * VROW_WORDS;
-    if (rows * RS_PLAN > VCAP || seq.drafts > 256) {
+    if (rows * RS_PLAN > word_capacity || seq.drafts > draft_capacity) {
         out.rows = global_rows;
         out.stride = VROW_WORDS;
         out.shared = false;
@@ -1518,13 +1541,13 @@ FP4_DEVICE SequenceRows gather_sequence(const VerifyArgs& a, const VerifySequenc
         return out;
     }
     for (u32 i = thread_x(); i < rows * RS_PLAN; i += VT)
-        sh.keys[i] = load_shared_u64(&global_rows[(u64)(i / RS_PLAN) * VROW_WORDS + i % RS_PLAN]);
-    for (u32 i = thread_x(); i < seq.drafts; i += VT) sh.bin_count[i] = a.draft_tokens[seq.first_draft + i];
+        words[i] = load_shared_u64(&global_rows[(u64)(i / RS_PLAN) * VROW_WORDS + i % RS_PLAN]);
+    for (u32 i = thread_x(); i < seq.drafts; i += VT) drafts[i] = a.draft_tokens[seq.first_draft + i];
     block_sync();
-    out.rows = sh.keys;
+    out.rows = words;
     out.stride = RS_PLAN;
     out.shared = true;
-    out.drafts = sh.bin_count;
+    out.drafts = drafts;
     return out;
 }
 
@@ -1616,6 +1639,26 @@ VERIFY_RARE void finish_sequence(const VerifyArgs& a, u32 s, const SequenceRows&
     st[3] = error_token;
     st[4] = error_value;
     st[5] = residual;
+}
+
+/// Block-wide, once a row of sequence `s` is done (its state written, or nothing to write):
+/// counts it, and the block of the sequence's last row to arrive gathers the sequence's rows
+/// (gather_sequence, into `words` and `drafts`) and walks its acceptance chain. `last` is a
+/// shared word.
+FP4_DEVICE void sequence_row_done(const VerifyArgs& a, u32 s, const VerifySequence& seq, u64* words,
+                                  u32 word_capacity, u32* drafts, u32 draft_capacity, u32* last) {
+    device_fence();
+    block_sync();
+    u32* done = &a.counters[a.row_count + s];
+    if (thread_x() == 0) *last = atomic_add_u32(done, 1) == rows_of(seq) - 1;
+    block_sync();
+    if (!*last) return;
+    device_fence();
+    const SequenceRows rows = gather_sequence(a, seq, words, word_capacity, drafts, draft_capacity);
+    if (thread_x() == 0) {
+        finish_sequence(a, s, rows);
+        *done = 0;
+    }
 }
 
 /// The least y = z * scale (token_parts, before floor) a token needs for pass 2 to look at it:
@@ -1748,18 +1791,32 @@ FP4_KERNEL void {{ bounds }}verify_finish(const VerifyArgs a) {
     const VerifySequence seq = a.sequences[row.sequence];
     if (row_is_processed(seq, row) && seq.temperature > 0.0f && (u32)status == VSTATUS_OK)
         finish_row(a, r, row, seq, sh);
-    device_fence();
-    block_sync();
-    u32* done = &a.counters[a.row_count + row.sequence];
-    if (thread_x() == 0) sh.last = atomic_add_u32(done, 1) == rows_of(seq) - 1;
-    block_sync();
-    if (!sh.last) return;
-    device_fence();
-    const SequenceRows rows = gather_sequence(a, seq, sh);
-    if (thread_x() == 0) {
-        finish_sequence(a, row.sequence, rows);
-        *done = 0;
-    }
+    sequence_row_done(a, row.sequence, seq, sh.keys, VCAP, sh.bin_count, 256, &sh.last);
+}
+
+/// The start of a one-launch kernel's block (verify_greedy, verify_topk): its row, the row's
+/// sequence, and its first chunk, whose logits are requested before the sequence (they do not
+/// depend on it).
+struct BlockStart {
+    VerifyRow row;
+    VerifySequence seq;
+    u32 first;  // its first chunk
+};
+FP4_DEVICE BlockStart start_block(const VerifyArgs& a, float (&z)[VI]) {
+    BlockStart b;
+    b.row = a.rows[block_y()];
+    b.first = block_x() * a.chunks_per_block;
+    load_logits(row_logits(a, b.row), a.vocab, b.first, z);
+    b.seq = a.sequences[b.row.sequence];
+    return b;
+}
+
+/// A graph captured for a one-launch batch replays its kernel whatever set_batch uploaded since:
+/// a sequence the kernel cannot serve gets VSTATUS_STALE (from its first row's first block), never
+/// a token, and its blocks return at once, touching no counter.
+FP4_DEVICE void mark_stale(const VerifyArgs& a, const VerifyRow& row) {
+    if (thread_x() == 0 && block_x() == 0 && row.index == 0 && !row.is_draft)
+        a.status[(u64)row.sequence * VSTATUS_WORDS] = VSTATUS_STALE;
 }
 
 // ============================================================================================
@@ -1832,18 +1889,10 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
     chain_after_previous_grid();
     __shared__ GreedyShared sh;
     const u32 r = block_y();
-    const VerifyRow row = a.rows[r];
-    // the first chunk is requested before the sequence, which it does not depend on
-    const u32 first = block_x() * a.chunks_per_block;
     float z[VI];
-    load_logits(row_logits(a, row), a.vocab, first, z);
-    const VerifySequence seq = a.sequences[row.sequence];
-    // A graph captured for a greedy batch replays this kernel whatever set_batch uploaded since:
-    // a sequence it cannot serve gets VSTATUS_STALE (from its first row's first block), never a
-    // token, and its blocks touch no counter.
+    const auto [row, seq, first] = start_block(a, z);
     if (!(seq.temperature == 0.0f) || (seq.flags & VSEQ_SAMPLED_DRAFTS) || seq.drafts >= VT) {
-        if (thread_x() == 0 && block_x() == 0 && row.index == 0 && !row.is_draft)
-            a.status[(u64)row.sequence * VSTATUS_WORDS] = VSTATUS_STALE;
+        mark_stale(a, row);
         return;
     }
     RowView v = row_view(a, row, seq);
@@ -1900,6 +1949,472 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
         finish_sequence(a, row.sequence, SequenceRows{sh.rows, 2, true, sh.drafts});
         *arrived = 0;
     }
+}
+
+// ============================================================================================
+// verify_topk: a batch whose every sequence keeps at most VTOPK_MAX tokens, in one launch.
+// ============================================================================================
+// With top-k on, every cut and draw of a row depends only on the row's first k tokens of the
+// order (reference.rs weigh: top-p and min-p cut prefixes of them, and a token outside them
+// weighs nothing), so a row needs no histogram: its top k and its first bad logit are enough.
+// The blocks of a row keep their chunks' candidates in shared memory as order codes
+// (argmax_code: order key, then inverted token id, so the largest code comes first), admitting a
+// token only above a floor that only rises: the k-th largest of the first chunk's per-thread
+// maxima, then, whenever the buffer fills, the k-th code of the buffer (radix rounds) as it is
+// cut back to its top k. A row's blocks raise a shared lower bound on the row's k-th logit (an
+// atomic max), write only the candidates that reach it, and the row's last block merges them
+// through the same buffer, ranks the top k and finishes the row as verify_finish does; the last
+// row of a sequence walks its acceptance chain. Greedy sequences run with k = 1. Sampled drafts
+// still need verify_residual after it.
+#define VTOPK_MAX {{ target.verify.top_k_max }}
+#define VTOPK_BUF {{ target.verify.top_k_buffer }}
+#define VTOPK_PER ((VTOPK_BUF + VT - 1) / VT)  // buffer entries per thread
+#define VTOPK_SORTED VTOPK_MAX                  // the ranked top k: buf[VTOPK_SORTED + rank]
+#define VTOPK_MERGE 8                           // candidates per thread per merge round
+#define VKEY_LOWEST_FINITE 0x00800000u          // order_key(-FLT_MAX)
+static_assert(VTOPK_MAX <= VT && VTOPK_BUF >= VTOPK_MAX + VT, "verify.top_k_max, top_k_buffer");
+
+struct TopkShared {
+    u64 buf[VTOPK_BUF];  // candidate codes; later the ranked top k; later the sequence's rows
+    u32 hist[256];
+    u32 totals[2 * VWARPS];
+    u64 scratch[VREDUCE * VWARPS];
+    u32 bias_tokens[VT];  // stage_bias
+    float bias_values[VT];
+    u32 drafts[VT];
+    u32 block_start[VMAX_BLOCKS_PER_ROW + 1];
+    u32 digit[3];
+    u32 key;
+    u32 last;
+    u64 words[6];  // the row's kept weight or top-k weight (2), probe weight (2), weight before it (2)
+};
+
+/// A block's candidates buf[0, count): every token of its chunks so far that can be among the
+/// top k has a code there. A token is admitted when its logit is above `floor` (a token of a later
+/// chunk) or its code at least `floor_code` (any token); `bound_key`: the block holds k tokens
+/// whose order key is at least it (0: not known). `phase` alternates `totals` halves.
+struct TopkState {
+    u32 count;
+    u32 phase;
+    float floor;
+    u64 floor_code;
+    u32 bound_key;
+};
+
+struct Slots {
+    u32 offset;  // before this thread
+    u32 total;   // the block's
+};
+
+/// Block-wide exclusive scan of each thread's count: one barrier (the two halves of `totals`
+/// alternate with `phase`, so one call's reads end before the call after next writes).
+FP4_DEVICE Slots block_count_scan(u32 count, u32* totals, u32& phase) {
+    const u32 incl = warp_inclusive_sum(count);
+    u32* t = totals + phase * VWARPS;
+    phase ^= 1u;
+    if (lane_index() == FP4_WARP_SIZE - 1) t[warp_index()] = incl;
+    block_sync();
+    Slots s{incl - count, 0};
+    for (u32 w = 0; w < VWARPS; ++w) {
+        const u32 x = t[w];
+        if (w < warp_index()) s.offset += x;
+        s.total += x;
+    }
+    return s;
+}
+
+/// Block-wide: the first thread whose `hit` is set (VT when none); one barrier, as
+/// block_count_scan.
+FP4_DEVICE u32 block_first(bool hit, u32* totals, u32& phase) {
+    const u32 bits = ballot(hit);
+    u32* t = totals + phase * VWARPS;
+    phase ^= 1u;
+    if (lane_index() == 0) t[warp_index()] = bits;
+    block_sync();
+    for (u32 w = 0; w < VWARPS; ++w)
+        if (t[w] != 0) return w * FP4_WARP_SIZE + lowest_bit(t[w]);
+    return VT;
+}
+
+/// The largest float below x (finite): z > float_below(x) is z >= x.
+FP4_DEVICE float float_below(float x) {
+    const u32 b = f32_to_bits(x);
+    if ((b & 0x7fffffffu) == 0) return bits_to_f32(0x80000001u);
+    return bits_to_f32((b & 0x80000000u) ? b + 1 : b - 1);
+}
+
+/// Block-wide: a code T with exactly k of the n distinct codes[0, n) at or above it (n > k >= 1),
+/// to every thread. Radix rounds over 8-bit digits from the top, stopping at the first digit that
+/// holds exactly the codes still needed (T is then that prefix, its lower bits zero).
+FP4_DEVICE u64 kth_code(TopkShared& sh, const u64* codes, u32 n, u32 k) {
+    u64 prefix = 0;
+    u32 need = k;
+    for (int shift = 56;; shift -= 8) {
+        for (u32 i = thread_x(); i < 256; i += VT) sh.hist[i] = 0;
+        block_sync();
+        const u64 high = shift == 56 ? 0ull : ~0ull << (shift + 8);
+        for (u32 i = thread_x(); i < n; i += VT) {
+            const u64 c = codes[i];
+            if (((c ^ prefix) & high) == 0) atomic_add_u32(&sh.hist[(u32)(c >> shift) & 255u], 1);
+        }
+        block_sync();
+        if (warp_index() == 0) {
+            // lane l holds digits 255 - 8l down to 248 - 8l: lanes ascend as digits descend
+            u32 own = 0;
+            for (u32 i = 0; i < 8; ++i) own += sh.hist[255 - 8 * lane_index() - i];
+            const u32 incl = warp_inclusive_sum(own);
+            u32 run = incl - own;
+            if (run < need && need <= incl) {
+                for (u32 i = 0; i < 8; ++i) {
+                    const u32 d = 255 - 8 * lane_index() - i;
+                    const u32 h = sh.hist[d];
+                    if (run + h >= need) {
+                        sh.digit[0] = d;
+                        sh.digit[1] = run;
+                        sh.digit[2] = h;
+                        break;
+                    }
+                    run += h;
+                }
+            }
+        }
+        block_sync();
+        prefix |= (u64)sh.digit[0] << shift;
+        need -= sh.digit[1];
+        if (sh.digit[2] == need || shift == 0) return prefix;
+    }
+}
+
+/// Raises the floors to a bound T: k admitted tokens have codes at or above it.
+FP4_DEVICE void raise_floor(TopkState& st, u64 t) {
+    const u32 key = (u32)(t >> 32);
+    if (key < VKEY_LOWEST_FINITE) return;  // below every finite logit: tells nothing
+    st.floor = max32(st.floor, key_to_f32(key));
+    st.floor_code = t > st.floor_code ? t : st.floor_code;
+    st.bound_key = key > st.bound_key ? key : st.bound_key;
+}
+
+/// Block-wide: the state after cutting the full buffer (count > k) back to its top k codes,
+/// floors raised. A token of a later chunk whose logit equals the k-th one's has a larger id, so
+/// it is not among the top k: floor admits only logits above. The state travels by value: a
+/// reference would keep the hot loop's copy in local memory around this out-of-line call.
+VERIFY_RARE TopkState topk_cut(TopkShared& sh, TopkState st, u32 k) {
+    block_sync();  // the buffer's last codes are written
+    const u64 t = kth_code(sh, sh.buf, st.count, k);
+    u64 mine[VTOPK_PER];
+    u32 keep = 0;
+    #pragma unroll
+    for (u32 m = 0; m < VTOPK_PER; ++m) {
+        const u32 i = thread_x() + VT * m;
+        mine[m] = i < st.count ? sh.buf[i] : 0;  // no token's code is 0
+        keep += mine[m] != 0 && mine[m] >= t ? 1u : 0u;
+    }
+    // its barrier orders every read above before the writes below
+    const Slots s = block_count_scan(keep, sh.totals, st.phase);
+    u32 at = s.offset;
+    #pragma unroll
+    for (u32 m = 0; m < VTOPK_PER; ++m)
+        if (mine[m] != 0 && mine[m] >= t) sh.buf[at++] = mine[m];
+    st.count = s.total;
+    raise_floor(st, t);
+    block_sync();
+    return st;
+}
+
+/// Block-wide: adds the codes code_of(j), j < N, whose bit j of `mask` is set; the caller
+/// admitted them (floor or floor_code). When they do not fit, one j at a time, cutting a full
+/// buffer back to the top k first (then a code is admitted again against the new floor_code).
+template <int N, typename CodeOf>
+FP4_DEVICE void topk_insert(TopkShared& sh, TopkState& st, u32 k, u32 mask, CodeOf code_of) {
+    const Slots s = block_count_scan(popcount(mask), sh.totals, st.phase);
+    if (s.total == 0) return;
+    if (st.count + s.total <= VTOPK_BUF) {
+        u32 at = st.count + s.offset;
+        #pragma unroll
+        for (int j = 0; j < N; ++j)
+            if ((mask >> j) & 1u) sh.buf[at++] = code_of(j);
+        st.count += s.total;
+        return;
+    }
+    #pragma unroll
+    for (int j = 0; j < N; ++j) {
+        bool in = (mask >> j) & 1u;
+        Slots t = block_count_scan(in ? 1u : 0u, sh.totals, st.phase);
+        if (st.count + t.total > VTOPK_BUF) {
+            if (thread_x() == 0) VERIFY_TRACE(VTRACE_TOPK_FULL);
+            st = topk_cut(sh, st, k);
+            in = in && code_of(j) >= st.floor_code;
+            t = block_count_scan(in ? 1u : 0u, sh.totals, st.phase);
+        }
+        if (in) sh.buf[st.count + t.offset] = code_of(j);
+        st.count += t.total;
+    }
+}
+
+/// Block-wide, on a block's first chunk (z biased, its tokens first + VT * j): the floors from the
+/// k-th largest of the threads' maxima (k distinct tokens reach it).
+FP4_DEVICE void topk_first_floor(TopkShared& sh, TopkState& st, u32 k, const float (&z)[VI], u32 first) {
+    if (k >= VT) return;
+    sh.buf[thread_x()] = thread_argmax(z, first);
+    block_sync();
+    const u64 t = kth_code(sh, sh.buf, VT, k);
+    const u32 key = (u32)(t >> 32);
+    if (key < VKEY_LOWEST_FINITE) return;
+    // those k maxima tie with the floor's logit at worst, with ids above or below: admit ties
+    st.floor = float_below(key_to_f32(key));
+    st.floor_code = (u64)key << 32;
+    st.bound_key = key;
+}
+
+/// The block of the row's last arrival: merges the candidates every block of the row wrote
+/// (those at or above the row's bound) into the buffer. Block-wide.
+FP4_DEVICE void topk_merge(const VerifyArgs& a, u32 r, TopkShared& sh, TopkState& st, u32 k) {
+    const u32 blocks = a.blocks_per_row;
+    const u64* summary = a.block_summary + (u64)r * blocks * 3;
+    u32 total = 0;
+    for (u32 b0 = 0; b0 < blocks; b0 += VT) {
+        const u32 b = b0 + thread_x();
+        const u32 count = b < blocks ? (u32)load_shared_u64(&summary[3 * b]) : 0;
+        const Slots s = block_count_scan(count, sh.totals, st.phase);
+        if (b < blocks) sh.block_start[b] = total + s.offset;
+        total += s.total;
+    }
+    if (thread_x() == 0) sh.block_start[blocks] = total;
+    const u32 key = load_shared_u32(&a.row_anchor[r]);
+    st.count = 0;
+    st.floor_code = (u64)key << 32;
+    block_sync();
+    const u64* written = a.candidates + (u64)r * blocks * VTOPK_BUF;
+    for (u32 f0 = 0; f0 < total; f0 += VT * VTOPK_MERGE) {
+        u64 code[VTOPK_MERGE];
+        u32 mask = 0;
+        #pragma unroll
+        for (int j = 0; j < VTOPK_MERGE; ++j) {
+            const u32 f = f0 + thread_x() + VT * (u32)j;
+            code[j] = 0;
+            if (f < total) {
+                // the block holding candidate f: the last start at or before it
+                u32 lo = 0, hi = blocks - 1;
+                while (lo < hi) {
+                    const u32 mid = (lo + hi + 1) / 2;
+                    if (sh.block_start[mid] <= f) lo = mid;
+                    else hi = mid - 1;
+                }
+                code[j] = load_shared_u64(&written[(u64)lo * VTOPK_BUF + (f - sh.block_start[lo])]);
+            }
+        }
+        #pragma unroll
+        for (int j = 0; j < VTOPK_MERGE; ++j)
+            if (code[j] != 0 && code[j] >= st.floor_code) mask |= 1u << j;
+        topk_insert<VTOPK_MERGE>(sh, st, k, mask, [&](int j) { return code[j]; });
+    }
+    if (thread_x() == 0) {
+        a.counters[r] = 0;
+        a.row_anchor[r] = 0;
+    }
+}
+
+/// Block-wide: the row's state from its ranked top n (buf[VTOPK_SORTED, + n)), the words
+/// verify_finish writes (status, argmax, top, kept weight, probe, cut, draw) for finish_sequence
+/// and verify_residual: reference.rs weigh over those tokens, one per thread.
+FP4_DEVICE void topk_finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row, const VerifySequence& seq,
+                                const RowView& v, TopkShared& sh, TopkState& st, u32 n, u32 bad) {
+    u64* state = a.row_state + (u64)r * VROW_WORDS;
+    const u64 best = n > 0 ? sh.buf[VTOPK_SORTED] : 0;
+    if (bad != VNONE || best == 0 || seq.temperature == 0.0f) {
+        if (thread_x() == 0) {
+            const RowVerdict verdict = row_verdict(v, best, bad);
+            state[RS_STATUS] = verdict.status_word;
+            state[RS_VALUE] = verdict.value_word;
+        }
+        return;
+    }
+    const u32 i = thread_x();
+    const bool present = i < n;
+    const u64 code = present ? sh.buf[VTOPK_SORTED + i] : best;
+    const TokenParts top = token_parts(key_to_f32((u32)(best >> 32)), v.scale);
+    const u32 top_mantissa = exp2_mantissa(top.frac);
+    const TokenParts p = token_parts(key_to_f32((u32)(code >> 32)), v.scale);
+    const u32 mantissa = exp2_mantissa(p.frac);
+    const i32 below = top.octave - p.octave;
+    const bool positive = present && below <= VOCT;
+    const u128 w = positive ? w128(mantissa) << (u32)(VOCT - below) : w128(0);
+    // inclusive running weight: the 32-bit halves scanned apart (each sum fits in 64 bits)
+    u64 lo = warp_inclusive_sum<u64>(w.lo & 0xffffffffull), hi = warp_inclusive_sum<u64>((w >> 32).lo);
+    if (lane_index() == FP4_WARP_SIZE - 1) {
+        sh.scratch[warp_index()] = lo;
+        sh.scratch[VWARPS + warp_index()] = hi;
+    }
+    if (i == 0)
+        for (u32 x = 2; x < 6; ++x) sh.words[x] = 0;
+    block_sync();
+    for (u32 x = 0; x < warp_index(); ++x) {
+        lo += sh.scratch[x];
+        hi += sh.scratch[VWARPS + x];
+    }
+    const u128 prefix = (w128(hi) << 32) + w128(lo);
+    const u32 positives = block_first(!positive, sh.totals, st.phase);
+    const u32 by_k = umin(seq.top_k, positives);
+    if (i == by_k - 1) {
+        sh.words[0] = prefix.lo;
+        sh.words[1] = prefix.hi;
+    }
+    block_sync();
+    u32 kept = by_k;
+    if (seq.top_p < 1.0f) {
+        const u128 need = top_p_need(seq.top_p, u128{sh.words[0], sh.words[1]});
+        kept = umin(kept, block_first(i < by_k && prefix >= need, sh.totals, st.phase) + 1);
+    }
+    if (seq.min_p > 0.0f) {
+        const bool fails = !(positive && passes_min_p(mantissa, below, seq.min_p, top_mantissa));
+        kept = umin(kept, block_first(fails, sh.totals, st.phase));
+    }
+    // the probe: the row's draft token (none on the last target row)
+    const u32 probe = row.index < seq.drafts ? a.draft_tokens[seq.first_draft + row.index] : VNONE;
+    const bool is_probe = i < kept && ~(u32)code == probe;
+    // every thread has read words[0, 2) (the barrier of the block_first above)
+    if (i == kept - 1) {
+        sh.words[0] = prefix.lo;
+        sh.words[1] = prefix.hi;
+    }
+    if (is_probe) {
+        const u128 before = prefix - w;
+        sh.words[2] = w.lo;
+        sh.words[3] = w.hi;
+        sh.words[4] = before.lo;
+        sh.words[5] = before.hi;
+    }
+    block_sync();
+    const u128 mass = {sh.words[0], sh.words[1]};
+    const u128 probe_weight = {sh.words[2], sh.words[3]};
+    const u128 before_probe = {sh.words[4], sh.words[5]};
+    // the draw: the bonus / plain draw, or the correction of a rejected point-mass draft
+    u32 drawn = VNONE;
+    if (!row.is_draft) {
+        const double u = uniform01(seq.seed, seq.position + row.index, STREAM_TOKEN);
+        u128 t;
+        const u128 rest = mass - probe_weight;
+        if (row.index < seq.drafts && !(seq.flags & VSEQ_SAMPLED_DRAFTS) && rest > w128(0)) {
+            t = draw_target(u, rest);
+            if (probe_weight > w128(0) && t >= before_probe) t += probe_weight;
+        } else {
+            t = draw_target(u, mass);
+        }
+        const u32 at = block_first(i < kept && prefix > t, sh.totals, st.phase);
+        drawn = ~(u32)sh.buf[VTOPK_SORTED + at];
+    }
+    if (i == 0) {
+        const RowVerdict verdict = row_verdict(v, best, bad);
+        const u64 cut = sh.buf[VTOPK_SORTED + kept - 1];
+        const float cut_z = key_to_f32((u32)(cut >> 32));
+        const TokenParts c = token_parts(cut_z, v.scale);
+        state[RS_STATUS] = verdict.status_word;
+        state[RS_VALUE] = verdict.value_word;
+        state[RS_TOP] = (u64)(u32)top.octave | ((u64)top_mantissa << 32);
+        state[RS_MASS] = mass.lo;
+        state[RS_MASS + 1] = mass.hi;
+        state[RS_PROBE_W] = probe_weight.lo;
+        state[RS_PROBE_W + 1] = probe_weight.hi;
+        state[RS_PROBE_BEFORE] = before_probe.lo;
+        state[RS_PROBE_BEFORE + 1] = before_probe.hi;
+        state[RS_CUT] = (u64)bucket_index(octaves_below(top.octave, c.octave), c.sub) | ((u64)drawn << 32);
+        state[RS_CUT_KAPPA] = kappa_of(cut_z, ~(u32)cut);
+    }
+}
+
+/// Whether verify_topk serves a sequence: its controls rejected, greedy, or top-k in 1..VTOPK_MAX.
+FP4_DEVICE bool topk_serves(const VerifySequence& seq) {
+    return seq.host_error != 0 || seq.temperature == 0.0f || (seq.top_k >= 1 && seq.top_k <= VTOPK_MAX);
+}
+
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_topk(const VerifyArgs a) {
+    chain_after_previous_grid();
+    __shared__ TopkShared sh;
+    const u32 r = block_y();
+    float z[VI];
+    const auto [row, seq, first] = start_block(a, z);
+    if (!topk_serves(seq)) {
+        mark_stale(a, row);
+        return;
+    }
+    if (!row_is_processed(seq, row)) {
+        if (block_x() == 0)
+            sequence_row_done(a, row.sequence, seq, sh.buf, VTOPK_BUF, sh.drafts, VT, &sh.last);
+        return;
+    }
+    RowView v = row_view(a, row, seq);
+    stage_bias(v, sh.bias_tokens, sh.bias_values);
+    block_sync();
+    const u32 k = seq.temperature > 0.0f ? seq.top_k : 1u;
+    TopkState st{0, 0, -f32_inf(), 0, 0};
+    u32 bad = VNONE;
+    const u32 end = umin(first + a.chunks_per_block, a.chunks_per_row);
+    for (u32 chunk = first; chunk < end; ++chunk) {
+        if (chunk != first) load_logits(v.logits, v.vocab, chunk, z);
+        const u32 bad_bits = bias_chunk(v, chunk, z);
+        const u32 base = chunk * VCHUNK + thread_x();
+        if (bad_bits != 0) bad = umin(bad, base + VT * (u32)lowest_bit(bad_bits));
+        if (chunk == first) topk_first_floor(sh, st, k, z, base);
+        u32 mask = 0;
+        #pragma unroll
+        for (int j = 0; j < VI; ++j)
+            if (z[j] > st.floor) mask |= 1u << j;
+        topk_insert<VI>(sh, st, k, mask, [&](int j) { return argmax_code(z[j], base + VT * (u32)j); });
+    }
+    bad = (u32)block_reduce(bad, VOP_MIN, sh.scratch);
+    if (a.blocks_per_row > 1) {
+        // publish the bound, write what reaches the row's bound so far, and arrive
+        if (thread_x() == 0) {
+            const u32 old = atomic_max_u32(&a.row_anchor[r], st.bound_key);
+            sh.key = old > st.bound_key ? old : st.bound_key;
+        }
+        block_sync();
+        const u64 row_floor = (u64)sh.key << 32;
+        u64 mine[VTOPK_PER];
+        u32 keep = 0;
+        #pragma unroll
+        for (u32 m = 0; m < VTOPK_PER; ++m) {
+            const u32 i = thread_x() + VT * m;
+            mine[m] = i < st.count ? sh.buf[i] : 0;
+            keep += mine[m] >= row_floor && mine[m] != 0 ? 1u : 0u;
+        }
+        const Slots s = block_count_scan(keep, sh.totals, st.phase);
+        const u64 slot = (u64)r * a.blocks_per_row + block_x();
+        u64* out = a.candidates + slot * VTOPK_BUF + s.offset;
+        #pragma unroll
+        for (u32 m = 0; m < VTOPK_PER; ++m)
+            if (mine[m] >= row_floor && mine[m] != 0) *out++ = mine[m];
+        if (thread_x() == 0) {
+            a.block_summary[slot * 3] = s.total;
+            a.block_summary[slot * 3 + 1] = bad;
+        }
+        device_fence();
+        block_sync();
+        if (thread_x() == 0) sh.last = atomic_add_u32(&a.counters[r], 1) == a.blocks_per_row - 1;
+        block_sync();
+        if (!sh.last) return;
+        device_fence();
+        u64 row_bad = VNONE;
+        for (u32 b = thread_x(); b < a.blocks_per_row; b += VT) {
+            const u64 e = load_shared_u64(&a.block_summary[((u64)r * a.blocks_per_row + b) * 3 + 1]);
+            row_bad = e < row_bad ? e : row_bad;
+        }
+        bad = (u32)block_reduce(row_bad, VOP_MIN, sh.scratch);
+        topk_merge(a, r, sh, st, k);
+    }
+    if (st.count > k) st = topk_cut(sh, st, k);
+    const u32 n = st.count;
+    // rank the top n (at most VT): each by the count of larger codes
+    block_sync();
+    if (thread_x() < n) {
+        const u64 code = sh.buf[thread_x()];
+        u32 rank = 0;
+        for (u32 j = 0; j < n; ++j) rank += sh.buf[j] > code ? 1u : 0u;
+        sh.buf[VTOPK_SORTED + rank] = code;
+    }
+    block_sync();
+    topk_finish_row(a, r, row, seq, v, sh, st, n, bad);
+    sequence_row_done(a, row.sequence, seq, sh.buf, VTOPK_BUF, sh.drafts, VT, &sh.last);
 }
 
 // ============================================================================================
@@ -2019,12 +2534,7 @@ FP4_KERNEL void {{ bounds }}verify_residual(const VerifyArgs a) {
         for (int i = 0; i < VI; ++i) {
             const u32 e = chunk * VCHUNK + VT * (u32)i + thread_x();
             const u64 mine = residual_of(p, q, zp[i], zq[i], e);
-            u64 incl = mine;
-            for (u32 offset = 1; offset < FP4_WARP_SIZE; offset <<= 1) {
-                const u32 src = lane_index() >= offset ? lane_index() - offset : lane_index();
-                const u64 o = shfl_u64(incl, src);
-                if (lane_index() >= offset) incl += o;
-            }
+            const u64 incl = warp_inclusive_sum(mine);
             if (lane_index() == FP4_WARP_SIZE - 1) sh.warp_sum[warp_index()] = incl;
             block_sync();
             u64 before = carry + incl - mine;

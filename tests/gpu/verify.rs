@@ -14,9 +14,11 @@ use cudarc::driver::CudaGraph;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use fp4spec::Error;
 use fp4spec::backend::{Backend, DeviceVec};
-use fp4spec::kernels::verify::{self, DraftKind, SamplingParams, VerifyWorkspace};
+use fp4spec::kernels::verify::{self, DraftKind, Path, SamplingParams, VerifyWorkspace};
 
 const KINDS: [DraftKind; 2] = [DraftKind::PointMass, DraftKind::Sampled];
+/// Top-k values that put a batch on the top-k path (`top_k_max` is 256 on every target).
+const TOP_KS: &[usize] = &[50, 1, 256, 7, 20];
 
 /// A device against the CPU reference for both kinds of drafts; prints one line per kind.
 fn check(backend: &Backend, what: &str, batch: &Batch, vocab: usize) {
@@ -53,6 +55,13 @@ fn verify_equals_the_reference_on_random_ragged_batches() {
                 &batch.greedy_sequences(vocab),
                 vocab,
             );
+            // with top-k on everywhere: verify_topk
+            check(
+                backend,
+                &format!("top-k random V={vocab} B={sequences}"),
+                &batch.with_top_k(TOP_KS),
+                vocab,
+            );
         }
     }
 }
@@ -62,14 +71,21 @@ fn verify_equals_the_reference_at_the_bench_shapes() {
     for backend in devices("verify_equals_the_reference_at_the_bench_shapes") {
         let mut rng = rng("verify bench shapes");
         let params = batches::all_controls();
+        // top-k 50: verify_topk; top-k off: the histogram passes
+        let top_k_off = SamplingParams {
+            top_k: 0,
+            ..params.clone()
+        };
         for (sequences, drafts) in [(1usize, 1usize), (8, 2), (64, 4)] {
-            let batch = batches::model_like(&mut rng, 248_320, sequences, drafts, &params);
-            check(
-                backend,
-                &format!("all controls B={sequences} n={drafts}"),
-                &batch,
-                248_320,
-            );
+            for (what, params) in [("all controls", &params), ("top-k off", &top_k_off)] {
+                let batch = batches::model_like(&mut rng, 248_320, sequences, drafts, params);
+                check(
+                    backend,
+                    &format!("{what} B={sequences} n={drafts}"),
+                    &batch,
+                    248_320,
+                );
+            }
         }
         let greedy = SamplingParams {
             temperature: 0.0,
@@ -91,6 +107,12 @@ fn verify_reports_every_bad_value_as_the_reference_does() {
             &batch.greedy_sequences(vocab),
             vocab,
         );
+        check(
+            backend,
+            "top-k bad values",
+            &batch.with_top_k(TOP_KS),
+            vocab,
+        );
     }
 }
 
@@ -104,6 +126,8 @@ fn verify_equals_the_reference_through_the_radix_fallback() {
         let vocab = 248_320;
         let batch = batches::flat_rows(&mut rng, vocab);
         check(backend, "flat rows", &batch, vocab);
+        // every logit tied: verify_topk's buffers fill and are cut on ids alone
+        check(backend, "top-k flat rows", &batch.with_top_k(TOP_KS), vocab);
     }
 }
 
@@ -119,6 +143,12 @@ fn verify_equals_the_reference_when_logits_straddle_zero() {
                 backend,
                 &format!("straddling zero V={vocab} B={sequences}"),
                 &batch,
+                vocab,
+            );
+            check(
+                backend,
+                &format!("top-k straddling zero V={vocab} B={sequences}"),
+                &batch.with_top_k(TOP_KS),
                 vocab,
             );
         }
@@ -186,7 +216,9 @@ fn replay_equals_the_reference(
 }
 
 /// The launches are captured once into a CUDA graph and replayed; new controls and positions
-/// (same shapes) are uploaded between replays without capturing again.
+/// (same shapes) are uploaded between replays without capturing again. With top-k on the graph
+/// holds `verify_topk`, which then reports sequences with top-k off as errors, never tokens;
+/// with it off, the histogram passes.
 #[test]
 fn verify_replays_from_a_cuda_graph() {
     let Some(backend) = cuda("verify_replays_from_a_cuda_graph") else {
@@ -195,24 +227,45 @@ fn verify_replays_from_a_cuda_graph() {
     let mut rng = rng("verify graph");
     let vocab = 248_320;
     for kind in KINDS {
-        let mut batch = batches::model_like(&mut rng, vocab, 4, 3, &batches::all_controls());
-        let mut ws = VerifyWorkspace::new(backend, batch.capacity(vocab)).expect("workspace");
-        ws.set_batch(&batch.sequences(), kind).expect("set_batch");
-        let captured = capture(backend, &mut ws, &batch, kind);
-        for replay in 0..2 {
-            if replay == 1 {
-                for (s, position) in batch.positions.iter_mut().enumerate() {
-                    *position += 1000 + s as u64;
+        for (top_k, path) in [(50, Path::TopK), (0, Path::Histogram)] {
+            let params = SamplingParams {
+                top_k,
+                ..batches::all_controls()
+            };
+            let mut batch = batches::model_like(&mut rng, vocab, 4, 3, &params);
+            let mut ws = VerifyWorkspace::new(backend, batch.capacity(vocab)).expect("workspace");
+            ws.set_batch(&batch.sequences(), kind).expect("set_batch");
+            assert_eq!(ws.batch().expect("batch").path, path, "top-k {top_k}");
+            let captured = capture(backend, &mut ws, &batch, kind);
+            for replay in 0..2 {
+                if replay == 1 {
+                    for (s, position) in batch.positions.iter_mut().enumerate() {
+                        *position += 1000 + s as u64;
+                    }
+                    for p in &mut batch.params {
+                        p.seed = p.seed.wrapping_mul(31).wrapping_add(7);
+                        p.top_p = 0.8;
+                    }
+                    ws.set_batch(&batch.sequences(), kind).expect("set_batch");
                 }
+                let what = format!("graph replay {replay} {kind:?} {path:?}");
+                let want =
+                    replay_equals_the_reference(&captured, &mut ws, &batch, vocab, kind, &what);
+                println!("{what}: equal, accepted {:?}", want.stats.accepted);
+            }
+            if path == Path::TopK {
                 for p in &mut batch.params {
-                    p.seed = p.seed.wrapping_mul(31).wrapping_add(7);
-                    p.top_p = 0.8;
+                    p.top_k = 0;
                 }
                 ws.set_batch(&batch.sequences(), kind).expect("set_batch");
+                captured.graph.launch().expect("graph launch");
+                let err = ws.outcomes().expect_err("top-k off under a top-k graph");
+                assert!(
+                    err.to_string().contains("capture them again"),
+                    "unexpected error: {err}"
+                );
+                println!("top-k graph {kind:?}: then {err}");
             }
-            let what = format!("graph replay {replay} {kind:?}");
-            let want = replay_equals_the_reference(&captured, &mut ws, &batch, vocab, kind, &what);
-            println!("{what}: equal, accepted {:?}", want.stats.accepted);
         }
     }
 }
@@ -235,7 +288,11 @@ fn a_greedy_graph_serves_greedy_batches_and_reports_others() {
     let kind = DraftKind::PointMass;
     let mut ws = VerifyWorkspace::new(backend, batch.capacity(vocab)).expect("workspace");
     ws.set_batch(&batch.sequences(), kind).expect("set_batch");
-    assert!(ws.batch().expect("batch").greedy, "the batch is greedy");
+    assert_eq!(
+        ws.batch().expect("batch").path,
+        Path::Greedy,
+        "the batch is greedy"
+    );
     let captured = capture(backend, &mut ws, &batch, kind);
     for replay in 0..2 {
         if replay == 1 {

@@ -83,6 +83,16 @@ impl Batch {
         out
     }
 
+    /// The same sequences with top-k `ks[s % ks.len()]` for sequence s: with every k at most the
+    /// target's `top_k_max`, a batch `verify_topk` serves.
+    pub fn with_top_k(&self, ks: &[usize]) -> Batch {
+        let mut out = self.clone();
+        for (s, params) in out.params.iter_mut().enumerate() {
+            params.top_k = ks[s % ks.len()];
+        }
+        out
+    }
+
     pub fn draft_logits_for(&self, kind: DraftKind) -> Option<&[f32]> {
         (kind == DraftKind::Sampled).then_some(self.draft_logits.as_slice())
     }

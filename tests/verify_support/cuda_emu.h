@@ -263,6 +263,11 @@ inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v)
     *p = old + v;
     return old;
 }
+inline unsigned atomicMax(unsigned* p, unsigned v) {
+    const unsigned old = *p;
+    if (v > old) *p = v;
+    return old;
+}
 inline unsigned atomicCAS(unsigned* p, unsigned expected, unsigned desired) {
     const unsigned old = *p;
     if (old == expected) *p = desired;

@@ -18,7 +18,18 @@
 //!   each sequence's last row walks its acceptance chain.
 //! - `verify_residual`: only for [`DraftKind::Sampled`], the correction after a rejection (the
 //!   residual `max(0, p - q)` needs both rows).
-//! - `verify_greedy`, alone, when every sequence is greedy ([`Batch::greedy`]): a greedy row needs
+//! - `verify_topk` (then `verify_residual` for sampled drafts) when every sequence has top-k on,
+//!   at most the target's `top_k_max`, or is greedy ([`Path::TopK`]). With top-k on, a row's top
+//!   k tokens decide every cut and draw (top-p and min-p cut prefixes of them, and no other token
+//!   weighs anything), so one pass over the logits is enough: each block keeps its chunks'
+//!   candidates in shared memory as order codes, admitting a token only above a floor that rises
+//!   as it goes (from the first chunk's per-thread maxima, then from each cut of a full buffer back
+//!   to the top k by radix rounds over the codes); a row's blocks share a lower bound on its k-th
+//!   logit (an atomic max) and write only what reaches it; the row's last block merges them, ranks
+//!   the top k, and finishes the row as `verify_finish` does (one token per thread); the last
+//!   row of a sequence walks its chain. Not yet run on a GPU (no device in the session that wrote
+//!   it): the CPU emulation of the kernels equals the reference on every batch of the tests.
+//! - `verify_greedy`, alone, when every sequence is greedy ([`Path::Greedy`]): a greedy row needs
 //!   only its argmax and first bad logit, so pass 1's streaming and each sequence's acceptance
 //!   chain share one launch (the last block of a sequence to arrive walks its chain), where the
 //!   general path takes three launches and two per-row merge steps.
@@ -28,7 +39,8 @@
 //! for the host, so it can be captured in a graph. A device (CUDA or HIP) runs the kernels through
 //! [`Backend::launch`], each with the one by-value argument [`device::Args`].
 //!
-//! Reads: pass 1 and pass 2 each read every processed row once (greedy rows only in pass 1);
+//! Reads: `verify_topk` and `verify_greedy` read every processed row once; pass 1 and pass 2
+//! each read every processed row once (greedy rows only in pass 1);
 //! `verify_finish` reads the collected candidates, and a whole row again only for a bucket too
 //! full to collect (rows of nearly equal logits); `verify_residual` reads the two rows of a
 //! rejected sampled draft. Tuning per target: `[target.verify]` in `kernels/targets.toml`.
@@ -98,8 +110,11 @@ pub const KERNEL_SELECT: &str = "verify_select";
 pub const KERNEL_FINISH: &str = "verify_finish";
 /// The residual draw after rejecting a sampled draft.
 pub const KERNEL_RESIDUAL: &str = "verify_residual";
-/// A batch of greedy sequences in one launch: argmax and acceptance chain ([`Batch::greedy`]).
+/// A batch of greedy sequences in one launch: argmax and acceptance chain ([`Path::Greedy`]).
 pub const KERNEL_GREEDY: &str = "verify_greedy";
+/// A batch whose every sequence keeps at most `top_k_max` tokens, in one launch: each row's top
+/// k, its exact finish and the acceptance chains ([`Path::TopK`]).
+pub const KERNEL_TOP_K: &str = "verify_topk";
 
 /// Largest vocabulary the kernels take (a token id is 20 bits of their sort keys).
 pub const MAX_VOCAB: usize = (1 << 20) - 1;
@@ -158,8 +173,9 @@ pub mod device {
     pub const STATUS_PARAM: u32 = 4;
     /// Status: waiting for `verify_residual` (never left after a complete launch).
     pub const STATUS_PENDING: u32 = 5;
-    /// Status: `verify_greedy` ran for a sequence it cannot serve (a graph captured for a greedy
-    /// batch, replayed after [`super::VerifyWorkspace::set_batch`] uploaded another kind).
+    /// Status: `verify_greedy` or `verify_topk` ran for a sequence it cannot serve (a graph
+    /// captured for a [`super::Path::Greedy`] or [`super::Path::TopK`] batch, replayed after
+    /// [`super::VerifyWorkspace::set_batch`] uploaded another kind).
     pub const STATUS_STALE: u32 = 6;
     /// `Sequence::flags`: the batch has draft logit rows.
     pub const SEQUENCE_SAMPLED_DRAFTS: u32 = 1;
@@ -242,13 +258,14 @@ pub mod device {
         pub block_summary: u64,
         /// Scratch: per-row weight grids, zero between launches.
         pub row_grid: u64,
-        /// Scratch: per-row grid anchors, zero between launches.
+        /// Scratch: per-row grid anchors (`verify_topk`: bounds on the row's k-th logit), zero
+        /// between launches.
         pub row_anchor: u64,
         /// Scratch: per-row histograms.
         pub row_hist: u64,
         /// Scratch: per-row state.
         pub row_state: u64,
-        /// Scratch: per-row candidates.
+        /// Scratch: per-row candidates (`verify_topk`: per-block ones).
         pub candidates: u64,
         /// Scratch: residual sums per sequence and chunk.
         pub residual_sums: u64,
@@ -322,8 +339,13 @@ pub struct Layout {
     pub target_blocks: usize,
     /// Blocks of one wave of `verify_greedy` (multiprocessors x greedy_blocks_per_sm).
     pub greedy_blocks: usize,
-    /// Threads per block, also the most rows a sequence of a [`Batch::greedy`] batch has.
+    /// Threads per block, also the most rows a sequence of a [`Path::Greedy`] batch has.
     pub threads_per_block: usize,
+    /// Largest top-k of a [`Path::TopK`] batch (`top_k_max` of the target).
+    pub top_k_max: usize,
+    /// Candidates per `verify_topk` block (`top_k_buffer` of the target): the u64 slots each
+    /// block of a row writes its candidates to.
+    pub top_k_buffer: usize,
 }
 
 impl Layout {
@@ -369,6 +391,8 @@ impl Layout {
             target_blocks,
             greedy_blocks,
             threads_per_block: tiles.threads_per_block as usize,
+            top_k_max: tiles.top_k_max as usize,
+            top_k_buffer: tiles.top_k_buffer as usize,
         })
     }
 
@@ -413,7 +437,10 @@ impl Layout {
             row_anchor: self.rows,
             row_hist: self.rows * self.buckets,
             row_state: self.rows * self.row_words,
-            candidates: self.rows * self.candidates_per_row,
+            // pass 2's per-row candidates, or verify_topk's per-block ones (split_greedy: at
+            // most max(greedy_blocks, rows) blocks)
+            candidates: (self.rows * self.candidates_per_row)
+                .max(self.greedy_blocks.max(self.rows) * self.top_k_buffer),
             residual_sums: cap.max_sequences * self.chunks_per_row,
             counters: self.counters(),
             emitted: cap.max_sequences * (cap.max_drafts + 1),
@@ -429,14 +456,16 @@ impl Layout {
         if rows == 0 {
             return Vec::new();
         }
-        if batch.greedy {
-            return vec![(KERNEL_GREEDY, (batch.blocks_per_row as u32, rows))];
-        }
-        let mut out = vec![
-            (KERNEL_HISTOGRAM, (batch.blocks_per_row as u32, rows)),
-            (KERNEL_SELECT, (batch.blocks_per_row as u32, rows)),
-            (KERNEL_FINISH, (1, rows)),
-        ];
+        let grid = (batch.blocks_per_row as u32, rows);
+        let mut out = match batch.path {
+            Path::Greedy => return vec![(KERNEL_GREEDY, grid)],
+            Path::TopK => vec![(KERNEL_TOP_K, grid)],
+            Path::Histogram => vec![
+                (KERNEL_HISTOGRAM, grid),
+                (KERNEL_SELECT, grid),
+                (KERNEL_FINISH, (1, rows)),
+            ],
+        };
         if batch.kind == DraftKind::Sampled {
             out.push((
                 KERNEL_RESIDUAL,
@@ -483,6 +512,20 @@ pub struct BufferLengths {
     pub stats: usize,
 }
 
+/// Which kernels serve a batch ([`Layout::launches`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// `verify_histogram`, `verify_select`, `verify_finish` (and `verify_residual` for sampled
+    /// drafts): any controls.
+    Histogram,
+    /// `verify_greedy` alone: every sequence greedy with controls the host accepted, point-mass
+    /// drafts, fewer drafts than a block has threads.
+    Greedy,
+    /// `verify_topk` (and `verify_residual` for sampled drafts): every sequence greedy, rejected
+    /// by the host, or with top-k in `1..=top_k_max`, so that a row's top k decide everything.
+    TopK,
+}
+
 /// A batch encoded for the device: what [`VerifyWorkspace::set_batch`] uploads.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Batch {
@@ -504,14 +547,13 @@ pub struct Batch {
     pub target_rows: usize,
     /// Draft tokens (and draft logit rows).
     pub draft_rows: usize,
-    /// Blocks per row of passes 1 and 2 (or of `verify_greedy`: [`Layout::split_greedy`]).
+    /// Blocks per row of passes 1 and 2 (or of `verify_greedy` and `verify_topk`:
+    /// [`Layout::split_greedy`]).
     pub blocks_per_row: usize,
     /// Chunks each of those blocks streams.
     pub chunks_per_block: usize,
-    /// Every sequence is greedy with controls the host accepted, the drafts are point masses,
-    /// and no sequence has more rows than a block has threads: [`KERNEL_GREEDY`] alone serves
-    /// the batch, one launch instead of three.
-    pub greedy: bool,
+    /// The kernels that serve it.
+    pub path: Path,
 }
 
 impl Batch {
@@ -544,9 +586,10 @@ impl Batch {
             draft_rows: 0,
             blocks_per_row: 0,
             chunks_per_block: 0,
-            greedy: kind == DraftKind::PointMass,
+            path: Path::Histogram,
         };
         let sampled = kind == DraftKind::Sampled;
+        let (mut greedy, mut top_k) = (kind == DraftKind::PointMass, true);
         for (s, seq) in sequences.iter().enumerate() {
             if seq.drafts > cap.max_drafts {
                 return Err(Error::invalid(
@@ -618,17 +661,26 @@ impl Batch {
                 },
                 reserved: 0,
             });
-            batch.greedy &= params.temperature == 0.0
+            greedy &= params.temperature == 0.0
                 && host_error.is_none()
                 && seq.drafts < layout.threads_per_block;
+            top_k &= host_error.is_some()
+                || params.temperature == 0.0
+                || (1..=layout.top_k_max).contains(&params.top_k.min(cap.vocab));
             batch.host_errors.push(host_error);
             batch.target_rows += seq.drafts + 1;
             batch.draft_rows += seq.drafts;
         }
-        let (blocks_per_row, chunks_per_block) = if batch.greedy {
-            layout.split_greedy(batch.rows.len())
+        batch.path = if greedy {
+            Path::Greedy
+        } else if top_k {
+            Path::TopK
         } else {
-            layout.split(batch.rows.len())
+            Path::Histogram
+        };
+        let (blocks_per_row, chunks_per_block) = match batch.path {
+            Path::Histogram => layout.split(batch.rows.len()),
+            Path::Greedy | Path::TopK => layout.split_greedy(batch.rows.len()),
         };
         batch.blocks_per_row = blocks_per_row;
         batch.chunks_per_block = chunks_per_block;
@@ -678,8 +730,8 @@ impl Batch {
                     device::STATUS_STALE => {
                         return Err(Error::invalid(
                             format!("verify sequence {s}"),
-                            "the launches that ran were planned for a batch of greedy sequences \
-                             (a replayed graph?); capture them again for this batch",
+                            "the launches that ran were planned for a batch of greedy or top-k \
+                             sequences (a replayed graph?); capture them again for this batch",
                         ));
                     }
                     code => {
@@ -817,9 +869,10 @@ impl VerifyWorkspace {
     ///
     /// A captured graph replays the launches of the batch it was captured with, grids and
     /// arguments included ([`Layout::launches`]): a new batch needs the same sequence and row
-    /// counts. A graph of a [`Batch::greedy`] batch serves only sequences at temperature 0 with
-    /// point-mass drafts and fewer drafts than a block has threads; any other gets
-    /// [`Error::Invalid`] from [`VerifyWorkspace::outcomes`], never a token.
+    /// counts. A graph of a [`Path::Greedy`] batch serves only sequences at temperature 0 with
+    /// point-mass drafts and fewer drafts than a block has threads, one of a [`Path::TopK`] batch
+    /// only sequences it would take again; any other gets [`Error::Invalid`] from
+    /// [`VerifyWorkspace::outcomes`], never a token.
     ///
     /// # Errors
     /// As [`Batch::encode`]; [`Error::Cuda`] / [`Error::Hip`] when a copy fails.
