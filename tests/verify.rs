@@ -723,6 +723,7 @@ fn tiny_tiles() -> VerifyTiles {
         candidates_per_row: 4,
         blocks_per_sm: 2,
         greedy_blocks_per_sm: 2,
+        top_k_blocks_per_sm: 2,
         top_k_max: 8,
         top_k_buffer: 72,
     }
@@ -937,6 +938,17 @@ fn emulated_top_k_batches_equal_the_reference_in_one_launch() {
                 .full_top_k_buffers;
         }
     }
+    // top-k off in one sequence: the histogram passes; then all on: verify_topk
+    let batch = batches::clamped_octaves(300);
+    check_emulated("clamped octaves", &sm90_tiles(), 300, &batch, &[132, 1]);
+    let batch = batch.with_top_k(&[5, 2]);
+    check_emulated(
+        "top-k clamped octaves",
+        &sm90_tiles(),
+        300,
+        &batch,
+        &[132, 1],
+    );
     let mut full = SplitMix64::new(20);
     let vocab = 248_320;
     let batch = batches::random(&mut full, vocab, 3, 2).with_top_k(&[50, 1, 256]);

@@ -46,6 +46,12 @@
 {%- else %}
 #define VGREEDY_BOUNDS VT, {{ target.verify.greedy_blocks_per_sm }}
 {%- endif %}
+// verify_topk: the same for top_k_blocks_per_sm
+{%- if target.vendor == "amd" %}
+#define VTOPK_BOUNDS VT
+{%- else %}
+#define VTOPK_BOUNDS VT, {{ target.verify.top_k_blocks_per_sm }}
+{%- endif %}
 #define VI {{ target.verify.items_per_thread }}
 #define VG {{ target.verify.sub_buckets_per_octave }}
 #define VCAP {{ target.verify.candidates_per_row }}
@@ -1970,7 +1976,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
 #define VTOPK_BUF {{ target.verify.top_k_buffer }}
 #define VTOPK_PER ((VTOPK_BUF + VT - 1) / VT)  // buffer entries per thread
 #define VTOPK_SORTED VTOPK_MAX                  // the ranked top k: buf[VTOPK_SORTED + rank]
-#define VTOPK_MERGE 8                           // candidates per thread per merge round
+#define VTOPK_MERGE 4                           // candidates per thread per merge round
 #define VKEY_LOWEST_FINITE 0x00800000u          // order_key(-FLT_MAX)
 static_assert(VTOPK_MAX <= VT && VTOPK_BUF >= VTOPK_MAX + VT, "verify.top_k_max, top_k_buffer");
 
@@ -2043,7 +2049,7 @@ FP4_DEVICE float float_below(float x) {
     return bits_to_f32((b & 0x80000000u) ? b + 1 : b - 1);
 }
 
-/// Block-wide: a code T with exactly k of the n distinct codes[0, n) at or above it (n > k >= 1),
+/// Block-wide: a code T with exactly k of the n distinct codes[0, n) at or above it (n >= k >= 1),
 /// to every thread. Radix rounds over 8-bit digits from the top, stopping at the first digit that
 /// holds exactly the codes still needed (T is then that prefix, its lower bits zero).
 FP4_DEVICE u64 kth_code(TopkShared& sh, const u64* codes, u32 n, u32 k) {
@@ -2094,11 +2100,11 @@ FP4_DEVICE void raise_floor(TopkState& st, u64 t) {
     st.bound_key = key > st.bound_key ? key : st.bound_key;
 }
 
-/// Block-wide: the state after cutting the full buffer (count > k) back to its top k codes,
-/// floors raised. A token of a later chunk whose logit equals the k-th one's has a larger id, so
-/// it is not among the top k: floor admits only logits above. The state travels by value: a
-/// reference would keep the hot loop's copy in local memory around this out-of-line call.
-VERIFY_RARE TopkState topk_cut(TopkShared& sh, TopkState st, u32 k) {
+/// Block-wide: cuts the buffer (count > k) back to its top k codes and raises the floors. A
+/// token of a later chunk whose logit equals the k-th one's has a larger id, so it is not among
+/// the top k: floor admits only logits above. Inline, as is everything verify_topk calls on its
+/// way: a call would save the registers live across it to the stack.
+FP4_DEVICE void topk_cut(TopkShared& sh, TopkState& st, u32 k) {
     block_sync();  // the buffer's last codes are written
     const u64 t = kth_code(sh, sh.buf, st.count, k);
     u64 mine[VTOPK_PER];
@@ -2118,43 +2124,58 @@ VERIFY_RARE TopkState topk_cut(TopkShared& sh, TopkState st, u32 k) {
     st.count = s.total;
     raise_floor(st, t);
     block_sync();
-    return st;
 }
 
-/// Block-wide: adds the codes code_of(j), j < N, whose bit j of `mask` is set; the caller
-/// admitted them (floor or floor_code). When they do not fit, one j at a time, cutting a full
-/// buffer back to the top k first (then a code is admitted again against the new floor_code).
+/// Block-wide: appends the codes code_of(j), j < N, whose bit j of `mask` is set (the caller
+/// admitted them), when they all fit; false, having written nothing, when they do not.
 template <int N, typename CodeOf>
-FP4_DEVICE void topk_insert(TopkShared& sh, TopkState& st, u32 k, u32 mask, CodeOf code_of) {
+FP4_DEVICE bool topk_append(TopkShared& sh, TopkState& st, u32 mask, CodeOf code_of) {
     const Slots s = block_count_scan(popcount(mask), sh.totals, st.phase);
-    if (s.total == 0) return;
-    if (st.count + s.total <= VTOPK_BUF) {
-        u32 at = st.count + s.offset;
-        #pragma unroll
-        for (int j = 0; j < N; ++j)
-            if ((mask >> j) & 1u) sh.buf[at++] = code_of(j);
-        st.count += s.total;
-        return;
-    }
+    if (st.count + s.total > VTOPK_BUF) return false;
+    u32 at = st.count + s.offset;
     #pragma unroll
-    for (int j = 0; j < N; ++j) {
-        bool in = (mask >> j) & 1u;
-        Slots t = block_count_scan(in ? 1u : 0u, sh.totals, st.phase);
-        if (st.count + t.total > VTOPK_BUF) {
-            if (thread_x() == 0) VERIFY_TRACE(VTRACE_TOPK_FULL);
-            st = topk_cut(sh, st, k);
-            in = in && code_of(j) >= st.floor_code;
-            t = block_count_scan(in ? 1u : 0u, sh.totals, st.phase);
+    for (int j = 0; j < N; ++j)
+        if ((mask >> j) & 1u) sh.buf[at++] = code_of(j);
+    st.count += s.total;
+    return true;
+}
+
+/// Block-wide: appends each thread's `code` when `in` (one per thread at most); when they do not
+/// fit, cuts the full buffer back to its top k first and admits `code` again against the new
+/// floor_code. The slow paths take what did not fit whole this way, one per thread at a time,
+/// each value read again: no array of them lives across a cut.
+FP4_DEVICE void topk_insert_one(TopkShared& sh, TopkState& st, u32 k, u64 code, bool in) {
+    Slots s = block_count_scan(in ? 1u : 0u, sh.totals, st.phase);
+    if (st.count + s.total > VTOPK_BUF) {
+        if (thread_x() == 0) VERIFY_TRACE(VTRACE_TOPK_FULL);
+        topk_cut(sh, st, k);
+        in = in && code >= st.floor_code;
+        s = block_count_scan(in ? 1u : 0u, sh.totals, st.phase);
+    }
+    if (in) sh.buf[st.count + s.offset] = code;
+    st.count += s.total;
+}
+
+/// Block-wide: chunk `chunk` of a row that did not fit the buffer whole, one slab (token
+/// chunk * VCHUNK + VT * j + thread) at a time, each logit read and biased again as bias_chunk
+/// does (a bad token reads -inf). Later slabs hold later tokens, so the float floor admits them.
+FP4_DEVICE void topk_insert_slabs(const RowView& v, u32 chunk, TopkShared& sh, TopkState& st, u32 k) {
+    for (u32 j = 0; j < VI; ++j) {
+        const u32 token = chunk * VCHUNK + VT * j + thread_x();
+        float z = -f32_inf();
+        if (token < v.vocab) {
+            float raw;
+            const float biased = biased_logit(v, token, &raw);
+            if (!(raw != raw || raw == f32_inf() || biased == f32_inf())) z = biased;
         }
-        if (in) sh.buf[st.count + t.offset] = code_of(j);
-        st.count += t.total;
+        topk_insert_one(sh, st, k, argmax_code(z, token), z > st.floor);
     }
 }
 
 /// Block-wide, on a block's first chunk (z biased, its tokens first + VT * j): the floors from the
-/// k-th largest of the threads' maxima (k distinct tokens reach it).
+/// k-th largest of the threads' maxima (k distinct tokens reach it; k <= VT); none when fewer
+/// than k threads hold a finite logit.
 FP4_DEVICE void topk_first_floor(TopkShared& sh, TopkState& st, u32 k, const float (&z)[VI], u32 first) {
-    if (k >= VT) return;
     sh.buf[thread_x()] = thread_argmax(z, first);
     block_sync();
     const u64 t = kth_code(sh, sh.buf, VT, k);
@@ -2164,6 +2185,18 @@ FP4_DEVICE void topk_first_floor(TopkShared& sh, TopkState& st, u32 k, const flo
     st.floor = float_below(key_to_f32(key));
     st.floor_code = (u64)key << 32;
     st.bound_key = key;
+}
+
+/// Where candidate f (counted over the row's blocks in order) lies in the row's slots: in the
+/// block of the last start at or before it.
+FP4_DEVICE u64 candidate_at(const TopkShared& sh, u32 blocks, u32 f) {
+    u32 lo = 0, hi = blocks - 1;
+    while (lo < hi) {
+        const u32 mid = (lo + hi + 1) / 2;
+        if (sh.block_start[mid] <= f) lo = mid;
+        else hi = mid - 1;
+    }
+    return (u64)lo * VTOPK_BUF + (f - sh.block_start[lo]);
 }
 
 /// The block of the row's last arrival: merges the candidates every block of the row wrote
@@ -2191,22 +2224,17 @@ FP4_DEVICE void topk_merge(const VerifyArgs& a, u32 r, TopkShared& sh, TopkState
         #pragma unroll
         for (int j = 0; j < VTOPK_MERGE; ++j) {
             const u32 f = f0 + thread_x() + VT * (u32)j;
-            code[j] = 0;
-            if (f < total) {
-                // the block holding candidate f: the last start at or before it
-                u32 lo = 0, hi = blocks - 1;
-                while (lo < hi) {
-                    const u32 mid = (lo + hi + 1) / 2;
-                    if (sh.block_start[mid] <= f) lo = mid;
-                    else hi = mid - 1;
-                }
-                code[j] = load_shared_u64(&written[(u64)lo * VTOPK_BUF + (f - sh.block_start[lo])]);
-            }
+            code[j] = f < total ? load_shared_u64(&written[candidate_at(sh, blocks, f)]) : 0;
         }
         #pragma unroll
         for (int j = 0; j < VTOPK_MERGE; ++j)
             if (code[j] != 0 && code[j] >= st.floor_code) mask |= 1u << j;
-        topk_insert<VTOPK_MERGE>(sh, st, k, mask, [&](int j) { return code[j]; });
+        if (topk_append<VTOPK_MERGE>(sh, st, mask, [&](int j) { return code[j]; })) continue;
+        for (u32 j = 0; j < VTOPK_MERGE; ++j) {
+            const u32 f = f0 + thread_x() + VT * j;
+            const u64 c = f < total ? load_shared_u64(&written[candidate_at(sh, blocks, f)]) : 0;
+            topk_insert_one(sh, st, k, c, c != 0 && c >= st.floor_code);
+        }
     }
     if (thread_x() == 0) {
         a.counters[r] = 0;
@@ -2236,8 +2264,9 @@ FP4_DEVICE void topk_finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row
     const u32 top_mantissa = exp2_mantissa(top.frac);
     const TokenParts p = token_parts(key_to_f32((u32)(code >> 32)), v.scale);
     const u32 mantissa = exp2_mantissa(p.frac);
-    const i32 below = top.octave - p.octave;
-    const bool positive = present && below <= VOCT;
+    // 64-bit: octaves clamp to +-2^30, so the difference can exceed an i32 (-1: weighs nothing)
+    const i32 below = octaves_below(top.octave, p.octave);
+    const bool positive = present && below >= 0;
     const u128 w = positive ? w128(mantissa) << (u32)(VOCT - below) : w128(0);
     // inclusive running weight: the 32-bit halves scanned apart (each sum fits in 64 bits)
     u64 lo = warp_inclusive_sum<u64>(w.lo & 0xffffffffull), hi = warp_inclusive_sum<u64>((w >> 32).lo);
@@ -2327,7 +2356,7 @@ FP4_DEVICE bool topk_serves(const VerifySequence& seq) {
     return seq.host_error != 0 || seq.temperature == 0.0f || (seq.top_k >= 1 && seq.top_k <= VTOPK_MAX);
 }
 
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_topk(const VerifyArgs a) {
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) {
     chain_after_previous_grid();
     __shared__ TopkShared sh;
     const u32 r = block_y();
@@ -2359,7 +2388,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_topk(const VerifyArgs a
         #pragma unroll
         for (int j = 0; j < VI; ++j)
             if (z[j] > st.floor) mask |= 1u << j;
-        topk_insert<VI>(sh, st, k, mask, [&](int j) { return argmax_code(z[j], base + VT * (u32)j); });
+        if (!topk_append<VI>(sh, st, mask, [&](int j) { return argmax_code(z[j], base + VT * (u32)j); }))
+            topk_insert_slabs(v, chunk, sh, st, k);
     }
     bad = (u32)block_reduce(bad, VOP_MIN, sh.scratch);
     if (a.blocks_per_row > 1) {
@@ -2402,7 +2432,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_topk(const VerifyArgs a
         bad = (u32)block_reduce(row_bad, VOP_MIN, sh.scratch);
         topk_merge(a, r, sh, st, k);
     }
-    if (st.count > k) st = topk_cut(sh, st, k);
+    if (st.count > k) topk_cut(sh, st, k);
     const u32 n = st.count;
     // rank the top n (at most VT): each by the count of larger codes
     block_sync();

@@ -250,6 +250,9 @@ pub struct VerifyTiles {
     /// Resident blocks per multiprocessor of `verify_greedy`: its grid is one wave of them, and
     /// on NVIDIA its launch bounds ask for them.
     pub greedy_blocks_per_sm: u32,
+    /// Resident blocks per multiprocessor of `verify_topk`: its grid is one wave of them, and on
+    /// NVIDIA its launch bounds ask for them.
+    pub top_k_blocks_per_sm: u32,
     /// Largest top-k (1..=`threads_per_block`) that `verify_topk` serves in one launch; a batch
     /// with a sequence above it (or top-k off) takes the histogram passes.
     pub top_k_max: u32,
@@ -570,14 +573,16 @@ impl TargetFacts {
                     .into(),
             );
         }
-        if !(1..=verify.threads_per_block).contains(&verify.top_k_max)
+        if verify.top_k_blocks_per_sm == 0
+            || !(1..=verify.threads_per_block).contains(&verify.top_k_max)
             || verify.top_k_buffer < verify.top_k_max + verify.threads_per_block
             || verify.top_k_buffer > 4096
         {
             return fail(format!(
-                "verify.top_k_max {} must be in 1..=threads_per_block and verify.top_k_buffer {} \
-                 in top_k_max + threads_per_block..=4096 (shared memory)",
-                verify.top_k_max, verify.top_k_buffer
+                "verify.top_k_blocks_per_sm {} must be positive, verify.top_k_max {} in \
+                 1..=threads_per_block and verify.top_k_buffer {} in \
+                 top_k_max + threads_per_block..=4096 (shared memory)",
+                verify.top_k_blocks_per_sm, verify.top_k_max, verify.top_k_buffer
             ));
         }
         self.validate_moe()?;

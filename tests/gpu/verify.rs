@@ -113,6 +113,14 @@ fn verify_reports_every_bad_value_as_the_reference_does() {
             &batch.with_top_k(TOP_KS),
             vocab,
         );
+        let clamped = batches::clamped_octaves(300);
+        check(backend, "clamped octaves", &clamped, 300);
+        check(
+            backend,
+            "top-k clamped octaves",
+            &clamped.with_top_k(TOP_KS),
+            300,
+        );
     }
 }
 

@@ -335,6 +335,29 @@ pub fn straddling_zero(
     b
 }
 
+/// Rows whose octaves clamp at both ends (temperature 1e-8: y = z * log2(e) / T is clamped to
+/// +-2^30), so a token's distance below the top overflows 32 bits: it must weigh nothing. Each
+/// sequence (one draft, the banned token) has two finite logits, 10 and 9, the second biased by
+/// -100; top-k 5 or off.
+pub fn clamped_octaves(vocab: usize) -> Batch {
+    let mut batch = Batch::default();
+    for (s, top_k) in [5usize, 0, 2].into_iter().enumerate() {
+        let mut row = vec![f32::NEG_INFINITY; vocab];
+        row[7] = 10.0;
+        row[100] = 9.0;
+        let params = SamplingParams {
+            temperature: 1e-8,
+            top_k,
+            logit_bias: vec![(100, -100.0)],
+            seed: 7 + s as u64,
+            ..SamplingParams::default()
+        };
+        let drafts = [(100u32, row.clone())];
+        batch.push(params, 1 + s as u64, &[row.clone(), row], &drafts);
+    }
+    batch
+}
+
 /// Rows whose cut and draw buckets hold far more tokens than the candidate space, three
 /// sequences (two drafts each) per shape: nearly flat rows (N(0, 0.001)), exactly flat rows
 /// (ties broken by id only), bf16 plateaus (N(0, 0.05) rounded); each shape with top-p 0.5,

@@ -276,9 +276,11 @@ fn c_chars_to_string(raw: &[std::ffi::c_char]) -> String {
 }
 
 /// Parses ptxas' `-v` report: per entry function, registers, stack frame, spill stores, and
-/// static shared memory.
+/// static shared memory. The stack and spill line after "Function properties for NAME" belongs
+/// to NAME: an out-of-line callee's (reported after its caller) is not the entry's.
 pub fn parse_ptxas_report(log: &str) -> Vec<KernelResources> {
     let mut kernels: Vec<KernelResources> = Vec::new();
+    let mut properties_of_entry = true;
     for line in log.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             let name = rest.split('\'').next().unwrap_or_default();
@@ -286,16 +288,23 @@ pub fn parse_ptxas_report(log: &str) -> Vec<KernelResources> {
                 kernel: name.to_string(),
                 ..Default::default()
             });
+            properties_of_entry = true;
             continue;
         }
         let Some(current) = kernels.last_mut() else {
             continue;
         };
-        if let Some(n) = number_before(line, " bytes stack frame") {
-            current.stack_bytes = Some(n);
+        if let Some(rest) = line.split("Function properties for ").nth(1) {
+            properties_of_entry = rest.trim() == current.kernel;
+            continue;
         }
-        if let Some(n) = number_before(line, " bytes spill stores") {
-            current.spill_bytes = Some(n);
+        if properties_of_entry {
+            if let Some(n) = number_before(line, " bytes stack frame") {
+                current.stack_bytes = Some(n);
+            }
+            if let Some(n) = number_before(line, " bytes spill stores") {
+                current.spill_bytes = Some(n);
+            }
         }
         if let Some(n) = number_before(line, " registers") {
             current.registers = Some(n);
@@ -316,4 +325,36 @@ fn number_before(line: &str, suffix: &str) -> Option<u32> {
         .take_while(|c| c.is_ascii_digit())
         .collect();
     digits.chars().rev().collect::<String>().parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_ptxas_report;
+
+    /// An entry's stack and spills are its own, not those of the out-of-line callee ptxas
+    /// reports after it.
+    #[test]
+    fn a_callee_report_does_not_overwrite_its_caller() {
+        let log = "\
+ptxas info    : Compiling entry function 'kernel_a' for 'sm_90a'
+ptxas info    : Function properties for kernel_a
+ptxas         .     400 bytes stack frame, 296 bytes spill stores, 580 bytes spill loads
+ptxas info    : Used 64 registers, used 1 barriers, 400 bytes cumulative stack size, 13640 bytes smem
+ptxas info    : Function properties for _Z6calleev
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Compiling entry function 'kernel_b' for 'sm_90a'
+ptxas info    : Function properties for kernel_b
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 32 registers, used 0 barriers, 0 bytes smem
+";
+        let report = parse_ptxas_report(log);
+        assert_eq!(report.len(), 2);
+        assert_eq!(report[0].kernel, "kernel_a");
+        assert_eq!(report[0].spill_bytes, Some(296));
+        assert_eq!(report[0].stack_bytes, Some(400));
+        assert_eq!(report[0].registers, Some(64));
+        assert_eq!(report[0].shared_bytes, Some(13640));
+        assert_eq!(report[1].spill_bytes, Some(0));
+        assert_eq!(report[1].registers, Some(32));
+    }
 }

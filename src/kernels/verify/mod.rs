@@ -27,8 +27,10 @@
 //!   to the top k by radix rounds over the codes); a row's blocks share a lower bound on its k-th
 //!   logit (an atomic max) and write only what reaches it; the row's last block merges them, ranks
 //!   the top k, and finishes the row as `verify_finish` does (one token per thread); the last
-//!   row of a sequence walks its chain. Not yet run on a GPU (no device in the session that wrote
-//!   it): the CPU emulation of the kernels equals the reference on every batch of the tests.
+//!   row of a sequence walks its chain. Its grid is one wave of `top_k_blocks_per_sm` blocks per
+//!   multiprocessor (also its NVIDIA launch bounds). Not yet run on a GPU (no device in the
+//!   session that wrote it): the CPU emulation of the kernels equals the reference on every
+//!   batch of the tests.
 //! - `verify_greedy`, alone, when every sequence is greedy ([`Path::Greedy`]): a greedy row needs
 //!   only its argmax and first bad logit, so pass 1's streaming and each sequence's acceptance
 //!   chain share one launch (the last block of a sequence to arrive walks its chain), where the
@@ -339,6 +341,8 @@ pub struct Layout {
     pub target_blocks: usize,
     /// Blocks of one wave of `verify_greedy` (multiprocessors x greedy_blocks_per_sm).
     pub greedy_blocks: usize,
+    /// Blocks of one wave of `verify_topk` (multiprocessors x top_k_blocks_per_sm).
+    pub top_k_blocks: usize,
     /// Threads per block, also the most rows a sequence of a [`Path::Greedy`] batch has.
     pub threads_per_block: usize,
     /// Largest top-k of a [`Path::TopK`] batch (`top_k_max` of the target).
@@ -377,6 +381,7 @@ impl Layout {
             })?;
         let target_blocks = (multiprocessors.max(1) * tiles.blocks_per_sm) as usize;
         let greedy_blocks = (multiprocessors.max(1) * tiles.greedy_blocks_per_sm) as usize;
+        let top_k_blocks = (multiprocessors.max(1) * tiles.top_k_blocks_per_sm) as usize;
         Ok(Self {
             capacity,
             chunk,
@@ -387,9 +392,10 @@ impl Layout {
             row_words: device::ROW_STATE_FIXED_WORDS + buckets.div_ceil(64),
             candidates_per_row: tiles.candidates_per_row as usize,
             rows,
-            block_slots: target_blocks.max(greedy_blocks) + rows,
+            block_slots: target_blocks.max(greedy_blocks).max(top_k_blocks) + rows,
             target_blocks,
             greedy_blocks,
+            top_k_blocks,
             threads_per_block: tiles.threads_per_block as usize,
             top_k_max: tiles.top_k_max as usize,
             top_k_buffer: tiles.top_k_buffer as usize,
@@ -407,6 +413,11 @@ impl Layout {
     /// second wave would wait for the first's chain of round trips).
     pub fn split_greedy(&self, rows: usize) -> (usize, usize) {
         self.split_into(self.greedy_blocks / rows.max(1))
+    }
+
+    /// As [`Layout::split_greedy`] for `verify_topk` ([`Layout::top_k_blocks`]).
+    pub fn split_top_k(&self, rows: usize) -> (usize, usize) {
+        self.split_into(self.top_k_blocks / rows.max(1))
     }
 
     /// Blocks per row (about `wanted`, at least 1, at most one per chunk) and chunks per block.
@@ -437,10 +448,10 @@ impl Layout {
             row_anchor: self.rows,
             row_hist: self.rows * self.buckets,
             row_state: self.rows * self.row_words,
-            // pass 2's per-row candidates, or verify_topk's per-block ones (split_greedy: at
-            // most max(greedy_blocks, rows) blocks)
+            // pass 2's per-row candidates, or verify_topk's per-block ones (split_top_k: at
+            // most max(top_k_blocks, rows) blocks)
             candidates: (self.rows * self.candidates_per_row)
-                .max(self.greedy_blocks.max(self.rows) * self.top_k_buffer),
+                .max(self.top_k_blocks.max(self.rows) * self.top_k_buffer),
             residual_sums: cap.max_sequences * self.chunks_per_row,
             counters: self.counters(),
             emitted: cap.max_sequences * (cap.max_drafts + 1),
@@ -547,8 +558,8 @@ pub struct Batch {
     pub target_rows: usize,
     /// Draft tokens (and draft logit rows).
     pub draft_rows: usize,
-    /// Blocks per row of passes 1 and 2 (or of `verify_greedy` and `verify_topk`:
-    /// [`Layout::split_greedy`]).
+    /// Blocks per row of passes 1 and 2 (or of `verify_greedy`, [`Layout::split_greedy`], and
+    /// `verify_topk`, [`Layout::split_top_k`]).
     pub blocks_per_row: usize,
     /// Chunks each of those blocks streams.
     pub chunks_per_block: usize,
@@ -680,7 +691,8 @@ impl Batch {
         };
         let (blocks_per_row, chunks_per_block) = match batch.path {
             Path::Histogram => layout.split(batch.rows.len()),
-            Path::Greedy | Path::TopK => layout.split_greedy(batch.rows.len()),
+            Path::Greedy => layout.split_greedy(batch.rows.len()),
+            Path::TopK => layout.split_top_k(batch.rows.len()),
         };
         batch.blocks_per_row = blocks_per_row;
         batch.chunks_per_block = chunks_per_block;

@@ -182,11 +182,12 @@ pub fn octave_mantissa(z: f32, c: f32) -> (i32, u32) {
 /// The weight of a token of octave `k` and mantissa `m` in a row whose largest octave is
 /// `top_octave`.
 pub fn weight(k: i32, m: u32, top_octave: i32) -> u128 {
-    let below = top_octave - k;
-    if below > MASS_OCTAVES {
+    // i64: octaves clamp to +-2^30, so the difference can exceed an i32
+    let below = i64::from(top_octave) - i64::from(k);
+    if below > i64::from(MASS_OCTAVES) {
         0
     } else {
-        u128::from(m) << (MASS_OCTAVES - below)
+        u128::from(m) << (i64::from(MASS_OCTAVES) - below)
     }
 }
 
