@@ -962,6 +962,38 @@ fn emulated_top_k_batches_equal_the_reference_in_one_launch() {
     assert!(fills > 20, "the buffers filled only {fills} times");
 }
 
+/// A logit the bias makes NaN (+inf, then -inf) is a bad value of that token on every path (the
+/// histogram passes, verify_topk, verify_greedy), as in the reference.
+#[test]
+fn emulated_kernels_report_a_nan_made_by_the_bias() {
+    let batch = batches::nan_after_bias(300);
+    for kind in [DraftKind::PointMass, DraftKind::Sampled] {
+        let run = batches::on_backend(&Backend::Cpu, &batch, 300, kind);
+        for outcome in &run.outcomes {
+            assert!(
+                matches!(outcome, Err(RowError::NonFiniteLogit { row: 0, token: 5, value })
+                    if value.is_nan()),
+                "NaN after bias: {outcome:?}"
+            );
+        }
+    }
+    check_emulated("NaN after bias", &sm90_tiles(), 300, &batch, &[132, 1]);
+    check_emulated(
+        "top-k NaN after bias",
+        &sm90_tiles(),
+        300,
+        &batch.with_top_k(&[20]),
+        &[132, 1],
+    );
+    check_emulated(
+        "greedy NaN after bias",
+        &sm90_tiles(),
+        300,
+        &batch.greedy_sequences(300),
+        &[132, 1],
+    );
+}
+
 #[test]
 fn emulated_kernels_report_every_bad_value_as_the_reference_does() {
     let (batch, vocab) = batches::bad_values(&mut SplitMix64::new(15));

@@ -532,7 +532,7 @@ FP4_DEVICE void load_logits(const float* logits, u32 vocab, u32 chunk, float (&x
 }
 
 /// Chunk `chunk` of a row, its logits in z (load_logits), with the bias applied in place. Bit j
-/// of the result marks a bad element (NaN or +inf logit, or +inf after the bias); bad elements
+/// of the result marks a bad element (NaN or +inf logit, or +inf or NaN after the bias); bad elements
 /// read as -inf.
 FP4_DEVICE u32 bias_chunk(const RowView& v, u32 chunk, float (&z)[VI]) {
     const u32 base = chunk * VCHUNK;
@@ -548,9 +548,14 @@ FP4_DEVICE u32 bias_chunk(const RowView& v, u32 chunk, float (&z)[VI]) {
         if (offset % VT != thread_x()) continue;
         const u32 slot = offset / VT;
         const float b = v.bias_values[i];
+        // a NaN stays one: checked per entry, where the bias can make it (+inf, then -inf)
         #pragma unroll
-        for (int j = 0; j < VI; ++j)
-            if ((u32)j == slot) z[j] = add32(z[j], b);
+        for (int j = 0; j < VI; ++j) {
+            if ((u32)j == slot) {
+                z[j] = add32(z[j], b);
+                if (z[j] != z[j]) bad |= 1u << j;
+            }
+        }
     }
     #pragma unroll
     for (int j = 0; j < VI; ++j) {
@@ -1853,7 +1858,7 @@ FP4_DEVICE void greedy_chunk(const RowView& v, u32 chunk, const float (&x)[VI], 
         biased |= 1u << (offset / VT);
         float raw;
         const float z = biased_logit(v, token, &raw);
-        if (raw != raw || raw == inf || z == inf) bad = umin(bad, token);
+        if (raw != raw || raw == inf || z == inf || z != z) bad = umin(bad, token);
         else if (z > -inf) {
             const u64 code = argmax_code(add32(z, 0.0f), token);
             best = code > best ? code : best;
@@ -2166,7 +2171,7 @@ FP4_DEVICE void topk_insert_slabs(const RowView& v, u32 chunk, TopkShared& sh, T
         if (token < v.vocab) {
             float raw;
             const float biased = biased_logit(v, token, &raw);
-            if (!(raw != raw || raw == f32_inf() || biased == f32_inf())) z = biased;
+            if (!(raw != raw || raw == f32_inf() || biased == f32_inf() || biased != biased)) z = biased;
         }
         topk_insert_one(sh, st, k, argmax_code(z, token), z > st.floor);
     }

@@ -99,28 +99,26 @@ fn verify_equals_the_reference_at_the_bench_shapes() {
 #[test]
 fn verify_reports_every_bad_value_as_the_reference_does() {
     for backend in devices("verify_reports_every_bad_value_as_the_reference_does") {
-        let (batch, vocab) = batches::bad_values(&mut rng("verify bad values"));
-        check(backend, "bad values", &batch, vocab);
-        check(
-            backend,
-            "greedy bad values",
-            &batch.greedy_sequences(vocab),
-            vocab,
-        );
-        check(
-            backend,
-            "top-k bad values",
-            &batch.with_top_k(TOP_KS),
-            vocab,
-        );
-        let clamped = batches::clamped_octaves(300);
-        check(backend, "clamped octaves", &clamped, 300);
-        check(
-            backend,
-            "top-k clamped octaves",
-            &clamped.with_top_k(TOP_KS),
-            300,
-        );
+        let bad = batches::bad_values(&mut rng("verify bad values"));
+        for (what, (batch, vocab)) in [
+            ("bad values", bad),
+            ("NaN after bias", (batches::nan_after_bias(300), 300)),
+            ("clamped octaves", (batches::clamped_octaves(300), 300)),
+        ] {
+            check(backend, what, &batch, vocab);
+            check(
+                backend,
+                &format!("top-k {what}"),
+                &batch.with_top_k(TOP_KS),
+                vocab,
+            );
+            check(
+                backend,
+                &format!("greedy {what}"),
+                &batch.greedy_sequences(vocab),
+                vocab,
+            );
+        }
     }
 }
 

@@ -335,6 +335,26 @@ pub fn straddling_zero(
     b
 }
 
+/// A logit the bias makes NaN (3e38, biased by 3e38 to +inf, then by -inf): a bad value at that
+/// token, for a greedy sequence, a sampling one with top-k and one without (one draft each).
+pub fn nan_after_bias(vocab: usize) -> Batch {
+    let mut batch = Batch::default();
+    for (s, (temperature, top_k)) in [(0.0, 0usize), (0.8, 20), (0.8, 0)].into_iter().enumerate() {
+        let mut row: Vec<f32> = (0..vocab).map(|i| (i % 13) as f32 * 0.5).collect();
+        row[5] = 3e38;
+        let params = SamplingParams {
+            temperature,
+            top_k,
+            logit_bias: vec![(5, 3e38), (5, f32::NEG_INFINITY)],
+            seed: 11 + s as u64,
+            ..SamplingParams::default()
+        };
+        let drafts = [(3u32, row.clone())];
+        batch.push(params, 1 + s as u64, &[row.clone(), row], &drafts);
+    }
+    batch
+}
+
 /// Rows whose octaves clamp at both ends (temperature 1e-8: y = z * log2(e) / T is clamped to
 /// +-2^30), so a token's distance below the top overflows 32 bits: it must weigh nothing. Each
 /// sequence (one draft, the banned token) has two finite logits, 10 and 9, the second biased by

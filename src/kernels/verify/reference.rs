@@ -78,8 +78,8 @@ impl Default for SamplingParams {
 /// Why a sequence's row cannot be sampled or verified (a per-sequence status, never a token).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RowError {
-    /// NaN or +Inf in a logit row (-Inf is a masked token), or a logit that the bias pushed to
-    /// +Inf.
+    /// NaN or +Inf in a logit row (-Inf is a masked token), or a logit that the bias made +Inf or
+    /// NaN (+Inf, then a -Inf entry).
     #[error("row {row}: logit of token {token} is {value}")]
     NonFiniteLogit {
         /// Row within the sequence's rows.
@@ -272,13 +272,15 @@ pub fn check_params(params: &SamplingParams, vocab: usize) -> Result<(), RowErro
 }
 
 /// The biased logits of one row (step 1), after checking it: the first token whose logit is NaN
-/// or +Inf, or whose biased logit is +Inf, is an error; so is a row of only -Inf.
+/// or +Inf, or whose biased logit is +Inf or NaN, is an error; so is a row of only -Inf.
 fn biased(logits: &[f32], params: &SamplingParams, row: usize) -> Result<Vec<f32>, RowError> {
     let mut z = logits.to_vec();
     for &(token, bias) in &params.logit_bias {
         z[token as usize] += bias;
     }
-    let bad = |i: usize| logits[i].is_nan() || logits[i] == f32::INFINITY || z[i] == f32::INFINITY;
+    let bad = |i: usize| {
+        logits[i].is_nan() || logits[i] == f32::INFINITY || z[i] == f32::INFINITY || z[i].is_nan()
+    };
     if let Some(token) = (0..z.len()).find(|&i| bad(i)) {
         let value = if logits[token].is_nan() || logits[token] == f32::INFINITY {
             logits[token]
