@@ -1041,6 +1041,32 @@ fn the_bad_value_batch_covers_every_status() {
     }
 }
 
+/// verify_topk's split: one wave of blocks while the rows fit in it, rows split further beyond
+/// (sm_90a tiles, 132 multiprocessors, V = 248320: 61 chunks per row, 264 blocks per wave).
+#[test]
+fn top_k_batches_split_into_few_short_waves() {
+    let capacity = kernels::Capacity {
+        vocab: 248_320,
+        max_sequences: 64,
+        max_drafts: 8,
+        max_bias_entries: 1,
+    };
+    let layout = Layout::new(capacity, &sm90_tiles(), 132).expect("layout");
+    assert_eq!(layout.top_k_blocks, 264);
+    assert_eq!(layout.split_top_k(2), (61, 1));
+    assert_eq!(layout.split_top_k(128), (2, 31));
+    assert_eq!(layout.split_top_k(320), (4, 16));
+    assert_eq!(layout.split_top_k(576), (3, 21));
+    for rows in 1..=layout.rows {
+        let (blocks, chunks) = layout.split_top_k(rows);
+        assert!(
+            blocks * chunks >= layout.chunks_per_row
+                && (blocks - 1) * chunks < layout.chunks_per_row
+        );
+        assert!(rows * blocks <= (kernels::MAX_TOP_K_WAVES * layout.top_k_blocks).max(rows));
+    }
+}
+
 /// The constants the template and the device module share agree (a drift would misread every
 /// buffer).
 #[test]

@@ -122,6 +122,9 @@ pub const KERNEL_TOP_K: &str = "verify_topk";
 pub const MAX_VOCAB: usize = (1 << 20) - 1;
 /// Most blocks one row is split over (the pass-1 merge's shared table).
 pub const MAX_BLOCKS_PER_ROW: usize = 256;
+/// Most waves of `verify_topk` blocks a batch is split into ([`Layout::split_top_k`]); sizes its
+/// per-block candidate slots.
+pub const MAX_TOP_K_WAVES: usize = 8;
 
 /// How the drafts of a batch were proposed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -392,7 +395,10 @@ impl Layout {
             row_words: device::ROW_STATE_FIXED_WORDS + buckets.div_ceil(64),
             candidates_per_row: tiles.candidates_per_row as usize,
             rows,
-            block_slots: target_blocks.max(greedy_blocks).max(top_k_blocks) + rows,
+            block_slots: target_blocks
+                .max(greedy_blocks)
+                .max(MAX_TOP_K_WAVES * top_k_blocks)
+                + rows,
             target_blocks,
             greedy_blocks,
             top_k_blocks,
@@ -415,9 +421,27 @@ impl Layout {
         self.split_into(self.greedy_blocks / rows.max(1))
     }
 
-    /// As [`Layout::split_greedy`] for `verify_topk` ([`Layout::top_k_blocks`]).
+    /// Blocks per row and chunks per block of `verify_topk`: the split with the fewest waves
+    /// ([`Layout::top_k_blocks`] blocks each) times chunks per block, over at most
+    /// [`MAX_TOP_K_WAVES`] waves (fewer blocks per row on a tie). Below one wave of rows that is
+    /// one wave; above, a row splits too, so that the last wave is not a few blocks streaming
+    /// whole rows while the rest of the device waits (320 rows of 61 chunks on 264 slots: 4
+    /// blocks of 16 chunks per row in 5 waves, 80 chunk times, against 2 waves of whole rows,
+    /// 122).
     pub fn split_top_k(&self, rows: usize) -> (usize, usize) {
-        self.split_into(self.top_k_blocks / rows.max(1))
+        let rows = rows.max(1);
+        let wave = self.top_k_blocks.max(1);
+        let most = (MAX_TOP_K_WAVES * wave / rows).max(1);
+        let mut best = self.split_into(1);
+        let mut best_cost = usize::MAX;
+        for wanted in 1..=most.min(self.chunks_per_row.min(MAX_BLOCKS_PER_ROW)) {
+            let (blocks, chunks) = self.split_into(wanted);
+            let cost = (rows * blocks).div_ceil(wave) * chunks;
+            if cost < best_cost {
+                (best, best_cost) = ((blocks, chunks), cost);
+            }
+        }
+        best
     }
 
     /// Blocks per row (about `wanted`, at least 1, at most one per chunk) and chunks per block.
@@ -449,9 +473,9 @@ impl Layout {
             row_hist: self.rows * self.buckets,
             row_state: self.rows * self.row_words,
             // pass 2's per-row candidates, or verify_topk's per-block ones (split_top_k: at
-            // most max(top_k_blocks, rows) blocks)
+            // most max(MAX_TOP_K_WAVES * top_k_blocks, rows) blocks)
             candidates: (self.rows * self.candidates_per_row)
-                .max(self.top_k_blocks.max(self.rows) * self.top_k_buffer),
+                .max((MAX_TOP_K_WAVES * self.top_k_blocks).max(self.rows) * self.top_k_buffer),
             residual_sums: cap.max_sequences * self.chunks_per_row,
             counters: self.counters(),
             emitted: cap.max_sequences * (cap.max_drafts + 1),
