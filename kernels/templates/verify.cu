@@ -2105,6 +2105,26 @@ FP4_DEVICE void raise_floor(TopkState& st, u64 t) {
     st.bound_key = key > st.bound_key ? key : st.bound_key;
 }
 
+/// Block-wide: copies the codes of buf[0, count) at or above `threshold` to `out` (shared or
+/// global memory, buf itself included: every read comes before the scan's barrier, every write
+/// after), returns how many.
+FP4_DEVICE u32 copy_codes_from(TopkShared& sh, TopkState& st, u64 threshold, u64* out) {
+    u64 mine[VTOPK_PER];
+    u32 keep = 0;
+    #pragma unroll
+    for (u32 m = 0; m < VTOPK_PER; ++m) {
+        const u32 i = thread_x() + VT * m;
+        mine[m] = i < st.count ? sh.buf[i] : 0;  // no token's code is 0
+        keep += mine[m] != 0 && mine[m] >= threshold ? 1u : 0u;
+    }
+    const Slots s = block_count_scan(keep, sh.totals, st.phase);
+    u32 at = s.offset;
+    #pragma unroll
+    for (u32 m = 0; m < VTOPK_PER; ++m)
+        if (mine[m] != 0 && mine[m] >= threshold) out[at++] = mine[m];
+    return s.total;
+}
+
 /// Block-wide: cuts the buffer (count > k) back to its top k codes and raises the floors. A
 /// token of a later chunk whose logit equals the k-th one's has a larger id, so it is not among
 /// the top k: floor admits only logits above. Inline, as is everything verify_topk calls on its
@@ -2112,21 +2132,7 @@ FP4_DEVICE void raise_floor(TopkState& st, u64 t) {
 FP4_DEVICE void topk_cut(TopkShared& sh, TopkState& st, u32 k) {
     block_sync();  // the buffer's last codes are written
     const u64 t = kth_code(sh, sh.buf, st.count, k);
-    u64 mine[VTOPK_PER];
-    u32 keep = 0;
-    #pragma unroll
-    for (u32 m = 0; m < VTOPK_PER; ++m) {
-        const u32 i = thread_x() + VT * m;
-        mine[m] = i < st.count ? sh.buf[i] : 0;  // no token's code is 0
-        keep += mine[m] != 0 && mine[m] >= t ? 1u : 0u;
-    }
-    // its barrier orders every read above before the writes below
-    const Slots s = block_count_scan(keep, sh.totals, st.phase);
-    u32 at = s.offset;
-    #pragma unroll
-    for (u32 m = 0; m < VTOPK_PER; ++m)
-        if (mine[m] != 0 && mine[m] >= t) sh.buf[at++] = mine[m];
-    st.count = s.total;
+    st.count = copy_codes_from(sh, st, t, sh.buf);
     raise_floor(st, t);
     block_sync();
 }
@@ -2205,14 +2211,18 @@ FP4_DEVICE u64 candidate_at(const TopkShared& sh, u32 blocks, u32 f) {
 }
 
 /// The block of the row's last arrival: merges the candidates every block of the row wrote
-/// (those at or above the row's bound) into the buffer. Block-wide.
-FP4_DEVICE void topk_merge(const VerifyArgs& a, u32 r, TopkShared& sh, TopkState& st, u32 k) {
+/// (those at or above the row's bound) into the buffer; returns the row's first bad token (the
+/// least of the blocks'). Block-wide.
+FP4_DEVICE u32 topk_merge(const VerifyArgs& a, u32 r, TopkShared& sh, TopkState& st, u32 k) {
     const u32 blocks = a.blocks_per_row;
     const u64* summary = a.block_summary + (u64)r * blocks * 3;
     u32 total = 0;
+    u64 bad = VNONE;
     for (u32 b0 = 0; b0 < blocks; b0 += VT) {
         const u32 b = b0 + thread_x();
         const u32 count = b < blocks ? (u32)load_shared_u64(&summary[3 * b]) : 0;
+        const u64 first_bad = b < blocks ? load_shared_u64(&summary[3 * b + 1]) : VNONE;
+        bad = first_bad < bad ? first_bad : bad;
         const Slots s = block_count_scan(count, sh.totals, st.phase);
         if (b < blocks) sh.block_start[b] = total + s.offset;
         total += s.total;
@@ -2245,6 +2255,7 @@ FP4_DEVICE void topk_merge(const VerifyArgs& a, u32 r, TopkShared& sh, TopkState
         a.counters[r] = 0;
         a.row_anchor[r] = 0;
     }
+    return (u32)block_reduce(bad, VOP_MIN, sh.scratch);
 }
 
 /// Block-wide: the row's state from its ranked top n (buf[VTOPK_SORTED, + n)), the words
@@ -2404,23 +2415,10 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
             sh.key = old > st.bound_key ? old : st.bound_key;
         }
         block_sync();
-        const u64 row_floor = (u64)sh.key << 32;
-        u64 mine[VTOPK_PER];
-        u32 keep = 0;
-        #pragma unroll
-        for (u32 m = 0; m < VTOPK_PER; ++m) {
-            const u32 i = thread_x() + VT * m;
-            mine[m] = i < st.count ? sh.buf[i] : 0;
-            keep += mine[m] >= row_floor && mine[m] != 0 ? 1u : 0u;
-        }
-        const Slots s = block_count_scan(keep, sh.totals, st.phase);
         const u64 slot = (u64)r * a.blocks_per_row + block_x();
-        u64* out = a.candidates + slot * VTOPK_BUF + s.offset;
-        #pragma unroll
-        for (u32 m = 0; m < VTOPK_PER; ++m)
-            if (mine[m] >= row_floor && mine[m] != 0) *out++ = mine[m];
+        const u32 written = copy_codes_from(sh, st, (u64)sh.key << 32, a.candidates + slot * VTOPK_BUF);
         if (thread_x() == 0) {
-            a.block_summary[slot * 3] = s.total;
+            a.block_summary[slot * 3] = written;
             a.block_summary[slot * 3 + 1] = bad;
         }
         device_fence();
@@ -2429,13 +2427,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
         block_sync();
         if (!sh.last) return;
         device_fence();
-        u64 row_bad = VNONE;
-        for (u32 b = thread_x(); b < a.blocks_per_row; b += VT) {
-            const u64 e = load_shared_u64(&a.block_summary[((u64)r * a.blocks_per_row + b) * 3 + 1]);
-            row_bad = e < row_bad ? e : row_bad;
-        }
-        bad = (u32)block_reduce(row_bad, VOP_MIN, sh.scratch);
-        topk_merge(a, r, sh, st, k);
+        bad = topk_merge(a, r, sh, st, k);
     }
     if (st.count > k) topk_cut(sh, st, k);
     const u32 n = st.count;
