@@ -482,6 +482,19 @@ FP4_DEVICE u32 first_bias_at(const RowView& v, u32 token) {
     return lo;
 }
 
+/// Calls visit(entry, token, j) for each bias entry of chunk `chunk` on this thread's tokens
+/// (token = chunk * VCHUNK + thread_x() + VT * j), in list order.
+template <typename Visit>
+FP4_DEVICE void for_own_bias(const RowView& v, u32 chunk, Visit visit) {
+    const u32 base = chunk * VCHUNK;
+    for (u32 i = first_bias_at(v, base); i < v.bias_end; ++i) {
+        const u32 token = v.bias_tokens[i];
+        if (token >= base + VCHUNK) break;
+        const u32 offset = token - base;
+        if (offset % VT == thread_x()) visit(i, token, offset / VT);
+    }
+}
+
 /// Logit `x` of `token` with the bias applied (reference.rs biased, step 1).
 FP4_DEVICE float with_bias(const RowView& v, u32 token, float x) {
     float z = x;
@@ -535,19 +548,13 @@ FP4_DEVICE void load_logits(const float* logits, u32 vocab, u32 chunk, float (&x
 /// of the result marks a bad element (NaN or +inf logit, or +inf or NaN after the bias); bad elements
 /// read as -inf.
 FP4_DEVICE u32 bias_chunk(const RowView& v, u32 chunk, float (&z)[VI]) {
-    const u32 base = chunk * VCHUNK;
     const float inf = f32_inf();
     u32 bad = 0;
     #pragma unroll
     for (int j = 0; j < VI; ++j)
         if (z[j] != z[j] || z[j] == inf) bad |= 1u << j;
-    for (u32 i = first_bias_at(v, base); i < v.bias_end; ++i) {
-        const u32 token = v.bias_tokens[i];
-        if (token >= base + VCHUNK) break;
-        const u32 offset = token - base;
-        if (offset % VT != thread_x()) continue;
-        const u32 slot = offset / VT;
-        const float b = v.bias_values[i];
+    for_own_bias(v, chunk, [&](u32 entry, u32, u32 slot) {
+        const float b = v.bias_values[entry];
         // a NaN stays one: checked per entry, where the bias can make it (+inf, then -inf)
         #pragma unroll
         for (int j = 0; j < VI; ++j) {
@@ -556,7 +563,7 @@ FP4_DEVICE u32 bias_chunk(const RowView& v, u32 chunk, float (&z)[VI]) {
                 if (z[j] != z[j]) bad |= 1u << j;
             }
         }
-    }
+    });
     #pragma unroll
     for (int j = 0; j < VI; ++j) {
         if (z[j] == inf) bad |= 1u << j;
@@ -624,6 +631,11 @@ FP4_DEVICE RowVerdict row_verdict(const RowView& v, u64 best, u32 bad) {
 FP4_DEVICE u64 combine(u64 a, u64 b, int op) {
     return op == VOP_MAX ? (a > b ? a : b) : op == VOP_MIN ? (a < b ? a : b) : a + b;
 }
+/// `v` combined with op over the warp (butterfly: every lane gets the result).
+FP4_DEVICE u64 warp_reduce(u64 v, int op) {
+    for (u32 offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1) v = combine(v, shfl_u64(v, lane_index() ^ offset), op);
+    return v;
+}
 #define VREDUCE 3                             // most values one block_reduce_n combines
 /// Reduces v[k] with op[k] over the block, every thread getting the results. `scratch`:
 /// VREDUCE * VWARPS words of shared memory. Two barriers for all N values: each warp publishes
@@ -635,18 +647,14 @@ FP4_DEVICE void block_reduce_n(u64 (&v)[N], const int (&op)[N], u64* scratch) {
     static_assert(N <= VREDUCE, "block_reduce_n: scratch holds VREDUCE values");
     #pragma unroll
     for (int k = 0; k < N; ++k) {
-        for (u32 offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1)
-            v[k] = combine(v[k], shfl_u64(v[k], lane_index() ^ offset), op[k]);
+        v[k] = warp_reduce(v[k], op[k]);
         if (lane_index() == 0) scratch[k * VWARPS + warp_index()] = v[k];
     }
     block_sync();
     #pragma unroll
     for (int k = 0; k < N; ++k) {
         const u64 none = op[k] == VOP_MIN ? ~0ull : 0ull;
-        u64 w = lane_index() < VWARPS ? scratch[k * VWARPS + lane_index()] : none;
-        for (u32 offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1)
-            w = combine(w, shfl_u64(w, lane_index() ^ offset), op[k]);
-        v[k] = w;
+        v[k] = warp_reduce(lane_index() < VWARPS ? scratch[k * VWARPS + lane_index()] : none, op[k]);
     }
     // before the next use of scratch
     block_sync();
@@ -1073,17 +1081,27 @@ VERIFY_RARE void plan_row(const VerifyArgs& a, const VerifyRow& row, const Verif
     }
 }
 
+/// The start of a block of a row pass (verify_histogram, verify_greedy, verify_topk): its row,
+/// the row's sequence, and its first chunk (returned), whose logits (in z) are requested before
+/// the sequence, which they do not depend on: the start is two dependent DRAM round trips (row,
+/// then sequence and logits), not three. Out parameters: returned in a struct, the row and the
+/// sequence took 8 more bytes of verify_histogram's stack frame (ptxas 13.0, sm_90a).
+FP4_DEVICE u32 start_block(const VerifyArgs& a, float (&z)[VI], VerifyRow& row, VerifySequence& seq) {
+    row = a.rows[block_y()];
+    const u32 first = block_x() * a.chunks_per_block;
+    load_logits(row_logits(a, row), a.vocab, first, z);
+    seq = a.sequences[row.sequence];
+    return first;
+}
+
 FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
     chain_after_previous_grid();
     __shared__ HistogramShared sh;
     const u32 r = block_y();
-    const VerifyRow row = a.rows[r];
-    // The block's first chunk is requested before the sequence, which it does not depend on: the
-    // kernel's start was three dependent DRAM round trips (row, sequence, logits), now two.
-    const u32 first = block_x() * a.chunks_per_block;
     float z[VI];
-    load_logits(row_logits(a, row), a.vocab, first, z);
-    const VerifySequence seq = a.sequences[row.sequence];
+    VerifyRow row;
+    VerifySequence seq;
+    const u32 first = start_block(a, z, row, seq);
     if (!row_is_processed(seq, row)) return;
     RowView v = row_view(a, row, seq);
     stage_bias(v, sh.bias_tokens, sh.bias_values);
@@ -1805,23 +1823,6 @@ FP4_KERNEL void {{ bounds }}verify_finish(const VerifyArgs a) {
     sequence_row_done(a, row.sequence, seq, sh.keys, VCAP, sh.bin_count, 256, &sh.last);
 }
 
-/// The start of a one-launch kernel's block (verify_greedy, verify_topk): its row, the row's
-/// sequence, and its first chunk, whose logits are requested before the sequence (they do not
-/// depend on it).
-struct BlockStart {
-    VerifyRow row;
-    VerifySequence seq;
-    u32 first;  // its first chunk
-};
-FP4_DEVICE BlockStart start_block(const VerifyArgs& a, float (&z)[VI]) {
-    BlockStart b;
-    b.row = a.rows[block_y()];
-    b.first = block_x() * a.chunks_per_block;
-    load_logits(row_logits(a, b.row), a.vocab, b.first, z);
-    b.seq = a.sequences[b.row.sequence];
-    return b;
-}
-
 /// A graph captured for a one-launch batch replays its kernel whatever set_batch uploaded since:
 /// a sequence the kernel cannot serve gets VSTATUS_STALE (from its first row's first block), never
 /// a token, and its blocks return at once, touching no counter.
@@ -1850,12 +1851,8 @@ FP4_DEVICE void greedy_chunk(const RowView& v, u32 chunk, const float (&x)[VI], 
     const u32 base = chunk * VCHUNK;
     const float inf = f32_inf();
     u32 biased = 0;
-    for (u32 i = first_bias_at(v, base); i < v.bias_end; ++i) {
-        const u32 token = v.bias_tokens[i];
-        if (token >= base + VCHUNK) break;
-        const u32 offset = token - base;
-        if (offset % VT != thread_x()) continue;
-        biased |= 1u << (offset / VT);
+    for_own_bias(v, chunk, [&](u32, u32 token, u32 slot) {
+        biased |= 1u << slot;
         float raw;
         const float z = biased_logit(v, token, &raw);
         if (raw != raw || raw == inf || z == inf || z != z) bad = umin(bad, token);
@@ -1863,7 +1860,7 @@ FP4_DEVICE void greedy_chunk(const RowView& v, u32 chunk, const float (&x)[VI], 
             const u64 code = argmax_code(add32(z, 0.0f), token);
             best = code > best ? code : best;
         }
-    }
+    });
     float best_z = -inf;
     int best_j = -1;
     u32 bad_bits = 0;
@@ -1901,7 +1898,9 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
     __shared__ GreedyShared sh;
     const u32 r = block_y();
     float z[VI];
-    const auto [row, seq, first] = start_block(a, z);
+    VerifyRow row;
+    VerifySequence seq;
+    const u32 first = start_block(a, z, row, seq);
     if (!(seq.temperature == 0.0f) || (seq.flags & VSEQ_SAMPLED_DRAFTS) || seq.drafts >= VT) {
         mark_stale(a, row);
         return;
@@ -1944,10 +1943,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
             row_best = b > row_best ? b : row_best;
             row_bad = e < row_bad ? e : row_bad;
         }
-        for (u32 offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1) {
-            row_best = combine(row_best, shfl_u64(row_best, lane_index() ^ offset), VOP_MAX);
-            row_bad = combine(row_bad, shfl_u64(row_bad, lane_index() ^ offset), VOP_MIN);
-        }
+        row_best = warp_reduce(row_best, VOP_MAX);
+        row_bad = warp_reduce(row_bad, VOP_MIN);
         if (lane_index() == 0) {
             const RowVerdict verdict = row_verdict(row_view(a, row_j, seq), row_best, (u32)row_bad);
             sh.rows[2 * j] = verdict.status_word;
@@ -2377,7 +2374,9 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
     __shared__ TopkShared sh;
     const u32 r = block_y();
     float z[VI];
-    const auto [row, seq, first] = start_block(a, z);
+    VerifyRow row;
+    VerifySequence seq;
+    const u32 first = start_block(a, z, row, seq);
     if (!topk_serves(seq)) {
         mark_stale(a, row);
         return;
