@@ -49,6 +49,10 @@
 #define MOE_THREADS (MOE_WARPS * FP4_WARP_SIZE)
 #define MOE_MAX_EXPERTS {{ target.moe.max_experts }}
 #define MOE_EXPERTS_PER_LANE (MOE_MAX_EXPERTS / FP4_WARP_SIZE)
+// the routing loads the logits of this many experts per lane at once (route_tokens)
+#define ROUTE_BATCH 8
+// combine() loads the positions, weights and partials of this many slots at once
+#define COMBINE_BATCH 8
 // warps sharing one 16-row router tile (they split its K groups); tiles per item = the rest. The
 // experts' gate_up and down tiles take theirs from the launch (MoeArgs), so the split launches can
 // spread a small batch's tiles over more warps.
@@ -431,22 +435,40 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1) {
     const u64 plane = (u64)a.tokens * stride;  // floats per plane of partial logits
     for (u32 t = t0 + warp; t < t1; t += MOE_WARPS) {
         const float* row = a.logits + (u64)t * stride;
-        // logit e of the token: its planes summed in plane order
-        auto logit = [&](u32 e) {
-            float sum = 0.0f;
-            #pragma unroll
-            for (int q = 0; q < ROUTER_PLANES; ++q) sum += load_coherent_f32(row + q * plane + e);
-            return sum;
-        };
+        // The planes of the shared gate's logit (row E) and of the lane's experts, requested
+        // together, ROUTE_BATCH experts per lane at a time, before any is summed: coherent loads
+        // are volatile, never speculated, so a load behind `e < E` waited for the sums of the
+        // expert before it (one L2 round trip per expert of the lane, nine at E = 256 with the
+        // gate; now one). Lanes past E read row E again and drop it.
+        float gate_planes[ROUTER_PLANES];
+        #pragma unroll
+        for (int q = 0; q < ROUTER_PLANES; ++q) gate_planes[q] = load_coherent_f32(row + q * plane + E);
         float l[MOE_EXPERTS_PER_LANE];
         float top = minus_infinity;
         #pragma unroll
-        for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) {
-            const u32 e = i * FP4_WARP_SIZE + lane;
-            float v = e < E ? logit(e) : minus_infinity;
-            if (!(v == v)) v = minus_infinity;  // a NaN logit (NaN input) is never preferred
-            l[i] = v;
-            top = max_f32(top, v);
+        for (int i0 = 0; i0 < MOE_EXPERTS_PER_LANE; i0 += ROUTE_BATCH) {
+            if (i0 * FP4_WARP_SIZE >= E) {  // uniform: no expert of the batch exists
+                #pragma unroll
+                for (int i = 0; i < ROUTE_BATCH && i0 + i < MOE_EXPERTS_PER_LANE; ++i) l[i0 + i] = minus_infinity;
+                continue;
+            }
+            float planes[ROUTE_BATCH][ROUTER_PLANES];
+            #pragma unroll
+            for (int i = 0; i < ROUTE_BATCH && i0 + i < MOE_EXPERTS_PER_LANE; ++i) {
+                const u32 e = min_u32((i0 + i) * FP4_WARP_SIZE + lane, E);
+                #pragma unroll
+                for (int q = 0; q < ROUTER_PLANES; ++q) planes[i][q] = load_coherent_f32(row + q * plane + e);
+            }
+            #pragma unroll
+            for (int i = 0; i < ROUTE_BATCH && i0 + i < MOE_EXPERTS_PER_LANE; ++i) {
+                // logit e of the token: its planes summed in plane order
+                float v = 0.0f;
+                #pragma unroll
+                for (int q = 0; q < ROUTER_PLANES; ++q) v += planes[i][q];
+                if (!(v == v) || (i0 + i) * FP4_WARP_SIZE + lane >= E) v = minus_infinity;  // a NaN logit (NaN input) is never preferred
+                l[i0 + i] = v;
+                top = max_f32(top, v);
+            }
         }
         top = warp_max(top);
         float total = 0.0f;
@@ -487,7 +509,12 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1) {
             a.topk_ids[t * k + lane] = mine;
             a.route_weight[t * k + lane] = mine_p / kept;
         }
-        if (lane == 0) a.shared_scale[t] = a.has_shared_gate ? sigmoid(logit(E)) : 1.0f;
+        if (lane == 0) {
+            float gate = 0.0f;
+            #pragma unroll
+            for (int q = 0; q < ROUTER_PLANES; ++q) gate += gate_planes[q];
+            a.shared_scale[t] = a.has_shared_gate ? sigmoid(gate) : 1.0f;
+        }
     }
 }
 
@@ -727,17 +754,35 @@ FP4_DEVICE void combine(const MoeArgs& a, const Plan& p, u32 group) {
     const u32 width = min_u32(p.down_tiles_per_item * TILE_ROWS, H - h0);
     for (u32 i = thread_x(); i < T * width; i += MOE_THREADS) {
         const u32 t = i / width, h = h0 + i % width;
+        // Loads in flight together (coherent loads are volatile: one used before the next is
+        // issued costs an L2 round trip of its own): the shared expert's scale and first
+        // sub-expert (dropped without one: both buffers always hold row t), then per batch of
+        // COMBINE_BATCH slots their positions and weights, then their partials; at k = 8 the
+        // sums wait two round trips, where a loop over the slots waited two per slot.
+        const float shared_scale = load_coherent_f32(a.shared_scale + t);
+        const float shared_first = load_coherent_f32(a.partial + (u64)t * H + h);
         float sum = 0.0f;
-        for (u32 j = 0; j < k; ++j) {
-            const u32 s = t * k + j;
-            const u32 position = load_coherent_u32(a.slot_pos + s);
-            sum += load_coherent_f32(a.route_weight + s) * load_coherent_f32(a.partial + (u64)position * H + h);
+        for (u32 j0 = 0; j0 < k; j0 += COMBINE_BATCH) {
+            u32 position[COMBINE_BATCH];
+            float weight[COMBINE_BATCH], part[COMBINE_BATCH];
+            #pragma unroll
+            for (int j = 0; j < COMBINE_BATCH; ++j) {
+                const u32 s = t * k + min_u32(j0 + j, k - 1);  // past k: slot k - 1 again, dropped
+                position[j] = load_coherent_u32(a.slot_pos + s);
+                weight[j] = load_coherent_f32(a.route_weight + s);
+            }
+            #pragma unroll
+            for (int j = 0; j < COMBINE_BATCH; ++j) part[j] = load_coherent_f32(a.partial + (u64)position[j] * H + h);
+            #pragma unroll
+            for (int j = 0; j < COMBINE_BATCH; ++j)
+                if (j0 + j < k) sum += weight[j] * part[j];
         }
         if (a.shared_experts > 0) {
             float shared = 0.0f;
-            for (u32 c = 0; c < a.shared_experts; ++c)
+            shared += shared_first;
+            for (u32 c = 1; c < a.shared_experts; ++c)
                 shared += load_coherent_f32(a.partial + ((u64)c * T + t) * H + h);
-            sum += load_coherent_f32(a.shared_scale + t) * shared;
+            sum += shared_scale * shared;
         }
         if (a.residual != nullptr) sum += bf16_to_f32(a.residual[(u64)t * H + h]);
         a.y[(u64)t * H + h] = f32_to_bf16(sum);
@@ -1230,18 +1275,28 @@ FP4_DEVICE void moe_stream_combine_block(const MoeArgs& a) {
     block_barrier();
     chain_after_previous_grid();
     if (h >= H) return;  // H is a multiple of 16: a thread's 4 rows are all in or all out
+    // as in combine(): the shared expert's first sub-expert (dropped without one) and a batch of
+    // slots' partials in flight together, one L2 round trip per COMBINE_BATCH slots
+    const u32x4 shared_first = load_coherent_u32x4(a.partial + (u64)t * H + h);
     float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    #pragma unroll 4
-    for (u32 j = 0; j < k; ++j) {
-        const u32x4 p = load_coherent_u32x4(a.partial + (u64)slot_position[j] * H + h);
-        const float w = slot_weight[j];
-        sum[0] += w * bits_to_f32(p.x); sum[1] += w * bits_to_f32(p.y);
-        sum[2] += w * bits_to_f32(p.z); sum[3] += w * bits_to_f32(p.w);
+    for (u32 j0 = 0; j0 < k; j0 += COMBINE_BATCH) {
+        u32x4 part[COMBINE_BATCH];
+        #pragma unroll
+        for (int j = 0; j < COMBINE_BATCH; ++j)
+            part[j] = load_coherent_u32x4(a.partial + (u64)slot_position[min_u32(j0 + j, k - 1)] * H + h);
+        #pragma unroll
+        for (int j = 0; j < COMBINE_BATCH; ++j) {
+            if (j0 + j >= k) break;
+            const u32x4& p = part[j];
+            const float w = slot_weight[j0 + j];
+            sum[0] += w * bits_to_f32(p.x); sum[1] += w * bits_to_f32(p.y);
+            sum[2] += w * bits_to_f32(p.z); sum[3] += w * bits_to_f32(p.w);
+        }
     }
     if (a.shared_experts > 0u) {
         float shared[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (u32 c = 0; c < a.shared_experts; ++c) {
-            const u32x4 p = load_coherent_u32x4(a.partial + ((u64)c * T + t) * H + h);
+            const u32x4 p = c == 0 ? shared_first : load_coherent_u32x4(a.partial + ((u64)c * T + t) * H + h);
             shared[0] += bits_to_f32(p.x); shared[1] += bits_to_f32(p.y);
             shared[2] += bits_to_f32(p.z); shared[3] += bits_to_f32(p.w);
         }

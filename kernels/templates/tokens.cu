@@ -6,6 +6,8 @@
 
 #define TOKENS_THREADS {{ target.tokens.threads_per_block }}
 #define TOKENS_WARPS (TOKENS_THREADS / FP4_WARP_SIZE)
+// tokens_argmax: 16-byte loads each thread has in flight at once
+#define ARGMAX_LOADS 4
 
 // tokens_embed: residual[row] = f32(table[tokens[row * token_stride]]), one block per row (the
 // tokens may be one column of a table, e.g. the drafts at one depth of a [B][n + 1] verify
@@ -72,8 +74,36 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(TOKENS_THREADS) tokens_argmax(
     const u32 end = begin + chunk < vocab ? begin + chunk : vocab;
     float best_value = bits_to_f32(0xff800000u); // -inf
     u32 best_index = 0xffffffffu;
-    for (u32 i = begin + thread_x(); i < end; i += TOKENS_THREADS)
-        better(best_value, best_index, bf16_to_f32(values[i]), i);
+    if ((vocab | chunk) % 8 == 0 && (reinterpret_cast<u64>(logits) & 15) == 0) {
+        // 8 logits per 16-byte load, ARGMAX_LOADS loads per thread written before any compare
+        // (the lm_head's chunk of 8192 at 256 threads is one such round; ptxas 13.0 issues its
+        // loads in two pairs), where 2-byte loads, four in flight, took eight DRAM round trips.
+        // Past the end a load reads the last unit again (a guarded load was issued only after
+        // the compares before it) and its logits count as NaN, which never wins.
+        const u32 units = end / 8;
+        for (u32 u0 = begin / 8 + thread_x(); u0 < units; u0 += ARGMAX_LOADS * TOKENS_THREADS) {
+            u32x4 w[ARGMAX_LOADS];
+            #pragma unroll
+            for (int q = 0; q < ARGMAX_LOADS; ++q) {
+                const u32 u = u0 + q * TOKENS_THREADS;
+                w[q] = load_u32x4(values + 8 * (u64)min_u32(u, units - 1));
+                if (u >= units) w[q] = u32x4{~0u, ~0u, ~0u, ~0u};
+            }
+            #pragma unroll
+            for (int q = 0; q < ARGMAX_LOADS; ++q) {
+                const u32 first = 8 * (u0 + q * TOKENS_THREADS);
+                const u32 words[4] = {w[q].x, w[q].y, w[q].z, w[q].w};
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    better(best_value, best_index, bf16_to_f32((u16)(words[j] & 0xffffu)), first + 2 * j);
+                    better(best_value, best_index, bf16_to_f32((u16)(words[j] >> 16)), first + 2 * j + 1);
+                }
+            }
+        }
+    } else {
+        for (u32 i = begin + thread_x(); i < end; i += TOKENS_THREADS)
+            better(best_value, best_index, bf16_to_f32(values[i]), i);
+    }
     block_best(best_value, best_index);
     if (thread_x() == 0) {
         partial_values[row * splits + split] = best_value;

@@ -60,6 +60,8 @@ fn argmax_picks_the_lowest_index_of_the_largest_logit() {
         (248320, 5),
         (248320, 64),
         (260, 3),
+        // whole 16-byte units but not a whole round of them per thread
+        (264, 3),
         (8193, 2),
         (1, 2),
         (31, 7),
