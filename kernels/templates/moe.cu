@@ -1286,11 +1286,13 @@ FP4_DEVICE void moe_stream_combine_block(const MoeArgs& a) {
             part[j] = load_coherent_u32x4(a.partial + (u64)slot_position[min_u32(j0 + j, k - 1)] * H + h);
         #pragma unroll
         for (int j = 0; j < COMBINE_BATCH; ++j) {
-            if (j0 + j >= k) break;
-            const u32x4& p = part[j];
-            const float w = slot_weight[j0 + j];
-            sum[0] += w * bits_to_f32(p.x); sum[1] += w * bits_to_f32(p.y);
-            sum[2] += w * bits_to_f32(p.z); sum[3] += w * bits_to_f32(p.w);
+            // a guard, not a `break`: past a break ptxas sank each load to its use (8 round trips)
+            if (j0 + j < k) {
+                const u32x4& p = part[j];
+                const float w = slot_weight[j0 + j];
+                sum[0] += w * bits_to_f32(p.x); sum[1] += w * bits_to_f32(p.y);
+                sum[2] += w * bits_to_f32(p.z); sum[3] += w * bits_to_f32(p.w);
+            }
         }
     }
     if (a.shared_experts > 0u) {

@@ -2493,6 +2493,23 @@ struct ResidualShared {
     u32 token;
 };
 
+/// Block-wide: `carry` plus the sum of `mine` over the threads before this one (thread order);
+/// `carry` advances by the block's total. Two barriers (warp_sum is free again on return).
+FP4_DEVICE u64 block_exclusive_sum(u64 mine, u64& carry, u64* warp_sum) {
+    const u64 incl = warp_inclusive_sum(mine);
+    if (lane_index() == FP4_WARP_SIZE - 1) warp_sum[warp_index()] = incl;
+    block_sync();
+    u64 before = carry + incl - mine;
+    u64 total = 0;
+    for (u32 k = 0; k < VWARPS; ++k) {
+        if (k < warp_index()) before += warp_sum[k];
+        total += warp_sum[k];
+    }
+    carry += total;
+    block_sync();
+    return before;
+}
+
 FP4_KERNEL void {{ bounds }}verify_residual(const VerifyArgs a) {
     chain_after_previous_grid();
     __shared__ ResidualShared sh;
@@ -2535,16 +2552,18 @@ FP4_KERNEL void {{ bounds }}verify_residual(const VerifyArgs a) {
     } else {
         u64 t = (u64)floor64(mul64(u, u64_to_f64(total)));
         if (t > total - 1) t = total - 1;
-        if (thread_x() == 0) {
-            u64 running = 0;
-            u32 c = 0;
-            for (; c + 1 < a.chunks_per_row; ++c) {
-                const u64 here = load_shared_u64(&sums[c]);
-                if (running + here > t) break;
-                running += here;
+        // the chunk holding t: a block scan over the chunk sums, one thread per chunk (a loop in
+        // one thread waited an L2 round trip per chunk, 61 at V = 248320). t < total, so exactly
+        // one chunk holds it.
+        u64 carry = 0;
+        for (u32 c0 = 0; c0 < a.chunks_per_row; c0 += VT) {
+            const u32 c = c0 + thread_x();
+            const u64 here = c < a.chunks_per_row ? load_shared_u64(&sums[c]) : 0;
+            const u64 before = block_exclusive_sum(here, carry, sh.warp_sum);
+            if (here > 0 && before <= t && t < before + here) {
+                sh.chunk = c;
+                sh.offset = t - before;
             }
-            sh.chunk = c;
-            sh.offset = t - running;
         }
         block_sync();
         const u32 chunk = sh.chunk;
@@ -2553,25 +2572,15 @@ FP4_KERNEL void {{ bounds }}verify_residual(const VerifyArgs a) {
         load_chunk(p.view, chunk, zp);
         load_chunk(q.view, chunk, zq);
         // id order inside a chunk: slab i holds tokens chunk * VCHUNK + VT * i + thread
-        u64 carry = 0;
+        carry = 0;
         if (thread_x() == 0) sh.token = VNONE;
         block_sync();
         #pragma unroll
         for (int i = 0; i < VI; ++i) {
             const u32 e = chunk * VCHUNK + VT * (u32)i + thread_x();
             const u64 mine = residual_of(p, q, zp[i], zq[i], e);
-            const u64 incl = warp_inclusive_sum(mine);
-            if (lane_index() == FP4_WARP_SIZE - 1) sh.warp_sum[warp_index()] = incl;
-            block_sync();
-            u64 before = carry + incl - mine;
-            u64 slab = 0;
-            for (u32 k = 0; k < VWARPS; ++k) {
-                if (k < warp_index()) before += sh.warp_sum[k];
-                slab += sh.warp_sum[k];
-            }
+            const u64 before = block_exclusive_sum(mine, carry, sh.warp_sum);
             if (mine > 0 && before <= local && local < before + mine) sh.token = e;
-            carry += slab;
-            block_sync();
         }
     }
     block_sync();

@@ -276,6 +276,50 @@ pub fn spiked(rng: &mut SplitMix64, vocab: usize, sequences: usize, drafts: usiz
     b
 }
 
+/// Rows of N(0, 1) logits with three tokens at 8 in the last sixteenth of the vocabulary, drafts a
+/// token of the first half (its draft row: that token at 8, the target's three at 0), temperature
+/// 1 or 0.7 and no other control: every draft is almost surely rejected and the residual's
+/// weight lies in the row's last chunks, so the residual draw must find a chunk far from the
+/// first.
+pub fn residual_at_the_end(
+    rng: &mut SplitMix64,
+    vocab: usize,
+    sequences: usize,
+    drafts: usize,
+) -> Batch {
+    let mut b = Batch::default();
+    for s in 0..sequences {
+        let params = SamplingParams {
+            temperature: if s % 2 == 0 { 1.0 } else { 0.7 },
+            seed: rng.next_u64(),
+            ..SamplingParams::default()
+        };
+        let mut high = Vec::new();
+        let rows: Vec<Vec<f32>> = (0..=drafts)
+            .map(|_| {
+                let mut row = rng.normal_vec(vocab, 1.0);
+                let ids: Vec<usize> = (0..3)
+                    .map(|_| vocab - 1 - (rng.next_u64() % (vocab as u64 / 16)) as usize)
+                    .collect();
+                ids.iter().for_each(|&at| row[at] = 8.0);
+                high.push(ids);
+                row
+            })
+            .collect();
+        let draft_rows: Vec<(u32, Vec<f32>)> = (0..drafts)
+            .map(|j| {
+                let token = (rng.next_u64() % (vocab as u64 / 2)) as u32;
+                let mut row = rows[j].clone();
+                high[j].iter().for_each(|&at| row[at] = 0.0);
+                row[token as usize] = 8.0;
+                (token, row)
+            })
+            .collect();
+        b.push(params, 70 * s as u64, &rows, &draft_rows);
+    }
+    b
+}
+
 /// Logits just below zero, whose `y = z * log2(e) / T` lies in `[-2^-25, 0)` at every
 /// temperature used here: `f = y - k` rounds to 1 there, the heaviest weight of octave -1 (the
 /// kernels once filed these tokens in a bucket of the octave above). Every fourth token of a
