@@ -37,6 +37,7 @@
 #define LAZY_DECAY_FLOOR 2.3283064e-10f
 #define NORM_THREADS 128
 #define COMMIT_THREADS 128
+#define NORM_BATCH 4  // elements a lane of gated_norm_row loads before using any
 
 // ---- what differs between vendors in this family ----
 {% if target.vendor == "nvidia" %}
@@ -211,17 +212,38 @@ FP4_DEVICE u32 first_chunk(const u32* __restrict__ cu_seqlens, u32 seq) {
 
 /// One warp: out[j] = w(j) * o(j) * rsqrt(mean(o^2) + eps) * silu(z(j)) over `dv` elements; o(j)
 /// is fp32 another block wrote, a bf16 row of `out`, or this block's shared memory, z(j) and
-/// w(j) global memory or what the block staged in shared memory.
+/// w(j) global memory or what the block staged in shared memory. A lane loads NORM_BATCH of its
+/// elements (indices clamped to dv - 1, the extra ones dropped) before it uses or stores any:
+/// another block's o comes through coherent loads, which otherwise wait for each other (an L2
+/// round trip per element of the lane, twice).
 template <class LoadO, class LoadZ, class LoadW>
 FP4_DEVICE void gated_norm_row(LoadO o, LoadZ z, LoadW w, u32 dv, float eps, u16* out) {
     const u32 lane = thread_x() % FP4_WARP_SIZE;
     float sum = 0.0f;
-    for (u32 j = lane; j < dv; j += FP4_WARP_SIZE) {
-        const float v = o(j);
-        sum += v * v;
+    for (u32 j0 = lane; j0 < dv; j0 += FP4_WARP_SIZE * NORM_BATCH) {
+        float v[NORM_BATCH];
+        #pragma unroll
+        for (int i = 0; i < NORM_BATCH; ++i) v[i] = o(min_u32(j0 + FP4_WARP_SIZE * i, dv - 1));
+        #pragma unroll
+        for (int i = 0; i < NORM_BATCH; ++i)
+            if (j0 + FP4_WARP_SIZE * i < dv) sum += v[i] * v[i];
     }
     const float inv = rsqrt_f32(warp_sum(sum) / (float)dv + eps);
-    for (u32 j = lane; j < dv; j += FP4_WARP_SIZE) out[j] = f32_to_bf16(w(j) * o(j) * inv * silu_f32(z(j)));
+    for (u32 j0 = lane; j0 < dv; j0 += FP4_WARP_SIZE * NORM_BATCH) {
+        float v[NORM_BATCH], zv[NORM_BATCH], wv[NORM_BATCH];
+        #pragma unroll
+        for (int i = 0; i < NORM_BATCH; ++i) {
+            const u32 j = min_u32(j0 + FP4_WARP_SIZE * i, dv - 1);
+            v[i] = o(j);
+            zv[i] = z(j);
+            wv[i] = w(j);
+        }
+        #pragma unroll
+        for (int i = 0; i < NORM_BATCH; ++i) {
+            const u32 j = j0 + FP4_WARP_SIZE * i;
+            if (j < dv) out[j] = f32_to_bf16(wv[i] * v[i] * inv * silu_f32(zv[i]));
+        }
+    }
 }
 
 /// gated_norm_row's z from global memory: a bf16 row.
