@@ -427,8 +427,9 @@ FP4_DEVICE u32 order_key(float v) {
 FP4_DEVICE float from_order_key(u32 key) { return bits_to_f32((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key); }
 
 /// Routing of tokens t0 .. t1 (one warp per token), by the block that finished the router
-/// items of their chunk last: top-k ids, renormalised weights, the shared expert's scale.
-FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1) {
+/// items of their chunk last: top-k ids, renormalised weights, the shared expert's scale; the
+/// ids also to shared_ids[t * k + j] where that is not null.
+FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1, u32* shared_ids) {
     const u32 E = a.experts, k = a.top_k, stride = E + 1;
     const u32 lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
     const float minus_infinity = bits_to_f32(0xff800000u);
@@ -508,6 +509,7 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1) {
         if (lane < k) {
             a.topk_ids[t * k + lane] = mine;
             a.route_weight[t * k + lane] = mine_p / kept;
+            if (shared_ids != nullptr) shared_ids[t * k + lane] = mine;
         }
         if (lane == 0) {
             float gate = 0.0f;
@@ -518,17 +520,25 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1) {
     }
 }
 
+/// Whether every slot has a thread of its own and a word of sh.route.count: align() takes
+/// align_slots.
+FP4_DEVICE bool slots_fit_block(const MoeArgs& a) {
+    return a.tokens * a.top_k <= MOE_THREADS && a.tokens * a.top_k <= MOE_MAX_EXPERTS;
+}
+
 /// align() (below) when every slot has a thread: thread s takes slot s and, reading every slot's
 /// expert from shared memory, counts the slots of its expert (all of them, and those before s)
 /// and those of lower experts, then the distinct lower experts: no atomics and no scan, so at
 /// T = 1 the alignment is two short loops (the scan form is a chain of 16 block barriers).
-/// Positions within an expert follow slot order.
+/// Positions within an expert follow slot order. `ids_in_shared`: this block routed every token
+/// and left the experts in sh.route.count (route_tokens' shared_ids), so they are not read back
+/// from topk_ids (an L2 round trip on the routing's critical path).
 template <int ROWS>
-FP4_DEVICE void align_slots(const MoeArgs& a, MoeShared<ROWS>& sh) {
+FP4_DEVICE void align_slots(const MoeArgs& a, MoeShared<ROWS>& sh, bool ids_in_shared) {
     const u32 n = a.tokens * a.top_k, s = thread_x();
     u32* const expert_of = sh.route.count;  // [n] the expert of each slot
     u32* const leads = sh.route.fill;       // [n] 1 when the slot is its expert's first
-    if (s < n) expert_of[s] = load_coherent_u32(a.topk_ids + s);
+    if (s < n && !ids_in_shared) expert_of[s] = load_coherent_u32(a.topk_ids + s);
     block_barrier();
     const u32 e = s < n ? expert_of[s] : 0u;
     u32 same = 0u, same_before = 0u, below = 0u;
@@ -616,11 +626,11 @@ FP4_DEVICE void align_by_scan(const MoeArgs& a, MoeShared<ROWS>& sh) {
 /// align_slots when every slot has a thread of its own (decode and small verify batches), else
 /// align_by_scan. `raise_ready`: the persistent launch's blocks wait for routing_ready; the split
 /// launches hand the routing on at the kernel boundary (and leave the flag down for the next
-/// persistent launch).
+/// persistent launch). `ids_in_shared`: as align_slots'.
 template <int ROWS>
-FP4_DEVICE void align(const MoeArgs& a, MoeShared<ROWS>& sh, bool raise_ready) {
-    if (a.tokens * a.top_k <= MOE_THREADS && a.tokens * a.top_k <= MOE_MAX_EXPERTS) {
-        align_slots<ROWS>(a, sh);
+FP4_DEVICE void align(const MoeArgs& a, MoeShared<ROWS>& sh, bool raise_ready, bool ids_in_shared) {
+    if (slots_fit_block(a)) {
+        align_slots<ROWS>(a, sh, ids_in_shared);
     } else {
         align_by_scan<ROWS>(a, sh);
     }
@@ -672,14 +682,16 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
     if (split) chain_after_previous_grid();  // done in the first plane's product, unless there was none
     u32* const chunk_done = a.control + CONTROL_GATE_UP_DONE + a.experts + a.shared_experts + p.down_groups;
     if (!block_arrive_and_rearm(chunk_done + chunk, arrivals, &sh.flag)) return;
-    route_tokens(a, r0, r0 + rows);
-    // one chunk: this block routed every token (the barrier orders its routing before the
-    // alignment's reads), no second arrival needed
+    // one chunk: this block routes every token (the barrier orders its routing before the
+    // alignment's reads), no second arrival needed, and the experts chosen stay in shared memory
+    // for align_slots
+    const bool ids_in_shared = p.chunks == 1 && slots_fit_block(a);
+    route_tokens(a, r0, r0 + rows, ids_in_shared ? sh.route.count : nullptr);
     if (p.chunks == 1) {
         block_barrier();
-        align<ROWS>(a, sh, !split);
+        align<ROWS>(a, sh, !split, ids_in_shared);
     } else if (block_arrive_and_rearm(a.control + CONTROL_ROUTER_DONE, p.chunks, &sh.flag)) {
-        align<ROWS>(a, sh, !split);
+        align<ROWS>(a, sh, !split, false);
     }
 }
 
