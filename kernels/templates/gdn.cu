@@ -212,34 +212,35 @@ FP4_DEVICE u32 first_chunk(const u32* __restrict__ cu_seqlens, u32 seq) {
 
 /// One warp: out[j] = w(j) * o(j) * rsqrt(mean(o^2) + eps) * silu(z(j)) over `dv` elements; o(j)
 /// is fp32 another block wrote, a bf16 row of `out`, or this block's shared memory, z(j) and
-/// w(j) global memory or what the block staged in shared memory. A lane loads NORM_BATCH of its
+/// w(j) global memory or what the block staged in shared memory. A lane loads BATCH of its
 /// elements (indices clamped to dv - 1, the extra ones dropped) before it uses or stores any:
-/// another block's o comes through coherent loads, which otherwise wait for each other (an L2
-/// round trip per element of the lane, twice).
-template <class LoadO, class LoadZ, class LoadW>
+/// from global memory NORM_BATCH, since another block's o comes through coherent loads (and an
+/// in-place row may alias out), which otherwise wait for each other, an L2 round trip per
+/// element of the lane, twice; from shared memory 1, the plain loop.
+template <int BATCH, class LoadO, class LoadZ, class LoadW>
 FP4_DEVICE void gated_norm_row(LoadO o, LoadZ z, LoadW w, u32 dv, float eps, u16* out) {
     const u32 lane = thread_x() % FP4_WARP_SIZE;
     float sum = 0.0f;
-    for (u32 j0 = lane; j0 < dv; j0 += FP4_WARP_SIZE * NORM_BATCH) {
-        float v[NORM_BATCH];
+    for (u32 j0 = lane; j0 < dv; j0 += FP4_WARP_SIZE * BATCH) {
+        float v[BATCH];
         #pragma unroll
-        for (int i = 0; i < NORM_BATCH; ++i) v[i] = o(min_u32(j0 + FP4_WARP_SIZE * i, dv - 1));
+        for (int i = 0; i < BATCH; ++i) v[i] = o(min_u32(j0 + FP4_WARP_SIZE * i, dv - 1));
         #pragma unroll
-        for (int i = 0; i < NORM_BATCH; ++i)
+        for (int i = 0; i < BATCH; ++i)
             if (j0 + FP4_WARP_SIZE * i < dv) sum += v[i] * v[i];
     }
     const float inv = rsqrt_f32(warp_sum(sum) / (float)dv + eps);
-    for (u32 j0 = lane; j0 < dv; j0 += FP4_WARP_SIZE * NORM_BATCH) {
-        float v[NORM_BATCH], zv[NORM_BATCH], wv[NORM_BATCH];
+    for (u32 j0 = lane; j0 < dv; j0 += FP4_WARP_SIZE * BATCH) {
+        float v[BATCH], zv[BATCH], wv[BATCH];
         #pragma unroll
-        for (int i = 0; i < NORM_BATCH; ++i) {
+        for (int i = 0; i < BATCH; ++i) {
             const u32 j = min_u32(j0 + FP4_WARP_SIZE * i, dv - 1);
             v[i] = o(j);
             zv[i] = z(j);
             wv[i] = w(j);
         }
         #pragma unroll
-        for (int i = 0; i < NORM_BATCH; ++i) {
+        for (int i = 0; i < BATCH; ++i) {
             const u32 j = j0 + FP4_WARP_SIZE * i;
             if (j < dv) out[j] = f32_to_bf16(wv[i] * v[i] * inv * silu_f32(zv[i]));
         }
@@ -654,7 +655,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
         block_barrier();
         for (u32 t = warp; t < m; t += STEP_WARPS) {
             const u64 row = (u64)(b * m + t);
-            gated_norm_row([&](u32 j) { return sh.o[t][j]; }, [&](u32 j) { return sh.z[t][j]; },
+            gated_norm_row<1>([&](u32 j) { return sh.o[t][j]; }, [&](u32 j) { return sh.z[t][j]; },
                            [&](u32 j) { return sh.norm_w[j]; }, dv, eps, out + row * hv * dv + h * dv);
         }
         return;
@@ -674,7 +675,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     for (u32 t = warp; t < m; t += STEP_WARPS) {
         const u64 row = (u64)(b * m + t);
         const float* o = o_scratch + row * hv * dv + h * dv;
-        gated_norm_row([&](u32 j) { return load_coherent_f32(o + j); }, Bf16Row{z + row * z_stride + h * dv}, F32Row{norm_w},
+        gated_norm_row<NORM_BATCH>([&](u32 j) { return load_coherent_f32(o + j); }, Bf16Row{z + row * z_stride + h * dv}, F32Row{norm_w},
                        dv, eps, out + row * hv * dv + h * dv);
     }
     if (tid == 0) counters[(u64)b * hv + h] = 0;  // ready for the next launch
@@ -704,7 +705,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) gdn_gated_norm(u16* out, const u
     if (task >= (u64)rows * hv) return;  // whole warps
     const u64 row = task / hv, h = task % hv;
     u16* o = out + row * hv * dv + h * dv;
-    gated_norm_row([&](u32 j) { return bf16_to_f32(o[j]); }, Bf16Row{z + row * z_stride + h * dv}, F32Row{norm_w}, dv, eps, o);
+    gated_norm_row<NORM_BATCH>([&](u32 j) { return bf16_to_f32(o[j]); }, Bf16Row{z + row * z_stride + h * dv}, F32Row{norm_w}, dv, eps, o);
 }
 
 // ============================================================================================
