@@ -782,14 +782,19 @@ fn emulated_kernels_equal_the_reference_through_the_radix_fallback() {
         let batch = batches::random(&mut rng, vocab, sequences, 3);
         trace += check_emulated("tiny tiles", &tiny_tiles(), vocab, &batch, &[4, 1]);
     }
-    // 9001 tokens: 71 chunks of 128, more than a block's 64 threads, so the residual draw scans
-    // the chunk sums in two rounds and finds its chunk in the second
-    let batch = batches::residual_at_the_end(&mut rng, 9001, 4, 2);
-    trace += check_emulated("residual at the end", &tiny_tiles(), 9001, &batch, &[4]);
     assert!(
         trace.radix_fallbacks > 50,
         "the fallback ran only {trace:?}"
     );
+}
+
+/// 9001 tokens in chunks of 128 (tiny tiles): 71 chunks, more than a block's 64 threads, so the
+/// residual draw scans the chunk sums in two rounds and finds its chunk in the second.
+#[test]
+fn emulated_residual_draws_find_a_chunk_past_the_first_scan_round() {
+    let mut rng = SplitMix64::new(18);
+    let batch = batches::residual_at_the_end(&mut rng, 9001, 4, 2);
+    check_emulated("residual at the end", &tiny_tiles(), 9001, &batch, &[4]);
 }
 
 /// Logits just below zero weigh as the top of octave -1 (f rounds to 1), in the candidates'
