@@ -619,6 +619,32 @@ fn the_sm90a_kernels_route_and_combine_past_one_batch_emulated() {
     );
 }
 
+/// Exact router ties, broken toward the lower expert id as the reference does: with E = 64 a
+/// lane holds experts e and e + 32. Token 0's logits are 3 for expert 40, 2 for experts 8 and 33
+/// (a tie between lanes), 1 for 5 and 37 (a tie within lane 5): top-4 [40, 8, 33, 5]. Token 1's
+/// are their negatives, so its four come from the 59 experts at 0: [0, 1, 2, 3]. Every logit
+/// is one bf16 product, exact in the MMA's fp32 sums.
+#[test]
+fn the_sm90a_kernels_break_router_ties_toward_the_lower_id_emulated() {
+    let (experts, h) = (64, 128);
+    let mut host = MoeHostWeights::synthetic(shape(experts, 4, h, 48, 80), ExpertFormat::Nvfp4, 41);
+    for e in 0..experts {
+        let logit = match e {
+            40 => 3.0,
+            8 | 33 => 2.0,
+            5 | 37 => 1.0,
+            _ => 0.0,
+        };
+        for c in 0..h {
+            host.router[e * h + c] = bf16::from_f32(if c == 0 { logit } else { 0.0 });
+        }
+    }
+    let mut x = inputs(42, 2 * h);
+    x[0] = bf16::from_f32(1.0);
+    x[h] = bf16::from_f32(-1.0);
+    check("router ties", "sm_90a", &host, &x, 2, None, 1);
+}
+
 /// The sm_121a source (its own tuning of the same code): the same awkward block, NVFP4 with a
 /// residual and bf16 without a gate.
 #[test]

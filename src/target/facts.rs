@@ -287,8 +287,9 @@ pub struct MoeTiles {
     /// Tokens per pass of the kernel variants (ascending multiples of 8); an expert with more
     /// tokens than its variant's pass takes several passes.
     pub token_rows: Vec<u32>,
-    /// The most routed experts a block may have (a multiple of the warp size, at most 32 per
-    /// lane: the top-k keeps one bit per expert).
+    /// The most routed experts a block may have (the warp size times a power of two, at most 32:
+    /// the routing's top-k keeps that many per lane in registers, and takes maxima over them as
+    /// a tree).
     pub max_experts: u32,
     /// Resident blocks per SM the split launches' gate_up and down kernels are compiled for
     /// (their launch bounds: fewer registers per thread than the persistent kernel's).
@@ -663,10 +664,11 @@ impl TargetFacts {
         }
         if m.max_experts == 0
             || m.max_experts % self.warp_size != 0
+            || !(m.max_experts / self.warp_size).is_power_of_two()
             || m.max_experts > 32 * self.warp_size
         {
             return fail(format!(
-                "max_experts {} must be a positive multiple of warp_size {} and at most 32 per lane",
+                "max_experts {} must be warp_size {} times a power of two, at most 32",
                 m.max_experts, self.warp_size
             ));
         }

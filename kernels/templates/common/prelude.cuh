@@ -192,3 +192,4 @@ FP4_DEVICE void prefetch_l2(const void*, u32) {}
 
 // ---- shared by every family (outside the portability layer, so emulated builds keep it) ----
 FP4_DEVICE u32 min_u32(u32 a, u32 b) { return a < b ? a : b; }
+FP4_DEVICE u32 max_u32(u32 a, u32 b) { return a > b ? a : b; }
