@@ -65,8 +65,6 @@ static_assert((MOE_EXPERTS_PER_LANE & (MOE_EXPERTS_PER_LANE - 1)) == 0, "route_t
 #define ROUTER_TILES_PER_ITEM (MOE_WARPS / ROUTER_WARPS_PER_TILE)
 #define TILE_ROWS 16
 #define GROUP_COLS 64
-// the most columns of X a block stages in shared memory for its tile products (XStage; 0: none)
-#define MOE_X_STAGE_COLUMNS {{ target.moe.x_stage_columns }}
 {% if target.vendor == "nvidia" %}
 // __launch_bounds__(threads, blocks per SM): the grid is sized for that many resident blocks
 #define MOE_BOUNDS MOE_THREADS, {{ target.moe.blocks_per_sm }}
@@ -177,19 +175,6 @@ FP4_DEVICE Plan make_plan(const MoeArgs& a) {
     return p;
 }
 
-/// X of a pass staged in shared memory for every warp of the block: the rows' addresses, then
-/// columns [64 group_begin, 64 group_end) of each row (tile_product on mma.sync targets with
-/// cp.async, when they fit MOE_X_STAGE_COLUMNS). Read from global memory group by group instead,
-/// each group's X is an L2 round trip the warp waits for before its MMAs, and the next group's
-/// load is only issued after them: at T = 1 a gate_up warp's 8 groups were 8 round trips one
-/// after another (the H200's gate_up item ~10,500 cycles). The row pitch is 16 bytes past the
-/// columns, so the 8 rows a warp reads at once fall in different banks.
-template <int ROWS>
-struct XStage {
-    const u16* row_address[ROWS];
-    alignas(16) u16 x[ROWS][MOE_X_STAGE_COLUMNS + 8];
-};
-
 {% if target.instructions.mma_sync_bf16 %}
 // ============================================================================================
 // Tile products on mma.sync m16n8k16 (as gemm.cu's gemm_mma): the weight tile is the A operand,
@@ -197,9 +182,6 @@ struct XStage {
 // weight fragment and n8 tiles past the pass's rows are skipped.
 // ============================================================================================
 {% include "common/mma.cuh" %}
-{% if target.instructions.cp_async %}
-{% include "common/cp_async.cuh" %}
-{% endif %}
 typedef Bf16Weights RouterWeights;
 typedef Nvfp4Weights ExpertNvfp4;
 typedef Bf16Weights ExpertBf16;
@@ -234,38 +216,6 @@ struct TileAcc {
     }
 };
 
-#if MOE_X_STAGE_COLUMNS > 0
-/// Stages columns [64 group_begin, 64 group_end) of the pass's `rows` X rows (x_rows as
-/// tile_product's, the same in every warp) in `stage`, zero past K, for every warp of the block
-/// (each must call it): the first warp publishes the rows' addresses, then the block copies with
-/// cp.async (L2, not L1: the rows may come from other blocks of the launch) and waits for every
-/// copy. Its first barrier also ends the previous pass's reads of the stage.
-template <int ROWS>
-FP4_DEVICE void stage_x(XStage<ROWS>& stage, const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
-                        u32 group_begin, u32 group_end, u32 k) {
-    const u32 lane = lane_index();
-    if (thread_x() < FP4_WARP_SIZE && lane % 4 == 0) {
-        #pragma unroll
-        for (int i = 0; i < TileAcc<ROWS>::X_ROWS; ++i) stage.row_address[TileAcc<ROWS>::x_row(i, lane)] = x_rows[i];
-    }
-    block_barrier();
-    constexpr u32 CHUNK = 8;  // bf16 per 16-byte copy
-    const u32 first_col = group_begin * GROUP_COLS, chunks_per_row = (group_end - group_begin) * (GROUP_COLS / CHUNK);
-    for (u32 c = thread_x(); c < rows * chunks_per_row; c += MOE_THREADS) {
-        const u32 row = c / chunks_per_row, col = first_col + (c % chunks_per_row) * CHUNK;
-        u16* to = stage.x[row] + col - first_col;
-        if (col < k) {
-            cp_async16(to, stage.row_address[row] + col);
-        } else {
-            store_u32x4(to, {0u, 0u, 0u, 0u});
-        }
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    block_barrier();
-}
-#endif
-
 /// This warp's partial product of weight tile `tile` (of a [tiles][k_groups][32] fragment array)
 /// with up to ROWS token rows, over the K groups first, first + step, ... < end. x_rows[i] is the
 /// bf16 row of token row TileAcc::x_row(i) (null past the pass). The weight loads of the first
@@ -273,14 +223,11 @@ FP4_DEVICE void stage_x(XStage<ROWS>& stage, const u16* const (&x_rows)[TileAcc<
 /// waited for: with `wait_counter`, until `*wait_counter >= wait_target` (X produced by other
 /// blocks of the launch; a block barrier, so every warp of the block must call it); with
 /// `wait_grid`, until the previous kernel has finished (X produced by it: see
-/// chain_after_previous_grid, which the caller has not called). Then, where the block's K groups
-/// [stage_begin, stage_end) fit MOE_X_STAGE_COLUMNS, the block stages X (stage_x; every warp of
-/// the block must call it, with the same rows) and the groups read it from shared memory.
+/// chain_after_previous_grid, which the caller has not called).
 template <class W, int ROWS, int STAGES>
 FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k,
                              const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
-                             const u32* wait_counter, u32 wait_target, bool wait_grid, XStage<ROWS>& stage,
-                             u32 stage_begin, u32 stage_end, TileAcc<ROWS>& acc) {
+                             const u32* wait_counter, u32 wait_target, bool wait_grid, TileAcc<ROWS>& acc) {
     constexpr int MT = ROWS / 8;
     const u32 lane = lane_index(), t = lane % 4;
     float c[MT][4];
@@ -301,12 +248,6 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
     if (lane == 0 && rest < end) w.prefetch(tile_base + rest * 32, (end - rest) * 32);
     if (wait_counter) block_wait_at_least(wait_counter, wait_target, "the gate_up items of an expert");
     if (wait_grid) chain_after_previous_grid();
-#if MOE_X_STAGE_COLUMNS > 0
-    const bool staged = (stage_end - stage_begin) * GROUP_COLS <= MOE_X_STAGE_COLUMNS;  // uniform
-    if (staged) stage_x<ROWS>(stage, x_rows, rows, stage_begin, stage_end, k);
-#else
-    const bool staged = false;
-#endif
     const u32 m_tiles = (rows + 7) / 8;
     for (u32 base = first; base < end; base += STAGES * step) {
         #pragma unroll
@@ -318,14 +259,8 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
                 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     if (x_rows[mt] != nullptr && col < k) {
-                        if (staged) {
-                            const u16* x = stage.x[TileAcc<ROWS>::x_row(mt, lane)] + col - stage_begin * GROUP_COLS;
-                            xs[mt][0] = load_u32x4(x);
-                            xs[mt][1] = load_u32x4(x + 8);
-                        } else {
-                            xs[mt][0] = load_coherent_u32x4(x_rows[mt] + col);
-                            xs[mt][1] = load_coherent_u32x4(x_rows[mt] + col + 8);
-                        }
+                        xs[mt][0] = load_coherent_u32x4(x_rows[mt] + col);
+                        xs[mt][1] = load_coherent_u32x4(x_rows[mt] + col + 8);
                     } else {
                         xs[mt][0] = xs[mt][1] = {0u, 0u, 0u, 0u};
                     }
@@ -391,13 +326,11 @@ struct TileAcc {
 };
 
 /// As the NVIDIA version: this wave's partial product of weight tile `tile` (of a
-/// [tiles][k_groups][16 rows] fragment array) with up to ROWS token rows; X is read from global
-/// memory (no stage: these targets have no cp.async, MOE_X_STAGE_COLUMNS is 0).
+/// [tiles][k_groups][16 rows] fragment array) with up to ROWS token rows.
 template <class W, int ROWS, int STAGES>
 FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k,
                              const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
-                             const u32* wait_counter, u32 wait_target, bool wait_grid, XStage<ROWS>&, u32, u32,
-                             TileAcc<ROWS>& acc) {
+                             const u32* wait_counter, u32 wait_target, bool wait_grid, TileAcc<ROWS>& acc) {
     constexpr int MT = (ROWS + 15) / 16;
     const u32 lane = lane_index(), r = lane % 16;
     v8f sums[MT];
@@ -464,7 +397,6 @@ struct MoeShared {
     ExpertJob job;  // the expert item the block works on
     u32 item;       // the item the block works on (thread 0 claims it)
     u32 flag;       // block_arrive's answer
-    XStage<ROWS> stage;  // X of the tile products' pass
 };
 
 /// Adds the partial sums of a tile's `parts` warps into its first warp (in warp order, so the
@@ -746,7 +678,7 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
         TileAcc<ROWS> acc;
         tile_product<RouterWeights, ROWS, STAGES>(weights_at<RouterWeights>(a.router, nullptr), tile, p.hidden_k_groups,
                                                   g0 + part, ROUTER_WARPS_PER_TILE, active ? g1 : 0u, a.hidden, x_rows,
-                                                  rows, nullptr, 0u, split && plane == plane_begin, sh.stage, g0, g1, acc);
+                                                  rows, nullptr, 0u, split && plane == plane_begin, acc);
         reduce_parts<ROWS>(acc, warp, part, ROUTER_WARPS_PER_TILE, sh);
         if (active && part == 0) {
             const u32 logit_rows = a.experts + a.has_shared_gate, stride = a.experts + 1;
@@ -814,7 +746,7 @@ FP4_DEVICE void expert_item(const MoeArgs& a, const Plan& p, const ExpertJob& jo
         tile_product<W, ROWS, STAGES>(weights, (u64)job.expert * n_tiles + tile, k_groups, part, warps_per_tile,
                                       active ? k_groups : 0u, k, x_rows, rows,
                                       r0 == job.r_begin ? job.wait_counter : nullptr, job.wait_target,
-                                      r0 == job.r_begin && job.wait_grid, sh.stage, 0u, k_groups, acc);
+                                      r0 == job.r_begin && job.wait_grid, acc);
         reduce_parts<ROWS>(acc, warp, part, warps_per_tile, sh);
         if (active && part == 0) {
             acc.for_each_pair(lane, [&](u32 row, u32 r, float top, float bottom) {
@@ -1108,6 +1040,7 @@ FP4_DEVICE void moe_split_down(const MoeArgs& args) {
 // than the split items, which split K over 2 warps and ask the L2 for their tiles) and L2
 // prefetch windows ahead of the stream (slower at every T: the L2 thrashes).
 // ============================================================================================
+{% include "common/cp_async.cuh" %}
 #define STREAM_ROWS 8
 // Out of line: a chunk's lookup runs a few times per warp, off the streaming loop, whose
 // unrolled stages would otherwise each carry a copy (tests/moe_emulator.cpp defines it first).

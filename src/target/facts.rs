@@ -312,12 +312,6 @@ pub struct MoeTiles {
     /// `moe_stream_combine`); 0 never. Only on targets with mma.sync and cp.async, which render
     /// those kernels.
     pub stream_min_tokens: u32,
-    /// Columns of X (bf16, a multiple of 64) a block stages in shared memory for its tile
-    /// products: a pass whose K range fits reads its X rows once per block (one L2 round trip)
-    /// instead of once per K group and warp; wider passes read X per group. 0: never. Only on
-    /// targets with mma.sync and cp.async. Static shared memory per block: the largest
-    /// `token_rows` x (columns + 8) x 2 bytes.
-    pub x_stage_columns: u32,
 }
 
 impl TargetTable {
@@ -667,24 +661,6 @@ impl TargetFacts {
                 "stream_min_tokens {}: the streaming launches need mma.sync and cp.async (0 turns them off)",
                 m.stream_min_tokens
             ));
-        }
-        if m.x_stage_columns > 0 {
-            if !self.instructions.staged_mma() || m.x_stage_columns % 64 != 0 {
-                return fail(format!(
-                    "x_stage_columns {}: a multiple of 64, and only with mma.sync and cp.async (0 turns the stage off)",
-                    m.x_stage_columns
-                ));
-            }
-            // static shared memory is capped at 48 KiB per block; the rest of the block's
-            // shared state (routing tables, partial sums, arguments) takes about 7 KiB
-            let rows = m.token_rows.iter().copied().max().unwrap_or(0);
-            let stage_bytes = rows * (m.x_stage_columns + 8) * 2;
-            if stage_bytes > 40 * 1024 {
-                return fail(format!(
-                    "x_stage_columns {}: {rows} rows take {stage_bytes} bytes of shared memory, over 40 KiB",
-                    m.x_stage_columns
-                ));
-            }
         }
         if m.max_experts == 0
             || m.max_experts % self.warp_size != 0
