@@ -867,7 +867,7 @@ FP4_DEVICE u32* expert_job(const MoeArgs& a, const Plan& p, u32 item, u32 routed
     job.position0 = load_coherent_u32(a.active_offset + rank);
     job.r_begin = 0u;
     job.r_end = load_coherent_u32(a.active_count + rank);
-    job.gathered = true;
+    job.gathered = a.tokens > 1;  // one token: every routed row is token 0, no lookup (a round trip)
     if (job.gate_up) return gate_up_done + S + rank;
     job.wait_counter = gate_up_done + S + rank;
     job.wait_target = p.gate_up_groups;
@@ -978,11 +978,14 @@ FP4_DEVICE void moe_split_gate_up(const MoeArgs& args) {
     const u32 item = p.end_router + block_x();
     const bool shared = item < p.end_shared_gate_up;
     if (!shared) chain_after_previous_grid();
-    const u32 n_active = shared ? 0u : load_coherent_u32(a.n_active);  // written by the route launch
     const u32 routed = shared ? 0u : item - p.end_shared_gate_up;
+    // the item's rank entries are loaded together with n_active (written by the route launch),
+    // not after it: the job is planned as if every expert were active (its rank is below E, so
+    // the entries exist) and dropped past the real n_active (one L2 round trip instead of two)
+    ExpertJob job;
+    expert_job<ROWS>(a, p, item, routed, a.experts, job);
+    const u32 n_active = shared ? 0u : load_coherent_u32(a.n_active);
     if (shared || routed < n_active * p.gate_up_groups) {
-        ExpertJob job;
-        expert_job<ROWS>(a, p, item, routed, n_active, job);
         if (thread_x() == 0) sh.job = job;
         block_barrier();
         expert_item<W, ROWS, STAGES>(a, p, sh.job, sh);
