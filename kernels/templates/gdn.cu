@@ -108,9 +108,14 @@ struct ConvSource {
         const u16* p = at(row, ch);
         return p == nullptr ? u32x4{0u, 0u, 0u, 0u} : load_u32x4(p);
     }
-    FP4_DEVICE float load1(i32 row, u32 ch) const {
+    /// Whether row `row` exists (at() gives an address): not before position 0.
+    FP4_DEVICE bool has(i32 row) const { return rel0 + row >= 0 || position0 + rel0 + row >= 0; }
+    /// As at(), but always an address that can be read: where at() has none, the sequence's
+    /// first input row (what it reads is dropped: has() is false). Loads through it need no
+    /// branch, so a thread issues all of them before it uses the first.
+    FP4_DEVICE const u16* readable(i32 row, u32 ch) const {
         const u16* p = at(row, ch);
-        return p == nullptr ? 0.0f : bf16_to_f32(*p);
+        return p != nullptr ? p : qkv + (u64)first_row * stride + ch;
     }
 };
 
@@ -160,8 +165,12 @@ FP4_DEVICE void conv8_silu_rows(const ConvSource& src, const float* __restrict__
 /// silu(conv) of the N channels `ch` at row `row` (one value each): the inputs and weights of a
 /// group of taps are all loaded before any is used, so they are in flight together; interleaving
 /// loads and sums made each tap a dependent memory round trip (the decode step's front end is a
-/// latency chain, not bandwidth). Taps past `kernel` add w = 0 times x = 0; the sum runs over
-/// the taps in order, as before.
+/// latency chain, not bandwidth). The loads take no branch (taps past `kernel` read tap
+/// kernel - 1 again, inputs before position 0 a readable row), and what they read is converted
+/// only after the last is issued: a load under a branch, converted inside it, held the thread
+/// for its round trip before the next tap's (the H200's B = 1 step spent 5 to 7.5 us of its
+/// ~10 in the front end, clock64 per phase). Taps past `kernel` add w = 0 times x = 0, inputs
+/// before position 0 w times 0; the sum runs over the taps in order, as before.
 template <int N>
 FP4_DEVICE void conv_silu_n(const ConvSource& src, const float* __restrict__ conv_w, u32 kernel, i32 row,
                             const u32 (&ch)[N], float (&y)[N]) {
@@ -169,23 +178,23 @@ FP4_DEVICE void conv_silu_n(const ConvSource& src, const float* __restrict__ con
     #pragma unroll
     for (int n = 0; n < N; ++n) acc[n] = 0.0f;
     for (u32 j0 = 0; j0 < kernel; j0 += CONV_TAP_GROUP) {
-        float x[N][CONV_TAP_GROUP], w[N][CONV_TAP_GROUP];
+        float w[N][CONV_TAP_GROUP];
+        u16 raw[N][CONV_TAP_GROUP];
         #pragma unroll
         for (int n = 0; n < N; ++n)
             #pragma unroll
             for (u32 jj = 0; jj < CONV_TAP_GROUP; ++jj) {
-                const u32 j = j0 + jj;
-                x[n][jj] = 0.0f;
-                w[n][jj] = 0.0f;
-                if (j < kernel) {
-                    w[n][jj] = conv_w[(u64)ch[n] * kernel + j];
-                    x[n][jj] = src.load1(row - (i32)(kernel - 1) + (i32)j, ch[n]);
-                }
+                const u32 j = min_u32(j0 + jj, kernel - 1);
+                w[n][jj] = conv_w[(u64)ch[n] * kernel + j];
+                raw[n][jj] = *src.readable(row - (i32)(kernel - 1) + (i32)j, ch[n]);
             }
         #pragma unroll
-        for (int n = 0; n < N; ++n)
+        for (u32 jj = 0; jj < CONV_TAP_GROUP; ++jj) {
+            const bool tap = j0 + jj < kernel, input = tap && src.has(row - (i32)(kernel - 1) + (i32)(j0 + jj));
             #pragma unroll
-            for (u32 jj = 0; jj < CONV_TAP_GROUP; ++jj) acc[n] += w[n][jj] * x[n][jj];
+            for (int n = 0; n < N; ++n)
+                acc[n] += (tap ? w[n][jj] : 0.0f) * (input ? bf16_to_f32(raw[n][jj]) : 0.0f);
+        }
     }
     #pragma unroll
     for (int n = 0; n < N; ++n) y[n] = silu_f32(acc[n]);
@@ -406,15 +415,18 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
         gate_in[3] = dt_bias[h];
     }
     // the gated norm's z and weights when the block holds the whole head, in flight with the
-    // conv's loads below (loaded at the norm, they were the last round trip of the block's chain)
+    // conv's loads below (loaded at the norm, they were the last round trip of the block's
+    // chain): their first pass into registers now, into shared memory after the conv's loads (a
+    // load stored at once holds the thread until it returns, and every load behind it: as two
+    // loops, they were two round trips before the conv's)
     const bool norm = z != nullptr;
-    if (norm && whole_head) {
-        for (u32 idx = tid; idx < m * STEP_DV; idx += STEP_THREADS) {
-            const u32 t = idx / STEP_DV, jj = idx % STEP_DV;
-            if (jj < dv) sh.z[t][jj] = bf16_to_f32(z[(u64)(b * m + t) * z_stride + h * dv + jj]);
-        }
-        for (u32 jj = tid; jj < dv; jj += STEP_THREADS) sh.norm_w[jj] = norm_w[jj];
-    }
+    const bool norm_staged = norm && whole_head;
+    const bool z_first = norm_staged && tid < m * STEP_DV && tid % STEP_DV < dv;
+    const bool w_first = norm_staged && tid < dv;
+    u16 z_raw = 0;
+    float w_value = 0.0f;
+    if (z_first) z_raw = z[(u64)(b * m + tid / STEP_DV) * z_stride + h * dv + tid % STEP_DV];
+    if (w_first) w_value = norm_w[tid];
     // conv + SiLU of the new tokens' channels: (q, k) pairs first, then this block's v columns,
     // one index space over all threads (at m = 1 the 128 pairs and 128 v columns of a whole head
     // take one pass of 256 threads, where two loops ran them one after the other on 128)
@@ -453,6 +465,15 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
             sh.v[t][jj] = y[0];
             conv_ring[((u64)slot * ring_len + (pos + t) % ring_len) * conv_dim + ch[0]] = raw;
         }
+    }
+    if (z_first) sh.z[tid / STEP_DV][tid % STEP_DV] = bf16_to_f32(z_raw);
+    if (w_first) sh.norm_w[tid] = w_value;
+    if (norm_staged) {  // the passes past the first, at m > STEP_THREADS / STEP_DV or dv > STEP_THREADS
+        for (u32 idx = tid + STEP_THREADS; idx < m * STEP_DV; idx += STEP_THREADS) {
+            const u32 t = idx / STEP_DV, jj = idx % STEP_DV;
+            if (jj < dv) sh.z[t][jj] = bf16_to_f32(z[(u64)(b * m + t) * z_stride + h * dv + jj]);
+        }
+        for (u32 jj = tid + STEP_THREADS; jj < dv; jj += STEP_THREADS) sh.norm_w[jj] = norm_w[jj];
     }
     if (tid < m) {
         float g, beta;
