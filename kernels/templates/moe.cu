@@ -152,7 +152,6 @@ struct Plan {
 };
 
 FP4_DEVICE u32 div_up(u32 a, u32 b) { return (a + b - 1) / b; }
-FP4_DEVICE float max_f32(float a, float b) { return a > b ? a : b; }  // operands are never NaN here
 
 template <int ROWS>
 FP4_DEVICE Plan make_plan(const MoeArgs& a) {
@@ -446,7 +445,6 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1, u32* shared_ids) 
         #pragma unroll
         for (int q = 0; q < ROUTER_PLANES; ++q) gate_planes[q] = load_coherent_f32(row + q * plane + E);
         float l[MOE_EXPERTS_PER_LANE];
-        float top = minus_infinity;
         #pragma unroll
         for (int i0 = 0; i0 < MOE_EXPERTS_PER_LANE; i0 += ROUTE_BATCH) {
             if (i0 * FP4_WARP_SIZE >= E) {  // uniform: no expert of the batch exists
@@ -469,15 +467,8 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1, u32* shared_ids) 
                 for (int q = 0; q < ROUTER_PLANES; ++q) v += planes[i][q];
                 if (!(v == v) || (i0 + i) * FP4_WARP_SIZE + lane >= E) v = minus_infinity;  // a NaN logit (NaN input) is never preferred
                 l[i0 + i] = v;
-                top = max_f32(top, v);
             }
         }
-        top = warp_max(top);
-        float total = 0.0f;
-        #pragma unroll
-        for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i)
-            if (i * FP4_WARP_SIZE + lane < E) total += fast_exp(l[i] - top);
-        total = warp_sum(total);
         // top-k by repeated arg-max over the logits (softmax is monotone in them), ties to the
         // lower expert id. Each lane keeps its experts as order keys (0: taken, or no expert), so
         // a round is a tree of maxima over the lane's keys, the warp's largest key, a tree of
@@ -489,7 +480,7 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1, u32* shared_ids) 
         u32 keys[MOE_EXPERTS_PER_LANE];
         #pragma unroll
         for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) keys[i] = i * FP4_WARP_SIZE + lane < E ? order_key(l[i]) : 0u;
-        u32 mine = 0u, mine_key = 0u;
+        u32 mine = 0u, mine_key = 0u, first_key = 0u;
         for (u32 j = 0; j < k; ++j) {
             // the lane's largest key, then the lowest slot holding it (two trees of min / max)
             u32 level[MOE_EXPERTS_PER_LANE];
@@ -515,8 +506,12 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1, u32* shared_ids) 
                 mine = best_e;
                 mine_key = top_key;
             }
+            if (j == 0) first_key = top_key;
         }
-        const float mine_p = lane < k ? fast_exp(from_order_key(mine_key) - top) / total : 0.0f;
+        // renormalised over the k chosen, softmax's sum over all E cancels: exp relative to the
+        // largest logit (the first chosen) is all the weights need (the sum over every expert and
+        // the warp's maximum before the rounds were ~1,200 and ~200 cycles of the chain at T = 1)
+        const float mine_p = lane < k ? fast_exp(from_order_key(mine_key) - from_order_key(first_key)) : 0.0f;
         const float kept = warp_sum(mine_p);
         if (lane < k) {
             a.topk_ids[t * k + lane] = mine;
