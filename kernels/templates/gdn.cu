@@ -108,6 +108,11 @@ struct ConvSource {
         const u16* p = at(row, ch);
         return p == nullptr ? u32x4{0u, 0u, 0u, 0u} : load_u32x4(p);
     }
+    /// One channel's input at `row` as f32, zero before position 0.
+    FP4_DEVICE float load1(i32 row, u32 ch) const {
+        const u16* p = at(row, ch);
+        return p == nullptr ? 0.0f : bf16_to_f32(*p);
+    }
     /// Whether row `row` exists (at() gives an address): not before position 0.
     FP4_DEVICE bool has(i32 row) const { return rel0 + row >= 0 || position0 + rel0 + row >= 0; }
     /// As at(), but always an address that can be read: where at() has none, the sequence's
@@ -159,41 +164,45 @@ FP4_DEVICE void conv8_silu_rows(const ConvSource& src, const float* __restrict__
         for (int i = 0; i < 8; ++i) y[r][i] = row0 + r < valid ? silu_f32(y[r][i]) : 0.0f;
 }
 
-/// Conv taps whose loads the step issues together (Qwen3.5's kernel is 4: one group).
-#define CONV_TAP_GROUP 4
-
 /// silu(conv) of the N channels `ch` at row `row` (one value each): the inputs and weights of a
-/// group of taps are all loaded before any is used, so they are in flight together; interleaving
+/// group of TAPS taps are all loaded before any is used, so they are in flight together; interleaving
 /// loads and sums made each tap a dependent memory round trip (the decode step's front end is a
 /// latency chain, not bandwidth). The loads take no branch (taps past `kernel` read tap
 /// kernel - 1 again, inputs before position 0 a readable row), and what they read is converted
 /// only after the last is issued: a load under a branch, converted inside it, held the thread
 /// for its round trip before the next tap's (the H200's B = 1 step spent 5 to 7.5 us of its
 /// ~10 in the front end, clock64 per phase). Taps past `kernel` add w = 0 times x = 0, inputs
-/// before position 0 w times 0; the sum runs over the taps in order, as before.
-template <int N>
+/// before position 0 w times 0; the sum runs over the taps in order, as before. TAPS = 1 (the
+/// general step kernels, see FRONT_BATCHED) keeps the earlier form, one tap at a time under its
+/// branch: the registers for more are not there.
+template <int N, int TAPS>
 FP4_DEVICE void conv_silu_n(const ConvSource& src, const float* __restrict__ conv_w, u32 kernel, i32 row,
                             const u32 (&ch)[N], float (&y)[N]) {
     float acc[N];
     #pragma unroll
     for (int n = 0; n < N; ++n) acc[n] = 0.0f;
-    for (u32 j0 = 0; j0 < kernel; j0 += CONV_TAP_GROUP) {
-        float w[N][CONV_TAP_GROUP];
-        u16 raw[N][CONV_TAP_GROUP];
-        #pragma unroll
-        for (int n = 0; n < N; ++n)
+    for (u32 j0 = 0; j0 < kernel; j0 += TAPS) {
+        if constexpr (TAPS == 1) {
             #pragma unroll
-            for (u32 jj = 0; jj < CONV_TAP_GROUP; ++jj) {
-                const u32 j = min_u32(j0 + jj, kernel - 1);
-                w[n][jj] = conv_w[(u64)ch[n] * kernel + j];
-                raw[n][jj] = *src.readable(row - (i32)(kernel - 1) + (i32)j, ch[n]);
-            }
-        #pragma unroll
-        for (u32 jj = 0; jj < CONV_TAP_GROUP; ++jj) {
-            const bool tap = j0 + jj < kernel, input = tap && src.has(row - (i32)(kernel - 1) + (i32)(j0 + jj));
+            for (int n = 0; n < N; ++n) acc[n] += conv_w[(u64)ch[n] * kernel + j0] * src.load1(row - (i32)(kernel - 1) + (i32)j0, ch[n]);
+        } else {
+            float w[N][TAPS];
+            u16 raw[N][TAPS];
             #pragma unroll
             for (int n = 0; n < N; ++n)
-                acc[n] += (tap ? w[n][jj] : 0.0f) * (input ? bf16_to_f32(raw[n][jj]) : 0.0f);
+                #pragma unroll
+                for (u32 jj = 0; jj < TAPS; ++jj) {
+                    const u32 j = min_u32(j0 + jj, kernel - 1);
+                    w[n][jj] = conv_w[(u64)ch[n] * kernel + j];
+                    raw[n][jj] = *src.readable(row - (i32)(kernel - 1) + (i32)j, ch[n]);
+                }
+            #pragma unroll
+            for (u32 jj = 0; jj < TAPS; ++jj) {
+                const bool tap = j0 + jj < kernel, input = tap && src.has(row - (i32)(kernel - 1) + (i32)(j0 + jj));
+                #pragma unroll
+                for (int n = 0; n < N; ++n)
+                    acc[n] += (tap ? w[n][jj] : 0.0f) * (input ? bf16_to_f32(raw[n][jj]) : 0.0f);
+            }
         }
     }
     #pragma unroll
@@ -351,6 +360,14 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     // launches back wrote (chain_after_previous_grid), with loads that bypass L1. At B = 1 the
     // state's DRAM round trip is then hidden behind the GEMM instead of starting the step's chain.
     constexpr int STEP_MAX_ROWS = {{ max_dk }} / STEP_ROW_GROUPS;
+    // The front end's loads all in flight together (the gated norm's first z and weights held in
+    // registers across the conv, the conv's 4 taps at once: Qwen3.5's kernel is one group) in
+    // the exact kernel, the real shape's; the general one, whose dk and dv are arguments, has no
+    // registers for them beside the state (ptxas 13.0 spilled 8 to 64 bytes of it on sm_90a,
+    // by how much was batched) and keeps the earlier form: z and the weights stored before the
+    // conv, each tap loaded and converted under its own branch.
+    constexpr bool FRONT_BATCHED = {% if exact_dv %}true{% else %}false{% endif %};
+    constexpr int CONV_TAPS = FRONT_BATCHED ? 4 : 1;
     __shared__ StepShared<{{ max_dk }}> sh;
     const u32 tid = thread_x();
     const u32 warp = tid / FP4_WARP_SIZE, lane = tid % FP4_WARP_SIZE;
@@ -421,12 +438,21 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     // loops, they were two round trips before the conv's)
     const bool norm = z != nullptr;
     const bool norm_staged = norm && whole_head;
-    const bool z_first = norm_staged && tid < m * STEP_DV && tid % STEP_DV < dv;
-    const bool w_first = norm_staged && tid < dv;
+    const bool z_first = FRONT_BATCHED && norm_staged && tid < m * STEP_DV && tid % STEP_DV < dv;
+    const bool w_first = FRONT_BATCHED && norm_staged && tid < dv;
     u16 z_raw = 0;
     float w_value = 0.0f;
     if (z_first) z_raw = z[(u64)(b * m + tid / STEP_DV) * z_stride + h * dv + tid % STEP_DV];
     if (w_first) w_value = norm_w[tid];
+    // z and the weights into shared memory from index `first` on, a load and its store at a time
+    auto stage_norm_inputs = [&](u32 first) {
+        for (u32 idx = first; idx < m * STEP_DV; idx += STEP_THREADS) {
+            const u32 t = idx / STEP_DV, jj = idx % STEP_DV;
+            if (jj < dv) sh.z[t][jj] = bf16_to_f32(z[(u64)(b * m + t) * z_stride + h * dv + jj]);
+        }
+        for (u32 jj = first; jj < dv; jj += STEP_THREADS) sh.norm_w[jj] = norm_w[jj];
+    };
+    if (!FRONT_BATCHED && norm_staged) stage_norm_inputs(tid);
     // conv + SiLU of the new tokens' channels: (q, k) pairs first, then this block's v columns,
     // one index space over all threads (at m = 1 the 128 pairs and 128 v columns of a whole head
     // take one pass of 256 threads, where two loops ran them one after the other on 128)
@@ -444,7 +470,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
                 raw[1] = qkv[(u64)(b * m + t) * qkv_stride + ch[1]];
             }
             float y[2];
-            conv_silu_n<2>(src, conv_w, kernel, (i32)t, ch, y);
+            conv_silu_n<2, CONV_TAPS>(src, conv_w, kernel, (i32)t, ch, y);
             sh.q[t][i] = y[0];
             sh.k[t][i] = y[1];
             if (ring_writer) {
@@ -461,20 +487,14 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
             const u32 ch[1] = {2 * hk * dk + h * dv + j0 + jj};
             const u16 raw = qkv[(u64)(b * m + t) * qkv_stride + ch[0]];
             float y[1];
-            conv_silu_n<1>(src, conv_w, kernel, (i32)t, ch, y);
+            conv_silu_n<1, CONV_TAPS>(src, conv_w, kernel, (i32)t, ch, y);
             sh.v[t][jj] = y[0];
             conv_ring[((u64)slot * ring_len + (pos + t) % ring_len) * conv_dim + ch[0]] = raw;
         }
     }
     if (z_first) sh.z[tid / STEP_DV][tid % STEP_DV] = bf16_to_f32(z_raw);
     if (w_first) sh.norm_w[tid] = w_value;
-    if (norm_staged) {  // the passes past the first, at m > STEP_THREADS / STEP_DV or dv > STEP_THREADS
-        for (u32 idx = tid + STEP_THREADS; idx < m * STEP_DV; idx += STEP_THREADS) {
-            const u32 t = idx / STEP_DV, jj = idx % STEP_DV;
-            if (jj < dv) sh.z[t][jj] = bf16_to_f32(z[(u64)(b * m + t) * z_stride + h * dv + jj]);
-        }
-        for (u32 jj = tid + STEP_THREADS; jj < dv; jj += STEP_THREADS) sh.norm_w[jj] = norm_w[jj];
-    }
+    if (FRONT_BATCHED && norm_staged) stage_norm_inputs(tid + STEP_THREADS);  // the passes past the first
     if (tid < m) {
         float g, beta;
         gdn_gates(gate_in[0], gate_in[1], gate_in[2], gate_in[3], g, beta);
