@@ -473,10 +473,11 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1, u32* shared_ids) 
         // lower expert id. Each lane keeps its experts as order keys (0: taken, or no expert), so
         // a round is a tree of maxima over the lane's keys, the warp's largest key, a tree of
         // minima for the lowest of the lane's slots holding it, and the lowest id over the warp
-        // (the warp reductions are one instruction each on NVIDIA); lane j keeps choice j. The probabilities
-        // wait until after the loop: a round is then only compares (with the arg-max over the
-        // lane's keys as one chain and the probability in every round, a round was ~900 cycles,
-        // 3.6 us of the route launch's critical path at T = 1 on the H200).
+        // (the warp reductions are one instruction each on NVIDIA); lane j keeps choice j. The
+        // probabilities wait until after the loop, so a round is only compares. (H200, T = 1,
+        // clock64: the whole routing took 7,040-7,820 cycles with the arg-max over the lane's
+        // keys as one chain and a probability per round, 6,170-6,440 with the trees; the rounds
+        // themselves 2,820-2,970.)
         u32 keys[MOE_EXPERTS_PER_LANE];
         #pragma unroll
         for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) keys[i] = i * FP4_WARP_SIZE + lane < E ? order_key(l[i]) : 0u;
@@ -509,8 +510,9 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1, u32* shared_ids) 
             if (j == 0) first_key = top_key;
         }
         // renormalised over the k chosen, softmax's sum over all E cancels: exp relative to the
-        // largest logit (the first chosen) is all the weights need (the sum over every expert and
-        // the warp's maximum before the rounds were ~1,200 and ~200 cycles of the chain at T = 1)
+        // largest logit (the first chosen) is all the weights need (the sum over every expert took
+        // 1,200-1,410 cycles of the chain at T = 1; the warp's maximum before it, part of the
+        // loads' 1,440-1,980, was not timed on its own)
         const float mine_p = lane < k ? fast_exp(from_order_key(mine_key) - from_order_key(first_key)) : 0.0f;
         const float kept = warp_sum(mine_p);
         if (lane < k) {
