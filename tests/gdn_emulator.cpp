@@ -88,6 +88,7 @@ FP4_DEVICE u32x2 load_u32x2(const void* p) { u32x2 v; std::memcpy(&v, p, 8); ret
 FP4_DEVICE u32x4 load_u32x4(const void* p) { u32x4 v; std::memcpy(&v, p, 16); return v; }
 FP4_DEVICE void store_u32x4(void* p, u32x4 v) { std::memcpy(p, &v, 16); }
 // the host's threads see each other's writes (atomic loads for the counters' data races)
+FP4_DEVICE u16 load_coherent_u16(const u16* p) { return *p; }
 FP4_DEVICE u32 load_coherent_u32(const u32* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
 FP4_DEVICE float load_coherent_f32(const float* p) { return *p; }
 FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) { return load_u32x4(p); }

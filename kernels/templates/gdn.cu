@@ -113,6 +113,8 @@ struct ConvSource {
         const u16* p = at(row, ch);
         return p == nullptr ? 0.0f : bf16_to_f32(*p);
     }
+    /// Whether row `row` is one of the inputs (else the conv ring's history, or before position 0).
+    FP4_DEVICE bool is_input(i32 row) const { return rel0 + row >= 0; }
     /// Whether row `row` exists (at() gives an address): not before position 0.
     FP4_DEVICE bool has(i32 row) const { return rel0 + row >= 0 || position0 + rel0 + row >= 0; }
     /// As at(), but always an address that can be read: where at() has none, the sequence's
@@ -164,17 +166,68 @@ FP4_DEVICE void conv8_silu_rows(const ConvSource& src, const float* __restrict__
         for (int i = 0; i < 8; ++i) y[r][i] = row0 + r < valid ? silu_f32(y[r][i]) : 0.0f;
 }
 
-/// silu(conv) of the N channels `ch` at row `row` (one value each): the inputs and weights of a
-/// group of TAPS taps are all loaded before any is used, so they are in flight together; interleaving
-/// loads and sums made each tap a dependent memory round trip (the decode step's front end is a
-/// latency chain, not bandwidth). The loads take no branch (taps past `kernel` read tap
-/// kernel - 1 again, inputs before position 0 a readable row), and what they read is converted
-/// only after the last is issued: a load under a branch, converted inside it, held the thread
-/// for its round trip before the next tap's (the H200's B = 1 step spent 5 to 7.5 us of its
-/// ~10 in the front end, clock64 per phase). Taps past `kernel` add w = 0 times x = 0, inputs
-/// before position 0 w times 0; the sum runs over the taps in order, as before. TAPS = 1 (the
-/// general step kernels, see FRONT_BATCHED) keeps the earlier form, one tap at a time under its
-/// branch: the registers for more are not there.
+/// Taps of a conv window loaded together (Qwen3.5's kernel is one window).
+#define CONV_WINDOW_TAPS 4
+
+/// The conv window of N channels at one row `row`: taps j0 .. j0 + CONV_WINDOW_TAPS - 1 (taps past
+/// `kernel` read tap kernel - 1 again and weigh 0; rows before position 0 read a readable row and
+/// count 0), loaded in two parts: the weights and the history (rows before the first new row,
+/// from the conv ring), then the new rows (the inputs). The decode step issues the first part
+/// before its grid wait (the ring's writers are the state's: the step of earlier forwards and the
+/// prefill's state kernel), so only the inputs the projection GEMM just wrote are read after it.
+/// Nothing is converted until both parts are issued: a load converted at once holds the thread
+/// for its round trip before the next one's (the H200's B = 1 step spent 5 to 7.5 us of its ~10
+/// in the front end when each tap was loaded and converted under its own branch, clock64 per
+/// phase).
+template <int N>
+struct ConvWindow {
+    float w[N][CONV_WINDOW_TAPS];
+    u16 raw[N][CONV_WINDOW_TAPS];
+
+    FP4_DEVICE static i32 tap_row(i32 row, u32 kernel, u32 j) { return row - (i32)(kernel - 1) + (i32)j; }
+    FP4_DEVICE static u32 tap(u32 kernel, u32 j0, u32 jj) { return min_u32(j0 + jj, kernel - 1); }
+
+    FP4_DEVICE void load_history(const ConvSource& src, const float* __restrict__ conv_w, u32 kernel, i32 row, u32 j0,
+                                 const u32 (&ch)[N]) {
+        #pragma unroll
+        for (int n = 0; n < N; ++n)
+            #pragma unroll
+            for (u32 jj = 0; jj < CONV_WINDOW_TAPS; ++jj) {
+                const u32 j = tap(kernel, j0, jj);
+                const i32 r = tap_row(row, kernel, j);
+                w[n][jj] = conv_w[(u64)ch[n] * kernel + j];
+                raw[n][jj] = 0;
+                if (!src.is_input(r) && src.has(r)) raw[n][jj] = load_coherent_u16(src.readable(r, ch[n]));
+            }
+    }
+    FP4_DEVICE void load_inputs(const ConvSource& src, u32 kernel, i32 row, u32 j0, const u32 (&ch)[N]) {
+        #pragma unroll
+        for (int n = 0; n < N; ++n)
+            #pragma unroll
+            for (u32 jj = 0; jj < CONV_WINDOW_TAPS; ++jj) {
+                const i32 r = tap_row(row, kernel, tap(kernel, j0, jj));
+                if (src.is_input(r)) raw[n][jj] = *src.readable(r, ch[n]);
+            }
+    }
+    /// acc[n] += the window's taps of channel n, in tap order.
+    FP4_DEVICE void accumulate(const ConvSource& src, u32 kernel, i32 row, u32 j0, float (&acc)[N]) const {
+        #pragma unroll
+        for (u32 jj = 0; jj < CONV_WINDOW_TAPS; ++jj) {
+            const bool in_kernel = j0 + jj < kernel, input = in_kernel && src.has(tap_row(row, kernel, j0 + jj));
+            #pragma unroll
+            for (int n = 0; n < N; ++n)
+                acc[n] += (in_kernel ? w[n][jj] : 0.0f) * (input ? bf16_to_f32(raw[n][jj]) : 0.0f);
+        }
+    }
+    /// The raw input of channel n at `row` itself (tap kernel - 1, held by the window's last tap
+    /// when the window starts at tap 0 and kernel <= CONV_WINDOW_TAPS).
+    FP4_DEVICE u16 own(int n) const { return raw[n][CONV_WINDOW_TAPS - 1]; }
+};
+
+/// silu(conv) of the N channels `ch` at row `row` (one value each). TAPS = CONV_WINDOW_TAPS: a
+/// ConvWindow at a time, its loads in flight together; TAPS = 1 (the general step kernels, see
+/// FRONT_BATCHED) keeps the earlier form, one tap at a time under its branch: the registers for
+/// more are not there.
 template <int N, int TAPS>
 FP4_DEVICE void conv_silu_n(const ConvSource& src, const float* __restrict__ conv_w, u32 kernel, i32 row,
                             const u32 (&ch)[N], float (&y)[N]) {
@@ -186,23 +239,11 @@ FP4_DEVICE void conv_silu_n(const ConvSource& src, const float* __restrict__ con
             #pragma unroll
             for (int n = 0; n < N; ++n) acc[n] += conv_w[(u64)ch[n] * kernel + j0] * src.load1(row - (i32)(kernel - 1) + (i32)j0, ch[n]);
         } else {
-            float w[N][TAPS];
-            u16 raw[N][TAPS];
-            #pragma unroll
-            for (int n = 0; n < N; ++n)
-                #pragma unroll
-                for (u32 jj = 0; jj < TAPS; ++jj) {
-                    const u32 j = min_u32(j0 + jj, kernel - 1);
-                    w[n][jj] = conv_w[(u64)ch[n] * kernel + j];
-                    raw[n][jj] = *src.readable(row - (i32)(kernel - 1) + (i32)j, ch[n]);
-                }
-            #pragma unroll
-            for (u32 jj = 0; jj < TAPS; ++jj) {
-                const bool tap = j0 + jj < kernel, input = tap && src.has(row - (i32)(kernel - 1) + (i32)(j0 + jj));
-                #pragma unroll
-                for (int n = 0; n < N; ++n)
-                    acc[n] += (tap ? w[n][jj] : 0.0f) * (input ? bf16_to_f32(raw[n][jj]) : 0.0f);
-            }
+            static_assert(TAPS == CONV_WINDOW_TAPS, "a batched conv loads one ConvWindow at a time");
+            ConvWindow<N> window;
+            window.load_history(src, conv_w, kernel, row, j0, ch);
+            window.load_inputs(src, kernel, row, j0, ch);
+            window.accumulate(src, kernel, row, j0, acc);
         }
     }
     #pragma unroll
@@ -419,78 +460,123 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
         }
     }
 
+    // The front end's loads that no kernel of this forward writes go before the wait, as the
+    // state's: the gates' and the gated norm's weights and, in the exact kernel, the first pass's
+    // conv windows (their weights and the ring's history, see ConvWindow). After the wait they
+    // were a DRAM round trip at the head of the step's chain: the ring was last touched a forward
+    // earlier.
+    const bool norm = z != nullptr;
+    const bool norm_staged = norm && whole_head;
+    const bool z_first = FRONT_BATCHED && norm_staged && tid < m * STEP_DV && tid % STEP_DV < dv;
+    const bool w_first = FRONT_BATCHED && norm_staged && tid < dv;
+    float gate_in[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // a, b, A_log, dt_bias of token tid
+    if (tid < m) {
+        gate_in[2] = a_log[h];
+        gate_in[3] = dt_bias[h];
+    }
+    float w_value = 0.0f;
+    if (w_first) w_value = norm_w[tid];
+    // conv + SiLU of the new tokens' channels as one index space over all threads: (q, k) channel
+    // pairs first, then pairs of this block's v columns (at m = 1 a head's 128 q/k pairs and 64 v
+    // pairs take one pass of 256 threads)
+    const ConvSource src{qkv, qkv_stride, (i32)(b * m), 0, (i64)pos, conv_ring + (u64)slot * ring_len * conv_dim, ring_len, conv_dim};
+    const bool qk_writer = h % ratio == 0;  // first value head of the key group writes q/k data
+    const u32 qk_items = m * dk, conv_items = qk_items + m * (STEP_DV / 2);
+    struct ConvItem {
+        u32 t, col, ch[2];  // token, first column (of q/k, or of the block's v slice), channels
+        bool qk, live;      // a q/k pair, or v columns; false: v columns past dv (zeros)
+    };
+    auto conv_item = [&](u32 idx) {
+        ConvItem it;
+        it.qk = idx < qk_items;
+        if (it.qk) {
+            it.t = idx / dk;
+            it.col = idx % dk;
+            it.ch[0] = kh * dk + it.col;
+            it.ch[1] = hk * dk + kh * dk + it.col;
+            it.live = true;
+        } else {
+            const u32 pair = idx - qk_items;
+            it.t = pair / (STEP_DV / 2);
+            it.col = 2 * (pair % (STEP_DV / 2));
+            it.ch[0] = 2 * hk * dk + h * dv + j0 + it.col;
+            it.ch[1] = it.ch[0] + 1;
+            it.live = j0 + it.col < dv;  // dv is a multiple of 16: both columns or neither
+        }
+        return it;
+    };
+    // the raw inputs of q/k pairs go to the ring from one block per channel; v columns from theirs
+    auto writes_ring = [&](const ConvItem& it) { return it.live && (!it.qk || (qk_writer && it.col % splits == split)); };
+    const bool window_early = FRONT_BATCHED && kernel <= CONV_WINDOW_TAPS;
+    const bool first_exists = tid < conv_items;
+    const ConvItem first = conv_item(tid);
+    ConvWindow<2> window;
+    if (window_early && first_exists && first.live) window.load_history(src, conv_w, kernel, (i32)first.t, 0, first.ch);
+
     chain_after_previous_grid();
     if (!slot_ok) return;  // uniform per block
 
     // 2. front end: every load of a pass is issued before its first use (the step is a latency
     //    chain at small batches: a block's lifetime, not the state's bytes, sets its cost)
-    float gate_in[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // a, b, A_log, dt_bias of token tid
     if (tid < m) {
         gate_in[0] = bf16_to_f32(a_in[(u64)(b * m + tid) * a_stride + h]);
         gate_in[1] = bf16_to_f32(b_in[(u64)(b * m + tid) * b_stride + h]);
-        gate_in[2] = a_log[h];
-        gate_in[3] = dt_bias[h];
     }
-    // the gated norm's z and weights when the block holds the whole head, in flight with the
-    // conv's loads below (loaded at the norm, they were the last round trip of the block's
-    // chain): their first pass into registers now, into shared memory after the conv's loads (a
-    // load stored at once holds the thread until it returns, and every load behind it: as two
-    // loops, they were two round trips before the conv's)
-    const bool norm = z != nullptr;
-    const bool norm_staged = norm && whole_head;
-    const bool z_first = FRONT_BATCHED && norm_staged && tid < m * STEP_DV && tid % STEP_DV < dv;
-    const bool w_first = FRONT_BATCHED && norm_staged && tid < dv;
+    // the gated norm's z when the block holds the whole head, in flight with the conv's loads
+    // below (loaded at the norm, it was the last round trip of the block's chain): its first pass
+    // into registers now, into shared memory after the conv's loads (a load stored at once holds
+    // the thread until it returns, and every load behind it)
     u16 z_raw = 0;
-    float w_value = 0.0f;
     if (z_first) z_raw = z[(u64)(b * m + tid / STEP_DV) * z_stride + h * dv + tid % STEP_DV];
-    if (w_first) w_value = norm_w[tid];
-    // z and the weights into shared memory from index `first` on, a load and its store at a time
-    auto stage_norm_inputs = [&](u32 first) {
-        for (u32 idx = first; idx < m * STEP_DV; idx += STEP_THREADS) {
+    // z and the weights into shared memory from index `from` on, a load and its store at a time
+    auto stage_norm_inputs = [&](u32 from) {
+        for (u32 idx = from; idx < m * STEP_DV; idx += STEP_THREADS) {
             const u32 t = idx / STEP_DV, jj = idx % STEP_DV;
             if (jj < dv) sh.z[t][jj] = bf16_to_f32(z[(u64)(b * m + t) * z_stride + h * dv + jj]);
         }
-        for (u32 jj = first; jj < dv; jj += STEP_THREADS) sh.norm_w[jj] = norm_w[jj];
+        for (u32 jj = from; jj < dv; jj += STEP_THREADS) sh.norm_w[jj] = norm_w[jj];
     };
     if (!FRONT_BATCHED && norm_staged) stage_norm_inputs(tid);
-    // conv + SiLU of the new tokens' channels: (q, k) pairs first, then this block's v columns,
-    // one index space over all threads (at m = 1 the 128 pairs and 128 v columns of a whole head
-    // take one pass of 256 threads, where two loops ran them one after the other on 128)
-    const ConvSource src{qkv, qkv_stride, (i32)(b * m), 0, (i64)pos, conv_ring + (u64)slot * ring_len * conv_dim, ring_len, conv_dim};
-    const bool qk_writer = h % ratio == 0;  // first value head of the key group writes q/k data
-    const u32 qk_items = m * dk;
-    for (u32 idx = tid; idx < qk_items + m * STEP_DV; idx += STEP_THREADS) {
-        if (idx < qk_items) {
-            const u32 t = idx / dk, i = idx % dk;
-            const u32 ch[2] = {kh * dk + i, hk * dk + kh * dk + i};
-            const bool ring_writer = qk_writer && i % splits == split;
-            u16 raw[2] = {0, 0};
-            if (ring_writer) {
-                raw[0] = qkv[(u64)(b * m + t) * qkv_stride + ch[0]];
-                raw[1] = qkv[(u64)(b * m + t) * qkv_stride + ch[1]];
-            }
-            float y[2];
-            conv_silu_n<2, CONV_TAPS>(src, conv_w, kernel, (i32)t, ch, y);
-            sh.q[t][i] = y[0];
-            sh.k[t][i] = y[1];
-            if (ring_writer) {
-                u16* dst = conv_ring + ((u64)slot * ring_len + (pos + t) % ring_len) * conv_dim;
-                dst[ch[0]] = raw[0];
-                dst[ch[1]] = raw[1];
-            }
+    // an item's results: silu(conv) to shared memory, its raw inputs to the ring at its position
+    auto finish_item = [&](const ConvItem& it, const float (&y)[2], const u16 (&raw)[2]) {
+        if (it.qk) {
+            sh.q[it.t][it.col] = y[0];
+            sh.k[it.t][it.col] = y[1];
         } else {
-            const u32 t = (idx - qk_items) / STEP_DV, jj = (idx - qk_items) % STEP_DV;
-            if (j0 + jj >= dv) {
-                sh.v[t][jj] = 0.0f;
-                continue;
-            }
-            const u32 ch[1] = {2 * hk * dk + h * dv + j0 + jj};
-            const u16 raw = qkv[(u64)(b * m + t) * qkv_stride + ch[0]];
-            float y[1];
-            conv_silu_n<1, CONV_TAPS>(src, conv_w, kernel, (i32)t, ch, y);
-            sh.v[t][jj] = y[0];
-            conv_ring[((u64)slot * ring_len + (pos + t) % ring_len) * conv_dim + ch[0]] = raw;
+            sh.v[it.t][it.col] = y[0];
+            sh.v[it.t][it.col + 1] = y[1];
         }
+        if (writes_ring(it)) {
+            u16* dst = conv_ring + ((u64)slot * ring_len + (pos + it.t) % ring_len) * conv_dim;
+            dst[it.ch[0]] = raw[0];
+            dst[it.ch[1]] = raw[1];
+        }
+    };
+    u32 idx = tid;
+    if (window_early) {  // the first pass from the window loaded before the wait
+        if (first_exists) {
+            float acc[2] = {0.0f, 0.0f}, y[2] = {0.0f, 0.0f};
+            if (first.live) {
+                window.load_inputs(src, kernel, (i32)first.t, 0, first.ch);
+                window.accumulate(src, kernel, (i32)first.t, 0, acc);
+                y[0] = silu_f32(acc[0]);
+                y[1] = silu_f32(acc[1]);
+            }
+            const u16 raw[2] = {window.own(0), window.own(1)};
+            finish_item(first, y, raw);
+        }
+        idx += STEP_THREADS;
+    }
+    for (; idx < conv_items; idx += STEP_THREADS) {
+        const ConvItem it = conv_item(idx);
+        u16 raw[2] = {0, 0};
+        float y[2] = {0.0f, 0.0f};
+        if (writes_ring(it)) {  // issued with the conv's loads, used after them
+            raw[0] = qkv[(u64)(b * m + it.t) * qkv_stride + it.ch[0]];
+            raw[1] = qkv[(u64)(b * m + it.t) * qkv_stride + it.ch[1]];
+        }
+        if (it.live) conv_silu_n<2, CONV_TAPS>(src, conv_w, kernel, (i32)it.t, it.ch, y);
+        finish_item(it, y, raw);
     }
     if (z_first) sh.z[tid / STEP_DV][tid % STEP_DV] = bf16_to_f32(z_raw);
     if (w_first) sh.norm_w[tid] = w_value;

@@ -88,6 +88,7 @@ FP4_DEVICE u32x4 load_u32x4(const void* p) { uint4 v = *reinterpret_cast<const u
 FP4_DEVICE void store_u32x4(void* p, u32x4 v) { *reinterpret_cast<uint4*>(p) = make_uint4(v.x, v.y, v.z, v.w); }
 /// Loads that bypass L1: data another block wrote during the launch (after a counter's acquire),
 /// or an earlier kernel wrote, read before this kernel's grid wait (chain_after_previous_grid).
+FP4_DEVICE u16 load_coherent_u16(const u16* p) { return __ldcg(p); }
 FP4_DEVICE u32 load_coherent_u32(const u32* p) { return __ldcg(p); }
 FP4_DEVICE float load_coherent_f32(const float* p) { return __ldcg(p); }
 FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) {
@@ -181,6 +182,7 @@ FP4_DEVICE u32x4 load_u32x4(const void* p) { return *reinterpret_cast<const u32x
 FP4_DEVICE void store_u32x4(void* p, u32x4 v) { *reinterpret_cast<u32x4*>(p) = v; }
 /// Plain loads: with no grid dependency control nothing is read before a kernel's start, and
 /// after acquire_after_barrier() (common/sync.cuh) plain loads see every released write.
+FP4_DEVICE u16 load_coherent_u16(const u16* p) { return *p; }
 FP4_DEVICE u32 load_coherent_u32(const u32* p) { return *p; }
 FP4_DEVICE float load_coherent_f32(const float* p) { return *p; }
 FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) { return load_u32x4(p); }
