@@ -13,11 +13,15 @@
 // lose bits to bf16 (the CPU runner keeps f32 too); what the GEMMs read is the bf16 `out`.
 // At decode a row is one block's latency chain, so a row of up to NORM_THREADS * NORM_ITEMS
 // values is held in registers (one pass over memory) and its norm weight is loaded before the
-// wait for the previous kernel (no kernel writes it). Wider rows take the two-pass loop.
+// wait for the previous kernel (no kernel writes it), and so is the residual when the caller says
+// a kernel before the previous one wrote it (`residual_settled`, see chain_after_previous_grid):
+// in a decoder layer the previous kernel writes only the delta, so the wait is followed by the
+// delta's L2 round trip alone, not also by the residual's (last written a mixer or a MoE block
+// earlier, out of the L2 by then at B = 1). Wider rows take the two-pass loop.
 #define NORM_ITEMS 8
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) rms_norm_residual(
     float* __restrict__ residual, const u16* __restrict__ delta, const float* __restrict__ weight,
-    float eps, u16* __restrict__ out, u32 dim) {
+    float eps, u16* __restrict__ out, u32 dim, u32 residual_settled) {
     __shared__ float warp_sums[NORM_WARPS];
     const u64 row = block_x();
     float* r = residual + row * dim;
@@ -28,6 +32,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) rms_norm_residual(
         for (int j = 0; j < NORM_ITEMS; ++j) {
             const u32 i = j * NORM_THREADS + thread_x();
             w[j] = i < dim ? weight[i] : 0.0f;
+            v[j] = residual_settled && i < dim ? load_coherent_f32(r + i) : 0.0f;
         }
     }
     wait_for_previous_grid();
@@ -37,9 +42,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) rms_norm_residual(
         #pragma unroll
         for (int j = 0; j < NORM_ITEMS; ++j) {
             const u32 i = j * NORM_THREADS + thread_x();
-            v[j] = 0.0f;
             if (i < dim) {
-                v[j] = r[i];
+                if (!residual_settled) v[j] = r[i];
                 if (delta) v[j] += bf16_to_f32(delta[row * dim + i]);
             }
             sum += v[j] * v[j];

@@ -9,7 +9,7 @@ use fp4spec::kernels::attention::{
     self, DecodeKernel, GatedAttention, KvCache, RopeTable, Rows, Workspace,
 };
 use fp4spec::kernels::compare::compare_bf16;
-use fp4spec::kernels::norm;
+use fp4spec::kernels::norm::{self, ResidualWriter};
 use fp4spec::rng::SplitMix64;
 use half::bf16;
 
@@ -23,17 +23,28 @@ fn rms_norm_residual_matches_the_reference() {
         let residual = rng.normal_vec(rows * dim, 1.0);
         let delta = random_bf16(&mut rng, rows * dim);
         let weight = rng.normal_vec(dim, 0.3);
-        for with_delta in [false, true] {
-            let run = |backend: &Backend| -> (Vec<f32>, Vec<bf16>) {
-                let mut r = backend.upload(&residual).expect("upload");
-                let d = backend.upload(&delta).expect("upload");
-                let w = backend.upload(&weight).expect("upload");
+        // three norms in a row over one residual, as a decoder's: the first adds the delta (the
+        // residual uploaded: Earlier), the second reads what the first wrote (PreviousKernel,
+        // no delta: it writes nothing), the third adds the delta again to the residual the first
+        // wrote two launches back (Earlier: read before its wait)
+        let steps = [
+            (true, ResidualWriter::Earlier),
+            (false, ResidualWriter::PreviousKernel),
+            (true, ResidualWriter::Earlier),
+        ];
+        let run = |backend: &Backend| -> (Vec<f32>, Vec<Vec<bf16>>) {
+            let mut r = backend.upload(&residual).expect("upload");
+            let d = backend.upload(&delta).expect("upload");
+            let w = backend.upload(&weight).expect("upload");
+            let mut outs = Vec::new();
+            for &(with_delta, written_by) in &steps {
                 let mut out = backend
                     .upload(&vec![bf16::NAN; rows * dim])
                     .expect("upload");
                 norm::rms_norm_residual(
                     backend,
                     &mut r,
+                    written_by,
                     with_delta.then_some(&d),
                     &w,
                     1e-6,
@@ -41,25 +52,31 @@ fn rms_norm_residual_matches_the_reference() {
                     rows,
                 )
                 .expect("norm");
-                (
-                    backend.download(&r).expect("r"),
-                    backend.download(&out).expect("out"),
-                )
-            };
-            let (cpu_r, cpu_out) = run(&Backend::Cpu);
-            let (gpu_r, gpu_out) = run(gpu);
-            // the residual sum is one fp32 addition per element on both sides: exact
-            assert!(
-                cpu_r
-                    .iter()
-                    .zip(&gpu_r)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "[{rows}, {dim}] delta {with_delta}: residual differs"
-            );
+                outs.push(out);
+            }
+            (
+                backend.download(&r).expect("r"),
+                outs.iter()
+                    .map(|o| backend.download(o).expect("out"))
+                    .collect(),
+            )
+        };
+        let (cpu_r, cpu_outs) = run(&Backend::Cpu);
+        let (gpu_r, gpu_outs) = run(gpu);
+        // the residual sums are fp32 additions per element on both sides: exact
+        assert!(
+            cpu_r
+                .iter()
+                .zip(&gpu_r)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "[{rows}, {dim}]: residual differs"
+        );
+        for (i, (cpu_out, gpu_out)) in cpu_outs.iter().zip(&gpu_outs).enumerate() {
             let want: Vec<f32> = cpu_out.iter().map(|v| v.to_f32()).collect();
-            let agreement = compare_bf16(&gpu_out, &want);
-            println!("norm [{rows}, {dim}] delta {with_delta}: {agreement}");
-            assert!(agreement.passed(), "norm [{rows}, {dim}]: {agreement}");
+            let agreement = compare_bf16(gpu_out, &want);
+            let (with_delta, written_by) = steps[i];
+            println!("norm [{rows}, {dim}] {i}: delta {with_delta}, {written_by:?}: {agreement}");
+            assert!(agreement.passed(), "norm [{rows}, {dim}] {i}: {agreement}");
         }
     }
 }

@@ -16,16 +16,32 @@ pub const FAMILY: &str = "norm";
 /// `residual += delta; out = rmsnorm(residual) * (1 + w)`, one block per row.
 pub const KERNEL_RMS_NORM_RESIDUAL: &str = "rms_norm_residual";
 
+/// Which launch last wrote the residual stream a norm reads, counted back from the norm. Kernels
+/// chain with programmatic dependent launch (`kernels/templates/common/prelude.cuh`): a kernel may
+/// read before its wait what only kernels two or more launches back wrote, so a residual that
+/// the previous kernel did not write is loaded while that kernel finishes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResidualWriter {
+    /// The kernel launched just before the norm (the embedding gather): read after the wait.
+    PreviousKernel,
+    /// An earlier kernel, or a copy or fill (which the norm's launch waits for in full).
+    Earlier,
+}
+
 /// For each of the `rows` rows of `residual` (`[rows][weight.len()]`, f32): adds `delta` (bf16,
 /// same shape) when given, then writes `out = bf16(rmsnorm(residual) * (1 + weight))`.
+/// `written_by` says which launch last wrote `residual`: naming [`ResidualWriter::Earlier`] when
+/// the previous kernel wrote it is a data race on the GPU.
 ///
 /// # Errors
 /// [`Error::Invalid`] when a buffer's length disagrees with `rows` and the weight's length,
 /// [`Error::BackendMismatch`] when buffers live elsewhere, [`Error::Compile`] /
 /// [`Error::Cuda`] from the CUDA path.
+#[allow(clippy::too_many_arguments)]
 pub fn rms_norm_residual(
     backend: &Backend,
     residual: &mut DeviceVec<f32>,
+    written_by: ResidualWriter,
     delta: Option<&DeviceVec<bf16>>,
     weight: &DeviceVec<f32>,
     eps: f32,
@@ -76,6 +92,7 @@ pub fn rms_norm_residual(
                 KernelArg::f32(eps),
                 KernelArg::output(out),
                 KernelArg::u32(dim32),
+                KernelArg::u32(u32::from(written_by == ResidualWriter::Earlier)),
             ];
             // SAFETY: the arguments are norm.cu's parameters in order; every buffer holds
             // rows * dim elements (checked above) and the kernel indexes row < rows, i < dim

@@ -45,7 +45,7 @@ use crate::kernels::moe::{
     ExpertFormat, ExpertWeights, FusedBlock, MAX_SLOTS_PER_LAUNCH, MoeHostWeights, MoeWeights,
     MoeWorkspace, moe_block,
 };
-use crate::kernels::norm::rms_norm_residual;
+use crate::kernels::norm::{ResidualWriter, rms_norm_residual};
 use crate::kernels::tokens::{self, ArgmaxWorkspace, TokenColumn};
 use crate::model::config::{LayerKind, ModelConfig};
 use crate::model::forward::Model;
@@ -786,6 +786,7 @@ fn target_logits(
     rms_norm_residual(
         backend,
         &mut act.residual,
+        ResidualWriter::Earlier,
         Some(&act.delta),
         &model.final_norm,
         config.rms_norm_eps as f32,
@@ -834,9 +835,17 @@ fn run_layer(
     let gdn = gdn_shape(config);
     let att = attention_shape(config);
     let delta = add_delta.then_some(&act.delta);
+    // the first layer's residual is the embedding gather's, just before; a later layer's was
+    // last written by the norm before the previous MoE block
+    let written_by = if add_delta {
+        ResidualWriter::Earlier
+    } else {
+        ResidualWriter::PreviousKernel
+    };
     rms_norm_residual(
         backend,
         &mut act.residual,
+        written_by,
         delta,
         &layer.input_norm,
         eps,
@@ -966,6 +975,7 @@ fn run_layer(
     rms_norm_residual(
         backend,
         &mut act.residual,
+        ResidualWriter::Earlier,
         Some(&act.delta),
         &layer.post_attention_norm,
         eps,

@@ -37,7 +37,7 @@ use crate::kernels::attention::{KvCache, RopeTable};
 use crate::kernels::gdn::{self, Sequences, StepMode};
 use crate::kernels::gemm::{Epilogue, linear};
 use crate::kernels::moe::MoeWorkspace;
-use crate::kernels::norm::rms_norm_residual;
+use crate::kernels::norm::{ResidualWriter, rms_norm_residual};
 use crate::kernels::tokens::{self, AcceptBuffers, ArgmaxWorkspace, TokenColumn};
 use crate::kernels::verify::AcceptanceStats;
 use half::bf16;
@@ -91,6 +91,7 @@ fn mtp_forward(
     rms_norm_residual(
         backend,
         &mut act.residual,
+        ResidualWriter::Earlier,
         Some(&*hidden),
         &mtp.pre_fc_norm_hidden,
         eps,
@@ -101,6 +102,7 @@ fn mtp_forward(
     rms_norm_residual(
         backend,
         &mut act.residual,
+        ResidualWriter::PreviousKernel,
         None,
         &mtp.pre_fc_norm_embedding,
         eps,
@@ -142,6 +144,7 @@ fn mtp_forward(
     rms_norm_residual(
         backend,
         &mut act.residual,
+        ResidualWriter::Earlier,
         Some(&act.delta),
         &mtp.norm,
         eps,
@@ -376,6 +379,7 @@ impl<'m> SpecDecoder<'m> {
             rms_norm_residual(
                 backend,
                 &mut rows.act.residual,
+                ResidualWriter::Earlier,
                 Some(&rows.act.delta),
                 &model.final_norm,
                 config.rms_norm_eps as f32,
