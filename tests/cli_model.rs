@@ -297,11 +297,15 @@ fn bench_decode_measures_every_case_and_writes_json() {
             case["bytes_per_step"].as_f64().is_some_and(|v| v > 0.0),
             "{case}"
         );
+        // the CPU backend runs no kernels: no launches counted, no chain floor
+        assert_eq!(case["launches"], 0, "{case}");
+        assert!(case["launch_floor_fraction"].is_null(), "{case}");
         if drafts == 0 {
             let experts = case["distinct_experts"].as_u64().expect("experts");
             assert!((1..=(batch * 2).min(8)).contains(&experts), "{case}");
         }
     }
+    assert!(report["dependent_launch_us"].is_null(), "{report}");
     for speculation in report["speculation"].as_array().expect("speculation") {
         assert!(
             speculation["fit"]["per_row_ms"].is_number(),

@@ -4,7 +4,7 @@
 use fp4spec::Error;
 use fp4spec::backend::{Backend, DeviceVec};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
-use fp4spec::kernels::{Nvfp4Weights, compare, dequant, gemm};
+use fp4spec::kernels::{Nvfp4Weights, chain, compare, dequant, gemm};
 use fp4spec::rng::SplitMix64;
 use half::bf16;
 
@@ -133,4 +133,22 @@ fn backend_kind_parses_and_rejects_unknown_names() {
     assert!("cuda".parse::<fp4spec::backend::BackendKind>().is_ok());
     let err = "rocm".parse::<fp4spec::backend::BackendKind>().unwrap_err();
     assert!(err.to_string().contains("rocm"), "{err}");
+}
+
+#[test]
+fn chain_links_count_on_the_cpu_backend_and_bad_links_are_refused() {
+    let backend = Backend::Cpu;
+    let mut values = backend.upload(&[5u32, 0, 0, 0]).expect("upload");
+    for i in 1..4 {
+        chain::link(&backend, &mut values, i, 1, 32).expect("link");
+    }
+    assert_eq!(backend.download(&values).expect("download"), [5, 6, 7, 8]);
+    for (index, blocks, threads) in [(0, 1, 32), (4, 1, 32), (1, 0, 32), (1, 1, 0), (1, 1, 1025)] {
+        let err = chain::link(&backend, &mut values, index, blocks, threads)
+            .expect_err("a bad link is an error");
+        assert!(err.to_string().contains("chain link"), "{err}");
+    }
+    let err = chain::dependent_launch_seconds(&backend, 10, 1, 32, 3)
+        .expect_err("the CPU backend times no launches");
+    assert!(err.to_string().contains("runs no kernels"), "{err}");
 }

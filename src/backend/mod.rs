@@ -195,16 +195,25 @@ impl Backend {
     }
 
     /// Starts (`true`: forgetting what was seen) or stops noting the kind of every launch, for
-    /// [`Backend::recorded_launches`]. Nothing on the CPU backend.
+    /// [`Backend::recorded_launches`], and counting them, for [`Backend::recorded_launch_count`].
+    /// Nothing on the CPU backend.
     pub fn record_launches(&self, on: bool) {
         if let Some(filter) = self.launch_filter() {
             filter.update(|state| {
                 state.record = on;
                 if on {
                     state.seen.clear();
+                    state.count = 0;
                 }
             });
         }
+    }
+
+    /// Launches queued (or left out) while [`Backend::record_launches`] was on (0 on the CPU
+    /// backend).
+    pub fn recorded_launch_count(&self) -> usize {
+        self.launch_filter()
+            .map_or(0, |filter| filter.state().count)
     }
 
     /// The kinds of launch noted since [`Backend::record_launches`] was turned on, in order of
@@ -635,6 +644,7 @@ pub(crate) struct LaunchFilter {
 pub(crate) struct LaunchFilterState {
     record: bool,
     seen: Vec<LaunchClass>,
+    count: usize,
     skip: Option<LaunchClass>,
 }
 
@@ -662,8 +672,11 @@ impl LaunchFilter {
             blocks: x.saturating_mul(y).saturating_mul(z),
         };
         let mut state = self.state();
-        if state.record && !state.seen.contains(&class) {
-            state.seen.push(class.clone());
+        if state.record {
+            state.count += 1;
+            if !state.seen.contains(&class) {
+                state.seen.push(class.clone());
+            }
         }
         state.skip.as_ref() != Some(&class)
     }
@@ -1017,6 +1030,7 @@ mod tests {
             .map(ToString::to_string)
             .collect();
         assert_eq!(seen, ["gemm@386", "norm@1", "gemm@384"]);
+        assert_eq!(filter.state().count, 4, "every launch counted");
         filter.update(|s| {
             s.record = false;
             s.skip = Some(LaunchClass {
@@ -1029,6 +1043,11 @@ mod tests {
         assert!(filter.admits("norm", &dims(1, 1)));
         filter.update(|s| s.skip = None);
         assert!(filter.admits("gemm", &dims(128, 3)));
+        assert_eq!(
+            filter.state().count,
+            4,
+            "nothing counted while not recording"
+        );
     }
 
     #[test]

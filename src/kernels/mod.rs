@@ -5,6 +5,7 @@
 //! target.
 
 pub mod attention;
+pub mod chain;
 pub mod check;
 pub mod compare;
 pub mod dequant;

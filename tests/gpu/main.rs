@@ -7,6 +7,7 @@
 
 mod attention;
 mod backend;
+mod chain;
 mod common;
 mod gdn;
 mod gemm;

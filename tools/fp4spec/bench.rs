@@ -13,6 +13,7 @@
 
 use crate::Failure;
 use fp4spec::backend::{Backend, BackendKind};
+use fp4spec::kernels::chain;
 use fp4spec::model::config::ModelConfig;
 use fp4spec::model::device::{Decoder, DeviceModel, MAX_DRAFTS, SpecDecoder, SyntheticWeights};
 use fp4spec::roofline::{self, RowFit, Step};
@@ -107,6 +108,11 @@ struct Case {
     /// Projected tokens/s at the same fraction of GB10's and Strix Halo's measured bandwidth.
     projected_gb10_tokens_per_second: f64,
     projected_strix_halo_tokens_per_second: f64,
+    /// Kernel launches per step (0 where the backend runs no kernels).
+    launches: usize,
+    /// launches x the dependent launch time of a full grid, over ms_per_step: the share of the
+    /// step that chained launches doing nothing would take (None without a device).
+    launch_floor_fraction: Option<f64>,
 }
 
 /// Per (batch, context): the verification's cost against its rows per sequence, and the
@@ -136,11 +142,22 @@ struct KernelCost {
     cost_ms: f64,
 }
 
+/// The dependent launch time measured in the run ([`chain::dependent_launch_seconds`]), us.
+#[derive(serde::Serialize, Clone, Copy)]
+struct DependentLaunch {
+    one_block: f64,
+    full_grid: f64,
+    /// Blocks of the full grid (one per SM).
+    full_grid_blocks: u32,
+}
+
 #[derive(serde::Serialize)]
 struct Report<'a> {
     device: String,
     weights: &'a str,
     copy_bandwidth_gbs: f64,
+    /// What one dependent launch adds to a chain of them, us: one block, and one block per SM.
+    dependent_launch_us: Option<DependentLaunch>,
     graph: bool,
     cases: Vec<Case>,
     acceptance_rates: [f64; 5],
@@ -202,6 +219,15 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
         copy / 1e9,
         args.copy_bytes >> 20
     );
+    let dependent_launch = dependent_launch(&backend, args.repeats)?;
+    if let Some(d) = dependent_launch {
+        println!(
+            "dependent launch: {:.2} us (1 block), {:.2} us ({} blocks of 256 threads): a chain of \
+             {CHAIN_LINKS} kernels that only wait for the one before, as a step's kernels do \
+             (measured now)",
+            d.one_block, d.full_grid, d.full_grid_blocks
+        );
+    }
     let started = std::time::Instant::now();
     let model = DeviceModel::synthetic(&backend, &config, weights, args.seed)?;
     println!(
@@ -276,6 +302,9 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
                     ),
                     projected_gb10_tokens_per_second: projected(gb10),
                     projected_strix_halo_tokens_per_second: projected(strix),
+                    launches: timed.launches,
+                    launch_floor_fraction: dependent_launch
+                        .map(|d| timed.launches as f64 * d.full_grid / 1e3 / timed.step_ms),
                 });
                 if args.kernel_costs && drafts == 0 {
                     kernel_costs.extend(costs_of_launches(
@@ -290,7 +319,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
         }
     }
     println!(
-        "{:>3} {:>2} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>8} {:>8} {:>10} {:>10}",
+        "{:>3} {:>2} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>8} {:>7} {:>8} {:>8} {:>10} {:>10}",
         "B",
         "n",
         "context",
@@ -301,14 +330,19 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
         "tok/s",
         "MB/step",
         "% copy",
+        "launches",
+        "% chain",
         "experts",
         "expected",
         "GB10 tok/s",
         "Strix tok/s"
     );
     for c in &cases {
+        let chain = c
+            .launch_floor_fraction
+            .map_or_else(|| "-".to_string(), |f| format!("{:.1}%", 100.0 * f));
         println!(
-            "{:>3} {:>2} {:>7} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>9.1} {:>9.1} {:>6.1}% {:>8} {:>8.1} {:>10.1} {:>10.1}",
+            "{:>3} {:>2} {:>7} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>9.1} {:>9.1} {:>6.1}% {:>8} {chain:>7} {:>8} {:>8.1} {:>10.1} {:>10.1}",
             c.batch,
             c.drafts,
             c.context,
@@ -319,6 +353,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
             c.tokens_per_second,
             c.bytes_per_step / 1e6,
             100.0 * c.fraction_of_copy,
+            c.launches,
             c.distinct_experts,
             c.expected_experts,
             c.projected_gb10_tokens_per_second,
@@ -327,6 +362,8 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
     }
     println!(
         "(tok/s: one token per sequence and step, what n > 0 gives with no draft accepted; \
+         launches: kernels per step; % chain: launches x the full grid's dependent launch time \
+         over the step, what the chain alone would take; \
          experts: the last layer's distinct experts in the last step, n = 0 only. GB10 / Strix \
          tok/s: projections at this run's fraction of copy bandwidth and the boxes' measured \
          bandwidths, not measurements; {})",
@@ -430,6 +467,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
             device: backend.describe(),
             weights: &args.weights,
             copy_bandwidth_gbs: copy / 1e9,
+            dependent_launch_us: dependent_launch,
             graph,
             cases,
             acceptance_rates: SEED_ACCEPTANCE,
@@ -587,12 +625,32 @@ fn costs_of_launches(
     Ok(costs)
 }
 
-/// Medians over the timed runs of one case, ms.
+/// Medians over the timed runs of one case, ms, and the launches of one step.
 struct Timed {
     step_ms: f64,
     verify_ms: f64,
     draft_ms: f64,
     eager_ms: f64,
+    launches: usize,
+}
+
+/// Kernels in the chain that times a dependent launch.
+const CHAIN_LINKS: usize = 512;
+
+/// The dependent launch time of one block and of one block per SM (None on the CPU backend).
+fn dependent_launch(backend: &Backend, repeats: usize) -> Result<Option<DependentLaunch>, Failure> {
+    let Some(sms) = backend.multiprocessors() else {
+        return Ok(None);
+    };
+    let us = |blocks: u32, threads: u32| {
+        chain::dependent_launch_seconds(backend, CHAIN_LINKS, blocks, threads, repeats)
+            .map(|s| s * 1e6)
+    };
+    Ok(Some(DependentLaunch {
+        one_block: us(1, 32)?,
+        full_grid: us(sms, 256)?,
+        full_grid_blocks: sms,
+    }))
 }
 
 fn median(mut runs: Vec<f64>) -> f64 {
@@ -612,6 +670,7 @@ fn time_steps(
     let steps = args.steps as f64;
     let (mut step_runs, mut verify_runs, mut draft_runs, mut eager_runs) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut launches = 0;
     for _ in 0..args.repeats {
         stepper.skip_to(context)?;
         stepper.step(false)?; // warm: the first replay after a restart
@@ -646,7 +705,11 @@ fn time_steps(
             }
         }
         stepper.skip_to(context)?;
-        stepper.step(true)?;
+        backend.record_launches(true); // the warm eager step: one step's launches
+        let warm = stepper.step(true);
+        backend.record_launches(false);
+        warm?;
+        launches = backend.recorded_launch_count();
         let start = backend.record_event()?;
         for _ in 0..args.steps {
             stepper.step(true)?;
@@ -660,6 +723,7 @@ fn time_steps(
         verify_ms: median(verify_runs),
         draft_ms: median(draft_runs),
         eager_ms: median(eager_runs),
+        launches,
     })
 }
 
