@@ -513,6 +513,62 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     ConvWindow<2> window;
     if (window_early && first_exists && first.live) window.load_history(src, conv_w, kernel, (i32)first.t, 0, first.ch);
 
+    // rows dk .. MAX_DK - 1 of q, k and the pending k read as zeros (so do the state's), so the
+    // token loops multiply every row a thread holds without a test per row (a predicated branch
+    // each: some 120 of a token's 600 instructions per warp at dk 128, ncu, fourteenth session)
+    for (u32 idx = tid; idx < STEP_MAX_TOKENS * ({{ max_dk }} - dk); idx += STEP_THREADS) {
+        const u32 t = idx / ({{ max_dk }} - dk), i = dk + idx % ({{ max_dk }} - dk);
+        sh.q[t][i] = sh.k[t][i] = sh.pk[t][i] = 0.0f;
+    }
+    // The pending tokens' replay data (verify mode) into shared memory, PENDING_GROUP rows of the
+    // block's threads loaded before any is stored (a load followed by its store per row made each
+    // pending token a round trip). The exact kernel stages them before the wait: the steps of
+    // earlier forwards wrote the ring, and a load followed by its store holds the thread for its
+    // DRAM round trip while the previous kernel runs instead of after it (a bad slot reads slot
+    // 0's rows, dropped). The general kernels have no registers for it beside the state (ptxas
+    // 13.0 spilled 20 bytes of gdn_step_dk128 on sm_90a) and stage them after the conv.
+    auto stage_pending = [&]() {
+        for (u32 base = 0; base < pend * dk; base += PENDING_GROUP * STEP_THREADS) {
+            float pk[PENDING_GROUP], pg[PENDING_GROUP];
+            #pragma unroll
+            for (u32 r = 0; r < PENDING_GROUP; ++r) {
+                const u32 idx = base + r * STEP_THREADS + tid, c = idx / dk, i = idx % dk;
+                pk[r] = pg[r] = 0.0f;
+                if (idx < pend * dk) {
+                    const u64 at = (u64)slot * ring_len + (pos - pend + c) % ring_len;
+                    pk[r] = load_coherent_f32(ring_k + at * hk * dk + kh * dk + i);
+                    if (i == 0) pg[r] = load_coherent_f32(ring_g + at * hv + h);
+                }
+            }
+            #pragma unroll
+            for (u32 r = 0; r < PENDING_GROUP; ++r) {
+                const u32 idx = base + r * STEP_THREADS + tid, c = idx / dk, i = idx % dk;
+                if (idx < pend * dk) {
+                    sh.pk[c][i] = pk[r];
+                    if (i == 0) sh.pg[c] = pg[r];
+                }
+            }
+        }
+        // their u over this block's columns (zero past dv)
+        for (u32 base = 0; base < pend * STEP_DV; base += PENDING_GROUP * STEP_THREADS) {
+            float pu[PENDING_GROUP];
+            #pragma unroll
+            for (u32 r = 0; r < PENDING_GROUP; ++r) {
+                const u32 idx = base + r * STEP_THREADS + tid, c = idx / STEP_DV, jj = idx % STEP_DV;
+                pu[r] = 0.0f;
+                if (idx < pend * STEP_DV && j0 + jj < dv) {
+                    const u64 at = (u64)slot * ring_len + (pos - pend + c) % ring_len;
+                    pu[r] = load_coherent_f32(ring_u + at * hv * dv + h * dv + j0 + jj);
+                }
+            }
+            #pragma unroll
+            for (u32 r = 0; r < PENDING_GROUP; ++r) {
+                const u32 idx = base + r * STEP_THREADS + tid;
+                if (idx < pend * STEP_DV) sh.pu[idx / STEP_DV][idx % STEP_DV] = pu[r];
+            }
+        }
+    };
+    if (FRONT_BATCHED) stage_pending();
     chain_after_previous_grid();
     if (!slot_ok) return;  // uniform per block
 
@@ -588,54 +644,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
         sh.beta[tid] = beta;
         if (verify && split == 0) ring_g[((u64)slot * ring_len + (pos + tid) % ring_len) * hv + h] = g;
     }
-    // rows dk .. MAX_DK - 1 of q, k and the pending k read as zeros (so do the state's), so the
-    // token loops multiply every row a thread holds without a test per row (a predicated branch
-    // each: some 120 of a token's 600 instructions per warp at dk 128, ncu, fourteenth session)
-    for (u32 idx = tid; idx < STEP_MAX_TOKENS * ({{ max_dk }} - dk); idx += STEP_THREADS) {
-        const u32 t = idx / ({{ max_dk }} - dk), i = dk + idx % ({{ max_dk }} - dk);
-        sh.q[t][i] = sh.k[t][i] = sh.pk[t][i] = 0.0f;
-    }
-    // the pending tokens' replay data, PENDING_GROUP rows of the block's threads loaded before
-    // any is stored (a load followed by its store per row made each pending token a round trip)
-    for (u32 base = 0; base < pend * dk; base += PENDING_GROUP * STEP_THREADS) {
-        float pk[PENDING_GROUP], pg[PENDING_GROUP];
-        #pragma unroll
-        for (u32 r = 0; r < PENDING_GROUP; ++r) {
-            const u32 idx = base + r * STEP_THREADS + tid, c = idx / dk, i = idx % dk;
-            pk[r] = pg[r] = 0.0f;
-            if (idx < pend * dk) {
-                const u64 at = (u64)slot * ring_len + (pos - pend + c) % ring_len;
-                pk[r] = ring_k[at * hk * dk + kh * dk + i];
-                if (i == 0) pg[r] = ring_g[at * hv + h];
-            }
-        }
-        #pragma unroll
-        for (u32 r = 0; r < PENDING_GROUP; ++r) {
-            const u32 idx = base + r * STEP_THREADS + tid, c = idx / dk, i = idx % dk;
-            if (idx < pend * dk) {
-                sh.pk[c][i] = pk[r];
-                if (i == 0) sh.pg[c] = pg[r];
-            }
-        }
-    }
-    // their u over this block's columns (zero past dv)
-    for (u32 base = 0; base < pend * STEP_DV; base += PENDING_GROUP * STEP_THREADS) {
-        float pu[PENDING_GROUP];
-        #pragma unroll
-        for (u32 r = 0; r < PENDING_GROUP; ++r) {
-            const u32 idx = base + r * STEP_THREADS + tid, c = idx / STEP_DV, jj = idx % STEP_DV;
-            pu[r] = 0.0f;
-            if (idx < pend * STEP_DV && j0 + jj < dv) {
-                const u64 at = (u64)slot * ring_len + (pos - pend + c) % ring_len;
-                pu[r] = ring_u[at * hv * dv + h * dv + j0 + jj];
-            }
-        }
-        #pragma unroll
-        for (u32 r = 0; r < PENDING_GROUP; ++r) {
-            const u32 idx = base + r * STEP_THREADS + tid;
-            if (idx < pend * STEP_DV) sh.pu[idx / STEP_DV][idx % STEP_DV] = pu[r];
-        }
-    }
+    if (!FRONT_BATCHED) stage_pending();
     block_barrier();
     // norms and k.q: warp w takes tokens w, w + STEP_WARPS, ...
     for (u32 t = warp; t < m; t += STEP_WARPS) {
