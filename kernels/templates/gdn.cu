@@ -327,7 +327,10 @@ struct F32Row {
 // (gdn.step_column_lanes); on sm_90a each warp holds every row of its 16 columns, so a token's
 // sums over dk never leave the warp.
 //
-//  1. issue the state loads (the folded position positions[b] - pending[b] > 0, else zeros);
+//  1. before the wait for the previous kernel, what earlier launches wrote: issue the state loads
+//     (the folded position positions[b] - pending[b] > 0, else zeros), the weights of the gates
+//     and the norm; in the exact kernel also the first pass's conv windows (weights, the ring's
+//     history) and the pending tokens' replay data (into shared memory);
 //  2. front end of the m new tokens into shared memory: conv + SiLU (window from the inputs and
 //     the conv ring), the factors of the L2 norms and q scale (applied where q and k are used),
 //     k.q, gates; the replay data (k, u, g) of the pending tokens from the ring; the raw rows
