@@ -274,6 +274,7 @@ inline unsigned atomicCAS(unsigned* p, unsigned expected, unsigned desired) {
     return old;
 }
 inline unsigned long long __ldcg(const unsigned long long* p) { return *p; }
+inline unsigned short __ldcg(const unsigned short* p) { return *p; }
 inline unsigned __ldcg(const unsigned* p) { return *p; }
 inline float __ldcg(const float* p) { return *p; }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
