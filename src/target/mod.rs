@@ -79,4 +79,27 @@ mod tests {
             assert!(err.contains("sm_90a") && err.contains("stream"), "{err}");
         }
     }
+
+    /// The gate_up launch may start on the routing flag only where launches overlap (grid
+    /// dependency control): gfx1151 asking for it is refused by name.
+    #[test]
+    fn a_routing_flag_start_without_grid_dependency_control_is_refused() {
+        let field = "gate_up_on_routing_flag = false";
+        assert_eq!(
+            TARGETS_TOML.matches(field).count(),
+            1,
+            "only gfx1151 has it off"
+        );
+        let err = facts::TargetTable::parse(&TARGETS_TOML.replacen(
+            field,
+            "gate_up_on_routing_flag = true",
+            1,
+        ))
+        .err()
+        .unwrap_or_else(|| panic!("the flag start was accepted on gfx1151"));
+        assert!(
+            err.contains("gfx1151") && err.contains("grid dependency control"),
+            "{err}"
+        );
+    }
 }
