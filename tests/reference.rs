@@ -148,7 +148,36 @@ fn chain_links_count_on_the_cpu_backend_and_bad_links_are_refused() {
             .expect_err("a bad link is an error");
         assert!(err.to_string().contains("chain link"), "{err}");
     }
-    let err = chain::dependent_launch_seconds(&backend, 10, 1, 32, 3)
+    let err = chain::dependent_launch_seconds(&backend, chain::Handover::Counter, 10, 1, 32, 3)
         .expect_err("the CPU backend times no launches");
     assert!(err.to_string().contains("runs no kernels"), "{err}");
+}
+
+#[test]
+fn polled_chain_links_count_and_rearm_their_counters_on_the_cpu_backend() {
+    let backend = Backend::Cpu;
+    let links = 5;
+    let mut values = backend.upload(&[0u32; 6]).expect("upload");
+    let mut counters = backend.upload(&[4u32, 0, 0, 0, 0, 0]).expect("upload");
+    for run in 0..2 {
+        for i in 1..=links {
+            chain::link_polled(&backend, &mut values, &mut counters, i, links, 4, 64)
+                .expect("polled link");
+        }
+        assert_eq!(
+            backend.download(&values).expect("values"),
+            [0, 1, 2, 3, 4, 5]
+        );
+        // every counter but the host's and the last two's rearmed by the link two on
+        assert_eq!(
+            backend.download(&counters).expect("counters"),
+            [4, 0, 0, 0, 4, 4],
+            "run {run}"
+        );
+    }
+    let mut short = backend.upload(&[0u32; 3]).expect("upload");
+    let mut short_counters = backend.upload(&[1u32, 0, 0]).expect("upload");
+    let err = chain::link_polled(&backend, &mut short, &mut short_counters, 1, 2, 1, 32)
+        .expect_err("a polled chain of 2 links cannot rearm");
+    assert!(err.to_string().contains("polled chain"), "{err}");
 }

@@ -142,11 +142,14 @@ struct KernelCost {
     cost_ms: f64,
 }
 
-/// The dependent launch time measured in the run ([`chain::dependent_launch_seconds`]), us.
+/// The dependent launch time measured in the run ([`chain::dependent_launch_seconds`]), us: by
+/// the grid dependency (what the kernels use) for one block and a full grid, and by arrival
+/// counters for a full grid.
 #[derive(serde::Serialize, Clone, Copy)]
 struct DependentLaunch {
     one_block: f64,
     full_grid: f64,
+    full_grid_counter: f64,
     /// Blocks of the full grid (one per SM).
     full_grid_blocks: u32,
 }
@@ -223,9 +226,9 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
     if let Some(d) = dependent_launch {
         println!(
             "dependent launch: {:.2} us (1 block), {:.2} us ({} blocks of 256 threads): a chain of \
-             {CHAIN_LINKS} kernels that only wait for the one before, as a step's kernels do \
-             (measured now)",
-            d.one_block, d.full_grid, d.full_grid_blocks
+             {CHAIN_LINKS} kernels that only wait for the one before, as a step's kernels do; \
+             {:.2} us with arrival counters instead of the grid dependency (measured now)",
+            d.one_block, d.full_grid, d.full_grid_blocks, d.full_grid_counter
         );
     }
     let started = std::time::Instant::now();
@@ -654,13 +657,14 @@ fn dependent_launch(backend: &Backend, repeats: usize) -> Result<Option<Dependen
     let Some(sms) = backend.multiprocessors() else {
         return Ok(None);
     };
-    let us = |blocks: u32, threads: u32| {
-        chain::dependent_launch_seconds(backend, CHAIN_LINKS, blocks, threads, repeats)
+    let us = |handover: chain::Handover, blocks: u32, threads: u32| {
+        chain::dependent_launch_seconds(backend, handover, CHAIN_LINKS, blocks, threads, repeats)
             .map(|s| s * 1e6)
     };
     Ok(Some(DependentLaunch {
-        one_block: us(1, 32)?,
-        full_grid: us(sms, 256)?,
+        one_block: us(chain::Handover::GridDependency, 1, 32)?,
+        full_grid: us(chain::Handover::GridDependency, sms, 256)?,
+        full_grid_counter: us(chain::Handover::Counter, sms, 256)?,
         full_grid_blocks: sms,
     }))
 }
