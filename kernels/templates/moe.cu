@@ -433,6 +433,30 @@ FP4_DEVICE float from_order_key(u32 key) { return bits_to_f32((key & 0x80000000u
 /// Routing of tokens t0 .. t1 (one warp per token), by the block that finished the router
 /// items of their chunk last: top-k ids, renormalised weights, the shared expert's scale; the
 /// ids also to shared_ids[t * k + j] where that is not null.
+/// Whether the routing warp aligns the slots itself (align_one_token): one token, whose k choices
+/// are its lanes.
+FP4_DEVICE bool aligns_in_routing_warp(const MoeArgs& a) { return a.tokens == 1u && a.top_k <= FP4_WARP_SIZE; }
+
+/// align() for one token (the decode of one sequence), by the warp that routed it, lane j holding
+/// choice j (`expert`): the k experts are distinct, so each is a group of one slot at rank =
+/// the number of chosen experts with lower ids, found with k shuffles. align_slots took two
+/// block barriers and two passes over shared memory for it (H200, clock64: 1,490-1,720 cycles of
+/// the route launch's chain at T = 1, nineteenth session).
+FP4_DEVICE void align_one_token(const MoeArgs& a, u32 expert) {
+    const u32 lane = lane_index(), k = a.top_k;
+    u32 rank = 0u;
+    for (u32 l = 0; l < k; ++l) rank += shuffle_from(expert, l) < expert ? 1u : 0u;
+    if (lane < k) {
+        const u32 position = a.shared_experts + rank;  // after the shared sub-experts' positions
+        a.active_expert[rank] = expert;
+        a.active_offset[rank] = position;
+        a.active_count[rank] = 1u;
+        a.sorted_token[position] = 0u;
+        a.slot_pos[lane] = position;
+    }
+    if (lane == 0) *a.n_active = k;
+}
+
 FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1, u32* shared_ids) {
     const u32 E = a.experts, k = a.top_k, stride = E + 1;
     const u32 lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
@@ -524,6 +548,7 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1, u32* shared_ids) 
             a.route_weight[t * k + lane] = mine_p / kept;
             if (shared_ids != nullptr) shared_ids[t * k + lane] = mine;
         }
+        if (aligns_in_routing_warp(a)) align_one_token(a, mine);
         if (lane == 0) {
             float gate = 0.0f;
             #pragma unroll
@@ -636,13 +661,15 @@ FP4_DEVICE void align_by_scan(const MoeArgs& a, MoeShared<ROWS>& sh) {
 /// its slots, its rank among the active experts (ascending ids) and first position; per slot its
 /// position, per position its token. Ends by raising routing_ready. Two ways to the same tables
 /// (positions within one expert's group may come in another order, which nothing depends on):
-/// align_slots when every slot has a thread of its own (decode and small verify batches), else
-/// align_by_scan. `raise_ready`: the persistent launch's blocks wait for routing_ready; the split
+/// align_one_token for a single token (route_tokens calls it), align_slots when every slot has a
+/// thread of its own (decode and small verify batches), else align_by_scan. `raise_ready`: the persistent launch's blocks wait for routing_ready; the split
 /// launches hand the routing on at the kernel boundary (and leave the flag down for the next
 /// persistent launch). `ids_in_shared`: as align_slots'.
 template <int ROWS>
 FP4_DEVICE void align(const MoeArgs& a, MoeShared<ROWS>& sh, bool raise_ready, bool ids_in_shared) {
-    if (slots_fit_block(a)) {
+    if (aligns_in_routing_warp(a)) {
+        // route_tokens' warp has aligned the one token's slots (align_one_token)
+    } else if (slots_fit_block(a)) {
         align_slots<ROWS>(a, sh, ids_in_shared);
     } else {
         align_by_scan<ROWS>(a, sh);

@@ -38,6 +38,8 @@ FP4_DEVICE u32 load_acquire_gpu(const u32* p) {
 
 /// The value `v` of the lane `lane ^ offset`.
 FP4_DEVICE u32 shuffle_xor(u32 v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
+/// The value `v` of lane `source` (every lane of the warp calls it).
+FP4_DEVICE u32 shuffle_from(u32 v, u32 source) { return __shfl_sync(0xffffffffu, v, (int)source); }
 /// The largest / smallest `v` of the warp's lanes, every lane gets it (one redux.sync each).
 FP4_DEVICE u32 warp_max_u32(u32 v) { return __reduce_max_sync(0xffffffffu, v); }
 FP4_DEVICE u32 warp_min_u32(u32 v) { return __reduce_min_sync(0xffffffffu, v); }
@@ -87,6 +89,9 @@ FP4_DEVICE u32 load_acquire_gpu(const u32* p) {
 
 FP4_DEVICE u32 shuffle_xor(u32 v, int offset) {
     return (u32)__builtin_amdgcn_ds_bpermute((int)((lane_id() ^ offset) << 2), (int)v);
+}
+FP4_DEVICE u32 shuffle_from(u32 v, u32 source) {
+    return (u32)__builtin_amdgcn_ds_bpermute((int)(source << 2), (int)v);
 }
 FP4_DEVICE u32 warp_max_u32(u32 v) {
     for (int offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1) {
