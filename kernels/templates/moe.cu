@@ -659,12 +659,14 @@ FP4_DEVICE void align_by_scan(const MoeArgs& a, MoeShared<ROWS>& sh) {
 
 /// The alignment of every slot by expert, by the block that routed the last chunk: per expert
 /// its slots, its rank among the active experts (ascending ids) and first position; per slot its
-/// position, per position its token. Ends by raising routing_ready. Two ways to the same tables
+/// position, per position its token. Ends by raising routing_ready. Three ways to the same tables
 /// (positions within one expert's group may come in another order, which nothing depends on):
 /// align_one_token for a single token (route_tokens calls it), align_slots when every slot has a
-/// thread of its own (decode and small verify batches), else align_by_scan. `raise_ready`: the persistent launch's blocks wait for routing_ready; the split
-/// launches hand the routing on at the kernel boundary (and leave the flag down for the next
-/// persistent launch). `ids_in_shared`: as align_slots'.
+/// thread of its own (decode and small verify batches), else align_by_scan. `raise_ready`: the
+/// persistent launch's blocks wait for routing_ready, and so do the split gate_up launch's routed
+/// items with GATE_UP_ON_ROUTING_FLAG (the down launch lowers it); otherwise the split launches
+/// hand the routing on at the kernel boundary and leave the flag down. `ids_in_shared`: as
+/// align_slots'.
 template <int ROWS>
 FP4_DEVICE void align(const MoeArgs& a, MoeShared<ROWS>& sh, bool raise_ready, bool ids_in_shared) {
     if (aligns_in_routing_warp(a)) {
@@ -724,11 +726,12 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
     if (!block_arrive_and_rearm(chunk_done + chunk, arrivals, &sh.flag)) return;
     // one chunk: this block routes every token (the barrier orders its routing before the
     // alignment's reads), no second arrival needed, and the experts chosen stay in shared memory
-    // for align_slots
-    const bool ids_in_shared = p.chunks == 1 && slots_fit_block(a);
+    // for align_slots; one token: its routing warp aligns it (nothing for the barrier to order)
+    const bool one_token = aligns_in_routing_warp(a);
+    const bool ids_in_shared = p.chunks == 1 && slots_fit_block(a) && !one_token;
     route_tokens(a, r0, r0 + rows, ids_in_shared ? sh.route.count : nullptr);
     if (p.chunks == 1) {
-        block_barrier();
+        if (!one_token) block_barrier();
         align<ROWS>(a, sh, !split || GATE_UP_ON_ROUTING_FLAG, ids_in_shared);
     } else if (block_arrive_and_rearm(a.control + CONTROL_ROUTER_DONE, p.chunks, &sh.flag)) {
         align<ROWS>(a, sh, !split || GATE_UP_ON_ROUTING_FLAG, false);
