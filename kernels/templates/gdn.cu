@@ -333,9 +333,9 @@ struct F32Row {
 //     history) and the pending tokens' replay data (into shared memory);
 //  2. front end of the m new tokens into shared memory: conv + SiLU (window from the inputs and
 //     the conv ring), the factors of the L2 norms and q scale (applied where q and k are used),
-//     k.q, gates; the replay data (k, u, g) of the pending tokens from the ring; the raw rows
-//     (and in verify mode k and g) written to the ring at the new tokens' positions, each
-//     element by one designated block;
+//     k.q, gates; the replay data (k, u, g) of the pending tokens from the ring (the general
+//     kernels; the exact one staged it in step 1); the raw rows (and in verify mode k and g)
+//     written to the ring at the new tokens' positions, each element by one designated block;
 //  3. replay the pending tokens: S = e^g S + k u^T (no reduction; the decays of steps 3 and 5
 //     are kept as one scale of the registers' state, applied before it is stored);
 //  4. verify: store the state now (after the replay: the pre-verify state);
