@@ -619,6 +619,16 @@ fn the_sm90a_kernels_route_and_combine_past_one_batch_emulated() {
     );
 }
 
+/// The real hidden size (H = 2048, 32 K groups): in sm_90a's route launch each of a router
+/// tile's four warps then takes two groups per plane, whose X fragments it loads together
+/// before either product (tile_product's X_FIRST); the other tests' rows give a warp one group.
+#[test]
+fn the_sm90a_router_takes_two_k_groups_per_warp_at_the_real_hidden_size_emulated() {
+    let h = 2048;
+    let host = MoeHostWeights::synthetic(shape(8, 2, h, 48, 0), ExpertFormat::Nvfp4, 51);
+    check("H = 2048", "sm_90a", &host, &inputs(52, h), 1, None, 1);
+}
+
 /// Exact router ties, broken toward the lower expert id as the reference does: with E = 64 a
 /// lane holds experts e and e + 32. Token 0's logits are 3 for expert 40, 2 for experts 8 and 33
 /// (a tie between lanes), 1 for 5 and 37 (a tie within lane 5): top-4 [40, 8, 33, 5]. Token 1's

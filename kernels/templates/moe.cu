@@ -226,8 +226,12 @@ struct TileAcc {
 /// waited for: with `wait_counter`, until `*wait_counter >= wait_target` (X produced by other
 /// blocks of the launch; a block barrier, so every warp of the block must call it); with
 /// `wait_grid`, until the previous kernel has finished (X produced by it: see
-/// chain_after_previous_grid, which the caller has not called).
-template <class W, int ROWS, int STAGES>
+/// chain_after_previous_grid, which the caller has not called). X_FIRST: the X fragments of the
+/// ring's first STAGES groups are all loaded right after that wait, before any is used (the
+/// router, whose warps have two groups each and their weights in registers before the wait: its
+/// loads made two L2 round trips one after the other, SASS of moe_route_m8); elsewhere each
+/// group's X is loaded at the group (registers for six groups' X are not there).
+template <class W, int ROWS, int STAGES, bool X_FIRST = false>
 FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k,
                              const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
                              const u32* wait_counter, u32 wait_target, bool wait_grid, TileAcc<ROWS>& acc) {
@@ -252,21 +256,35 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
     if (wait_counter) block_wait_at_least(wait_counter, wait_target, "the gate_up items of an expert");
     if (wait_grid) chain_after_previous_grid();
     const u32 m_tiles = (rows + 7) / 8;
+    // this lane's X fragments of K group `group` (zeros past the pass's rows and past K)
+    auto load_x = [&](u32 group, u32x4 (&xs)[MT][2]) {
+        const u32 col = group * GROUP_COLS + 16 * t;
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            if (x_rows[mt] != nullptr && col < k) {
+                xs[mt][0] = load_coherent_u32x4(x_rows[mt] + col);
+                xs[mt][1] = load_coherent_u32x4(x_rows[mt] + col + 8);
+            } else {
+                xs[mt][0] = xs[mt][1] = {0u, 0u, 0u, 0u};
+            }
+        }
+    };
+    u32x4 x_first[X_FIRST ? STAGES : 1][MT][2];
+    if constexpr (X_FIRST) {
+        #pragma unroll
+        for (int s = 0; s < STAGES; ++s) load_x(first + s * step, x_first[s]);
+    }
     for (u32 base = first; base < end; base += STAGES * step) {
         #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             const u32 group = base + s * step;
             if (group < end) {
-                const u32 col = group * GROUP_COLS + 16 * t;
                 u32x4 xs[MT][2];
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    if (x_rows[mt] != nullptr && col < k) {
-                        xs[mt][0] = load_coherent_u32x4(x_rows[mt] + col);
-                        xs[mt][1] = load_coherent_u32x4(x_rows[mt] + col + 8);
-                    } else {
-                        xs[mt][0] = xs[mt][1] = {0u, 0u, 0u, 0u};
-                    }
+                if (X_FIRST && base == first) {
+                    #pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) xs[mt][0] = x_first[s][mt][0], xs[mt][1] = x_first[s][mt][1];
+                } else {
+                    load_x(group, xs);
                 }
                 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
@@ -329,8 +347,9 @@ struct TileAcc {
 };
 
 /// As the NVIDIA version: this wave's partial product of weight tile `tile` (of a
-/// [tiles][k_groups][16 rows] fragment array) with up to ROWS token rows.
-template <class W, int ROWS, int STAGES>
+/// [tiles][k_groups][16 rows] fragment array) with up to ROWS token rows. X_FIRST is the NVIDIA
+/// version's (the router's); here X is read per WMMA, with no weight ring ahead of it.
+template <class W, int ROWS, int STAGES, bool X_FIRST = false>
 FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k,
                              const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
                              const u32* wait_counter, u32 wait_target, bool wait_grid, TileAcc<ROWS>& acc) {
@@ -706,7 +725,7 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
         const u32 g0 = plane * p.router_plane_groups;
         const u32 g1 = min_u32(p.hidden_k_groups, g0 + p.router_plane_groups);
         TileAcc<ROWS> acc;
-        tile_product<RouterWeights, ROWS, STAGES>(weights_at<RouterWeights>(a.router, nullptr), tile, p.hidden_k_groups,
+        tile_product<RouterWeights, ROWS, STAGES, true>(weights_at<RouterWeights>(a.router, nullptr), tile, p.hidden_k_groups,
                                                   g0 + part, ROUTER_WARPS_PER_TILE, active ? g1 : 0u, a.hidden, x_rows,
                                                   rows, nullptr, 0u, split && plane == plane_begin, acc);
         reduce_parts<ROWS>(acc, warp, part, ROUTER_WARPS_PER_TILE, sh);
