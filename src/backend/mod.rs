@@ -194,16 +194,14 @@ impl Backend {
         }
     }
 
-    /// Starts (`true`: forgetting what was seen) or stops noting the kind of every launch, for
-    /// [`Backend::recorded_launches`], and counting them, for [`Backend::recorded_launch_count`].
-    /// Nothing on the CPU backend.
+    /// Starts (`true`: forgetting what was seen) or stops noting the kind of every launch and
+    /// counting them, for [`Backend::recorded_launches`]. Nothing on the CPU backend.
     pub fn record_launches(&self, on: bool) {
         if let Some(filter) = self.launch_filter() {
             filter.update(|state| {
                 state.record = on;
                 if on {
                     state.seen.clear();
-                    state.count = 0;
                 }
             });
         }
@@ -212,13 +210,12 @@ impl Backend {
     /// Launches queued (or left out) while [`Backend::record_launches`] was on (0 on the CPU
     /// backend).
     pub fn recorded_launch_count(&self) -> usize {
-        self.launch_filter()
-            .map_or(0, |filter| filter.state().count)
+        self.recorded_launches().iter().map(|t| t.launches).sum()
     }
 
     /// The kinds of launch noted since [`Backend::record_launches`] was turned on, in order of
-    /// first appearance (empty on the CPU backend).
-    pub fn recorded_launches(&self) -> Vec<LaunchClass> {
+    /// first appearance, each with its number of launches (empty on the CPU backend).
+    pub fn recorded_launches(&self) -> Vec<LaunchTally> {
         self.launch_filter()
             .map(|filter| filter.state().seen.clone())
             .unwrap_or_default()
@@ -625,6 +622,16 @@ pub struct LaunchClass {
     pub blocks: u32,
 }
 
+/// A kind of launch noted while recording ([`Backend::recorded_launches`]) and how many times it
+/// was launched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchTally {
+    /// The kernel and its grid.
+    pub class: LaunchClass,
+    /// Launches of it while recording.
+    pub launches: usize,
+}
+
 impl std::fmt::Display for LaunchClass {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}@{}", self.kernel, self.blocks)
@@ -643,8 +650,7 @@ pub(crate) struct LaunchFilter {
 #[derive(Default)]
 pub(crate) struct LaunchFilterState {
     record: bool,
-    seen: Vec<LaunchClass>,
-    count: usize,
+    seen: Vec<LaunchTally>,
     skip: Option<LaunchClass>,
 }
 
@@ -673,9 +679,12 @@ impl LaunchFilter {
         };
         let mut state = self.state();
         if state.record {
-            state.count += 1;
-            if !state.seen.contains(&class) {
-                state.seen.push(class.clone());
+            match state.seen.iter_mut().find(|t| t.class == class) {
+                Some(tally) => tally.launches += 1,
+                None => state.seen.push(LaunchTally {
+                    class: class.clone(),
+                    launches: 1,
+                }),
             }
         }
         state.skip.as_ref() != Some(&class)
@@ -1023,14 +1032,14 @@ mod tests {
         ] {
             assert!(filter.admits(kernel, &dims(x, y)));
         }
-        let seen: Vec<String> = filter
+        let seen: Vec<(String, usize)> = filter
             .state()
             .seen
             .iter()
-            .map(ToString::to_string)
+            .map(|t| (t.class.to_string(), t.launches))
             .collect();
-        assert_eq!(seen, ["gemm@386", "norm@1", "gemm@384"]);
-        assert_eq!(filter.state().count, 4, "every launch counted");
+        let want = [("gemm@386", 2), ("norm@1", 1), ("gemm@384", 1)];
+        assert_eq!(seen, want.map(|(k, n)| (k.to_string(), n)));
         filter.update(|s| {
             s.record = false;
             s.skip = Some(LaunchClass {
@@ -1043,11 +1052,8 @@ mod tests {
         assert!(filter.admits("norm", &dims(1, 1)));
         filter.update(|s| s.skip = None);
         assert!(filter.admits("gemm", &dims(128, 3)));
-        assert_eq!(
-            filter.state().count,
-            4,
-            "nothing counted while not recording"
-        );
+        let launches: usize = filter.state().seen.iter().map(|t| t.launches).sum();
+        assert_eq!(launches, 4, "nothing counted while not recording");
     }
 
     #[test]

@@ -136,6 +136,8 @@ struct KernelCost {
     context: usize,
     /// The kernel and its grid's blocks, `kernel@blocks`.
     launch: String,
+    /// Launches of that kind in one step.
+    launches: usize,
     /// Median ms per step with every launch of this kind left out (graph replays).
     ms_per_step_without: f64,
     /// The full step's ms minus that: what the launches add to the step's critical path.
@@ -385,13 +387,19 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
              figures include the expert bytes a changed routing saves):"
         );
         println!(
-            "{:>3} {:>7} {:<36} {:>12} {:>9}",
-            "B", "context", "kernel@blocks", "ms without", "cost ms"
+            "{:>3} {:>7} {:<36} {:>8} {:>12} {:>9} {:>12}",
+            "B", "context", "kernel@blocks", "launches", "ms without", "cost ms", "us / launch"
         );
         for k in &kernel_costs {
             println!(
-                "{:>3} {:>7} {:<36} {:>12.3} {:>9.3}",
-                k.batch, k.context, k.launch, k.ms_per_step_without, k.cost_ms
+                "{:>3} {:>7} {:<36} {:>8} {:>12.3} {:>9.3} {:>12.2}",
+                k.batch,
+                k.context,
+                k.launch,
+                k.launches,
+                k.ms_per_step_without,
+                k.cost_ms,
+                1e3 * k.cost_ms / k.launches.max(1) as f64
             );
         }
     }
@@ -597,17 +605,22 @@ fn costs_of_launches(
     full_ms: f64,
     args: &DecodeArgs,
 ) -> Result<Vec<KernelCost>, Failure> {
+    // one step launched call by call, recorded: its kinds of launch and how many of each
+    let mut decoder = Decoder::new(model, batch, capacity)?;
+    decoder.start_distinct()?;
     backend.record_launches(true);
-    let noted = Decoder::new(model, batch, capacity).map(drop);
+    let stepped = decoder.step_without_graph();
     backend.record_launches(false);
-    noted?;
+    stepped?;
+    drop(decoder);
     let mut costs = Vec::new();
     // with the gate_up launch waiting for the routing flag, a step without the route launch
     // would wait for a flag nobody raises (the kernels' watchdog traps)
     let flag_start = backend
         .target()
         .is_some_and(|t| t.moe.gate_up_on_routing_flag);
-    for class in backend.recorded_launches() {
+    for tally in backend.recorded_launches() {
+        let class = tally.class;
         if flag_start && class.kernel.starts_with("moe_route") {
             println!(
                 "kernel costs: {class} is not left out: the gate_up launch waits for the routing \
@@ -633,6 +646,7 @@ fn costs_of_launches(
             batch,
             context,
             launch: class.to_string(),
+            launches: tally.launches,
             ms_per_step_without: timed.step_ms,
             cost_ms: full_ms - timed.step_ms,
         });
