@@ -26,7 +26,7 @@ pub const MAX_THREADS: u32 = 1024;
 pub const MIN_POLLED_LINKS: usize = 3;
 
 /// How a link waits for the link before it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Handover {
     /// The grid dependency (programmatic dependent launch where the target has it).
     GridDependency,
