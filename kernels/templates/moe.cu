@@ -62,10 +62,6 @@ static_assert((MOE_EXPERTS_PER_LANE & (MOE_EXPERTS_PER_LANE - 1)) == 0, "route_t
 // routing (the split route launch gives each plane its own blocks; the persistent launch computes
 // them one after another, so both round the logits the same way)
 #define ROUTER_PLANES {{ target.moe.router_planes }}
-// the split gate_up launch's routed items start on the routing flag the route launch raises (and
-// the down launch after them lowers), not at the wait for the whole route launch (see
-// moe_split_gate_up)
-#define GATE_UP_ON_ROUTING_FLAG {% if target.moe.gate_up_on_routing_flag %}true{% else %}false{% endif %}
 #define ROUTER_TILES_PER_ITEM (MOE_WARPS / ROUTER_WARPS_PER_TILE)
 #define TILE_ROWS 16
 #define GROUP_COLS 64
@@ -682,10 +678,8 @@ FP4_DEVICE void align_by_scan(const MoeArgs& a, MoeShared<ROWS>& sh) {
 /// (positions within one expert's group may come in another order, which nothing depends on):
 /// align_one_token for a single token (route_tokens calls it), align_slots when every slot has a
 /// thread of its own (decode and small verify batches), else align_by_scan. `raise_ready`: the
-/// persistent launch's blocks wait for routing_ready, and so do the split gate_up launch's routed
-/// items with GATE_UP_ON_ROUTING_FLAG (the down launch lowers it); otherwise the split launches
-/// hand the routing on at the kernel boundary and leave the flag down. `ids_in_shared`: as
-/// align_slots'.
+/// persistent launch's blocks wait for routing_ready; the split launches hand the routing on at
+/// the kernel boundary and leave the flag down. `ids_in_shared`: as align_slots'.
 template <int ROWS>
 FP4_DEVICE void align(const MoeArgs& a, MoeShared<ROWS>& sh, bool raise_ready, bool ids_in_shared) {
     if (aligns_in_routing_warp(a)) {
@@ -751,9 +745,9 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
     route_tokens(a, r0, r0 + rows, ids_in_shared ? sh.route.count : nullptr);
     if (p.chunks == 1) {
         if (!one_token) block_barrier();
-        align<ROWS>(a, sh, !split || GATE_UP_ON_ROUTING_FLAG, ids_in_shared);
+        align<ROWS>(a, sh, !split, ids_in_shared);
     } else if (block_arrive_and_rearm(a.control + CONTROL_ROUTER_DONE, p.chunks, &sh.flag)) {
-        align<ROWS>(a, sh, !split || GATE_UP_ON_ROUTING_FLAG, false);
+        align<ROWS>(a, sh, !split, false);
     }
 }
 
@@ -1005,13 +999,6 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
 // ============================================================================================
 
 
-/// The down launches after the split gate_up one: with GATE_UP_ON_ROUTING_FLAG, one thread lowers
-/// the routing flag the route launch raised, after the wait for the gate_up launch (whose every
-/// block has read the flag by then), so the next route launch raises it afresh.
-FP4_DEVICE void lower_routing_flag(const MoeArgs& a) {
-    if (GATE_UP_ON_ROUTING_FLAG && block_x() == 0 && thread_x() == 0) a.control[CONTROL_ROUTING_READY] = 0u;
-}
-
 /// One block per (router item, plane): the planes' blocks each hold a quarter (for 4 planes) of
 /// the K groups, so every warp's chain of loads and MMAs is that much shorter (at T = 1 the
 /// router of 17 tiles is otherwise 17 blocks of long chains, the route launch's whole cost). The
@@ -1028,25 +1015,13 @@ FP4_DEVICE void moe_split_route(const MoeArgs& args) {
 /// launch: they read X (written by the norm two launches back, final once this kernel starts, see
 /// chain_after_previous_grid) and write only their own act rows, which the route launch beside
 /// them never touches; so at decode the shared expert costs the step nothing after the routing.
-/// The routed items wait first: which expert they multiply is the routing. With
-/// GATE_UP_ON_ROUTING_FLAG they wait for the routing flag the route launch's routing block raises
-/// once the routing is written (acquire), read their job, issue their first weight loads and only
-/// then wait for the route launch (in tile_product), which has finished or nearly by then; every
-/// block still waits before it lets the down launch in, so the down launch may read the routing
-/// before its own wait. The down launch lowers the flag after its wait, when every gate_up block
-/// has read it.
+/// The routed items wait first: which expert they multiply is the routing.
 template <class W, int ROWS, int STAGES>
 FP4_DEVICE void moe_split_gate_up(const MoeArgs& args) {
     MOE_LAUNCH_SETUP(args)
     const u32 item = p.end_router + block_x();
     const bool shared = item < p.end_shared_gate_up;
-    if (!shared) {
-        if (GATE_UP_ON_ROUTING_FLAG) {
-            block_wait_at_least(a.control + CONTROL_ROUTING_READY, 1u, "routing_ready");
-        } else {
-            chain_after_previous_grid();
-        }
-    }
+    if (!shared) chain_after_previous_grid();
     const u32 routed = shared ? 0u : item - p.end_shared_gate_up;
     // the item's rank entries are loaded together with n_active (written by the route launch),
     // not after it: the job is planned as if every expert were active (its rank is below E, so
@@ -1055,13 +1030,11 @@ FP4_DEVICE void moe_split_gate_up(const MoeArgs& args) {
     expert_job<ROWS>(a, p, item, routed, a.experts, job);
     const u32 n_active = shared ? 0u : load_coherent_u32(a.n_active);
     if (shared || routed < n_active * p.gate_up_groups) {
-        job.wait_grid = GATE_UP_ON_ROUTING_FLAG && !shared;
         if (thread_x() == 0) sh.job = job;
         block_barrier();
         expert_item<W, ROWS, STAGES>(a, p, sh.job, sh);
     }
-    // every block waits before it lets the down launch in (a no-op where it has waited)
-    if (shared || GATE_UP_ON_ROUTING_FLAG) chain_after_previous_grid();
+    if (shared) chain_after_previous_grid();  // every block waits before it lets the down launch in
 }
 
 /// One block per down item. The routing is read before the wait for the previous kernel: the
@@ -1088,7 +1061,6 @@ FP4_DEVICE void moe_split_down(const MoeArgs& args) {
     // blocks without an item, or a product without rows, have not): the rule of
     // chain_after_previous_grid
     chain_after_previous_grid();
-    lower_routing_flag(a);
     if (has_item && block_arrive_and_rearm(done, n_active + a.shared_experts * p.chunks, &sh.flag))
         combine(a, p, sh.job.group);
 }
@@ -1301,7 +1273,6 @@ FP4_DEVICE void moe_stream_down(const MoeArgs& args) {
         }
     }
     chain_after_previous_grid();
-    lower_routing_flag(a);
     if (steps == 0u) return;
     // the prologue's X copies, one commit per stage (a later step waits for its own stage)
     {

@@ -312,12 +312,6 @@ pub struct MoeTiles {
     /// `moe_stream_combine`); 0 never. Only on targets with mma.sync and cp.async, which render
     /// those kernels.
     pub stream_min_tokens: u32,
-    /// The split gate_up launch's routed items start when the route launch's routing block
-    /// raises the routing flag (an acquire load in global memory), instead of when the whole
-    /// route launch has finished (the grid dependency); the next down launch lowers the flag.
-    /// Only on targets with grid dependency control: elsewhere a launch starts after the one
-    /// before it has finished anyway.
-    pub gate_up_on_routing_flag: bool,
 }
 
 impl TargetTable {
@@ -660,13 +654,6 @@ impl TargetFacts {
             return fail(format!(
                 "token_rows {:?} must be ascending multiples of 8 in 8..=64",
                 m.token_rows
-            ));
-        }
-        if m.gate_up_on_routing_flag && !self.instructions.grid_dependency_control {
-            return Err(format!(
-                "target `{}`: moe.gate_up_on_routing_flag needs grid dependency control (a launch \
-                 that starts before the one before it has finished)",
-                self.name
             ));
         }
         if m.stream_min_tokens > 0 && !self.instructions.staged_mma() {

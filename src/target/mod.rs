@@ -79,27 +79,4 @@ mod tests {
             assert!(err.contains("sm_90a") && err.contains("stream"), "{err}");
         }
     }
-
-    /// The gate_up launch may start on the routing flag only where launches overlap (grid
-    /// dependency control): gfx1151 asking for it is refused by name.
-    #[test]
-    fn a_routing_flag_start_without_grid_dependency_control_is_refused() {
-        let field = "gate_up_on_routing_flag = false";
-        let gfx1151 = TARGETS_TOML
-            .find("name = \"gfx1151\"")
-            .expect("gfx1151 in the table");
-        let (before, after) = TARGETS_TOML.split_at(gfx1151);
-        assert!(after.contains(field), "gfx1151 has the flag off");
-        let asked = format!(
-            "{before}{}",
-            after.replacen(field, "gate_up_on_routing_flag = true", 1)
-        );
-        let err = facts::TargetTable::parse(&asked)
-            .err()
-            .unwrap_or_else(|| panic!("the flag start was accepted on gfx1151"));
-        assert!(
-            err.contains("gfx1151") && err.contains("grid dependency control"),
-            "{err}"
-        );
-    }
 }

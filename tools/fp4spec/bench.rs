@@ -614,20 +614,8 @@ fn costs_of_launches(
     stepped?;
     drop(decoder);
     let mut costs = Vec::new();
-    // with the gate_up launch waiting for the routing flag, a step without the route launch
-    // would wait for a flag nobody raises (the kernels' watchdog traps)
-    let flag_start = backend
-        .target()
-        .is_some_and(|t| t.moe.gate_up_on_routing_flag);
     for tally in backend.recorded_launches() {
         let class = tally.class;
-        if flag_start && class.kernel.starts_with("moe_route") {
-            println!(
-                "kernel costs: {class} is not left out: the gate_up launch waits for the routing \
-                 flag it raises (moe.gate_up_on_routing_flag)"
-            );
-            continue;
-        }
         backend.leave_out(Some(class.clone()));
         let timed = Decoder::new(model, batch, capacity)
             .map_err(Failure::from)

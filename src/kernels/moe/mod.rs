@@ -20,11 +20,7 @@
 //!   same planes in turn and rounds alike); the route launch loads the router, and the down
 //!   launch the routing and its weights, before waiting for the kernel before them (programmatic
 //!   dependent launch); the gate_up launch runs the shared expert's items whole before its wait
-//!   (they need only X), so at decode the shared expert overlaps the routing, and with
-//!   `moe.gate_up_on_routing_flag` its routed items start when the routing block raises a flag
-//!   in global memory rather than when the route launch has finished (the down launch lowers it
-//!   again; a step left without its route launch would wait for the flag, so `bench decode
-//!   --kernel-costs` does not leave the route out there). The warps that
+//!   (they need only X), so at decode the shared expert overlaps the routing. The warps that
 //!   share one expert tile's K groups are a launch argument ([`tile_warps`]): more of them, each
 //!   a shorter chain, up to `moe.wide_max_tokens` tokens (the split gate_up and down kernels are
 //!   compiled for `moe.split_blocks_per_sm` resident blocks, so a decode step's items fit one
