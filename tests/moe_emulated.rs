@@ -632,8 +632,11 @@ fn the_sm90a_router_takes_two_k_groups_per_warp_at_the_real_hidden_size_emulated
 /// Exact router ties, broken toward the lower expert id as the reference does: with E = 64 a
 /// lane holds experts e and e + 32. Token 0's logits are 3 for expert 40, 2 for experts 8 and 33
 /// (a tie between lanes), 1 for 5 and 37 (a tie within lane 5): top-4 [40, 8, 33, 5]. Token 1's
-/// are their negatives, so its four come from the 59 experts at 0: [0, 1, 2, 3]. Every logit
-/// is one bf16 product, exact in the MMA's fp32 sums.
+/// are their negatives, so its four come from the 59 experts at 0: [0, 1, 2, 3]. Those ties
+/// reach past a warp of candidates (the routing's rounds choose); token 2's stay under it (the
+/// floor's ranking chooses): its logits are token 0's plus 1 for expert 9 and -1 for the rest,
+/// so the fourth lane's largest is 1 and six experts reach it: [40, 8, 33, 5]. Every logit is one
+/// bf16 product, exact in the MMA's fp32 sums.
 #[test]
 fn the_sm90a_kernels_break_router_ties_toward_the_lower_id_emulated() {
     let (experts, h) = (64, 128);
@@ -645,14 +648,29 @@ fn the_sm90a_kernels_break_router_ties_toward_the_lower_id_emulated() {
             5 | 37 => 1.0,
             _ => 0.0,
         };
+        let floored = match e {
+            9 => 1.0,
+            _ if logit == 0.0 => -1.0,
+            _ => logit,
+        };
         for c in 0..h {
-            host.router[e * h + c] = bf16::from_f32(if c == 0 { logit } else { 0.0 });
+            let value = match c {
+                0 => logit,
+                1 => floored,
+                _ => 0.0,
+            };
+            host.router[e * h + c] = bf16::from_f32(value);
         }
     }
-    let mut x = inputs(42, 2 * h);
-    x[0] = bf16::from_f32(1.0);
-    x[h] = bf16::from_f32(-1.0);
-    check("router ties", "sm_90a", &host, &x, 2, None, 1);
+    let mut x = inputs(42, 3 * h);
+    for (t, (first, second)) in [(1.0, 0.0), (-1.0, 0.0), (0.0, 1.0)]
+        .into_iter()
+        .enumerate()
+    {
+        x[t * h] = bf16::from_f32(first);
+        x[t * h + 1] = bf16::from_f32(second);
+    }
+    check("router ties", "sm_90a", &host, &x, 3, None, 1);
 }
 
 /// The sm_121a source (its own tuning of the same code): the same awkward block, NVFP4 with a

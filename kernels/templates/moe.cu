@@ -410,6 +410,7 @@ struct MoeShared {
             u32 offset[MOE_MAX_EXPERTS];  // first position per expert
             u32 fill[MOE_MAX_EXPERTS];    // positions handed out per expert
             u32 scan[MOE_THREADS];        // per-thread sums, then their inclusive scan
+            u64 top_k[MOE_WARPS][2][FP4_WARP_SIZE];  // per routing warp: candidates, then choices
         } route;
     };
     ExpertJob job;  // the expert item the block works on
@@ -445,9 +446,6 @@ FP4_DEVICE u32 order_key(float v) {
 }
 FP4_DEVICE float from_order_key(u32 key) { return bits_to_f32((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key); }
 
-/// Routing of tokens t0 .. t1 (one warp per token), by the block that finished the router
-/// items of their chunk last: top-k ids, renormalised weights, the shared expert's scale; the
-/// ids also to shared_ids[t * k + j] where that is not null.
 /// Whether the routing warp aligns the slots itself (align_one_token): one token, whose k choices
 /// are its lanes.
 FP4_DEVICE bool aligns_in_routing_warp(const MoeArgs& a) { return a.tokens == 1u && a.top_k <= FP4_WARP_SIZE; }
@@ -472,7 +470,67 @@ FP4_DEVICE void align_one_token(const MoeArgs& a, u32 expert) {
     if (lane == 0) *a.n_active = k;
 }
 
-FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1, u32* shared_ids) {
+/// route_tokens' top-k when few experts can be among it, as at every real router's decode: the
+/// k-th largest of the lanes' largest keys is a floor that every chosen expert reaches (k distinct
+/// experts reach it), so only the experts at or above it (the candidates, usually k to a dozen
+/// more) are ranked, each against the others by (key, lower id first) as one 64-bit code, and the
+/// expert of rank j goes to lane j. That is a fixed chain of about 50 shuffles and a short shared-
+/// memory loop, where the k rounds of route_tokens are k chains of two warp reductions and two
+/// trees over the lane's keys each. `scratch`: the warp's 2 x 32 codes of shared memory. Returns
+/// false, choosing nothing, when more than a warp of experts reach the floor (ties at it, e.g. a
+/// router whose logits are mostly equal): the caller then runs the rounds.
+FP4_DEVICE bool top_k_above_floor(const u32 (&keys)[MOE_EXPERTS_PER_LANE], u32 k, u64* scratch, u32& mine,
+                                  u32& mine_key, u32& first_key) {
+    const u32 lane = lane_index();
+    u32 level[MOE_EXPERTS_PER_LANE];
+    #pragma unroll
+    for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) level[i] = keys[i];
+    #pragma unroll
+    for (int stride = 1; stride < MOE_EXPERTS_PER_LANE; stride *= 2)
+        #pragma unroll
+        for (int i = 0; i < MOE_EXPERTS_PER_LANE; i += 2 * stride) level[i] = max_u32(level[i], level[i + stride]);
+    const u32 lane_top = level[0];
+    // the lanes whose largest key fewer than k lanes' exceed hold the k largest of them
+    u32 above = 0u;
+    #pragma unroll
+    for (u32 l = 0; l < FP4_WARP_SIZE; ++l) above += shuffle_from(lane_top, l) > lane_top ? 1u : 0u;
+    const u32 floor = warp_min_u32(above < k ? lane_top : 0xffffffffu);
+    u32 count = 0u;
+    #pragma unroll
+    for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) count += keys[i] >= floor ? 1u : 0u;
+    u32 through = count;  // candidates of the lanes up to this one (an inclusive scan)
+    #pragma unroll
+    for (u32 offset = 1; offset < FP4_WARP_SIZE; offset *= 2) {
+        const u32 other = shuffle_from(through, lane >= offset ? lane - offset : lane);
+        if (lane >= offset) through += other;
+    }
+    const u32 total = shuffle_from(through, FP4_WARP_SIZE - 1);
+    if (total > FP4_WARP_SIZE) return false;  // uniform
+    u64* const candidates = scratch;
+    u64* const chosen = scratch + FP4_WARP_SIZE;
+    u32 at = through - count;
+    #pragma unroll
+    for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i)
+        if (keys[i] >= floor) candidates[at++] = (u64)keys[i] << 32 | (u64)~(i * FP4_WARP_SIZE + lane);
+    warp_barrier();
+    // codes are distinct (so are the ids): the ranks are 0 .. total - 1 once each
+    const u64 code = lane < total ? candidates[lane] : 0ull;
+    u32 rank = 0u;
+    for (u32 c = 0; c < total; ++c) rank += candidates[c] > code ? 1u : 0u;
+    if (lane < total && rank < k) chosen[rank] = code;
+    warp_barrier();  // the next call writes `chosen` only after its own first barrier
+    const u64 pick = chosen[lane < k ? lane : 0u];
+    first_key = (u32)(chosen[0] >> 32);
+    mine = lane < k ? ~(u32)pick : 0u;
+    mine_key = lane < k ? (u32)(pick >> 32) : 0u;
+    return true;
+}
+
+/// Routing of tokens t0 .. t1 (one warp per token), by the block that finished the router
+/// items of their chunk last: top-k ids, renormalised weights, the shared expert's scale; the
+/// ids also to shared_ids[t * k + j] where that is not null. `top_k_scratch`: MOE_WARPS x 64
+/// codes of shared memory (MoeShared::route.top_k).
+FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1, u32* shared_ids, u64* top_k_scratch) {
     const u32 E = a.experts, k = a.top_k, stride = E + 1;
     const u32 lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
     const float minus_infinity = bits_to_f32(0xff800000u);
@@ -512,12 +570,13 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1, u32* shared_ids) 
                 l[i0 + i] = v;
             }
         }
-        // top-k by repeated arg-max over the logits (softmax is monotone in them), ties to the
-        // lower expert id. Each lane keeps its experts as order keys (0: taken, or no expert), so
-        // a round is a tree of maxima over the lane's keys, the warp's largest key, a tree of
-        // minima for the lowest of the lane's slots holding it, and the lowest id over the warp
-        // (the warp reductions are one instruction each on NVIDIA); lane j keeps choice j. The
-        // probabilities wait until after the loop, so a round is only compares. (H200, T = 1,
+        // top-k over the logits (softmax is monotone in them), ties to the lower expert id: by
+        // top_k_above_floor, else by repeated arg-max. Each lane keeps its experts as order keys
+        // (0: taken, or no expert), so a round is a tree of maxima over the lane's keys, the
+        // warp's largest key, a tree of minima for the lowest of the lane's slots holding it, and
+        // the lowest id over the warp (the warp reductions are one instruction each on NVIDIA);
+        // lane j keeps choice j. The probabilities wait until after the loop, so a round is only
+        // compares. (H200, T = 1,
         // clock64: the whole routing took 7,040-7,820 cycles with the arg-max over the lane's
         // keys as one chain and a probability per round, 6,170-6,440 with the trees; the rounds
         // themselves 2,820-2,970.)
@@ -525,32 +584,34 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1, u32* shared_ids) 
         #pragma unroll
         for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) keys[i] = i * FP4_WARP_SIZE + lane < E ? order_key(l[i]) : 0u;
         u32 mine = 0u, mine_key = 0u, first_key = 0u;
-        for (u32 j = 0; j < k; ++j) {
-            // the lane's largest key, then the lowest slot holding it (two trees of min / max)
-            u32 level[MOE_EXPERTS_PER_LANE];
-            #pragma unroll
-            for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) level[i] = keys[i];
-            #pragma unroll
-            for (int stride = 1; stride < MOE_EXPERTS_PER_LANE; stride *= 2)
+        if (!top_k_above_floor(keys, k, top_k_scratch + warp * 2 * FP4_WARP_SIZE, mine, mine_key, first_key)) {
+            for (u32 j = 0; j < k; ++j) {
+                // the lane's largest key, then the lowest slot holding it (two trees of min / max)
+                u32 level[MOE_EXPERTS_PER_LANE];
                 #pragma unroll
-                for (int i = 0; i < MOE_EXPERTS_PER_LANE; i += 2 * stride) level[i] = max_u32(level[i], level[i + stride]);
-            const u32 top_key = warp_max_u32(level[0]);
-            #pragma unroll
-            for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) level[i] = keys[i] == top_key ? (u32)i : 0xffffffffu;
-            #pragma unroll
-            for (int stride = 1; stride < MOE_EXPERTS_PER_LANE; stride *= 2)
+                for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) level[i] = keys[i];
                 #pragma unroll
-                for (int i = 0; i < MOE_EXPERTS_PER_LANE; i += 2 * stride) level[i] = min_u32(level[i], level[i + stride]);
-            const u32 best_e = warp_min_u32(level[0] == 0xffffffffu ? 0xffffffffu : level[0] * FP4_WARP_SIZE + lane);
-            // the winner's slot taken, as selects (a store under a branch put the keys in local memory)
-            const bool winner = best_e % FP4_WARP_SIZE == lane;
-            #pragma unroll
-            for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) keys[i] = winner && (u32)i == best_e / FP4_WARP_SIZE ? 0u : keys[i];
-            if (lane == j) {
-                mine = best_e;
-                mine_key = top_key;
+                for (int stride = 1; stride < MOE_EXPERTS_PER_LANE; stride *= 2)
+                    #pragma unroll
+                    for (int i = 0; i < MOE_EXPERTS_PER_LANE; i += 2 * stride) level[i] = max_u32(level[i], level[i + stride]);
+                const u32 top_key = warp_max_u32(level[0]);
+                #pragma unroll
+                for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) level[i] = keys[i] == top_key ? (u32)i : 0xffffffffu;
+                #pragma unroll
+                for (int stride = 1; stride < MOE_EXPERTS_PER_LANE; stride *= 2)
+                    #pragma unroll
+                    for (int i = 0; i < MOE_EXPERTS_PER_LANE; i += 2 * stride) level[i] = min_u32(level[i], level[i + stride]);
+                const u32 best_e = warp_min_u32(level[0] == 0xffffffffu ? 0xffffffffu : level[0] * FP4_WARP_SIZE + lane);
+                // the winner's slot taken, as selects (a store under a branch put the keys in local memory)
+                const bool winner = best_e % FP4_WARP_SIZE == lane;
+                #pragma unroll
+                for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) keys[i] = winner && (u32)i == best_e / FP4_WARP_SIZE ? 0u : keys[i];
+                if (lane == j) {
+                    mine = best_e;
+                    mine_key = top_key;
+                }
+                if (j == 0) first_key = top_key;
             }
-            if (j == 0) first_key = top_key;
         }
         // renormalised over the k chosen, softmax's sum over all E cancels: exp relative to the
         // largest logit (the first chosen) is all the weights need (the sum over every expert took
@@ -742,7 +803,7 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
     // for align_slots; one token: its routing warp aligns it (nothing for the barrier to order)
     const bool one_token = aligns_in_routing_warp(a);
     const bool ids_in_shared = p.chunks == 1 && slots_fit_block(a) && !one_token;
-    route_tokens(a, r0, r0 + rows, ids_in_shared ? sh.route.count : nullptr);
+    route_tokens(a, r0, r0 + rows, ids_in_shared ? sh.route.count : nullptr, &sh.route.top_k[0][0][0]);
     if (p.chunks == 1) {
         if (!one_token) block_barrier();
         align<ROWS>(a, sh, !split, ids_in_shared);
