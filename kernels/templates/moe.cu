@@ -470,6 +470,18 @@ FP4_DEVICE void align_one_token(const MoeArgs& a, u32 expert) {
     if (lane == 0) *a.n_active = k;
 }
 
+/// The largest of a lane's keys (a tree of maxima: the slots are independent of each other).
+FP4_DEVICE u32 lane_largest_key(const u32 (&keys)[MOE_EXPERTS_PER_LANE]) {
+    u32 level[MOE_EXPERTS_PER_LANE];
+    #pragma unroll
+    for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) level[i] = keys[i];
+    #pragma unroll
+    for (int stride = 1; stride < MOE_EXPERTS_PER_LANE; stride *= 2)
+        #pragma unroll
+        for (int i = 0; i < MOE_EXPERTS_PER_LANE; i += 2 * stride) level[i] = max_u32(level[i], level[i + stride]);
+    return level[0];
+}
+
 /// route_tokens' top-k when few experts can be among it, as at every real router's decode: the
 /// k-th largest of the lanes' largest keys is a floor that every chosen expert reaches (k distinct
 /// experts reach it), so only the experts at or above it (the candidates, usually k to a dozen
@@ -482,14 +494,7 @@ FP4_DEVICE void align_one_token(const MoeArgs& a, u32 expert) {
 FP4_DEVICE bool top_k_above_floor(const u32 (&keys)[MOE_EXPERTS_PER_LANE], u32 k, u64* scratch, u32& mine,
                                   u32& mine_key, u32& first_key) {
     const u32 lane = lane_index();
-    u32 level[MOE_EXPERTS_PER_LANE];
-    #pragma unroll
-    for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) level[i] = keys[i];
-    #pragma unroll
-    for (int stride = 1; stride < MOE_EXPERTS_PER_LANE; stride *= 2)
-        #pragma unroll
-        for (int i = 0; i < MOE_EXPERTS_PER_LANE; i += 2 * stride) level[i] = max_u32(level[i], level[i + stride]);
-    const u32 lane_top = level[0];
+    const u32 lane_top = lane_largest_key(keys);
     // the lanes whose largest key fewer than k lanes' exceed hold the k largest of them
     u32 above = 0u;
     #pragma unroll
@@ -587,14 +592,8 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1, u32* shared_ids, 
         if (!top_k_above_floor(keys, k, top_k_scratch + warp * 2 * FP4_WARP_SIZE, mine, mine_key, first_key)) {
             for (u32 j = 0; j < k; ++j) {
                 // the lane's largest key, then the lowest slot holding it (two trees of min / max)
+                const u32 top_key = warp_max_u32(lane_largest_key(keys));
                 u32 level[MOE_EXPERTS_PER_LANE];
-                #pragma unroll
-                for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) level[i] = keys[i];
-                #pragma unroll
-                for (int stride = 1; stride < MOE_EXPERTS_PER_LANE; stride *= 2)
-                    #pragma unroll
-                    for (int i = 0; i < MOE_EXPERTS_PER_LANE; i += 2 * stride) level[i] = max_u32(level[i], level[i + stride]);
-                const u32 top_key = warp_max_u32(level[0]);
                 #pragma unroll
                 for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) level[i] = keys[i] == top_key ? (u32)i : 0xffffffffu;
                 #pragma unroll
