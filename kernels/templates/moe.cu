@@ -734,9 +734,9 @@ FP4_DEVICE void align_by_scan(const MoeArgs& a, MoeShared<ROWS>& sh) {
 
 /// The alignment of every slot by expert, by the block that routed the last chunk: per expert
 /// its slots, its rank among the active experts (ascending ids) and first position; per slot its
-/// position, per position its token. Ends by raising routing_ready. Three ways to the same tables
-/// (positions within one expert's group may come in another order, which nothing depends on):
-/// align_one_token for a single token (route_tokens calls it), align_slots when every slot has a
+/// position, per position its token; then raises routing_ready where `raise_ready`. Three ways
+/// to the same tables (positions within one expert's group may come in another order, which
+/// nothing depends on): align_one_token for a single token (route_tokens calls it), align_slots when every slot has a
 /// thread of its own (decode and small verify batches), else align_by_scan. `raise_ready`: the
 /// persistent launch's blocks wait for routing_ready; the split launches hand the routing on at
 /// the kernel boundary and leave the flag down. `ids_in_shared`: as align_slots'.
