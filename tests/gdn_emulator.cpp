@@ -58,6 +58,7 @@ FP4_DEVICE float bits_to_f32(u32 b) { float f; std::memcpy(&f, &b, 4); return f;
 FP4_DEVICE u32 f32_to_bits(float f) { u32 b; std::memcpy(&b, &f, 4); return b; }
 FP4_DEVICE float f32_nan() { return NAN; }
 FP4_DEVICE float fast_exp(float v) { return std::exp(v); }
+FP4_DEVICE float sqrt_f32(float v) { return std::sqrt(v); }
 FP4_DEVICE float emu_shfl_xor(float v, u32 mask) {
     emu::mine()[0] = f32_to_bits(v);
     emu::warp_sync();

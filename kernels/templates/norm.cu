@@ -2,9 +2,10 @@
 // for {{ target.name }}). CPU reference: src/kernels/norm/reference.rs. Launch:
 // src/kernels/norm/mod.rs.
 {% include "common/prelude.cuh" %}
+{% include "common/rms_norm.cuh" %}
 
-#define NORM_THREADS {{ target.norm.threads_per_block }}
-#define NORM_WARPS (NORM_THREADS / FP4_WARP_SIZE)
+#define NORM_THREADS RMS_NORM_THREADS
+#define NORM_WARPS RMS_NORM_WARPS
 
 // rms_norm_residual: for every row of `dim` values,
 //   residual += delta            (when delta is not null; fp32 residual stream, bf16 delta)
@@ -46,7 +47,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) rms_norm_residual(
                 if (!residual_settled) v[j] = r[i];
                 if (delta) v[j] += bf16_to_f32(delta[row * dim + i]);
             }
-            sum += v[j] * v[j];
+            sum = rms_norm_accumulate(sum, v[j]);
         }
     } else {
         for (u32 i = thread_x(); i < dim; i += NORM_THREADS) {
@@ -55,7 +56,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) rms_norm_residual(
                 x += bf16_to_f32(delta[row * dim + i]);
                 r[i] = x;
             }
-            sum += x * x;
+            sum = rms_norm_accumulate(sum, x);
         }
     }
     sum = warp_sum(sum);
@@ -64,19 +65,19 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) rms_norm_residual(
     float total = 0.0f;
     #pragma unroll
     for (int k = 0; k < NORM_WARPS; ++k) total += warp_sums[k];
-    const float inv = 1.0f / sqrt_f32(total / (float)dim + eps);
+    const float inv = rms_norm_inverse(total, dim, eps);
     if (held) {
         #pragma unroll
         for (int j = 0; j < NORM_ITEMS; ++j) {
             const u32 i = j * NORM_THREADS + thread_x();
             if (i < dim) {
                 if (delta) r[i] = v[j];
-                out[row * dim + i] = f32_to_bf16(v[j] * inv * (1.0f + w[j]));
+                out[row * dim + i] = rms_norm_apply(v[j], inv, w[j]);
             }
         }
     } else {
         // the row re-read is this thread's own writes: no barrier needed for them
         for (u32 i = thread_x(); i < dim; i += NORM_THREADS)
-            out[row * dim + i] = f32_to_bf16(r[i] * inv * (1.0f + weight[i]));
+            out[row * dim + i] = rms_norm_apply(r[i], inv, weight[i]);
     }
 }

@@ -43,7 +43,7 @@ use crate::kernels::moe::reference::MoeShape;
 use crate::kernels::moe::weights::{synthetic_nvfp4, uniform_bf16};
 use crate::kernels::moe::{
     ExpertFormat, ExpertWeights, FusedBlock, MAX_SLOTS_PER_LAUNCH, MoeHostWeights, MoeWeights,
-    MoeWorkspace, moe_block,
+    MoeWorkspace, PostAttentionNorm, moe_block_after_norm,
 };
 use crate::kernels::norm::{ResidualWriter, rms_norm_residual};
 use crate::kernels::tokens::{self, ArgmaxWorkspace, TokenColumn};
@@ -617,8 +617,14 @@ impl DeviceModel {
 struct Activations {
     rows: usize,
     residual: DeviceVec<f32>,
+    /// Where a layer's MoE block leaves the residual after the mixer (then swapped with
+    /// `residual`).
+    residual_spare: DeviceVec<f32>,
     normed: DeviceVec<bf16>,
     delta: DeviceVec<bf16>,
+    /// The MoE block's output (then swapped with `delta`: the block reads the mixer's output
+    /// while it writes its own).
+    moe_out: DeviceVec<bf16>,
     gdn_projections: DeviceVec<bf16>,
     gdn_out: DeviceVec<bf16>,
     q_gate: DeviceVec<bf16>,
@@ -647,8 +653,10 @@ impl Activations {
         Ok(Self {
             rows,
             residual: backend.zeros(rows * h)?,
+            residual_spare: backend.zeros(rows * h)?,
             normed: backend.zeros(rows * h)?,
             delta: backend.zeros(rows * h)?,
+            moe_out: backend.zeros(rows * h)?,
             gdn_projections: backend
                 .zeros(rows * gdn_projection_rows(config).next_multiple_of(8))?,
             gdn_out: backend.zeros(rows * gdn.value_heads * gdn.dv)?,
@@ -972,25 +980,27 @@ fn run_layer(
             ));
         }
     }
-    rms_norm_residual(
-        backend,
-        &mut act.residual,
-        ResidualWriter::Earlier,
-        Some(&act.delta),
-        &layer.post_attention_norm,
+    // the residual after the mixer goes to the spare buffer (the route launch that takes the
+    // norm reads the old one in every block), which is the residual stream from here on
+    let norm = PostAttentionNorm {
+        residual: &act.residual,
+        delta: &act.delta,
+        weight: &layer.post_attention_norm,
         eps,
-        &mut act.normed,
-        b,
-    )?;
-    moe_block(
+        residual_out: &mut act.residual_spare,
+        normed: &mut act.normed,
+    };
+    moe_block_after_norm(
         backend,
         &layer.moe,
-        &act.normed,
+        norm,
         b,
-        None,
         moe_workspace,
-        &mut act.delta,
-    )
+        &mut act.moe_out,
+    )?;
+    std::mem::swap(&mut act.residual, &mut act.residual_spare);
+    std::mem::swap(&mut act.delta, &mut act.moe_out);
+    Ok(())
 }
 
 /// For benchmarks: one first token per sequence, spread over the vocabulary (a prime stride), so
