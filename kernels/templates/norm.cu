@@ -10,6 +10,7 @@
 // rms_norm_residual: for every row of `dim` values,
 //   residual += delta            (when delta is not null; fp32 residual stream, bf16 delta)
 //   out = bf16(residual * rsqrt(mean(residual^2) + eps) * (1 + weight))
+// or, with residual_out not null, the sum to residual_out (residual only read).
 // One block per row. The residual stays fp32 between layers so the stream of additions does not
 // lose bits to bf16 (the CPU runner keeps f32 too); what the GEMMs read is the bf16 `out`.
 // At decode a row is one block's latency chain, so a row of up to NORM_THREADS * NORM_ITEMS
@@ -21,11 +22,13 @@
 // earlier, out of the L2 by then at B = 1). Wider rows take the two-pass loop.
 #define NORM_ITEMS 8
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) rms_norm_residual(
-    float* __restrict__ residual, const u16* __restrict__ delta, const float* __restrict__ weight,
-    float eps, u16* __restrict__ out, u32 dim, u32 residual_settled) {
+    float* residual, const u16* __restrict__ delta, const float* __restrict__ weight, float eps,
+    u16* __restrict__ out, u32 dim, u32 residual_settled, float* residual_out) {
     __shared__ float warp_sums[NORM_WARPS];
     const u64 row = block_x();
-    float* r = residual + row * dim;
+    const float* r = residual + row * dim;
+    // where the sum goes: back to the residual (with a delta), or to residual_out
+    float* const sum_to = residual_out ? residual_out + row * dim : delta ? residual + row * dim : nullptr;
     const bool held = dim <= NORM_THREADS * NORM_ITEMS;
     float w[NORM_ITEMS], v[NORM_ITEMS];
     if (held) {
@@ -52,10 +55,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) rms_norm_residual(
     } else {
         for (u32 i = thread_x(); i < dim; i += NORM_THREADS) {
             float x = r[i];
-            if (delta) {
-                x += bf16_to_f32(delta[row * dim + i]);
-                r[i] = x;
-            }
+            if (delta) x += bf16_to_f32(delta[row * dim + i]);
+            if (sum_to) sum_to[i] = x;
             sum = rms_norm_accumulate(sum, x);
         }
     }
@@ -71,13 +72,14 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) rms_norm_residual(
         for (int j = 0; j < NORM_ITEMS; ++j) {
             const u32 i = j * NORM_THREADS + thread_x();
             if (i < dim) {
-                if (delta) r[i] = v[j];
+                if (sum_to) sum_to[i] = v[j];
                 out[row * dim + i] = rms_norm_apply(v[j], inv, w[j]);
             }
         }
     } else {
         // the row re-read is this thread's own writes: no barrier needed for them
+        const float* summed = sum_to ? sum_to : r;
         for (u32 i = thread_x(); i < dim; i += NORM_THREADS)
-            out[row * dim + i] = rms_norm_apply(r[i], inv, weight[i]);
+            out[row * dim + i] = rms_norm_apply(summed[i], inv, weight[i]);
     }
 }

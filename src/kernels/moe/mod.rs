@@ -56,7 +56,7 @@ pub use weights::{
 };
 
 use super::gemm::TensorCore;
-use super::norm::{ResidualWriter, rms_norm_residual};
+use super::norm::{ResidualWriter, rms_norm_residual_to};
 use super::table;
 use super::{check_len, check_u32};
 use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
@@ -598,7 +598,7 @@ fn check_workspace(weights: &MoeWeights, workspace: &MoeWorkspace) -> Result<()>
 }
 
 /// A decoder layer's post-attention norm ahead of its MoE block ([`moe_block_after_norm`]), as
-/// [`rms_norm_residual`] computes it: `residual_out = residual + delta` (f32, the residual
+/// [`rms_norm_residual_to`] computes it: `residual_out = residual + delta` (f32, the residual
 /// stream after the mixer) and `normed = bf16(rmsnorm(residual_out) * (1 + weight))`, the
 /// block's X.
 pub struct PostAttentionNorm<'a> {
@@ -620,8 +620,8 @@ pub struct PostAttentionNorm<'a> {
 /// The post-attention norm, then the MoE block on what it normed: `y = moe(norm.normed)`. Where
 /// the target allows (a device, at most `moe.route_norm_max_tokens` tokens in the split or
 /// streaming form, hidden size at most `moe.route_norm_max_hidden`) the route launch takes the
-/// norm, which is then no launch of its own; elsewhere `norm.residual` is copied to
-/// `norm.residual_out` and [`rms_norm_residual`] runs first. Both give the same bits.
+/// norm, which is then no launch of its own; elsewhere the norm kernel runs first
+/// ([`rms_norm_residual_to`]). Both give the same bits.
 ///
 /// # Errors
 /// As [`moe_block`], and [`Error::Invalid`] when a norm buffer's length disagrees with `t` and
@@ -657,14 +657,14 @@ pub fn moe_block_after_norm(
         return Ok(());
     }
     if !route_takes_norm(backend, h, t, workspace.capacity) {
-        backend.copy(norm.residual, norm.residual_out)?;
-        rms_norm_residual(
+        rms_norm_residual_to(
             backend,
-            norm.residual_out,
+            norm.residual,
             ResidualWriter::Earlier,
             Some(norm.delta),
             norm.weight,
             norm.eps,
+            norm.residual_out,
             norm.normed,
             t,
         )?;

@@ -48,9 +48,70 @@ pub fn rms_norm_residual(
     out: &mut DeviceVec<bf16>,
     rows: usize,
 ) -> Result<()> {
+    let stream = ResidualStream::InPlace(residual);
+    norm_rows(backend, stream, written_by, delta, weight, eps, out, rows)
+}
+
+/// [`rms_norm_residual`] with the sum going to another buffer: `residual_out = residual +
+/// delta` (or a copy of `residual` without one), `residual` left as it was; the norm is
+/// `residual_out`'s. The layer whose MoE route launch cannot take the post-attention norm runs
+/// this in its place (`moe::moe_block_after_norm`), with no copy ahead of it.
+///
+/// # Errors
+/// As [`rms_norm_residual`].
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_residual_to(
+    backend: &Backend,
+    residual: &DeviceVec<f32>,
+    written_by: ResidualWriter,
+    delta: Option<&DeviceVec<bf16>>,
+    weight: &DeviceVec<f32>,
+    eps: f32,
+    residual_out: &mut DeviceVec<f32>,
+    out: &mut DeviceVec<bf16>,
+    rows: usize,
+) -> Result<()> {
+    let stream = ResidualStream::To {
+        from: residual,
+        to: residual_out,
+    };
+    norm_rows(backend, stream, written_by, delta, weight, eps, out, rows)
+}
+
+/// Where a norm reads the residual stream and leaves it with the delta added.
+enum ResidualStream<'a> {
+    /// In place.
+    InPlace(&'a mut DeviceVec<f32>),
+    /// From one buffer to another.
+    To {
+        from: &'a DeviceVec<f32>,
+        to: &'a mut DeviceVec<f32>,
+    },
+}
+
+/// [`rms_norm_residual`] and [`rms_norm_residual_to`].
+#[allow(clippy::too_many_arguments)]
+fn norm_rows(
+    backend: &Backend,
+    stream: ResidualStream<'_>,
+    written_by: ResidualWriter,
+    delta: Option<&DeviceVec<bf16>>,
+    weight: &DeviceVec<f32>,
+    eps: f32,
+    out: &mut DeviceVec<bf16>,
+    rows: usize,
+) -> Result<()> {
     let dim = weight.len();
     let shape = format!("[{rows}, {dim}]");
-    check_len("norm residual", residual, rows * dim, &shape)?;
+    match &stream {
+        ResidualStream::InPlace(residual) => {
+            check_len("norm residual", residual, rows * dim, &shape)?
+        }
+        ResidualStream::To { from, to } => {
+            check_len("norm residual", from, rows * dim, &shape)?;
+            check_len("norm residual out", to, rows * dim, &shape)?;
+        }
+    }
     check_len("norm output", out, rows * dim, &shape)?;
     if let Some(delta) = delta {
         check_len("norm delta", delta, rows * dim, &shape)?;
@@ -60,10 +121,17 @@ pub fn rms_norm_residual(
     }
     match backend {
         Backend::Cpu => {
+            let r = match stream {
+                ResidualStream::InPlace(r) => r,
+                ResidualStream::To { from, to } => {
+                    backend.copy(from, to)?;
+                    to
+                }
+            };
             let (DeviceVec::Host(r), DeviceVec::Host(w), DeviceVec::Host(o)) =
-                (&mut *residual, weight, &mut *out)
+                (&mut *r, weight, &mut *out)
             else {
-                return Err(backend.mismatch("norm buffers", residual));
+                return Err(backend.mismatch("norm buffers", r));
             };
             if let Some(delta) = delta {
                 let DeviceVec::Host(d) = delta else {
@@ -78,25 +146,34 @@ pub fn rms_norm_residual(
         Backend::Cuda(_) | Backend::Hip(_) => {
             let target = backend
                 .target()
-                .ok_or_else(|| backend.mismatch("norm residual", residual))?;
+                .ok_or_else(|| backend.mismatch("norm output", out))?;
             let dim32 = check_u32("norm width", dim)?;
             let grid = u32::try_from(rows)
                 .ok()
                 .filter(|&g| g < i32::MAX as u32)
                 .ok_or_else(|| Error::invalid("norm rows", format!("{rows} rows in one launch")))?;
             let dims = LaunchDims::linear(grid, target.norm.threads_per_block);
+            let (residual, residual_out) = match stream {
+                ResidualStream::InPlace(r) => (
+                    KernelArg::output(r),
+                    KernelArg::optional_output::<f32>(None),
+                ),
+                ResidualStream::To { from, to } => (KernelArg::input(from), KernelArg::output(to)),
+            };
             let args = [
-                KernelArg::output(residual),
+                residual,
                 KernelArg::optional_input(delta),
                 KernelArg::input(weight),
                 KernelArg::f32(eps),
                 KernelArg::output(out),
                 KernelArg::u32(dim32),
                 KernelArg::u32(u32::from(written_by == ResidualWriter::Earlier)),
+                residual_out,
             ];
             // SAFETY: the arguments are norm.cu's parameters in order; every buffer holds
             // rows * dim elements (checked above) and the kernel indexes row < rows, i < dim
-            // only; no delta is the null pointer, which the kernel tests.
+            // only; no delta is the null pointer, which the kernel tests, and so is no
+            // residual_out (the sum then goes back to the residual).
             unsafe { backend.launch(FAMILY, KERNEL_RMS_NORM_RESIDUAL, &dims, &args) }
         }
     }
