@@ -10,4 +10,3 @@
 FP4_DEVICE u32 block_z() { return 0; }
 FP4_DEVICE void block_barrier() { emu::block->arrive_and_wait(); }
 FP4_DEVICE float exp2_f32(float v) { return std::exp2(v); }
-FP4_DEVICE float sqrt_f32(float v) { return std::sqrt(v); }
