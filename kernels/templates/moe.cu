@@ -794,10 +794,12 @@ FP4_DEVICE void align(const MoeArgs& a, MoeShared<ROWS>& sh, bool raise_ready, b
 }
 
 /// The route launch's shared memory for the post-attention norm: the norm threads' warp sums of
-/// each row of the chunk, then the normed columns of the block's plane (the X its warps read).
+/// each row of the chunk, the rows' 1 / rms, then the normed columns of the block's plane (the X
+/// its warps read).
 template <int ROWS>
 struct RouteNorm {
     float warp_sums[RMS_NORM_WARPS][ROWS];
+    float inverse[ROWS];
     alignas(16) u16 x[ROWS][ROUTE_NORM_PLANE_COLS];
 };
 
@@ -809,53 +811,67 @@ struct RouteNorm {
 /// `sh.x`; `publish` (one block per plane and chunk) also writes those columns of x and of
 /// norm_residual_out, which the gate_up launch and the next layer read. Every block of a chunk
 /// reads the chunk's whole rows (each needs the sums of squares): at one token 12 KB from the L2,
-/// where the norm's own launch cost a dependent launch and a round trip more. Every thread of the
-/// block calls it, after the grid wait (the previous kernel wrote the delta; nothing in this
-/// launch writes what it reads, so plain loads, and the plane's second reads hit the L1).
+/// where the norm's own launch cost a dependent launch and a round trip more. The rows' loads
+/// are issued together (a row after row loop would wait one L2 round trip per row). Every
+/// thread of the block calls it, after the grid wait (the previous kernel wrote the delta;
+/// nothing in this launch writes what it reads, so plain loads, and the plane's second reads
+/// hit the L1).
 template <int ROWS>
 FP4_DEVICE void norm_rows_into_plane(const MoeArgs& a, u32 r0, u32 rows, u32 c0, u32 c1, bool publish,
                                      RouteNorm<ROWS>& sh) {
     constexpr u32 PER_THREAD = RMS_NORM_THREADS / MOE_THREADS;
     constexpr u32 ITEMS = ({{ target.moe.route_norm_max_hidden }} + RMS_NORM_THREADS - 1) / RMS_NORM_THREADS;
     const u32 H = a.hidden, lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
-    for (u32 r = 0; r < rows; ++r) {
-        const float* residual = a.norm_residual + (u64)(r0 + r) * H;
-        const u16* delta = a.norm_delta + (u64)(r0 + r) * H;
-        // every value of the row this thread sums, loaded before any is added
-        float v[PER_THREAD][ITEMS];
+    // sums[r][s]: norm thread thread_x() + s * MOE_THREADS of row r (its warp is warp + s *
+    // MOE_WARPS, its lane ours), over its values in the norm kernel's order (j ascending)
+    float sums[ROWS][PER_THREAD];
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r)
         #pragma unroll
-        for (u32 s = 0; s < PER_THREAD; ++s) {
+        for (u32 s = 0; s < PER_THREAD; ++s) sums[r][s] = 0.0f;
+    #pragma unroll
+    for (u32 j = 0; j < ITEMS; ++j) {
+        #pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
             #pragma unroll
-            for (u32 j = 0; j < ITEMS; ++j) {
+            for (u32 s = 0; s < PER_THREAD; ++s) {
                 const u32 i = thread_x() + s * MOE_THREADS + j * RMS_NORM_THREADS;
-                v[s][j] = i < H ? residual[i] + bf16_to_f32(delta[i]) : 0.0f;
+                if ((u32)r < rows && i < H) {
+                    const u64 at = (u64)(r0 + r) * H + i;
+                    sums[r][s] = rms_norm_accumulate(sums[r][s], a.norm_residual[at] + bf16_to_f32(a.norm_delta[at]));
+                }
             }
         }
+    }
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        if ((u32)r >= rows) break;  // uniform
         #pragma unroll
         for (u32 s = 0; s < PER_THREAD; ++s) {
-            // norm thread thread_x() + s * MOE_THREADS: its warp is warp + s * MOE_WARPS, its lane ours
-            float sum = 0.0f;
-            #pragma unroll
-            for (u32 j = 0; j < ITEMS; ++j) sum = rms_norm_accumulate(sum, v[s][j]);
-            sum = warp_sum(sum);
+            const float sum = warp_sum(sums[r][s]);
             if (lane == 0) sh.warp_sums[warp + s * MOE_WARPS][r] = sum;
         }
     }
     block_barrier();
-    for (u32 r = 0; r < rows; ++r) {
+    if (thread_x() < rows) {
         float total = 0.0f;
         #pragma unroll
-        for (int w = 0; w < RMS_NORM_WARPS; ++w) total += sh.warp_sums[w][r];
-        const float inverse = rms_norm_inverse(total, H, a.norm_eps);
-        const u64 row = (u64)(r0 + r) * H;
-        for (u32 c = c0 + thread_x(); c < c1; c += MOE_THREADS) {
-            const float v = a.norm_residual[row + c] + bf16_to_f32(a.norm_delta[row + c]);
-            const u16 x = rms_norm_apply(v, inverse, a.norm_weight[c]);
-            sh.x[r][c - c0] = x;
-            if (publish) {
-                a.x[row + c] = x;
-                a.norm_residual_out[row + c] = v;
-            }
+        for (int w = 0; w < RMS_NORM_WARPS; ++w) total += sh.warp_sums[w][thread_x()];
+        sh.inverse[thread_x()] = rms_norm_inverse(total, H, a.norm_eps);
+    }
+    block_barrier();
+    // the plane's columns of every row, several in flight per thread
+    const u32 width = c1 > c0 ? c1 - c0 : 0u;
+    #pragma unroll 4
+    for (u32 e = thread_x(); e < rows * width; e += MOE_THREADS) {
+        const u32 r = e / width, c = c0 + (e - r * width);
+        const u64 at = (u64)(r0 + r) * H + c;
+        const float v = a.norm_residual[at] + bf16_to_f32(a.norm_delta[at]);
+        const u16 x = rms_norm_apply(v, sh.inverse[r], a.norm_weight[c]);
+        sh.x[r][c - c0] = x;
+        if (publish) {
+            a.x[at] = x;
+            a.norm_residual_out[at] = v;
         }
     }
     block_barrier();
