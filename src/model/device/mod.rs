@@ -5,8 +5,10 @@
 //! step reads back to the host. The CPU backend runs the same sequence of calls on the families'
 //! references (no graph), which is how CI checks the wiring against [`Model::forward`].
 //!
-//! Per layer and step (B rows): `norm` (residual += previous delta, input norm) -> mixer -> `norm`
-//! (residual += mixer output, post-attention norm) -> `moe` (its output is the next delta). The
+//! Per layer and step (B rows): `norm` (residual += previous delta, input norm) -> mixer ->
+//! the post-attention norm (residual + mixer output into the spare residual buffer, which becomes
+//! the stream) and `moe` together ([`moe_block_after_norm`]: at decode sizes the MoE route launch
+//! takes the norm, elsewhere the norm kernel runs first), whose output is the next delta. The
 //! Gated DeltaNet mixer runs ONE projection GEMM (the rows `[qkv; z; b; a]` of one weight) and
 //! [`gdn::step`] reads its pieces in place; attention runs q (with gate), k and v, then
 //! [`attention::prepare`] and [`attention::attend`]. The residual stream stays f32; what the
