@@ -602,7 +602,9 @@ fn check_workspace(weights: &MoeWeights, workspace: &MoeWorkspace) -> Result<()>
 /// stream after the mixer) and `normed = bf16(rmsnorm(residual_out) * (1 + weight))`, the
 /// block's X.
 pub struct PostAttentionNorm<'a> {
-    /// f32 `[t, H]`: the residual stream before the mixer's output.
+    /// f32 `[t, H]`: the residual stream before the mixer's output. Not written by the kernel
+    /// launched just before: the norm kernel loads it before waiting for that kernel
+    /// ([`ResidualWriter::Earlier`]; a copy or a fill is waited for in full).
     pub residual: &'a DeviceVec<f32>,
     /// bf16 `[t, H]`: the mixer's output.
     pub delta: &'a DeviceVec<bf16>,
