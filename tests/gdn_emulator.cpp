@@ -59,6 +59,14 @@ FP4_DEVICE u32 f32_to_bits(float f) { u32 b; std::memcpy(&b, &f, 4); return b; }
 FP4_DEVICE float f32_nan() { return NAN; }
 FP4_DEVICE float fast_exp(float v) { return std::exp(v); }
 FP4_DEVICE float sqrt_f32(float v) { return std::sqrt(v); }
+FP4_DEVICE u32 lane_index() { return lane_id(); }
+FP4_DEVICE u32 shuffle_from(u32 v, u32 source) {
+    emu::mine()[0] = v;
+    emu::warp_sync();
+    const u32 r = (u32)emu::of(source)[0];
+    emu::warp_sync();
+    return r;
+}
 FP4_DEVICE float emu_shfl_xor(float v, u32 mask) {
     emu::mine()[0] = f32_to_bits(v);
     emu::warp_sync();

@@ -12,7 +12,6 @@ namespace emu {
 inline u32 grid_blocks = 1;
 }
 FP4_DEVICE void block_barrier() { emu::block->arrive_and_wait(); }
-FP4_DEVICE u32 lane_index() { return thread_x() % FP4_WARP_SIZE; }
 FP4_DEVICE u32 grid_blocks() { return emu::grid_blocks; }
 FP4_DEVICE void release_before_barrier() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 FP4_DEVICE void acquire_after_barrier() { std::atomic_thread_fence(std::memory_order_seq_cst); }
@@ -23,13 +22,6 @@ FP4_DEVICE void add_release_gpu(u32* p, u32 v) { __atomic_fetch_add(p, v, __ATOM
 FP4_DEVICE void store_release_gpu(u32* p, u32 v) { __atomic_store_n(p, v, __ATOMIC_SEQ_CST); }
 FP4_DEVICE u32 load_acquire_gpu(const u32* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
 FP4_DEVICE u32 shuffle_xor(u32 v, int offset) { return f32_to_bits(emu_shfl_xor(bits_to_f32(v), offset)); }
-FP4_DEVICE u32 shuffle_from(u32 v, u32 source) {
-    emu::mine()[0] = v;
-    emu::warp_sync();
-    const u32 r = (u32)emu::of(source)[0];
-    emu::warp_sync();
-    return r;
-}
 FP4_DEVICE u32 warp_max_u32(u32 v) {
     for (int offset = 16; offset > 0; offset >>= 1) {
         const u32 other = shuffle_xor(v, offset);

@@ -541,12 +541,7 @@ FP4_DEVICE bool top_k_above_floor(const u32 (&keys)[MOE_EXPERTS_PER_LANE], u32 k
     u32 count = 0u;
     #pragma unroll
     for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) count += keys[i] >= floor ? 1u : 0u;
-    u32 through = count;  // candidates of the lanes up to this one (an inclusive scan)
-    #pragma unroll
-    for (u32 offset = 1; offset < FP4_WARP_SIZE; offset *= 2) {
-        const u32 other = shuffle_from(through, lane >= offset ? lane - offset : lane);
-        if (lane >= offset) through += other;
-    }
+    const u32 through = warp_inclusive_sum(count);  // candidates of the lanes up to this one
     const u32 total = shuffle_from(through, FP4_WARP_SIZE - 1);
     if (total > FP4_WARP_SIZE) return false;  // uniform
     u64* const candidates = scratch;

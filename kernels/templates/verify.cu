@@ -122,7 +122,6 @@ FP4_DEVICE u32 atomic_max_u32(u32* p, u32 v) { return atomicMax(p, v); }
 FP4_DEVICE u64 atomic_add_u64(u64* p, u64 v) {
     return atomicAdd(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
 }
-FP4_DEVICE u32 shfl_u32(u32 v, u32 src) { return __shfl_sync(0xffffffffu, v, (int)src); }
 FP4_DEVICE u32 ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
 FP4_DEVICE u32 popcount(u32 v) { return (u32)__popc(v); }
 FP4_DEVICE u32 lowest_bit(u32 v) { return (u32)(__ffs((int)v) - 1); }
@@ -183,9 +182,6 @@ FP4_DEVICE u32 atomic_cas_u32(u32* p, u32 expected, u32 desired) {
                                          __HIP_MEMORY_SCOPE_AGENT);
     return expected;
 }
-FP4_DEVICE u32 shfl_u32(u32 v, u32 src) {
-    return (u32)__builtin_amdgcn_ds_bpermute((int)(src << 2), (int)v);
-}
 FP4_DEVICE u32 ballot(bool p) { return (u32)__builtin_amdgcn_ballot_w32(p); }
 FP4_DEVICE u32 popcount(u32 v) { return (u32)__builtin_popcount(v); }
 FP4_DEVICE u32 lowest_bit(u32 v) { return (u32)__builtin_ctz(v); }
@@ -220,21 +216,7 @@ FP4_DEVICE double bits_to_f64(u64 b) { return __builtin_bit_cast(double, b); }
 FP4_DEVICE u64 mul_hi_u64(u64 a, u64 b) { return (u64)(((unsigned __int128)a * b) >> 64); }
 {% endif %}
 FP4_DEVICE u32 warp_index() { return thread_x() / FP4_WARP_SIZE; }
-FP4_DEVICE u32 lane_index() { return thread_x() % FP4_WARP_SIZE; }
-FP4_DEVICE u64 shfl_u64(u64 v, u32 src) {
-    return (u64)shfl_u32((u32)v, src) | ((u64)shfl_u32((u32)(v >> 32), src) << 32);
-}
 FP4_DEVICE u32 umin(u32 a, u32 b) { return a < b ? a : b; }
-/// Inclusive prefix sum over the lanes of a warp (every lane calls it).
-template <typename T>
-FP4_DEVICE T warp_inclusive_sum(T v) {
-    for (u32 offset = 1; offset < FP4_WARP_SIZE; offset <<= 1) {
-        const u32 src = lane_index() >= offset ? lane_index() - offset : lane_index();
-        const T o = sizeof(T) == 8 ? (T)shfl_u64((u64)v, src) : (T)shfl_u32((u32)v, src);
-        if (lane_index() >= offset) v += o;
-    }
-    return v;
-}
 
 /// Unsigned 128-bit integers for weights (NVRTC has no __int128 without an extra flag).
 struct u128 {
@@ -645,7 +627,7 @@ FP4_DEVICE u64 combine(u64 a, u64 b, int op) {
 }
 /// `v` combined with op over the warp (butterfly: every lane gets the result).
 FP4_DEVICE u64 warp_reduce(u64 v, int op) {
-    for (u32 offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1) v = combine(v, shfl_u64(v, lane_index() ^ offset), op);
+    for (u32 offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1) v = combine(v, shuffle_from_u64(v, lane_index() ^ offset), op);
     return v;
 }
 #define VREDUCE 3                             // most values one block_reduce_n combines
@@ -698,8 +680,8 @@ FP4_DEVICE void scan_histogram(const u64* hist, u32* count, u128* weight, u32* w
     u128 wi = w;
     for (u32 offset = 1; offset < FP4_WARP_SIZE; offset <<= 1) {
         const u32 src = lane_index() >= offset ? lane_index() - offset : lane_index();
-        const u32 co = shfl_u32(ci, src);
-        const u128 wo = {shfl_u64(wi.lo, src), shfl_u64(wi.hi, src)};
+        const u32 co = shuffle_from(ci, src);
+        const u128 wo = {shuffle_from_u64(wi.lo, src), shuffle_from_u64(wi.hi, src)};
         if (lane_index() >= offset) {
             ci += co;
             wi += wo;
@@ -1776,7 +1758,7 @@ FP4_DEVICE void select_chunks(const VerifyArgs& a, u32 r, const VerifySequence& 
                 const u32 leader = lowest_bit(mask);
                 u32 base = 0;
                 if (lane_index() == leader) base = atomic_add_u32(collected, popcount(mask));
-                base = shfl_u32(base, leader);
+                base = shuffle_from(base, leader);
                 const u32 slot = base + popcount(mask & ((1u << lane_index()) - 1));
                 if (take && slot < VCAP)
                     a.candidates[(u64)r * VCAP + slot] = ((u64)f32_to_bits(z[j]) << 32) | e;

@@ -56,6 +56,10 @@ FP4_DEVICE float sqrt_f32(float v) { return sqrtf(v); }
 FP4_DEVICE float exp2_f32(float v) { return exp2f(v); }
 /// The lanes of a warp wait for each other; their shared-memory writes are visible after.
 FP4_DEVICE void warp_barrier() { __syncwarp(); }
+/// The calling thread's lane in its warp.
+FP4_DEVICE u32 lane_index() { return thread_x() % FP4_WARP_SIZE; }
+/// The value `v` of lane `source` (every lane of the warp calls it).
+FP4_DEVICE u32 shuffle_from(u32 v, u32 source) { return __shfl_sync(0xffffffffu, v, (int)source); }
 
 /// Sum over the 32 lanes of a warp; every lane gets the total.
 FP4_DEVICE float warp_sum(float value) {
@@ -144,6 +148,10 @@ FP4_DEVICE u32 lane_id() {
     return __builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u));
 {% endif %}
 }
+FP4_DEVICE u32 lane_index() { return lane_id(); }
+FP4_DEVICE u32 shuffle_from(u32 v, u32 source) {
+    return (u32)__builtin_amdgcn_ds_bpermute((int)(source << 2), (int)v);
+}
 
 /// Sum over the lanes of a wavefront; every lane gets the total.
 FP4_DEVICE float warp_sum(float value) {
@@ -195,3 +203,22 @@ FP4_DEVICE void prefetch_l2(const void*, u32) {}
 // ---- shared by every family (outside the portability layer, so emulated builds keep it) ----
 FP4_DEVICE u32 min_u32(u32 a, u32 b) { return a < b ? a : b; }
 FP4_DEVICE u32 max_u32(u32 a, u32 b) { return a > b ? a : b; }
+/// The 64-bit value `v` of lane `source` (every lane of the warp calls it).
+FP4_DEVICE u64 shuffle_from_u64(u64 v, u32 source) {
+    return (u64)shuffle_from((u32)v, source) | ((u64)shuffle_from((u32)(v >> 32), source) << 32);
+}
+/// Inclusive prefix sum (u32 or u64) over the lanes of a warp: lane l gets the sum of lanes 0..=l
+/// (every lane calls it).
+template <typename T>
+FP4_DEVICE T warp_inclusive_sum(T v) {
+    const u32 lane = lane_index();
+    #pragma unroll
+    for (u32 offset = 1; offset < FP4_WARP_SIZE; offset <<= 1) {
+        const u32 source = lane >= offset ? lane - offset : lane;
+        T other;
+        if constexpr (sizeof(T) == 8) other = (T)shuffle_from_u64((u64)v, source);
+        else other = (T)shuffle_from((u32)v, source);
+        if (lane >= offset) v += other;
+    }
+    return v;
+}

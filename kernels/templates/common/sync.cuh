@@ -10,7 +10,6 @@
 #define FP4_WATCHDOG_SECONDS 4ull
 // ---- sync vendor primitives ----
 {% if target.vendor == "nvidia" %}
-FP4_DEVICE u32 lane_index() { return thread_x() % FP4_WARP_SIZE; }
 FP4_DEVICE u32 grid_blocks() { return gridDim.x; }
 /// Nothing on NVIDIA: bar.sync followed by one thread's release is cumulative (PTX memory model).
 FP4_DEVICE void release_before_barrier() {}
@@ -38,8 +37,6 @@ FP4_DEVICE u32 load_acquire_gpu(const u32* p) {
 
 /// The value `v` of the lane `lane ^ offset`.
 FP4_DEVICE u32 shuffle_xor(u32 v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
-/// The value `v` of lane `source` (every lane of the warp calls it).
-FP4_DEVICE u32 shuffle_from(u32 v, u32 source) { return __shfl_sync(0xffffffffu, v, (int)source); }
 /// The largest / smallest `v` of the warp's lanes, every lane gets it (one redux.sync each).
 FP4_DEVICE u32 warp_max_u32(u32 v) { return __reduce_max_sync(0xffffffffu, v); }
 FP4_DEVICE u32 warp_min_u32(u32 v) { return __reduce_min_sync(0xffffffffu, v); }
@@ -58,7 +55,6 @@ FP4_DEVICE void hang_detected(const char* what, u32 value, u32 target) {
     __trap();
 }
 {% else %}
-FP4_DEVICE u32 lane_index() { return lane_id(); }
 FP4_DEVICE u32 grid_blocks() {
     return (__builtin_amdgcn_grid_size_x() + __builtin_amdgcn_workgroup_size_x() - 1) / __builtin_amdgcn_workgroup_size_x();
 }
@@ -89,9 +85,6 @@ FP4_DEVICE u32 load_acquire_gpu(const u32* p) {
 
 FP4_DEVICE u32 shuffle_xor(u32 v, int offset) {
     return (u32)__builtin_amdgcn_ds_bpermute((int)((lane_id() ^ offset) << 2), (int)v);
-}
-FP4_DEVICE u32 shuffle_from(u32 v, u32 source) {
-    return (u32)__builtin_amdgcn_ds_bpermute((int)(source << 2), (int)v);
 }
 FP4_DEVICE u32 warp_max_u32(u32 v) {
     for (int offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1) {
