@@ -178,3 +178,70 @@ fn norm_rows(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::SplitMix64;
+
+    /// The sum to another buffer leaves the residual as it was and gives the in-place norm's sum
+    /// and output; without a delta the out buffer gets a copy.
+    #[test]
+    fn the_sum_to_another_buffer_is_the_in_place_norm() {
+        let (rows, dim) = (3, 40);
+        let mut rng = SplitMix64::new(7);
+        let residual = rng.normal_vec(rows * dim, 2.0);
+        let delta: Vec<bf16> = rng
+            .normal_vec(rows * dim, 1.0)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        let weight = DeviceVec::Host(rng.normal_vec(dim, 0.1));
+        let cpu = Backend::Cpu;
+        for delta in [Some(DeviceVec::Host(delta)), None] {
+            let mut in_place = DeviceVec::Host(residual.clone());
+            let mut want = DeviceVec::Host(vec![bf16::ZERO; rows * dim]);
+            let written = ResidualWriter::Earlier;
+            rms_norm_residual(
+                &cpu,
+                &mut in_place,
+                written,
+                delta.as_ref(),
+                &weight,
+                1e-6,
+                &mut want,
+                rows,
+            )
+            .expect("in place");
+            let from = DeviceVec::Host(residual.clone());
+            let mut to = DeviceVec::Host(vec![f32::NAN; rows * dim]);
+            let mut got = DeviceVec::Host(vec![bf16::NAN; rows * dim]);
+            rms_norm_residual_to(
+                &cpu,
+                &from,
+                written,
+                delta.as_ref(),
+                &weight,
+                1e-6,
+                &mut to,
+                &mut got,
+                rows,
+            )
+            .expect("to another buffer");
+            let host = |v: &DeviceVec<f32>| match v {
+                DeviceVec::Host(v) => v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                _ => unreachable!("host buffers"),
+            };
+            assert_eq!(
+                host(&from),
+                host(&DeviceVec::Host(residual.clone())),
+                "residual changed"
+            );
+            assert_eq!(host(&to), host(&in_place), "the sums differ");
+            let (DeviceVec::Host(got), DeviceVec::Host(want)) = (&got, &want) else {
+                unreachable!("host buffers")
+            };
+            assert_eq!(got, want, "the normed rows differ");
+        }
+    }
+}
