@@ -52,14 +52,13 @@ inline u64* of(u32 lane) { return exchange[self.tid / 32][lane]; }
 FP4_DEVICE u32 thread_x() { return emu::self.tid; }
 FP4_DEVICE u32 block_x() { return emu::self.bx; }
 FP4_DEVICE u32 block_y() { return emu::self.by; }
-FP4_DEVICE u32 lane_id() { return emu::self.tid % 32; }
+FP4_DEVICE u32 lane_index() { return emu::self.tid % 32; }
 FP4_DEVICE void warp_barrier() { emu::warp_sync(); }
 FP4_DEVICE float bits_to_f32(u32 b) { float f; std::memcpy(&f, &b, 4); return f; }
 FP4_DEVICE u32 f32_to_bits(float f) { u32 b; std::memcpy(&b, &f, 4); return b; }
 FP4_DEVICE float f32_nan() { return NAN; }
 FP4_DEVICE float fast_exp(float v) { return std::exp(v); }
 FP4_DEVICE float sqrt_f32(float v) { return std::sqrt(v); }
-FP4_DEVICE u32 lane_index() { return lane_id(); }
 FP4_DEVICE u32 shuffle_from(u32 v, u32 source) {
     emu::mine()[0] = v;
     emu::warp_sync();
@@ -70,7 +69,7 @@ FP4_DEVICE u32 shuffle_from(u32 v, u32 source) {
 FP4_DEVICE float emu_shfl_xor(float v, u32 mask) {
     emu::mine()[0] = f32_to_bits(v);
     emu::warp_sync();
-    const float r = bits_to_f32((u32)emu::of(lane_id() ^ mask)[0]);
+    const float r = bits_to_f32((u32)emu::of(lane_index() ^ mask)[0]);
     emu::warp_sync();
     return r;
 }
@@ -124,7 +123,7 @@ FP4_DEVICE float fast_div(float a, float b) { return a * (1.0f / b); }
 FP4_DEVICE void emu_ldmatrix(u32 (&r)[4], const void* p, bool trans) {
     emu::mine()[0] = (u64)(uintptr_t)p;
     emu::warp_sync();
-    const u32 lane = lane_id();
+    const u32 lane = lane_index();
     for (u32 q = 0; q < 4; ++q) {
         u16 e[2];
         for (u32 h = 0; h < 2; ++h) {
@@ -164,7 +163,7 @@ FP4_DEVICE void mma_bf16_m16n8k16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 
         B[2 * t + 8][g] = lo(f[5]); B[2 * t + 9][g] = hi(f[5]);
     }
     emu::warp_sync();
-    const u32 lane = lane_id(), g = lane / 4, t = lane % 4;
+    const u32 lane = lane_index(), g = lane / 4, t = lane % 4;
     for (int i = 0; i < 4; ++i) {
         const u32 row = g + 8 * (i / 2), col = 2 * t + (i % 2);
         float sum = 0.0f;

@@ -90,7 +90,7 @@ FP4_DEVICE v8f emu_wmma(v16s a, v16s b, v8f c) {
         }
     }
     emu::warp_sync();
-    const u32 lane = lane_id();
+    const u32 lane = lane_index();
     for (int v = 0; v < 8; ++v) {
         const u32 row = 2 * v + lane / 16, col = lane % 16;
         float sum = 0.0f;

@@ -56,7 +56,7 @@ FP4_DEVICE float fast_div(float a, float b) { return __fdividef(a, b); }
 #define STEP_BOUNDS(max_dk) STEP_THREADS, ({{ target.gdn.step_blocks_per_sm }} * 128 / (max_dk) > 0 ? {{ target.gdn.step_blocks_per_sm }} * 128 / (max_dk) : 1)
 {% else %}
 FP4_DEVICE float shfl_xor(float v, u32 mask) {
-    const int other = __builtin_amdgcn_ds_bpermute((int)((lane_id() ^ mask) << 2), __builtin_bit_cast(int, v));
+    const int other = __builtin_amdgcn_ds_bpermute((int)((lane_index() ^ mask) << 2), __builtin_bit_cast(int, v));
     return __builtin_bit_cast(float, other);
 }
 FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }

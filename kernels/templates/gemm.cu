@@ -744,7 +744,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MMA_WARPS * FP4_WARP_SIZE) gemm_nvfp4_nvfp4_mm
 template <class Weights, int MT>
 FP4_DEVICE void gemm_wmma(const u16* __restrict__ x, Weights weights, float alpha, u16* y, const u16* residual,
                           u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 epilogue) {
-    const u32 lane = lane_id();
+    const u32 lane = lane_index();
     const u32 tile = block_x() * WMMA_WAVES + thread_x() / FP4_WARP_SIZE;
     if (tile >= n_tiles) return;  // whole waves; nothing below synchronises the block
     const u32 r = lane % 16, h = lane / 16;

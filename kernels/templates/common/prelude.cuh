@@ -141,21 +141,21 @@ FP4_DEVICE void warp_barrier() {
 }
 FP4_DEVICE u32 block_z() { return __builtin_amdgcn_workgroup_id_z(); }
 
-FP4_DEVICE u32 lane_id() {
+/// The calling thread's lane in its wavefront.
+FP4_DEVICE u32 lane_index() {
 {% if target.warp_size == 32 %}
     return __builtin_amdgcn_mbcnt_lo(~0u, 0u);
 {% else %}
     return __builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u));
 {% endif %}
 }
-FP4_DEVICE u32 lane_index() { return lane_id(); }
 FP4_DEVICE u32 shuffle_from(u32 v, u32 source) {
     return (u32)__builtin_amdgcn_ds_bpermute((int)(source << 2), (int)v);
 }
 
 /// Sum over the lanes of a wavefront; every lane gets the total.
 FP4_DEVICE float warp_sum(float value) {
-    const u32 lane = lane_id();
+    const u32 lane = lane_index();
     #pragma unroll
     for (int offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1) {
         const int other = __builtin_amdgcn_ds_bpermute((int)((lane ^ offset) << 2), __builtin_bit_cast(int, value));
@@ -166,7 +166,7 @@ FP4_DEVICE float warp_sum(float value) {
 
 /// Maximum over the lanes of a wavefront; every lane gets it.
 FP4_DEVICE float warp_max(float value) {
-    const u32 lane = lane_id();
+    const u32 lane = lane_index();
     #pragma unroll
     for (int offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1) {
         const int other = __builtin_amdgcn_ds_bpermute((int)((lane ^ offset) << 2), __builtin_bit_cast(int, value));

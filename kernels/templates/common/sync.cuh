@@ -84,7 +84,7 @@ FP4_DEVICE u32 load_acquire_gpu(const u32* p) {
 }
 
 FP4_DEVICE u32 shuffle_xor(u32 v, int offset) {
-    return (u32)__builtin_amdgcn_ds_bpermute((int)((lane_id() ^ offset) << 2), (int)v);
+    return (u32)__builtin_amdgcn_ds_bpermute((int)((lane_index() ^ offset) << 2), (int)v);
 }
 FP4_DEVICE u32 warp_max_u32(u32 v) {
     for (int offset = FP4_WARP_SIZE / 2; offset > 0; offset >>= 1) {
