@@ -442,39 +442,48 @@ fn emulate(
         t,
         rows,
     );
-    for _ in 0..2 {
-        emu.launch(&format!("moe_route_m{rows}"), grids.route, threads, &args);
-        emu.launch(
-            &format!("moe_{format}_gate_up_m{rows}"),
-            grids.gate_up,
-            threads,
-            &args,
-        );
+    // the split form's launches, and the streaming form's with its down launch on `stream_grid`
+    let (route, gate_up) = (
+        format!("moe_route_m{rows}"),
+        format!("moe_{format}_gate_up_m{rows}"),
+    );
+    let split = |emu: &mut Emu, args: &[u64; ARGUMENTS]| {
+        emu.launch(&route, grids.route, threads, args);
+        emu.launch(&gate_up, grids.gate_up, threads, args);
         emu.launch(
             &format!("moe_{format}_down_m{rows}"),
             grids.down,
             threads,
-            &args,
+            args,
         );
+    };
+    let stream = |emu: &mut Emu, args: &[u64; ARGUMENTS], stream_grid: u32| {
+        emu.launch(&route, grids.route, threads, args);
+        emu.launch(&gate_up, grids.gate_up, threads, args);
+        emu.launch(
+            &format!("moe_{format}_down_stream"),
+            stream_grid,
+            threads,
+            args,
+        );
+        let combine = stream_combine_blocks(facts, h, t);
+        emu.launch("moe_stream_combine", combine, threads, args);
+    };
+    for _ in 0..2 {
+        split(&mut emu, &args);
         emu.dump(y_buf);
     }
     emu.dump(control);
     let streams = MoeLaunch::forms(facts).contains(&MoeLaunch::Stream);
     if streams {
         for stream_grid in [1, 3] {
-            emu.launch(&format!("moe_route_m{rows}"), grids.route, threads, &args);
-            let gate_up = format!("moe_{format}_gate_up_m{rows}");
-            emu.launch(&gate_up, grids.gate_up, threads, &args);
-            let down = format!("moe_{format}_down_stream");
-            emu.launch(&down, stream_grid, threads, &args);
-            let combine = stream_combine_blocks(facts, h, t);
-            emu.launch("moe_stream_combine", combine, threads, &args);
+            stream(&mut emu, &args, stream_grid);
             emu.dump(y_buf);
         }
         emu.dump(control);
     }
     // the forms that take the post-attention norm: X written by their route launch
-    let norm_buffers = norm.map(|n| {
+    if let Some(n) = norm {
         let mut fused_args = args;
         let (x_fused, residual_out) = (emu.zeros(2 * t * h), emu.zeros(4 * t * h));
         fused_args[0] = x_fused;
@@ -483,34 +492,15 @@ fn emulate(
         fused_args[34] = emu.buffer(fl(&n.weight));
         fused_args[35] = residual_out;
         fused_args[36] = u64::from(n.eps.to_bits());
-        emu.launch(
-            &format!("moe_route_m{rows}"),
-            grids.route,
-            threads,
-            &fused_args,
-        );
-        let gate_up = format!("moe_{format}_gate_up_m{rows}");
-        emu.launch(&gate_up, grids.gate_up, threads, &fused_args);
-        let down = format!("moe_{format}_down_m{rows}");
-        emu.launch(&down, grids.down, threads, &fused_args);
+        split(&mut emu, &fused_args);
         for buffer in [y_buf, x_fused, residual_out] {
             emu.dump(buffer);
         }
         if streams {
-            emu.launch(
-                &format!("moe_route_m{rows}"),
-                grids.route,
-                threads,
-                &fused_args,
-            );
-            emu.launch(&gate_up, grids.gate_up, threads, &fused_args);
-            let down = format!("moe_{format}_down_stream");
-            emu.launch(&down, 3, threads, &fused_args);
-            let combine = stream_combine_blocks(facts, h, t);
-            emu.launch("moe_stream_combine", combine, threads, &fused_args);
+            stream(&mut emu, &fused_args, 3);
             emu.dump(y_buf);
         }
-    });
+    }
     let dumps = emu.run(&emulator(target_name), test);
     let to_bf16 = |b: &[u8]| -> Vec<bf16> {
         b.chunks_exact(2)
@@ -539,15 +529,16 @@ fn emulate(
             u32s(&dumps[5]),
             u32s(if streams { &dumps[11] } else { &dumps[8] }),
         ],
-        fused: norm_buffers.map(|()| {
+        // after the forms without the norm: the split form's Y, X and residual out, then the
+        // streaming form's Y
+        fused: norm.map(|_| {
             let first = if streams { 12 } else { 9 };
+            let mut y = vec![to_bf16(&dumps[first])];
+            if streams {
+                y.push(to_bf16(&dumps[first + 3]));
+            }
             Fused {
-                y: dumps[first..]
-                    .iter()
-                    .enumerate()
-                    .filter(|(n, _)| *n == 0 || *n == 3)
-                    .map(|(_, d)| to_bf16(d))
-                    .collect(),
+                y,
                 x: to_bf16(&dumps[first + 1]),
                 residual_out: f32s(&dumps[first + 2]),
             }

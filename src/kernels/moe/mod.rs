@@ -955,6 +955,18 @@ fn moe_arguments<'a>(
     ]
 }
 
+/// [`moe_arguments`]' norm arguments where X is given: null pointers (the kernels test
+/// `norm_residual`).
+fn no_norm<'a>() -> [KernelArg<'a>; 5] {
+    [
+        KernelArg::optional_input::<f32>(None),
+        KernelArg::optional_input::<bf16>(None),
+        KernelArg::optional_input::<f32>(None),
+        KernelArg::optional_output::<f32>(None),
+        KernelArg::f32(0.0),
+    ]
+}
+
 /// The device path of [`moe_block`] (shapes checked by the caller): one launch of
 /// `moe_{format}_m{rows}` per `capacity` tokens.
 #[allow(clippy::too_many_arguments)]
@@ -1067,16 +1079,7 @@ fn moe_block_device(
             None => KernelArg::optional_input::<bf16>(None),
         };
         let (x, norm_args) = match &mut input {
-            BlockInput::Given(x) => (
-                KernelArg::input_range(x, chunk.clone())?,
-                [
-                    KernelArg::optional_input::<f32>(None),
-                    KernelArg::optional_input::<bf16>(None),
-                    KernelArg::optional_input::<f32>(None),
-                    KernelArg::optional_output::<f32>(None),
-                    KernelArg::f32(0.0),
-                ],
-            ),
+            BlockInput::Given(x) => (KernelArg::input_range(x, chunk.clone())?, no_norm()),
             BlockInput::Norm(norm) => (
                 KernelArg::output_range(norm.normed, chunk.clone())?,
                 [
@@ -1098,11 +1101,12 @@ fn moe_block_device(
             // the residual hold t * H bf16, the norm's buffers t * H f32 / bf16 and its weight H
             // (checked by the callers), and the chunk lies within them; the norm's arguments are
             // set only where route_takes_norm held (split or streaming form, the route kernel's
-            // shared memory holds the hidden size); the weights were laid out for this shape and the target's tensor core, and
-            // the workspace sized for `capacity` tokens of it (shape checked by the caller); its
-            // counters are zero between launches (arrival counters rearm themselves, the
-            // persistent launch's last block resets the rest); the split launches' grids are the
-            // item counts of SplitGrids, which the kernels derive the same way.
+            // shared memory holds the hidden size); the weights were laid out for this shape and
+            // the target's tensor core, and the workspace sized for `capacity` tokens of it (shape
+            // checked by the caller); its counters are zero between launches (arrival counters
+            // rearm themselves, the persistent launch's last block resets the rest); the split
+            // launches' grids are the item counts of SplitGrids, which the kernels derive the
+            // same way.
             unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
         }
         w.last_tokens = tokens;
@@ -1191,16 +1195,9 @@ mod tests {
                             KernelArg::output(&mut y),
                         ];
                         let sizes = [8, 2, 64, 32, 1, 1];
-                        let norm = [
-                            KernelArg::optional_input::<f32>(None),
-                            KernelArg::optional_input::<bf16>(None),
-                            KernelArg::optional_input::<f32>(None),
-                            KernelArg::optional_output::<f32>(None),
-                            KernelArg::f32(0.0),
-                        ];
                         let warps = tile_warps(t, 9);
                         let args =
-                            moe_arguments(io, &weights, &mut workspace, 9, sizes, warps, norm);
+                            moe_arguments(io, &weights, &mut workspace, 9, sizes, warps, no_norm());
                         checks.check(&t.name, kernel, &args);
                     }
                 }
