@@ -7,6 +7,11 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef int i32;
+// Aligned to their width on every target: arrays of them in shared memory are what 16-byte
+// cp.async copies and vector loads write and read (a 4-byte aligned ring put the streaming down
+// launch's copies at misaligned addresses once the shared variables before it changed size).
+struct alignas(8) u32x2 { u32 x, y; };
+struct alignas(16) u32x4 { u32 x, y, z, w; };
 
 #define FP4_WARP_SIZE {{ target.warp_size }}
 #define FP4_KERNEL extern "C" __global__
@@ -84,8 +89,6 @@ FP4_DEVICE float bf16_to_f32(u16 bits) { return __uint_as_float((u32)bits << 16)
 /// f32 to bf16 (raw bits), round to nearest even, NaN stays NaN.
 FP4_DEVICE u16 f32_to_bf16(float value) { return __bfloat16_as_ushort(__float2bfloat16_rn(value)); }
 
-struct u32x2 { u32 x, y; };
-struct u32x4 { u32 x, y, z, w; };
 /// 8- and 16-byte loads and stores; the pointer must be aligned to the width.
 FP4_DEVICE u32x2 load_u32x2(const void* p) { uint2 v = *reinterpret_cast<const uint2*>(p); return {v.x, v.y}; }
 FP4_DEVICE u32x4 load_u32x4(const void* p) { uint4 v = *reinterpret_cast<const uint4*>(p); return {v.x, v.y, v.z, v.w}; }
@@ -183,8 +186,6 @@ FP4_DEVICE u16 f32_to_bf16(float value) {
     return (u16)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-struct __attribute__((aligned(8))) u32x2 { u32 x, y; };
-struct __attribute__((aligned(16))) u32x4 { u32 x, y, z, w; };
 FP4_DEVICE u32x2 load_u32x2(const void* p) { return *reinterpret_cast<const u32x2*>(p); }
 FP4_DEVICE u32x4 load_u32x4(const void* p) { return *reinterpret_cast<const u32x4*>(p); }
 FP4_DEVICE void store_u32x4(void* p, u32x4 v) { *reinterpret_cast<u32x4*>(p) = v; }
