@@ -102,9 +102,6 @@ fn emulator(target_name: &'static str) -> PathBuf {
 
 // ---- the command stream ----
 
-/// The kernels' parameters (MOE_PARAMETERS), passed as u64 each.
-const ARGUMENTS: usize = 37;
-
 #[derive(Default)]
 struct Emu {
     commands: Vec<u8>,
@@ -126,7 +123,7 @@ impl Emu {
         self.buffer(vec![0; bytes])
     }
 
-    fn launch(&mut self, name: &str, grid: u32, threads: u32, args: &[u64; ARGUMENTS]) {
+    fn launch(&mut self, name: &str, grid: u32, threads: u32, args: &[u64; 32]) {
         let c = &mut self.commands;
         c.extend(2u32.to_le_bytes());
         c.extend((name.len() as u32).to_le_bytes());
@@ -232,87 +229,10 @@ fn layout(host: &MoeHostWeights, target_name: &str) -> Layout {
 
 // ---- one block on the emulator ----
 
-/// A decoder layer's post-attention norm ahead of the block: the residual stream (f32), the
-/// mixer's output and the norm's weight, each row's X being the norm of residual + delta.
-struct NormCase {
-    residual: Vec<f32>,
-    delta: Vec<bf16>,
-    weight: Vec<f32>,
-    eps: f32,
-}
-
-impl NormCase {
-    fn new(seed: u64, t: usize, h: usize) -> Self {
-        let mut rng = SplitMix64::new(seed);
-        Self {
-            residual: rng.normal_vec(t * h, 4.0),
-            delta: rng
-                .normal_vec(t * h, 1.0)
-                .into_iter()
-                .map(bf16::from_f32)
-                .collect(),
-            weight: rng.normal_vec(h, 0.1),
-            eps: 1e-6,
-        }
-    }
-
-    /// residual + delta, and its norm as norm.cu's rms_norm_residual computes it (with
-    /// RMS_NORM_THREADS `threads`): each thread sums the squares of the values it holds (i, i +
-    /// threads, ...) in turn, a warp's 32 sums in a butterfly of pairs, the warps' sums in warp
-    /// order; `v * inverse * (1 + w)` rounded to bf16. Bit for bit: the host emulation does not
-    /// contract products into fused multiply-adds.
-    fn normed(&self, h: usize, threads: usize) -> (Vec<f32>, Vec<bf16>) {
-        let v: Vec<f32> = self
-            .residual
-            .iter()
-            .zip(&self.delta)
-            .map(|(r, d)| r + d.to_f32())
-            .collect();
-        let mut x = Vec::with_capacity(v.len());
-        for row in v.chunks_exact(h) {
-            let mut lanes: Vec<f32> = (0..threads)
-                .map(|i| {
-                    row.iter()
-                        .skip(i)
-                        .step_by(threads)
-                        .fold(0.0f32, |s, v| s + v * v)
-                })
-                .collect();
-            for warp in lanes.chunks_exact_mut(32) {
-                for offset in [16, 8, 4, 2, 1] {
-                    let before = warp.to_vec();
-                    for (lane, value) in warp.iter_mut().enumerate() {
-                        *value = before[lane] + before[lane ^ offset];
-                    }
-                }
-            }
-            let total = lanes.iter().step_by(32).fold(0.0f32, |s, w| s + w);
-            let inverse = 1.0 / (total / h as f32 + self.eps).sqrt();
-            x.extend(
-                row.iter()
-                    .zip(&self.weight)
-                    .map(|(v, w)| bf16::from_f32(v * inverse * (1.0 + w))),
-            );
-        }
-        (v, x)
-    }
-}
-
-/// What the launches that took the post-attention norm produced (after those of [`Emulated`], on
-/// the same workspace).
-struct Fused {
-    /// Y of the split launches, then of the streaming form's (where rendered).
-    y: Vec<Vec<bf16>>,
-    /// X and the residual the route launch wrote (after the split launches).
-    x: Vec<bf16>,
-    residual_out: Vec<f32>,
-}
-
 /// What the emulated launches produced: the persistent launch twice, then the split launches
 /// (route, gate_up, down) twice, then (where the target renders them) the streaming form's
 /// launches (route, gate_up, streaming down on grids of 1 and 3 blocks, combine), on one
-/// workspace; then, with a [`NormCase`], the split and streaming forms again with the route
-/// launch taking the norm.
+/// workspace.
 struct Emulated {
     /// Y after each of the first four (same inputs).
     y: [Vec<bf16>; 4],
@@ -323,7 +243,6 @@ struct Emulated {
     /// The counters after the persistent launches and after the split ones: all zero when every
     /// launch left them ready for the next (whichever form it takes).
     control: [Vec<u32>; 2],
-    fused: Option<Fused>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -335,7 +254,6 @@ fn emulate(
     t: usize,
     residual: Option<&[bf16]>,
     grid: u32,
-    norm: Option<&NormCase>,
 ) -> Emulated {
     let s = host.shape;
     let facts = target::by_name(target_name).expect("target");
@@ -387,7 +305,7 @@ fn emulate(
     let partial = emu.zeros(4 * positions * h);
     let act = emu.zeros(2 * positions * i);
     let warps = tile_warps(facts, t);
-    let args: [u64; ARGUMENTS] = [
+    let args: [u64; 32] = [
         x_buf,
         residual_buf,
         y_buf,
@@ -420,11 +338,6 @@ fn emulate(
         u64::from(host.shared_gate.is_some()),
         u64::from(warps.gate_up),
         u64::from(warps.down),
-        0,
-        0,
-        0,
-        0,
-        0,
     ];
     let kernel = format!("moe_{format}_m{rows}");
     let threads = facts.moe.warps_per_block * facts.warp_size;
@@ -442,64 +355,36 @@ fn emulate(
         t,
         rows,
     );
-    // the split form's launches, and the streaming form's with its down launch on `stream_grid`
-    let (route, gate_up) = (
-        format!("moe_route_m{rows}"),
-        format!("moe_{format}_gate_up_m{rows}"),
-    );
-    let split = |emu: &mut Emu, args: &[u64; ARGUMENTS]| {
-        emu.launch(&route, grids.route, threads, args);
-        emu.launch(&gate_up, grids.gate_up, threads, args);
+    for _ in 0..2 {
+        emu.launch(&format!("moe_route_m{rows}"), grids.route, threads, &args);
+        emu.launch(
+            &format!("moe_{format}_gate_up_m{rows}"),
+            grids.gate_up,
+            threads,
+            &args,
+        );
         emu.launch(
             &format!("moe_{format}_down_m{rows}"),
             grids.down,
             threads,
-            args,
+            &args,
         );
-    };
-    let stream = |emu: &mut Emu, args: &[u64; ARGUMENTS], stream_grid: u32| {
-        emu.launch(&route, grids.route, threads, args);
-        emu.launch(&gate_up, grids.gate_up, threads, args);
-        emu.launch(
-            &format!("moe_{format}_down_stream"),
-            stream_grid,
-            threads,
-            args,
-        );
-        let combine = stream_combine_blocks(facts, h, t);
-        emu.launch("moe_stream_combine", combine, threads, args);
-    };
-    for _ in 0..2 {
-        split(&mut emu, &args);
         emu.dump(y_buf);
     }
     emu.dump(control);
     let streams = MoeLaunch::forms(facts).contains(&MoeLaunch::Stream);
     if streams {
         for stream_grid in [1, 3] {
-            stream(&mut emu, &args, stream_grid);
+            emu.launch(&format!("moe_route_m{rows}"), grids.route, threads, &args);
+            let gate_up = format!("moe_{format}_gate_up_m{rows}");
+            emu.launch(&gate_up, grids.gate_up, threads, &args);
+            let down = format!("moe_{format}_down_stream");
+            emu.launch(&down, stream_grid, threads, &args);
+            let combine = stream_combine_blocks(facts, h, t);
+            emu.launch("moe_stream_combine", combine, threads, &args);
             emu.dump(y_buf);
         }
         emu.dump(control);
-    }
-    // the forms that take the post-attention norm: X written by their route launch
-    if let Some(n) = norm {
-        let mut fused_args = args;
-        let (x_fused, residual_out) = (emu.zeros(2 * t * h), emu.zeros(4 * t * h));
-        fused_args[0] = x_fused;
-        fused_args[32] = emu.buffer(fl(&n.residual));
-        fused_args[33] = emu.buffer(bf(&n.delta));
-        fused_args[34] = emu.buffer(fl(&n.weight));
-        fused_args[35] = residual_out;
-        fused_args[36] = u64::from(n.eps.to_bits());
-        split(&mut emu, &fused_args);
-        for buffer in [y_buf, x_fused, residual_out] {
-            emu.dump(buffer);
-        }
-        if streams {
-            stream(&mut emu, &fused_args, 3);
-            emu.dump(y_buf);
-        }
     }
     let dumps = emu.run(&emulator(target_name), test);
     let to_bf16 = |b: &[u8]| -> Vec<bf16> {
@@ -529,20 +414,6 @@ fn emulate(
             u32s(&dumps[5]),
             u32s(if streams { &dumps[11] } else { &dumps[8] }),
         ],
-        // after the forms without the norm: the split form's Y, X and residual out, then the
-        // streaming form's Y
-        fused: norm.map(|_| {
-            let first = if streams { 12 } else { 9 };
-            let mut y = vec![to_bf16(&dumps[first])];
-            if streams {
-                y.push(to_bf16(&dumps[first + 3]));
-            }
-            Fused {
-                y,
-                x: to_bf16(&dumps[first + 1]),
-                residual_out: f32s(&dumps[first + 2]),
-            }
-        }),
     }
 }
 
@@ -559,23 +430,8 @@ fn check(
     r: Option<&[bf16]>,
     grid: u32,
 ) {
-    let got = emulate(test, target_name, host, x, t, r, grid, None);
-    check_emulated(test, target_name, host, x, t, r, grid, &got);
-}
-
-/// [`check`]'s assertions on what [`emulate`] produced.
-#[allow(clippy::too_many_arguments)]
-fn check_emulated(
-    test: &str,
-    target_name: &'static str,
-    host: &MoeHostWeights,
-    x: &[bf16],
-    t: usize,
-    r: Option<&[bf16]>,
-    grid: u32,
-    got: &Emulated,
-) {
     let s = host.shape;
+    let got = emulate(test, target_name, host, x, t, r, grid);
     let label = format!("{test} {target_name} {:?} T={t} grid={grid}", host.format());
     let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
     let router: Vec<f32> = host.router.iter().map(|v| v.to_f32()).collect();
@@ -667,59 +523,6 @@ fn check_emulated(
             "{label}: counters left after the {after} launches: {control:?}"
         );
     }
-}
-
-/// [`check`] of a block whose route launch also takes the post-attention norm of `norm`: the
-/// forms without it run on the norm computed here (as norm.cu's kernel computes it) and pass the
-/// reference checks; the forms with it write that X and residual bit for bit and give their
-/// counterparts' Y bit for bit.
-fn check_after_norm(
-    test: &str,
-    target_name: &'static str,
-    host: &MoeHostWeights,
-    t: usize,
-    norm: &NormCase,
-) {
-    let h = host.shape.hidden;
-    let facts = target::by_name(target_name).expect("target");
-    let (residual_out, x) = norm.normed(h, facts.norm.threads_per_block as usize);
-    let got = emulate(test, target_name, host, &x, t, None, 1, Some(norm));
-    check_emulated(test, target_name, host, &x, t, None, 1, &got);
-    let label = format!("{test} {target_name} {:?} T={t}", host.format());
-    let fused = got.fused.as_ref().expect("the norm's launches ran");
-    let differ = differing_bits(&fused.x, &x);
-    assert_eq!(
-        differ, 0,
-        "{label}: the route launch's X differs from the norm's in {differ} elements"
-    );
-    let differ = fused
-        .residual_out
-        .iter()
-        .zip(&residual_out)
-        .filter(|(a, b)| a.to_bits() != b.to_bits())
-        .count();
-    assert_eq!(
-        differ, 0,
-        "{label}: the residual out differs from residual + delta in {differ} elements"
-    );
-    let unfused = [Some(&got.y[2]), got.stream.as_ref().map(|s| &s[1])];
-    for (n, (fused_y, plain_y)) in fused
-        .y
-        .iter()
-        .zip(unfused.into_iter().flatten())
-        .enumerate()
-    {
-        let differ = differing_bits(fused_y, plain_y);
-        assert_eq!(
-            differ, 0,
-            "{label}: form {n} (0 split, 1 streaming) with the norm differs from it without in {differ} elements"
-        );
-    }
-    assert_eq!(
-        fused.y.len(),
-        1 + usize::from(got.stream.is_some()),
-        "{label}: forms run"
-    );
 }
 
 /// Elements of `a` and `b` whose bits differ.
@@ -904,7 +707,7 @@ fn the_sm90a_kernels_run_emulated_with_a_crowded_expert() {
     for token in 0..t {
         x[token * 64] = bf16::from_f32(6.0);
     }
-    let got = emulate("crowded", "sm_90a", &host, &x, t, None, 1, None);
+    let got = emulate("crowded", "sm_90a", &host, &x, t, None, 1);
     let count = got.routing.experts.iter().filter(|&&e| e == 5).count();
     assert_eq!(count, t, "expert 5 should get every token");
     check("crowded", "sm_90a", &host, &x, t, None, 1);
@@ -930,35 +733,8 @@ fn the_sm90a_kernels_round_activations_as_the_reference_does() {
     );
 }
 
-/// The route launch taking the post-attention norm (moe_block_after_norm): at the awkward shape
-/// (H = 272: the last plane has 16 columns, a fourth none) at T = 3 and at T = 9 (two chunks,
-/// each with its own publishing blocks), and at the real hidden size (512 columns a plane) at
-/// T = 1; every block normalises whole rows and keeps its plane's columns.
-#[test]
-fn the_sm90a_route_launch_takes_the_post_attention_norm_emulated() {
-    let s = shape(8, 2, 272, 48, 80);
-    let nvfp4 = MoeHostWeights::synthetic(s, ExpertFormat::Nvfp4, 61);
-    check_after_norm("norm", "sm_90a", &nvfp4, 3, &NormCase::new(62, 3, 272));
-    check_after_norm(
-        "norm, two chunks",
-        "sm_90a",
-        &nvfp4,
-        9,
-        &NormCase::new(63, 9, 272),
-    );
-    let h = 2048;
-    let host = MoeHostWeights::synthetic(shape(8, 2, h, 48, 80), ExpertFormat::Nvfp4, 64);
-    check_after_norm(
-        "norm, H = 2048",
-        "sm_90a",
-        &host,
-        1,
-        &NormCase::new(65, 1, h),
-    );
-}
-
 /// The gfx1151 source (WMMA tile products) on the same kinds of blocks, shared experts (two
-/// sub-experts, one padded) in both formats, and its route launch taking the norm.
+/// sub-experts, one padded) in both formats.
 #[test]
 fn the_gfx1151_kernels_run_emulated() {
     let s = shape(8, 2, 272, 48, 80);
@@ -976,7 +752,4 @@ fn the_gfx1151_kernels_run_emulated() {
         None,
         2,
     );
-    // the route launch taking the norm: X from shared memory through the WMMA loads
-    let norm = NormCase::new(14, 3, 272);
-    check_after_norm("wmma norm", "gfx1151", &bf16_block, 3, &norm);
 }

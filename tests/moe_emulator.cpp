@@ -103,8 +103,8 @@ FP4_DEVICE v8f emu_wmma(v16s a, v16s b, v8f c) {
 
 //@@ driver
 // Commands (little-endian) from argv[1]: 1 = buffer (u32 id, u64 bytes, bytes); 2 = launch (u32
-// name length, name, u32 grid, u32 threads, then the kernel's 37 parameters (MOE_PARAMETERS) as
-// u64: pointers as id << 40 | byte offset, 0 for null; floats as their bits); 3 = dump (u32 id) to argv[2] as (u32 id,
+// name length, name, u32 grid, u32 threads, then the kernel's 32 parameters (MOE_PARAMETERS) as
+// u64: pointers as id << 40 | byte offset, 0 for null); 3 = dump (u32 id) to argv[2] as (u32 id,
 // u64 bytes, bytes).
 namespace emu {
 inline std::vector<std::vector<unsigned char>> buffers(1);
@@ -141,7 +141,7 @@ int main(int argc, char** argv) {
             std::string name(u32_(), '\0');
             read(name.data(), name.size());
             const u32 grid = u32_(), threads = u32_();
-            u64 f[37];
+            u64 f[32];
             for (auto& v : f) v = u64_();
             auto found = kernels.find(name);
             if (found == kernels.end()) { std::fprintf(stderr, "no kernel %s\n", name.c_str()); return 3; }
@@ -155,7 +155,7 @@ int main(int argc, char** argv) {
                 pool.emplace_back([&, t] {
                     for (u32 bx = 0; bx < grid; ++bx) {
                         emu::self = {t, bx, 0};
-                        found->second((u16*)emu::pointer(f[0]), (const u16*)emu::pointer(f[1]),
+                        found->second((const u16*)emu::pointer(f[0]), (const u16*)emu::pointer(f[1]),
                                       (u16*)emu::pointer(f[2]), emu::pointer(f[3]), emu::pointer(f[4]),
                                       emu::pointer(f[5]), emu::pointer(f[6]), emu::pointer(f[7]),
                                       (const float*)emu::pointer(f[8]), (const float*)emu::pointer(f[9]),
@@ -167,9 +167,7 @@ int main(int argc, char** argv) {
                                       (float*)emu::pointer(f[20]), (float*)emu::pointer(f[21]),
                                       (u16*)emu::pointer(f[22]), (u32)f[23], (u32)f[24], (u32)f[25],
                                       (u32)f[26], (u32)f[27], (u32)f[28], (u32)f[29], (u32)f[30],
-                                      (u32)f[31], (const float*)emu::pointer(f[32]),
-                                      (const u16*)emu::pointer(f[33]), (const float*)emu::pointer(f[34]),
-                                      (float*)emu::pointer(f[35]), bits_to_f32((u32)f[36]));
+                                      (u32)f[31]);
                         block.arrive_and_wait();
                     }
                 });

@@ -44,7 +44,6 @@
 {% include "common/nvfp4.cuh" %}
 {% include "common/activations.cuh" %}
 {% include "common/sync.cuh" %}
-{% include "common/rms_norm.cuh" %}
 
 #define MOE_WARPS {{ target.moe.warps_per_block }}
 #define MOE_THREADS (MOE_WARPS * FP4_WARP_SIZE)
@@ -66,10 +65,6 @@ static_assert((MOE_EXPERTS_PER_LANE & (MOE_EXPERTS_PER_LANE - 1)) == 0, "route_t
 #define ROUTER_TILES_PER_ITEM (MOE_WARPS / ROUTER_WARPS_PER_TILE)
 #define TILE_ROWS 16
 #define GROUP_COLS 64
-// the route launch that takes the post-attention norm (norm_rows_into_plane) keeps one plane's
-// columns of its chunk's rows in shared memory: hidden sizes up to moe.route_norm_max_hidden
-#define ROUTE_NORM_PLANE_COLS ({{ target.moe.route_norm_max_hidden }} / ROUTER_PLANES)
-static_assert(RMS_NORM_THREADS % MOE_THREADS == 0, "norm_rows_into_plane: whole norm threads per block thread");
 {% if target.vendor == "nvidia" %}
 // __launch_bounds__(threads, blocks per SM): the grid is sized for that many resident blocks
 #define MOE_BOUNDS MOE_THREADS, {{ target.moe.blocks_per_sm }}
@@ -93,7 +88,7 @@ static_assert(RMS_NORM_THREADS % MOE_THREADS == 0, "norm_rows_into_plane: whole 
 
 /// Everything one launch needs: the kernels' parameters (MOE_PARAMETERS), gathered.
 struct MoeArgs {
-    u16* x;                   // [T][H] bf16 (written by the route launch where norm_residual is set)
+    const u16* x;             // [T][H] bf16
     const u16* residual;      // [T][H] bf16, or null
     u16* y;                   // [T][H] bf16
     const void* router;       // [E + g][H] router rows (+ the shared gate row), bf16 fragments
@@ -125,33 +120,24 @@ struct MoeArgs {
     u32 has_shared_gate;      // 1 when router row E is the shared expert's gate
     u32 gate_up_warps_per_tile;  // warps splitting a gate_up tile's K groups (power of two <= MOE_WARPS)
     u32 down_warps_per_tile;     // the same for a down tile
-    // The post-attention norm, taken by the split route launch (null norm_residual: X is given):
-    // norm_residual_out = norm_residual + norm_delta, x = rmsnorm(norm_residual_out) * (1 + w)
-    const float* norm_residual;  // [T][H] f32 residual stream before the mixer's output
-    const u16* norm_delta;       // [T][H] bf16 the mixer's output
-    const float* norm_weight;    // [H] f32 the norm's weight (zero-centred)
-    float* norm_residual_out;    // [T][H] f32 (another buffer than norm_residual)
-    float norm_eps;
 };
 
 // The kernels' parameters: MoeArgs's fields one by one, in order (src/kernels/moe/mod.rs passes
 // them in this order; separate parameters, so each launch is checked argument by argument).
 #define MOE_PARAMETERS                                                                              \
-    u16* x, const u16* residual, u16* y, const void* router, const void* gate_up,           \
+    const u16* x, const u16* residual, u16* y, const void* router, const void* gate_up,           \
         const void* gate_up_scales, const void* down, const void* down_scales,                     \
         const float* gate_up_alpha, const float* down_alpha, u32* control, u32* topk_ids,          \
         u32* slot_pos, u32* sorted_token, u32* active_expert, u32* active_offset,                  \
         u32* active_count, u32* n_active, float* logits, float* route_weight, float* shared_scale, \
         float* partial, u16* act, u32 tokens, u32 experts, u32 top_k, u32 hidden, u32 inter,      \
-        u32 shared_experts, u32 has_shared_gate, u32 gate_up_warps_per_tile, u32 down_warps_per_tile,  \
-        const float* norm_residual, const u16* norm_delta, const float* norm_weight,               \
-        float* norm_residual_out, float norm_eps
+        u32 shared_experts, u32 has_shared_gate, u32 gate_up_warps_per_tile, u32 down_warps_per_tile
 #define MOE_ARGUMENTS                                                                               \
     MoeArgs{x, residual, y, router, gate_up, gate_up_scales, down, down_scales, gate_up_alpha,     \
             down_alpha, control, topk_ids, slot_pos, sorted_token, active_expert, active_offset,   \
             active_count, n_active, logits, route_weight, shared_scale, partial, act, tokens,      \
             experts, top_k, hidden, inter, shared_experts, has_shared_gate, gate_up_warps_per_tile, \
-            down_warps_per_tile, norm_residual, norm_delta, norm_weight, norm_residual_out, norm_eps}
+            down_warps_per_tile}
 
 /// Item counts of one launch, derived from the sizes (the host only sizes the grid).
 struct Plan {
@@ -187,26 +173,6 @@ FP4_DEVICE Plan make_plan(const MoeArgs& a) {
     p.shared_down_items = a.shared_experts * p.down_groups * p.chunks;
     return p;
 }
-
-/// The token rows of X a tile product reads: row[i] is token row TileAcc::x_row(i) of the pass
-/// (null past it), holding the columns from col0 on: in global memory (written by another block
-/// of the launch or an earlier kernel: L2-coherent loads) or, for the route launch that takes the
-/// post-attention norm, one plane's columns in shared memory (plain loads).
-template <int N>
-struct XRows {
-    const u16* row[N];
-    u32 col0;
-    bool in_shared;
-    /// Where row i's column `col` is.
-    FP4_DEVICE const u16* at(int i, u32 col) const { return row[i] + (col - col0); }
-    /// 8 values of row i from column `col` on (16 bytes, aligned).
-    FP4_DEVICE u32x4 load(int i, u32 col) const { return in_shared ? load_u32x4(at(i, col)) : load_coherent_u32x4(at(i, col)); }
-};
-
-/// What a tile product does after its waits, before it reads X, by default (nothing).
-struct NoHook {
-    FP4_DEVICE void operator()() const {}
-};
 
 {% if target.instructions.mma_sync_bf16 %}
 // ============================================================================================
@@ -250,22 +216,21 @@ struct TileAcc {
 };
 
 /// This warp's partial product of weight tile `tile` (of a [tiles][k_groups][32] fragment array)
-/// with up to ROWS token rows `x`, over the K groups first, first + step, ... < end. The weight
-/// loads of the first STAGES groups are issued, and the warp's later groups asked of the L2,
-/// before the X rows are waited for: with `wait_counter`, until `*wait_counter >= wait_target` (X
-/// produced by other blocks of the launch; a block barrier, so every warp of the block must call
-/// it); with `wait_grid`, until the previous kernel has finished (X produced by it: see
-/// chain_after_previous_grid, which the caller has not called); then `after_wait()` (the route
-/// launch's norm, which produces X: every warp of the block must call it). X_FIRST: the X fragments of the
+/// with up to ROWS token rows, over the K groups first, first + step, ... < end. x_rows[i] is the
+/// bf16 row of token row TileAcc::x_row(i) (null past the pass). The weight loads of the first
+/// STAGES groups are issued, and the warp's later groups asked of the L2, before the X rows are
+/// waited for: with `wait_counter`, until `*wait_counter >= wait_target` (X produced by other
+/// blocks of the launch; a block barrier, so every warp of the block must call it); with
+/// `wait_grid`, until the previous kernel has finished (X produced by it: see
+/// chain_after_previous_grid, which the caller has not called). X_FIRST: the X fragments of the
 /// ring's first STAGES groups are all loaded right after that wait, before any is used (the
 /// router, whose warps have two groups each and their weights in registers before the wait: its
 /// loads made two L2 round trips one after the other, SASS of moe_route_m8); elsewhere each
 /// group's X is loaded at the group (registers for six groups' X are not there).
-template <class W, int ROWS, int STAGES, bool X_FIRST = false, class AfterWait = NoHook>
+template <class W, int ROWS, int STAGES, bool X_FIRST = false>
 FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k,
-                             const XRows<TileAcc<ROWS>::X_ROWS>& x, u32 rows, const u32* wait_counter,
-                             u32 wait_target, bool wait_grid, TileAcc<ROWS>& acc,
-                             const AfterWait& after_wait = AfterWait()) {
+                             const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
+                             const u32* wait_counter, u32 wait_target, bool wait_grid, TileAcc<ROWS>& acc) {
     constexpr int MT = ROWS / 8;
     const u32 lane = lane_index(), t = lane % 4;
     float c[MT][4];
@@ -286,16 +251,15 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
     if (lane == 0 && rest < end) w.prefetch(tile_base + rest * 32, (end - rest) * 32);
     if (wait_counter) block_wait_at_least(wait_counter, wait_target, "the gate_up items of an expert");
     if (wait_grid) chain_after_previous_grid();
-    after_wait();
     const u32 m_tiles = (rows + 7) / 8;
     // this lane's X fragments of K group `group` (zeros past the pass's rows and past K)
     auto load_x = [&](u32 group, u32x4 (&xs)[MT][2]) {
         const u32 col = group * GROUP_COLS + 16 * t;
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            if (x.row[mt] != nullptr && col < k) {
-                xs[mt][0] = x.load(mt, col);
-                xs[mt][1] = x.load(mt, col + 8);
+            if (x_rows[mt] != nullptr && col < k) {
+                xs[mt][0] = load_coherent_u32x4(x_rows[mt] + col);
+                xs[mt][1] = load_coherent_u32x4(x_rows[mt] + col + 8);
             } else {
                 xs[mt][0] = xs[mt][1] = {0u, 0u, 0u, 0u};
             }
@@ -381,11 +345,10 @@ struct TileAcc {
 /// As the NVIDIA version: this wave's partial product of weight tile `tile` (of a
 /// [tiles][k_groups][16 rows] fragment array) with up to ROWS token rows. X_FIRST is the NVIDIA
 /// version's (the router's); here X is read per WMMA, with no weight ring ahead of it.
-template <class W, int ROWS, int STAGES, bool X_FIRST = false, class AfterWait = NoHook>
+template <class W, int ROWS, int STAGES, bool X_FIRST = false>
 FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k,
-                             const XRows<TileAcc<ROWS>::X_ROWS>& x, u32 rows, const u32* wait_counter,
-                             u32 wait_target, bool wait_grid, TileAcc<ROWS>& acc,
-                             const AfterWait& after_wait = AfterWait()) {
+                             const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
+                             const u32* wait_counter, u32 wait_target, bool wait_grid, TileAcc<ROWS>& acc) {
     constexpr int MT = (ROWS + 15) / 16;
     const u32 lane = lane_index(), r = lane % 16;
     v8f sums[MT];
@@ -395,7 +358,6 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
         for (int e = 0; e < 8; ++e) sums[mt][e] = 0.0f;
     if (wait_counter) block_wait_at_least(wait_counter, wait_target, "the gate_up items of an expert");
     if (wait_grid) chain_after_previous_grid();
-    after_wait();
     const u32 m_tiles = (rows + 15) / 16;
     for (u32 group = first; group < end; group += step) {
         const u64 index = (tile * k_groups + group) * 16 + r;
@@ -407,8 +369,8 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 if (mt < m_tiles) {  // wave-uniform
-                    const bool valid = x.row[mt] != nullptr;
-                    const v16s b = load_bf16x16(valid ? x.at(mt, col) : x.row[mt], valid);
+                    const bool valid = x_rows[mt] != nullptr;
+                    const v16s b = load_bf16x16(valid ? x_rows[mt] + col : x_rows[mt], valid);
                     sums[mt] = __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32(a, b, sums[mt]);
                 }
             }
@@ -788,126 +750,33 @@ FP4_DEVICE void align(const MoeArgs& a, MoeShared<ROWS>& sh, bool raise_ready, b
     if (thread_x() == 0) store_release_gpu(a.control + CONTROL_ROUTING_READY, 1u);
 }
 
-/// The route launch's shared memory for the post-attention norm: the norm threads' warp sums of
-/// each row of the chunk, the rows' 1 / rms, then the normed columns of the block's plane (the X
-/// its warps read).
-template <int ROWS>
-struct RouteNorm {
-    float warp_sums[RMS_NORM_WARPS][ROWS];
-    float inverse[ROWS];
-    alignas(16) u16 x[ROWS][ROUTE_NORM_PLANE_COLS];
-};
-
-/// The post-attention norm of token rows r0 .. r0 + rows, in a route block (norm_residual set):
-/// v = norm_residual + norm_delta in f32, x = bf16(v * rsqrt(mean(v^2) + eps) * (1 + w)), summed
-/// and rounded as norm.cu's rms_norm_residual does (common/rms_norm.cuh: each thread here sums
-/// for RMS_NORM_THREADS / MOE_THREADS of its threads), so the bits do not depend on which form
-/// took the norm. The block keeps x's columns [c0, c1) (its plane: what its warps multiply) in
-/// `sh.x`; `publish` (one block per plane and chunk) also writes those columns of x and of
-/// norm_residual_out, which the gate_up launch and the next layer read. Every block of a chunk
-/// reads the chunk's whole rows (each needs the sums of squares): at one token 12 KB from the L2,
-/// where the norm's own launch cost a dependent launch and a round trip more. The rows' loads
-/// are issued together (a row after row loop would wait one L2 round trip per row). Every
-/// thread of the block calls it, after the grid wait (the previous kernel wrote the delta;
-/// nothing in this launch writes what it reads, so plain loads, and the plane's second reads
-/// hit the L1).
-template <int ROWS>
-FP4_DEVICE void norm_rows_into_plane(const MoeArgs& a, u32 r0, u32 rows, u32 c0, u32 c1, bool publish,
-                                     RouteNorm<ROWS>& sh) {
-    constexpr u32 PER_THREAD = RMS_NORM_THREADS / MOE_THREADS;
-    constexpr u32 ITEMS = ({{ target.moe.route_norm_max_hidden }} + RMS_NORM_THREADS - 1) / RMS_NORM_THREADS;
-    const u32 H = a.hidden, lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
-    // sums[r][s]: norm thread thread_x() + s * MOE_THREADS of row r (its warp is warp + s *
-    // MOE_WARPS, its lane ours), over its values in the norm kernel's order (j ascending)
-    float sums[ROWS][PER_THREAD];
-    #pragma unroll
-    for (int r = 0; r < ROWS; ++r)
-        #pragma unroll
-        for (u32 s = 0; s < PER_THREAD; ++s) sums[r][s] = 0.0f;
-    #pragma unroll
-    for (u32 j = 0; j < ITEMS; ++j) {
-        #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            #pragma unroll
-            for (u32 s = 0; s < PER_THREAD; ++s) {
-                const u32 i = thread_x() + s * MOE_THREADS + j * RMS_NORM_THREADS;
-                if ((u32)r < rows && i < H) {
-                    const u64 at = (u64)(r0 + r) * H + i;
-                    sums[r][s] = rms_norm_accumulate(sums[r][s], a.norm_residual[at] + bf16_to_f32(a.norm_delta[at]));
-                }
-            }
-        }
-    }
-    #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        if ((u32)r >= rows) break;  // uniform
-        #pragma unroll
-        for (u32 s = 0; s < PER_THREAD; ++s) {
-            const float sum = warp_sum(sums[r][s]);
-            if (lane == 0) sh.warp_sums[warp + s * MOE_WARPS][r] = sum;
-        }
-    }
-    block_barrier();
-    if (thread_x() < rows) {
-        float total = 0.0f;
-        #pragma unroll
-        for (int w = 0; w < RMS_NORM_WARPS; ++w) total += sh.warp_sums[w][thread_x()];
-        sh.inverse[thread_x()] = rms_norm_inverse(total, H, a.norm_eps);
-    }
-    block_barrier();
-    // the plane's columns of every row, several in flight per thread
-    const u32 width = c1 > c0 ? c1 - c0 : 0u;
-    #pragma unroll 4
-    for (u32 e = thread_x(); e < rows * width; e += MOE_THREADS) {
-        const u32 r = e / width, c = c0 + (e - r * width);
-        const u64 at = (u64)(r0 + r) * H + c;
-        const float v = a.norm_residual[at] + bf16_to_f32(a.norm_delta[at]);
-        const u16 x = rms_norm_apply(v, sh.inverse[r], a.norm_weight[c]);
-        sh.x[r][c - c0] = x;
-        if (publish) {
-            a.x[at] = x;
-            a.norm_residual_out[at] = v;
-        }
-    }
-    block_barrier();
-}
-
 /// Router item: planes [plane_begin, plane_end) of the partial logits of router tile group
 /// `group` for the tokens of chunk `chunk`. The chunk's router items arrive on its counter,
 /// `arrivals` in all: the last routes its tokens; the last chunk routed aligns them all (both
 /// counters rearm themselves). `split`: the route launch of the split form, whose caller has not
 /// waited for the previous kernel (the weights load first) and which hands the routing on at the
-/// kernel boundary. `norm`: the split route launch's shared memory where it takes the
-/// post-attention norm (one plane per block, X normed after the wait), else null.
+/// kernel boundary.
 template <int ROWS, int STAGES>
 FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chunk, u32 plane_begin, u32 plane_end,
-                            u32 arrivals, bool split, MoeShared<ROWS>& sh, RouteNorm<ROWS>* norm) {
+                            u32 arrivals, bool split, MoeShared<ROWS>& sh) {
     const u32 lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
     const u32 part = warp % ROUTER_WARPS_PER_TILE;
     const u32 tile = group * ROUTER_TILES_PER_ITEM + warp / ROUTER_WARPS_PER_TILE;
     const bool active = tile < p.router_tiles;
     const u32 r0 = chunk * ROWS, rows = min_u32(ROWS, a.tokens - r0);
-    // with the norm, X is the plane's columns that norm_rows_into_plane leaves in shared memory
-    const u32 norm_c0 = plane_begin * p.router_plane_groups * GROUP_COLS;
-    const u32 norm_c1 = min_u32(a.hidden, norm_c0 + p.router_plane_groups * GROUP_COLS);
-    XRows<TileAcc<ROWS>::X_ROWS> x;
-    x.col0 = norm ? norm_c0 : 0u;
-    x.in_shared = norm != nullptr;
+    const u16* x_rows[TileAcc<ROWS>::X_ROWS];
     #pragma unroll
     for (int i = 0; i < TileAcc<ROWS>::X_ROWS; ++i) {
         const u32 row = TileAcc<ROWS>::x_row(i, lane);
-        x.row[i] = row >= rows ? nullptr : norm ? &norm->x[row][0] : a.x + (u64)(r0 + row) * a.hidden;
+        x_rows[i] = row < rows ? a.x + (u64)(r0 + row) * a.hidden : nullptr;
     }
     for (u32 plane = plane_begin; plane < plane_end; ++plane) {
         const u32 g0 = plane * p.router_plane_groups;
         const u32 g1 = min_u32(p.hidden_k_groups, g0 + p.router_plane_groups);
         TileAcc<ROWS> acc;
-        const auto take_norm = [&] {
-            if (norm) norm_rows_into_plane<ROWS>(a, r0, rows, norm_c0, norm_c1, group == 0u, *norm);
-        };
         tile_product<RouterWeights, ROWS, STAGES, true>(weights_at<RouterWeights>(a.router, nullptr), tile, p.hidden_k_groups,
-                                                  g0 + part, ROUTER_WARPS_PER_TILE, active ? g1 : 0u, a.hidden, x,
-                                                  rows, nullptr, 0u, split && plane == plane_begin, acc, take_norm);
+                                                  g0 + part, ROUTER_WARPS_PER_TILE, active ? g1 : 0u, a.hidden, x_rows,
+                                                  rows, nullptr, 0u, split && plane == plane_begin, acc);
         reduce_parts<ROWS>(acc, warp, part, ROUTER_WARPS_PER_TILE, sh);
         if (active && part == 0) {
             const u32 logit_rows = a.experts + a.has_shared_gate, stride = a.experts + 1;
@@ -958,25 +827,23 @@ FP4_DEVICE void expert_item(const MoeArgs& a, const Plan& p, const ExpertJob& jo
     const float alpha1 = job.gate_up ? a.gate_up_alpha[2 * job.expert + 1] : alpha0;
     for (u32 r0 = job.r_begin; r0 < job.r_end; r0 += ROWS) {
         const u32 rows = min_u32(ROWS, job.r_end - r0);
-        XRows<TileAcc<ROWS>::X_ROWS> x;
-        x.col0 = 0u;
-        x.in_shared = false;
+        const u16* x_rows[TileAcc<ROWS>::X_ROWS];
         #pragma unroll
         for (int i = 0; i < TileAcc<ROWS>::X_ROWS; ++i) {
             const u32 row = TileAcc<ROWS>::x_row(i, lane);
             if (row >= rows) {
-                x.row[i] = nullptr;
+                x_rows[i] = nullptr;
             } else if (job.gate_up) {
                 const u32 token =
                     job.gathered ? load_coherent_u32(a.sorted_token + job.position0 + r0 + row) : r0 + row;
-                x.row[i] = a.x + (u64)token * a.hidden;
+                x_rows[i] = a.x + (u64)token * a.hidden;
             } else {
-                x.row[i] = a.act + (u64)(job.position0 + r0 + row) * a.inter;
+                x_rows[i] = a.act + (u64)(job.position0 + r0 + row) * a.inter;
             }
         }
         TileAcc<ROWS> acc;
         tile_product<W, ROWS, STAGES>(weights, (u64)job.expert * n_tiles + tile, k_groups, part, warps_per_tile,
-                                      active ? k_groups : 0u, k, x, rows,
+                                      active ? k_groups : 0u, k, x_rows, rows,
                                       r0 == job.r_begin ? job.wait_counter : nullptr, job.wait_target,
                                       r0 == job.r_begin && job.wait_grid, acc);
         reduce_parts<ROWS>(acc, warp, part, warps_per_tile, sh);
@@ -1155,7 +1022,7 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
         if (thread_x() == 0) next = atomic_add_relaxed_gpu(a.control + CONTROL_NEXT_ITEM, 1u);
         if (item < p.end_router) {
             router_item<ROWS, ROUTER_STAGES>(a, p, item / p.chunks, item % p.chunks, 0u, ROUTER_PLANES,
-                                             p.router_groups, false, sh, nullptr);
+                                             p.router_groups, false, sh);
             continue;
         }
         ExpertJob job;
@@ -1190,33 +1057,26 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
 /// One block per (router item, plane): the planes' blocks each hold a quarter (for 4 planes) of
 /// the K groups, so every warp's chain of loads and MMAs is that much shorter (at T = 1 the
 /// router of 17 tiles is otherwise 17 blocks of long chains, the route launch's whole cost). The
-/// router weights load before the wait for the previous kernel (the norm that writes X, or with
-/// norm_residual set the mixer's output projection: then every block takes the norm of its
-/// chunk's rows itself, and one block per plane and chunk writes them out; the layer's norm is
-/// then no launch of its own, at decode a dependent launch and an L2 round trip less).
+/// router weights load before the wait for the previous kernel (the norm that writes X).
 template <int ROWS, int ROUTER_STAGES>
 FP4_DEVICE void moe_split_route(const MoeArgs& args) {
     MOE_LAUNCH_SETUP(args)
-    __shared__ RouteNorm<ROWS> norm;
     const u32 item = block_x() / ROUTER_PLANES, plane = block_x() % ROUTER_PLANES;
     router_item<ROWS, ROUTER_STAGES>(a, p, item / p.chunks, item % p.chunks, plane, plane + 1,
-                                     p.router_groups * ROUTER_PLANES, true, sh,
-                                     a.norm_residual != nullptr ? &norm : nullptr);
+                                     p.router_groups * ROUTER_PLANES, true, sh);
 }
 
 /// One block per gate_up item. The shared expert's items run whole before the wait for the route
 /// launch: they read X (written by the norm two launches back, final once this kernel starts, see
 /// chain_after_previous_grid) and write only their own act rows, which the route launch beside
 /// them never touches; so at decode the shared expert costs the step nothing after the routing.
-/// Where the route launch takes the norm (norm_residual set) it writes X, and they wait as well.
 /// The routed items wait first: which expert they multiply is the routing.
 template <class W, int ROWS, int STAGES>
 FP4_DEVICE void moe_split_gate_up(const MoeArgs& args) {
     MOE_LAUNCH_SETUP(args)
     const u32 item = p.end_router + block_x();
     const bool shared = item < p.end_shared_gate_up;
-    const bool x_from_route = a.norm_residual != nullptr;
-    if (!shared || x_from_route) chain_after_previous_grid();
+    if (!shared) chain_after_previous_grid();
     const u32 routed = shared ? 0u : item - p.end_shared_gate_up;
     // the item's rank entries are loaded together with n_active (written by the route launch),
     // not after it: the job is planned as if every expert were active (its rank is below E, so
@@ -1229,7 +1089,7 @@ FP4_DEVICE void moe_split_gate_up(const MoeArgs& args) {
         block_barrier();
         expert_item<W, ROWS, STAGES>(a, p, sh.job, sh);
     }
-    if (shared && !x_from_route) chain_after_previous_grid();  // every block waits before the down launch comes in
+    if (shared) chain_after_previous_grid();  // every block waits before it lets the down launch in
 }
 
 /// One block per down item. The routing is read before the wait for the previous kernel: the

@@ -2,15 +2,13 @@
 // for {{ target.name }}). CPU reference: src/kernels/norm/reference.rs. Launch:
 // src/kernels/norm/mod.rs.
 {% include "common/prelude.cuh" %}
-{% include "common/rms_norm.cuh" %}
 
-#define NORM_THREADS RMS_NORM_THREADS
-#define NORM_WARPS RMS_NORM_WARPS
+#define NORM_THREADS {{ target.norm.threads_per_block }}
+#define NORM_WARPS (NORM_THREADS / FP4_WARP_SIZE)
 
 // rms_norm_residual: for every row of `dim` values,
 //   residual += delta            (when delta is not null; fp32 residual stream, bf16 delta)
 //   out = bf16(residual * rsqrt(mean(residual^2) + eps) * (1 + weight))
-// or, with residual_out not null, the sum to residual_out (residual only read).
 // One block per row. The residual stays fp32 between layers so the stream of additions does not
 // lose bits to bf16 (the CPU runner keeps f32 too); what the GEMMs read is the bf16 `out`.
 // At decode a row is one block's latency chain, so a row of up to NORM_THREADS * NORM_ITEMS
@@ -22,13 +20,11 @@
 // earlier, out of the L2 by then at B = 1). Wider rows take the two-pass loop.
 #define NORM_ITEMS 8
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) rms_norm_residual(
-    float* residual, const u16* __restrict__ delta, const float* __restrict__ weight, float eps,
-    u16* __restrict__ out, u32 dim, u32 residual_settled, float* residual_out) {
+    float* __restrict__ residual, const u16* __restrict__ delta, const float* __restrict__ weight,
+    float eps, u16* __restrict__ out, u32 dim, u32 residual_settled) {
     __shared__ float warp_sums[NORM_WARPS];
     const u64 row = block_x();
-    const float* r = residual + row * dim;
-    // where the sum goes: back to the residual (with a delta), or to residual_out
-    float* const sum_to = residual_out ? residual_out + row * dim : delta ? residual + row * dim : nullptr;
+    float* r = residual + row * dim;
     const bool held = dim <= NORM_THREADS * NORM_ITEMS;
     float w[NORM_ITEMS], v[NORM_ITEMS];
     if (held) {
@@ -50,14 +46,16 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) rms_norm_residual(
                 if (!residual_settled) v[j] = r[i];
                 if (delta) v[j] += bf16_to_f32(delta[row * dim + i]);
             }
-            sum = rms_norm_accumulate(sum, v[j]);
+            sum += v[j] * v[j];
         }
     } else {
         for (u32 i = thread_x(); i < dim; i += NORM_THREADS) {
             float x = r[i];
-            if (delta) x += bf16_to_f32(delta[row * dim + i]);
-            if (sum_to) sum_to[i] = x;
-            sum = rms_norm_accumulate(sum, x);
+            if (delta) {
+                x += bf16_to_f32(delta[row * dim + i]);
+                r[i] = x;
+            }
+            sum += x * x;
         }
     }
     sum = warp_sum(sum);
@@ -66,20 +64,19 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(NORM_THREADS) rms_norm_residual(
     float total = 0.0f;
     #pragma unroll
     for (int k = 0; k < NORM_WARPS; ++k) total += warp_sums[k];
-    const float inv = rms_norm_inverse(total, dim, eps);
+    const float inv = 1.0f / sqrt_f32(total / (float)dim + eps);
     if (held) {
         #pragma unroll
         for (int j = 0; j < NORM_ITEMS; ++j) {
             const u32 i = j * NORM_THREADS + thread_x();
             if (i < dim) {
-                if (sum_to) sum_to[i] = v[j];
-                out[row * dim + i] = rms_norm_apply(v[j], inv, w[j]);
+                if (delta) r[i] = v[j];
+                out[row * dim + i] = f32_to_bf16(v[j] * inv * (1.0f + w[j]));
             }
         }
     } else {
         // the row re-read is this thread's own writes: no barrier needed for them
-        const float* summed = sum_to ? sum_to : r;
         for (u32 i = thread_x(); i < dim; i += NORM_THREADS)
-            out[row * dim + i] = rms_norm_apply(summed[i], inv, weight[i]);
+            out[row * dim + i] = f32_to_bf16(r[i] * inv * (1.0f + weight[i]));
     }
 }

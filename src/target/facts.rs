@@ -312,12 +312,6 @@ pub struct MoeTiles {
     /// `moe_stream_combine`); 0 never. Only on targets with mma.sync and cp.async, which render
     /// those kernels.
     pub stream_min_tokens: u32,
-    /// Blocks of at most this many tokens in the split and streaming forms take the layer's
-    /// post-attention norm in their route launch (`moe::moe_block_after_norm`); 0 never.
-    pub route_norm_max_tokens: u32,
-    /// The widest hidden size the route launch takes the norm of (a multiple of 64 times
-    /// `router_planes`: each block holds one plane's columns of 8 token rows in shared memory).
-    pub route_norm_max_hidden: u32,
 }
 
 impl TargetTable {
@@ -666,21 +660,6 @@ impl TargetFacts {
             return fail(format!(
                 "stream_min_tokens {}: the streaming launches need mma.sync and cp.async (0 turns them off)",
                 m.stream_min_tokens
-            ));
-        }
-        if m.route_norm_max_hidden == 0
-            || m.route_norm_max_hidden % (64 * m.router_planes) != 0
-            || m.route_norm_max_hidden > 16384
-        {
-            return fail(format!(
-                "route_norm_max_hidden {} must be a positive multiple of 64 x router_planes {}, at most 16384 (shared memory)",
-                m.route_norm_max_hidden, m.router_planes
-            ));
-        }
-        if self.norm.threads_per_block % threads != 0 {
-            return fail(format!(
-                "norm.threads_per_block {} must be a multiple of the moe block's {threads} threads (the route launch sums squares as the norm's threads do)",
-                self.norm.threads_per_block
             ));
         }
         if m.max_experts == 0

@@ -22,7 +22,6 @@ use fp4spec::kernels::moe::reference::{self, ExpertRef, MoeShape, Routing};
 use fp4spec::kernels::moe::{
     self, ExpertFormat, ExpertWeights, MoeHostWeights, MoeLaunch, MoeWeights, MoeWorkspace,
 };
-use fp4spec::kernels::norm::{self, ResidualWriter};
 use fp4spec::rng::SplitMix64;
 use half::bf16;
 use std::sync::OnceLock;
@@ -739,111 +738,6 @@ fn moe_is_deterministic() {
             assert_eq!(
                 differ, 0,
                 "{test} T={t}: two launches differ in {differ} elements"
-            );
-        }
-    }
-}
-
-/// The post-attention norm taken by the route launch (`moe_block_after_norm`, up to
-/// `moe.route_norm_max_tokens` tokens, with no norm launch of its own) gives the bits of the norm
-/// kernel followed by the block: X, the residual after the mixer and Y; past that bound it is
-/// the norm kernel and the block.
-#[test]
-fn moe_after_norm_equals_the_norm_then_the_block() {
-    let test = "moe_after_norm_equals_the_norm_then_the_block";
-    for backend in devices(test) {
-        let mut rng = rng(test);
-        let host = random_block(rng.next_u64(), QWEN, ExpertFormat::Nvfp4, true);
-        let weights = MoeWeights::new(backend, &host).expect("weights");
-        let mut workspace = MoeWorkspace::new(backend, &weights, 64).expect("workspace");
-        let h = QWEN.hidden;
-        let fused_up_to = backend.target().expect("device").moe.route_norm_max_tokens as usize;
-        let weight = backend
-            .upload(&rng.normal_vec(h, 0.1))
-            .expect("norm weight");
-        for t in [1, 3, 8, 9, 16] {
-            let residual = backend
-                .upload(&rng.normal_vec(t * h, 4.0))
-                .expect("residual");
-            let delta = backend
-                .upload(&uniform_bf16(&mut rng, t * h, 1.0))
-                .expect("delta");
-            let eps = 1e-6;
-            // the norm, then the block
-            let mut residual_b = backend.zeros(t * h).expect("residual b");
-            backend.copy(&residual, &mut residual_b).expect("copy");
-            let mut normed_b = poisoned(backend, t * h);
-            norm::rms_norm_residual(
-                backend,
-                &mut residual_b,
-                ResidualWriter::Earlier,
-                Some(&delta),
-                &weight,
-                eps,
-                &mut normed_b,
-                t,
-            )
-            .expect("norm");
-            let mut y_b = poisoned(backend, t * h);
-            moe::moe_block(
-                backend,
-                &weights,
-                &normed_b,
-                t,
-                None,
-                &mut workspace,
-                &mut y_b,
-            )
-            .expect("moe_block");
-            // the block after the norm
-            let mut residual_a = backend.upload(&vec![f32::NAN; t * h]).expect("residual a");
-            let mut normed_a = poisoned(backend, t * h);
-            let mut y_a = poisoned(backend, t * h);
-            backend.record_launches(true);
-            let norm = moe::PostAttentionNorm {
-                residual: &residual,
-                delta: &delta,
-                weight: &weight,
-                eps,
-                residual_out: &mut residual_a,
-                normed: &mut normed_a,
-            };
-            moe::moe_block_after_norm(backend, &weights, norm, t, &mut workspace, &mut y_a)
-                .expect("moe_block_after_norm");
-            let launches = backend.recorded_launches();
-            backend.record_launches(false);
-            let norm_launched = launches
-                .iter()
-                .any(|l| l.class.kernel == "rms_norm_residual");
-            assert_eq!(
-                norm_launched,
-                t > fused_up_to,
-                "{test} T={t}: launches {launches:?} (the route launch takes the norm up to {fused_up_to} tokens)"
-            );
-            let bits = |v: Vec<bf16>| v.into_iter().map(bf16::to_bits).collect::<Vec<_>>();
-            for (what, a, b) in [("X", &normed_a, &normed_b), ("Y", &y_a, &y_b)] {
-                let (a, b) = (
-                    bits(backend.download(a).expect("a")),
-                    bits(backend.download(b).expect("b")),
-                );
-                let differ = a.iter().zip(&b).filter(|(a, b)| a != b).count();
-                assert_eq!(
-                    differ, 0,
-                    "{test} T={t}: {what} differs in {differ} elements"
-                );
-            }
-            let (a, b) = (
-                backend.download(&residual_a).expect("residual a"),
-                backend.download(&residual_b).expect("residual b"),
-            );
-            let differ = a
-                .iter()
-                .zip(&b)
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
-            assert_eq!(
-                differ, 0,
-                "{test} T={t}: the residual differs in {differ} elements"
             );
         }
     }

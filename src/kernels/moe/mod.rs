@@ -32,14 +32,6 @@
 //!   re-reads its tiles from L2). Work items are claimed in order
 //!   from a counter, so the kernel cannot deadlock whatever number of its blocks is resident; a
 //!   wait longer than 4 s traps (a launch error naming the wait on stdout) instead of hanging.
-//! - [`moe_block_after_norm`]: a decoder layer's post-attention norm and the block. Up to
-//!   `moe.route_norm_max_tokens` tokens in the split and streaming forms the route launch takes
-//!   the norm: every route block normalises its chunk's rows itself (it reads them whole for the
-//!   sums of squares, in the order of the norm kernel, so the bits are the same) and one block
-//!   per plane and chunk writes X and the residual after the mixer, so the norm costs no launch
-//!   of its own (at decode a dependent launch and an L2 round trip); the gate_up launch's shared
-//!   items then wait for the route launch too (it writes their X). Elsewhere the norm kernel runs
-//!   first.
 //! - The weights are laid out for the target's [`TensorCore`] (chosen by its instructions):
 //!   mma.sync fragments on the NVIDIA targets, WMMA fragments on gfx1151, whose kernels are
 //!   compiled and run emulated on the CPU (tests/moe_emulated.rs) but not yet on a gfx1151.
@@ -56,7 +48,6 @@ pub use weights::{
 };
 
 use super::gemm::TensorCore;
-use super::norm::{ResidualWriter, rms_norm_residual_to};
 use super::table;
 use super::{check_len, check_u32};
 use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
@@ -517,7 +508,18 @@ pub fn moe_block_with(
     if let Some(r) = residual {
         check_len("MoE residual", r, t * h, &format!("[{t}, {h}]"))?;
     }
-    check_workspace(weights, workspace)?;
+    if workspace.shape != weights.shape
+        || workspace.shared_experts != weights.shared_experts
+        || workspace.shared_gate != weights.shared_gate
+    {
+        return Err(Error::invalid(
+            "MoE workspace",
+            format!(
+                "made for {:?}, the weights are {:?}",
+                workspace.shape, weights.shape
+            ),
+        ));
+    }
     if t == 0 {
         return Ok(());
     }
@@ -567,146 +569,10 @@ pub fn moe_block_with(
             }));
             Ok(())
         }
-        Backend::Cuda(_) | Backend::Hip(_) => moe_block_device(
-            backend,
-            weights,
-            BlockInput::Given(x),
-            t,
-            residual,
-            workspace,
-            y,
-            launch,
-        ),
+        Backend::Cuda(_) | Backend::Hip(_) => {
+            moe_block_device(backend, weights, x, t, residual, workspace, y, launch)
+        }
     }
-}
-
-/// That `workspace` was made for `weights`' shape.
-fn check_workspace(weights: &MoeWeights, workspace: &MoeWorkspace) -> Result<()> {
-    if workspace.shape != weights.shape
-        || workspace.shared_experts != weights.shared_experts
-        || workspace.shared_gate != weights.shared_gate
-    {
-        return Err(Error::invalid(
-            "MoE workspace",
-            format!(
-                "made for {:?}, the weights are {:?}",
-                workspace.shape, weights.shape
-            ),
-        ));
-    }
-    Ok(())
-}
-
-/// A decoder layer's post-attention norm ahead of its MoE block ([`moe_block_after_norm`]), as
-/// [`rms_norm_residual_to`] computes it: `residual_out = residual + delta` (f32, the residual
-/// stream after the mixer) and `normed = bf16(rmsnorm(residual_out) * (1 + weight))`, the
-/// block's X.
-pub struct PostAttentionNorm<'a> {
-    /// f32 `[t, H]`: the residual stream before the mixer's output. Not written by the kernel
-    /// launched just before: the norm kernel loads it before waiting for that kernel
-    /// ([`ResidualWriter::Earlier`]; a copy or a fill is waited for in full).
-    pub residual: &'a DeviceVec<f32>,
-    /// bf16 `[t, H]`: the mixer's output.
-    pub delta: &'a DeviceVec<bf16>,
-    /// f32 `[H]`: the norm's (zero-centred) weight.
-    pub weight: &'a DeviceVec<f32>,
-    /// The norm's epsilon.
-    pub eps: f32,
-    /// f32 `[t, H]`, written: `residual + delta` (a buffer of its own: the route launch's blocks
-    /// all read `residual` while some write this).
-    pub residual_out: &'a mut DeviceVec<f32>,
-    /// bf16 `[t, H]`, written: the normed rows, the block's X.
-    pub normed: &'a mut DeviceVec<bf16>,
-}
-
-/// The post-attention norm, then the MoE block on what it normed: `y = moe(norm.normed)`. Where
-/// the target allows (a device, at most `moe.route_norm_max_tokens` tokens in the split or
-/// streaming form, hidden size at most `moe.route_norm_max_hidden`) the route launch takes the
-/// norm, which is then no launch of its own; elsewhere the norm kernel runs first
-/// ([`rms_norm_residual_to`]). Both give the same bits.
-///
-/// # Errors
-/// As [`moe_block`], and [`Error::Invalid`] when a norm buffer's length disagrees with `t` and
-/// the hidden size.
-pub fn moe_block_after_norm(
-    backend: &Backend,
-    weights: &MoeWeights,
-    norm: PostAttentionNorm<'_>,
-    t: usize,
-    workspace: &mut MoeWorkspace,
-    y: &mut DeviceVec<bf16>,
-) -> Result<()> {
-    let h = weights.shape.hidden;
-    let shape = format!("[{t}, {h}]");
-    check_len("post-attention norm residual", norm.residual, t * h, &shape)?;
-    check_len("post-attention norm delta", norm.delta, t * h, &shape)?;
-    check_len(
-        "post-attention norm weight",
-        norm.weight,
-        h,
-        &format!("[{h}]"),
-    )?;
-    check_len(
-        "post-attention norm residual out",
-        norm.residual_out,
-        t * h,
-        &shape,
-    )?;
-    check_len("post-attention norm output", norm.normed, t * h, &shape)?;
-    check_len("MoE output Y", y, t * h, &shape)?;
-    check_workspace(weights, workspace)?;
-    if t == 0 {
-        return Ok(());
-    }
-    if !route_takes_norm(backend, h, t, workspace.capacity) {
-        rms_norm_residual_to(
-            backend,
-            norm.residual,
-            ResidualWriter::Earlier,
-            Some(norm.delta),
-            norm.weight,
-            norm.eps,
-            norm.residual_out,
-            norm.normed,
-            t,
-        )?;
-        return moe_block(backend, weights, norm.normed, t, None, workspace, y);
-    }
-    moe_block_device(
-        backend,
-        weights,
-        BlockInput::Norm(norm),
-        t,
-        None,
-        workspace,
-        y,
-        MoeLaunch::Auto,
-    )
-}
-
-/// Whether the route launch of a block of `t` tokens takes the post-attention norm on
-/// `backend`: a device target whose `moe.route_norm_max_tokens` and `moe.route_norm_max_hidden`
-/// allow it, in one launch of the split or streaming form.
-fn route_takes_norm(backend: &Backend, hidden: usize, t: usize, capacity: usize) -> bool {
-    let Some(target) = backend.target() else {
-        return false;
-    };
-    let m = &target.moe;
-    t <= capacity
-        && t <= m.route_norm_max_tokens as usize
-        && hidden <= m.route_norm_max_hidden as usize
-        && matches!(
-            MoeLaunch::Auto.resolve(target, t),
-            MoeLaunch::Split | MoeLaunch::Stream
-        )
-}
-
-/// Where a device launch takes X from.
-enum BlockInput<'a> {
-    /// Given: bf16 `[t, H]`.
-    Given(&'a DeviceVec<bf16>),
-    /// The route launch takes the post-attention norm and writes X (`norm.normed`).
-    Norm(PostAttentionNorm<'a>),
 }
 
 /// The CPU path: the reference on the weights as stored (NVFP4 dequantised), with only the
@@ -897,8 +763,7 @@ fn moe_kernel(target: &TargetFacts, prefix: &str, rows: u32) -> Result<&'static 
 /// gate_up_alpha, down_alpha), the workspace (control, topk_ids, slot_pos, sorted_token,
 /// active_expert, active_offset, active_count, n_active, logits, route_weight, shared_scale,
 /// partial, act), then tokens, `sizes` (experts, top_k, hidden, inter, shared_experts,
-/// has_shared_gate), the warps per gate_up and per down tile and the post-attention norm's
-/// `[residual, delta, weight, residual_out, eps]` (null pointers where X is given).
+/// has_shared_gate) and the warps per gate_up and per down tile.
 fn moe_arguments<'a>(
     [x, residual, y]: [KernelArg<'a>; 3],
     weights: &'a DeviceMoe,
@@ -906,14 +771,7 @@ fn moe_arguments<'a>(
     tokens: u32,
     sizes: [u32; 6],
     warps: TileWarps,
-    [
-        norm_residual,
-        norm_delta,
-        norm_weight,
-        norm_residual_out,
-        norm_eps,
-    ]: [KernelArg<'a>; 5],
-) -> [KernelArg<'a>; 37] {
+) -> [KernelArg<'a>; 32] {
     [
         x,
         residual,
@@ -947,23 +805,6 @@ fn moe_arguments<'a>(
         KernelArg::u32(sizes[5]),
         KernelArg::u32(warps.gate_up),
         KernelArg::u32(warps.down),
-        norm_residual,
-        norm_delta,
-        norm_weight,
-        norm_residual_out,
-        norm_eps,
-    ]
-}
-
-/// [`moe_arguments`]' norm arguments where X is given: null pointers (the kernels test
-/// `norm_residual`).
-fn no_norm<'a>() -> [KernelArg<'a>; 5] {
-    [
-        KernelArg::optional_input::<f32>(None),
-        KernelArg::optional_input::<bf16>(None),
-        KernelArg::optional_input::<f32>(None),
-        KernelArg::optional_output::<f32>(None),
-        KernelArg::f32(0.0),
     ]
 }
 
@@ -973,7 +814,7 @@ fn no_norm<'a>() -> [KernelArg<'a>; 5] {
 fn moe_block_device(
     backend: &Backend,
     weights: &MoeWeights,
-    mut input: BlockInput<'_>,
+    x: &DeviceVec<bf16>,
     t: usize,
     residual: Option<&DeviceVec<bf16>>,
     workspace: &mut MoeWorkspace,
@@ -1022,12 +863,6 @@ fn moe_block_device(
             .unwrap_or(8);
         let [persistent, route, gate_up, down] = kernel_prefixes(weights.format);
         let launch = launch.resolve(target, tokens);
-        if matches!(input, BlockInput::Norm(_)) && launch == MoeLaunch::Persistent {
-            return Err(Error::invalid(
-                "MoE launch",
-                "the persistent launch does not take the post-attention norm",
-            ));
-        }
         let split_grids = || {
             SplitGrids::new(
                 target,
@@ -1078,35 +913,23 @@ fn moe_block_device(
             Some(r) => KernelArg::input_range(r, chunk.clone())?,
             None => KernelArg::optional_input::<bf16>(None),
         };
-        let (x, norm_args) = match &mut input {
-            BlockInput::Given(x) => (KernelArg::input_range(x, chunk.clone())?, no_norm()),
-            BlockInput::Norm(norm) => (
-                KernelArg::output_range(norm.normed, chunk.clone())?,
-                [
-                    KernelArg::input_range(norm.residual, chunk.clone())?,
-                    KernelArg::input_range(norm.delta, chunk.clone())?,
-                    KernelArg::input(norm.weight),
-                    KernelArg::output_range(norm.residual_out, chunk.clone())?,
-                    KernelArg::f32(norm.eps),
-                ],
-            ),
-        };
-        let io = [x, residual_rows, KernelArg::output_range(y, chunk)?];
+        let io = [
+            KernelArg::input_range(x, chunk.clone())?,
+            residual_rows,
+            KernelArg::output_range(y, chunk)?,
+        ];
         // tokens <= capacity, checked against 16-bit slot counts
         let warps = tile_warps(target, tokens);
-        let args = moe_arguments(io, device, w, tokens as u32, sizes, warps, norm_args);
+        let args = moe_arguments(io, device, w, tokens as u32, sizes, warps);
         for &(kernel, blocks) in launches {
             let dims = LaunchDims::linear(blocks, threads);
             // SAFETY: every moe kernel takes MOE_PARAMETERS in order (moe_arguments); X, Y and
-            // the residual hold t * H bf16, the norm's buffers t * H f32 / bf16 and its weight H
-            // (checked by the callers), and the chunk lies within them; the norm's arguments are
-            // set only where route_takes_norm held (split or streaming form, the route kernel's
-            // shared memory holds the hidden size); the weights were laid out for this shape and
-            // the target's tensor core, and the workspace sized for `capacity` tokens of it (shape
-            // checked by the caller); its counters are zero between launches (arrival counters
-            // rearm themselves, the persistent launch's last block resets the rest); the split
-            // launches' grids are the item counts of SplitGrids, which the kernels derive the
-            // same way.
+            // the residual hold t * H bf16 (checked by the caller) and the chunk lies within
+            // them; the weights were laid out for this shape and the target's tensor core, and
+            // the workspace sized for `capacity` tokens of it (shape checked by the caller); its
+            // counters are zero between launches (arrival counters rearm themselves, the
+            // persistent launch's last block resets the rest); the split launches' grids are the
+            // item counts of SplitGrids, which the kernels derive the same way.
             unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
         }
         w.last_tokens = tokens;
@@ -1123,7 +946,7 @@ mod tests {
     /// The launch's argument list (built by [`moe_arguments`]) meets every target's compiled
     /// kernels: count, kinds and scalar widths (PTX types on the NVIDIA targets, the code
     /// object's metadata through the HIP launch check on gfx1151), with and without NVFP4
-    /// scales, a residual and the post-attention norm.
+    /// scales and a residual.
     #[test]
     fn the_argument_list_meets_the_compiled_kernels_parameters() {
         let u32s = || DeviceVec::Host(vec![0u32; 4]);
@@ -1156,7 +979,6 @@ mod tests {
         };
         let x = DeviceVec::Host(vec![bf16::ZERO; 4]);
         let mut y = DeviceVec::Host(vec![bf16::ZERO; 4]);
-        let (norm_f32s, mut norm_out) = (f32s(), f32s());
         let mut checks = launch_check::ArgumentChecks::new(FAMILY);
         for t in target::all() {
             for &rows in &t.moe.token_rows {
@@ -1172,15 +994,7 @@ mod tests {
                         ];
                         let sizes = [8, 2, 64, 32, 0, 1];
                         let warps = tile_warps(t, 1);
-                        let norm = [
-                            KernelArg::input(&norm_f32s),
-                            KernelArg::input(&x),
-                            KernelArg::input(&norm_f32s),
-                            KernelArg::output(&mut norm_out),
-                            KernelArg::f32(1e-6),
-                        ];
-                        let args =
-                            moe_arguments(io, &weights, &mut workspace, 1, sizes, warps, norm);
+                        let args = moe_arguments(io, &weights, &mut workspace, 1, sizes, warps);
                         checks.check(&t.name, kernel, &args);
                     }
                 }
@@ -1195,9 +1009,8 @@ mod tests {
                             KernelArg::output(&mut y),
                         ];
                         let sizes = [8, 2, 64, 32, 1, 1];
-                        let warps = tile_warps(t, 9);
                         let args =
-                            moe_arguments(io, &weights, &mut workspace, 9, sizes, warps, no_norm());
+                            moe_arguments(io, &weights, &mut workspace, 9, sizes, tile_warps(t, 9));
                         checks.check(&t.name, kernel, &args);
                     }
                 }

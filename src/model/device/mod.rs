@@ -5,10 +5,8 @@
 //! step reads back to the host. The CPU backend runs the same sequence of calls on the families'
 //! references (no graph), which is how CI checks the wiring against [`Model::forward`].
 //!
-//! Per layer and step (B rows): `norm` (residual += previous delta, input norm) -> mixer ->
-//! the post-attention norm (residual + mixer output into the spare residual buffer, which becomes
-//! the stream) and `moe` together ([`moe_block_after_norm`]: at decode sizes the MoE route launch
-//! takes the norm, elsewhere the norm kernel runs first), whose output is the next delta. The
+//! Per layer and step (B rows): `norm` (residual += previous delta, input norm) -> mixer -> `norm`
+//! (residual += mixer output, post-attention norm) -> `moe` (its output is the next delta). The
 //! Gated DeltaNet mixer runs ONE projection GEMM (the rows `[qkv; z; b; a]` of one weight) and
 //! [`gdn::step`] reads its pieces in place; attention runs q (with gate), k and v, then
 //! [`attention::prepare`] and [`attention::attend`]. The residual stream stays f32; what the
@@ -45,7 +43,7 @@ use crate::kernels::moe::reference::MoeShape;
 use crate::kernels::moe::weights::{synthetic_nvfp4, uniform_bf16};
 use crate::kernels::moe::{
     ExpertFormat, ExpertWeights, FusedBlock, MAX_SLOTS_PER_LAUNCH, MoeHostWeights, MoeWeights,
-    MoeWorkspace, PostAttentionNorm, moe_block_after_norm,
+    MoeWorkspace, moe_block,
 };
 use crate::kernels::norm::{ResidualWriter, rms_norm_residual};
 use crate::kernels::tokens::{self, ArgmaxWorkspace, TokenColumn};
@@ -619,14 +617,8 @@ impl DeviceModel {
 struct Activations {
     rows: usize,
     residual: DeviceVec<f32>,
-    /// Where a layer's MoE block leaves the residual after the mixer (then swapped with
-    /// `residual`).
-    residual_spare: DeviceVec<f32>,
     normed: DeviceVec<bf16>,
     delta: DeviceVec<bf16>,
-    /// The MoE block's output (then swapped with `delta`: the block reads the mixer's output
-    /// while it writes its own).
-    moe_out: DeviceVec<bf16>,
     gdn_projections: DeviceVec<bf16>,
     gdn_out: DeviceVec<bf16>,
     q_gate: DeviceVec<bf16>,
@@ -655,10 +647,8 @@ impl Activations {
         Ok(Self {
             rows,
             residual: backend.zeros(rows * h)?,
-            residual_spare: backend.zeros(rows * h)?,
             normed: backend.zeros(rows * h)?,
             delta: backend.zeros(rows * h)?,
-            moe_out: backend.zeros(rows * h)?,
             gdn_projections: backend
                 .zeros(rows * gdn_projection_rows(config).next_multiple_of(8))?,
             gdn_out: backend.zeros(rows * gdn.value_heads * gdn.dv)?,
@@ -982,27 +972,25 @@ fn run_layer(
             ));
         }
     }
-    // the residual after the mixer goes to the spare buffer (the route launch that takes the
-    // norm reads the old one in every block), which is the residual stream from here on
-    let norm = PostAttentionNorm {
-        residual: &act.residual,
-        delta: &act.delta,
-        weight: &layer.post_attention_norm,
+    rms_norm_residual(
+        backend,
+        &mut act.residual,
+        ResidualWriter::Earlier,
+        Some(&act.delta),
+        &layer.post_attention_norm,
         eps,
-        residual_out: &mut act.residual_spare,
-        normed: &mut act.normed,
-    };
-    moe_block_after_norm(
+        &mut act.normed,
+        b,
+    )?;
+    moe_block(
         backend,
         &layer.moe,
-        norm,
+        &act.normed,
         b,
+        None,
         moe_workspace,
-        &mut act.moe_out,
-    )?;
-    std::mem::swap(&mut act.residual, &mut act.residual_spare);
-    std::mem::swap(&mut act.delta, &mut act.moe_out);
-    Ok(())
+        &mut act.delta,
+    )
 }
 
 /// For benchmarks: one first token per sequence, spread over the vocabulary (a prime stride), so
