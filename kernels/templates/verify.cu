@@ -126,13 +126,6 @@ FP4_DEVICE u32 ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
 FP4_DEVICE u32 popcount(u32 v) { return (u32)__popc(v); }
 FP4_DEVICE u32 lowest_bit(u32 v) { return (u32)(__ffs((int)v) - 1); }
 FP4_DEVICE u32 highest_bit64(u64 v) { return 63u - (u32)__clzll((long long)v); }
-/// bins[bin] += 1 for every lane where `counted` (every lane of the warp calls it): the lanes of
-/// one bin add together, one shared atomic per distinct bin of the warp, where one per lane
-/// queued on one word whenever the lanes' codes share their top digits (a row's candidates do).
-FP4_DEVICE void count_in_bin(u32* bins, bool counted, u32 bin) {
-    const u32 same = __match_any_sync(0xffffffffu, counted ? bin : 0xffffffffu);
-    if (counted && thread_x() % FP4_WARP_SIZE == lowest_bit(same)) atomic_add_u32(bins + bin, popcount(same));
-}
 // data other blocks of this launch wrote: past L1
 FP4_DEVICE u64 load_shared_u64(const u64* p) { return __ldcg(reinterpret_cast<const unsigned long long*>(p)); }
 FP4_DEVICE u32 load_shared_u32(const u32* p) { return __ldcg(reinterpret_cast<const unsigned int*>(p)); }
@@ -186,11 +179,6 @@ FP4_DEVICE u32 ballot(bool p) { return (u32)__builtin_amdgcn_ballot_w32(p); }
 FP4_DEVICE u32 popcount(u32 v) { return (u32)__builtin_popcount(v); }
 FP4_DEVICE u32 lowest_bit(u32 v) { return (u32)__builtin_ctz(v); }
 FP4_DEVICE u32 highest_bit64(u64 v) { return 63u - (u32)__builtin_clzll(v); }
-/// bins[bin] += 1 for every lane where `counted`: one atomic per lane (RDNA has no match
-/// instruction to add a bin's lanes together first).
-FP4_DEVICE void count_in_bin(u32* bins, bool counted, u32 bin) {
-    if (counted) atomic_add_u32(bins + bin, 1);
-}
 FP4_DEVICE u64 load_shared_u64(const u64* p) {
     return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
@@ -2055,10 +2043,9 @@ FP4_DEVICE u64 kth_code(TopkShared& sh, const u64* codes, u32 n, u32 k) {
         for (u32 i = thread_x(); i < 256; i += VT) sh.hist[i] = 0;
         block_sync();
         const u64 high = shift == 56 ? 0ull : ~0ull << (shift + 8);
-        for (u32 base = 0; base < n; base += VT) {  // the same trips for every lane (count_in_bin)
-            const u32 i = base + thread_x();
-            const u64 c = i < n ? codes[i] : 0ull;
-            count_in_bin(sh.hist, i < n && ((c ^ prefix) & high) == 0, (u32)(c >> shift) & 255u);
+        for (u32 i = thread_x(); i < n; i += VT) {
+            const u64 c = codes[i];
+            if (((c ^ prefix) & high) == 0) atomic_add_u32(&sh.hist[(u32)(c >> shift) & 255u], 1);
         }
         block_sync();
         if (warp_index() == 0) {

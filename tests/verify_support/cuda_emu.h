@@ -257,17 +257,6 @@ inline unsigned __ballot_sync(unsigned, bool p) {
         if (b.exchange[w * 32 + l]) mask |= 1u << l;
     return mask;
 }
-inline unsigned __match_any_sync(unsigned, unsigned v) {
-    emu::Block& b = emu::block();
-    const unsigned w = emu::warp();
-    emu::sync_warp();
-    b.exchange[w * 32 + emu::lane()] = v;
-    emu::sync_warp();
-    unsigned mask = 0;
-    for (unsigned l = 0; l < 32; ++l)
-        if (b.exchange[w * 32 + l] == v) mask |= 1u << l;
-    return mask;
-}
 inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
     const unsigned long long old = *p;
