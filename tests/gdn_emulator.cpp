@@ -92,9 +92,31 @@ FP4_DEVICE u16 f32_to_bf16(float value) {
 }
 struct alignas(8) u32x2 { u32 x, y; };
 struct alignas(16) u32x4 { u32 x, y, z, w; };
-FP4_DEVICE u32x2 load_u32x2(const void* p) { u32x2 v; std::memcpy(&v, p, 8); return v; }
-FP4_DEVICE u32x4 load_u32x4(const void* p) { u32x4 v; std::memcpy(&v, p, 16); return v; }
-FP4_DEVICE void store_u32x4(void* p, u32x4 v) { std::memcpy(p, &v, 16); }
+// The GPU faults on a vector access or a cp.async copy whose address is not aligned to its size
+// (the streaming down launch's ring once sat at a 4-byte aligned shared address): so does the
+// emulation.
+inline void require_aligned(const void* p, unsigned bytes, const char* what) {
+    if (reinterpret_cast<std::uintptr_t>(p) % bytes != 0) {
+        std::fprintf(stderr, "%s of %u bytes at misaligned address %p\n", what, bytes, p);
+        std::abort();
+    }
+}
+FP4_DEVICE u32x2 load_u32x2(const void* p) {
+    require_aligned(p, 8, "vector load");
+    u32x2 v;
+    std::memcpy(&v, p, 8);
+    return v;
+}
+FP4_DEVICE u32x4 load_u32x4(const void* p) {
+    require_aligned(p, 16, "vector load");
+    u32x4 v;
+    std::memcpy(&v, p, 16);
+    return v;
+}
+FP4_DEVICE void store_u32x4(void* p, u32x4 v) {
+    require_aligned(p, 16, "vector store");
+    std::memcpy(p, &v, 16);
+}
 // the host's threads see each other's writes (atomic loads for the counters' data races)
 FP4_DEVICE u16 load_coherent_u16(const u16* p) { return *p; }
 FP4_DEVICE u32 load_coherent_u32(const u32* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
@@ -174,10 +196,14 @@ FP4_DEVICE void mma_bf16_m16n8k16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 
 FP4_DEVICE u32 shared_address(const void*) { return 0; }
 
 //@@ cp_async
-FP4_DEVICE void cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+FP4_DEVICE void cp_async16(void* dst, const void* src) {
+    require_aligned(dst, 16, "cp.async destination");
+    require_aligned(src, 16, "cp.async source");
+    std::memcpy(dst, src, 16);
+}
 // shared addresses are offsets into the block's dynamic shared memory
 FP4_DEVICE u32 cp_async_shared_address(const void* p) { return (u32)(static_cast<const unsigned char*>(p) - emu::dynamic_smem); }
-FP4_DEVICE void cp_async16_shared(u32 dst, const void* src) { std::memcpy(emu::dynamic_smem + dst, src, 16); }
+FP4_DEVICE void cp_async16_shared(u32 dst, const void* src) { cp_async16(emu::dynamic_smem + dst, src); }
 FP4_DEVICE void cp_async_commit() {}
 template <int N>
 FP4_DEVICE void cp_async_wait() {}

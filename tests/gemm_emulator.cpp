@@ -30,26 +30,21 @@ FP4_DEVICE u32 __shfl_sync(u32, u32 v, int lane) {
 }
 
 //@@ cp_async
-// The GPU faults on a copy whose source or destination is not aligned to its size (the streaming
-// down launch's ring once sat at a 4-byte aligned shared address): so does the emulation.
-FP4_DEVICE void cp_async_check_aligned(const void* dst, const void* src, unsigned bytes) {
-    if (reinterpret_cast<std::uintptr_t>(dst) % bytes != 0 || reinterpret_cast<std::uintptr_t>(src) % bytes != 0) {
-        std::fprintf(stderr, "cp.async of %u bytes at misaligned addresses: dst %p, src %p\n", bytes, dst, src);
-        std::abort();
-    }
-}
 FP4_DEVICE void cp_async16_zfill(void* dst, const void* src, u32 src_bytes) {
-    cp_async_check_aligned(dst, src, 16);
+    require_aligned(dst, 16, "cp.async destination");
+    require_aligned(src, 16, "cp.async source");
     if (src_bytes == 16) std::memcpy(dst, src, 16);
     else std::memset(dst, 0, 16);
 }
 FP4_DEVICE void cp_async8_zfill(void* dst, const void* src, u32 src_bytes) {
-    cp_async_check_aligned(dst, src, 8);
+    require_aligned(dst, 8, "cp.async destination");
+    require_aligned(src, 8, "cp.async source");
     if (src_bytes == 8) std::memcpy(dst, src, 8);
     else std::memset(dst, 0, 8);
 }
 FP4_DEVICE void cp_async16(void* dst, const void* src) {
-    cp_async_check_aligned(dst, src, 16);
+    require_aligned(dst, 16, "cp.async destination");
+    require_aligned(src, 16, "cp.async source");
     std::memcpy(dst, src, 16);
 }
 FP4_DEVICE void cp_async_commit() {}
