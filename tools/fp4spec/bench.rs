@@ -142,6 +142,12 @@ struct KernelCost {
     ms_per_step_without: f64,
     /// The full step's ms minus that: what the launches add to the step's critical path.
     cost_ms: f64,
+    /// Distinct experts the last layer chose in the last step without them: where it differs
+    /// from the full step's, leaving them out changed the routing, and `cost_ms` includes the
+    /// expert bytes that saved or added (not what the launches cost).
+    distinct_experts: usize,
+    /// The full step's.
+    full_experts: usize,
 }
 
 /// The dependent launch time measured in the run ([`chain::dependent_launch_seconds`]), us: by
@@ -296,10 +302,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
                     tokens_per_second: batch as f64 / (timed.step_ms / 1e3),
                     bytes_per_step: bytes,
                     fraction_of_copy: fraction,
-                    distinct_experts: match &stepper {
-                        Stepper::Plain(d) => d.last_layer_distinct_experts()?,
-                        Stepper::Speculative(_) => 0,
-                    },
+                    distinct_experts: stepper.distinct_experts()?,
                     expected_experts: roofline::expected_distinct_experts(
                         config.num_experts,
                         config.num_experts_per_tok,
@@ -312,11 +315,12 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
                         .map(|d| timed.launches as f64 * d.full_grid / 1e3 / timed.step_ms),
                 });
                 if args.kernel_costs && drafts == 0 {
+                    let full_experts = stepper.distinct_experts()?;
                     kernel_costs.extend(costs_of_launches(
                         &backend,
                         &model,
                         (batch, context, capacity),
-                        timed.step_ms,
+                        (timed.step_ms, full_experts),
                         &args,
                     )?);
                 }
@@ -387,19 +391,33 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
              figures include the expert bytes a changed routing saves):"
         );
         println!(
-            "{:>3} {:>7} {:<36} {:>8} {:>12} {:>9} {:>12}",
-            "B", "context", "kernel@blocks", "launches", "ms without", "cost ms", "us / launch"
+            "{:>3} {:>7} {:<36} {:>8} {:>12} {:>9} {:>12} {:>8}",
+            "B",
+            "context",
+            "kernel@blocks",
+            "launches",
+            "ms without",
+            "cost ms",
+            "us / launch",
+            "experts"
         );
         for k in &kernel_costs {
+            // a changed routing reads other experts: that row's difference is not a cost
+            let routing = if k.distinct_experts == k.full_experts {
+                String::new()
+            } else {
+                format!("  routing changed (full step: {})", k.full_experts)
+            };
             println!(
-                "{:>3} {:>7} {:<36} {:>8} {:>12.3} {:>9.3} {:>12.2}",
+                "{:>3} {:>7} {:<36} {:>8} {:>12.3} {:>9.3} {:>12.2} {:>8}{routing}",
                 k.batch,
                 k.context,
                 k.launch,
                 k.launches,
                 k.ms_per_step_without,
                 k.cost_ms,
-                1e3 * k.cost_ms / k.launches.max(1) as f64
+                1e3 * k.cost_ms / k.launches.max(1) as f64,
+                k.distinct_experts
             );
         }
     }
@@ -583,6 +601,15 @@ impl Stepper<'_> {
         Ok(())
     }
 
+    /// Distinct experts the last layer chose in the last step (plain decoders; 0 for
+    /// speculative ones, whose rows are not one token per sequence).
+    fn distinct_experts(&self) -> Result<usize, Failure> {
+        Ok(match self {
+            Self::Plain(d) => d.last_layer_distinct_experts()?,
+            Self::Speculative(_) => 0,
+        })
+    }
+
     fn step(&mut self, eager: bool) -> Result<(), Failure> {
         match (self, eager) {
             (Self::Plain(d), false) => d.step()?,
@@ -595,14 +622,14 @@ impl Stepper<'_> {
 }
 
 /// `--kernel-costs` for one plain case (`batch` sequences at `context`, caches of `capacity`
-/// positions, `full_ms` per step with every launch): the kinds of launch a step makes (noted
-/// while a decoder captures its step), then per kind a decoder captured without it, timed as the
-/// case was.
+/// positions, `full_ms` per step with every launch and `full_experts` distinct experts in its
+/// last layer): the kinds of launch a step makes (noted while a decoder captures its step), then
+/// per kind a decoder captured without it, timed as the case was.
 fn costs_of_launches(
     backend: &Backend,
     model: &DeviceModel,
     (batch, context, capacity): (usize, usize, usize),
-    full_ms: f64,
+    (full_ms, full_experts): (f64, usize),
     args: &DecodeArgs,
 ) -> Result<Vec<KernelCost>, Failure> {
     // one step launched call by call, recorded: its kinds of launch and how many of each
@@ -621,15 +648,12 @@ fn costs_of_launches(
             .map_err(Failure::from)
             .and_then(|mut decoder| {
                 decoder.start_distinct()?;
-                time_steps(
-                    backend,
-                    &mut Stepper::Plain(Box::new(decoder)),
-                    context,
-                    args,
-                )
+                let mut stepper = Stepper::Plain(Box::new(decoder));
+                let timed = time_steps(backend, &mut stepper, context, args)?;
+                Ok((timed, stepper.distinct_experts()?))
             });
         backend.leave_out(None);
-        let timed = timed?;
+        let (timed, distinct_experts) = timed?;
         costs.push(KernelCost {
             batch,
             context,
@@ -637,6 +661,8 @@ fn costs_of_launches(
             launches: tally.launches,
             ms_per_step_without: timed.step_ms,
             cost_ms: full_ms - timed.step_ms,
+            distinct_experts,
+            full_experts,
         });
     }
     Ok(costs)
