@@ -5,7 +5,7 @@
 # near-identical files, and single-threaded xz keeps each later one to a few hundred KB (six
 # binaries of 6-8 MB each took 6 MB), where the 64 MiB a call may carry held seven unpacked.
 #
-#   usage: tools/stage-variants.sh [--target T] ITEM...
+#   usage: tools/stage-variants.sh [--target T] [--out FILE] ITEM...   (FILE: .gpu/bins.tar.xz)
 #     NAME=head                      the working tree as it is             -> bin/fp4spec-NAME
 #     NAME=REV                       a commit, built from `git archive`     -> bin/fp4spec-NAME
 #     NAME=set:TABLE.KEY=VALUE[,...] the working tree with these values in target T's
@@ -15,6 +15,7 @@
 #
 # On the device, from the checkout root:
 #   python3 -c "import tarfile; tarfile.open('.gpu/bins.tar.xz').extractall('.gpu')"
+# (several archives unpack side by side: give each call's variants their own names)
 # then run .gpu/bin/*. Commits build in their own target folder (target/variants): sharing the
 # working tree's, a build of another checkout of this crate reran the build script against the
 # wrong sources (twenty-third session). Needs the toolchains: run it as
@@ -23,14 +24,19 @@ set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 target=sm_90a
-if [ "${1:-}" = --target ]; then target=$2; shift 2; fi
-[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
+out_file=.gpu/bins.tar.xz
+while [ $# -gt 0 ]; do case "$1" in
+  --target) target=$2; shift 2;;
+  --out) out_file=$2; shift 2;;
+  *) break;;
+esac; done
+[ $# -gt 0 ] || { sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2; }
 work=$(mktemp -d)
 # a set: variant edits kernels/targets.toml in place; whatever happens, the original goes back
 restore() { if [ -f "$work/targets.toml" ]; then cp "$work/targets.toml" kernels/targets.toml; fi; rm -rf "$work"; }
 trap restore EXIT
 mkdir -p "$work/bin" .gpu
-manifest="$work/bin/MANIFEST"
+manifest="$work/bin/MANIFEST-$(basename "$out_file" .tar.xz)"
 echo "staged $(date -u +%F) from $(git rev-parse --short HEAD)$(git diff --quiet || echo ' (uncommitted changes)')" > "$manifest"
 
 # Sets TABLE.KEY = VALUE in target $target of targets.toml FILE (each key must exist there once).
@@ -117,6 +123,6 @@ for item in "$@"; do
     *) echo "stage-variants: '$item' is none of NAME=SPEC, test:NAME, bench:NAME" >&2; exit 2;;
   esac
 done
-tar -C "$work" -cf - bin | xz -T1 -6 > .gpu/bins.tar.xz
+tar -C "$work" -cf - bin | xz -T1 -6 > "$out_file"
 cat "$manifest"
-echo "packed: .gpu/bins.tar.xz, $(du -h .gpu/bins.tar.xz | cut -f1)"
+echo "packed: $out_file, $(du -h "$out_file" | cut -f1)"
