@@ -101,6 +101,11 @@ inline void require_aligned(const void* p, unsigned bytes, const char* what) {
         std::abort();
     }
 }
+/// A cp.async copy of `bytes`: its source and destination both.
+inline void require_copy_aligned(void* dst, const void* src, unsigned bytes) {
+    require_aligned(dst, bytes, "cp.async destination");
+    require_aligned(src, bytes, "cp.async source");
+}
 FP4_DEVICE u32x2 load_u32x2(const void* p) {
     require_aligned(p, 8, "vector load");
     u32x2 v;
@@ -197,8 +202,7 @@ FP4_DEVICE u32 shared_address(const void*) { return 0; }
 
 //@@ cp_async
 FP4_DEVICE void cp_async16(void* dst, const void* src) {
-    require_aligned(dst, 16, "cp.async destination");
-    require_aligned(src, 16, "cp.async source");
+    require_copy_aligned(dst, src, 16);
     std::memcpy(dst, src, 16);
 }
 // shared addresses are offsets into the block's dynamic shared memory

@@ -31,20 +31,17 @@ FP4_DEVICE u32 __shfl_sync(u32, u32 v, int lane) {
 
 //@@ cp_async
 FP4_DEVICE void cp_async16_zfill(void* dst, const void* src, u32 src_bytes) {
-    require_aligned(dst, 16, "cp.async destination");
-    require_aligned(src, 16, "cp.async source");
+    require_copy_aligned(dst, src, 16);
     if (src_bytes == 16) std::memcpy(dst, src, 16);
     else std::memset(dst, 0, 16);
 }
 FP4_DEVICE void cp_async8_zfill(void* dst, const void* src, u32 src_bytes) {
-    require_aligned(dst, 8, "cp.async destination");
-    require_aligned(src, 8, "cp.async source");
+    require_copy_aligned(dst, src, 8);
     if (src_bytes == 8) std::memcpy(dst, src, 8);
     else std::memset(dst, 0, 8);
 }
 FP4_DEVICE void cp_async16(void* dst, const void* src) {
-    require_aligned(dst, 16, "cp.async destination");
-    require_aligned(src, 16, "cp.async source");
+    require_copy_aligned(dst, src, 16);
     std::memcpy(dst, src, 16);
 }
 FP4_DEVICE void cp_async_commit() {}
