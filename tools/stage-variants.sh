@@ -110,7 +110,10 @@ for item in "$@"; do
           cp kernels/targets.toml "$work/targets.toml"
           set_values kernels/targets.toml "${spec#set:}"
           build_cli "$root" "$root/target" "$out"
-          mv "$work/targets.toml" kernels/targets.toml
+          # copied back, not moved: the file must look newer than this build, or cargo keeps the
+          # set value's build for the next variant (mv kept the copy's older mtime: the twenty-
+          # third session's "head" was the previous run's last set build)
+          cp "$work/targets.toml" kernels/targets.toml && rm "$work/targets.toml"
           echo "fp4spec-$name: the working tree with $target ${spec#set:}" >> "$manifest";;
         *)
           rev=$(git rev-parse --verify --quiet "$spec^{commit}") || { echo "stage-variants: no commit $spec" >&2; exit 2; }
