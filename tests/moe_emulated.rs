@@ -123,7 +123,7 @@ impl Emu {
         self.buffer(vec![0; bytes])
     }
 
-    fn launch(&mut self, name: &str, grid: u32, threads: u32, args: &[u64; 32]) {
+    fn launch(&mut self, name: &str, grid: u32, threads: u32, args: &[u64; 34]) {
         let c = &mut self.commands;
         c.extend(2u32.to_le_bytes());
         c.extend((name.len() as u32).to_le_bytes());
@@ -305,7 +305,7 @@ fn emulate(
     let partial = emu.zeros(4 * positions * h);
     let act = emu.zeros(2 * positions * i);
     let warps = tile_warps(facts, t);
-    let args: [u64; 32] = [
+    let args: [u64; 34] = [
         x_buf,
         residual_buf,
         y_buf,
@@ -338,6 +338,8 @@ fn emulate(
         u64::from(host.shared_gate.is_some()),
         u64::from(warps.gate_up),
         u64::from(warps.down),
+        0, // no L2 prefetch (a hint: nothing to emulate)
+        0,
     ];
     let kernel = format!("moe_{format}_m{rows}");
     let threads = facts.moe.warps_per_block * facts.warp_size;

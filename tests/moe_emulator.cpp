@@ -103,7 +103,7 @@ FP4_DEVICE v8f emu_wmma(v16s a, v16s b, v8f c) {
 
 //@@ driver
 // Commands (little-endian) from argv[1]: 1 = buffer (u32 id, u64 bytes, bytes); 2 = launch (u32
-// name length, name, u32 grid, u32 threads, then the kernel's 32 parameters (MOE_PARAMETERS) as
+// name length, name, u32 grid, u32 threads, then the kernel's 34 parameters (MOE_PARAMETERS) as
 // u64: pointers as id << 40 | byte offset, 0 for null); 3 = dump (u32 id) to argv[2] as (u32 id,
 // u64 bytes, bytes).
 namespace emu {
@@ -141,7 +141,7 @@ int main(int argc, char** argv) {
             std::string name(u32_(), '\0');
             read(name.data(), name.size());
             const u32 grid = u32_(), threads = u32_();
-            u64 f[32];
+            u64 f[34];
             for (auto& v : f) v = u64_();
             auto found = kernels.find(name);
             if (found == kernels.end()) { std::fprintf(stderr, "no kernel %s\n", name.c_str()); return 3; }
@@ -167,7 +167,7 @@ int main(int argc, char** argv) {
                                       (float*)emu::pointer(f[20]), (float*)emu::pointer(f[21]),
                                       (u16*)emu::pointer(f[22]), (u32)f[23], (u32)f[24], (u32)f[25],
                                       (u32)f[26], (u32)f[27], (u32)f[28], (u32)f[29], (u32)f[30],
-                                      (u32)f[31]);
+                                      (u32)f[31], (const u8*)emu::pointer(f[32]), (u32)f[33]);
                         block.arrive_and_wait();
                     }
                 });

@@ -120,6 +120,8 @@ struct MoeArgs {
     u32 has_shared_gate;      // 1 when router row E is the shared expert's gate
     u32 gate_up_warps_per_tile;  // warps splitting a gate_up tile's K groups (power of two <= MOE_WARPS)
     u32 down_warps_per_tile;     // the same for a down tile
+    const u8* prefetch;          // bytes the route launch asks the L2 for (the next layer's
+    u32 prefetch_bytes;          // first dense weights), a multiple of 16; 0: none
 };
 
 // The kernels' parameters: MoeArgs's fields one by one, in order (src/kernels/moe/mod.rs passes
@@ -131,13 +133,14 @@ struct MoeArgs {
         u32* slot_pos, u32* sorted_token, u32* active_expert, u32* active_offset,                  \
         u32* active_count, u32* n_active, float* logits, float* route_weight, float* shared_scale, \
         float* partial, u16* act, u32 tokens, u32 experts, u32 top_k, u32 hidden, u32 inter,      \
-        u32 shared_experts, u32 has_shared_gate, u32 gate_up_warps_per_tile, u32 down_warps_per_tile
+        u32 shared_experts, u32 has_shared_gate, u32 gate_up_warps_per_tile, u32 down_warps_per_tile, \
+        const u8* prefetch, u32 prefetch_bytes
 #define MOE_ARGUMENTS                                                                               \
     MoeArgs{x, residual, y, router, gate_up, gate_up_scales, down, down_scales, gate_up_alpha,     \
             down_alpha, control, topk_ids, slot_pos, sorted_token, active_expert, active_offset,   \
             active_count, n_active, logits, route_weight, shared_scale, partial, act, tokens,      \
             experts, top_k, hidden, inter, shared_experts, has_shared_gate, gate_up_warps_per_tile, \
-            down_warps_per_tile}
+            down_warps_per_tile, prefetch, prefetch_bytes}
 
 /// Item counts of one launch, derived from the sizes (the host only sizes the grid).
 struct Plan {
@@ -1054,6 +1057,20 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
 // ============================================================================================
 
 
+/// Once its router item is done, every thread of
+/// the route launch asks the L2 for an even share of `bytes` from `base`, the next layer's first
+/// dense weights, while the routing and the expert launches' latency chains leave DRAM mostly
+/// idle (their requests spread over every block's SM, where one SM asking for megabytes took a
+/// launch from 11 to 52 us, twelfth session).
+FP4_DEVICE void prefetch_share(const u8* base, u32 bytes) {
+    if (base == nullptr || bytes == 0u) return;
+    const u32 pieces = grid_blocks() * MOE_THREADS, piece = block_x() * MOE_THREADS + thread_x();
+    const u32 per = (div_up(bytes, pieces) + 15u) & ~15u;
+    const u64 begin = (u64)piece * per;
+    if (begin >= bytes) return;
+    prefetch_l2(base + begin, (u32)((u64)bytes - begin < per ? (u64)bytes - begin : per));
+}
+
 /// One block per (router item, plane): the planes' blocks each hold a quarter (for 4 planes) of
 /// the K groups, so every warp's chain of loads and MMAs is that much shorter (at T = 1 the
 /// router of 17 tiles is otherwise 17 blocks of long chains, the route launch's whole cost). The
@@ -1064,6 +1081,7 @@ FP4_DEVICE void moe_split_route(const MoeArgs& args) {
     const u32 item = block_x() / ROUTER_PLANES, plane = block_x() % ROUTER_PLANES;
     router_item<ROWS, ROUTER_STAGES>(a, p, item / p.chunks, item % p.chunks, plane, plane + 1,
                                      p.router_groups * ROUTER_PLANES, true, sh);
+    prefetch_share(a.prefetch, a.prefetch_bytes);
 }
 
 /// One block per gate_up item. The shared expert's items run whole before the wait for the route

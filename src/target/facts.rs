@@ -312,6 +312,13 @@ pub struct MoeTiles {
     /// `moe_stream_combine`); 0 never. Only on targets with mma.sync and cp.async, which render
     /// those kernels.
     pub stream_min_tokens: u32,
+    /// Bytes of the next layer's first dense weight the route launch asks the L2 for, while the
+    /// MoE block's latency chains leave DRAM idle; rounded down to 16, at most the weight; 0:
+    /// none.
+    pub prefetch_next_layer_bytes: u32,
+    /// Blocks of at most this many tokens prefetch (`prefetch_next_layer_bytes`); larger blocks
+    /// keep the bandwidth for their own experts.
+    pub prefetch_next_layer_max_tokens: u32,
 }
 
 impl TargetTable {

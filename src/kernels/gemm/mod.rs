@@ -297,6 +297,19 @@ impl Epilogue<'_> {
 }
 
 impl Linear {
+    /// The device words a GEMM streams (the fragment words of the mma.sync / WMMA layouts, in
+    /// the order the tiles are read first), for an earlier launch to ask the L2 for; None for a
+    /// weight held on the host.
+    pub fn weight_words(&self) -> Option<&DeviceVec<u32>> {
+        match &self.storage {
+            LinearStorage::MmaNvfp4 { words, .. }
+            | LinearStorage::MmaBf16 { words }
+            | LinearStorage::W4a4 { words, .. }
+            | LinearStorage::WmmaNvfp4 { words, .. } => Some(words),
+            _ => None,
+        }
+    }
+
     /// An NVFP4 weight. `row_order` is [`RowOrder::GateUp`] for a `[gate; up]` weight that will
     /// run with [`Epilogue::SiluMul`].
     ///

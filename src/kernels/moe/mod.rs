@@ -502,6 +502,53 @@ pub fn moe_block_with(
     y: &mut DeviceVec<bf16>,
     launch: MoeLaunch,
 ) -> Result<()> {
+    moe_block_checked(backend, weights, x, t, residual, workspace, y, launch, None)
+}
+
+/// [`moe_block`] whose route launch asks the L2 for the first `moe.prefetch_next_layer_bytes` of
+/// `next` (the next layer's first dense weight, as
+/// [`crate::kernels::gemm::Linear::weight_words`] gives it) in blocks of at most
+/// `moe.prefetch_next_layer_max_tokens` tokens: at B = 1 the MoE block's launches are latency
+/// chains that leave DRAM mostly idle.
+///
+/// # Errors
+/// As [`moe_block`].
+#[allow(clippy::too_many_arguments)]
+pub fn moe_block_prefetching(
+    backend: &Backend,
+    weights: &MoeWeights,
+    x: &DeviceVec<bf16>,
+    t: usize,
+    residual: Option<&DeviceVec<bf16>>,
+    workspace: &mut MoeWorkspace,
+    y: &mut DeviceVec<bf16>,
+    next: Option<&DeviceVec<u32>>,
+) -> Result<()> {
+    moe_block_checked(
+        backend,
+        weights,
+        x,
+        t,
+        residual,
+        workspace,
+        y,
+        MoeLaunch::Auto,
+        next,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn moe_block_checked(
+    backend: &Backend,
+    weights: &MoeWeights,
+    x: &DeviceVec<bf16>,
+    t: usize,
+    residual: Option<&DeviceVec<bf16>>,
+    workspace: &mut MoeWorkspace,
+    y: &mut DeviceVec<bf16>,
+    launch: MoeLaunch,
+    prefetch: Option<&DeviceVec<u32>>,
+) -> Result<()> {
     let h = weights.shape.hidden;
     check_len("MoE input X", x, t * h, &format!("[{t}, {h}]"))?;
     check_len("MoE output Y", y, t * h, &format!("[{t}, {h}]"))?;
@@ -569,9 +616,9 @@ pub fn moe_block_with(
             }));
             Ok(())
         }
-        Backend::Cuda(_) | Backend::Hip(_) => {
-            moe_block_device(backend, weights, x, t, residual, workspace, y, launch)
-        }
+        Backend::Cuda(_) | Backend::Hip(_) => moe_block_device(
+            backend, weights, x, t, residual, workspace, y, launch, prefetch,
+        ),
     }
 }
 
@@ -608,6 +655,24 @@ fn reference_block(host: &MoeHostWeights, x: &[bf16], t: usize) -> (Vec<f32>, Ro
             .map(|(gate_up, down)| ExpertRef { gate_up, down }),
     );
     (out, routing)
+}
+
+/// Bytes of the next layer's weight (`available` bytes) that the route launch of a block of
+/// `tokens` tokens asks the L2 for: `moe.prefetch_next_layer_bytes` in split and streaming
+/// launches of at most `moe.prefetch_next_layer_max_tokens` tokens (the persistent launch has no
+/// route launch), at most `available`, rounded down to 16 (the bulk prefetch's unit).
+pub fn prefetch_bytes(
+    target: &TargetFacts,
+    launch: MoeLaunch,
+    tokens: usize,
+    available: usize,
+) -> usize {
+    let m = &target.moe;
+    let split = matches!(launch, MoeLaunch::Split | MoeLaunch::Stream);
+    if !split || tokens > m.prefetch_next_layer_max_tokens as usize {
+        return 0;
+    }
+    (m.prefetch_next_layer_bytes as usize).min(available) & !15
 }
 
 /// Warps per gate_up tile and per down tile of a launch of `tokens` tokens: `moe.wide_*` up to
@@ -771,7 +836,9 @@ fn moe_arguments<'a>(
     tokens: u32,
     sizes: [u32; 6],
     warps: TileWarps,
-) -> [KernelArg<'a>; 32] {
+    prefetch: [KernelArg<'a>; 2],
+) -> [KernelArg<'a>; 34] {
+    let [prefetch_words, prefetch_bytes] = prefetch;
     [
         x,
         residual,
@@ -805,6 +872,8 @@ fn moe_arguments<'a>(
         KernelArg::u32(sizes[5]),
         KernelArg::u32(warps.gate_up),
         KernelArg::u32(warps.down),
+        prefetch_words,
+        prefetch_bytes,
     ]
 }
 
@@ -820,6 +889,7 @@ fn moe_block_device(
     workspace: &mut MoeWorkspace,
     y: &mut DeviceVec<bf16>,
     launch: MoeLaunch,
+    prefetch: Option<&DeviceVec<u32>>,
 ) -> Result<()> {
     let mismatch = |what: &str, found: &'static str| Error::BackendMismatch {
         what: what.into(),
@@ -920,7 +990,14 @@ fn moe_block_device(
         ];
         // tokens <= capacity, checked against 16-bit slot counts
         let warps = tile_warps(target, tokens);
-        let args = moe_arguments(io, device, w, tokens as u32, sizes, warps);
+        let prefetch_bytes = prefetch.map_or(0, |words| {
+            prefetch_bytes(target, launch, tokens, words.len() * 4)
+        });
+        let prefetch_args = [
+            KernelArg::optional_input(prefetch.filter(|_| prefetch_bytes > 0)),
+            KernelArg::u32(prefetch_bytes as u32),
+        ];
+        let args = moe_arguments(io, device, w, tokens as u32, sizes, warps, prefetch_args);
         for &(kernel, blocks) in launches {
             let dims = LaunchDims::linear(blocks, threads);
             // SAFETY: every moe kernel takes MOE_PARAMETERS in order (moe_arguments); X, Y and
@@ -947,6 +1024,10 @@ mod tests {
     /// kernels: count, kinds and scalar widths (PTX types on the NVIDIA targets, the code
     /// object's metadata through the HIP launch check on gfx1151), with and without NVFP4
     /// scales and a residual.
+    fn no_prefetch<'a>() -> [KernelArg<'a>; 2] {
+        [KernelArg::optional_input::<u32>(None), KernelArg::u32(0)]
+    }
+
     #[test]
     fn the_argument_list_meets_the_compiled_kernels_parameters() {
         let u32s = || DeviceVec::Host(vec![0u32; 4]);
@@ -994,7 +1075,15 @@ mod tests {
                         ];
                         let sizes = [8, 2, 64, 32, 0, 1];
                         let warps = tile_warps(t, 1);
-                        let args = moe_arguments(io, &weights, &mut workspace, 1, sizes, warps);
+                        let args = moe_arguments(
+                            io,
+                            &weights,
+                            &mut workspace,
+                            1,
+                            sizes,
+                            warps,
+                            no_prefetch(),
+                        );
                         checks.check(&t.name, kernel, &args);
                     }
                 }
@@ -1009,8 +1098,15 @@ mod tests {
                             KernelArg::output(&mut y),
                         ];
                         let sizes = [8, 2, 64, 32, 1, 1];
-                        let args =
-                            moe_arguments(io, &weights, &mut workspace, 9, sizes, tile_warps(t, 9));
+                        let args = moe_arguments(
+                            io,
+                            &weights,
+                            &mut workspace,
+                            9,
+                            sizes,
+                            tile_warps(t, 9),
+                            no_prefetch(),
+                        );
                         checks.check(&t.name, kernel, &args);
                     }
                 }
@@ -1043,6 +1139,44 @@ mod tests {
                 assert_eq!(MoeLaunch::Split.resolve(t, tokens), MoeLaunch::Split);
             }
         }
+    }
+
+    /// The next-layer prefetch: the target's bytes in route launches of at most its token limit,
+    /// none in larger blocks or the persistent launch (it has no route launch), never past the
+    /// weight, always whole 16-byte units.
+    #[test]
+    fn the_route_launch_prefetches_within_its_token_limit_and_the_weight() {
+        for t in target::all() {
+            let (bytes, max) = (
+                t.moe.prefetch_next_layer_bytes as usize,
+                t.moe.prefetch_next_layer_max_tokens as usize,
+            );
+            for tokens in 1..=max + 1 {
+                let want = if tokens <= max { bytes & !15 } else { 0 };
+                for launch in [MoeLaunch::Split, MoeLaunch::Stream] {
+                    assert_eq!(
+                        prefetch_bytes(t, launch, tokens, usize::MAX),
+                        want,
+                        "{}",
+                        t.name
+                    );
+                }
+                assert_eq!(
+                    prefetch_bytes(t, MoeLaunch::Persistent, tokens, usize::MAX),
+                    0
+                );
+            }
+            if max > 0 && bytes > 0 {
+                let short = bytes / 2 + 9;
+                let got = prefetch_bytes(t, MoeLaunch::Split, 1, short);
+                assert_eq!(got, short & !15, "{}: clamped to the weight", t.name);
+            }
+        }
+        assert!(
+            target::all()
+                .iter()
+                .any(|t| t.moe.prefetch_next_layer_bytes > 0)
+        );
     }
 
     /// Every variant a launch can pick (each target's `moe.token_rows`, both formats, persistent

@@ -43,7 +43,7 @@ use crate::kernels::moe::reference::MoeShape;
 use crate::kernels::moe::weights::{synthetic_nvfp4, uniform_bf16};
 use crate::kernels::moe::{
     ExpertFormat, ExpertWeights, FusedBlock, MAX_SLOTS_PER_LAUNCH, MoeHostWeights, MoeWeights,
-    MoeWorkspace, moe_block,
+    MoeWorkspace, moe_block_prefetching,
 };
 use crate::kernels::norm::{ResidualWriter, rms_norm_residual};
 use crate::kernels::tokens::{self, ArgmaxWorkspace, TokenColumn};
@@ -743,6 +743,13 @@ fn run_layers(
             sequences: &caches.sequences,
             rope: &caches.rope,
         };
+        // the next layer's first dense weight (the lm_head after the last), which the MoE
+        // block's route launch asks the L2 for
+        let next = match model.layers.get(i + 1).map(|l| &l.mixer) {
+            Some(DeviceMixer::Gdn { in_proj, .. }) => in_proj,
+            Some(DeviceMixer::Attention { q, .. }) => q,
+            None => &model.lm_head,
+        };
         run_layer(
             model,
             layer,
@@ -752,6 +759,7 @@ fn run_layers(
             moe_workspace,
             &mut gdn_forward,
             i > 0,
+            next.weight_words(),
         )?;
     }
     Ok(())
@@ -829,6 +837,7 @@ fn run_layer(
     moe_workspace: &mut MoeWorkspace,
     gdn_forward: &mut GdnForward<'_>,
     add_delta: bool,
+    next_weights: Option<&DeviceVec<u32>>,
 ) -> Result<()> {
     let (backend, config) = (&model.backend, &model.config);
     let (b, eps) = (act.rows, config.rms_norm_eps as f32);
@@ -982,7 +991,7 @@ fn run_layer(
         &mut act.normed,
         b,
     )?;
-    moe_block(
+    moe_block_prefetching(
         backend,
         &layer.moe,
         &act.normed,
@@ -990,6 +999,7 @@ fn run_layer(
         None,
         moe_workspace,
         &mut act.delta,
+        next_weights,
     )
 }
 

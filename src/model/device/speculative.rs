@@ -140,6 +140,7 @@ fn mtp_forward(
             mode: StepMode::Decode,
         },
         true,
+        None,
     )?;
     rms_norm_residual(
         backend,
