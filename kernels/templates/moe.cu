@@ -1057,11 +1057,10 @@ FP4_DEVICE void moe_block(const MoeArgs& args) {
 // ============================================================================================
 
 
-/// Once its router item is done, every thread of
-/// the route launch asks the L2 for an even share of `bytes` from `base`, the next layer's first
-/// dense weights, while the routing and the expert launches' latency chains leave DRAM mostly
-/// idle (their requests spread over every block's SM, where one SM asking for megabytes took a
-/// launch from 11 to 52 us, twelfth session).
+/// Once its router item is done, every thread of the route launch asks the L2 for an even share
+/// of `bytes` from `base`, the next layer's first dense weights, while the routing and the expert
+/// launches' latency chains leave DRAM mostly idle (their requests spread over every block's SM,
+/// where one SM asking for megabytes took a launch from 11 to 52 us, twelfth session).
 FP4_DEVICE void prefetch_share(const u8* base, u32 bytes) {
     if (base == nullptr || bytes == 0u) return;
     const u32 pieces = grid_blocks() * MOE_THREADS, piece = block_x() * MOE_THREADS + thread_x();
