@@ -179,7 +179,7 @@ fn run_case(
     );
     let register = (
         format!("gemm_nvfp4_bf16_mma_m{}", 8 * m_tiles),
-        tiles.mma_warps_per_block,
+        gemm::mma_block_warps(target, case.m),
     );
     let kernels = if case.m <= gemm::STREAM_MAX_ROWS {
         vec![stream, register]
@@ -253,7 +253,7 @@ fn run_bf16_case(
 ) -> Vec<bf16> {
     let fragments = Bf16Fragments::new(w, case.n, case.k, RowOrder::Plain).expect("layout");
     let grid = fragments.grid;
-    let warps = target.gemm.mma_warps_per_block;
+    let warps = gemm::mma_block_warps(target, case.m);
     let m_tiles = gemm::row_tiles(case.m);
     let kernel = format!("gemm_bf16_bf16_mma_m{}", 8 * m_tiles);
     let mut emu = Emu::default();
@@ -360,10 +360,22 @@ fn the_stream_kernel_matches_the_reference_and_the_register_kernel() {
     }
 }
 
+/// Most warps per tile, up to `wanted`, that a block of the X-ring variants holds whole: the
+/// largest power of two dividing its warps (`mma_x_shared_warps_per_block` need not be one).
+fn x_shared_tile_warps(target: &TargetFacts, wanted: u32) -> u32 {
+    let block = gemm::mma_block_warps(target, 64);
+    let mut warps = 1;
+    while warps * 2 <= wanted && block % (warps * 2) == 0 {
+        warps *= 2;
+    }
+    warps
+}
+
 /// The kernels that stream X through shared memory (`mma_x_shared`: the m64 variants on
-/// `cp.async` targets) on partitions that take every path: one to eight warps per tile (their
-/// sums through the ring's memory), K split with a short last range, K not a multiple of 64,
-/// rows past M, NVFP4 and bf16 weights: each against the CPU reference.
+/// `cp.async` targets) on partitions that take every path: one to eight warps per tile (as
+/// many as the target's blocks hold; their sums through the ring's memory), K split with a
+/// short last range, K not a multiple of 64, rows past M, NVFP4 and bf16 weights: each against
+/// the CPU reference.
 #[test]
 fn the_x_shared_kernels_match_the_reference() {
     for target in emulated_targets() {
@@ -381,19 +393,19 @@ fn the_x_shared_kernels_match_the_reference() {
                 n: 37,
                 k: 1040,
                 m: 33,
-                plan: plan(8, 2, 9),
+                plan: plan(x_shared_tile_warps(target, 8), 2, 9),
             },
             Case {
                 n: 64,
                 k: 2048,
                 m: 64,
-                plan: plan(2, 3, 11),
+                plan: plan(x_shared_tile_warps(target, 2), 3, 11),
             },
             Case {
                 n: 48,
                 k: 192,
                 m: 50,
-                plan: plan(4, 1, 3),
+                plan: plan(x_shared_tile_warps(target, 4), 1, 3),
             },
         ] {
             let (n, k, m) = (case.n, case.k, case.m);

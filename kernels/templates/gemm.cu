@@ -99,7 +99,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_ge
 // gemm_*_mma_m* of at least mma_x_shared_min_rows rows on cp.async targets stream X through
 // shared memory (gemm_mma, X_SHARED): (threads, resident blocks per SM) cap their registers so
 // that mma_x_shared_blocks_per_sm blocks fit
-#define MMA_X_SHARED_BOUNDS MMA_WARPS * FP4_WARP_SIZE, {{ target.gemm.mma_x_shared_blocks_per_sm }}
+#define MMA_X_WARPS {{ target.gemm.mma_x_shared_warps_per_block }}
+#define MMA_X_SHARED_BOUNDS MMA_X_WARPS * FP4_WARP_SIZE, {{ target.gemm.mma_x_shared_blocks_per_sm }}
 // the X ring's slots (rounds in flight + the one computed) and bf16 per staged row (64 + 16 pad:
 // rows 160 bytes apart, see gemm_mma); src/kernels/gemm/mod.rs, X_RING_ROW_ELEMS, sizes the ring
 // the same way
@@ -195,13 +196,16 @@ FP4_DEVICE void finish_tile(float (&acc)[MT][4], float alpha, u32 tile, u32 lane
     store_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y);
 }
 
-/// One block: MMA_WARPS / warps_per_tile weight tiles of 16 rows, all M rows, over the K groups
+/// One block: WARPS / warps_per_tile weight tiles of 16 rows, all M rows, over the K groups
 /// of split blockIdx.y. The warps_per_tile warps of a tile take the split's groups in turn
 /// (warp w of the tile: groups begin + w, begin + w + warps_per_tile, ...) and add their sums
 /// through shared memory in warp order. With splits > 1 the tile's partial goes to `partials`
 /// and the last of the tile's blocks to finish (a counter per tile) adds the partials in split
 /// order and writes Y, so the result does not depend on scheduling. STAGES groups of weights
-/// are in flight per warp.
+/// are in flight per warp. WARPS: mma_warps_per_block, or for the X-ring variants
+/// mma_x_shared_warps_per_block (a multiple of their largest warps_per_tile, not necessarily a
+/// power of two: at M = 64 the block's tiles decide how evenly the waves fill the SMs, and a
+/// larger block copies X once for more tiles).
 ///
 /// X: at M <= 32 each lane loads its X fragment from global memory per group (L1 / L2). At
 /// M = 64 that was the kernel's limit: a lane's X for one group is MT * 32 bytes, 4x (bf16) to
@@ -217,7 +221,7 @@ FP4_DEVICE void finish_tile(float (&acc)[MT][4], float alpha, u32 tile, u32 lane
 /// 4 rows of a half-warp then fill the 32 banks once (the natural order at 144 bytes read each
 /// bank twice: ncu, half the shared wavefronts were conflicts). The products and their order
 /// are the same either way.
-template <class Weights, int MT, int STAGES, bool X_SHARED>
+template <class Weights, int MT, int STAGES, bool X_SHARED, int WARPS>
 FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha, u16* y,
                          const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
                          u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split,
@@ -225,7 +229,7 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
     const u32 lane = thread_x() % FP4_WARP_SIZE;
     const u32 warp = thread_x() / FP4_WARP_SIZE;
     const u32 part = warp % warps_per_tile;  // which of the tile's warps this is
-    const u32 tile = block_x() * (MMA_WARPS / warps_per_tile) + warp / warps_per_tile;
+    const u32 tile = block_x() * (WARPS / warps_per_tile) + warp / warps_per_tile;
     const bool active = tile < n_tiles;      // inactive warps still meet the block barrier
     const u32 split = block_y();
     const u32 split_begin = split * groups_per_split;
@@ -271,7 +275,7 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
             if (r < rounds) {
                 u16* slot = x_ring + (r % X_SLOTS) * slot_elems;
                 const u32 g0 = split_begin + r * warps_per_tile;
-                for (u32 u = thread_x(); u < warps_per_tile * m * 16; u += MMA_WARPS * FP4_WARP_SIZE) {
+                for (u32 u = thread_x(); u < warps_per_tile * m * 16; u += WARPS * FP4_WARP_SIZE) {
                     const u32 p = u / (m * 16), row = (u / 16) % m, piece = u % 16;
                     const u32 group = g0 + p, col = group * 64 + 16 * (piece % 4) + 4 * (piece / 4);
                     const bool inside = group < block_end && col < k;
@@ -354,7 +358,7 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
             __syncthreads();
             warp_sums = reinterpret_cast<float4*>(mma_shared);
         } else {
-            __shared__ float4 static_sums[MMA_WARPS * MT * 32];
+            __shared__ float4 static_sums[WARPS * MT * 32];
             warp_sums = static_sums;
         }
         if (part > 0) {
@@ -378,11 +382,13 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
 {% for rows in [8, 16, 32, 64] %}
 {% if rows >= target.gemm.mma_x_shared_min_rows and target.instructions.cp_async %}
 {% set x_shared = "true" %}
+{% set warps = "MMA_X_WARPS" %}
 {% set bounds = "MMA_X_SHARED_BOUNDS" %}
 {% set stages_nvfp4 = target.gemm.mma_x_shared_stages_nvfp4 %}
 {% set stages_bf16 = target.gemm.mma_x_shared_stages_bf16 %}
 {% else %}
 {% set x_shared = "false" %}
+{% set warps = "MMA_WARPS" %}
 {% set bounds = "MMA_WARPS * FP4_WARP_SIZE" %}
 {% set stages_nvfp4 = target.gemm.mma_stages_nvfp4 %}
 {% set stages_bf16 = target.gemm.mma_stages_bf16 %}
@@ -392,7 +398,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS({{ bounds }}) gemm_nvfp4_bf16_mma_m{{ rows }}(
     float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
     u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
     // gemm_mma waits for the previous grid after its weight prologue
-    gemm_mma<Nvfp4Weights, {{ rows }} / 8, {{ stages_nvfp4 }}, {{ x_shared }}>(x, Nvfp4Weights{words, scales}, alpha, y, residual, partials, counters,
+    gemm_mma<Nvfp4Weights, {{ rows }} / 8, {{ stages_nvfp4 }}, {{ x_shared }}, {{ warps }}>(x, Nvfp4Weights{words, scales}, alpha, y, residual, partials, counters,
         m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile, epilogue);
 }
 
@@ -401,7 +407,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS({{ bounds }}) gemm_bf16_bf16_mma_m{{ rows }}(
     float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
     u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
     // gemm_mma waits for the previous grid after its weight prologue
-    gemm_mma<Bf16Weights, {{ rows }} / 8, {{ stages_bf16 }}, {{ x_shared }}>(x, Bf16Weights{words}, alpha, y, residual, partials, counters,
+    gemm_mma<Bf16Weights, {{ rows }} / 8, {{ stages_bf16 }}, {{ x_shared }}, {{ warps }}>(x, Bf16Weights{words}, alpha, y, residual, partials, counters,
         m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile, epilogue);
 }
 {% endfor %}

@@ -140,6 +140,9 @@ pub struct GemmTiles {
     /// `gemm_*_mma_m*` streaming X: most warps per tile (a power of two; K is
     /// split across blocks instead, since a round holds X for each warp of a tile).
     pub mma_x_shared_max_warps_per_tile: u32,
+    /// `gemm_*_mma_m*` streaming X: warps per block (1..=32; a multiple of
+    /// `mma_x_shared_max_warps_per_tile`, so every tile's warps share one block).
+    pub mma_x_shared_warps_per_block: u32,
     /// `gemm_*_mma_m*` streaming X: resident blocks per multiprocessor the
     /// launch bounds ask for.
     pub mma_x_shared_blocks_per_sm: u32,
@@ -396,14 +399,17 @@ impl TargetFacts {
             || !(17..=64).contains(&self.gemm.mma_x_shared_min_rows)
             || self.gemm.mma_x_shared_slots < 2
             || !self.gemm.mma_x_shared_max_warps_per_tile.is_power_of_two()
-            || self.gemm.mma_x_shared_max_warps_per_tile > self.gemm.mma_warps_per_block
+            || !(1..=32).contains(&self.gemm.mma_x_shared_warps_per_block)
+            || self.gemm.mma_x_shared_warps_per_block * self.warp_size > 1024
+            || self.gemm.mma_x_shared_warps_per_block % self.gemm.mma_x_shared_max_warps_per_tile
+                != 0
             || x_ring > self.max_shared_bytes_per_block
         {
             return fail(format!(
                 "gemm.mma_x_shared_*: blocks_per_sm positive, min_rows in 17..=64, at least 2 slots, \
-                 max_warps_per_tile \
-                 a power of two up to mma_warps_per_block, and the ring at 64 rows ({x_ring} \
-                 bytes) within max_shared_bytes_per_block"
+                 max_warps_per_tile a power of two dividing warps_per_block (at most 1024 \
+                 threads), and the ring at 64 rows ({x_ring} bytes) within \
+                 max_shared_bytes_per_block"
             ));
         }
         if self.gemm.mma_min_warps_per_sm == 0

@@ -79,4 +79,22 @@ mod tests {
             assert!(err.contains("sm_90a") && err.contains("stream"), "{err}");
         }
     }
+
+    /// The X-ring GEMM blocks must hold whole tiles: a warp count that the largest warps per
+    /// tile does not divide, none, or more than 1024 threads is refused when the table is read.
+    #[test]
+    fn x_shared_blocks_that_split_a_tile_are_refused() {
+        let warps = "mma_x_shared_warps_per_block = 12"; // sm_90a, the first target
+        assert!(TARGETS_TOML.contains(warps));
+        for w in [0, 5, 40] {
+            let value = format!("mma_x_shared_warps_per_block = {w}");
+            let err = facts::TargetTable::parse(&TARGETS_TOML.replacen(warps, &value, 1))
+                .err()
+                .unwrap_or_else(|| panic!("{value} was accepted"));
+            assert!(
+                err.contains("sm_90a") && err.contains("mma_x_shared"),
+                "{err}"
+            );
+        }
+    }
 }

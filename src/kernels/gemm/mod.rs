@@ -782,6 +782,17 @@ pub fn mma_x_shared(target: &TargetFacts, rows: usize) -> bool {
     target.instructions.cp_async && variant_rows >= target.gemm.mma_x_shared_min_rows as usize
 }
 
+/// Warps per block of the `gemm_*_mma_m*` variant that takes `rows` rows:
+/// `gemm.mma_x_shared_warps_per_block` where it streams X ([`mma_x_shared`]), else
+/// `gemm.mma_warps_per_block`.
+pub fn mma_block_warps(target: &TargetFacts, rows: usize) -> u32 {
+    if mma_x_shared(target, rows) {
+        target.gemm.mma_x_shared_warps_per_block
+    } else {
+        target.gemm.mma_warps_per_block
+    }
+}
+
 /// The partition of the `gemm_*_mma_m*` variants that stream X through shared memory
 /// ([`mma_x_shared`]): [`mma_plan`] with at most `mma_x_shared_max_warps_per_tile` warps per
 /// tile (a round of the X ring holds one K group for each warp of a tile), K split across
@@ -809,8 +820,8 @@ const X_RING_ROW_ELEMS: usize = 80;
 
 /// Dynamic shared memory of one `gemm_*_mma_m*` block that streams X ([`mma_x_shared`]): the ring
 /// (`mma_x_shared_slots` rounds of `warps_per_tile` x `rows` rows of 80 bf16), which the tile's
-/// warps reuse for their sums when they share a tile (`mma_warps_per_block` x `m_tiles` x 32
-/// lanes x 16 bytes), as `gemm_mma` in gemm.cu lays it out.
+/// warps reuse for their sums when they share a tile (`mma_x_shared_warps_per_block` x
+/// `m_tiles` x 32 lanes x 16 bytes), as `gemm_mma` in gemm.cu lays it out.
 pub fn x_shared_bytes(tiles: &GemmTiles, rows: usize, plan: &MmaPlan) -> usize {
     let ring = tiles.mma_x_shared_slots as usize
         * plan.warps_per_tile as usize
@@ -819,7 +830,7 @@ pub fn x_shared_bytes(tiles: &GemmTiles, rows: usize, plan: &MmaPlan) -> usize {
         * 2;
     let m_tiles = row_tiles(rows);
     let sums = if plan.warps_per_tile > 1 {
-        tiles.mma_warps_per_block as usize * m_tiles * 32 * 16
+        tiles.mma_x_shared_warps_per_block as usize * m_tiles * 32 * 16
     } else {
         0
     };
@@ -1341,7 +1352,7 @@ fn linear_mma(
         };
         let dims = plan.dims(
             shape.n_tiles,
-            tiles.mma_warps_per_block,
+            mma_block_warps(target, rows),
             target.warp_size,
             check_u32("gemm mma shared memory", shared_bytes)?,
         );
