@@ -117,8 +117,12 @@ for item in "$@"; do
           echo "fp4spec-$name: the working tree with $target ${spec#set:}" >> "$manifest";;
         *)
           rev=$(git rev-parse --verify --quiet "$spec^{commit}") || { echo "stage-variants: no commit $spec" >&2; exit 2; }
-          src="$work/src-$name"; mkdir -p "$src"
-          git archive "$rev" | tar -x -C "$src"
+          # every commit in the same folder, its files dated now (tar -m): cargo's dep-info names
+          # the files of the previous build by path, so a second commit unpacked elsewhere, or
+          # with its commit dates, looked fresh and reused the first one's build (twenty-fifth
+          # session: w12's build script ran main's parser on w12's targets.toml)
+          src="$work/src-commit"; rm -rf "$src"; mkdir -p "$src"
+          git archive "$rev" | tar -x -m -C "$src"
           ln -sfn "$root/../shared" "$work/shared"  # what the crate finds beside it
           build_cli "$src" "$root/target/variants" "$out"
           echo "fp4spec-$name: commit $(git rev-parse --short "$rev")" >> "$manifest";;
