@@ -16,9 +16,13 @@
 # On the device, from the checkout root:
 #   python3 -c "import tarfile; tarfile.open('.gpu/bins.tar.xz').extractall('.gpu')"
 # (several archives unpack side by side: give each call's variants their own names)
-# then run .gpu/bin/*. Commits build in their own target folder (target/variants): sharing the
-# working tree's, a build of another checkout of this crate reran the build script against the
-# wrong sources (twenty-third session). Needs the toolchains: run it as
+# then run .gpu/bin/* with FP4SPEC_CACHE_DIR=.gpu/bin/cache: every variant's kernels, compiled
+# here (NVRTC 13.0, as on the GPU host), so the first runs there do not compile them (a cold
+# machine spent ~30 s of device time on it). The test and bench executables of the working tree
+# find theirs there when a variant of the working tree as it is (NAME=head) is staged too.
+# Commits build in their own target folder (target/variants): sharing the working tree's, a
+# build of another checkout of this crate reran the build script against the wrong sources
+# (twenty-third session). Needs the toolchains: run it as
 # `bash tools/toolchains.sh bash tools/stage-variants.sh ...`. Leaves .gpu's other files alone.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
@@ -70,10 +74,13 @@ open(path, "w").write("\n".join(lines))
 PY
 }
 
-# Builds `fp4spec` in source folder $1 with target folder $2 and copies it, stripped, to $3.
+# Builds `fp4spec` in source folder $1 with target folder $2 and copies it, stripped, to $3;
+# then compiles its kernels for $target into bin/cache (`kernels --fill-cache`: families another
+# variant already put there are skipped).
 build_cli() {
   (cd "$1" && CARGO_TARGET_DIR="$2" cargo build --release --bin fp4spec --quiet)
   cp "$2/release/fp4spec" "$3" && strip "$3"
+  FP4SPEC_CACHE_DIR="$work/bin/cache" "$3" kernels --fill-cache --target "$target" > /dev/null
 }
 
 # The executable a `cargo test` / `cargo bench` --no-run JSON line names.

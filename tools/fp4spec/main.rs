@@ -6,6 +6,7 @@ mod bench;
 mod run;
 
 use clap::{Parser, Subcommand};
+use fp4spec::backend::cuda::nvrtc;
 use fp4spec::backend::{Backend, BackendKind};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
 use fp4spec::kernels::check::{self, CheckStatus};
@@ -63,6 +64,13 @@ enum Command {
         /// With --check: print each family's compiler log.
         #[arg(long, requires = "check")]
         verbose: bool,
+        /// Compile every family of the selected NVIDIA targets into the CUBIN cache the CUDA
+        /// backend loads from ($FP4SPEC_CACHE_DIR, else $XDG_CACHE_HOME/fp4spec, else
+        /// ~/.cache/fp4spec), skipping those already there: a machine without a GPU prepares
+        /// what a GPU host with the same NVRTC version then loads without compiling. (AMD code
+        /// objects are built into the executable: nothing to cache.)
+        #[arg(long, conflicts_with_all = ["check", "out"])]
+        fill_cache: bool,
     },
     /// The main job for now: `kernels --check` for every target, then `gemm-check` on the best
     /// available backend at the default shape.
@@ -150,9 +158,15 @@ fn main() -> ExitCode {
         Command::Generate(args) => run::generate(args),
         Command::Kernels {
             targets,
+            fill_cache: true,
+            ..
+        } => fill_kernel_cache(&targets),
+        Command::Kernels {
+            targets,
             out,
             check,
             verbose,
+            fill_cache: false,
         } => kernels(&targets, out, check, verbose),
         Command::GemmCheck {
             backend,
@@ -193,20 +207,52 @@ fn main() -> ExitCode {
     }
 }
 
+/// The targets named on the command line, or every target when none is.
+fn selected_targets(names: &[String]) -> Result<Vec<target::TargetFacts>, Failure> {
+    if names.is_empty() {
+        return Ok(target::all().to_vec());
+    }
+    Ok(names
+        .iter()
+        .map(|n| target::by_name(n).cloned())
+        .collect::<Result<_, _>>()?)
+}
+
+/// `kernels --fill-cache`: one line per (target, family), compiled now or already present.
+fn fill_kernel_cache(names: &[String]) -> Result<(), Failure> {
+    for t in selected_targets(names)? {
+        if t.vendor != target::Vendor::Nvidia {
+            println!(
+                "{:<9} code objects are built into the executable: nothing to cache",
+                t.name
+            );
+            continue;
+        }
+        let include = nvrtc::cuda_include_dir()?;
+        for source in table::rendered_for_target(&t.name) {
+            let (path, fill) = nvrtc::fill_cache(source, &t, &include)?;
+            let what = match fill {
+                nvrtc::CacheFill::Present => "present",
+                nvrtc::CacheFill::Compiled => "compiled",
+            };
+            println!(
+                "{:<9} {:<9} {what:<9} {}",
+                t.name,
+                source.family,
+                path.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 fn kernels(
     names: &[String],
     out: Option<PathBuf>,
     run_check: bool,
     verbose: bool,
 ) -> Result<(), Failure> {
-    let selected: Vec<target::TargetFacts> = if names.is_empty() {
-        target::all().to_vec()
-    } else {
-        names
-            .iter()
-            .map(|n| target::by_name(n).cloned())
-            .collect::<Result<_, _>>()?
-    };
+    let selected = selected_targets(names)?;
     if let Some(dir) = &out {
         for t in &selected {
             let target_dir = dir.join(&t.name);

@@ -1,6 +1,6 @@
 //! NVRTC: compiles rendered CUDA sources for a target (PTX + CUBIN + the ptxas resource report),
 //! finds the CUDA headers, and keeps compiled CUBINs in an on-disk cache keyed by
-//! (source hash, arch, NVRTC version).
+//! (source and flags hash, arch, NVRTC version), which `fp4spec kernels --fill-cache` fills ahead.
 //!
 //! Needs only `libnvrtc.so.13` on the loader path and the CUDA headers: no driver, no GPU.
 
@@ -191,23 +191,18 @@ pub fn cached_cubin(
     target: &TargetFacts,
     include_dir: &Path,
 ) -> Result<Vec<u8>> {
-    let (major, minor) = version()?;
-    let mut hash = Sha256::new();
-    hash.update(source.source.as_bytes());
-    for option in options(target, include_dir) {
-        hash.update(option.as_bytes());
-    }
-    let digest: String = hash
-        .finalize()
-        .iter()
-        .take(12)
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    let file_name = format!(
-        "{}-{}-{}-nvrtc{major}.{minor}.cubin",
-        source.family, target.compiler_arch, digest
-    );
-    let path = cache_dir().map(|dir| dir.join(&file_name));
+    cached_cubin_in(cache_dir().as_deref(), source, target, include_dir)
+}
+
+/// [`cached_cubin`] with the cache in `dir` (none: compile).
+fn cached_cubin_in(
+    dir: Option<&Path>,
+    source: &RenderedSource,
+    target: &TargetFacts,
+    include_dir: &Path,
+) -> Result<Vec<u8>> {
+    let name = cache_file_name(source, target, version()?);
+    let path = dir.map(|dir| dir.join(name));
     if let Some(path) = &path {
         if let Ok(bytes) = std::fs::read(path) {
             return Ok(bytes);
@@ -215,15 +210,93 @@ pub fn cached_cubin(
     }
     let cubin = compile(source, target, include_dir)?.cubin;
     if let Some(path) = &path {
-        store_atomically(path, &cubin);
+        let _ = store_atomically(path, &cubin);
     }
     Ok(cubin)
 }
 
+/// Whether [`fill_cache`] found a family's CUBIN in the cache or compiled it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheFill {
+    /// Already there.
+    Present,
+    /// Compiled now and stored.
+    Compiled,
+}
+
+/// Puts the CUBIN of `source` for `target` in the cache [`cached_cubin`] reads, compiling it
+/// unless it is there, so that a machine without a GPU can prepare what a GPU host with the
+/// same NVRTC version then loads without compiling (the key holds the source, the target's
+/// architecture, the compile flags and the NVRTC version, not where the headers lie). Returns
+/// the file and whether it was compiled.
+///
+/// # Errors
+/// As [`compile`]; [`Error::Invalid`] when there is no cache folder (neither
+/// `$FP4SPEC_CACHE_DIR`, `$XDG_CACHE_HOME` nor `$HOME` set), [`Error::Io`] naming the file when
+/// it cannot be written.
+pub fn fill_cache(
+    source: &RenderedSource,
+    target: &TargetFacts,
+    include_dir: &Path,
+) -> Result<(PathBuf, CacheFill)> {
+    let dir = cache_dir().ok_or_else(|| {
+        Error::invalid(
+            "kernel cache folder",
+            "none: set FP4SPEC_CACHE_DIR, XDG_CACHE_HOME or HOME",
+        )
+    })?;
+    fill_cache_in(&dir, source, target, include_dir)
+}
+
+/// [`fill_cache`] with the cache in `dir`.
+fn fill_cache_in(
+    dir: &Path,
+    source: &RenderedSource,
+    target: &TargetFacts,
+    include_dir: &Path,
+) -> Result<(PathBuf, CacheFill)> {
+    let path = dir.join(cache_file_name(source, target, version()?));
+    if path.is_file() {
+        return Ok((path, CacheFill::Present));
+    }
+    let cubin = compile(source, target, include_dir)?.cubin;
+    store_atomically(&path, &cubin).map_err(|e| Error::io(path.display().to_string(), e))?;
+    Ok((path, CacheFill::Compiled))
+}
+
+/// The cache's name for the CUBIN of `source` for `target` by NVRTC `version`: family, arch, and
+/// a hash of the source and the flags. The include folder's path is left out: the same headers
+/// lie in different places on different machines (a pip wheel here, /usr/local/cuda there), and
+/// the NVRTC version in the name stands for them.
+fn cache_file_name(source: &RenderedSource, target: &TargetFacts, version: (i32, i32)) -> String {
+    let mut hash = Sha256::new();
+    hash.update(source.source.as_bytes());
+    for flag in flags(target) {
+        hash.update(flag.as_bytes());
+    }
+    let digest: String = hash
+        .finalize()
+        .iter()
+        .take(12)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!(
+        "{}-{}-{}-nvrtc{}.{}.cubin",
+        source.family, target.compiler_arch, digest, version.0, version.1
+    )
+}
+
+/// NVRTC's options for `target` with the headers in `include_dir`.
 fn options(target: &TargetFacts, include_dir: &Path) -> Vec<String> {
+    let mut options = vec![format!("--include-path={}", include_dir.display())];
+    options.extend(flags(target));
+    options
+}
+
+/// The options but the include path: what the output depends on.
+fn flags(target: &TargetFacts) -> Vec<String> {
     vec![
         format!("--gpu-architecture={}", target.compiler_arch),
-        format!("--include-path={}", include_dir.display()),
         "--std=c++17".into(),
         "-lineinfo".into(),
         "-Xptxas".into(),
@@ -242,12 +315,12 @@ fn cache_dir() -> Option<PathBuf> {
 }
 
 /// Writes to a temporary name in the same folder, then renames, so a reader never sees a
-/// partial file. Failures are ignored: the cache is an optimisation.
-fn store_atomically(path: &Path, bytes: &[u8]) {
-    let Some(dir) = path.parent() else { return };
-    if std::fs::create_dir_all(dir).is_err() {
-        return;
-    }
+/// partial file.
+fn store_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path
+        .parent()
+        .ok_or_else(|| std::io::Error::other("the cache file has no folder"))?;
+    std::fs::create_dir_all(dir)?;
     let temporary = dir.join(format!(
         ".{}.{}.tmp",
         path.file_name()
@@ -255,9 +328,11 @@ fn store_atomically(path: &Path, bytes: &[u8]) {
             .unwrap_or_default(),
         std::process::id()
     ));
-    if std::fs::write(&temporary, bytes).is_ok() && std::fs::rename(&temporary, path).is_err() {
+    let stored = std::fs::write(&temporary, bytes).and_then(|()| std::fs::rename(&temporary, path));
+    if stored.is_err() {
         let _ = std::fs::remove_file(&temporary);
     }
+    stored
 }
 
 unsafe fn get_cubin(program: sys::nvrtcProgram) -> std::result::Result<Vec<u8>, nvrtc::NvrtcError> {
@@ -329,7 +404,35 @@ fn number_before(line: &str, suffix: &str) -> Option<u32> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_ptxas_report;
+    use super::*;
+    use crate::kernels::table;
+
+    /// A CUBIN filled into the cache is found again through headers in another folder, without
+    /// compiling (the include folder given the second time does not exist, so a compile would
+    /// fail): the cache serves a machine whose headers lie elsewhere. Needs NVRTC and the CUDA
+    /// headers (`bash tools/toolchains.sh cargo test`).
+    #[test]
+    fn a_filled_cubin_is_found_from_another_include_folder() {
+        let include = cuda_include_dir().expect("CUDA headers: run under tools/toolchains.sh");
+        let target = crate::target::by_name("sm_90a").expect("sm_90a");
+        let source = table::rendered_for_target("sm_90a")
+            .find(|s| s.family == "dequant")
+            .expect("the dequant family for sm_90a");
+        let dir = tempfile::tempdir().expect("temporary folder");
+        let (path, fill) = fill_cache_in(dir.path(), source, target, &include).expect("fill");
+        assert_eq!(fill, CacheFill::Compiled);
+        assert_eq!(
+            fill_cache_in(dir.path(), source, target, &include).expect("fill again"),
+            (path.clone(), CacheFill::Present)
+        );
+        let elsewhere = dir.path().join("no-such-include-folder");
+        let cubin = cached_cubin_in(Some(dir.path()), source, target, &elsewhere).expect("cached");
+        assert_eq!(cubin, std::fs::read(&path).expect("the cache file"));
+        assert!(
+            compile(source, target, &elsewhere).is_err(),
+            "compiled without headers"
+        );
+    }
 
     /// An entry's stack and spills are its own, not those of the out-of-line callee ptxas
     /// reports after it.
