@@ -335,3 +335,23 @@ fn bench_decode_measures_every_case_and_writes_json() {
     assert_eq!(code, 2);
     assert!(stderr.contains("--kernel-costs needs a device"), "{stderr}");
 }
+
+/// Output piped into a reader that stops early (`fp4spec kernels | head -1`): the program ends
+/// (by SIGPIPE on Unix, or having written everything before the reader left), it never panics in
+/// println!.
+#[test]
+fn output_into_a_closed_pipe_does_not_panic() {
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fp4spec"))
+        .arg("kernels")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run fp4spec");
+    // the read end closes before the program writes its first line (it starts a process first)
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("wait for fp4spec");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "fp4spec panicked: {stderr}");
+    assert_ne!(out.status.code(), Some(101), "{stderr}");
+}

@@ -1,6 +1,7 @@
 //! `fp4spec`: the command-line program.
 //!
-//! Exit status: 0 ok, 1 a check failed (or a compiler is missing), 2 bad input or usage.
+//! Exit status: 0 ok, 1 a check failed (or a compiler is missing), 2 bad input or usage; output
+//! piped into a reader that stops early (`| head`) ends the program by SIGPIPE, as other tools.
 
 mod bench;
 mod run;
@@ -150,7 +151,23 @@ impl From<fp4spec::Error> for Failure {
     }
 }
 
+/// Rust ignores SIGPIPE, so a write to a closed pipe (`fp4spec kernels | head`) is an error that
+/// println! turns into a panic; the default action ends the program quietly, as other command-line
+/// tools do.
+#[cfg(unix)]
+fn end_quietly_on_closed_pipe() {
+    // SAFETY: called first in main, before any thread starts; SIG_DFL is a valid action for
+    // SIGPIPE and the previous handler is not needed.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
+#[cfg(not(unix))]
+fn end_quietly_on_closed_pipe() {}
+
 fn main() -> ExitCode {
+    end_quietly_on_closed_pipe();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo(args) => run::demo(args),
