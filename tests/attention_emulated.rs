@@ -33,8 +33,18 @@ mod emulation;
 use driver::{Arg, Emu, driver_for};
 use emulation::{build_host, section, splice};
 
-/// The host binary of `target`'s rendered attention source.
+/// The host binary of `target`'s rendered attention source (built once per test process).
 fn emulator(target: &TargetFacts) -> PathBuf {
+    build_host(
+        "attention",
+        &target.name,
+        &["clang++-19", "clang++", "g++", "c++"],
+        || emulator_source(target),
+    )
+}
+
+/// `target`'s attention source with the emulator's layers and driver.
+fn emulator_source(target: &TargetFacts) -> String {
     let rendered = table::rendered(&target.name, "attention").expect("attention rendered");
     let mut source = splice(
         rendered.source,
@@ -68,12 +78,7 @@ fn emulator(target: &TargetFacts) -> PathBuf {
         section(GDN_EMULATOR, "driver"),
         &[KERNEL_DECODE, KERNEL_DECODE_MMA_G8, KERNEL_DECODE_MMA_G16],
     ));
-    build_host(
-        "attention",
-        &target.name,
-        &source,
-        &["clang++-19", "clang++", "g++", "c++"],
-    )
+    source
 }
 
 fn bytes<T: Copy, const N: usize>(v: &[T], to: impl Fn(T) -> [u8; N]) -> Vec<u8> {

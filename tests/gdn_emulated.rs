@@ -19,9 +19,7 @@ use fp4spec::kernels::table;
 use fp4spec::rng::SplitMix64;
 use fp4spec::target;
 use half::bf16;
-use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::OnceLock;
 
 const KERNEL: usize = 4;
 const EMULATOR: &str = include_str!("gdn_emulator.cpp");
@@ -40,12 +38,16 @@ fn section(name: &str) -> &'static str {
 
 /// The emulator binary for `target` (built once per test process).
 fn emulator(target_name: &'static str) -> PathBuf {
-    static BUILT: OnceLock<std::sync::Mutex<HashMap<&'static str, PathBuf>>> = OnceLock::new();
-    let built = BUILT.get_or_init(Default::default);
-    let mut built = built.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(path) = built.get(target_name) {
-        return path.clone();
-    }
+    build_host(
+        "gdn",
+        target_name,
+        &["clang++-19", "clang++", "g++", "c++"],
+        || emulator_source(target_name),
+    )
+}
+
+/// `target_name`'s gdn source with the emulator's layers and driver.
+fn emulator_source(target_name: &str) -> String {
     let rendered = table::rendered(target_name, "gdn").expect("gdn rendered");
     let mut source = splice(
         rendered.source,
@@ -80,14 +82,7 @@ fn emulator(target_name: &'static str) -> PathBuf {
         "unsigned char* smem = emu::dynamic_smem;",
     );
     source.push_str(&driver_for(section("driver"), rendered.kernels));
-    let exe = build_host(
-        "gdn",
-        target_name,
-        &source,
-        &["clang++-19", "clang++", "g++", "c++"],
-    );
-    built.insert(target_name, exe.clone());
-    exe
+    source
 }
 
 // ---- the command stream ----

@@ -20,7 +20,6 @@ use fp4spec::target::{self, TargetFacts};
 use half::bf16;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, OnceLock};
 
 const EMULATOR: &str = include_str!("gemm_emulator.cpp");
 const GDN_EMULATOR: &str = include_str!("gdn_emulator.cpp");
@@ -32,22 +31,18 @@ mod emulation;
 use driver::{Arg, Buf, Emu, driver_for};
 use emulation::{build_host, section, splice};
 
-/// The host binary of `target`'s rendered gemm source (built once per test process: the tests
-/// run in parallel and would otherwise rebuild it under each other).
+/// The host binary of `target`'s rendered gemm source (built once per test process).
 fn emulator(target: &TargetFacts) -> PathBuf {
-    static BUILT: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
-    let mut built = BUILT
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    built
-        .entry(target.name.clone())
-        .or_insert_with(|| build_emulator(target))
-        .clone()
+    build_host(
+        "gemm",
+        &target.name,
+        &["clang++-19", "clang++", "g++", "c++"],
+        || emulator_source(target),
+    )
 }
 
-/// Renders `target`'s gemm source with the emulator's layers and compiles it for the host.
-fn build_emulator(target: &TargetFacts) -> PathBuf {
+/// `target`'s gemm source with the emulator's layers and driver.
+fn emulator_source(target: &TargetFacts) -> String {
     let rendered = table::rendered(&target.name, "gemm").expect("gemm rendered");
     let mut source = splice(
         rendered.source,
@@ -96,13 +91,7 @@ fn build_emulator(target: &TargetFacts) -> PathBuf {
         source.contains(set_block),
         "the driver sets the block index"
     );
-    source = source.replace(set_block, "emu::self = {t, bx, by}; emu::grid = {gx, gy};");
-    build_host(
-        "gemm",
-        &target.name,
-        &source,
-        &["clang++-19", "clang++", "g++", "c++"],
-    )
+    source.replace(set_block, "emu::self = {t, bx, by}; emu::grid = {gx, gy};")
 }
 
 /// The targets the emulator runs: sm_121a renders the same kernels (only the tuning numbers

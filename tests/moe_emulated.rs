@@ -23,10 +23,8 @@ use fp4spec::kernels::table;
 use fp4spec::rng::SplitMix64;
 use fp4spec::target;
 use half::bf16;
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Mutex, OnceLock};
 
 const EMULATOR: &str = include_str!("moe_emulator.cpp");
 /// The portability layer and mma.sync emulation this emulator builds on.
@@ -41,14 +39,14 @@ use emulation::{build_host, read_dumps, section, splice, splice_if_present};
 
 /// The emulator binary for `target_name` (built once per test process).
 fn emulator(target_name: &'static str) -> PathBuf {
-    static BUILT: OnceLock<Mutex<HashMap<&'static str, PathBuf>>> = OnceLock::new();
-    let mut built = BUILT
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    if let Some(path) = built.get(target_name) {
-        return path.clone();
-    }
+    // clang: the gfx1151 source uses clang's vector extensions
+    build_host("moe", target_name, &["clang++-19", "clang++"], || {
+        emulator_source(target_name)
+    })
+}
+
+/// `target_name`'s moe source with the emulator's layers and driver.
+fn emulator_source(target_name: &str) -> String {
     let rendered = table::rendered(target_name, "moe").expect("moe rendered");
     let mut source = splice(
         rendered.source,
@@ -94,10 +92,7 @@ fn emulator(target_name: &'static str) -> PathBuf {
         "    std::map<std::string, MoeKernel> kernels = {\n",
         &format!("    std::map<std::string, MoeKernel> kernels = {{\n{table_entries}"),
     );
-    // clang: the gfx1151 source uses clang's vector extensions
-    let exe = build_host("moe", target_name, &source, &["clang++-19", "clang++"]);
-    built.insert(target_name, exe.clone());
-    exe
+    source
 }
 
 // ---- the command stream ----

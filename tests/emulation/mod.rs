@@ -3,8 +3,10 @@
 //! emulator file, splicing them over the vendor layers of a rendered kernel source, compiling the
 //! result for the host, and reading back the buffers it dumped. Each test file includes it with `mod emulation;`.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::{Mutex, OnceLock};
 
 /// The text of section `name` (from its `//@@ name` line to the next) of an emulator file.
 pub fn section<'a>(file: &'a str, name: &str) -> &'a str {
@@ -65,14 +67,36 @@ fn compiler(candidates: &[&str], family: &str) -> String {
     );
 }
 
-/// Compiles `source` (a family's rendered kernels with the emulator spliced in, and its driver)
-/// for the host with the first of `compilers` found, in a temporary folder of this process;
-/// returns the executable.
+/// Compiles `source()` (a family's rendered kernels with the emulator spliced in, and its
+/// driver) for the host with the first of `compilers` found, in a temporary folder of this
+/// process; returns the executable. Once per (family, target) and process: a test file's tests
+/// run in parallel threads, and a second build over the executable another test is running
+/// fails to start it.
 ///
 /// # Panics
 /// If no compiler is found or the source does not compile (the message holds the source's path
 /// and the compiler's errors).
-pub fn build_host(family: &str, target_name: &str, source: &str, compilers: &[&str]) -> PathBuf {
+pub fn build_host(
+    family: &str,
+    target_name: &str,
+    compilers: &[&str],
+    source: impl FnOnce() -> String,
+) -> PathBuf {
+    static BUILT: OnceLock<Mutex<HashMap<(String, String), PathBuf>>> = OnceLock::new();
+    let mut built = BUILT
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let key = (family.to_string(), target_name.to_string());
+    if let Some(exe) = built.get(&key) {
+        return exe.clone();
+    }
+    let exe = compile_host(family, target_name, &source(), compilers);
+    built.insert(key, exe.clone());
+    exe
+}
+
+fn compile_host(family: &str, target_name: &str, source: &str, compilers: &[&str]) -> PathBuf {
     let dir = std::env::temp_dir().join(format!(
         "fp4spec-{family}-emulator-{}-{target_name}",
         std::process::id()
