@@ -3,16 +3,18 @@
 //! split-K attention, merge + gate) for B sequences at a given context, replayed from a CUDA
 //! graph (on HIP: launched back to back), beside the time to read the sequences' K and V once at
 //! the device copy bandwidth measured in the same run; every split kernel the target renders
-//! ([`DecodeKernel`]: the warp-per-head reference and the mma kernel), so they compare in one run.
+//! ([`DecodeKernel`]: the warp-per-head reference and the mma kernel), so they compare in one run;
+//! bf16 and e4m3 caches ([`KvFormat`]: the e4m3 one reads half the bytes).
 //!
 //! Run: `cargo bench --bench attention` on a CUDA or ROCm host (prints one skip line elsewhere).
 
 mod common;
 
 use common::bench_graph;
+use fp4spec::formats::nvfp4::e4m3_encode;
 use fp4spec::kernels::attention::reference::AttentionShape;
 use fp4spec::kernels::attention::{
-    self, DecodeKernel, GatedAttention, KvCache, RopeTable, Rows, Workspace,
+    self, DecodeKernel, GatedAttention, KvCache, KvFormat, KvStore, RopeTable, Rows, Workspace,
 };
 use fp4spec::rng::SplitMix64;
 use half::bf16;
@@ -46,19 +48,32 @@ fn main() {
             eps: 1e-6,
             rope: &rope,
         };
-        for b in BATCHES {
+        for (b, format) in BATCHES
+            .into_iter()
+            .flat_map(|b| [(b, KvFormat::Bf16), (b, KvFormat::FP8_UNIT_SCALES)])
+        {
             // the caches hold random K/V over the context (filled directly: the bench times
             // the decode step, not a prefill)
             let len = b * capacity * SHAPE.kv_heads * SHAPE.head_dim;
-            let random = |rng: &mut SplitMix64| -> Vec<bf16> {
-                rng.normal_vec(len, 1.0)
-                    .into_iter()
-                    .map(bf16::from_f32)
-                    .collect()
+            let mut random = || -> KvStore {
+                let v = rng.normal_vec(len, 1.0);
+                match format {
+                    KvFormat::Bf16 => KvStore::Bf16(
+                        backend
+                            .upload(&v.into_iter().map(bf16::from_f32).collect::<Vec<_>>())
+                            .expect("cache"),
+                    ),
+                    KvFormat::Fp8E4m3 { .. } => KvStore::Fp8(
+                        backend
+                            .upload(&v.into_iter().map(e4m3_encode).collect::<Vec<_>>())
+                            .expect("cache"),
+                    ),
+                }
             };
-            let mut cache = KvCache::new(&backend, SHAPE, b, capacity).expect("cache");
-            cache.keys = backend.upload(&random(&mut rng)).expect("keys");
-            cache.values = backend.upload(&random(&mut rng)).expect("values");
+            let (keys, values) = (random(), random());
+            let mut cache = KvCache::new(&backend, SHAPE, b, capacity, format).expect("cache");
+            cache.keys = keys;
+            cache.values = values;
             let rows = Rows {
                 count: b,
                 slot: backend
@@ -82,7 +97,7 @@ fn main() {
             let mut q = backend.zeros::<f32>(b * SHAPE.heads * 256).expect("q");
             let mut out = backend.zeros::<bf16>(b * SHAPE.heads * 256).expect("out");
             let mut workspace = Workspace::new(&backend, SHAPE, b, capacity).expect("workspace");
-            let bytes = b as u64 * attention::kv_bytes(SHAPE, context + 1);
+            let bytes = b as u64 * attention::kv_bytes(SHAPE, context + 1, format);
             for decode in [DecodeKernel::Warp, DecodeKernel::Mma] {
                 if !backend.target().is_some_and(|t| decode.runs_on(t)) {
                     continue;
@@ -91,7 +106,7 @@ fn main() {
                     &mut criterion,
                     &backend,
                     "attention_decode_step",
-                    &format!("{}_B{b}_context{context}", decode.name()),
+                    &format!("{}_{}_B{b}_context{context}", decode.name(), format.name()),
                     bytes,
                     |_| {
                         attention::prepare(
@@ -112,7 +127,7 @@ fn main() {
                         .expect("attend");
                     },
                 );
-                rows_out.push((decode.name(), b, context, bytes, seconds));
+                rows_out.push((decode.name(), format.name(), b, context, bytes, seconds));
             }
         }
     }
@@ -122,13 +137,13 @@ fn main() {
         "one decode step of one full-attention layer (prepare + attend + merge/gate); floor = K/V bytes / copy bandwidth"
     );
     println!(
-        "{:<20} {:>3} {:>7} {:>12} {:>9} {:>9} {:>7} {:>8}",
-        "split kernel", "B", "context", "KV bytes", "us", "floor us", "GB/s", "of copy"
+        "{:<20} {:>4} {:>3} {:>7} {:>12} {:>9} {:>9} {:>7} {:>8}",
+        "split kernel", "KV", "B", "context", "KV bytes", "us", "floor us", "GB/s", "of copy"
     );
-    for (kernel, b, context, bytes, seconds) in rows_out {
+    for (kernel, kv, b, context, bytes, seconds) in rows_out {
         let gbs = bytes as f64 / seconds / 1e9;
         println!(
-            "{kernel:<20} {b:>3} {context:>7} {bytes:>12} {:>9.2} {:>9.2} {gbs:>7.0} {:>7.1}%",
+            "{kernel:<20} {kv:>4} {b:>3} {context:>7} {bytes:>12} {:>9.2} {:>9.2} {gbs:>7.0} {:>7.1}%",
             seconds * 1e6,
             bytes as f64 / (copy_gbs * 1e9) * 1e6,
             100.0 * gbs / copy_gbs

@@ -11,9 +11,11 @@
 //!
 //! Needs a C++20 compiler (`$CXX`, else clang++-19, clang++, g++ or c++).
 
+use fp4spec::formats::nvfp4::{e4m3_decode, e4m3_encode};
 use fp4spec::kernels::attention::reference::{self, AttentionShape};
 use fp4spec::kernels::attention::{
-    self, KERNEL_DECODE, KERNEL_DECODE_MMA_G8, KERNEL_DECODE_MMA_G16,
+    self, KERNEL_DECODE, KERNEL_DECODE_FP8, KERNEL_DECODE_MMA_G8, KERNEL_DECODE_MMA_G8_FP8,
+    KERNEL_DECODE_MMA_G16, KERNEL_DECODE_MMA_G16_FP8, KvFormat,
 };
 use fp4spec::kernels::table;
 use fp4spec::rng::SplitMix64;
@@ -76,7 +78,14 @@ fn emulator_source(target: &TargetFacts) -> String {
     source = source.replace(shared, "u8* attention_shared = emu::dynamic_smem;");
     source.push_str(&driver_for(
         section(GDN_EMULATOR, "driver"),
-        &[KERNEL_DECODE, KERNEL_DECODE_MMA_G8, KERNEL_DECODE_MMA_G16],
+        &[
+            KERNEL_DECODE,
+            KERNEL_DECODE_MMA_G8,
+            KERNEL_DECODE_MMA_G16,
+            KERNEL_DECODE_FP8,
+            KERNEL_DECODE_MMA_G8_FP8,
+            KERNEL_DECODE_MMA_G16_FP8,
+        ],
     ));
     source
 }
@@ -91,52 +100,97 @@ fn f32s(b: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-/// The attention of one decode row at position `len - 1` of cache slot 1: each kernel's output
-/// (`[heads][head_dim]`, its partials merged in f64), mma kernel first, and the reference's.
-fn run_row(
+/// One test's cache as the kernels read it: `[2 slots][capacity][kv_heads][head_dim]` bf16
+/// values or e4m3 codes.
+enum Cache {
+    Bf16(Vec<bf16>),
+    Fp8(Vec<u8>),
+}
+
+impl Cache {
+    /// `len` random values of N(0, 1) in `format` (e4m3: the codes of value / scale).
+    fn random(rng: &mut SplitMix64, len: usize, format: KvFormat, value: bool) -> Self {
+        let v = rng.normal_vec(len, 1.0);
+        match format {
+            KvFormat::Bf16 => Self::Bf16(v.into_iter().map(bf16::from_f32).collect()),
+            KvFormat::Fp8E4m3 {
+                key_scale,
+                value_scale,
+            } => {
+                let scale = if value { value_scale } else { key_scale };
+                Self::Fp8(v.into_iter().map(|x| e4m3_encode(x / scale)).collect())
+            }
+        }
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        match self {
+            Self::Bf16(v) => bytes(v, bf16::to_le_bytes),
+            Self::Fp8(v) => v.clone(),
+        }
+    }
+
+    /// Elements `range` as the reference reads them (e4m3: decoded times `scale`).
+    fn values(&self, range: std::ops::Range<usize>, scale: f32) -> Vec<f32> {
+        match self {
+            Self::Bf16(v) => v[range].iter().map(|x| x.to_f32()).collect(),
+            Self::Fp8(v) => v[range].iter().map(|&c| e4m3_decode(c) * scale).collect(),
+        }
+    }
+}
+
+/// The split kernels of `format` (mma first, then warp).
+fn kernels(shape: AttentionShape, format: KvFormat) -> [&'static str; 2] {
+    let warp = match format {
+        KvFormat::Bf16 => KERNEL_DECODE,
+        KvFormat::Fp8E4m3 { .. } => KERNEL_DECODE_FP8,
+    };
+    [attention::decode_mma_kernel(shape, format), warp]
+}
+
+/// The attention of one decode row `q` at position `len - 1` of cache slot 1 over `keys` and
+/// `values` (`capacity` = len + 3 positions per slot): each kernel's output (`[heads][head_dim]`,
+/// its partials merged in f64), mma kernel first.
+#[allow(clippy::too_many_arguments)]
+fn run_kernels(
     exe: &Path,
     target: &TargetFacts,
     shape: AttentionShape,
     len: usize,
-    rng: &mut SplitMix64,
-) -> [Vec<f64>; 3] {
+    format: KvFormat,
+    q: &[f32],
+    keys: &Cache,
+    values: &Cache,
+    name: &str,
+) -> [Vec<f64>; 2] {
     let (heads, kv_heads, hd) = (shape.heads, shape.kv_heads, shape.head_dim);
     let split = target.attention.split_positions as usize;
     let capacity = len + 3;
     let splits = capacity.div_ceil(split);
-    let q = rng.normal_vec(heads * hd, 1.0);
-    let cache_len = 2 * capacity * kv_heads * hd;
-    let keys: Vec<bf16> = rng
-        .normal_vec(cache_len, 1.0)
-        .into_iter()
-        .map(bf16::from_f32)
-        .collect();
-    let values: Vec<bf16> = rng
-        .normal_vec(cache_len, 1.0)
-        .into_iter()
-        .map(bf16::from_f32)
-        .collect();
+    let (key_scale, value_scale) = match format {
+        KvFormat::Bf16 => (1.0, 1.0),
+        KvFormat::Fp8E4m3 {
+            key_scale,
+            value_scale,
+        } => (key_scale, value_scale),
+    };
     let mut emu = Emu::default();
-    let q_buf = emu.buffer(bytes(&q, f32::to_le_bytes));
-    let k_buf = emu.buffer(bytes(&keys, bf16::to_le_bytes));
-    let v_buf = emu.buffer(bytes(&values, bf16::to_le_bytes));
+    let q_buf = emu.buffer(bytes(q, f32::to_le_bytes));
+    let k_buf = emu.buffer(keys.bytes());
+    let v_buf = emu.buffer(values.bytes());
     let slot = emu.buffer(1u32.to_le_bytes().to_vec());
     let position = emu.buffer((len as u32 - 1).to_le_bytes().to_vec());
     let mut outputs = Vec::new();
     let (splits32, kv32) = (splits as u32, kv_heads as u32);
+    let [mma, warp] = kernels(shape, format);
     for (kernel, grid, threads, shared) in [
         (
-            attention::decode_mma_kernel(shape),
+            mma,
             (kv32, splits32),
             256,
             attention::decode_mma_shared_bytes(shape, split),
         ),
-        (
-            KERNEL_DECODE,
-            (splits32, kv32),
-            (heads / kv_heads) as u32 * 32,
-            0,
-        ),
+        (warp, (splits32, kv32), (heads / kv_heads) as u32 * 32, 0),
     ] {
         // NaN: a partial the kernel leaves unwritten poisons the merge
         let ml = emu.buffer(bytes(&vec![f32::NAN; 2 * heads * splits], f32::to_le_bytes));
@@ -162,13 +216,15 @@ fn run_row(
                 Arg::U32(hd as u32),
                 Arg::U32(capacity as u32),
                 Arg::U32(splits as u32),
+                Arg::F32(key_scale),
+                Arg::F32(value_scale),
             ],
         );
         emu.dump(ml);
         emu.dump(acc);
         outputs.push((ml, acc));
     }
-    let dumps = emu.run(exe, &format!("attention_{heads}x{kv_heads}x{hd}_len{len}"));
+    let dumps = emu.run(exe, name);
     let merged = |(ml, acc): (driver::Buf, driver::Buf)| -> Vec<f64> {
         let (ml, acc) = (f32s(&dumps[&ml.0]), f32s(&dumps[&acc.0]));
         let mut out = vec![0.0f64; heads * hd];
@@ -195,24 +251,54 @@ fn run_row(
         }
         out
     };
+    [merged(outputs[0]), merged(outputs[1])]
+}
+
+/// [`run_kernels`] on a random row and cache in `format`, and the reference's output, last.
+fn run_row(
+    exe: &Path,
+    target: &TargetFacts,
+    shape: AttentionShape,
+    len: usize,
+    format: KvFormat,
+    rng: &mut SplitMix64,
+) -> [Vec<f64>; 3] {
+    let (heads, kv_heads, hd) = (shape.heads, shape.kv_heads, shape.head_dim);
+    let capacity = len + 3;
+    let q = rng.normal_vec(heads * hd, 1.0);
+    let cache_len = 2 * capacity * kv_heads * hd;
+    let keys = Cache::random(rng, cache_len, format, false);
+    let values = Cache::random(rng, cache_len, format, true);
+    let name = format!(
+        "attention_{}_{heads}x{kv_heads}x{hd}_len{len}",
+        format.name()
+    );
+    let [mma, warp] = run_kernels(exe, target, shape, len, format, &q, &keys, &values, &name);
+    let (key_scale, value_scale) = match format {
+        KvFormat::Bf16 => (1.0, 1.0),
+        KvFormat::Fp8E4m3 {
+            key_scale,
+            value_scale,
+        } => (key_scale, value_scale),
+    };
     let slot_rows = capacity * kv_heads * hd..capacity * kv_heads * hd + len * kv_heads * hd;
-    let to_f32 = |v: &[bf16]| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
     let want = reference::attend(
         shape,
         &q,
-        &to_f32(&keys[slot_rows.clone()]),
-        &to_f32(&values[slot_rows]),
+        &keys.values(slot_rows.clone(), key_scale),
+        &values.values(slot_rows, value_scale),
         len,
     );
-    [
-        merged(outputs[0]),
-        merged(outputs[1]),
-        want.iter().map(|&v| f64::from(v)).collect(),
-    ]
+    [mma, warp, want.iter().map(|&v| f64::from(v)).collect()]
 }
 
 #[test]
 fn the_mma_decode_kernel_matches_the_reference_and_the_warp_kernel() {
+    // e4m3 scales that put stored keys near 4 and values near 1/4 (many of them subnormal)
+    let fp8 = KvFormat::Fp8E4m3 {
+        key_scale: 0.25,
+        value_scale: 4.0,
+    };
     for target in target::all().iter().filter(|t| t.instructions.staged_mma()) {
         let exe = emulator(target);
         let mut rng = SplitMix64::new(0xa77e);
@@ -223,11 +309,17 @@ fn the_mma_decode_kernel_matches_the_reference_and_the_warp_kernel() {
                 kv_heads,
                 head_dim,
             };
-            for len in [1, split + 1, 3 * split - 5] {
-                let [mma, warp, want] = run_row(&exe, target, shape, len, &mut rng);
+            for (format, len) in [
+                (KvFormat::Bf16, 1),
+                (KvFormat::Bf16, split + 1),
+                (KvFormat::Bf16, 3 * split - 5),
+                (fp8, 1),
+                (fp8, 2 * split + 3),
+            ] {
+                let [mma, warp, want] = run_row(&exe, target, shape, len, format, &mut rng);
                 let rms = (want.iter().map(|v| v * v).sum::<f64>() / want.len() as f64).sqrt();
-                let mma_name = attention::decode_mma_kernel(shape);
-                for (name, got) in [(mma_name, &mma), (KERNEL_DECODE, &warp)] {
+                let [mma_name, warp_name] = kernels(shape, format);
+                for (name, got) in [(mma_name, &mma), (warp_name, &warp)] {
                     let worst = got
                         .iter()
                         .zip(&want)
@@ -245,6 +337,57 @@ fn the_mma_decode_kernel_matches_the_reference_and_the_warp_kernel() {
                     assert!(
                         worst < 5e-5,
                         "{} {name} {heads}x{kv_heads}x{head_dim} len {len}: error {worst:.2e}",
+                        target.name
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Every e4m3 code through both fp8 kernels, exactly: one position (softmax weight 1) and q = 0,
+/// so the output is the cached value row itself times the value scale; head_dim 256 holds the
+/// 256 codes (NaN ones included, which must come out NaN).
+#[test]
+fn the_fp8_kernels_decode_every_e4m3_code_exactly() {
+    let shape = AttentionShape {
+        heads: 4,
+        kv_heads: 1,
+        head_dim: 256,
+    };
+    let value_scale = 0.5;
+    let format = KvFormat::Fp8E4m3 {
+        key_scale: 1.0,
+        value_scale,
+    };
+    let capacity = 1 + 3;
+    let codes: Vec<u8> = (0..=255u8).collect();
+    // slot 1, position 0 holds the codes; every other row zeros
+    let mut values = vec![0u8; 2 * capacity * 256];
+    values[capacity * 256..capacity * 256 + 256].copy_from_slice(&codes);
+    let keys = Cache::Fp8(vec![0x38; 2 * capacity * 256]); // 1.0 everywhere
+    let q = vec![0.0f32; 4 * 256];
+    for target in target::all().iter().filter(|t| t.instructions.staged_mma()) {
+        let exe = emulator(target);
+        let outputs = run_kernels(
+            &exe,
+            target,
+            shape,
+            1,
+            format,
+            &q,
+            &keys,
+            &Cache::Fp8(values.clone()),
+            "attention_fp8_every_code",
+        );
+        for (name, out) in kernels(shape, format).iter().zip(&outputs) {
+            for h in 0..4 {
+                for (c, got) in codes.iter().zip(&out[h * 256..(h + 1) * 256]) {
+                    let want = f64::from(e4m3_decode(*c) * value_scale);
+                    // equal values (the products' accumulators turn -0 into +0)
+                    assert!(
+                        *got == want || (got.is_nan() && want.is_nan()),
+                        "{} {name}: code {c:#04x} gave {got}, want {want}",
                         target.name
                     );
                 }

@@ -5,6 +5,7 @@ mod device_model;
 
 use fp4spec::backend::Backend;
 use fp4spec::checkpoint::quantize::{QuantizeOptions, quantize};
+use fp4spec::kernels::attention::KvFormat;
 use fp4spec::kernels::verify::SamplingParams;
 use fp4spec::model::device::{DeviceModel, generate_greedy};
 use fp4spec::model::forward::Model;
@@ -13,6 +14,19 @@ use fp4spec::model::generate::{FinishReason, Request};
 #[test]
 fn device_decode_on_the_cpu_backend_matches_the_runner() {
     device_model::decode_matches_runner(&Backend::Cpu, 12, 12);
+}
+
+/// The KV caches in e4m3 (unit scales): the attention family's CPU path stores and reads the
+/// codes, the logits stay near the runner's f32 cache.
+#[test]
+fn device_decode_with_an_fp8_kv_cache_stays_near_the_runner() {
+    device_model::decode_matches_runner_on(
+        &Backend::Cpu,
+        &device_model::demo_dir(),
+        KvFormat::FP8_UNIT_SCALES,
+        12,
+        12,
+    );
 }
 
 #[test]
@@ -122,5 +136,5 @@ fn device_decode_runs_an_nvfp4_checkpoint_on_its_codes() {
         nvfp4.weight_bytes(e, k),
         bf16.weight_bytes(e, k)
     );
-    device_model::decode_matches_runner_on(&Backend::Cpu, &out, 12, 12);
+    device_model::decode_matches_runner_on(&Backend::Cpu, &out, KvFormat::Bf16, 12, 12);
 }

@@ -14,7 +14,12 @@
 //   attention_combine_gate  the splits merged, times sigmoid(gate), bf16 out for o_proj (a
 //                           block per (row, head), or per part of its dimensions at small
 //                           batches).
+// The cache holds bf16, or float8_e4m3fn codes of value * (1 / scale) (one key scale and one
+// value scale per layer): the prepare kernel takes the format as an argument, the split kernels come
+// in both (attention_decode*_fp8 read e4m3 rows, half the bytes of bf16, and decode them exactly;
+// the key scale multiplies q, the value scale the split's output).
 {% include "common/prelude.cuh" %}
+{% include "common/nvfp4.cuh" %}
 
 #define ATTN_PREPARE_WARPS {{ target.attention.prepare_warps_per_block }}
 #define ATTN_SPLIT {{ target.attention.split_positions }}
@@ -34,9 +39,9 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_PREPARE_WARPS * FP4_WARP_SIZE) attention_
     const u16* __restrict__ q_gate, const u16* __restrict__ k, const u16* __restrict__ v,
     const float* __restrict__ q_norm, const float* __restrict__ k_norm,
     const float* __restrict__ rope, const u32* __restrict__ row_slot,
-    const u32* __restrict__ row_pos, float* __restrict__ q_out, u16* __restrict__ k_cache,
-    u16* __restrict__ v_cache, u32 rows, u32 heads, u32 kv_heads, u32 head_dim,
-    u32 rotary_half, u32 capacity, float eps) {
+    const u32* __restrict__ row_pos, float* __restrict__ q_out, void* __restrict__ k_cache,
+    void* __restrict__ v_cache, u32 rows, u32 heads, u32 kv_heads, u32 head_dim,
+    u32 rotary_half, u32 capacity, float eps, u32 kv_fp8, float key_inverse, float value_inverse) {
     chain_after_previous_grid();
     __shared__ float normed[ATTN_PREPARE_WARPS][ATTN_MAX_HEAD_DIM];
     const u32 warp = thread_x() / FP4_WARP_SIZE;
@@ -93,17 +98,23 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_PREPARE_WARPS * FP4_WARP_SIZE) attention_
     #pragma unroll
     for (int i = 0; i < ATTN_MAX_ELEMS; ++i) {
         const u32 d = i * FP4_WARP_SIZE + lane;
-        if (d < head_dim) {
-            k_cache[at + d] = f32_to_bf16(x[i]);
-            v_cache[at + d] = v_src[d];
+        if (d >= head_dim) continue;
+        if (kv_fp8) {
+            // value times the f32 inverse of its scale, then to e4m3 (the reference's arithmetic)
+            static_cast<u8*>(k_cache)[at + d] = (u8)f32_to_e4m3(x[i] * key_inverse);
+            static_cast<u8*>(v_cache)[at + d] = (u8)f32_to_e4m3(bf16_to_f32(v_src[d]) * value_inverse);
+        } else {
+            static_cast<u16*>(k_cache)[at + d] = f32_to_bf16(x[i]);
+            static_cast<u16*>(v_cache)[at + d] = v_src[d];
         }
     }
 }
 
-/// `E` bf16 values at `p` as floats (16-, 8- or 4-byte loads where E allows; `p` is aligned to
-/// E elements because head rows start at multiples of head_dim = 32 E).
+/// `E` cached values at `p` as floats, bf16 (16-, 8- or 4-byte loads where E allows; `p` is
+/// aligned to E elements because head rows start at multiples of head_dim = 32 E) or e4m3 codes
+/// (8- or 4-byte loads where E allows).
 template <int E>
-FP4_DEVICE void load_bf16_row(float (&dst)[E], const u16* p) {
+FP4_DEVICE void load_kv_row(float (&dst)[E], const u16* p) {
     if constexpr (E % 8 == 0) {
         #pragma unroll
         for (int c = 0; c < E / 8; ++c) {
@@ -129,14 +140,35 @@ FP4_DEVICE void load_bf16_row(float (&dst)[E], const u16* p) {
         for (int i = 0; i < E; ++i) dst[i] = bf16_to_f32(p[i]);
     }
 }
+template <int E>
+FP4_DEVICE void load_kv_row(float (&dst)[E], const u8* p) {
+    if constexpr (E % 4 == 0) {
+        u32 w[E / 4];
+        if constexpr (E == 8) {
+            const u32x2 v = load_u32x2(p);
+            w[0] = v.x;
+            w[1] = v.y;
+        } else {
+            #pragma unroll
+            for (int c = 0; c < E / 4; ++c) w[c] = *reinterpret_cast<const u32*>(p + 4 * c);
+        }
+        #pragma unroll
+        for (int i = 0; i < E; ++i) dst[i] = e4m3_to_f32((w[i / 4] >> (8 * (i % 4))) & 0xffu);
+    } else {
+        #pragma unroll
+        for (int i = 0; i < E; ++i) dst[i] = e4m3_to_f32(p[i]);
+    }
+}
 
 // The body of attention_decode for head_dim = 32 E: lane l owns dimensions [l E, l E + E).
 // Every step issues the K and V rows of ATTN_UNROLL positions before using any of them (V does
-// not depend on the scores), so a warp keeps 2 * ATTN_UNROLL row loads in flight.
-template <int E>
-FP4_DEVICE void decode_split(const float* q_row, const u16* k_base, const u16* v_base, u64 stride,
-                             u32 start, u32 end, u32 lane, float* ml, float* acc_out) {
-    const float scale = score_scale(E * FP4_WARP_SIZE);
+// not depend on the scores), so a warp keeps 2 * ATTN_UNROLL row loads in flight. KV: u16 (bf16
+// cache) or u8 (e4m3 codes of value / scale).
+template <int E, class KV>
+FP4_DEVICE void decode_split(const float* q_row, const KV* k_base, const KV* v_base, u64 stride,
+                             u32 start, u32 end, u32 lane, float key_scale, float value_scale,
+                             float* ml, float* acc_out) {
+    const float scale = score_scale(E * FP4_WARP_SIZE) * key_scale;
     float qr[E], acc[E];
     #pragma unroll
     for (int i = 0; i < E; ++i) {
@@ -151,8 +183,8 @@ FP4_DEVICE void decode_split(const float* q_row, const u16* k_base, const u16* v
         #pragma unroll
         for (int u = 0; u < ATTN_UNROLL; ++u) {
             const u64 at = (u64)(p + u < end ? p + u : end - 1) * stride + lane * E;
-            load_bf16_row<E>(kf[u], k_base + at);
-            load_bf16_row<E>(vf[u], v_base + at);
+            load_kv_row<E>(kf[u], k_base + at);
+            load_kv_row<E>(vf[u], v_base + at);
         }
         float s[ATTN_UNROLL];
         float m_new = m;
@@ -183,17 +215,16 @@ FP4_DEVICE void decode_split(const float* q_row, const u16* k_base, const u16* v
         ml[1] = l;
     }
     #pragma unroll
-    for (int i = 0; i < E; ++i) acc_out[lane * E + i] = acc[i];
+    for (int i = 0; i < E; ++i) acc_out[lane * E + i] = acc[i] * value_scale;
 }
 
 // grid (splits, kv_heads, rows), one warp per query head of the group; head_dim a multiple of
 // 32 up to 256 (checked on the host). Scores are taken in base 2 (q pre-scaled by
-// log2(e) / sqrt(head_dim)).
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(16 * FP4_WARP_SIZE) attention_decode(
-    const float* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
-    const u32* __restrict__ row_slot, const u32* __restrict__ row_pos,
-    float* __restrict__ partial_ml, float* __restrict__ partial_acc, u32 heads, u32 kv_heads,
-    u32 head_dim, u32 capacity, u32 splits) {
+// log2(e) / sqrt(head_dim) and the key scale).
+template <class KV>
+FP4_DEVICE void decode_warps(const float* q, const KV* k_cache, const KV* v_cache, const u32* row_slot,
+                             const u32* row_pos, float* partial_ml, float* partial_acc, u32 heads, u32 kv_heads,
+                             u32 head_dim, u32 capacity, u32 splits, float key_scale, float value_scale) {
     chain_after_previous_grid();
     const u32 split = block_x(), kv_head = block_y(), row = block_z();
     const u32 group = heads / kv_heads;
@@ -216,19 +247,32 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(16 * FP4_WARP_SIZE) attention_decode(
     const float* q_row = q + ((u64)row * heads + head) * head_dim;
     float* ml = partial_ml + 2 * part;
     float* acc = partial_acc + part * head_dim;
-    const u16* k = k_cache + base;
-    const u16* v = v_cache + base;
+    const KV* k = k_cache + base;
+    const KV* v = v_cache + base;
+    const float ks = key_scale, vs = value_scale;
     switch (head_dim / FP4_WARP_SIZE) {
-        case 1: decode_split<1>(q_row, k, v, stride, start, end, lane, ml, acc); break;
-        case 2: decode_split<2>(q_row, k, v, stride, start, end, lane, ml, acc); break;
-        case 3: decode_split<3>(q_row, k, v, stride, start, end, lane, ml, acc); break;
-        case 4: decode_split<4>(q_row, k, v, stride, start, end, lane, ml, acc); break;
-        case 5: decode_split<5>(q_row, k, v, stride, start, end, lane, ml, acc); break;
-        case 6: decode_split<6>(q_row, k, v, stride, start, end, lane, ml, acc); break;
-        case 7: decode_split<7>(q_row, k, v, stride, start, end, lane, ml, acc); break;
-        default: decode_split<8>(q_row, k, v, stride, start, end, lane, ml, acc); break;
+        case 1: decode_split<1>(q_row, k, v, stride, start, end, lane, ks, vs, ml, acc); break;
+        case 2: decode_split<2>(q_row, k, v, stride, start, end, lane, ks, vs, ml, acc); break;
+        case 3: decode_split<3>(q_row, k, v, stride, start, end, lane, ks, vs, ml, acc); break;
+        case 4: decode_split<4>(q_row, k, v, stride, start, end, lane, ks, vs, ml, acc); break;
+        case 5: decode_split<5>(q_row, k, v, stride, start, end, lane, ks, vs, ml, acc); break;
+        case 6: decode_split<6>(q_row, k, v, stride, start, end, lane, ks, vs, ml, acc); break;
+        case 7: decode_split<7>(q_row, k, v, stride, start, end, lane, ks, vs, ml, acc); break;
+        default: decode_split<8>(q_row, k, v, stride, start, end, lane, ks, vs, ml, acc); break;
     }
 }
+
+// attention_decode: a bf16 cache; attention_decode_fp8: e4m3 codes
+{% for kv in ["u16", "u8"] %}{% if kv == "u8" %}{% set suffix = "_fp8" %}{% else %}{% set suffix = "" %}{% endif %}
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(16 * FP4_WARP_SIZE) attention_decode{{ suffix }}(
+    const float* __restrict__ q, const {{ kv }}* __restrict__ k_cache, const {{ kv }}* __restrict__ v_cache,
+    const u32* __restrict__ row_slot, const u32* __restrict__ row_pos,
+    float* __restrict__ partial_ml, float* __restrict__ partial_acc, u32 heads, u32 kv_heads,
+    u32 head_dim, u32 capacity, u32 splits, float key_scale, float value_scale) {
+    decode_warps(q, k_cache, v_cache, row_slot, row_pos, partial_ml, partial_acc, heads, kv_heads, head_dim,
+                 capacity, splits, key_scale, value_scale);
+}
+{% endfor %}
 
 {% if target.instructions.mma_sync_bf16 and target.instructions.cp_async %}
 // ============================================================================================
@@ -269,15 +313,24 @@ FP4_DEVICE void split_bf16_pair(float v, float w, u32& hi, u32& lo) {
     lo = (u32)f32_to_bf16(v - bf16_to_f32(hv)) | ((u32)f32_to_bf16(w - bf16_to_f32(hw)) << 16);
 }
 
-// The body of attention_decode_mma_g{8,16}: a group of up to 8 NT heads (NT n8 tiles). grid
-// (kv_heads, splits, rows), ATTN_MMA_WARPS warps; dynamic shared memory (bytes, as
+// 16-byte pieces of e4m3 rows each thread of an mma block loads per cache (K or V), at most
+#define ATTN_FP8_PIECES (ATTN_SPLIT * ATTN_MAX_HEAD_DIM / 16 / (ATTN_MMA_WARPS * FP4_WARP_SIZE))
+static_assert(ATTN_FP8_PIECES > 0, "split_positions: at least one e4m3 piece per thread");
+
+// The body of attention_decode_mma_g{8,16}[_fp8]: a group of up to 8 NT heads (NT n8 tiles).
+// grid (kv_heads, splits, rows), ATTN_MMA_WARPS warps; dynamic shared memory (bytes, as
 // src/kernels/attention/mod.rs sizes it): K rows, V rows [ATTN_SPLIT][head_dim + ATTN_ROW_PAD]
 // bf16, scores [ATTN_K_PARTS][8 NT][ATTN_SPLIT] f32, p hi and lo [8 NT][ATTN_SPLIT + ATTN_P_PAD]
-// bf16.
-template <int NT>
-FP4_DEVICE void decode_mma(const float* q, const u16* k_cache, const u16* v_cache, const u32* row_slot,
+// bf16. KV: u16 (a bf16 cache, copied by cp.async) or u8 (e4m3 codes: every thread loads its
+// pieces of the split's rows into registers at once, 16 bytes each, and after the q fragments
+// writes them to the same bf16 rows, decoded exactly; the key scale multiplies q, the value
+// scale the output).
+template <int NT, class KV>
+FP4_DEVICE void decode_mma(const float* q, const KV* k_cache, const KV* v_cache, const u32* row_slot,
                            const u32* row_pos, float* partial_ml, float* partial_acc, u32 heads, u32 kv_heads,
-                           u32 head_dim, u32 capacity, u32 splits, u8* attention_shared) {
+                           u32 head_dim, u32 capacity, u32 splits, float key_scale, float value_scale,
+                           u8* attention_shared) {
+    constexpr bool FP8 = sizeof(KV) == 1;
     // k16 steps of the scores per warp, at most (ATTN_K_PARTS warps share a position tile)
     constexpr int STEPS = ATTN_MAX_HEAD_DIM / 16 / ATTN_K_PARTS;
     // the KV heads of a split are neighbours in the grid (they read the two halves of the same
@@ -311,21 +364,36 @@ FP4_DEVICE void decode_mma(const float* q, const u16* k_cache, const u16* v_cach
     u16* const p_hi = reinterpret_cast<u16*>(scores + ATTN_K_PARTS * 8 * NT * ATTN_SPLIT);
     u16* const p_lo = p_hi + 8 * NT * p_elems;
 
-    // the split's rows, 16 bytes per copy; positions past the context are zero (their scores are
-    // masked, and zeros keep NaN out of the products)
-    const u32 chunks = head_dim / 8;
-    for (u32 i = thread_x(); i < ATTN_SPLIT * chunks; i += ATTN_MMA_WARPS * FP4_WARP_SIZE) {
-        const u32 pos = i / chunks, c = i % chunks;
-        const u64 at = base + (u64)(pos < count ? pos : 0u) * stride + 8 * c;
-        const u32 bytes = pos < count ? 16u : 0u;
-        cp_async16_zfill(k_rows + pos * row_elems + 8 * c, k_cache + at, bytes);
-        cp_async16_zfill(v_rows + pos * row_elems + 8 * c, v_cache + at, bytes);
+    // the split's rows, 16 bytes per copy or load; positions past the context are zero (their
+    // scores are masked, and zeros keep NaN out of the products)
+    constexpr u32 THREADS = ATTN_MMA_WARPS * FP4_WARP_SIZE;
+    const u32 pieces = head_dim / (16 / sizeof(KV));  // per row
+    u32x4 k_codes[FP8 ? ATTN_FP8_PIECES : 1], v_codes[FP8 ? ATTN_FP8_PIECES : 1];
+    if constexpr (FP8) {
+        #pragma unroll
+        for (int j = 0; j < ATTN_FP8_PIECES; ++j) {
+            const u32 i = thread_x() + j * THREADS, pos = i / pieces;
+            k_codes[j] = v_codes[j] = {0u, 0u, 0u, 0u};
+            if (pos < count) {
+                const u64 at = base + (u64)pos * stride + 16 * (i % pieces);
+                k_codes[j] = load_u32x4(k_cache + at);
+                v_codes[j] = load_u32x4(v_cache + at);
+            }
+        }
+    } else {
+        for (u32 i = thread_x(); i < ATTN_SPLIT * pieces; i += THREADS) {
+            const u32 pos = i / pieces, c = i % pieces;
+            const u64 at = base + (u64)(pos < count ? pos : 0u) * stride + 8 * c;
+            const u32 bytes = pos < count ? 16u : 0u;
+            cp_async16_zfill(k_rows + pos * row_elems + 8 * c, k_cache + at, bytes);
+            cp_async16_zfill(v_rows + pos * row_elems + 8 * c, v_cache + at, bytes);
+        }
+        cp_async_commit();
     }
-    cp_async_commit();
 
     // while the rows arrive: this warp's q fragments (the B operand of its k16 steps part, part +
     // ATTN_K_PARTS, ...), scaled, as bf16 hi / lo pairs {b0, b1}; zero past head_dim and the group
-    const float scale = score_scale(head_dim);
+    const float scale = score_scale(head_dim) * key_scale;
     const float* q_group = q + ((u64)row * heads + kv_head * group) * head_dim;
     u32 q_hi[STEPS][NT][2], q_lo[STEPS][NT][2];
     #pragma unroll
@@ -343,7 +411,29 @@ FP4_DEVICE void decode_mma(const float* q, const u16* k_cache, const u16* v_cach
             }
         }
     }
-    cp_async_wait<0>();
+    if constexpr (FP8) {
+        // 16 codes -> 16 bf16 (32 bytes) at the piece's place in its row
+        #pragma unroll
+        for (int j = 0; j < ATTN_FP8_PIECES; ++j) {
+            const u32 i = thread_x() + j * THREADS, pos = i / pieces;
+            if (pos >= ATTN_SPLIT) continue;
+            const u32 at = pos * row_elems + 16 * (i % pieces);
+            const u32 k_words[4] = {k_codes[j].x, k_codes[j].y, k_codes[j].z, k_codes[j].w};
+            const u32 v_words[4] = {v_codes[j].x, v_codes[j].y, v_codes[j].z, v_codes[j].w};
+            u32 k_out[8], v_out[8];
+            #pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                e4m3x4_to_bf16x4(k_words[w], k_out[2 * w], k_out[2 * w + 1]);
+                e4m3x4_to_bf16x4(v_words[w], v_out[2 * w], v_out[2 * w + 1]);
+            }
+            store_u32x4(k_rows + at, {k_out[0], k_out[1], k_out[2], k_out[3]});
+            store_u32x4(k_rows + at + 8, {k_out[4], k_out[5], k_out[6], k_out[7]});
+            store_u32x4(v_rows + at, {v_out[0], v_out[1], v_out[2], v_out[3]});
+            store_u32x4(v_rows + at + 8, {v_out[4], v_out[5], v_out[6], v_out[7]});
+        }
+    } else {
+        cp_async_wait<0>();
+    }
     block_barrier();
 
     // scores: warp (position tile, k part) takes the k16 steps part, part + ATTN_K_PARTS, ...
@@ -427,23 +517,25 @@ FP4_DEVICE void decode_mma(const float* q, const u16* k_cache, const u16* v_cach
             for (int i = 0; i < 4; ++i) {
                 const u32 head = acc_col(lane, nt, i);
                 if (head < group)
-                    partial_acc[(first_part + (u64)head * splits) * head_dim + d0 + acc_row(lane, i)] = acc[nt][i];
+                    partial_acc[(first_part + (u64)head * splits) * head_dim + d0 + acc_row(lane, i)] =
+                        acc[nt][i] * value_scale;
             }
     }
 }
 
-// attention_decode_mma_g8: groups of 1 to 8 query heads per KV head (one n8 tile); _g16: 9 to 16
-{% for tiles in [1, 2] %}
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_MMA_WARPS * FP4_WARP_SIZE) attention_decode_mma_g{{ 8 * tiles }}(
-    const float* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
+// attention_decode_mma_g8: groups of 1 to 8 query heads per KV head (one n8 tile); _g16: 9 to
+// 16; _fp8: the same over e4m3 codes
+{% for tiles in [1, 2] %}{% for kv in ["u16", "u8"] %}{% if kv == "u8" %}{% set suffix = "_fp8" %}{% else %}{% set suffix = "" %}{% endif %}
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_MMA_WARPS * FP4_WARP_SIZE) attention_decode_mma_g{{ 8 * tiles }}{{ suffix }}(
+    const float* __restrict__ q, const {{ kv }}* __restrict__ k_cache, const {{ kv }}* __restrict__ v_cache,
     const u32* __restrict__ row_slot, const u32* __restrict__ row_pos,
     float* __restrict__ partial_ml, float* __restrict__ partial_acc, u32 heads, u32 kv_heads,
-    u32 head_dim, u32 capacity, u32 splits) {
+    u32 head_dim, u32 capacity, u32 splits, float key_scale, float value_scale) {
     extern __shared__ __align__(16) u8 attention_shared[];
     decode_mma<{{ tiles }}>(q, k_cache, v_cache, row_slot, row_pos, partial_ml, partial_acc, heads, kv_heads,
-                               head_dim, capacity, splits, attention_shared);
+                            head_dim, capacity, splits, key_scale, value_scale, attention_shared);
 }
-{% endfor %}
+{% endfor %}{% endfor %}
 {% endif %}
 
 // One block per (row, query head, dims_per_block dimensions): the row's splits merged, times

@@ -642,13 +642,6 @@ FP4_DEVICE u32 f32x8_to_e2m1x8(const float (&v)[8]) {
     return packed;
 }
 
-/// fp32 -> e4m3 byte, RNE, saturating at 448.
-FP4_DEVICE u32 f32_to_e4m3(float v) {
-    unsigned short pair;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(pair) : "f"(0.0f), "f"(v));
-    return pair & 0xffu;
-}
-
 // One thread per 16-element block of X: block scale e4m3(amax / (6 * input_scale)) (zero -> 1.0),
 // elements e2m1(x / (block_scale * input_scale)). Blocks are row-major over [M, K / 16], the
 // layout of both outputs.

@@ -1,12 +1,13 @@
 //! GPU checks of the `norm` and `attention` families against their CPU launch paths (which run
 //! the references) on fresh random inputs: the real Qwen3.6 head shape and awkward ones, decode,
-//! verify and prefill rows in one call, contexts longer than one split.
+//! verify and prefill rows in one call, contexts longer than one split; bf16 and e4m3 caches
+//! (unit scales, and scales that push values into e4m3's subnormals and saturation).
 
 use crate::common::{cuda, random_bf16, rng};
 use fp4spec::backend::{Backend, DeviceVec};
 use fp4spec::kernels::attention::reference::AttentionShape;
 use fp4spec::kernels::attention::{
-    self, DecodeKernel, GatedAttention, KvCache, RopeTable, Rows, Workspace,
+    self, DecodeKernel, GatedAttention, KvCache, KvFormat, KvStore, RopeTable, Rows, Workspace,
 };
 use fp4spec::kernels::compare::compare_bf16;
 use fp4spec::kernels::norm::{self, ResidualWriter};
@@ -85,6 +86,7 @@ fn rms_norm_residual_matches_the_reference() {
 /// prepare + attend. Returns (q, keys, out).
 struct Scenario {
     shape: AttentionShape,
+    format: KvFormat,
     rotary_dim: usize,
     capacity: usize,
     /// (slot, first position, rows) of the history pass, then of the test pass.
@@ -120,13 +122,19 @@ fn inputs(rng: &mut SplitMix64, shape: AttentionShape, rows: usize) -> Inputs {
     }
 }
 
+/// The cached keys as stored: bf16 values or e4m3 codes.
+enum CachedKeys {
+    Bf16(Vec<bf16>),
+    Fp8(Vec<u8>),
+}
+
 fn run(
     backend: &Backend,
     decode: DecodeKernel,
     s: &Scenario,
     history: &Inputs,
     step: &Inputs,
-) -> (Vec<f32>, Vec<bf16>, Vec<bf16>) {
+) -> (Vec<f32>, CachedKeys, Vec<bf16>) {
     let shape = s.shape;
     let rope = RopeTable::new(backend, s.rotary_dim, 1e7, s.capacity).expect("rope");
     let q_norm = backend.upload(&s.q_norm).expect("q_norm");
@@ -145,7 +153,7 @@ fn run(
         .map(|p| p.0)
         .max()
         .unwrap_or(0) as usize;
-    let mut cache = KvCache::new(backend, shape, slots, s.capacity).expect("cache");
+    let mut cache = KvCache::new(backend, shape, slots, s.capacity, s.format).expect("cache");
     let mut last = None;
     for (plan, data) in [(&s.history, history), (&s.step, step)] {
         let (slot, position) = rows_of(plan);
@@ -192,7 +200,38 @@ fn run(
         ));
     }
     let (q, out) = last.expect("two passes");
-    (q, backend.download(&cache.keys).expect("keys"), out)
+    let keys = match &cache.keys {
+        KvStore::Bf16(k) => CachedKeys::Bf16(backend.download(k).expect("keys")),
+        KvStore::Fp8(k) => CachedKeys::Fp8(backend.download(k).expect("keys")),
+    };
+    (q, keys, out)
+}
+
+/// e4m3 codes of the same values computed twice (fp32 norm and rotation in another order): equal,
+/// or neighbours where the value sat on a rounding boundary, which must be rare.
+fn check_fp8_codes(test: &str, got: &[u8], want: &[u8]) {
+    let order = |c: u8| -> i32 {
+        let magnitude = i32::from(c & 0x7f);
+        if c & 0x80 != 0 { -magnitude } else { magnitude }
+    };
+    let mut differ = 0usize;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if g != w {
+            differ += 1;
+            assert!(
+                (order(g) - order(w)).abs() <= 1,
+                "{test}: cached key {i}: code {g:#04x} against {w:#04x}"
+            );
+        }
+    }
+    println!(
+        "{test}: cached e4m3 keys: {differ} of {} one code apart",
+        want.len()
+    );
+    assert!(
+        differ * 1000 <= want.len(),
+        "{test}: {differ} cached keys differ"
+    );
 }
 
 fn check(test: &str, s: Scenario) {
@@ -228,10 +267,18 @@ fn check(test: &str, s: Scenario) {
             q_err < 1e-4 && gpu_q.iter().all(|v| v.is_finite()),
             "{test}: q off by {q_err:.2e}"
         );
-        let want_keys: Vec<f32> = cpu_keys.iter().map(|v| v.to_f32()).collect();
-        let keys = compare_bf16(&gpu_keys, &want_keys);
-        println!("{test}: cached keys {keys}");
-        assert!(keys.passed(), "{test}: cached keys {keys}");
+        match (&cpu_keys, &gpu_keys) {
+            (CachedKeys::Bf16(cpu_keys), CachedKeys::Bf16(gpu_keys)) => {
+                let want_keys: Vec<f32> = cpu_keys.iter().map(|v| v.to_f32()).collect();
+                let keys = compare_bf16(gpu_keys, &want_keys);
+                println!("{test}: cached keys {keys}");
+                assert!(keys.passed(), "{test}: cached keys {keys}");
+            }
+            (CachedKeys::Fp8(cpu_keys), CachedKeys::Fp8(gpu_keys)) => {
+                check_fp8_codes(&test, gpu_keys, cpu_keys)
+            }
+            _ => panic!("{test}: the CPU and GPU caches differ in format"),
+        }
         let want: Vec<f32> = cpu_out.iter().map(|v| v.to_f32()).collect();
         let agreement = compare_bf16(&gpu_out, &want);
         println!("{test}: gated output {agreement}");
@@ -253,18 +300,73 @@ fn attention_real_shape_decode_verify_prefill() {
     let (q_norm, k_norm) = norms(&mut SplitMix64::new(1), 256);
     check(
         "attention_real_shape_decode_verify_prefill",
-        Scenario {
-            shape,
-            rotary_dim: 64,
-            capacity: 1300,
-            // slot 0: 1100 tokens of context (5 splits), slot 1: 500, slot 2: empty
-            history: vec![(0, 0, 1100), (1, 0, 500)],
-            // a decode row, three verify rows, a 37-token prefill
-            step: vec![(0, 1100, 1), (1, 500, 3), (2, 0, 37)],
-            q_norm,
-            k_norm,
-        },
+        real_shape_scenario(shape, KvFormat::Bf16, q_norm, k_norm),
     );
+}
+
+fn real_shape_scenario(
+    shape: AttentionShape,
+    format: KvFormat,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+) -> Scenario {
+    Scenario {
+        shape,
+        format,
+        rotary_dim: 64,
+        capacity: 1300,
+        // slot 0: 1100 tokens of context (5 splits), slot 1: 500, slot 2: empty
+        history: vec![(0, 0, 1100), (1, 0, 500)],
+        // a decode row, three verify rows, a 37-token prefill
+        step: vec![(0, 1100, 1), (1, 500, 3), (2, 0, 37)],
+        q_norm,
+        k_norm,
+    }
+}
+
+#[test]
+fn attention_fp8_cache_real_shape() {
+    let shape = AttentionShape {
+        heads: 16,
+        kv_heads: 2,
+        head_dim: 256,
+    };
+    let (q_norm, k_norm) = norms(&mut SplitMix64::new(3), 256);
+    check(
+        "attention_fp8_cache_real_shape",
+        real_shape_scenario(shape, KvFormat::FP8_UNIT_SCALES, q_norm, k_norm),
+    );
+}
+
+#[test]
+fn attention_fp8_cache_awkward_shapes_and_scales() {
+    // key scale 1/128: normed keys of ~1 are stored as ~128, those above 3.5 saturate at 448;
+    // value scale 8: values of ~1 are stored as ~0.125, those below 1/8 in e4m3's subnormals
+    let format = KvFormat::Fp8E4m3 {
+        key_scale: 1.0 / 128.0,
+        value_scale: 8.0,
+    };
+    for (heads, kv_heads, head_dim, rotary_dim) in [(6, 6, 96, 96), (12, 1, 160, 40)] {
+        let shape = AttentionShape {
+            heads,
+            kv_heads,
+            head_dim,
+        };
+        let (q_norm, k_norm) = norms(&mut SplitMix64::new(4), head_dim);
+        check(
+            &format!("attention_fp8_awkward_{heads}x{kv_heads}x{head_dim}"),
+            Scenario {
+                shape,
+                format,
+                rotary_dim,
+                capacity: 600,
+                history: vec![(1, 0, 257)],
+                step: vec![(0, 0, 1), (1, 257, 2), (0, 1, 5)],
+                q_norm,
+                k_norm,
+            },
+        );
+    }
 }
 
 #[test]
@@ -281,6 +383,7 @@ fn attention_awkward_shapes() {
             &format!("attention_awkward_{heads}x{kv_heads}x{head_dim}"),
             Scenario {
                 shape,
+                format: KvFormat::Bf16,
                 rotary_dim,
                 capacity: 600,
                 history: vec![(1, 0, 257)],
@@ -309,7 +412,7 @@ fn attention_rejects_bad_shapes() {
                 slot: gpu.upload(&[0u32])?,
                 position: gpu.upload(&[0u32])?,
             };
-            let cache = KvCache::new(gpu, shape, 1, 10)?;
+            let cache = KvCache::new(gpu, shape, 1, 10, KvFormat::Bf16)?;
             let q = gpu.upload(&vec![0.0f32; 34 * 64])?;
             let q_gate = gpu.upload(&vec![bf16::ZERO; 34 * 128])?;
             let mut out: DeviceVec<bf16> = gpu.zeros(34 * 64)?;

@@ -15,6 +15,22 @@ fn device_decode_on_cuda_matches_the_runner() {
     device_model::decode_matches_runner(backend, 16, 24);
 }
 
+/// e4m3 KV caches: the `_fp8` split kernels inside the captured step.
+#[test]
+fn device_decode_on_cuda_with_an_fp8_kv_cache_stays_near_the_runner() {
+    let Some(backend) = cuda("device_decode_on_cuda_with_an_fp8_kv_cache_stays_near_the_runner")
+    else {
+        return;
+    };
+    device_model::decode_matches_runner_on(
+        backend,
+        &device_model::demo_dir(),
+        fp4spec::kernels::attention::KvFormat::FP8_UNIT_SCALES,
+        16,
+        24,
+    );
+}
+
 #[test]
 fn device_prefill_on_cuda_matches_the_runner() {
     let Some(backend) = cuda("device_prefill_on_cuda_matches_the_runner") else {

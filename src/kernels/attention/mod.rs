@@ -15,14 +15,20 @@
 //!    warp per query head reads the rows directly (the reference GPU version, also run by the
 //!    attention bench and GPU tests on NVIDIA for comparison).
 //!
+//! The cache ([`KvCache`]) holds bf16, or float8_e4m3fn codes of `value * (1 / scale)` with one key
+//! and one value scale per layer ([`KvFormat`]): half the bytes, which is most of a long-context
+//! step's reads at larger batches. Every split kernel has an `_fp8` twin that reads the codes and
+//! decodes them exactly (an e4m3 value is a bf16); the scales multiply q and the split's output.
+//!
 //! Bytes a decode row must read at least: its K and V over the context,
-//! `2 * positions * kv_heads * head_dim * 2` ([`kv_bytes`]).
+//! `2 * positions * kv_heads * head_dim * element bytes` ([`kv_bytes`]).
 
 pub mod reference;
 
 use super::{check_len, check_u32};
 use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
 use crate::error::{Error, Result};
+use crate::formats::nvfp4::{e4m3_decode, e4m3_encode};
 use crate::target::TargetFacts;
 use half::bf16;
 use reference::AttentionShape;
@@ -34,12 +40,18 @@ pub const KERNEL_PREPARE: &str = "attention_prepare";
 /// Split-K attention over the cache, one warp per query head (every target; the reference GPU
 /// version of the mma kernels, [`decode_mma_kernel`]).
 pub const KERNEL_DECODE: &str = "attention_decode";
+/// [`KERNEL_DECODE`] over an e4m3 cache ([`KvFormat::Fp8E4m3`]).
+pub const KERNEL_DECODE_FP8: &str = "attention_decode_fp8";
 /// The same splits and partials as [`KERNEL_DECODE`], the split's K and V rows staged in shared
 /// memory by cp.async and both products on mma.sync (targets with both; [`attend`] picks it
 /// there): the kernel for GQA groups of 1 to 8 query heads (one n8 tile of heads).
 pub const KERNEL_DECODE_MMA_G8: &str = "attention_decode_mma_g8";
 /// [`KERNEL_DECODE_MMA_G8`] for groups of 9 to 16 query heads (two n8 tiles).
 pub const KERNEL_DECODE_MMA_G16: &str = "attention_decode_mma_g16";
+/// [`KERNEL_DECODE_MMA_G8`] over an e4m3 cache.
+pub const KERNEL_DECODE_MMA_G8_FP8: &str = "attention_decode_mma_g8_fp8";
+/// [`KERNEL_DECODE_MMA_G16`] over an e4m3 cache.
+pub const KERNEL_DECODE_MMA_G16_FP8: &str = "attention_decode_mma_g16_fp8";
 /// Warps per block of the mma decode kernels (`ATTN_MMA_WARPS` in the template).
 const DECODE_MMA_WARPS: u32 = 8;
 /// Merge of the splits and the output gate.
@@ -49,9 +61,146 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// Largest GQA group (query heads per KV head): one warp each in a block.
 pub const MAX_GROUP: usize = 16;
 
-/// Bytes of K and V one row reads over `positions` positions (bf16 cache).
-pub fn kv_bytes(shape: AttentionShape, positions: usize) -> u64 {
-    (2 * positions * shape.kv_heads * shape.head_dim * 2) as u64
+/// Bytes of K and V one row reads over `positions` positions of a cache in `format`.
+pub fn kv_bytes(shape: AttentionShape, positions: usize, format: KvFormat) -> u64 {
+    (2 * positions * shape.kv_heads * shape.head_dim * format.element_bytes()) as u64
+}
+
+/// How a [`KvCache`] stores keys and values.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum KvFormat {
+    /// bf16 values, 2 bytes each.
+    Bf16,
+    /// float8_e4m3fn codes of `value * (1 / scale)` (the scale's f32 inverse, computed once), 1
+    /// byte each: round to nearest even, saturating at +-448, NaN kept (as [`e4m3_encode`]). One
+    /// scale for a layer's keys, one for its values (vLLM's fp8 KV cache; without calibrated
+    /// scales, 1.0 as vLLM's default).
+    Fp8E4m3 {
+        /// Keys are stored as `key * (1 / key_scale)`.
+        key_scale: f32,
+        /// Values are stored as `value * (1 / value_scale)`.
+        value_scale: f32,
+    },
+}
+
+impl KvFormat {
+    /// [`KvFormat::Fp8E4m3`] with unit scales.
+    pub const FP8_UNIT_SCALES: Self = Self::Fp8E4m3 {
+        key_scale: 1.0,
+        value_scale: 1.0,
+    };
+
+    /// Bytes per cached element.
+    pub fn element_bytes(self) -> usize {
+        match self {
+            Self::Bf16 => 2,
+            Self::Fp8E4m3 { .. } => 1,
+        }
+    }
+
+    /// (key scale, value scale); 1 for bf16.
+    fn scales(self) -> (f32, f32) {
+        match self {
+            Self::Bf16 => (1.0, 1.0),
+            Self::Fp8E4m3 {
+                key_scale,
+                value_scale,
+            } => (key_scale, value_scale),
+        }
+    }
+
+    /// The format named `name`: `bf16`, or `fp8` (e4m3 with unit scales).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for any other name.
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "bf16" => Ok(Self::Bf16),
+            "fp8" | "fp8_e4m3" => Ok(Self::FP8_UNIT_SCALES),
+            other => Err(Error::invalid(
+                "KV cache format",
+                format!("{other:?}: bf16 or fp8 (float8_e4m3fn, unit scales)"),
+            )),
+        }
+    }
+
+    /// A short name for tables (`bf16`, `fp8`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bf16 => "bf16",
+            Self::Fp8E4m3 { .. } => "fp8",
+        }
+    }
+}
+
+/// One side (keys or values) of a [`KvCache`]: `[slot][position][kv_head][head_dim]` elements.
+pub enum KvStore {
+    /// bf16 values ([`KvFormat::Bf16`]).
+    Bf16(DeviceVec<bf16>),
+    /// e4m3 codes ([`KvFormat::Fp8E4m3`]).
+    Fp8(DeviceVec<u8>),
+}
+
+impl KvStore {
+    fn zeros(backend: &Backend, format: KvFormat, len: usize) -> Result<Self> {
+        Ok(match format {
+            KvFormat::Bf16 => Self::Bf16(backend.zeros(len)?),
+            KvFormat::Fp8E4m3 { .. } => Self::Fp8(backend.zeros(len)?),
+        })
+    }
+
+    fn input(&self) -> KernelArg<'_> {
+        match self {
+            Self::Bf16(v) => KernelArg::input(v),
+            Self::Fp8(v) => KernelArg::input(v),
+        }
+    }
+
+    fn output(&mut self) -> KernelArg<'_> {
+        match self {
+            Self::Bf16(v) => KernelArg::output(v),
+            Self::Fp8(v) => KernelArg::output(v),
+        }
+    }
+
+    /// The values on the host (CPU backend), decoded and multiplied by `scale` (e4m3).
+    fn host_values(&self, backend: &Backend, what: &str, scale: f32) -> Result<Vec<f32>> {
+        Ok(match self {
+            Self::Bf16(v) => host(backend, what, v)?.iter().map(|x| x.to_f32()).collect(),
+            Self::Fp8(v) => host(backend, what, v)?
+                .iter()
+                .map(|&c| e4m3_decode(c) * scale)
+                .collect(),
+        })
+    }
+
+    /// Stores `values` at elements `at..` on the host (CPU backend): bf16, or the e4m3 codes of
+    /// `value * (1 / scale)`.
+    fn host_store(
+        &mut self,
+        backend: &Backend,
+        what: &str,
+        at: usize,
+        values: &[f32],
+        scale: f32,
+    ) -> Result<()> {
+        match self {
+            Self::Bf16(v) => {
+                let v = host_mut(backend, what, v)?;
+                for (dst, src) in v[at..at + values.len()].iter_mut().zip(values) {
+                    *dst = bf16::from_f32(*src);
+                }
+            }
+            Self::Fp8(v) => {
+                let v = host_mut(backend, what, v)?;
+                let inverse = 1.0 / scale;
+                for (dst, src) in v[at..at + values.len()].iter_mut().zip(values) {
+                    *dst = e4m3_encode(*src * inverse);
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// cos and sin of every (position, rotary pair): `[positions][rotary_dim / 2][2]` f32.
@@ -96,35 +245,49 @@ impl RopeTable {
 }
 
 /// The KV cache of one attention layer for `slots` sequences of up to `capacity` positions:
-/// `[slot][position][kv_head][head_dim]` bf16, keys and values apart.
+/// `[slot][position][kv_head][head_dim]` elements in `format`, keys and values apart.
 pub struct KvCache {
     /// Sequences it holds.
     pub slots: usize,
     /// Positions per sequence.
     pub capacity: usize,
+    /// How keys and values are stored.
+    pub format: KvFormat,
     /// Keys.
-    pub keys: DeviceVec<bf16>,
+    pub keys: KvStore,
     /// Values.
-    pub values: DeviceVec<bf16>,
+    pub values: KvStore,
 }
 
 impl KvCache {
     /// A zeroed cache.
     ///
     /// # Errors
-    /// [`Error::Cuda`] when the allocation fails.
+    /// [`Error::Invalid`] for an e4m3 scale that is not finite and positive; [`Error::Cuda`]
+    /// when the allocation fails.
     pub fn new(
         backend: &Backend,
         shape: AttentionShape,
         slots: usize,
         capacity: usize,
+        format: KvFormat,
     ) -> Result<Self> {
+        let (key_scale, value_scale) = format.scales();
+        for (what, scale) in [("key", key_scale), ("value", value_scale)] {
+            if !(scale.is_finite() && scale > 0.0) {
+                return Err(Error::invalid(
+                    format!("KV cache {what} scale"),
+                    format!("{scale}: a finite scale above 0"),
+                ));
+            }
+        }
         let len = slots * capacity * shape.kv_heads * shape.head_dim;
         Ok(Self {
             slots,
             capacity,
-            keys: backend.zeros(len)?,
-            values: backend.zeros(len)?,
+            format,
+            keys: KvStore::zeros(backend, format, len)?,
+            values: KvStore::zeros(backend, format, len)?,
         })
     }
 }
@@ -172,13 +335,16 @@ fn splits_for(backend: &Backend, capacity: usize) -> usize {
     })
 }
 
-/// The mma decode kernel for `shape`'s GQA group ([`KERNEL_DECODE_MMA_G8`] up to 8 query heads
-/// per KV head, else [`KERNEL_DECODE_MMA_G16`]; groups above [`MAX_GROUP`] are refused before).
-pub fn decode_mma_kernel(shape: AttentionShape) -> &'static str {
-    if shape.heads / shape.kv_heads <= 8 {
-        KERNEL_DECODE_MMA_G8
-    } else {
-        KERNEL_DECODE_MMA_G16
+/// The mma decode kernel for `shape`'s GQA group and a cache in `format`
+/// ([`KERNEL_DECODE_MMA_G8`] up to 8 query heads per KV head, else [`KERNEL_DECODE_MMA_G16`],
+/// or their `_fp8` twins; groups above [`MAX_GROUP`] are refused before).
+pub fn decode_mma_kernel(shape: AttentionShape, format: KvFormat) -> &'static str {
+    let fp8 = matches!(format, KvFormat::Fp8E4m3 { .. });
+    match (shape.heads / shape.kv_heads <= 8, fp8) {
+        (true, false) => KERNEL_DECODE_MMA_G8,
+        (false, false) => KERNEL_DECODE_MMA_G16,
+        (true, true) => KERNEL_DECODE_MMA_G8_FP8,
+        (false, true) => KERNEL_DECODE_MMA_G16_FP8,
     }
 }
 
@@ -334,6 +500,7 @@ pub fn prepare(
     if n == 0 {
         return Ok(());
     }
+    let (key_scale, value_scale) = cache.format.scales();
     match backend {
         Backend::Cpu => {
             let to_f32 = |v: &[bf16]| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
@@ -352,7 +519,6 @@ pub fn prepare(
             );
             let table = host(backend, "RoPE table", &layer.rope.cos_sin)?;
             let (capacity, cache_slots) = (cache.capacity, cache.slots);
-            let keys = host_mut(backend, "KV cache keys", &mut cache.keys)?;
             let out = host_mut(backend, "q out", q)?;
             let kv_row = s.kv_heads * hd;
             let rotate = |x: &mut [f32], p: usize| {
@@ -391,19 +557,16 @@ pub fn prepare(
                 );
                 rotate(&mut key, pos);
                 let at = (slot * capacity + pos) * kv_row;
-                for (dst, src) in keys[at..at + kv_row].iter_mut().zip(&key) {
-                    *dst = bf16::from_f32(*src);
-                }
-            }
-            let values = host_mut(backend, "KV cache values", &mut cache.values)?;
-            for r in 0..n {
-                let at = (slots[r] as usize * capacity + positions[r] as usize) * kv_row;
-                for (dst, src) in values[at..at + kv_row]
-                    .iter_mut()
-                    .zip(&vv[r * kv_row..(r + 1) * kv_row])
-                {
-                    *dst = bf16::from_f32(*src);
-                }
+                cache
+                    .keys
+                    .host_store(backend, "KV cache keys", at, &key, key_scale)?;
+                cache.values.host_store(
+                    backend,
+                    "KV cache values",
+                    at,
+                    &vv[r * kv_row..(r + 1) * kv_row],
+                    value_scale,
+                )?;
             }
             Ok(())
         }
@@ -427,8 +590,8 @@ pub fn prepare(
                 KernelArg::input(&rows.slot),
                 KernelArg::input(&rows.position),
                 KernelArg::output(q),
-                KernelArg::output(&mut cache.keys),
-                KernelArg::output(&mut cache.values),
+                cache.keys.output(),
+                cache.values.output(),
                 KernelArg::u32(check_u32("rows", n)?),
                 KernelArg::u32(check_u32("heads", s.heads)?),
                 KernelArg::u32(check_u32("kv heads", s.kv_heads)?),
@@ -436,6 +599,9 @@ pub fn prepare(
                 KernelArg::u32(check_u32("rotary half", half)?),
                 KernelArg::u32(check_u32("cache capacity", cache.capacity)?),
                 KernelArg::f32(layer.eps),
+                KernelArg::u32(u32::from(cache.format != KvFormat::Bf16)),
+                KernelArg::f32(1.0 / key_scale),
+                KernelArg::f32(1.0 / value_scale),
             ];
             // SAFETY: the arguments are attention_prepare's parameters in order; q_gate, k, v,
             // q and the norms were checked against (rows, heads, kv_heads, head_dim); slots and
@@ -564,6 +730,7 @@ pub fn attend_with(
     if n == 0 {
         return Ok(());
     }
+    let (key_scale, value_scale) = cache.format.scales();
     match backend {
         Backend::Cpu => {
             let (qv, qg) = (host(backend, "q", q)?, host(backend, "q_gate", q_gate)?);
@@ -571,10 +738,9 @@ pub fn attend_with(
                 host(backend, "slots", &rows.slot)?,
                 host(backend, "positions", &rows.position)?,
             );
-            let to_f32 = |v: &[bf16]| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
             let (keys, values) = (
-                to_f32(host(backend, "keys", &cache.keys)?),
-                to_f32(host(backend, "values", &cache.values)?),
+                cache.keys.host_values(backend, "keys", key_scale)?,
+                cache.values.host_values(backend, "values", value_scale)?,
             );
             let o = host_mut(backend, "attention out", out)?;
             let kv_row = shape.kv_heads * hd;
@@ -623,6 +789,7 @@ pub fn attend_with(
                     format!("{} is not rendered for {}", decode.name(), target.name),
                 ));
             }
+            let fp8 = cache.format != KvFormat::Bf16;
             let (kernel, decode) = if decode == DecodeKernel::Mma {
                 let bytes =
                     decode_mma_shared_bytes(shape, target.attention.split_positions as usize);
@@ -633,7 +800,7 @@ pub fn attend_with(
                             "{} on {} needs {bytes} bytes of shared memory for \
                              {} positions of head_dim {hd} (at most {}): lower \
                              attention.split_positions in kernels/targets.toml",
-                            decode_mma_kernel(shape),
+                            decode_mma_kernel(shape, cache.format),
                             target.name,
                             target.attention.split_positions,
                             target.max_shared_bytes_per_block
@@ -645,19 +812,26 @@ pub fn attend_with(
                     block: (DECODE_MMA_WARPS * warp, 1, 1),
                     shared_bytes: check_u32("attention shared memory", bytes)?,
                 };
-                (decode_mma_kernel(shape), dims)
+                (decode_mma_kernel(shape, cache.format), dims)
             } else {
                 let dims = LaunchDims {
                     grid: (splits32, kv, n32),
                     block: ((heads / kv) * warp, 1, 1),
                     shared_bytes: 0,
                 };
-                (KERNEL_DECODE, dims)
+                (
+                    if fp8 {
+                        KERNEL_DECODE_FP8
+                    } else {
+                        KERNEL_DECODE
+                    },
+                    dims,
+                )
             };
             let args = [
                 KernelArg::input(q),
-                KernelArg::input(&cache.keys),
-                KernelArg::input(&cache.values),
+                cache.keys.input(),
+                cache.values.input(),
                 KernelArg::input(&rows.slot),
                 KernelArg::input(&rows.position),
                 KernelArg::output(&mut workspace.partial_ml),
@@ -667,6 +841,8 @@ pub fn attend_with(
                 KernelArg::u32(hd32),
                 KernelArg::u32(check_u32("cache capacity", cache.capacity)?),
                 KernelArg::u32(splits32),
+                KernelArg::f32(key_scale),
+                KernelArg::f32(value_scale),
             ];
             // SAFETY: the arguments are the decode kernels' parameters in order; q holds rows x
             // heads x head_dim, the workspace rows x heads x splits partials (checked above);
@@ -733,6 +909,13 @@ mod tests {
         // K and V rows (2 x 64 x 264 bf16), scores (2 k parts x 8 heads x 64 f32), p hi / lo
         assert_eq!(bytes, 2 * 64 * 264 * 2 + 2 * 8 * 64 * 4 + 2 * 8 * 72 * 2);
         assert!(3 * (bytes + 1024) <= 228 * 1024, "{bytes}");
-        assert_eq!(decode_mma_kernel(QWEN), KERNEL_DECODE_MMA_G8);
+        assert_eq!(
+            decode_mma_kernel(QWEN, KvFormat::Bf16),
+            KERNEL_DECODE_MMA_G8
+        );
+        assert_eq!(
+            decode_mma_kernel(QWEN, KvFormat::FP8_UNIT_SCALES),
+            KERNEL_DECODE_MMA_G8_FP8
+        );
     }
 }

@@ -35,7 +35,7 @@ use crate::backend::{Backend, DeviceVec, Graph};
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::Nvfp4Matrix;
 use crate::kernels::attention::reference::AttentionShape;
-use crate::kernels::attention::{self, GatedAttention, KvCache, RopeTable};
+use crate::kernels::attention::{self, GatedAttention, KvCache, KvFormat, RopeTable};
 use crate::kernels::gdn::reference::GdnShape;
 use crate::kernels::gdn::{self, GdnCache, GdnParams, Projections, Sequences, StepMode};
 use crate::kernels::gemm::{Epilogue, Linear, RowOrder, linear};
@@ -86,6 +86,8 @@ pub struct DeviceModel {
     final_norm: DeviceVec<f32>,
     lm_head: Linear,
     mtp: Option<DeviceMtp>,
+    /// How the decoders' KV caches store keys and values (the target's and the MTP head's).
+    kv_format: KvFormat,
 }
 
 /// The MTP head: `x = fc([norm_e(embed(t)); norm_h(hidden)])` as two GEMMs over the halves of
@@ -395,6 +397,7 @@ impl DeviceModel {
             final_norm: backend.upload(&w.final_norm)?,
             lm_head: device_linear(backend, &w.lm_head)?,
             mtp,
+            kv_format: KvFormat::Bf16,
         })
     }
 
@@ -569,6 +572,7 @@ impl DeviceModel {
             final_norm: norm(&mut rng, h)?,
             lm_head: dense(&mut rng, vocab, h)?,
             mtp,
+            kv_format: KvFormat::Bf16,
         })
     }
 
@@ -585,6 +589,17 @@ impl DeviceModel {
     /// Whether the model has an MTP head (speculative decoding needs one).
     pub fn has_mtp(&self) -> bool {
         self.mtp.is_some()
+    }
+
+    /// How the KV caches of decoders made from now on store keys and values (bf16 unless set).
+    pub fn kv_format(&self) -> KvFormat {
+        self.kv_format
+    }
+
+    /// Sets the KV cache format of decoders made from now on ([`KvFormat::Fp8E4m3`]: half the
+    /// cache bytes; the same scales for every layer).
+    pub fn set_kv_format(&mut self, format: KvFormat) {
+        self.kv_format = format;
     }
 
     /// Weight bytes one decode step of `tokens` rows streams at least, with `distinct_experts`
@@ -703,9 +718,13 @@ impl Caches {
                     batch,
                     step_tokens,
                 )?),
-                DeviceMixer::Attention { .. } => {
-                    kv_caches.push(KvCache::new(backend, att, batch, capacity)?)
-                }
+                DeviceMixer::Attention { .. } => kv_caches.push(KvCache::new(
+                    backend,
+                    att,
+                    batch,
+                    capacity,
+                    model.kv_format,
+                )?),
             }
         }
         let slots: Vec<u32> = (0..batch as u32).collect();

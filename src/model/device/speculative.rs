@@ -250,7 +250,7 @@ impl<'m> SpecDecoder<'m> {
         let mtp_kv = mtp
             .layers
             .iter()
-            .map(|_| KvCache::new(backend, att, batch, capacity))
+            .map(|_| KvCache::new(backend, att, batch, capacity, model.kv_format()))
             .collect::<Result<Vec<_>>>()?;
         let mut decoder = Self {
             model,
