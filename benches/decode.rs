@@ -148,6 +148,7 @@ fn run(
                     batch,
                     rows: 1,
                     context: start,
+                    kv_element_bytes: model.kv_format().element_bytes(),
                 },
             )
             .total();
@@ -191,6 +192,7 @@ fn run(
                     batch,
                     rows: drafts + 1,
                     context: 0,
+                    kv_element_bytes: model.kv_format().element_bytes(),
                 },
             );
             let name = format!("{label}/B{batch}/n{drafts}/ctx_short");

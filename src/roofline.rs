@@ -74,6 +74,9 @@ pub struct Step {
     pub rows: usize,
     /// Context length (tokens already in each sequence's KV cache).
     pub context: usize,
+    /// Bytes per cached key or value element: 2 (bf16) or 1 (e4m3), as
+    /// [`KvFormat::element_bytes`](crate::kernels::attention::KvFormat::element_bytes).
+    pub kv_element_bytes: usize,
 }
 
 /// Expected distinct experts chosen by `tokens` tokens each picking `k` of `e` uniformly.
@@ -127,28 +130,25 @@ pub fn step_bytes(config: &ModelConfig, precision: Precision, step: Step) -> Ste
         gdn_projections: gdn_layers * gdn,
         norms: bf16((2.0 * layers + 1.0) * h),
         lm_head_and_embeddings: bf16(config.vocab_size as f64 * h) + bf16(tokens as f64 * h),
-        kv_cache: full_layers * step.batch as f64 * step.context as f64 * bf16(kv),
+        kv_cache: full_layers
+            * step.batch as f64
+            * step.context as f64
+            * kv
+            * step.kv_element_bytes as f64,
         gdn_state: gdn_layers * step.batch as f64 * 2.0 * (state + conv_state),
     }
 }
 
-/// Bytes one MTP draft step reads for `batch` sequences: `mtp.fc`, one gated-attention MoE layer
-/// (all bf16: MTP is never quantised), its norms, its KV over `context`, and the shared lm_head.
-pub fn draft_bytes(config: &ModelConfig, batch: usize, context: usize) -> f64 {
+/// Bytes one MTP draft step reads for `step.batch` sequences (one row each; `step.rows` is not
+/// read): `mtp.fc`, one gated-attention MoE layer (all bf16: MTP is never quantised), its norms,
+/// its KV over `step.context` (in the step's KV format), and the shared lm_head.
+pub fn draft_bytes(config: &ModelConfig, step: Step) -> f64 {
     if config.mtp_num_hidden_layers == 0 {
         return 0.0;
     }
     let mut single = config.clone();
     single.layer_types = vec![LayerKind::FullAttention];
-    let layer = step_bytes(
-        &single,
-        Precision::Bf16,
-        Step {
-            batch,
-            rows: 1,
-            context,
-        },
-    );
+    let layer = step_bytes(&single, Precision::Bf16, Step { rows: 1, ..step });
     let h = config.hidden_size as f64;
     let fc = 2.0 * (2.0 * h) * h;
     let norms = 2.0 * 3.0 * h;
@@ -159,8 +159,7 @@ pub fn draft_bytes(config: &ModelConfig, batch: usize, context: usize) -> f64 {
 /// sequence ([`step_bytes`]) and the n MTP draft steps ([`draft_bytes`]).
 pub fn speculative_step_bytes(config: &ModelConfig, precision: Precision, step: Step) -> f64 {
     let drafts = step.rows.saturating_sub(1);
-    step_bytes(config, precision, step).total()
-        + drafts as f64 * draft_bytes(config, step.batch, step.context)
+    step_bytes(config, precision, step).total() + drafts as f64 * draft_bytes(config, step)
 }
 
 /// Expected tokens a target forward yields with `n` drafts accepted i.i.d. with probability

@@ -218,6 +218,32 @@ fn bad_checkpoints_and_inputs_exit_2_naming_the_problem() {
             ],
             "--backend cuda decodes greedily",
         ),
+        (
+            vec![
+                "generate",
+                "--model",
+                good,
+                "--ids",
+                "1",
+                "--kv-cache",
+                "fp8",
+            ],
+            "the CPU runner keeps f32 caches",
+        ),
+        (
+            vec![
+                "generate",
+                "--model",
+                good,
+                "--ids",
+                "1",
+                "--backend",
+                "cuda",
+                "--kv-cache",
+                "fp16",
+            ],
+            "KV cache format",
+        ),
     ] {
         let (code, _, err) = fp4spec(&args);
         assert_eq!(code, 2, "{args:?}: {err}");
@@ -324,6 +350,50 @@ fn bench_decode_measures_every_case_and_writes_json() {
         report["kernel_costs"].as_array().map(Vec::len),
         Some(0),
         "{report}"
+    );
+    assert_eq!(report["kv_cache"], "bf16");
+    // an e4m3 KV cache: the same case reads half the cache's bytes, nothing else changes
+    let fp8_json = dir.path().join("decode-fp8.json");
+    let (code, stdout, stderr) = fp4spec(&[
+        "bench",
+        "decode",
+        "--backend",
+        "cpu",
+        "--model",
+        demo.to_str().expect("utf-8 path"),
+        "--weights",
+        "bf16",
+        "--batch",
+        "1",
+        "--drafts",
+        "0",
+        "--context",
+        "40",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--copy-bytes",
+        "1048576",
+        "--kv-cache",
+        "fp8",
+        "--json",
+        fp8_json.to_str().expect("utf-8 path"),
+    ]);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    let fp8: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&fp8_json).expect("JSON written"))
+            .expect("JSON parses");
+    assert_eq!(fp8["kv_cache"], "fp8");
+    let bytes = |case: &serde_json::Value| case["bytes_per_step"].as_f64().expect("bytes");
+    let (bf16_bytes, fp8_bytes) = (bytes(&cases[1]), bytes(&fp8["cases"][0]));
+    assert_eq!(
+        (cases[1]["batch"].clone(), cases[1]["context"].clone()),
+        (1.into(), 40.into())
+    );
+    assert!(
+        fp8_bytes < bf16_bytes && fp8_bytes > 0.5 * bf16_bytes,
+        "e4m3 {fp8_bytes} bf16 {bf16_bytes}"
     );
     let (code, _, stderr) = fp4spec(&["bench", "decode", "--backend", "cpu", "--drafts", "9"]);
     assert_eq!(code, 2);

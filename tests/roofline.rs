@@ -18,6 +18,7 @@ fn bf16_weights_per_token_match_the_seeds_5_488_gib() {
             batch: 1,
             rows: 1,
             context: 0,
+            kv_element_bytes: 2,
         },
     );
     let weights = bytes.total() - bytes.gdn_state - bytes.kv_cache;
@@ -41,6 +42,7 @@ fn state_and_cache_follow_the_reference_sizes() {
                 batch,
                 rows: 1,
                 context,
+                kv_element_bytes: 2,
             },
         )
     };
@@ -53,6 +55,22 @@ fn state_and_cache_follow_the_reference_sizes() {
     // KV: 20 KiB per context token over the 10 full layers
     assert_eq!(at(1, 20000).kv_cache, 20000.0 * 20.0 * 1024.0);
     assert_eq!(at(4, 20000).kv_cache, 4.0 * at(1, 20000).kv_cache);
+    // an e4m3 cache: half of it, nothing else changes
+    let fp8 = roofline::step_bytes(
+        &config,
+        Precision::Nvfp4,
+        Step {
+            batch: 4,
+            rows: 1,
+            context: 20000,
+            kv_element_bytes: 1,
+        },
+    );
+    assert_eq!(fp8.kv_cache, 0.5 * at(4, 20000).kv_cache);
+    assert_eq!(
+        fp8.total() - fp8.kv_cache,
+        at(4, 20000).total() - at(4, 20000).kv_cache
+    );
     // NVFP4 reads less than bf16, but the bf16 GDN projections and lm_head stay the larger part
     // (the GEMM issue: "about 2/3 of the bytes read per token")
     let bf16 = roofline::step_bytes(
@@ -62,6 +80,7 @@ fn state_and_cache_follow_the_reference_sizes() {
             batch: 1,
             rows: 1,
             context: 0,
+            kv_element_bytes: 2,
         },
     )
     .total();
@@ -140,10 +159,19 @@ fn the_mtp_draft_is_a_small_fraction_of_a_target_forward() {
             batch: 1,
             rows: 1,
             context: 0,
+            kv_element_bytes: 2,
         },
     )
     .total();
-    let draft = roofline::draft_bytes(&config, 1, 0);
+    let draft = roofline::draft_bytes(
+        &config,
+        Step {
+            batch: 1,
+            rows: 1,
+            context: 0,
+            kv_element_bytes: 2,
+        },
+    );
     // one bf16 layer + fc + lm_head against 40 layers: between 10% and 60% of an NVFP4 forward
     assert!(
         draft > 0.1 * target && draft < 0.6 * target,
@@ -266,6 +294,7 @@ fn a_speculative_step_reads_its_verify_rows_and_one_draft_step_per_draft() {
             batch,
             rows,
             context,
+            kv_element_bytes: 2,
         };
         let plain = roofline::step_bytes(&config, Precision::Nvfp4, step(1)).total();
         assert_eq!(
@@ -273,7 +302,7 @@ fn a_speculative_step_reads_its_verify_rows_and_one_draft_step_per_draft() {
             plain
         );
         let verify = roofline::step_bytes(&config, Precision::Nvfp4, step(4)).total();
-        let draft = roofline::draft_bytes(&config, batch, context);
+        let draft = roofline::draft_bytes(&config, step(1));
         assert!(draft > 0.0);
         assert_eq!(
             roofline::speculative_step_bytes(&config, Precision::Nvfp4, step(4)),

@@ -13,6 +13,7 @@
 
 use crate::Failure;
 use fp4spec::backend::{Backend, BackendKind};
+use fp4spec::kernels::attention::KvFormat;
 use fp4spec::kernels::chain;
 use fp4spec::model::config::ModelConfig;
 use fp4spec::model::device::{Decoder, DeviceModel, MAX_DRAFTS, SpecDecoder, SyntheticWeights};
@@ -49,6 +50,10 @@ pub struct DecodeArgs {
     /// values; the bytes read are a real sequence's).
     #[arg(long, value_delimiter = ',', default_value = "0,20000")]
     context: Vec<usize>,
+    /// How the KV caches store keys and values: bf16, or fp8 (float8_e4m3fn with unit scales,
+    /// half the bytes).
+    #[arg(long, default_value = "bf16")]
+    kv_cache: String,
     /// Steps per timed run.
     #[arg(long, default_value_t = 32)]
     steps: usize,
@@ -166,6 +171,8 @@ struct DependentLaunch {
 struct Report<'a> {
     device: String,
     weights: &'a str,
+    /// KV cache format: bf16 or fp8 (e4m3).
+    kv_cache: &'static str,
     copy_bandwidth_gbs: f64,
     /// What one dependent launch adds to a chain of them, us: one block, and one block per SM.
     dependent_launch_us: Option<DependentLaunch>,
@@ -194,6 +201,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
         }
     };
     let precision = weights.precision();
+    let kv_format = KvFormat::parse(&args.kv_cache)?;
     if args.batch.is_empty() || args.batch.contains(&0) || args.context.is_empty() {
         return Err(Failure::Input(
             "--batch needs positive sizes and --context at least one length".into(),
@@ -240,11 +248,13 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
         );
     }
     let started = std::time::Instant::now();
-    let model = DeviceModel::synthetic(&backend, &config, weights, args.seed)?;
+    let mut model = DeviceModel::synthetic(&backend, &config, weights, args.seed)?;
+    model.set_kv_format(kv_format);
     println!(
-        "synthetic {} weights built in {:.1} s",
+        "synthetic {} weights built in {:.1} s; KV cache {}",
         args.weights,
-        started.elapsed().as_secs_f64()
+        started.elapsed().as_secs_f64(),
+        kv_format.name()
     );
     if args.drafts.iter().any(|&n| n > 0) && !model.has_mtp() {
         return Err(Failure::Input(
@@ -286,6 +296,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
                         batch,
                         rows: drafts + 1,
                         context,
+                        kv_element_bytes: kv_format.element_bytes(),
                     },
                 );
                 let timed = time_steps(&backend, &mut stepper, context, &args)?;
@@ -495,6 +506,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
         let report = Report {
             device: backend.describe(),
             weights: &args.weights,
+            kv_cache: kv_format.name(),
             copy_bandwidth_gbs: copy / 1e9,
             dependent_launch_us: dependent_launch,
             graph,

@@ -457,6 +457,9 @@ struct RooflineArgs {
     /// Tokens already in each sequence's KV cache.
     #[arg(long, default_value_t = 0)]
     context: usize,
+    /// How the KV cache stores keys and values: bf16, or fp8 (float8_e4m3fn, half the bytes).
+    #[arg(long, default_value = "bf16")]
+    kv_cache: String,
     /// gb10, strix-halo or h200 (peak and measured bandwidth), unless --bandwidth is given.
     #[arg(long, default_value = "gb10")]
     device: String,
@@ -536,10 +539,12 @@ fn roofline_command(args: RooflineArgs) -> Result<(), Failure> {
         None if args.bytes_per_token.is_none() => Some(ModelConfig::qwen36_35b_a3b()),
         None => None,
     };
+    let kv = fp4spec::kernels::attention::KvFormat::parse(&args.kv_cache)?;
     let step = |rows| Step {
         batch: args.batch,
         rows,
         context: args.context,
+        kv_element_bytes: kv.element_bytes(),
     };
     let (bytes_per_token, breakdown) = match (&args.bytes_per_token, &config) {
         (Some(text), _) => (roofline::parse_bytes("--bytes-per-token", text)?, None),
@@ -600,9 +605,7 @@ fn roofline_command(args: RooflineArgs) -> Result<(), Failure> {
         };
         let draft_ms = match (args.draft_ms, &config) {
             (Some(ms), _) => ms,
-            (None, Some(config)) => {
-                roofline::draft_bytes(config, args.batch, args.context) / bandwidth * 1e3
-            }
+            (None, Some(config)) => roofline::draft_bytes(config, step(1)) / bandwidth * 1e3,
             (None, None) => 0.0,
         };
         let step_ms = forward_ms + n as f64 * draft_ms;
@@ -620,8 +623,10 @@ fn roofline_command(args: RooflineArgs) -> Result<(), Failure> {
     const GIB: f64 = 1073741824.0;
     if let Some(bytes) = &breakdown {
         println!(
-            "bytes read per step ({} sequences, context {}):",
-            args.batch, args.context
+            "bytes read per step ({} sequences, context {}, {} KV cache):",
+            args.batch,
+            args.context,
+            kv.name()
         );
         let parts = [
             ("routed experts", bytes.experts),

@@ -4,6 +4,7 @@
 use crate::Failure;
 use clap::Args;
 use fp4spec::backend::{Backend, BackendKind};
+use fp4spec::kernels::attention::KvFormat;
 use fp4spec::kernels::verify::reference::SamplingParams;
 use fp4spec::model::cache::SequenceCache;
 use fp4spec::model::device::{DeviceModel, generate_greedy};
@@ -165,6 +166,10 @@ pub struct GenerateArgs {
     /// MTP draft tokens per step (0: plain decoding).
     #[arg(long, default_value_t = 0)]
     spec_tokens: usize,
+    /// How the device path's KV caches store keys and values: bf16, or fp8 (float8_e4m3fn with
+    /// unit scales, half the bytes). --backend cuda only (the CPU runner keeps f32 caches).
+    #[arg(long, default_value = "bf16")]
+    kv_cache: String,
     /// 0 = greedy.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
@@ -259,6 +264,14 @@ fn report(
 /// `fp4spec generate`.
 pub fn generate(args: GenerateArgs) -> Result<(), Failure> {
     let on = args.model.run_on()?;
+    let kv_format = KvFormat::parse(&args.kv_cache)?;
+    if matches!(on, RunOn::Runner) && kv_format != KvFormat::Bf16 {
+        return Err(Failure::Input(format!(
+            "--kv-cache {}: the CPU runner keeps f32 caches; the device path (--backend cuda) \
+             stores them in e4m3",
+            args.kv_cache
+        )));
+    }
     if matches!(on, RunOn::Cuda) && (args.temperature != 0.0 || !args.logit_bias.is_empty()) {
         return Err(Failure::Input(
             "--backend cuda decodes greedily: --temperature 0 and no --logit-bias (sampling runs \
@@ -305,7 +318,8 @@ pub fn generate(args: GenerateArgs) -> Result<(), Failure> {
         }
         RunOn::Cuda => {
             let backend = Backend::new(BackendKind::Cuda)?;
-            let device = DeviceModel::from_model(&backend, &model)?;
+            let mut device = DeviceModel::from_model(&backend, &model)?;
+            device.set_kv_format(kv_format);
             // timed from the prefill: what the device path does, not the upload
             let start = Instant::now();
             let generation = generate_greedy(&device, requests, args.spec_tokens)?.remove(0);
