@@ -167,13 +167,7 @@ fn run_kernels(
     let split = target.attention.split_positions as usize;
     let capacity = len + 3;
     let splits = capacity.div_ceil(split);
-    let (key_scale, value_scale) = match format {
-        KvFormat::Bf16 => (1.0, 1.0),
-        KvFormat::Fp8E4m3 {
-            key_scale,
-            value_scale,
-        } => (key_scale, value_scale),
-    };
+    let (key_scale, value_scale) = format.scales();
     let mut emu = Emu::default();
     let q_buf = emu.buffer(bytes(q, f32::to_le_bytes));
     let k_buf = emu.buffer(keys.bytes());
@@ -274,13 +268,7 @@ fn run_row(
         format.name()
     );
     let [mma, warp] = run_kernels(exe, target, shape, len, format, &q, &keys, &values, &name);
-    let (key_scale, value_scale) = match format {
-        KvFormat::Bf16 => (1.0, 1.0),
-        KvFormat::Fp8E4m3 {
-            key_scale,
-            value_scale,
-        } => (key_scale, value_scale),
-    };
+    let (key_scale, value_scale) = format.scales();
     let slot_rows = capacity * kv_heads * hd..capacity * kv_heads * hd + len * kv_heads * hd;
     let want = reference::attend(
         shape,

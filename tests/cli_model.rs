@@ -256,12 +256,11 @@ fn bad_checkpoints_and_inputs_exit_2_naming_the_problem() {
 /// a speculative step timed apart, the roofline's bytes, the routing's distinct experts within
 /// 1..=min(E, B k), the verify-cost fit and the projected speed-ups, both charts drawn with a line
 /// per n; bad arguments exit 2 naming the argument.
-#[test]
-fn bench_decode_measures_every_case_and_writes_json() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let json = dir.path().join("decode.json");
+/// `fp4spec bench decode` on the CPU backend with the demo model's shapes and bf16 weights, one
+/// timed run per case, the JSON to `json`, and `args`.
+fn bench_decode_demo(json: &Path, args: &[&str]) -> (i32, String, String) {
     let demo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/qwen35-moe-demo");
-    let (code, stdout, stderr) = fp4spec(&[
+    let mut all = vec![
         "bench",
         "decode",
         "--backend",
@@ -270,23 +269,37 @@ fn bench_decode_measures_every_case_and_writes_json() {
         demo.to_str().expect("utf-8 path"),
         "--weights",
         "bf16",
-        "--batch",
-        "1,3",
-        "--drafts",
-        "0,2",
-        "--context",
-        "0,40",
-        "--steps",
-        "3",
         "--repeats",
         "1",
         "--copy-bytes",
         "1048576",
         "--json",
         json.to_str().expect("utf-8 path"),
-        "--chart",
-        dir.path().join("decode").to_str().expect("utf-8 path"),
-    ]);
+    ];
+    all.extend_from_slice(args);
+    fp4spec(&all)
+}
+
+#[test]
+fn bench_decode_measures_every_case_and_writes_json() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let json = dir.path().join("decode.json");
+    let chart = dir.path().join("decode");
+    let (code, stdout, stderr) = bench_decode_demo(
+        &json,
+        &[
+            "--batch",
+            "1,3",
+            "--drafts",
+            "0,2",
+            "--context",
+            "0,40",
+            "--steps",
+            "3",
+            "--chart",
+            chart.to_str().expect("utf-8 path"),
+        ],
+    );
     assert_eq!(code, 0, "{stdout}\n{stderr}");
     assert!(stdout.contains("projections"), "{stdout}");
     assert!(stdout.contains("speed-up over n = 0"), "{stdout}");
@@ -354,32 +367,21 @@ fn bench_decode_measures_every_case_and_writes_json() {
     assert_eq!(report["kv_cache"], "bf16");
     // an e4m3 KV cache: the same case reads half the cache's bytes, nothing else changes
     let fp8_json = dir.path().join("decode-fp8.json");
-    let (code, stdout, stderr) = fp4spec(&[
-        "bench",
-        "decode",
-        "--backend",
-        "cpu",
-        "--model",
-        demo.to_str().expect("utf-8 path"),
-        "--weights",
-        "bf16",
-        "--batch",
-        "1",
-        "--drafts",
-        "0",
-        "--context",
-        "40",
-        "--steps",
-        "2",
-        "--repeats",
-        "1",
-        "--copy-bytes",
-        "1048576",
-        "--kv-cache",
-        "fp8",
-        "--json",
-        fp8_json.to_str().expect("utf-8 path"),
-    ]);
+    let (code, stdout, stderr) = bench_decode_demo(
+        &fp8_json,
+        &[
+            "--batch",
+            "1",
+            "--drafts",
+            "0",
+            "--context",
+            "40",
+            "--steps",
+            "2",
+            "--kv-cache",
+            "fp8",
+        ],
+    );
     assert_eq!(code, 0, "{stdout}\n{stderr}");
     let fp8: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&fp8_json).expect("JSON written"))

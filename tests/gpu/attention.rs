@@ -292,26 +292,22 @@ fn norms(rng: &mut SplitMix64, head_dim: usize) -> (Vec<f32>, Vec<f32>) {
 
 #[test]
 fn attention_real_shape_decode_verify_prefill() {
-    let shape = AttentionShape {
-        heads: 16,
-        kv_heads: 2,
-        head_dim: 256,
-    };
-    let (q_norm, k_norm) = norms(&mut SplitMix64::new(1), 256);
     check(
         "attention_real_shape_decode_verify_prefill",
-        real_shape_scenario(shape, KvFormat::Bf16, q_norm, k_norm),
+        real_shape_scenario(KvFormat::Bf16, 1),
     );
 }
 
-fn real_shape_scenario(
-    shape: AttentionShape,
-    format: KvFormat,
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
-) -> Scenario {
+/// Qwen3.6's head shape (16 query heads over 2 KV heads of 256), the cache in `format`, norms
+/// from `seed`.
+fn real_shape_scenario(format: KvFormat, seed: u64) -> Scenario {
+    let (q_norm, k_norm) = norms(&mut SplitMix64::new(seed), 256);
     Scenario {
-        shape,
+        shape: AttentionShape {
+            heads: 16,
+            kv_heads: 2,
+            head_dim: 256,
+        },
         format,
         rotary_dim: 64,
         capacity: 1300,
@@ -326,15 +322,9 @@ fn real_shape_scenario(
 
 #[test]
 fn attention_fp8_cache_real_shape() {
-    let shape = AttentionShape {
-        heads: 16,
-        kv_heads: 2,
-        head_dim: 256,
-    };
-    let (q_norm, k_norm) = norms(&mut SplitMix64::new(3), 256);
     check(
         "attention_fp8_cache_real_shape",
-        real_shape_scenario(shape, KvFormat::FP8_UNIT_SCALES, q_norm, k_norm),
+        real_shape_scenario(KvFormat::FP8_UNIT_SCALES, 3),
     );
 }
 
@@ -346,44 +336,39 @@ fn attention_fp8_cache_awkward_shapes_and_scales() {
         key_scale: 1.0 / 128.0,
         value_scale: 8.0,
     };
-    for (heads, kv_heads, head_dim, rotary_dim) in [(6, 6, 96, 96), (12, 1, 160, 40)] {
-        let shape = AttentionShape {
-            heads,
-            kv_heads,
-            head_dim,
-        };
-        let (q_norm, k_norm) = norms(&mut SplitMix64::new(4), head_dim);
-        check(
-            &format!("attention_fp8_awkward_{heads}x{kv_heads}x{head_dim}"),
-            Scenario {
-                shape,
-                format,
-                rotary_dim,
-                capacity: 600,
-                history: vec![(1, 0, 257)],
-                step: vec![(0, 0, 1), (1, 257, 2), (0, 1, 5)],
-                q_norm,
-                k_norm,
-            },
-        );
-    }
+    awkward_shapes(
+        "attention_fp8_awkward",
+        format,
+        &[(6, 6, 96, 96), (12, 1, 160, 40)],
+        4,
+    );
 }
 
 #[test]
 fn attention_awkward_shapes() {
-    for (heads, kv_heads, head_dim, rotary_dim) in [(4, 2, 32, 8), (6, 6, 96, 96), (12, 1, 160, 40)]
-    {
-        let shape = AttentionShape {
-            heads,
-            kv_heads,
-            head_dim,
-        };
-        let (q_norm, k_norm) = norms(&mut SplitMix64::new(2), head_dim);
+    let shapes = [(4, 2, 32, 8), (6, 6, 96, 96), (12, 1, 160, 40)];
+    awkward_shapes("attention_awkward", KvFormat::Bf16, &shapes, 2);
+}
+
+/// [`check`] of each (heads, kv_heads, head_dim, rotary_dim) in `shapes` with its cache in
+/// `format`: a row at the start of slot 0, two after 257 tokens of slot 1, five more of slot 0.
+fn awkward_shapes(
+    test: &str,
+    format: KvFormat,
+    shapes: &[(usize, usize, usize, usize)],
+    seed: u64,
+) {
+    for &(heads, kv_heads, head_dim, rotary_dim) in shapes {
+        let (q_norm, k_norm) = norms(&mut SplitMix64::new(seed), head_dim);
         check(
-            &format!("attention_awkward_{heads}x{kv_heads}x{head_dim}"),
+            &format!("{test}_{heads}x{kv_heads}x{head_dim}"),
             Scenario {
-                shape,
-                format: KvFormat::Bf16,
+                shape: AttentionShape {
+                    heads,
+                    kv_heads,
+                    head_dim,
+                },
+                format,
                 rotary_dim,
                 capacity: 600,
                 history: vec![(1, 0, 257)],

@@ -98,8 +98,9 @@ impl KvFormat {
         }
     }
 
-    /// (key scale, value scale); 1 for bf16.
-    fn scales(self) -> (f32, f32) {
+    /// (key scale, value scale): what a stored key and value are multiplied by when read (1 for
+    /// bf16).
+    pub fn scales(self) -> (f32, f32) {
         match self {
             Self::Bf16 => (1.0, 1.0),
             Self::Fp8E4m3 {
