@@ -90,6 +90,12 @@ FP4_DEVICE u16 f32_to_bf16(float value) {
     if ((bits & 0x7fffffffu) > 0x7f800000u) return (u16)((bits >> 16) | 0x40u);
     return (u16)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
+// a product of two bf16 is exact in f32 (8 + 8 significant bits), so one rounding, as the GPU's
+FP4_DEVICE u32 bf16x2_mul(u32 a, u32 b) {
+    const float lo = bf16_to_f32((u16)(a & 0xffffu)) * bf16_to_f32((u16)(b & 0xffffu));
+    const float hi = bf16_to_f32((u16)(a >> 16)) * bf16_to_f32((u16)(b >> 16));
+    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+}
 struct alignas(8) u32x2 { u32 x, y; };
 struct alignas(16) u32x4 { u32 x, y, z, w; };
 // The GPU faults on a vector access or a cp.async copy whose address is not aligned to its size

@@ -642,6 +642,15 @@ FP4_DEVICE u32 f32x8_to_e2m1x8(const float (&v)[8]) {
     return packed;
 }
 
+/// fp32 -> e4m3 byte, RNE, saturating at 448: GB10's conversion instruction, where
+/// common/nvfp4.cuh's f32_to_e4m3 is its portable twin (bit for bit) for the targets and the CPU
+/// emulations without it.
+FP4_DEVICE u32 f32_to_e4m3_cvt(float v) {
+    unsigned short pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(pair) : "f"(0.0f), "f"(v));
+    return pair & 0xffu;
+}
+
 // One thread per 16-element block of X: block scale e4m3(amax / (6 * input_scale)) (zero -> 1.0),
 // elements e2m1(x / (block_scale * input_scale)). Blocks are row-major over [M, K / 16], the
 // layout of both outputs.
@@ -660,7 +669,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(QUANTIZE_THREADS) quantize_nvfp4_rows(
         v[2 * i + 1] = bf16_to_f32((u16)(words[i] >> 16));
         amax = fmaxf(amax, fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
     }
-    u32 code = f32_to_e4m3(__fdiv_rn(amax, 6.0f * input_scale));
+    u32 code = f32_to_e4m3_cvt(__fdiv_rn(amax, 6.0f * input_scale));
     if (e4m3_to_f32(code) == 0.0f) code = 0x38u;
     const float scale = e4m3_to_f32(code) * input_scale;
     float lower[8], upper[8];

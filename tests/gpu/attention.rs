@@ -5,6 +5,7 @@
 
 use crate::common::{cuda, random_bf16, rng};
 use fp4spec::backend::{Backend, DeviceVec};
+use fp4spec::formats::nvfp4::e4m3_decode;
 use fp4spec::kernels::attention::reference::AttentionShape;
 use fp4spec::kernels::attention::{
     self, DecodeKernel, GatedAttention, KvCache, KvFormat, KvStore, RopeTable, Rows, Workspace,
@@ -342,6 +343,75 @@ fn attention_fp8_cache_awkward_shapes_and_scales() {
         &[(6, 6, 96, 96), (12, 1, 160, 40)],
         4,
     );
+}
+
+/// Every e4m3 code through the fp8 split kernels on the device, exactly: one cached position
+/// (softmax weight 1) whose value row holds the 256 codes, q = 0 and gates of 0, so the output is
+/// each code's value times the value scale times sigmoid(0) = 1/2, a bf16 without rounding (NaN
+/// codes give NaN). Checks what the emulation cannot: that the device's bf16x2 products keep
+/// the subnormal codes.
+#[test]
+fn attention_fp8_kernels_decode_every_code_exactly() {
+    let Some(gpu) = cuda("attention_fp8_kernels_decode_every_code_exactly") else {
+        return;
+    };
+    let shape = AttentionShape {
+        heads: 4,
+        kv_heads: 1,
+        head_dim: 256,
+    };
+    let value_scale = 2.0;
+    let format = KvFormat::Fp8E4m3 {
+        key_scale: 1.0,
+        value_scale,
+    };
+    let codes: Vec<u8> = (0..=255u8).collect();
+    let target = gpu.target().expect("a device target");
+    for decode in [DecodeKernel::Warp, DecodeKernel::Mma] {
+        if !decode.runs_on(target) {
+            continue;
+        }
+        let run = || -> fp4spec::Result<Vec<bf16>> {
+            let mut cache = KvCache::new(gpu, shape, 1, 4, format)?;
+            cache.keys = KvStore::Fp8(gpu.upload(&[0x38u8; 4 * 256])?); // 1.0
+            let mut values = vec![0u8; 4 * 256];
+            values[..256].copy_from_slice(&codes);
+            cache.values = KvStore::Fp8(gpu.upload(&values)?);
+            let rows = Rows {
+                count: 1,
+                slot: gpu.upload(&[0u32])?,
+                position: gpu.upload(&[0u32])?,
+            };
+            let q = gpu.upload(&vec![0.0f32; 4 * 256])?;
+            let q_gate = gpu.upload(&vec![bf16::ZERO; 4 * 512])?;
+            let mut workspace = Workspace::new(gpu, shape, 1, 4)?;
+            let mut out: DeviceVec<bf16> = gpu.zeros(4 * 256)?;
+            attention::attend_with(
+                gpu,
+                decode,
+                shape,
+                &q,
+                &q_gate,
+                &cache,
+                &rows,
+                &mut workspace,
+                &mut out,
+            )?;
+            gpu.download(&out)
+        };
+        let out = run().expect("attend");
+        for h in 0..4 {
+            for (&c, got) in codes.iter().zip(&out[h * 256..(h + 1) * 256]) {
+                let want = e4m3_decode(c) * value_scale * 0.5;
+                assert!(
+                    got.to_f32() == want || (got.is_nan() && want.is_nan()),
+                    "{}: code {c:#04x} gave {got}, want {want}",
+                    decode.name()
+                );
+            }
+        }
+        println!("{}: all 256 e4m3 codes exact", decode.name());
+    }
 }
 
 #[test]

@@ -88,6 +88,13 @@ FP4_DEVICE float warp_max(float value) {
 FP4_DEVICE float bf16_to_f32(u16 bits) { return __uint_as_float((u32)bits << 16); }
 /// f32 to bf16 (raw bits), round to nearest even, NaN stays NaN.
 FP4_DEVICE u16 f32_to_bf16(float value) { return __bfloat16_as_ushort(__float2bfloat16_rn(value)); }
+/// Two bf16 products at once (raw bits, low and high halves), round to nearest even, subnormal
+/// operands and results kept (bf16 arithmetic has no flush to zero).
+FP4_DEVICE u32 bf16x2_mul(u32 a, u32 b) {
+    const __nv_bfloat162 p = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&b));
+    return *reinterpret_cast<const u32*>(&p);
+}
 
 /// 8- and 16-byte loads and stores; the pointer must be aligned to the width.
 FP4_DEVICE u32x2 load_u32x2(const void* p) { uint2 v = *reinterpret_cast<const uint2*>(p); return {v.x, v.y}; }
@@ -184,6 +191,12 @@ FP4_DEVICE u16 f32_to_bf16(float value) {
     const u32 bits = __builtin_bit_cast(u32, value);
     if ((bits & 0x7fffffffu) > 0x7f800000u) return (u16)((bits >> 16) | 0x40u);
     return (u16)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+/// Two bf16 products at once (raw bits), through f32: no packed bf16 arithmetic here.
+FP4_DEVICE u32 bf16x2_mul(u32 a, u32 b) {
+    const float lo = bf16_to_f32((u16)(a & 0xffffu)) * bf16_to_f32((u16)(b & 0xffffu));
+    const float hi = bf16_to_f32((u16)(a >> 16)) * bf16_to_f32((u16)(b >> 16));
+    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
 }
 
 FP4_DEVICE u32x2 load_u32x2(const void* p) { return *reinterpret_cast<const u32x2*>(p); }
