@@ -307,6 +307,17 @@ inline __nv_bfloat16 __float2bfloat16_rn(float v) {
     return {(unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
 }
 inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 v) { return v.bits; }
+struct __nv_bfloat162 {
+    __nv_bfloat16 x, y;
+};
+// a product of two bf16 is exact in f32, so one rounding, as the GPU's
+inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b) {
+    auto mul = [](__nv_bfloat16 p, __nv_bfloat16 q) {
+        return __float2bfloat16_rn(__uint_as_float((unsigned)p.bits << 16) *
+                                   __uint_as_float((unsigned)q.bits << 16));
+    };
+    return {mul(a.x, b.x), mul(a.y, b.y)};
+}
 struct uint2 {
     unsigned x, y;
 };
