@@ -149,14 +149,15 @@ fn kernels(shape: AttentionShape, format: KvFormat) -> [&'static str; 2] {
 }
 
 /// The attention of one decode row `q` at position `len - 1` of cache slot 1 over `keys` and
-/// `values` (`capacity` = len + 3 positions per slot): each kernel's output (`[heads][head_dim]`,
-/// its partials merged in f64), mma kernel first.
+/// `values` (`capacity` = len + 3 positions per slot) in `splits` splits (None: one per chunk of
+/// split_positions; fewer: each takes every splits-th chunk): each kernel's output
+/// (`[heads][head_dim]`, its partials merged in f64), mma kernel first.
 #[allow(clippy::too_many_arguments)]
 fn run_kernels(
     exe: &Path,
     target: &TargetFacts,
     shape: AttentionShape,
-    len: usize,
+    (len, splits): (usize, Option<usize>),
     format: KvFormat,
     q: &[f32],
     keys: &Cache,
@@ -166,7 +167,7 @@ fn run_kernels(
     let (heads, kv_heads, hd) = (shape.heads, shape.kv_heads, shape.head_dim);
     let split = target.attention.split_positions as usize;
     let capacity = len + 3;
-    let splits = capacity.div_ceil(split);
+    let splits = splits.unwrap_or(capacity.div_ceil(split));
     let (key_scale, value_scale) = format.scales();
     let mut emu = Emu::default();
     let q_buf = emu.buffer(bytes(q, f32::to_le_bytes));
@@ -253,7 +254,7 @@ fn run_row(
     exe: &Path,
     target: &TargetFacts,
     shape: AttentionShape,
-    len: usize,
+    (len, splits): (usize, Option<usize>),
     format: KvFormat,
     rng: &mut SplitMix64,
 ) -> [Vec<f64>; 3] {
@@ -264,10 +265,20 @@ fn run_row(
     let keys = Cache::random(rng, cache_len, format, false);
     let values = Cache::random(rng, cache_len, format, true);
     let name = format!(
-        "attention_{}_{heads}x{kv_heads}x{hd}_len{len}",
+        "attention_{}_{heads}x{kv_heads}x{hd}_len{len}_splits{splits:?}",
         format.name()
     );
-    let [mma, warp] = run_kernels(exe, target, shape, len, format, &q, &keys, &values, &name);
+    let [mma, warp] = run_kernels(
+        exe,
+        target,
+        shape,
+        (len, splits),
+        format,
+        &q,
+        &keys,
+        &values,
+        &name,
+    );
     let (key_scale, value_scale) = format.scales();
     let slot_rows = capacity * kv_heads * hd..capacity * kv_heads * hd + len * kv_heads * hd;
     let want = reference::attend(
@@ -297,14 +308,20 @@ fn the_mma_decode_kernel_matches_the_reference_and_the_warp_kernel() {
                 kv_heads,
                 head_dim,
             };
-            for (format, len) in [
-                (KvFormat::Bf16, 1),
-                (KvFormat::Bf16, split + 1),
-                (KvFormat::Bf16, 3 * split - 5),
-                (fp8, 1),
-                (fp8, 2 * split + 3),
+            // (splits: None = one per chunk; 2 and 1 = each split several chunks, every
+            // second / every one, with the online softmax across them)
+            for (format, len, splits) in [
+                (KvFormat::Bf16, 1, None),
+                (KvFormat::Bf16, split + 1, None),
+                (KvFormat::Bf16, 3 * split - 5, None),
+                (KvFormat::Bf16, 5 * split - 7, Some(2)),
+                (KvFormat::Bf16, 2 * split + 1, Some(1)),
+                (fp8, 1, None),
+                (fp8, 2 * split + 3, None),
+                (fp8, 4 * split + 9, Some(2)),
             ] {
-                let [mma, warp, want] = run_row(&exe, target, shape, len, format, &mut rng);
+                let [mma, warp, want] =
+                    run_row(&exe, target, shape, (len, splits), format, &mut rng);
                 let rms = (want.iter().map(|v| v * v).sum::<f64>() / want.len() as f64).sqrt();
                 let [mma_name, warp_name] = kernels(shape, format);
                 for (name, got) in [(mma_name, &mma), (warp_name, &warp)] {
@@ -317,14 +334,15 @@ fn the_mma_decode_kernel_matches_the_reference_and_the_warp_kernel() {
                             |a, e| if e.is_nan() { f64::INFINITY } else { a.max(e) },
                         );
                     println!(
-                        "{} {name} {heads}x{kv_heads}x{head_dim} len {len}: worst error {worst:.2e} \
-                         of |want| + rms",
+                        "{} {name} {heads}x{kv_heads}x{head_dim} len {len} splits {splits:?}: \
+                         worst error {worst:.2e} of |want| + rms",
                         target.name
                     );
                     // the mma kernel's operands are bf16 hi + lo: each to ~2^-17 = 7.6e-6
                     assert!(
                         worst < 5e-5,
-                        "{} {name} {heads}x{kv_heads}x{head_dim} len {len}: error {worst:.2e}",
+                        "{} {name} {heads}x{kv_heads}x{head_dim} len {len} splits {splits:?}: \
+                         error {worst:.2e}",
                         target.name
                     );
                 }
@@ -361,7 +379,7 @@ fn the_fp8_kernels_decode_every_e4m3_code_exactly() {
             &exe,
             target,
             shape,
-            1,
+            (1, None),
             format,
             &q,
             &keys,

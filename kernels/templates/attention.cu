@@ -160,14 +160,15 @@ FP4_DEVICE void load_kv_row(float (&dst)[E], const u8* p) {
     }
 }
 
-// The body of attention_decode for head_dim = 32 E: lane l owns dimensions [l E, l E + E).
+// The body of attention_decode for head_dim = 32 E: lane l owns dimensions [l E, l E + E); the
+// chunks of ATTN_SPLIT positions from `start`, `split_stride` apart, below `len`.
 // Every step issues the K and V rows of ATTN_UNROLL positions before using any of them (V does
 // not depend on the scores), so a warp keeps 2 * ATTN_UNROLL row loads in flight. KV: u16 (bf16
 // cache) or u8 (e4m3 codes of value / scale).
 template <int E, class KV>
 FP4_DEVICE void decode_split(const float* q_row, const KV* k_base, const KV* v_base, u64 stride,
-                             u32 start, u32 end, u32 lane, float key_scale, float value_scale,
-                             float* ml, float* acc_out) {
+                             u32 start, u32 len, u32 split_stride, u32 lane, float key_scale,
+                             float value_scale, float* ml, float* acc_out) {
     const float scale = score_scale(E * FP4_WARP_SIZE) * key_scale;
     float qr[E], acc[E];
     #pragma unroll
@@ -176,7 +177,8 @@ FP4_DEVICE void decode_split(const float* q_row, const KV* k_base, const KV* v_b
         acc[i] = 0.0f;
     }
     float m = neg_inf(), l = 0.0f;
-    for (u32 p = start; p < end; p += ATTN_UNROLL) {
+    for (u32 chunk = start; chunk < len; chunk += split_stride)
+    for (u32 p = chunk, end = min_u32(len, chunk + ATTN_SPLIT); p < end; p += ATTN_UNROLL) {
         // positions past the end repeat the last one (uniform control flow) and get weight 0
         // through a score of -inf
         float kf[ATTN_UNROLL][E], vf[ATTN_UNROLL][E];
@@ -218,9 +220,10 @@ FP4_DEVICE void decode_split(const float* q_row, const KV* k_base, const KV* v_b
     for (int i = 0; i < E; ++i) acc_out[lane * E + i] = acc[i] * value_scale;
 }
 
-// grid (splits, kv_heads, rows), one warp per query head of the group; head_dim a multiple of
-// 32 up to 256 (checked on the host). Scores are taken in base 2 (q pre-scaled by
-// log2(e) / sqrt(head_dim) and the key scale).
+// grid (splits, kv_heads, rows), one warp per query head of the group; split s takes the chunks
+// of ATTN_SPLIT positions s, s + splits, ... (as decode_mma); head_dim a multiple of 32 up to
+// 256 (checked on the host). Scores are taken in base 2 (q pre-scaled by log2(e) /
+// sqrt(head_dim) and the key scale).
 template <class KV>
 FP4_DEVICE void decode_warps(const float* q, const KV* k_cache, const KV* v_cache, const u32* row_slot,
                              const u32* row_pos, float* partial_ml, float* partial_acc, u32 heads, u32 kv_heads,
@@ -241,7 +244,7 @@ FP4_DEVICE void decode_warps(const float* q, const KV* k_cache, const KV* v_cach
         }
         return;
     }
-    const u32 end = start + ATTN_SPLIT < len ? start + ATTN_SPLIT : len;
+    const u32 split_stride = splits * ATTN_SPLIT;
     const u64 stride = (u64)kv_heads * head_dim;
     const u64 base = ((u64)row_slot[row] * capacity * kv_heads + kv_head) * head_dim;
     const float* q_row = q + ((u64)row * heads + head) * head_dim;
@@ -251,14 +254,14 @@ FP4_DEVICE void decode_warps(const float* q, const KV* k_cache, const KV* v_cach
     const KV* v = v_cache + base;
     const float ks = key_scale, vs = value_scale;
     switch (head_dim / FP4_WARP_SIZE) {
-        case 1: decode_split<1>(q_row, k, v, stride, start, end, lane, ks, vs, ml, acc); break;
-        case 2: decode_split<2>(q_row, k, v, stride, start, end, lane, ks, vs, ml, acc); break;
-        case 3: decode_split<3>(q_row, k, v, stride, start, end, lane, ks, vs, ml, acc); break;
-        case 4: decode_split<4>(q_row, k, v, stride, start, end, lane, ks, vs, ml, acc); break;
-        case 5: decode_split<5>(q_row, k, v, stride, start, end, lane, ks, vs, ml, acc); break;
-        case 6: decode_split<6>(q_row, k, v, stride, start, end, lane, ks, vs, ml, acc); break;
-        case 7: decode_split<7>(q_row, k, v, stride, start, end, lane, ks, vs, ml, acc); break;
-        default: decode_split<8>(q_row, k, v, stride, start, end, lane, ks, vs, ml, acc); break;
+        case 1: decode_split<1>(q_row, k, v, stride, start, len, split_stride, lane, ks, vs, ml, acc); break;
+        case 2: decode_split<2>(q_row, k, v, stride, start, len, split_stride, lane, ks, vs, ml, acc); break;
+        case 3: decode_split<3>(q_row, k, v, stride, start, len, split_stride, lane, ks, vs, ml, acc); break;
+        case 4: decode_split<4>(q_row, k, v, stride, start, len, split_stride, lane, ks, vs, ml, acc); break;
+        case 5: decode_split<5>(q_row, k, v, stride, start, len, split_stride, lane, ks, vs, ml, acc); break;
+        case 6: decode_split<6>(q_row, k, v, stride, start, len, split_stride, lane, ks, vs, ml, acc); break;
+        case 7: decode_split<7>(q_row, k, v, stride, start, len, split_stride, lane, ks, vs, ml, acc); break;
+        default: decode_split<8>(q_row, k, v, stride, start, len, split_stride, lane, ks, vs, ml, acc); break;
     }
 }
 
@@ -318,13 +321,18 @@ FP4_DEVICE void split_bf16_pair(float v, float w, u32& hi, u32& lo) {
 static_assert(ATTN_FP8_PIECES > 0, "split_positions: at least one e4m3 piece per thread");
 
 // The body of attention_decode_mma_g{8,16}[_fp8]: a group of up to 8 NT heads (NT n8 tiles).
-// grid (kv_heads, splits, rows), ATTN_MMA_WARPS warps; dynamic shared memory (bytes, as
+// grid (kv_heads, splits, rows), ATTN_MMA_WARPS warps. The cache is cut in chunks of ATTN_SPLIT
+// positions and split s takes the chunks s, s + splits, s + 2 splits, ... below the row's
+// length, one after another with a running (max, sum) per head and the output in registers,
+// rescaled per chunk (online softmax): with as many splits as chunks (small batches) a block
+// takes one chunk, with fewer (the host's choice at large batches) a long context writes and
+// merges one partial per split instead of one per chunk, and a short one still spreads its few
+// chunks over the splits. Dynamic shared memory (bytes, as
 // src/kernels/attention/mod.rs sizes it): K rows, V rows [ATTN_SPLIT][head_dim + ATTN_ROW_PAD]
 // bf16, scores [ATTN_K_PARTS][8 NT][ATTN_SPLIT] f32, p hi and lo [8 NT][ATTN_SPLIT + ATTN_P_PAD]
 // bf16. KV: u16 (a bf16 cache, copied by cp.async) or u8 (e4m3 codes: every thread loads its
-// pieces of the split's rows into registers at once, 16 bytes each, and after the q fragments
-// writes them to the same bf16 rows, decoded exactly; the key scale multiplies q, the value
-// scale the output).
+// pieces of the chunk's rows into registers at once, 16 bytes each, and writes them to the same
+// bf16 rows, decoded exactly; the key scale multiplies q, the value scale the output).
 template <int NT, class KV>
 FP4_DEVICE void decode_mma(const float* q, const KV* k_cache, const KV* v_cache, const u32* row_slot,
                            const u32* row_pos, float* partial_ml, float* partial_acc, u32 heads, u32 kv_heads,
@@ -333,6 +341,9 @@ FP4_DEVICE void decode_mma(const float* q, const KV* k_cache, const KV* v_cache,
     constexpr bool FP8 = sizeof(KV) == 1;
     // k16 steps of the scores per warp, at most (ATTN_K_PARTS warps share a position tile)
     constexpr int STEPS = ATTN_MAX_HEAD_DIM / 16 / ATTN_K_PARTS;
+    // 16-dimension tiles of the output per warp, at most
+    constexpr int D_TILES = (ATTN_MAX_HEAD_DIM / 16 + ATTN_MMA_WARPS - 1) / ATTN_MMA_WARPS;
+    constexpr u32 THREADS = ATTN_MMA_WARPS * FP4_WARP_SIZE;
     // the KV heads of a split are neighbours in the grid (they read the two halves of the same
     // cache rows; no faster than splits first on the H200, seventh session)
     const u32 kv_head = block_x(), split = block_y(), row = block_z();
@@ -343,18 +354,16 @@ FP4_DEVICE void decode_mma(const float* q, const KV* k_cache, const KV* v_cache,
     const u64 first_part = ((u64)row * heads + kv_head * group) * splits + split;  // head 0 of the group
     // row_slot / row_pos come from launches before the previous one: final before the wait
     const u32 len = row_pos[row] + 1;
-    const u32 start = split * ATTN_SPLIT;
-    if (start >= len) {
+    if (split * ATTN_SPLIT >= len) {
         chain_after_previous_grid();
-        for (u32 h = thread_x(); h < group; h += ATTN_MMA_WARPS * FP4_WARP_SIZE) {
+        for (u32 h = thread_x(); h < group; h += THREADS) {
             partial_ml[2 * (first_part + (u64)h * splits)] = neg_inf();
             partial_ml[2 * (first_part + (u64)h * splits) + 1] = 0.0f;
         }
         return;
     }
-    const u32 count = min_u32(ATTN_SPLIT, len - start);
     const u64 stride = (u64)kv_heads * head_dim;
-    const u64 base = ((u64)row_slot[row] * capacity + start) * stride + (u64)kv_head * head_dim;
+    const u64 base = (u64)row_slot[row] * capacity * stride + (u64)kv_head * head_dim;
     chain_after_previous_grid();
 
     const u32 row_elems = head_dim + ATTN_ROW_PAD, p_elems = ATTN_SPLIT + ATTN_P_PAD;
@@ -363,32 +372,69 @@ FP4_DEVICE void decode_mma(const float* q, const KV* k_cache, const KV* v_cache,
     float* const scores = reinterpret_cast<float*>(v_rows + ATTN_SPLIT * row_elems);
     u16* const p_hi = reinterpret_cast<u16*>(scores + ATTN_K_PARTS * 8 * NT * ATTN_SPLIT);
     u16* const p_lo = p_hi + 8 * NT * p_elems;
+    // per head of the group: the running max and sum, and the factor this chunk rescales by
+    __shared__ float run_m[8 * NT], run_l[8 * NT], rescale[8 * NT];
 
-    // the split's rows, 16 bytes per copy or load; positions past the context are zero (their
-    // scores are masked, and zeros keep NaN out of the products)
-    constexpr u32 THREADS = ATTN_MMA_WARPS * FP4_WARP_SIZE;
+    // A chunk's rows, 16 bytes per copy or load; positions past the context are zero (their
+    // scores are masked, and zeros keep NaN out of the products). issue() starts the copies
+    // (bf16) or loads into registers (e4m3); land() finishes them into the bf16 rows.
     const u32 pieces = head_dim / (16 / sizeof(KV));  // per row
     u32x4 k_codes[FP8 ? ATTN_FP8_PIECES : 1], v_codes[FP8 ? ATTN_FP8_PIECES : 1];
-    if constexpr (FP8) {
-        #pragma unroll
-        for (int j = 0; j < ATTN_FP8_PIECES; ++j) {
-            const u32 i = thread_x() + j * THREADS, pos = i / pieces;
-            k_codes[j] = v_codes[j] = {0u, 0u, 0u, 0u};
-            if (pos < count) {
-                const u64 at = base + (u64)pos * stride + 16 * (i % pieces);
-                k_codes[j] = load_u32x4(k_cache + at);
-                v_codes[j] = load_u32x4(v_cache + at);
+    auto issue = [&](u32 chunk_start) {
+        const u32 count = min_u32(ATTN_SPLIT, len - chunk_start);
+        const u64 chunk_base = base + (u64)chunk_start * stride;
+        if constexpr (FP8) {
+            #pragma unroll
+            for (int j = 0; j < ATTN_FP8_PIECES; ++j) {
+                const u32 i = thread_x() + j * THREADS, pos = i / pieces;
+                k_codes[j] = v_codes[j] = {0u, 0u, 0u, 0u};
+                if (pos < count) {
+                    const u64 at = chunk_base + (u64)pos * stride + 16 * (i % pieces);
+                    k_codes[j] = load_u32x4(k_cache + at);
+                    v_codes[j] = load_u32x4(v_cache + at);
+                }
             }
+        } else {
+            for (u32 i = thread_x(); i < ATTN_SPLIT * pieces; i += THREADS) {
+                const u32 pos = i / pieces, c = i % pieces;
+                const u64 at = chunk_base + (u64)(pos < count ? pos : 0u) * stride + 8 * c;
+                const u32 bytes = pos < count ? 16u : 0u;
+                cp_async16_zfill(k_rows + pos * row_elems + 8 * c, k_cache + at, bytes);
+                cp_async16_zfill(v_rows + pos * row_elems + 8 * c, v_cache + at, bytes);
+            }
+            cp_async_commit();
         }
-    } else {
-        for (u32 i = thread_x(); i < ATTN_SPLIT * pieces; i += THREADS) {
-            const u32 pos = i / pieces, c = i % pieces;
-            const u64 at = base + (u64)(pos < count ? pos : 0u) * stride + 8 * c;
-            const u32 bytes = pos < count ? 16u : 0u;
-            cp_async16_zfill(k_rows + pos * row_elems + 8 * c, k_cache + at, bytes);
-            cp_async16_zfill(v_rows + pos * row_elems + 8 * c, v_cache + at, bytes);
+    };
+    auto land = [&]() {
+        if constexpr (FP8) {
+            // 16 codes -> 16 bf16 (32 bytes) at the piece's place in its row
+            #pragma unroll
+            for (int j = 0; j < ATTN_FP8_PIECES; ++j) {
+                const u32 i = thread_x() + j * THREADS, pos = i / pieces;
+                if (pos >= ATTN_SPLIT) continue;
+                const u32 at = pos * row_elems + 16 * (i % pieces);
+                const u32 k_words[4] = {k_codes[j].x, k_codes[j].y, k_codes[j].z, k_codes[j].w};
+                const u32 v_words[4] = {v_codes[j].x, v_codes[j].y, v_codes[j].z, v_codes[j].w};
+                u32 k_out[8], v_out[8];
+                #pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    e4m3x4_to_bf16x4(k_words[w], k_out[2 * w], k_out[2 * w + 1]);
+                    e4m3x4_to_bf16x4(v_words[w], v_out[2 * w], v_out[2 * w + 1]);
+                }
+                store_u32x4(k_rows + at, {k_out[0], k_out[1], k_out[2], k_out[3]});
+                store_u32x4(k_rows + at + 8, {k_out[4], k_out[5], k_out[6], k_out[7]});
+                store_u32x4(v_rows + at, {v_out[0], v_out[1], v_out[2], v_out[3]});
+                store_u32x4(v_rows + at + 8, {v_out[4], v_out[5], v_out[6], v_out[7]});
+            }
+        } else {
+            cp_async_wait<0>();
         }
-        cp_async_commit();
+        block_barrier();
+    };
+    issue(split * ATTN_SPLIT);
+    if (thread_x() < 8 * NT) {
+        run_m[thread_x()] = neg_inf();
+        run_l[thread_x()] = 0.0f;
     }
 
     // while the rows arrive: this warp's q fragments (the B operand of its k16 steps part, part +
@@ -411,106 +457,112 @@ FP4_DEVICE void decode_mma(const float* q, const KV* k_cache, const KV* v_cache,
             }
         }
     }
-    if constexpr (FP8) {
-        // 16 codes -> 16 bf16 (32 bytes) at the piece's place in its row
-        #pragma unroll
-        for (int j = 0; j < ATTN_FP8_PIECES; ++j) {
-            const u32 i = thread_x() + j * THREADS, pos = i / pieces;
-            if (pos >= ATTN_SPLIT) continue;
-            const u32 at = pos * row_elems + 16 * (i % pieces);
-            const u32 k_words[4] = {k_codes[j].x, k_codes[j].y, k_codes[j].z, k_codes[j].w};
-            const u32 v_words[4] = {v_codes[j].x, v_codes[j].y, v_codes[j].z, v_codes[j].w};
-            u32 k_out[8], v_out[8];
-            #pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                e4m3x4_to_bf16x4(k_words[w], k_out[2 * w], k_out[2 * w + 1]);
-                e4m3x4_to_bf16x4(v_words[w], v_out[2 * w], v_out[2 * w + 1]);
-            }
-            store_u32x4(k_rows + at, {k_out[0], k_out[1], k_out[2], k_out[3]});
-            store_u32x4(k_rows + at + 8, {k_out[4], k_out[5], k_out[6], k_out[7]});
-            store_u32x4(v_rows + at, {v_out[0], v_out[1], v_out[2], v_out[3]});
-            store_u32x4(v_rows + at + 8, {v_out[4], v_out[5], v_out[6], v_out[7]});
-        }
-    } else {
-        cp_async_wait<0>();
-    }
-    block_barrier();
 
-    // scores: warp (position tile, k part) takes the k16 steps part, part + ATTN_K_PARTS, ...
-    {
-        float acc[NT][4] = {};
+    // out^T[dim][head], this warp's 16-dimension tiles warp, warp + ATTN_MMA_WARPS, ...
+    float out[D_TILES][NT][4] = {};
+    const u32 split_stride = splits * ATTN_SPLIT;  // from one chunk of this split to the next
+    for (u32 chunk_start = split * ATTN_SPLIT; chunk_start < len; chunk_start += split_stride) {
+        const u32 count = min_u32(ATTN_SPLIT, len - chunk_start);
+        land();
+
+        // scores: warp (position tile, k part) takes the k16 steps part, part + ATTN_K_PARTS, ...
+        {
+            float acc[NT][4] = {};
+            #pragma unroll
+            for (int i = 0; i < STEPS; ++i) {
+                const u32 k0 = 16 * (part + ATTN_K_PARTS * i);
+                if (k0 < head_dim) {
+                    u32 a[4];
+                    load_a_fragment<false>(a, k_rows, row_elems, 16 * tile, k0);
+                    #pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        mma_bf16_m16n8k16(acc[nt], a, q_hi[i][nt][0], q_hi[i][nt][1]);
+                        mma_bf16_m16n8k16(acc[nt], a, q_lo[i][nt][0], q_lo[i][nt][1]);
+                    }
+                }
+            }
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    scores[(part * 8 * NT + acc_col(lane, nt, i)) * ATTN_SPLIT + 16 * tile + acc_row(lane, i)] =
+                        acc[nt][i];
+        }
+        block_barrier();
+
+        // softmax in base 2 per head (a warp each), online over the chunks: the new running max,
+        // the factor the output so far is rescaled by, the running sum, and p = 2^(s - max) as
+        // bf16 hi + lo for the second product
+        for (u32 h = warp; h < group; h += ATTN_MMA_WARPS) {
+            float s[ATTN_SPLIT / FP4_WARP_SIZE];
+            float m = run_m[h];
+            #pragma unroll
+            for (int j = 0; j < ATTN_SPLIT / FP4_WARP_SIZE; ++j) {
+                const u32 pos = j * FP4_WARP_SIZE + lane;
+                float sum = 0.0f;
+                #pragma unroll
+                for (u32 kp = 0; kp < ATTN_K_PARTS; ++kp) sum += scores[(kp * 8 * NT + h) * ATTN_SPLIT + pos];
+                s[j] = pos < count ? sum : neg_inf();
+                m = s[j] > m ? s[j] : m;
+            }
+            m = warp_max(m);
+            float l = 0.0f;
+            #pragma unroll
+            for (int j = 0; j < ATTN_SPLIT / FP4_WARP_SIZE; ++j) {
+                const u32 pos = j * FP4_WARP_SIZE + lane;
+                const float p = exp2_f32(s[j] - m);
+                l += p;
+                const u16 hi = f32_to_bf16(p);
+                p_hi[h * p_elems + pos] = hi;
+                p_lo[h * p_elems + pos] = f32_to_bf16(p - bf16_to_f32(hi));
+            }
+            l = warp_sum(l);
+            warp_barrier();  // every lane has read run_m[h]
+            if (lane == 0) {
+                const float factor = exp2_f32(run_m[h] - m);  // 0 at the first chunk (-inf)
+                rescale[h] = factor;
+                run_l[h] = run_l[h] * factor + l;
+                run_m[h] = m;
+            }
+        }
+        block_barrier();
+
+        // out^T += V^T p, after rescaling what the earlier chunks left
         #pragma unroll
-        for (int i = 0; i < STEPS; ++i) {
-            const u32 k0 = 16 * (part + ATTN_K_PARTS * i);
-            if (k0 < head_dim) {
+        for (int dt = 0; dt < D_TILES; ++dt) {
+            const u32 d0 = 16 * (warp + ATTN_MMA_WARPS * dt);
+            if (d0 >= head_dim) continue;
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) out[dt][nt][i] *= rescale[acc_col(lane, nt, i)];
+            #pragma unroll
+            for (u32 p0 = 0; p0 < ATTN_SPLIT; p0 += 16) {
                 u32 a[4];
-                load_a_fragment<false>(a, k_rows, row_elems, 16 * tile, k0);
+                load_a_fragment<true>(a, v_rows, row_elems, d0, p0);
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    mma_bf16_m16n8k16(acc[nt], a, q_hi[i][nt][0], q_hi[i][nt][1]);
-                    mma_bf16_m16n8k16(acc[nt], a, q_lo[i][nt][0], q_lo[i][nt][1]);
+                    // heads past the group hold stale p: their columns are never stored
+                    const u32 at = (8 * nt + g) * p_elems + p0 + 2 * t;
+                    mma_bf16_m16n8k16(out[dt][nt], a, *reinterpret_cast<const u32*>(p_hi + at),
+                                      *reinterpret_cast<const u32*>(p_hi + at + 8));
+                    mma_bf16_m16n8k16(out[dt][nt], a, *reinterpret_cast<const u32*>(p_lo + at),
+                                      *reinterpret_cast<const u32*>(p_lo + at + 8));
                 }
             }
         }
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-            #pragma unroll
-            for (int i = 0; i < 4; ++i)
-                scores[(part * 8 * NT + acc_col(lane, nt, i)) * ATTN_SPLIT + 16 * tile + acc_row(lane, i)] =
-                    acc[nt][i];
+        block_barrier();  // the rows, scores and p are free for the next chunk
+        if (chunk_start + split_stride < len) issue(chunk_start + split_stride);
     }
-    block_barrier();
 
-    // softmax in base 2 per head (a warp each): the split's (max, sum) to the workspace, p = 2^(s -
-    // max) as bf16 hi + lo for the second product
-    for (u32 h = warp; h < group; h += ATTN_MMA_WARPS) {
-        float s[ATTN_SPLIT / FP4_WARP_SIZE];
-        float m = neg_inf();
-        #pragma unroll
-        for (int j = 0; j < ATTN_SPLIT / FP4_WARP_SIZE; ++j) {
-            const u32 pos = j * FP4_WARP_SIZE + lane;
-            float sum = 0.0f;
-            #pragma unroll
-            for (u32 kp = 0; kp < ATTN_K_PARTS; ++kp) sum += scores[(kp * 8 * NT + h) * ATTN_SPLIT + pos];
-            s[j] = pos < count ? sum : neg_inf();
-            m = s[j] > m ? s[j] : m;
-        }
-        m = warp_max(m);
-        float l = 0.0f;
-        #pragma unroll
-        for (int j = 0; j < ATTN_SPLIT / FP4_WARP_SIZE; ++j) {
-            const u32 pos = j * FP4_WARP_SIZE + lane;
-            const float p = exp2_f32(s[j] - m);
-            l += p;
-            const u16 hi = f32_to_bf16(p);
-            p_hi[h * p_elems + pos] = hi;
-            p_lo[h * p_elems + pos] = f32_to_bf16(p - bf16_to_f32(hi));
-        }
-        l = warp_sum(l);
-        if (lane == 0) {
-            partial_ml[2 * (first_part + (u64)h * splits)] = m;
-            partial_ml[2 * (first_part + (u64)h * splits) + 1] = l;
-        }
+    if (thread_x() < group) {
+        partial_ml[2 * (first_part + (u64)thread_x() * splits)] = run_m[thread_x()];
+        partial_ml[2 * (first_part + (u64)thread_x() * splits) + 1] = run_l[thread_x()];
     }
-    block_barrier();
-
-    // out^T[dim][head]: warp w takes the 16-dimension tiles w, w + ATTN_MMA_WARPS, ...
-    for (u32 d0 = 16 * warp; d0 < head_dim; d0 += 16 * ATTN_MMA_WARPS) {
-        float acc[NT][4] = {};
-        #pragma unroll
-        for (u32 p0 = 0; p0 < ATTN_SPLIT; p0 += 16) {
-            u32 a[4];
-            load_a_fragment<true>(a, v_rows, row_elems, d0, p0);
-            #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                // heads past the group hold stale p: their columns are never stored
-                const u32 at = (8 * nt + g) * p_elems + p0 + 2 * t;
-                mma_bf16_m16n8k16(acc[nt], a, *reinterpret_cast<const u32*>(p_hi + at),
-                                  *reinterpret_cast<const u32*>(p_hi + at + 8));
-                mma_bf16_m16n8k16(acc[nt], a, *reinterpret_cast<const u32*>(p_lo + at),
-                                  *reinterpret_cast<const u32*>(p_lo + at + 8));
-            }
-        }
+    #pragma unroll
+    for (int dt = 0; dt < D_TILES; ++dt) {
+        const u32 d0 = 16 * (warp + ATTN_MMA_WARPS * dt);
+        if (d0 >= head_dim) continue;
         #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
             #pragma unroll
@@ -518,7 +570,7 @@ FP4_DEVICE void decode_mma(const float* q, const KV* k_cache, const KV* v_cache,
                 const u32 head = acc_col(lane, nt, i);
                 if (head < group)
                     partial_acc[(first_part + (u64)head * splits) * head_dim + d0 + acc_row(lane, i)] =
-                        acc[nt][i] * value_scale;
+                        out[dt][nt][i] * value_scale;
             }
     }
 }

@@ -194,8 +194,13 @@ pub struct TokensTiles {
 pub struct AttentionTiles {
     /// `attention_prepare`: warps per block, one (row, head) each.
     pub prepare_warps_per_block: u32,
-    /// `attention_decode`: KV positions per split (one block per split, KV head and row).
+    /// `attention_decode`: KV positions per chunk (a split takes one or more chunks; a block per
+    /// split, KV head and row).
     pub split_positions: u32,
+    /// `attention_decode`: each row's chunks get their own split while the call's blocks (rows x
+    /// KV heads x splits) stay within this many per multiprocessor; past that, the splits are
+    /// cut to that many blocks' worth and each takes several chunks.
+    pub decode_blocks_per_sm: u32,
     /// `attention_combine_gate`: warps per block, one block per (row, head) and part of its
     /// dimensions, the warps splitting its splits.
     pub combine_warps_per_block: u32,

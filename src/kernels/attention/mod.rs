@@ -327,13 +327,27 @@ pub struct Workspace {
     partial_acc: DeviceVec<f32>,
 }
 
-/// The splits a cache of `capacity` positions needs on `backend`'s target.
+/// The chunks of `attention.split_positions` a cache of `capacity` positions holds on
+/// `backend`'s target: the most splits a call can have (one chunk each).
 fn splits_for(backend: &Backend, capacity: usize) -> usize {
     backend.target().map_or(1, |t| {
         capacity
             .div_ceil(t.attention.split_positions as usize)
             .max(1)
     })
+}
+
+/// The splits of one [`attend`] call on `target`: one per chunk of `attention.split_positions`
+/// while the rows' KV heads times the cache's chunks stay within
+/// `attention.decode_blocks_per_sm` blocks per multiprocessor; past that, that many blocks'
+/// worth, each split taking every `splits`-th chunk of its row (the kernels' online softmax runs
+/// over them), so a long context at a large batch writes and merges fewer partials.
+fn call_splits(target: &TargetFacts, rows: usize, kv_heads: usize, capacity: usize) -> usize {
+    let chunks = capacity
+        .div_ceil(target.attention.split_positions as usize)
+        .max(1);
+    let wanted = (target.attention.decode_blocks_per_sm * target.multiprocessors) as usize;
+    chunks.min(wanted.div_ceil((rows * kv_heads).max(1)).max(1))
 }
 
 /// The mma decode kernel for `shape`'s GQA group and a cache in `format`
@@ -718,7 +732,9 @@ pub fn attend_with(
         n * shape.heads * hd,
         "[rows, heads * head_dim]",
     )?;
-    let splits = splits_for(backend, cache.capacity);
+    let splits = backend
+        .target()
+        .map_or(1, |t| call_splits(t, n, shape.kv_heads, cache.capacity));
     if workspace.rows < n || workspace.splits < splits {
         return Err(Error::invalid(
             "attention workspace",
@@ -902,6 +918,19 @@ mod tests {
         };
         let dims = combine_dims_per_block(odd, 1, h200);
         assert!(dims % 32 == 0 && dims <= 160, "{dims}");
+    }
+
+    #[test]
+    fn large_batches_take_several_chunks_per_split() {
+        let h200 = crate::target::by_name("sm_90a").expect("sm_90a");
+        // 20001 positions are 313 chunks of 64: B = 1 keeps one split per chunk (626 blocks
+        // within 6 x 132), B = 8 and 64 share 792 blocks' worth over their rows and KV heads
+        assert_eq!(call_splits(h200, 1, 2, 20001), 313);
+        assert_eq!(call_splits(h200, 8, 2, 20001), 50);
+        assert_eq!(call_splits(h200, 64, 2, 20001), 7);
+        // a short cache: never more splits than chunks, never fewer than one
+        assert_eq!(call_splits(h200, 1, 2, 100), 2);
+        assert_eq!(call_splits(h200, 4096, 16, 20001), 1);
     }
 
     #[test]
