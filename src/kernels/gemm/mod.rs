@@ -797,21 +797,54 @@ pub fn mma_block_warps(target: &TargetFacts, rows: usize) -> u32 {
 /// ([`mma_x_shared`]): [`mma_plan`] with at most `mma_x_shared_max_warps_per_tile` warps per
 /// tile (a round of the X ring holds one K group for each warp of a tile), K split across
 /// blocks for the rest, down to `mma_x_shared_min_groups_per_split` groups per split.
+///
+/// Where the tiles alone leave warps without work (that plan splits K), the number of splits is
+/// then the one whose blocks fill their waves best: these blocks are large
+/// (`mma_x_shared_warps_per_block` warps, `mma_x_shared_blocks_per_sm` resident per SM), so a
+/// split count chosen for the warps alone can leave a last wave nearly empty (the (8192, 2048)
+/// attention q projection at M = 64 in 12-warp blocks: 2 splits are 172 blocks on 132 SMs, two
+/// waves of 16 groups; 3 splits two waves of 11). The cost of a split count is its waves times
+/// (groups per split + [`SPLIT_OVERHEAD_GROUPS`]), the fewest splits on a tie.
 pub fn x_shared_plan(
     n_tiles: usize,
     k_groups: usize,
     tiles: &GemmTiles,
     multiprocessors: u32,
 ) -> MmaPlan {
-    mma_plan(
+    let plan = mma_plan(
         n_tiles,
         k_groups,
         tiles.mma_x_shared_max_warps_per_tile,
         multiprocessors,
         tiles.mma_min_warps_per_sm,
         tiles.mma_x_shared_min_groups_per_split,
-    )
+    );
+    if plan.splits == 1 {
+        return plan;
+    }
+    let tiles_per_block = (tiles.mma_x_shared_warps_per_block / plan.warps_per_tile).max(1);
+    let tile_blocks = n_tiles.max(1).div_ceil(tiles_per_block as usize);
+    let slots = (multiprocessors * tiles.mma_x_shared_blocks_per_sm).max(1) as usize;
+    let most = (k_groups / tiles.mma_x_shared_min_groups_per_split.max(1) as usize).max(1);
+    let cost = |groups_per_split: usize| {
+        let splits = k_groups.div_ceil(groups_per_split);
+        (tile_blocks * splits).div_ceil(slots) * (groups_per_split + SPLIT_OVERHEAD_GROUPS)
+    };
+    // each split count's groups per split, fewest splits first (min_by_key keeps the first)
+    let groups_per_split = (1..=most)
+        .map(|splits| k_groups.div_ceil(splits).max(1))
+        .min_by_key(|&groups| cost(groups))
+        .unwrap_or(plan.groups_per_split as usize);
+    MmaPlan {
+        warps_per_tile: plan.warps_per_tile,
+        splits: k_groups.div_ceil(groups_per_split).max(1) as u32,
+        groups_per_split: groups_per_split as u32,
+    }
 }
+
+/// What a K split adds to a block's work in [`x_shared_plan`], in K groups: its partial sums
+/// stored, counted and added by the tile's last block (an estimate, not a measurement).
+const SPLIT_OVERHEAD_GROUPS: usize = 2;
 
 /// bf16 per row of the X ring of the `gemm_*_mma_m*` variants that stream X (`X_ROW` in gemm.cu):
 /// a 64-wide K group and 16 of padding, so that rows are 160 bytes apart and a half-warp's reads
@@ -1771,6 +1804,34 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// The X-ring plan splits K only where the tiles alone leave warps idle, and then into the
+    /// split count that fills its waves of 12-warp blocks (one per SM on 132 SMs) best: the
+    /// attention q projection (8192, 2048) 3 splits (258 blocks, two waves of 11 groups; 2 were
+    /// 172 blocks, two waves of 16), the GDN out_proj (2048, 4096) 6 (132 blocks, one wave; the
+    /// warps alone asked for 5), the GDN in_proj (12352, 2048) and the lm_head none.
+    #[test]
+    fn the_x_shared_plan_fills_its_waves() {
+        let mut tiles = target::by_name("sm_90a").expect("sm_90a").gemm.clone();
+        tiles.mma_x_shared_warps_per_block = 12;
+        tiles.mma_x_shared_blocks_per_sm = 1;
+        tiles.mma_x_shared_max_warps_per_tile = 2;
+        tiles.mma_min_warps_per_sm = 8;
+        tiles.mma_x_shared_min_groups_per_split = 4;
+        for ((n, k), splits, groups) in [
+            ((8192, 2048), 3, 11),
+            ((2048, 4096), 6, 11),
+            ((12352, 2048), 1, 32),
+            ((248320, 2048), 1, 32),
+        ] {
+            let plan = x_shared_plan(n / 16, k / 64, &tiles, 132);
+            assert_eq!(
+                (plan.splits, plan.groups_per_split),
+                (splits, groups),
+                "({n}, {k}): {plan:?}"
+            );
         }
     }
 
