@@ -65,6 +65,8 @@ static_assert((MOE_EXPERTS_PER_LANE & (MOE_EXPERTS_PER_LANE - 1)) == 0, "route_t
 #define ROUTER_TILES_PER_ITEM (MOE_WARPS / ROUTER_WARPS_PER_TILE)
 #define TILE_ROWS 16
 #define GROUP_COLS 64
+// the split gate_up / down items load X through L1 (moe.split_x_through_l1; tile_product)
+#define MOE_SPLIT_X_L1 {{ target.moe.split_x_through_l1 }}
 {% if target.vendor == "nvidia" %}
 // __launch_bounds__(threads, blocks per SM): the grid is sized for that many resident blocks
 #define MOE_BOUNDS MOE_THREADS, {{ target.moe.blocks_per_sm }}
@@ -229,11 +231,15 @@ struct TileAcc {
 /// ring's first STAGES groups are all loaded right after that wait, before any is used (the
 /// router, whose warps have two groups each and their weights in registers before the wait: its
 /// loads made two L2 round trips one after the other, SASS of moe_route_m8); elsewhere each
-/// group's X is loaded at the group (registers for six groups' X are not there).
+/// group's X is loaded at the group (registers for six groups' X are not there). x_through_l1:
+/// X was written by an earlier launch and is read only after this block's wait for it (see
+/// load_coherent_u32x4), so it may come through L1, where the block's other tiles of the same
+/// rows find it; otherwise from the L2 (another block of this launch may have written it).
 template <class W, int ROWS, int STAGES, bool X_FIRST = false>
 FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k,
                              const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
-                             const u32* wait_counter, u32 wait_target, bool wait_grid, TileAcc<ROWS>& acc) {
+                             const u32* wait_counter, u32 wait_target, bool wait_grid, bool x_through_l1,
+                             TileAcc<ROWS>& acc) {
     constexpr int MT = ROWS / 8;
     const u32 lane = lane_index(), t = lane % 4;
     float c[MT][4];
@@ -260,7 +266,10 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
         const u32 col = group * GROUP_COLS + 16 * t;
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            if (x_rows[mt] != nullptr && col < k) {
+            if (x_rows[mt] != nullptr && col < k && x_through_l1) {
+                xs[mt][0] = load_u32x4(x_rows[mt] + col);
+                xs[mt][1] = load_u32x4(x_rows[mt] + col + 8);
+            } else if (x_rows[mt] != nullptr && col < k) {
                 xs[mt][0] = load_coherent_u32x4(x_rows[mt] + col);
                 xs[mt][1] = load_coherent_u32x4(x_rows[mt] + col + 8);
             } else {
@@ -347,11 +356,13 @@ struct TileAcc {
 
 /// As the NVIDIA version: this wave's partial product of weight tile `tile` (of a
 /// [tiles][k_groups][16 rows] fragment array) with up to ROWS token rows. X_FIRST is the NVIDIA
-/// version's (the router's); here X is read per WMMA, with no weight ring ahead of it.
+/// version's (the router's); here X is read per WMMA, with no weight ring ahead of it, and
+/// through the one cache path there is (x_through_l1 changes nothing).
 template <class W, int ROWS, int STAGES, bool X_FIRST = false>
 FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k,
                              const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
-                             const u32* wait_counter, u32 wait_target, bool wait_grid, TileAcc<ROWS>& acc) {
+                             const u32* wait_counter, u32 wait_target, bool wait_grid, bool /*x_through_l1*/,
+                             TileAcc<ROWS>& acc) {
     constexpr int MT = (ROWS + 15) / 16;
     const u32 lane = lane_index(), r = lane % 16;
     v8f sums[MT];
@@ -401,6 +412,7 @@ struct ExpertJob {
     const u32* wait_counter; // down: weights in flight, then wait for *wait_counter >= wait_target
     u32 wait_target;
     bool wait_grid;          // split down: weights in flight, then wait for the gate_up launch
+    bool x_through_l1;       // X from an earlier launch, read after the wait: through L1 (tile_product)
 };
 
 /// Block-shared scratch: the cross-warp sums of a tile, or the routing tables (never both live).
@@ -779,7 +791,7 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
         TileAcc<ROWS> acc;
         tile_product<RouterWeights, ROWS, STAGES, true>(weights_at<RouterWeights>(a.router, nullptr), tile, p.hidden_k_groups,
                                                   g0 + part, ROUTER_WARPS_PER_TILE, active ? g1 : 0u, a.hidden, x_rows,
-                                                  rows, nullptr, 0u, split && plane == plane_begin, acc);
+                                                  rows, nullptr, 0u, split && plane == plane_begin, false, acc);
         reduce_parts<ROWS>(acc, warp, part, ROUTER_WARPS_PER_TILE, sh);
         if (active && part == 0) {
             const u32 logit_rows = a.experts + a.has_shared_gate, stride = a.experts + 1;
@@ -848,7 +860,7 @@ FP4_DEVICE void expert_item(const MoeArgs& a, const Plan& p, const ExpertJob& jo
         tile_product<W, ROWS, STAGES>(weights, (u64)job.expert * n_tiles + tile, k_groups, part, warps_per_tile,
                                       active ? k_groups : 0u, k, x_rows, rows,
                                       r0 == job.r_begin ? job.wait_counter : nullptr, job.wait_target,
-                                      r0 == job.r_begin && job.wait_grid, acc);
+                                      r0 == job.r_begin && job.wait_grid, job.x_through_l1, acc);
         reduce_parts<ROWS>(acc, warp, part, warps_per_tile, sh);
         if (active && part == 0) {
             acc.for_each_pair(lane, [&](u32 row, u32 r, float top, float bottom) {
@@ -927,6 +939,7 @@ FP4_DEVICE u32* expert_job(const MoeArgs& a, const Plan& p, u32 item, u32 routed
     job.wait_counter = nullptr;
     job.wait_target = 0u;
     job.wait_grid = false;
+    job.x_through_l1 = false;
     u32 shared_item = 0u, rank = 0u;
     bool shared;
     if (item < p.end_shared_gate_up) {
@@ -1101,6 +1114,9 @@ FP4_DEVICE void moe_split_gate_up(const MoeArgs& args) {
     ExpertJob job;
     expert_job<ROWS>(a, p, item, routed, a.experts, job);
     const u32 n_active = shared ? 0u : load_coherent_u32(a.n_active);
+    // a routed item has waited for the route launch (and so for the rows before it); a shared one
+    // reads them before any wait
+    job.x_through_l1 = MOE_SPLIT_X_L1 && !shared;
     if (shared || routed < n_active * p.gate_up_groups) {
         if (thread_x() == 0) sh.job = job;
         block_barrier();
@@ -1125,6 +1141,7 @@ FP4_DEVICE void moe_split_down(const MoeArgs& args) {
         done = expert_job<ROWS>(a, p, p.end_shared_gate_up + routed, routed, n_active, job);
         job.wait_counter = nullptr;  // every gate_up finished in the previous launch
         job.wait_grid = true;
+        job.x_through_l1 = MOE_SPLIT_X_L1;  // the gate_up launch's rows, read after that wait
         if (thread_x() == 0) sh.job = job;
         block_barrier();
         expert_item<W, ROWS, STAGES>(a, p, sh.job, sh);
