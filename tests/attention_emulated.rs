@@ -141,11 +141,10 @@ impl Cache {
 
 /// The split kernels of `format` (mma first, then warp).
 fn kernels(shape: AttentionShape, format: KvFormat) -> [&'static str; 2] {
-    let warp = match format {
-        KvFormat::Bf16 => KERNEL_DECODE,
-        KvFormat::Fp8E4m3 { .. } => KERNEL_DECODE_FP8,
-    };
-    [attention::decode_mma_kernel(shape, format), warp]
+    [
+        attention::decode_mma_kernel(shape, format),
+        attention::decode_warp_kernel(format),
+    ]
 }
 
 /// The attention of one decode row `q` at position `len - 1` of cache slot 1 over `keys` and

@@ -164,7 +164,7 @@ FP4_DEVICE void load_kv_row(float (&dst)[E], const u8* p) {
 // chunks of ATTN_SPLIT positions from `start`, `split_stride` apart, below `len`.
 // Every step issues the K and V rows of ATTN_UNROLL positions before using any of them (V does
 // not depend on the scores), so a warp keeps 2 * ATTN_UNROLL row loads in flight. KV: u16 (bf16
-// cache) or u8 (e4m3 codes of value / scale).
+// cache) or u8 (e4m3 codes of value * (1 / scale)).
 template <int E, class KV>
 FP4_DEVICE void decode_split(const float* q_row, const KV* k_base, const KV* v_base, u64 stride,
                              u32 start, u32 len, u32 split_stride, u32 lane, float key_scale,
@@ -177,40 +177,41 @@ FP4_DEVICE void decode_split(const float* q_row, const KV* k_base, const KV* v_b
         acc[i] = 0.0f;
     }
     float m = neg_inf(), l = 0.0f;
-    for (u32 chunk = start; chunk < len; chunk += split_stride)
-    for (u32 p = chunk, end = min_u32(len, chunk + ATTN_SPLIT); p < end; p += ATTN_UNROLL) {
-        // positions past the end repeat the last one (uniform control flow) and get weight 0
-        // through a score of -inf
-        float kf[ATTN_UNROLL][E], vf[ATTN_UNROLL][E];
-        #pragma unroll
-        for (int u = 0; u < ATTN_UNROLL; ++u) {
-            const u64 at = (u64)(p + u < end ? p + u : end - 1) * stride + lane * E;
-            load_kv_row<E>(kf[u], k_base + at);
-            load_kv_row<E>(vf[u], v_base + at);
-        }
-        float s[ATTN_UNROLL];
-        float m_new = m;
-        #pragma unroll
-        for (int u = 0; u < ATTN_UNROLL; ++u) {
-            float dot = 0.0f;
+    for (u32 chunk = start; chunk < len; chunk += split_stride) {
+        for (u32 p = chunk, end = min_u32(len, chunk + ATTN_SPLIT); p < end; p += ATTN_UNROLL) {
+            // positions past the end repeat the last one (uniform control flow) and get weight 0
+            // through a score of -inf
+            float kf[ATTN_UNROLL][E], vf[ATTN_UNROLL][E];
             #pragma unroll
-            for (int i = 0; i < E; ++i) dot += qr[i] * kf[u][i];
-            s[u] = warp_sum(dot);
-            if (p + u >= end) s[u] = neg_inf();
-            m_new = s[u] > m_new ? s[u] : m_new;
-        }
-        const float correction = exp2_f32(m - m_new);
-        l *= correction;
-        #pragma unroll
-        for (int i = 0; i < E; ++i) acc[i] *= correction;
-        #pragma unroll
-        for (int u = 0; u < ATTN_UNROLL; ++u) {
-            const float w = exp2_f32(s[u] - m_new);
-            l += w;
+            for (int u = 0; u < ATTN_UNROLL; ++u) {
+                const u64 at = (u64)(p + u < end ? p + u : end - 1) * stride + lane * E;
+                load_kv_row<E>(kf[u], k_base + at);
+                load_kv_row<E>(vf[u], v_base + at);
+            }
+            float s[ATTN_UNROLL];
+            float m_new = m;
             #pragma unroll
-            for (int i = 0; i < E; ++i) acc[i] += w * vf[u][i];
+            for (int u = 0; u < ATTN_UNROLL; ++u) {
+                float dot = 0.0f;
+                #pragma unroll
+                for (int i = 0; i < E; ++i) dot += qr[i] * kf[u][i];
+                s[u] = warp_sum(dot);
+                if (p + u >= end) s[u] = neg_inf();
+                m_new = s[u] > m_new ? s[u] : m_new;
+            }
+            const float correction = exp2_f32(m - m_new);
+            l *= correction;
+            #pragma unroll
+            for (int i = 0; i < E; ++i) acc[i] *= correction;
+            #pragma unroll
+            for (int u = 0; u < ATTN_UNROLL; ++u) {
+                const float w = exp2_f32(s[u] - m_new);
+                l += w;
+                #pragma unroll
+                for (int i = 0; i < E; ++i) acc[i] += w * vf[u][i];
+            }
+            m = m_new;
         }
-        m = m_new;
     }
     if (lane == 0) {
         ml[0] = m;

@@ -327,14 +327,17 @@ pub struct Workspace {
     partial_acc: DeviceVec<f32>,
 }
 
-/// The chunks of `attention.split_positions` a cache of `capacity` positions holds on
-/// `backend`'s target: the most splits a call can have (one chunk each).
+/// The chunks of `attention.split_positions` a cache of `capacity` positions holds on `target`:
+/// the most splits a call can have (one chunk each).
+fn cache_chunks(target: &TargetFacts, capacity: usize) -> usize {
+    capacity
+        .div_ceil(target.attention.split_positions as usize)
+        .max(1)
+}
+
+/// [`cache_chunks`] on `backend`'s target (1 on the CPU, which has no splits).
 fn splits_for(backend: &Backend, capacity: usize) -> usize {
-    backend.target().map_or(1, |t| {
-        capacity
-            .div_ceil(t.attention.split_positions as usize)
-            .max(1)
-    })
+    backend.target().map_or(1, |t| cache_chunks(t, capacity))
 }
 
 /// The splits of one [`attend`] call on `target`: one per chunk of `attention.split_positions`
@@ -343,11 +346,17 @@ fn splits_for(backend: &Backend, capacity: usize) -> usize {
 /// worth, each split taking every `splits`-th chunk of its row (the kernels' online softmax runs
 /// over them), so a long context at a large batch writes and merges fewer partials.
 fn call_splits(target: &TargetFacts, rows: usize, kv_heads: usize, capacity: usize) -> usize {
-    let chunks = capacity
-        .div_ceil(target.attention.split_positions as usize)
-        .max(1);
     let wanted = (target.attention.decode_blocks_per_sm * target.multiprocessors) as usize;
-    chunks.min(wanted.div_ceil((rows * kv_heads).max(1)).max(1))
+    cache_chunks(target, capacity).min(wanted.div_ceil((rows * kv_heads).max(1)).max(1))
+}
+
+/// The warp-per-head decode kernel for a cache in `format` ([`KERNEL_DECODE`] or
+/// [`KERNEL_DECODE_FP8`]).
+pub fn decode_warp_kernel(format: KvFormat) -> &'static str {
+    match format {
+        KvFormat::Bf16 => KERNEL_DECODE,
+        KvFormat::Fp8E4m3 { .. } => KERNEL_DECODE_FP8,
+    }
 }
 
 /// The mma decode kernel for `shape`'s GQA group and a cache in `format`
@@ -806,7 +815,6 @@ pub fn attend_with(
                     format!("{} is not rendered for {}", decode.name(), target.name),
                 ));
             }
-            let fp8 = cache.format != KvFormat::Bf16;
             let (kernel, decode) = if decode == DecodeKernel::Mma {
                 let bytes =
                     decode_mma_shared_bytes(shape, target.attention.split_positions as usize);
@@ -836,14 +844,7 @@ pub fn attend_with(
                     block: ((heads / kv) * warp, 1, 1),
                     shared_bytes: 0,
                 };
-                (
-                    if fp8 {
-                        KERNEL_DECODE_FP8
-                    } else {
-                        KERNEL_DECODE
-                    },
-                    dims,
-                )
+                (decode_warp_kernel(cache.format), dims)
             };
             let args = [
                 KernelArg::input(q),
