@@ -13,7 +13,8 @@
 //! Columns: "experts" = distinct experts the calls chose (mean over the calls; the reference
 //! routing of each input); "MB" = bytes one call must read at least: those experts' weights
 //! once, the shared expert, the router and X / Y ([`MoeWeights::block_bytes`]); "read-once" =
-//! MB at the copy bandwidth; "persist" / "split us" = the two forms; "goal" = the bound
+//! MB at the copy bandwidth; "persist" / "split us" / "stream us" / "bulk us" = the forms (the
+//! last two where the target has them, [`MoeLaunch`]); "goal" = the bound
 //! (T = 1: read-once + 6 us; T = 16, 64: 1.3 x read-once + 6 us; none at T = 4), "met", "GB/s"
 //! and "x" for the form the library picks at that T (`moe.split_max_tokens`); "baseline" = the per-expert loop of the GEMM family's
 //! `linear` on the same weights (router, then each chosen expert's gate_up with silu * up and
@@ -58,6 +59,8 @@ struct Row {
     split: f64,
     /// The streaming launches (NaN where the target has none).
     stream: f64,
+    /// The bulk launches (NaN where the target has none; bf16 experts run the streaming ones).
+    bulk: f64,
     /// The form the library picks for this T (moe.split_max_tokens, moe.stream_min_tokens).
     chosen: f64,
     baseline: f64,
@@ -345,7 +348,13 @@ fn bench_format(
             ));
         }
         let (persistent, split) = (timed[0], timed[1]);
-        let stream = timed.get(2).copied().unwrap_or(f64::NAN);
+        let form = |wanted: MoeLaunch| {
+            launches
+                .iter()
+                .position(|&f| f == wanted)
+                .map_or(f64::NAN, |i| timed[i])
+        };
+        let (stream, bulk) = (form(MoeLaunch::Stream), form(MoeLaunch::Bulk));
         let auto = MoeLaunch::Auto.resolve(target, t);
         let chosen = launches
             .iter()
@@ -396,6 +405,7 @@ fn bench_format(
             persistent,
             split,
             stream,
+            bulk,
             chosen,
             baseline: baseline_time,
         });
@@ -424,7 +434,7 @@ fn main() {
         "MoE block {QWEN:?}: read-once = MB / copy bandwidth; goal: T=1 read-once + 6 us, T=16/64 1.3 x read-once + 6 us"
     );
     println!(
-        "{:<6} {:>3} {:>7} {:>8} {:>9} {:>8} {:>8} {:>9} {:>8} {:>4} {:>6} {:>7} {:>9} {:>6}",
+        "{:<6} {:>3} {:>7} {:>8} {:>9} {:>8} {:>8} {:>9} {:>8} {:>8} {:>4} {:>6} {:>7} {:>9} {:>6}",
         "format",
         "T",
         "experts",
@@ -433,6 +443,7 @@ fn main() {
         "persist",
         "split us",
         "stream us",
+        "bulk us",
         "goal us",
         "met",
         "GB/s",
@@ -449,7 +460,7 @@ fn main() {
         };
         let gbs = row.bytes / row.chosen / 1e9;
         println!(
-            "{:<6} {:>3} {:>7.1} {:>8.2} {:>9.2} {:>8.2} {:>8.2} {:>9.2} {:>8} {:>4} {:>6.0} {:>6.1}% {:>9.2} {:>6.2}",
+            "{:<6} {:>3} {:>7.1} {:>8.2} {:>9.2} {:>8.2} {:>8.2} {:>9.2} {:>8.2} {:>8} {:>4} {:>6.0} {:>6.1}% {:>9.2} {:>6.2}",
             format!("{:?}", row.format).to_lowercase(),
             row.t,
             row.experts,
@@ -458,6 +469,7 @@ fn main() {
             row.persistent * 1e6,
             row.split * 1e6,
             row.stream * 1e6,
+            row.bulk * 1e6,
             goal.map_or("-".into(), |g| format!("{:.2}", g * 1e6)),
             goal.map_or("-", |g| if row.chosen <= g { "yes" } else { "no" }),
             gbs,

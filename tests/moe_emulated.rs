@@ -78,6 +78,12 @@ fn emulator_source(target_name: &str) -> String {
     );
     source = splice_if_present(
         &source,
+        "// ---- bulk copy instructions ----",
+        "// ---- end of bulk copy instructions ----",
+        section(EMULATOR, "bulk_copy"),
+    );
+    source = splice_if_present(
+        &source,
         "// ---- end of WMMA operand loaders ----",
         "// ---- end of WMMA operand loaders ----",
         section(EMULATOR, "wmma"),
@@ -231,8 +237,9 @@ fn layout(host: &MoeHostWeights, target_name: &str) -> Layout {
 struct Emulated {
     /// Y after each of the first four (same inputs).
     y: [Vec<bf16>; 4],
-    /// Y after each streaming form (the two grids split the units differently).
-    stream: Option<[Vec<bf16>; 2]>,
+    /// Y after each streaming form, named by its down launch and grid (the grids split the units
+    /// differently); empty where the target renders no streaming form.
+    stream: Vec<(String, Vec<bf16>)>,
     /// The routing of the second persistent launch.
     routing: Routing,
     /// The counters after the persistent launches and after the split ones: all zero when every
@@ -370,16 +377,38 @@ fn emulate(
     }
     emu.dump(control);
     let streams = MoeLaunch::forms(facts).contains(&MoeLaunch::Stream);
+    let mut stream_forms = Vec::new();
     if streams {
-        for stream_grid in [1, 3] {
+        // (gate_up, its grid, down): the split gate_up and the register-ring down launch, then
+        // the bulk launches where the target has the bulk form
+        let split_gate_up = (format!("moe_{format}_gate_up_m{rows}"), grids.gate_up);
+        let mut forms = Vec::new();
+        for grid in [1, 3] {
+            forms.push((
+                split_gate_up.clone(),
+                format!("moe_{format}_down_stream"),
+                grid,
+            ));
+        }
+        if format == "nvfp4" && MoeLaunch::forms(facts).contains(&MoeLaunch::Bulk) {
+            for grid in [1, 3] {
+                // each bulk launch beside the other form's, then the bulk form itself
+                let down_bulk = "moe_nvfp4_down_bulk".to_string();
+                forms.push((split_gate_up.clone(), down_bulk.clone(), grid));
+                let bulk_gate_up = ("moe_nvfp4_gate_up_bulk".to_string(), grid);
+                let down_stream = format!("moe_{format}_down_stream");
+                forms.push((bulk_gate_up.clone(), down_stream, grid));
+                forms.push((bulk_gate_up, down_bulk, grid));
+            }
+        }
+        for ((gate_up, gate_up_grid), down, grid) in &forms {
             emu.launch(&format!("moe_route_m{rows}"), grids.route, threads, &args);
-            let gate_up = format!("moe_{format}_gate_up_m{rows}");
-            emu.launch(&gate_up, grids.gate_up, threads, &args);
-            let down = format!("moe_{format}_down_stream");
-            emu.launch(&down, stream_grid, threads, &args);
+            emu.launch(gate_up, *gate_up_grid, threads, &args);
+            emu.launch(down, *grid, threads, &args);
             let combine = stream_combine_blocks(facts, h, t);
             emu.launch("moe_stream_combine", combine, threads, &args);
             emu.dump(y_buf);
+            stream_forms.push(format!("{gate_up} and {down} on {grid} block(s)"));
         }
         emu.dump(control);
     }
@@ -406,11 +435,12 @@ fn emulate(
                 Vec::new()
             },
         },
-        stream: streams.then(|| [to_bf16(&dumps[9]), to_bf16(&dumps[10])]),
-        control: [
-            u32s(&dumps[5]),
-            u32s(if streams { &dumps[11] } else { &dumps[8] }),
-        ],
+        stream: stream_forms
+            .into_iter()
+            .enumerate()
+            .map(|(n, form)| (form, to_bf16(&dumps[9 + n])))
+            .collect(),
+        control: [u32s(&dumps[5]), u32s(dumps.last().expect("dumps"))],
     }
 }
 
@@ -485,26 +515,29 @@ fn check(
     let agreement = compare::compare_bf16_with_slack(&got.y[1], &reference_y, &slack);
     println!("{label}: {agreement}");
     assert!(agreement.passed(), "{label}: {agreement}");
-    if let Some([one_block, three_blocks]) = &got.stream {
-        // the streaming form: its own agreement with the reference, the same bits whatever the
-        // grid of its down launch, and the split form's bits wherever that sums a down tile in
+    if let Some((_, first)) = got.stream.first() {
+        // the streaming forms: their agreement with the reference, the same bits whatever the
+        // down launch and its grid, and the split form's bits wherever that sums a down tile in
         // one warp too (above moe.wide_max_tokens)
-        let agreement = compare::compare_bf16_with_slack(one_block, &reference_y, &slack);
+        let agreement = compare::compare_bf16_with_slack(first, &reference_y, &slack);
         println!("{label} stream: {agreement}");
         assert!(agreement.passed(), "{label} stream: {agreement}");
         let facts = target::by_name(target_name).expect("target");
         if t > facts.moe.wide_max_tokens as usize {
-            let differ = differing_bits(one_block, &got.y[2]);
+            let differ = differing_bits(first, &got.y[2]);
             assert_eq!(
                 differ, 0,
                 "{label}: the streaming form differs from the split one in {differ} elements"
             );
         }
-        let differ = differing_bits(one_block, three_blocks);
-        assert_eq!(
-            differ, 0,
-            "{label}: the streaming launches on 3 blocks differ from 1 block in {differ} elements"
-        );
+        for (form, y) in &got.stream[1..] {
+            let differ = differing_bits(first, y);
+            assert_eq!(
+                differ, 0,
+                "{label}: the streaming form with {form} differs from {} in {differ} elements",
+                got.stream[0].0
+            );
+        }
     }
     for (n, y) in got.y.iter().enumerate().skip(1) {
         let differ = differing_bits(y, &got.y[0]);

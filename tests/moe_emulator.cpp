@@ -50,6 +50,26 @@ FP4_DEVICE void hang_detected(const char* what, u32 value, u32 target) {
     std::exit(4);
 }
 
+//@@ bulk_copy
+// common/bulk_copy.cuh: a copy happens at once; the mbarrier's low half counts its completed
+// phases (the parity waiters test), its high half the bytes announced and not yet copied.
+FP4_DEVICE void mbarrier_init_one(u64* bar) { __atomic_store_n(bar, 0ull, __ATOMIC_SEQ_CST); }
+FP4_DEVICE void mbarrier_arrive_expect_bytes(u64* bar, u32 bytes) {
+    __atomic_fetch_add(bar, (u64)bytes << 32, __ATOMIC_SEQ_CST);
+}
+FP4_DEVICE void bulk_copy_to_shared(void* dst, const void* src, u32 bytes, u64* bar) {
+    if (bytes % 16 != 0 || (uintptr_t)dst % 16 != 0 || (uintptr_t)src % 16 != 0) {
+        std::fprintf(stderr, "bulk copy of %u bytes from %p to %p: not 16-byte multiples\n", bytes, src, dst);
+        std::exit(5);
+    }
+    std::memcpy(dst, src, bytes);
+    const u64 left = __atomic_sub_fetch(bar, (u64)bytes << 32, __ATOMIC_SEQ_CST);
+    if ((left >> 32) == 0) __atomic_fetch_add(bar, 1ull, __ATOMIC_SEQ_CST);  // the phase completes
+}
+FP4_DEVICE void mbarrier_wait_parity(u64* bar, u32 parity) {
+    while ((__atomic_load_n(bar, __ATOMIC_SEQ_CST) & 1u) == parity) std::this_thread::yield();
+}
+
 //@@ mma_adapters
 // common/mma.cuh's inline PTX, on the emulation of tests/gdn_emulator.cpp
 FP4_DEVICE void mma_m16n8k16_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {

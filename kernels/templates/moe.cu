@@ -73,6 +73,8 @@ static_assert((MOE_EXPERTS_PER_LANE & (MOE_EXPERTS_PER_LANE - 1)) == 0, "route_t
 // the split launches' expert kernels: more resident blocks (fewer registers), so that a decode
 // step's items fit in one wave
 #define MOE_SPLIT_BOUNDS MOE_THREADS, {{ target.moe.split_blocks_per_sm }}
+// moe_nvfp4_down_bulk: as many resident blocks as its shared-memory ring allows
+#define MOE_BULK_BOUNDS MOE_THREADS, {{ target.moe.bulk_blocks_per_sm }}
 {% else %}
 #define MOE_BOUNDS MOE_THREADS
 #define MOE_SPLIT_BOUNDS MOE_THREADS
@@ -1316,14 +1318,14 @@ FP4_DEVICE void stream_copy_x(const StreamCursor& cur, u32 k, const u16* anywher
     cp_async16_zfill(&ring.x[s][1][lane_index()], valid ? src + 8 : src, valid ? 16u : 0u);
 }
 
-/// The epilogue of one unit: its down partial rows (fp32).
-FP4_DEVICE void stream_store(const MoeArgs& a, const StreamCursor& cur, float alpha, const float (&c)[4]) {
-    const u32 lane = lane_index(), h = cur.tile * TILE_ROWS + lane / 4u;
+/// The epilogue of one unit (tile `tile` of chunk `meta`): its down partial rows (fp32).
+FP4_DEVICE void stream_store(const MoeArgs& a, u32 tile, const StreamChunk& meta, float alpha, const float (&c)[4]) {
+    const u32 lane = lane_index(), h = tile * TILE_ROWS + lane / 4u;
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const u32 row = 2u * (lane % 4u) + half;
-        if (row >= cur.meta.rows) continue;
-        float* out = a.partial + (u64)(cur.meta.position0 + row) * a.hidden;
+        if (row >= meta.rows) continue;
+        float* out = a.partial + (u64)(meta.position0 + row) * a.hidden;
         if (h < a.hidden) out[h] = c[half] * alpha;
         if (h + 8u < a.hidden) out[h + 8u] = c[2 + half] * alpha;
     }
@@ -1402,7 +1404,7 @@ FP4_DEVICE void moe_stream_down(const MoeArgs& args) {
                 }
                 cp_async_commit();
                 if (use.group + 1u == k_groups) {
-                    stream_store(a, use, alpha, c);
+                    stream_store(a, use.tile, use.meta, alpha, c);
                     c[0] = c[1] = c[2] = c[3] = 0.0f;
                 }
                 if (step + 1u < steps) stream_advance(a, st, n_tiles, k_groups, use);
@@ -1410,6 +1412,186 @@ FP4_DEVICE void moe_stream_down(const MoeArgs& args) {
         }
     }
 }
+
+{% if target.instructions.bulk_copy_mbarrier %}
+// --------------------------------------------------------------------------------------------
+// The bulk form (MoeLaunch::Bulk, NVFP4 experts): the split route launch, then
+// moe_nvfp4_gate_up_bulk and moe_nvfp4_down_bulk, then moe_stream_combine. Both expert launches
+// walk the streaming form's units (chunk, tile) in moe_stream_down's order and split, and sum
+// as the split items do, but each warp's weights come through a ring of BULK_SLOTS slots in
+// shared memory, a slot BULK_SLOT_GROUPS K groups of one tile (their words and their block
+// scales: two contiguous ranges of the fragment arrays, two bulk copies asked for by lane 0 and
+// completing on the slot's mbarrier). Why: the register rings hold at most stages_nvfp4 groups
+// per warp (576 bytes each: 3.4 KB at 6) and each 16-byte load holds an L1 miss entry until it
+// returns; at B = 64 the gate_up items and the streaming down launch moved their weights at
+// 30-45% of the H200's bandwidth (ncu, ninth and nineteenth sessions), waiting on those loads.
+// A ring of 4 x 4 groups keeps 9.2 KB per warp in flight as four requests of the copy engine.
+// X (the tokens' rows, or the act rows) is loaded per group, one group ahead, as the split items
+// load it.
+// --------------------------------------------------------------------------------------------
+{% include "common/bulk_copy.cuh" %}
+#define BULK_SLOTS {{ target.moe.bulk_slots }}
+#define BULK_SLOT_GROUPS {{ target.moe.bulk_slot_groups }}
+
+/// One slot of a warp's ring: up to BULK_SLOT_GROUPS K groups of one NVFP4 tile, as the
+/// fragment arrays hold them (per group 32 lanes' words, then 32 lanes' scales).
+struct alignas(16) BulkSlot {
+    u32x4 words[BULK_SLOT_GROUPS][FP4_WARP_SIZE];
+    u16 scales[BULK_SLOT_GROUPS][FP4_WARP_SIZE];
+};
+static_assert(sizeof(BulkSlot) % 16 == 0, "bulk copies land on 16-byte boundaries");
+
+/// Where a warp's walk over its units stands: the unit's tile and chunk (looked up again only
+/// when the chunk changes).
+struct BulkUnit {
+    u32 chunk, tile;
+    StreamChunk meta;
+};
+
+FP4_DEVICE void bulk_seek(const MoeArgs& a, const StreamTable& st, u32 n_tiles, u32 unit, BulkUnit& u) {
+    const u32 chunk = unit / n_tiles;
+    if (chunk != u.chunk) {
+        u.chunk = chunk;
+        u.meta = stream_chunk(a, st, chunk);
+    }
+    u.tile = unit % n_tiles;
+}
+
+/// The bulk-copy streaming launch of one side of the experts: GATE_UP (X = the tokens' rows,
+/// out act = silu(gate) * up, as the split gate_up items) or down (X = act, out the partial
+/// rows, as moe_stream_down). A unit's K groups are summed into ACCUMULATORS accumulators, group
+/// g into g % ACCUMULATORS, then added in order: the split items' sum when their tile's
+/// ACCUMULATORS warps take groups part, part + warps, ... and reduce_parts adds them, so every
+/// form gives the same bits. The down side reads the routing and starts its first slots before
+/// the wait for the previous launch (routing two launches back, weights constant); the gate_up
+/// side needs the routing of the launch just before it, so it waits first.
+template <bool GATE_UP, int ACCUMULATORS>
+FP4_DEVICE void moe_bulk_experts(const MoeArgs& args) {
+    static_assert(BULK_SLOT_GROUPS % ACCUMULATORS == 0, "a slot's groups map to the accumulators the same way");
+    __shared__ MoeArgs a;
+    __shared__ StreamTable st;
+    __shared__ BulkSlot ring[MOE_WARPS][BULK_SLOTS];
+    __shared__ u64 bars[MOE_WARPS][BULK_SLOTS];
+    if (thread_x() == 0) a = args;
+    if (GATE_UP) chain_after_previous_grid();
+    block_barrier();
+    build_stream_table(a, st);
+    const u32 lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
+    // gate_up tiles are 8 gate + 8 up rows (RowOrder::GateUp), down tiles 16 hidden rows
+    const u32 n_tiles = GATE_UP ? div_up(a.inter, TILE_ROWS / 2) : div_up(a.hidden, TILE_ROWS);
+    const u32 k = GATE_UP ? a.hidden : a.inter, k_groups = div_up(k, GROUP_COLS);
+    const u32 parts = div_up(k_groups, BULK_SLOT_GROUPS);  // slots per unit
+    const u8* const words = static_cast<const u8*>(GATE_UP ? a.gate_up : a.down);
+    const u8* const scales = static_cast<const u8*>(GATE_UP ? a.gate_up_scales : a.down_scales);
+    // this warp's units [u0, u1) of the launch's, as moe_stream_down splits them
+    const u32 warps = grid_blocks() * MOE_WARPS, global_warp = block_x() * MOE_WARPS + warp;
+    const u32 units = st.chunks * n_tiles;
+    const u32 u0 = (u32)((u64)units * global_warp / warps), u1 = (u32)((u64)units * (global_warp + 1u) / warps);
+    const u32 steps = (u1 - u0) * parts;  // slot fills of this warp
+    BulkSlot* const my_ring = ring[warp];
+    u64* const my_bars = bars[warp];
+    BulkUnit load = {0xffffffffu, 0u, {}};
+    // lane 0: step `step`'s groups of its unit into slot step % BULK_SLOTS
+    auto fill = [&](u32 step) {
+        const u32 slot = step % BULK_SLOTS, g0 = (step % parts) * BULK_SLOT_GROUPS;
+        const u32 groups = min_u32(BULK_SLOT_GROUPS, k_groups - g0);
+        bulk_seek(a, st, n_tiles, u0 + step / parts, load);
+        const u64 entry = ((u64)(load.meta.expert * n_tiles + load.tile) * k_groups + g0) * FP4_WARP_SIZE;
+        mbarrier_arrive_expect_bytes(&my_bars[slot], groups * FP4_WARP_SIZE * (16u + 2u));
+        bulk_copy_to_shared(my_ring[slot].words, words + entry * 16u, groups * FP4_WARP_SIZE * 16u, &my_bars[slot]);
+        bulk_copy_to_shared(my_ring[slot].scales, scales + entry * 2u, groups * FP4_WARP_SIZE * 2u, &my_bars[slot]);
+    };
+    // the barriers, and the first slots' weights (for the down side before the wait)
+    if (lane == 0 && steps > 0u) {
+        for (u32 s = 0; s < BULK_SLOTS; ++s) mbarrier_init_one(&my_bars[s]);
+        for (u32 s = 0; s < BULK_SLOTS && s < steps; ++s) fill(s);
+    }
+    warp_barrier();  // the other lanes wait on barriers lane 0 has set up
+    if (!GATE_UP) chain_after_previous_grid();
+    if (steps == 0u) return;
+    const ExpertNvfp4 weights = weights_at<ExpertNvfp4>(words, scales);
+    BulkUnit use = {0xffffffffu, 0u, {}};
+    const u16* x_row = nullptr;
+    float alpha0 = 0.0f, alpha1 = 0.0f;
+    float c[ACCUMULATORS][4];
+    // this lane's X fragment of K group `group` (zeros past the chunk's rows and past K)
+    auto load_x = [&](u32 group, u32x4 (&xs)[2]) {
+        const u32 col = group * GROUP_COLS + 16u * (lane % 4u);
+        if (x_row != nullptr && col < k && MOE_SPLIT_X_L1) {
+            xs[0] = load_u32x4(x_row + col);
+            xs[1] = load_u32x4(x_row + col + 8);
+        } else if (x_row != nullptr && col < k) {
+            xs[0] = load_coherent_u32x4(x_row + col);
+            xs[1] = load_coherent_u32x4(x_row + col + 8);
+        } else {
+            xs[0] = xs[1] = {0u, 0u, 0u, 0u};
+        }
+    };
+    for (u32 step = 0; step < steps; ++step) {
+        const u32 slot = step % BULK_SLOTS, part = step % parts;
+        const u32 g0 = part * BULK_SLOT_GROUPS, groups = min_u32(BULK_SLOT_GROUPS, k_groups - g0);
+        if (part == 0u) {
+            bulk_seek(a, st, n_tiles, u0 + step / parts, use);
+            const u32 row = lane / 4u;  // this lane's token row of the MMA's B operand
+            x_row = nullptr;
+            if (row < use.meta.rows && GATE_UP) {
+                // a shared sub-expert's positions are sub * T + token, a routed rank's gathered
+                const bool shared = use.meta.expert >= a.experts;
+                const u32 token = shared ? (use.meta.position0 + row) % a.tokens
+                                         : load_coherent_u32(a.sorted_token + use.meta.position0 + row);
+                x_row = a.x + (u64)token * a.hidden;
+            } else if (row < use.meta.rows) {
+                x_row = a.act + (u64)(use.meta.position0 + row) * a.inter;
+            }
+            alpha0 = GATE_UP ? a.gate_up_alpha[2 * use.meta.expert] : a.down_alpha[use.meta.expert];
+            alpha1 = GATE_UP ? a.gate_up_alpha[2 * use.meta.expert + 1] : alpha0;
+            #pragma unroll
+            for (int p = 0; p < ACCUMULATORS; ++p) c[p][0] = c[p][1] = c[p][2] = c[p][3] = 0.0f;
+        }
+        u32x4 xs[2];
+        load_x(g0, xs);
+        mbarrier_wait_parity(&my_bars[slot], (step / BULK_SLOTS) & 1u);
+        #pragma unroll
+        for (u32 g = 0; g < BULK_SLOT_GROUPS; ++g) {
+            if (g < groups) {  // warp-uniform
+                u32x4 next[2];
+                if (g + 1u < groups) load_x(g0 + g + 1u, next);
+                const Nvfp4Group group = {my_ring[slot].words[g][lane], my_ring[slot].scales[g][lane]};
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    u32 frag[4];
+                    weights.fragment(group, j, frag);
+                    const u32x4& q = xs[j / 2];
+                    mma_m16n8k16_bf16(c[g % ACCUMULATORS], frag[0], frag[1], frag[2], frag[3],
+                                      (j % 2 == 0) ? q.x : q.z, (j % 2 == 0) ? q.y : q.w);
+                }
+                if (g + 1u < groups) xs[0] = next[0], xs[1] = next[1];
+            }
+        }
+        warp_barrier();  // every lane has read the slot before lane 0 asks for its next bytes
+        if (lane == 0 && step + BULK_SLOTS < steps) fill(step + BULK_SLOTS);
+        if (part + 1u == parts) {
+            #pragma unroll
+            for (int p = 1; p < ACCUMULATORS; ++p)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) c[0][i] += c[p][i];
+            if (GATE_UP) {
+                // tile rows r / r + 8 are gate / up column 8 * tile + r (as expert_item)
+                const u32 column = use.tile * (TILE_ROWS / 2) + lane / 4u;
+                #pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const u32 row = 2u * (lane % 4u) + half;
+                    if (row < use.meta.rows && column < a.inter)
+                        a.act[(u64)(use.meta.position0 + row) * a.inter + column] =
+                            f32_to_bf16(silu(c[0][half] * alpha0) * (c[0][2 + half] * alpha1));
+                }
+            } else {
+                stream_store(a, use.tile, use.meta, alpha0, c[0]);
+            }
+        }
+    }
+}
+{% endif %}
 
 /// Every token's output rows: the routing-weighted sum of its k expert outputs in slot order,
 /// plus the shared-expert scale times the sum of its sub-experts, plus the residual, rounded once
@@ -1504,6 +1686,15 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_SPLIT_BOUNDS) moe_{{ format }}_down_stream
     moe_stream_down<{{ weights }}, {{ stages }}>(MOE_ARGUMENTS);
 }
 {% endfor %}
+{% if target.instructions.bulk_copy_mbarrier %}
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BULK_BOUNDS) moe_nvfp4_gate_up_bulk(MOE_PARAMETERS) {
+    moe_bulk_experts<true, {{ target.moe.gate_up_warps_per_tile }}>(MOE_ARGUMENTS);
+}
+
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BULK_BOUNDS) moe_nvfp4_down_bulk(MOE_PARAMETERS) {
+    moe_bulk_experts<false, 1>(MOE_ARGUMENTS);
+}
+{% endif %}
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_THREADS) moe_stream_combine(MOE_PARAMETERS) {
     moe_stream_combine_block(MOE_ARGUMENTS);
 }

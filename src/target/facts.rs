@@ -96,6 +96,12 @@ impl Instructions {
     pub fn staged_mma(&self) -> bool {
         self.mma_sync_bf16 && self.cp_async
     }
+
+    /// Bulk copies besides the staged kernels: what the MoE's bulk kernels
+    /// (`moe_nvfp4_{gate_up,down}_bulk`) are rendered for.
+    pub fn bulk_streaming(&self) -> bool {
+        self.staged_mma() && self.bulk_copy_mbarrier
+    }
 }
 
 /// Launch parameters of `dequant_nvfp4_bf16`.
@@ -331,6 +337,18 @@ pub struct MoeTiles {
     /// other tiles of the same expert find them) instead of from the L2 for every tile; only
     /// rows an earlier launch wrote, read after the block's wait for it.
     pub split_x_through_l1: bool,
+    /// Blocks of at least this many tokens (and at most `split_max_tokens`) run in the bulk form
+    /// ([`crate::kernels::moe::MoeLaunch::Bulk`]: the split route launch, then
+    /// `moe_nvfp4_gate_up_bulk`, `moe_nvfp4_down_bulk` and `moe_stream_combine`, whose NVFP4
+    /// weights arrive by bulk copies); 0 never. Targets with bulk copies and the streaming
+    /// kernels render the bulk kernels whatever this says, so the bench and tests can run them.
+    pub bulk_min_tokens: u32,
+    /// Slots of each warp's shared-memory weight ring in the bulk kernels.
+    pub bulk_slots: u32,
+    /// K groups (64 columns of one 16-row tile, 576 bytes in NVFP4) per slot of that ring.
+    pub bulk_slot_groups: u32,
+    /// Resident blocks per SM the bulk kernels are compiled for, and their grids.
+    pub bulk_blocks_per_sm: u32,
 }
 
 impl TargetTable {
@@ -682,6 +700,29 @@ impl TargetFacts {
             return fail(format!(
                 "stream_min_tokens {}: the streaming launches need mma.sync and cp.async (0 turns them off)",
                 m.stream_min_tokens
+            ));
+        }
+        let ring = m.warps_per_block * m.bulk_slots * m.bulk_slot_groups * 576;
+        if self.instructions.bulk_streaming()
+            && (m.bulk_slots == 0
+                || !(1..=16).contains(&m.bulk_slot_groups)
+                || m.bulk_slot_groups % m.gate_up_warps_per_tile != 0
+                || ring > 40 * 1024
+                || m.bulk_blocks_per_sm == 0)
+        {
+            // the ring is static shared memory, under 48 KB beside the stream's chunk table; a
+            // slot's groups go to the gate_up accumulators as the split items' warps take them
+            return fail(format!(
+                "bulk_slots {} must be positive, bulk_slot_groups {} in 1..=16 and a multiple of \
+                 gate_up_warps_per_tile {}, warps x slots x groups x 576 bytes ({ring}) at most \
+                 40 KB, bulk_blocks_per_sm positive",
+                m.bulk_slots, m.bulk_slot_groups, m.gate_up_warps_per_tile
+            ));
+        }
+        if m.bulk_min_tokens > 0 && !self.instructions.bulk_streaming() {
+            return fail(format!(
+                "bulk_min_tokens {}: the bulk kernels need bulk copies, mma.sync and cp.async (0 turns them off)",
+                m.bulk_min_tokens
             ));
         }
         if m.max_experts == 0

@@ -346,11 +346,10 @@ fn check_block(
             .as_ref()
             .map(|r| backend.upload(r).expect("upload residual"));
         // the persistent and split forms run the same items and combine in the same order:
-        // equal bits; so does the streaming form (where the target has it) wherever the split
+        // equal bits; so do the streaming and bulk forms (where the target has them) wherever the split
         // form sums each down tile in one warp too (above moe.wide_max_tokens)
         let target = backend.target().expect("a device backend");
         let launches = MoeLaunch::forms(target);
-        let streams = launches.contains(&MoeLaunch::Stream);
         let wide_max = target.moe.wide_max_tokens as usize;
         let mut outputs = Vec::new();
         for &launch in launches {
@@ -372,7 +371,12 @@ fn check_block(
                     .unwrap_or_else(|e| panic!("{test} T={t} {launch:?}: {e}")),
             );
         }
-        let stream = streams.then(|| outputs.pop().expect("the streaming output"));
+        // the streaming and bulk forms (where the target has them), after persistent and split
+        let later: Vec<(MoeLaunch, Vec<bf16>)> = launches[2..]
+            .iter()
+            .copied()
+            .zip(outputs.split_off(2))
+            .collect();
         let got = outputs.swap_remove(0);
         let differing = got
             .iter()
@@ -412,22 +416,22 @@ fn check_block(
             want[worst],
             &routing.experts[token * s.top_k..(token + 1) * s.top_k]
         );
-        if let Some(stream) = &stream {
-            let agreement = compare::compare_bf16_with_slack(stream, &want, &slack);
-            println!("{label} stream: {agreement}");
+        for (launch, y) in &later {
+            let agreement = compare::compare_bf16_with_slack(y, &want, &slack);
+            println!("{label} {launch:?}: {agreement}");
             if !agreement.passed() {
-                print_token_errors(&format!("{label} stream"), stream, &want, h);
+                print_token_errors(&format!("{label} {launch:?}"), y, &want, h);
             }
-            assert!(agreement.passed(), "{label} stream: {agreement}");
+            assert!(agreement.passed(), "{label} {launch:?}: {agreement}");
             if t > wide_max {
-                let differing = stream
+                let differing = y
                     .iter()
                     .zip(&got)
                     .filter(|(a, b)| a.to_bits() != b.to_bits())
                     .count();
                 assert_eq!(
                     differing, 0,
-                    "{label}: the streaming form differs from the persistent one in {differing} values"
+                    "{label}: the {launch:?} form differs from the persistent one in {differing} values"
                 );
             }
         }

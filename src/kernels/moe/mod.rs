@@ -440,9 +440,10 @@ pub fn moe_block(
 /// How a device runs [`moe_block_with`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MoeLaunch {
-    /// The target's choice (kernels/targets.toml): [`MoeLaunch::Stream`] from
-    /// `moe.stream_min_tokens` to `moe.split_max_tokens` tokens, [`MoeLaunch::Split`] below and
-    /// [`MoeLaunch::Persistent`] above.
+    /// The target's choice (kernels/targets.toml): [`MoeLaunch::Bulk`] from
+    /// `moe.bulk_min_tokens`, else [`MoeLaunch::Stream`] from `moe.stream_min_tokens`, to
+    /// `moe.split_max_tokens` tokens, [`MoeLaunch::Split`] below and [`MoeLaunch::Persistent`]
+    /// above.
     #[default]
     Auto,
     /// One persistent launch (`moe_{format}_m{rows}`).
@@ -455,6 +456,13 @@ pub enum MoeLaunch {
     /// `moe_{format}_down_stream`) and `moe_stream_combine`. On targets that render them
     /// (mma.sync and cp.async); [`Error::Invalid`] elsewhere.
     Stream,
+    /// Four launches: the split form's route, then `moe_nvfp4_gate_up_bulk` and
+    /// `moe_nvfp4_down_bulk` (grids of resident blocks whose warps stream whole tiles of several
+    /// experts, their weights through bulk copies into a shared-memory ring per warp), then
+    /// `moe_stream_combine`; the same bits as the streaming form. NVFP4 experts only: bf16
+    /// experts take the streaming form's launches. On targets with bulk copies besides mma.sync
+    /// and cp.async; [`Error::Invalid`] elsewhere.
+    Bulk,
 }
 
 impl MoeLaunch {
@@ -465,6 +473,9 @@ impl MoeLaunch {
         let m = &target.moe;
         match self {
             MoeLaunch::Auto if tokens > m.split_max_tokens as usize => MoeLaunch::Persistent,
+            MoeLaunch::Auto if m.bulk_min_tokens > 0 && tokens >= m.bulk_min_tokens as usize => {
+                MoeLaunch::Bulk
+            }
             MoeLaunch::Auto
                 if m.stream_min_tokens > 0 && tokens >= m.stream_min_tokens as usize =>
             {
@@ -475,13 +486,17 @@ impl MoeLaunch {
         }
     }
 
-    /// The forms `target` renders kernels for: persistent and split, and streaming where
-    /// `moe.stream_min_tokens` turns it on.
+    /// The forms `target` renders kernels for: persistent and split, streaming where
+    /// `moe.stream_min_tokens` turns it on, and bulk beside it where the target has bulk copies.
     pub fn forms(target: &TargetFacts) -> &'static [MoeLaunch] {
-        if target.moe.stream_min_tokens > 0 {
-            &[MoeLaunch::Persistent, MoeLaunch::Split, MoeLaunch::Stream]
-        } else {
-            &[MoeLaunch::Persistent, MoeLaunch::Split]
+        use MoeLaunch::{Bulk, Persistent, Split, Stream};
+        match (
+            target.moe.stream_min_tokens > 0,
+            target.instructions.bulk_streaming(),
+        ) {
+            (true, true) => &[Persistent, Split, Stream, Bulk],
+            (true, false) => &[Persistent, Split, Stream],
+            _ => &[Persistent, Split],
         }
     }
 }
@@ -668,7 +683,10 @@ pub fn prefetch_bytes(
     available: usize,
 ) -> usize {
     let m = &target.moe;
-    let split = matches!(launch, MoeLaunch::Split | MoeLaunch::Stream);
+    let split = matches!(
+        launch,
+        MoeLaunch::Split | MoeLaunch::Stream | MoeLaunch::Bulk
+    );
     if !split || tokens > m.prefetch_next_layer_max_tokens as usize {
         return 0;
     }
@@ -757,6 +775,9 @@ fn stream_kernel_names(format: ExpertFormat) -> [&'static str; 2] {
         ExpertFormat::Bf16 => ["moe_bf16_down_stream", "moe_stream_combine"],
     }
 }
+
+/// The bulk form's expert launches (gate_up, down) for NVFP4 weights.
+const BULK_KERNELS: [&str; 2] = ["moe_nvfp4_gate_up_bulk", "moe_nvfp4_down_bulk"];
 
 /// Blocks of `moe_stream_combine` for `tokens` tokens of `hidden` rows: each thread sums 4 rows
 /// of one token (the kernel's `per_token` blocks per token). Public for the kernels' host
@@ -944,7 +965,7 @@ fn moe_block_device(
             )
         };
         // (kernel, blocks) of each launch, without a heap allocation per block
-        let (split_launches, stream_launches, persistent_launch);
+        let (split_launches, stream_launches, bulk_launches, persistent_launch);
         let launches: &[(&str, u32)] = match launch {
             MoeLaunch::Split => {
                 let plan = split_grids();
@@ -955,7 +976,22 @@ fn moe_block_device(
                 ];
                 &split_launches
             }
-            MoeLaunch::Stream => {
+            // bf16 experts have no bulk kernels: the streaming form's launches serve them
+            MoeLaunch::Bulk if weights.format == ExpertFormat::Nvfp4 => {
+                let [bulk_gate_up, bulk_down] = BULK_KERNELS;
+                let bulk_blocks = multiprocessors * tiles.bulk_blocks_per_sm;
+                bulk_launches = [
+                    (moe_kernel(target, route, rows)?, split_grids().route),
+                    (named_kernel(target, bulk_gate_up)?, bulk_blocks),
+                    (named_kernel(target, bulk_down)?, bulk_blocks),
+                    (
+                        named_kernel(target, "moe_stream_combine")?,
+                        stream_combine_blocks(target, h, tokens),
+                    ),
+                ];
+                &bulk_launches
+            }
+            MoeLaunch::Stream | MoeLaunch::Bulk => {
                 let [stream_down, combine] = stream_kernel_names(weights.format);
                 let plan = split_grids();
                 stream_launches = [
@@ -1090,7 +1126,11 @@ mod tests {
             }
             if MoeLaunch::forms(t).contains(&MoeLaunch::Stream) {
                 for format in [ExpertFormat::Nvfp4, ExpertFormat::Bf16] {
-                    for name in stream_kernel_names(format) {
+                    let bulk = (format == ExpertFormat::Nvfp4
+                        && MoeLaunch::forms(t).contains(&MoeLaunch::Bulk))
+                    .then_some(BULK_KERNELS);
+                    let names = stream_kernel_names(format);
+                    for name in names.into_iter().chain(bulk.into_iter().flatten()) {
                         let kernel = named_kernel(t, name).expect("rendered");
                         let io = [
                             KernelArg::input(&x),
@@ -1116,18 +1156,22 @@ mod tests {
     }
 
     /// `Auto` follows each target's thresholds: split up to `moe.stream_min_tokens` (or to
-    /// `moe.split_max_tokens` without the streaming form), streaming from there, persistent
-    /// above; an explicit choice stays itself.
+    /// `moe.split_max_tokens` without the streaming form), streaming from there (bulk from
+    /// `moe.bulk_min_tokens` where that is set), persistent above; an explicit choice stays
+    /// itself.
     #[test]
     fn auto_resolves_by_the_targets_thresholds() {
         for t in target::all() {
-            let (split_max, stream_min) = (
+            let (split_max, stream_min, bulk_min) = (
                 t.moe.split_max_tokens as usize,
                 t.moe.stream_min_tokens as usize,
+                t.moe.bulk_min_tokens as usize,
             );
             for tokens in 1..=split_max + 1 {
                 let want = if tokens > split_max {
                     MoeLaunch::Persistent
+                } else if bulk_min > 0 && tokens >= bulk_min {
+                    MoeLaunch::Bulk
                 } else if stream_min > 0 && tokens >= stream_min {
                     MoeLaunch::Stream
                 } else {
@@ -1209,6 +1253,16 @@ mod tests {
                         }
                     }
                 }
+            }
+            // the bulk launches exactly where the form is
+            let bulk_form = MoeLaunch::forms(t).contains(&MoeLaunch::Bulk);
+            for name in BULK_KERNELS {
+                assert_eq!(
+                    named_kernel(t, name).is_ok(),
+                    bulk_form,
+                    "{} {name}",
+                    t.name
+                );
             }
         }
     }
