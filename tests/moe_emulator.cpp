@@ -66,6 +66,7 @@ FP4_DEVICE void bulk_copy_to_shared(void* dst, const void* src, u32 bytes, u64* 
     const u64 left = __atomic_sub_fetch(bar, (u64)bytes << 32, __ATOMIC_SEQ_CST);
     if ((left >> 32) == 0) __atomic_fetch_add(bar, 1ull, __ATOMIC_SEQ_CST);  // the phase completes
 }
+FP4_DEVICE void bulk_fence_after_reads() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 FP4_DEVICE void mbarrier_wait_parity(u64* bar, u32 parity) {
     while ((__atomic_load_n(bar, __ATOMIC_SEQ_CST) & 1u) == parity) std::this_thread::yield();
 }

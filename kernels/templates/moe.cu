@@ -1461,8 +1461,9 @@ FP4_DEVICE void bulk_seek(const MoeArgs& a, const StreamTable& st, u32 n_tiles, 
 /// out act = silu(gate) * up, as the split gate_up items) or down (X = act, out the partial
 /// rows, as moe_stream_down). A unit's K groups are summed into ACCUMULATORS accumulators, group
 /// g into g % ACCUMULATORS, then added in order: the split items' sum when their tile's
-/// ACCUMULATORS warps take groups part, part + warps, ... and reduce_parts adds them, so every
-/// form gives the same bits. The down side reads the routing and starts its first slots before
+/// ACCUMULATORS warps take groups part, part + warps, ... and reduce_parts adds them, so the
+/// forms give the same bits wherever the split items use the target's warps per tile (above
+/// moe.wide_max_tokens; the wide items below sum in more parts). The down side reads the routing and starts its first slots before
 /// the wait for the previous launch (routing two launches back, weights constant); the gate_up
 /// side needs the routing of the launch just before it, so it waits first.
 template <bool GATE_UP, int ACCUMULATORS>
@@ -1551,6 +1552,7 @@ FP4_DEVICE void moe_bulk_experts(const MoeArgs& args) {
         u32x4 xs[2];
         load_x(g0, xs);
         mbarrier_wait_parity(&my_bars[slot], (step / BULK_SLOTS) & 1u);
+        warp_barrier();  // the lanes leave the wait's loop apart; the MMAs need them together
         #pragma unroll
         for (u32 g = 0; g < BULK_SLOT_GROUPS; ++g) {
             if (g < groups) {  // warp-uniform
@@ -1569,7 +1571,10 @@ FP4_DEVICE void moe_bulk_experts(const MoeArgs& args) {
             }
         }
         warp_barrier();  // every lane has read the slot before lane 0 asks for its next bytes
-        if (lane == 0 && step + BULK_SLOTS < steps) fill(step + BULK_SLOTS);
+        if (lane == 0 && step + BULK_SLOTS < steps) {
+            bulk_fence_after_reads();
+            fill(step + BULK_SLOTS);
+        }
         if (part + 1u == parts) {
             #pragma unroll
             for (int p = 1; p < ACCUMULATORS; ++p)

@@ -27,6 +27,10 @@ FP4_DEVICE void mbarrier_wait_parity(u64* bar, u32 parity) {
             : "=r"(done) : "r"(address), "r"(parity) : "memory");
     }
 }
+/// Orders this thread's view of the warp's earlier ordinary shared-memory reads (the caller has
+/// met the warp's barrier after them) before its next bulk copy into the same bytes: the copy
+/// engine writes through the async proxy.
+FP4_DEVICE void bulk_fence_after_reads() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 /// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global `src` to shared `dst`,
 /// counted against the phase of `bar` that announced them.
 FP4_DEVICE void bulk_copy_to_shared(void* dst, const void* src, u32 bytes, u64* bar) {
