@@ -237,6 +237,21 @@ struct TileAcc {
 /// X was written by an earlier launch and is read only after this block's wait for it (see
 /// load_coherent_u32x4), so it may come through L1, where the block's other tiles of the same
 /// rows find it; otherwise from the L2 (another block of this launch may have written it).
+/// This lane's X fragment (the MMA's B operand) of one K group of token row `row`: its 16
+/// columns from `col`, zeros without a row (null) or past K; through L1 or from the L2 (see
+/// tile_product's x_through_l1).
+FP4_DEVICE void load_x_fragment(const u16* row, u32 col, u32 k, bool through_l1, u32x4 (&xs)[2]) {
+    if (row != nullptr && col < k && through_l1) {
+        xs[0] = load_u32x4(row + col);
+        xs[1] = load_u32x4(row + col + 8);
+    } else if (row != nullptr && col < k) {
+        xs[0] = load_coherent_u32x4(row + col);
+        xs[1] = load_coherent_u32x4(row + col + 8);
+    } else {
+        xs[0] = xs[1] = {0u, 0u, 0u, 0u};
+    }
+}
+
 template <class W, int ROWS, int STAGES, bool X_FIRST = false>
 FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k,
                              const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
@@ -267,17 +282,7 @@ FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 
     auto load_x = [&](u32 group, u32x4 (&xs)[MT][2]) {
         const u32 col = group * GROUP_COLS + 16 * t;
         #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            if (x_rows[mt] != nullptr && col < k && x_through_l1) {
-                xs[mt][0] = load_u32x4(x_rows[mt] + col);
-                xs[mt][1] = load_u32x4(x_rows[mt] + col + 8);
-            } else if (x_rows[mt] != nullptr && col < k) {
-                xs[mt][0] = load_coherent_u32x4(x_rows[mt] + col);
-                xs[mt][1] = load_coherent_u32x4(x_rows[mt] + col + 8);
-            } else {
-                xs[mt][0] = xs[mt][1] = {0u, 0u, 0u, 0u};
-            }
-        }
+        for (int mt = 0; mt < MT; ++mt) load_x_fragment(x_rows[mt], col, k, x_through_l1, xs[mt]);
     };
     u32x4 x_first[X_FIRST ? STAGES : 1][MT][2];
     if constexpr (X_FIRST) {
@@ -1517,16 +1522,7 @@ FP4_DEVICE void moe_bulk_experts(const MoeArgs& args) {
     float c[ACCUMULATORS][4];
     // this lane's X fragment of K group `group` (zeros past the chunk's rows and past K)
     auto load_x = [&](u32 group, u32x4 (&xs)[2]) {
-        const u32 col = group * GROUP_COLS + 16u * (lane % 4u);
-        if (x_row != nullptr && col < k && MOE_SPLIT_X_L1) {
-            xs[0] = load_u32x4(x_row + col);
-            xs[1] = load_u32x4(x_row + col + 8);
-        } else if (x_row != nullptr && col < k) {
-            xs[0] = load_coherent_u32x4(x_row + col);
-            xs[1] = load_coherent_u32x4(x_row + col + 8);
-        } else {
-            xs[0] = xs[1] = {0u, 0u, 0u, 0u};
-        }
+        load_x_fragment(x_row, group * GROUP_COLS + 16u * (lane % 4u), k, MOE_SPLIT_X_L1, xs);
     };
     for (u32 step = 0; step < steps; ++step) {
         const u32 slot = step % BULK_SLOTS, part = step % parts;
