@@ -1430,7 +1430,8 @@ FP4_DEVICE void moe_stream_down(const MoeArgs& args) {
 // per warp (576 bytes each: 3.4 KB at 6) and each 16-byte load holds an L1 miss entry until it
 // returns; at B = 64 the gate_up items and the streaming down launch moved their weights at
 // 30-45% of the H200's bandwidth (ncu, ninth and nineteenth sessions), waiting on those loads.
-// A ring of 4 x 4 groups keeps 9.2 KB per warp in flight as four requests of the copy engine.
+// A ring of 2 x 8 groups keeps 9.2 KB per warp in flight as two requests of the copy engine
+// (fewer, larger copies ran faster than 4 x 4 or 8 x 2: targets.toml).
 // X (the tokens' rows, or the act rows) is loaded per group, one group ahead, as the split items
 // load it.
 // --------------------------------------------------------------------------------------------
