@@ -29,7 +29,8 @@
 //!   tiles of several experts, X through a cp.async ring, and the combine is a launch of its
 //!   own (same sums in the same order: the split form's bits). [`MoeLaunch::Bulk`] (targets
 //!   with bulk copies too; Auto from `moe.bulk_min_tokens`: 16 on sm_90a, where it took a
-//!   B = 16 decode step 5.6% below the streaming form's on an H100, not yet measured on GB10)
+//!   B = 16 decode step 5.6% (H100) and 5.1% (H200) below the streaming form's; not measured on
+//!   GB10)
 //!   streams both expert launches so, each warp's NVFP4 weights arriving by bulk copies into a
 //!   ring of slots in shared memory, several KB in flight per warp where the register rings
 //!   hold a few hundred bytes per group. Experts nobody chose cost nothing (they get no work
