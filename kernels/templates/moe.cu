@@ -73,7 +73,7 @@ static_assert((MOE_EXPERTS_PER_LANE & (MOE_EXPERTS_PER_LANE - 1)) == 0, "route_t
 // the split launches' expert kernels: more resident blocks (fewer registers), so that a decode
 // step's items fit in one wave
 #define MOE_SPLIT_BOUNDS MOE_THREADS, {{ target.moe.split_blocks_per_sm }}
-// moe_nvfp4_down_bulk: as many resident blocks as its shared-memory ring allows
+// the bulk kernels: as many resident blocks as their shared-memory rings allow
 #define MOE_BULK_BOUNDS MOE_THREADS, {{ target.moe.bulk_blocks_per_sm }}
 {% else %}
 #define MOE_BOUNDS MOE_THREADS
@@ -222,21 +222,6 @@ struct TileAcc {
     }
 };
 
-/// This warp's partial product of weight tile `tile` (of a [tiles][k_groups][32] fragment array)
-/// with up to ROWS token rows, over the K groups first, first + step, ... < end. x_rows[i] is the
-/// bf16 row of token row TileAcc::x_row(i) (null past the pass). The weight loads of the first
-/// STAGES groups are issued, and the warp's later groups asked of the L2, before the X rows are
-/// waited for: with `wait_counter`, until `*wait_counter >= wait_target` (X produced by other
-/// blocks of the launch; a block barrier, so every warp of the block must call it); with
-/// `wait_grid`, until the previous kernel has finished (X produced by it: see
-/// chain_after_previous_grid, which the caller has not called). X_FIRST: the X fragments of the
-/// ring's first STAGES groups are all loaded right after that wait, before any is used (the
-/// router, whose warps have two groups each and their weights in registers before the wait: its
-/// loads made two L2 round trips one after the other, SASS of moe_route_m8); elsewhere each
-/// group's X is loaded at the group (registers for six groups' X are not there). x_through_l1:
-/// X was written by an earlier launch and is read only after this block's wait for it (see
-/// load_coherent_u32x4), so it may come through L1, where the block's other tiles of the same
-/// rows find it; otherwise from the L2 (another block of this launch may have written it).
 /// This lane's X fragment (the MMA's B operand) of one K group of token row `row`: its 16
 /// columns from `col`, zeros without a row (null) or past K; through L1 or from the L2 (see
 /// tile_product's x_through_l1).
@@ -252,6 +237,21 @@ FP4_DEVICE void load_x_fragment(const u16* row, u32 col, u32 k, bool through_l1,
     }
 }
 
+/// This warp's partial product of weight tile `tile` (of a [tiles][k_groups][32] fragment array)
+/// with up to ROWS token rows, over the K groups first, first + step, ... < end. x_rows[i] is the
+/// bf16 row of token row TileAcc::x_row(i) (null past the pass). The weight loads of the first
+/// STAGES groups are issued, and the warp's later groups asked of the L2, before the X rows are
+/// waited for: with `wait_counter`, until `*wait_counter >= wait_target` (X produced by other
+/// blocks of the launch; a block barrier, so every warp of the block must call it); with
+/// `wait_grid`, until the previous kernel has finished (X produced by it: see
+/// chain_after_previous_grid, which the caller has not called). X_FIRST: the X fragments of the
+/// ring's first STAGES groups are all loaded right after that wait, before any is used (the
+/// router, whose warps have two groups each and their weights in registers before the wait: its
+/// loads made two L2 round trips one after the other, SASS of moe_route_m8); elsewhere each
+/// group's X is loaded at the group (registers for six groups' X are not there). x_through_l1:
+/// X was written by an earlier launch and is read only after this block's wait for it (see
+/// load_coherent_u32x4), so it may come through L1, where the block's other tiles of the same
+/// rows find it; otherwise from the L2 (another block of this launch may have written it).
 template <class W, int ROWS, int STAGES, bool X_FIRST = false>
 FP4_DEVICE void tile_product(const W& w, u64 tile, u32 k_groups, u32 first, u32 step, u32 end, u32 k,
                              const u16* const (&x_rows)[TileAcc<ROWS>::X_ROWS], u32 rows,
@@ -1469,9 +1469,10 @@ FP4_DEVICE void bulk_seek(const MoeArgs& a, const StreamTable& st, u32 n_tiles, 
 /// g into g % ACCUMULATORS, then added in order: the split items' sum when their tile's
 /// ACCUMULATORS warps take groups part, part + warps, ... and reduce_parts adds them, so the
 /// forms give the same bits wherever the split items use the target's warps per tile (above
-/// moe.wide_max_tokens; the wide items below sum in more parts). The down side reads the routing and starts its first slots before
-/// the wait for the previous launch (routing two launches back, weights constant); the gate_up
-/// side needs the routing of the launch just before it, so it waits first.
+/// moe.wide_max_tokens; the wide items below sum in more parts). The down side reads the
+/// routing and starts its first slots before the wait for the previous launch (routing two
+/// launches back, weights constant); the gate_up side needs the routing of the launch just
+/// before it, so it waits first.
 template <bool GATE_UP, int ACCUMULATORS>
 FP4_DEVICE void moe_bulk_experts(const MoeArgs& args) {
     static_assert(BULK_SLOT_GROUPS % ACCUMULATORS == 0, "a slot's groups map to the accumulators the same way");

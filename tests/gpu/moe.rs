@@ -346,8 +346,8 @@ fn check_block(
             .as_ref()
             .map(|r| backend.upload(r).expect("upload residual"));
         // the persistent and split forms run the same items and combine in the same order:
-        // equal bits; so do the streaming and bulk forms (where the target has them) wherever the split
-        // form sums each down tile in one warp too (above moe.wide_max_tokens)
+        // equal bits; so do the streaming and bulk forms (where the target has them) wherever
+        // the split form sums each down tile in one warp too (above moe.wide_max_tokens)
         let target = backend.target().expect("a device backend");
         let launches = MoeLaunch::forms(target);
         let wide_max = target.moe.wide_max_tokens as usize;

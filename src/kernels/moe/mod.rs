@@ -29,15 +29,13 @@
 //!   tiles of several experts, X through a cp.async ring, and the combine is a launch of its
 //!   own (same sums in the same order: the split form's bits). [`MoeLaunch::Bulk`] (targets
 //!   with bulk copies too; Auto from `moe.bulk_min_tokens`: 16 on sm_90a, where it took a
-//!   B = 16 decode step 5.6% (H100) and 5.1% (H200) below the streaming form's; not measured on
-//!   GB10)
-//!   streams both expert launches so, each warp's NVFP4 weights arriving by bulk copies into a
-//!   ring of slots in shared memory, several KB in flight per warp where the register rings
-//!   hold a few hundred bytes per group. Experts nobody chose cost nothing (they get no work
-//!   items); every chosen expert's
-//!   weights are read once from DRAM per launch (an expert with more tokens than a pass, 8,
-//!   re-reads its tiles from L2). Work items are claimed in order
-//!   from a counter, so the kernel cannot deadlock whatever number of its blocks is resident; a
+//!   B = 16 decode step 5.6% (H100) and 5.1% (H200) below the streaming form's; not measured
+//!   on GB10) streams both expert launches so, each warp's NVFP4 weights arriving by bulk
+//!   copies into a ring of slots in shared memory, several KB in flight per warp where the
+//!   register rings hold a few hundred bytes per group. Experts nobody chose cost nothing
+//!   (they get no work items); every chosen expert's weights are read once from DRAM per
+//!   launch (an expert with more tokens than a pass, 8, re-reads its tiles from L2). Work items
+//!   are claimed in order from a counter, so the kernel cannot deadlock whatever number of its blocks is resident; a
 //!   wait longer than 4 s traps (a launch error naming the wait on stdout) instead of hanging.
 //! - The weights are laid out for the target's [`TensorCore`] (chosen by its instructions):
 //!   mma.sync fragments on the NVIDIA targets, WMMA fragments on gfx1151, whose kernels are
