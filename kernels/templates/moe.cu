@@ -1432,12 +1432,17 @@ FP4_DEVICE void moe_stream_down(const MoeArgs& args) {
 // 30-45% of the H200's bandwidth (ncu, ninth and nineteenth sessions), waiting on those loads.
 // A ring of 2 x 8 groups keeps 9.2 KB per warp in flight as two requests of the copy engine
 // (fewer, larger copies ran faster than 4 x 4 or 8 x 2: targets.toml).
-// X (the tokens' rows, or the act rows) is loaded per group, one group ahead, as the split items
-// load it.
+// X (the tokens' rows, or the act rows) comes into registers BULK_X_AHEAD groups ahead of the
+// MMAs, across slots and units: loaded one group ahead, a chunk's rows missed L1 (its carve-out is
+// what the rings leave) and the warps waited on the L2 at every group (ncu, thirtieth session:
+// the top stalls of both kernels at B = 64 were the MMAs' X operands, long scoreboard); each unit
+// also looked its token rows up again, a second L2 round trip before its first X load. The rows
+// are looked up only when the chunk changes.
 // --------------------------------------------------------------------------------------------
 {% include "common/bulk_copy.cuh" %}
 #define BULK_SLOTS {{ target.moe.bulk_slots }}
 #define BULK_SLOT_GROUPS {{ target.moe.bulk_slot_groups }}
+#define BULK_X_AHEAD {{ target.moe.bulk_x_groups_ahead }}
 
 /// One slot of a warp's ring: up to BULK_SLOT_GROUPS K groups of one NVFP4 tile, as the
 /// fragment arrays hold them (per group 32 lanes' words, then 32 lanes' scales).
@@ -1454,13 +1459,27 @@ struct BulkUnit {
     StreamChunk meta;
 };
 
-FP4_DEVICE void bulk_seek(const MoeArgs& a, const StreamTable& st, u32 n_tiles, u32 unit, BulkUnit& u) {
+/// Moves `u` to unit `unit`; true when its chunk changed (and so its meta was looked up).
+FP4_DEVICE bool bulk_seek(const MoeArgs& a, const StreamTable& st, u32 n_tiles, u32 unit, BulkUnit& u) {
     const u32 chunk = unit / n_tiles;
-    if (chunk != u.chunk) {
-        u.chunk = chunk;
-        u.meta = stream_chunk(a, st, chunk);
-    }
     u.tile = unit % n_tiles;
+    if (chunk == u.chunk) return false;
+    u.chunk = chunk;
+    u.meta = stream_chunk(a, st, chunk);
+    return true;
+}
+
+/// This lane's X row of chunk `meta` (null past its rows): GATE_UP the token's row of x (a
+/// shared sub-expert's positions are sub * T + token, a routed rank's gathered through
+/// sorted_token), else the act row.
+template <bool GATE_UP>
+FP4_DEVICE const u16* bulk_x_row(const MoeArgs& a, const StreamChunk& meta) {
+    const u32 row = lane_index() / 4u;  // this lane's token row of the MMA's B operand
+    if (row >= meta.rows) return nullptr;
+    if (!GATE_UP) return a.act + (u64)(meta.position0 + row) * a.inter;
+    const u32 token = meta.expert >= a.experts ? (meta.position0 + row) % a.tokens
+                                               : load_coherent_u32(a.sorted_token + meta.position0 + row);
+    return a.x + (u64)token * a.hidden;
 }
 
 /// The bulk-copy streaming launch of one side of the experts: GATE_UP (X = the tokens' rows,
@@ -1476,6 +1495,7 @@ FP4_DEVICE void bulk_seek(const MoeArgs& a, const StreamTable& st, u32 n_tiles, 
 template <bool GATE_UP, int ACCUMULATORS>
 FP4_DEVICE void moe_bulk_experts(const MoeArgs& args) {
     static_assert(BULK_SLOT_GROUPS % ACCUMULATORS == 0, "a slot's groups map to the accumulators the same way");
+    static_assert(BULK_SLOT_GROUPS % BULK_X_AHEAD == 0, "a slot position's X register is the same in every slot");
     __shared__ MoeArgs a;
     __shared__ StreamTable st;
     __shared__ BulkSlot ring[MOE_WARPS][BULK_SLOTS];
@@ -1518,44 +1538,41 @@ FP4_DEVICE void moe_bulk_experts(const MoeArgs& args) {
     if (!GATE_UP) chain_after_previous_grid();
     if (steps == 0u) return;
     const ExpertNvfp4 weights = weights_at<ExpertNvfp4>(words, scales);
-    BulkUnit use = {0xffffffffu, 0u, {}};
-    const u16* x_row = nullptr;
+    // `ahead`: the unit of the step after the current one, whose X the slot's last
+    // BULK_X_AHEAD groups load; `use`: the current step's unit (its rows and expert)
+    BulkUnit ahead = {0xffffffffu, 0u, {}}, use = ahead;
+    bulk_seek(a, st, n_tiles, u0, ahead);
+    const u16* x_row = bulk_x_row<GATE_UP>(a, ahead.meta);
+    // this lane's X of the slot position BULK_X_AHEAD past the one consumed: xq[g % BULK_X_AHEAD]
+    // holds position g's (step 0's first positions loaded here)
+    u32x4 xq[BULK_X_AHEAD][2];
+    const u32 x_col = 16u * (lane % 4u);
+    #pragma unroll
+    for (u32 g = 0; g < BULK_X_AHEAD; ++g) load_x_fragment(x_row, g * GROUP_COLS + x_col, k, MOE_SPLIT_X_L1, xq[g]);
     float alpha0 = 0.0f, alpha1 = 0.0f;
     float c[ACCUMULATORS][4];
-    // this lane's X fragment of K group `group` (zeros past the chunk's rows and past K)
-    auto load_x = [&](u32 group, u32x4 (&xs)[2]) {
-        load_x_fragment(x_row, group * GROUP_COLS + 16u * (lane % 4u), k, MOE_SPLIT_X_L1, xs);
-    };
     for (u32 step = 0; step < steps; ++step) {
         const u32 slot = step % BULK_SLOTS, part = step % parts;
         const u32 g0 = part * BULK_SLOT_GROUPS, groups = min_u32(BULK_SLOT_GROUPS, k_groups - g0);
         if (part == 0u) {
-            bulk_seek(a, st, n_tiles, u0 + step / parts, use);
-            const u32 row = lane / 4u;  // this lane's token row of the MMA's B operand
-            x_row = nullptr;
-            if (row < use.meta.rows && GATE_UP) {
-                // a shared sub-expert's positions are sub * T + token, a routed rank's gathered
-                const bool shared = use.meta.expert >= a.experts;
-                const u32 token = shared ? (use.meta.position0 + row) % a.tokens
-                                         : load_coherent_u32(a.sorted_token + use.meta.position0 + row);
-                x_row = a.x + (u64)token * a.hidden;
-            } else if (row < use.meta.rows) {
-                x_row = a.act + (u64)(use.meta.position0 + row) * a.inter;
-            }
+            use = ahead;
             alpha0 = GATE_UP ? a.gate_up_alpha[2 * use.meta.expert] : a.down_alpha[use.meta.expert];
             alpha1 = GATE_UP ? a.gate_up_alpha[2 * use.meta.expert + 1] : alpha0;
             #pragma unroll
             for (int p = 0; p < ACCUMULATORS; ++p) c[p][0] = c[p][1] = c[p][2] = c[p][3] = 0.0f;
         }
-        u32x4 xs[2];
-        load_x(g0, xs);
+        // the next step's X row: the same unless its unit is of another chunk (none past the end)
+        const u32 next_part = (step + 1u) % parts;
+        const u16* x_row_next = x_row;
+        if (step + 1u == steps) x_row_next = nullptr;
+        else if (next_part == 0u && bulk_seek(a, st, n_tiles, u0 + (step + 1u) / parts, ahead))
+            x_row_next = bulk_x_row<GATE_UP>(a, ahead.meta);
         mbarrier_wait_parity(&my_bars[slot], (step / BULK_SLOTS) & 1u);
         warp_barrier();  // the lanes leave the wait's loop apart; the MMAs need them together
         #pragma unroll
         for (u32 g = 0; g < BULK_SLOT_GROUPS; ++g) {
+            u32x4(&xs)[2] = xq[g % BULK_X_AHEAD];
             if (g < groups) {  // warp-uniform
-                u32x4 next[2];
-                if (g + 1u < groups) load_x(g0 + g + 1u, next);
                 const Nvfp4Group group = {my_ring[slot].words[g][lane], my_ring[slot].scales[g][lane]};
                 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
@@ -1565,9 +1582,16 @@ FP4_DEVICE void moe_bulk_experts(const MoeArgs& args) {
                     mma_m16n8k16_bf16(c[g % ACCUMULATORS], frag[0], frag[1], frag[2], frag[3],
                                       (j % 2 == 0) ? q.x : q.z, (j % 2 == 0) ? q.y : q.w);
                 }
-                if (g + 1u < groups) xs[0] = next[0], xs[1] = next[1];
             }
+            // position g + BULK_X_AHEAD: of this slot, or of the next step's (zeros past K: a
+            // slot's positions past its groups, or past the last step)
+            if (g + BULK_X_AHEAD < BULK_SLOT_GROUPS)
+                load_x_fragment(x_row, (g0 + g + BULK_X_AHEAD) * GROUP_COLS + x_col, k, MOE_SPLIT_X_L1, xs);
+            else
+                load_x_fragment(x_row_next, (next_part * BULK_SLOT_GROUPS + g + BULK_X_AHEAD - BULK_SLOT_GROUPS) * GROUP_COLS + x_col,
+                                k, MOE_SPLIT_X_L1, xs);
         }
+        x_row = x_row_next;
         warp_barrier();  // every lane has read the slot before lane 0 asks for its next bytes
         if (lane == 0 && step + BULK_SLOTS < steps) {
             bulk_fence_after_reads();

@@ -347,6 +347,9 @@ pub struct MoeTiles {
     pub bulk_slots: u32,
     /// K groups (64 columns of one 16-row tile, 576 bytes in NVFP4) per slot of that ring.
     pub bulk_slot_groups: u32,
+    /// K groups each lane's X fragments (32 bytes per group) are loaded ahead of the bulk
+    /// kernels' MMAs, in registers; divides `bulk_slot_groups`.
+    pub bulk_x_groups_ahead: u32,
     /// Resident blocks per SM the bulk kernels are compiled for, and their grids.
     pub bulk_blocks_per_sm: u32,
 }
@@ -707,6 +710,8 @@ impl TargetFacts {
             && (m.bulk_slots == 0
                 || !(1..=16).contains(&m.bulk_slot_groups)
                 || m.bulk_slot_groups % m.gate_up_warps_per_tile != 0
+                || m.bulk_x_groups_ahead == 0
+                || m.bulk_slot_groups % m.bulk_x_groups_ahead != 0
                 || ring > 40 * 1024
                 || m.bulk_blocks_per_sm == 0)
         {
@@ -714,9 +719,9 @@ impl TargetFacts {
             // slot's groups go to the gate_up accumulators as the split items' warps take them
             return fail(format!(
                 "bulk_slots {} must be positive, bulk_slot_groups {} in 1..=16 and a multiple of \
-                 gate_up_warps_per_tile {}, warps x slots x groups x 576 bytes ({ring}) at most \
-                 40 KB, bulk_blocks_per_sm positive",
-                m.bulk_slots, m.bulk_slot_groups, m.gate_up_warps_per_tile
+                 gate_up_warps_per_tile {} and of bulk_x_groups_ahead {} (positive), warps x slots \
+                 x groups x 576 bytes ({ring}) at most 40 KB, bulk_blocks_per_sm positive",
+                m.bulk_slots, m.bulk_slot_groups, m.gate_up_warps_per_tile, m.bulk_x_groups_ahead
             ));
         }
         if m.bulk_min_tokens > 0 && !self.instructions.bulk_streaming() {

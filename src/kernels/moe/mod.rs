@@ -28,11 +28,12 @@
 //!   and cp.async) the down launch is a grid of resident blocks whose warps each stream whole
 //!   tiles of several experts, X through a cp.async ring, and the combine is a launch of its
 //!   own (same sums in the same order: the split form's bits). [`MoeLaunch::Bulk`] (targets
-//!   with bulk copies too; Auto from `moe.bulk_min_tokens`: 16 on sm_90a, where it took a
-//!   B = 16 decode step 5.6% (H100) and 5.1% (H200) below the streaming form's; not measured
-//!   on GB10) streams both expert launches so, each warp's NVFP4 weights arriving by bulk
-//!   copies into a ring of slots in shared memory, several KB in flight per warp where the
-//!   register rings hold a few hundred bytes per group. Experts nobody chose cost nothing
+//!   with bulk copies too; Auto from `moe.bulk_min_tokens`: 8 on sm_90a, where on the H100 it
+//!   took decode steps 7.4% below the split form's at B = 8 and 12% below the streaming form's
+//!   at B = 16 and 64; not measured on GB10) streams both expert launches so, each warp's NVFP4
+//!   weights arriving by bulk copies into a ring of slots in shared memory, several KB in
+//!   flight per warp where the register rings hold a few hundred bytes per group, and its X
+//!   fragments `moe.bulk_x_groups_ahead` K groups ahead in registers. Experts nobody chose cost nothing
 //!   (they get no work items); every chosen expert's weights are read once from DRAM per
 //!   launch (an expert with more tokens than a pass, 8, re-reads its tiles from L2). Work items
 //!   are claimed in order from a counter, so the kernel cannot deadlock whatever number of its blocks is resident; a
