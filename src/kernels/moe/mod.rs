@@ -28,9 +28,9 @@
 //!   and cp.async) the down launch is a grid of resident blocks whose warps each stream whole
 //!   tiles of several experts, X through a cp.async ring, and the combine is a launch of its
 //!   own (same sums in the same order: the split form's bits). [`MoeLaunch::Bulk`] (targets
-//!   with bulk copies too; Auto from `moe.bulk_min_tokens`: 8 on sm_90a, where on the H100 it
-//!   took decode steps 7.4% below the split form's at B = 8 and 12% below the streaming form's
-//!   at B = 16 and 64; not measured on GB10) streams both expert launches so, each warp's NVFP4
+//!   with bulk copies too; Auto from `moe.bulk_min_tokens`: 4 on sm_90a, where on the H100 it
+//!   took decode steps 2-7% below the split form's at B = 4 and 8 and 12% below the streaming
+//!   form's at B = 16 and 64; not measured on GB10) streams both expert launches so, each warp's NVFP4
 //!   weights arriving by bulk copies into a ring of slots in shared memory, several KB in
 //!   flight per warp where the register rings hold a few hundred bytes per group, and its X
 //!   fragments `moe.bulk_x_groups_ahead` K groups ahead in registers. Experts nobody chose cost nothing
