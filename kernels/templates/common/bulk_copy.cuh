@@ -17,20 +17,14 @@ FP4_DEVICE void mbarrier_arrive_expect_bytes(u64* bar, u32 bytes) {
                  :: "r"(bulk_shared_address(bar)), "r"(bytes) : "memory");
 }
 /// Waits until the phase of parity `parity` of `bar` has completed (its bytes have landed and
-/// are visible to this thread); past FP4_WATCHDOG_SECONDS it traps, naming the wait (sync.cuh's
-/// watchdog), instead of hanging the device.
+/// are visible to this thread).
 FP4_DEVICE void mbarrier_wait_parity(u64* bar, u32 parity) {
     const u32 address = bulk_shared_address(bar);
-    u64 start = 0;
-    for (;;) {
-        u32 done;
+    u32 done = 0;
+    while (!done) {
         asm volatile(
             "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
             : "=r"(done) : "r"(address), "r"(parity) : "memory");
-        if (done) return;
-        if (start == 0) start = wall_clock();
-        else if (wall_clock() - start > FP4_WATCHDOG_SECONDS * FP4_WALL_CLOCK_PER_SECOND)
-            hang_detected("the bulk copies of a ring slot (the mbarrier phase of this parity)", parity, parity);
     }
 }
 /// Orders this thread's view of the warp's earlier ordinary shared-memory reads (the caller has
