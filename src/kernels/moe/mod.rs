@@ -30,14 +30,15 @@
 //!   own (same sums in the same order: the split form's bits). [`MoeLaunch::Bulk`] (targets
 //!   with bulk copies too; Auto from `moe.bulk_min_tokens`: 4 on sm_90a, where on the H100 it
 //!   took decode steps 2-7% below the split form's at B = 4 and 8 and 12% below the streaming
-//!   form's at B = 16 and 64; not measured on GB10) streams both expert launches so, each warp's NVFP4
-//!   weights arriving by bulk copies into a ring of slots in shared memory, several KB in
-//!   flight per warp where the register rings hold a few hundred bytes per group, and its X
-//!   fragments `moe.bulk_x_groups_ahead` K groups ahead in registers. Experts nobody chose cost nothing
-//!   (they get no work items); every chosen expert's weights are read once from DRAM per
-//!   launch (an expert with more tokens than a pass, 8, re-reads its tiles from L2). Work items
-//!   are claimed in order from a counter, so the kernel cannot deadlock whatever number of its blocks is resident; a
-//!   wait longer than 4 s traps (a launch error naming the wait on stdout) instead of hanging.
+//!   form's at B = 16 and 64; not measured on GB10) streams both expert launches so, each
+//!   warp's NVFP4 weights arriving by bulk copies into a ring of slots in shared memory,
+//!   several KB in flight per warp where the register rings hold a few hundred bytes per
+//!   group, and its X fragments `moe.bulk_x_groups_ahead` K groups ahead in registers. Experts
+//!   nobody chose cost nothing (they get no work items); every chosen expert's weights are
+//!   read once from DRAM per launch (an expert with more tokens than a pass, 8, re-reads its
+//!   tiles from L2). Work items are claimed in order from a counter, so the kernel cannot
+//!   deadlock whatever number of its blocks is resident; a wait longer than 4 s traps (a
+//!   launch error naming the wait on stdout) instead of hanging.
 //! - The weights are laid out for the target's [`TensorCore`] (chosen by its instructions):
 //!   mma.sync fragments on the NVIDIA targets, WMMA fragments on gfx1151, whose kernels are
 //!   compiled and run emulated on the CPU (tests/moe_emulated.rs) but not yet on a gfx1151.
