@@ -1430,8 +1430,9 @@ FP4_DEVICE void moe_stream_down(const MoeArgs& args) {
 // per warp (576 bytes each: 3.4 KB at 6) and each 16-byte load holds an L1 miss entry until it
 // returns; at B = 64 the gate_up items and the streaming down launch moved their weights at
 // 30-45% of the H200's bandwidth (ncu, ninth and nineteenth sessions), waiting on those loads.
-// A ring of 2 x 8 groups keeps 9.2 KB per warp in flight as two requests of the copy engine
-// (fewer, larger copies ran faster than 4 x 4 or 8 x 2: targets.toml).
+// A slot of 8 groups is 4.6 KB asked for as two requests of the copy engine (fewer, larger
+// copies ran faster than 4 x 4 or 8 x 2); one slot per warp ran faster than two on the H100, the
+// SM's other warps hiding each one's wait (targets.toml).
 // X (the tokens' rows, or the act rows) comes into registers BULK_X_AHEAD groups ahead of the
 // MMAs, across slots and units: loaded one group ahead, a chunk's rows missed L1 (its carve-out is
 // what the rings leave) and the warps waited on the L2 at every group (ncu, thirtieth session:
