@@ -625,26 +625,31 @@ fn the_sm90a_kernels_run_emulated() {
 
 /// More experts than one batch of the routing's logit loads covers (8 per lane, 256 in all; 300
 /// is no multiple of 32) and more slots than one batch of the combine's (8; k = 10, the second
-/// batch partly past k), with a two-part shared expert. The shared gate (router row E, which the
+/// batch partly past k), with a two-part shared expert; 5 tokens choose more than 32 distinct
+/// experts, so the stream table (build_stream_table) holds ranks past a warp's first row. The shared gate (router row E, which the
 /// lanes past E load in place of an expert) follows token 0's signs, so its logit there is far
 /// above every expert's: a lane that kept it as an expert would route token 0 to expert >= E.
 #[test]
 fn the_sm90a_kernels_route_and_combine_past_one_batch_emulated() {
     let mut host = MoeHostWeights::synthetic(shape(300, 10, 272, 48, 80), ExpertFormat::Nvfp4, 31);
-    let x = inputs(32, 3 * 272);
+    let x = inputs(32, 5 * 272);
     host.shared_gate = Some(
         x[..272]
             .iter()
             .map(|v| bf16::from_f32(if v.to_f32() < 0.0 { -1.0 } else { 1.0 }))
             .collect(),
     );
+    let residual = inputs(33, 5 * 272);
+    let got = emulate("300 experts", "sm_90a", &host, &x, 5, Some(&residual), 1);
+    let distinct: std::collections::BTreeSet<_> = got.routing.experts.iter().collect();
+    assert!(distinct.len() > 32, "{} distinct experts", distinct.len());
     check(
         "300 experts, top-10",
         "sm_90a",
         &host,
         &x,
-        3,
-        Some(&inputs(33, 3 * 272)),
+        5,
+        Some(&residual),
         1,
     );
 }

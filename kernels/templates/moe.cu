@@ -1199,41 +1199,39 @@ struct StreamTable {
 };
 
 /// Builds the table from the routing (warp 0; a block barrier, so every thread must call it).
+/// Lane L reads ranks L, L + 32, ...: each load of the warp is one line of the L2, which every
+/// block of the launch asks for at once. (Lane L reading ranks [8 L, 8 L + 8) spread each load
+/// over up to 8 lines, 56 requests per block at 217 active experts.)
 FP4_DEVICE void build_stream_table(const MoeArgs& a, StreamTable& st) {
     if (thread_x() < FP4_WARP_SIZE) {
         const u32 lane = lane_index();
         const u32 n_active = load_coherent_u32(a.n_active);
-        // lane L holds ranks [L * EPL, (L + 1) * EPL): its chunks summed, then an inclusive scan
-        // over the lanes by butterfly (a lane adds the partner group's total where its bit is set)
         u32 counts[MOE_EXPERTS_PER_LANE];
-        u32 mine = 0u;
         #pragma unroll
         for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) {
-            const u32 r = lane * MOE_EXPERTS_PER_LANE + i;
+            const u32 r = i * FP4_WARP_SIZE + lane;
             counts[i] = r < n_active ? load_coherent_u32(a.active_count + r) : 0u;
-            mine += div_up(counts[i], STREAM_ROWS);
         }
-        u32 prefix = mine, total = mine;
-        for (int offset = 1; offset < FP4_WARP_SIZE; offset <<= 1) {
-            const u32 other = shuffle_xor(total, offset);
-            if (lane & offset) prefix += other;
-            total += other;
-        }
-        u32 begin = prefix - mine;
+        // rank i * 32 + lane's first chunk: the chunks of the rows of ranks before i, then of the
+        // lanes before it in row i (the rows' scans are independent: their shuffles overlap)
+        u32 begin = 0u;
         #pragma unroll
         for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) {
-            const u32 r = lane * MOE_EXPERTS_PER_LANE + i;
+            if (i * FP4_WARP_SIZE >= n_active) break;  // uniform
+            const u32 chunks = div_up(counts[i], STREAM_ROWS);
+            const u32 through = warp_inclusive_sum(chunks);
+            const u32 r = i * FP4_WARP_SIZE + lane;
             if (r < n_active) {
                 st.count[r] = counts[i];
-                st.chunk_begin[r] = begin;
+                st.chunk_begin[r] = begin + through - chunks;
             }
-            begin += div_up(counts[i], STREAM_ROWS);
+            begin += shuffle_from(through, FP4_WARP_SIZE - 1);
         }
         if (lane == 0) {
-            st.chunk_begin[n_active] = total;
+            st.chunk_begin[n_active] = begin;
             st.n_active = n_active;
             st.shared_chunks = a.shared_experts * div_up(a.tokens, STREAM_ROWS);
-            st.chunks = st.shared_chunks + total;
+            st.chunks = st.shared_chunks + begin;
         }
     }
     block_barrier();
