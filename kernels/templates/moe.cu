@@ -1421,8 +1421,8 @@ FP4_DEVICE void moe_stream_down(const MoeArgs& args) {
 // The bulk form (MoeLaunch::Bulk, NVFP4 experts): the split route launch, then
 // moe_nvfp4_gate_up_bulk and moe_nvfp4_down_bulk, then moe_stream_combine. Both expert launches
 // walk the streaming form's units (chunk, tile) in moe_stream_down's order and split, and sum
-// as the split items do, but each warp's weights come through a ring of BULK_SLOTS slots in
-// shared memory, a slot BULK_SLOT_GROUPS K groups of one tile (their words and their block
+// as the split items do, but each warp's weights come through a ring of slots in shared
+// memory (moe.bulk_gate_up_slots / bulk_down_slots), a slot BULK_SLOT_GROUPS K groups of one tile (their words and their block
 // scales: two contiguous ranges of the fragment arrays, two bulk copies asked for by lane 0 and
 // completing on the slot's mbarrier). Why: the register rings hold at most stages_nvfp4 groups
 // per warp (576 bytes each: 3.4 KB at 6) and each 16-byte load holds an L1 miss entry until it
@@ -1439,7 +1439,6 @@ FP4_DEVICE void moe_stream_down(const MoeArgs& args) {
 // are looked up only when the chunk changes.
 // --------------------------------------------------------------------------------------------
 {% include "common/bulk_copy.cuh" %}
-#define BULK_SLOTS {{ target.moe.bulk_slots }}
 #define BULK_SLOT_GROUPS {{ target.moe.bulk_slot_groups }}
 #define BULK_X_AHEAD {{ target.moe.bulk_x_groups_ahead }}
 
@@ -1491,14 +1490,14 @@ FP4_DEVICE const u16* bulk_x_row(const MoeArgs& a, const StreamChunk& meta) {
 /// routing and starts its first slots before the wait for the previous launch (routing two
 /// launches back, weights constant); the gate_up side needs the routing of the launch just
 /// before it, so it waits first.
-template <bool GATE_UP, int ACCUMULATORS>
+template <bool GATE_UP, int ACCUMULATORS, int SLOTS>
 FP4_DEVICE void moe_bulk_experts(const MoeArgs& args) {
     static_assert(BULK_SLOT_GROUPS % ACCUMULATORS == 0, "a slot's groups map to the accumulators the same way");
     static_assert(BULK_SLOT_GROUPS % BULK_X_AHEAD == 0, "a slot position's X register is the same in every slot");
     __shared__ MoeArgs a;
     __shared__ StreamTable st;
-    __shared__ BulkSlot ring[MOE_WARPS][BULK_SLOTS];
-    __shared__ u64 bars[MOE_WARPS][BULK_SLOTS];
+    __shared__ BulkSlot ring[MOE_WARPS][SLOTS];
+    __shared__ u64 bars[MOE_WARPS][SLOTS];
     if (thread_x() == 0) a = args;
     if (GATE_UP) chain_after_previous_grid();
     block_barrier();
@@ -1518,9 +1517,9 @@ FP4_DEVICE void moe_bulk_experts(const MoeArgs& args) {
     BulkSlot* const my_ring = ring[warp];
     u64* const my_bars = bars[warp];
     BulkUnit load = {0xffffffffu, 0u, {}};
-    // lane 0: step `step`'s groups of its unit into slot step % BULK_SLOTS
+    // lane 0: step `step`'s groups of its unit into slot step % SLOTS
     auto fill = [&](u32 step) {
-        const u32 slot = step % BULK_SLOTS, g0 = (step % parts) * BULK_SLOT_GROUPS;
+        const u32 slot = step % SLOTS, g0 = (step % parts) * BULK_SLOT_GROUPS;
         const u32 groups = min_u32(BULK_SLOT_GROUPS, k_groups - g0);
         bulk_seek(a, st, n_tiles, u0 + step / parts, load);
         const u64 entry = ((u64)(load.meta.expert * n_tiles + load.tile) * k_groups + g0) * FP4_WARP_SIZE;
@@ -1530,8 +1529,8 @@ FP4_DEVICE void moe_bulk_experts(const MoeArgs& args) {
     };
     // the barriers, and the first slots' weights (for the down side before the wait)
     if (lane == 0 && steps > 0u) {
-        for (u32 s = 0; s < BULK_SLOTS; ++s) mbarrier_init_one(&my_bars[s]);
-        for (u32 s = 0; s < BULK_SLOTS && s < steps; ++s) fill(s);
+        for (u32 s = 0; s < SLOTS; ++s) mbarrier_init_one(&my_bars[s]);
+        for (u32 s = 0; s < SLOTS && s < steps; ++s) fill(s);
     }
     warp_barrier();  // the other lanes wait on barriers lane 0 has set up
     if (!GATE_UP) chain_after_previous_grid();
@@ -1551,7 +1550,7 @@ FP4_DEVICE void moe_bulk_experts(const MoeArgs& args) {
     float alpha0 = 0.0f, alpha1 = 0.0f;
     float c[ACCUMULATORS][4];
     for (u32 step = 0; step < steps; ++step) {
-        const u32 slot = step % BULK_SLOTS, part = step % parts;
+        const u32 slot = step % SLOTS, part = step % parts;
         const u32 g0 = part * BULK_SLOT_GROUPS, groups = min_u32(BULK_SLOT_GROUPS, k_groups - g0);
         if (part == 0u) {
             use = ahead;
@@ -1566,7 +1565,7 @@ FP4_DEVICE void moe_bulk_experts(const MoeArgs& args) {
         if (step + 1u == steps) x_row_next = nullptr;
         else if (next_part == 0u && bulk_seek(a, st, n_tiles, u0 + (step + 1u) / parts, ahead))
             x_row_next = bulk_x_row<GATE_UP>(a, ahead.meta);
-        mbarrier_wait_parity(&my_bars[slot], (step / BULK_SLOTS) & 1u);
+        mbarrier_wait_parity(&my_bars[slot], (step / SLOTS) & 1u);
         warp_barrier();  // the lanes leave the wait's loop apart; the MMAs need them together
         #pragma unroll
         for (u32 g = 0; g < BULK_SLOT_GROUPS; ++g) {
@@ -1592,9 +1591,9 @@ FP4_DEVICE void moe_bulk_experts(const MoeArgs& args) {
         }
         x_row = x_row_next;
         warp_barrier();  // every lane has read the slot before lane 0 asks for its next bytes
-        if (lane == 0 && step + BULK_SLOTS < steps) {
+        if (lane == 0 && step + SLOTS < steps) {
             bulk_fence_after_reads();
-            fill(step + BULK_SLOTS);
+            fill(step + SLOTS);
         }
         if (part + 1u == parts) {
             #pragma unroll
@@ -1714,11 +1713,11 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_SPLIT_BOUNDS) moe_{{ format }}_down_stream
 {% endfor %}
 {% if target.instructions.bulk_copy_mbarrier %}
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BULK_BOUNDS) moe_nvfp4_gate_up_bulk(MOE_PARAMETERS) {
-    moe_bulk_experts<true, {{ target.moe.gate_up_warps_per_tile }}>(MOE_ARGUMENTS);
+    moe_bulk_experts<true, {{ target.moe.gate_up_warps_per_tile }}, {{ target.moe.bulk_gate_up_slots }}>(MOE_ARGUMENTS);
 }
 
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BULK_BOUNDS) moe_nvfp4_down_bulk(MOE_PARAMETERS) {
-    moe_bulk_experts<false, 1>(MOE_ARGUMENTS);
+    moe_bulk_experts<false, 1, {{ target.moe.bulk_down_slots }}>(MOE_ARGUMENTS);
 }
 {% endif %}
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_THREADS) moe_stream_combine(MOE_PARAMETERS) {

@@ -343,8 +343,10 @@ pub struct MoeTiles {
     /// weights arrive by bulk copies); 0 never. Targets with bulk copies and the streaming
     /// kernels render the bulk kernels whatever this says, so the bench and tests can run them.
     pub bulk_min_tokens: u32,
-    /// Slots of each warp's shared-memory weight ring in the bulk kernels.
-    pub bulk_slots: u32,
+    /// Slots of each warp's shared-memory weight ring in `moe_nvfp4_gate_up_bulk`.
+    pub bulk_gate_up_slots: u32,
+    /// Slots of each warp's shared-memory weight ring in `moe_nvfp4_down_bulk`.
+    pub bulk_down_slots: u32,
     /// K groups (64 columns of one 16-row tile, 576 bytes in NVFP4) per slot of that ring.
     pub bulk_slot_groups: u32,
     /// K groups each lane's X fragments (32 bytes per group) are loaded ahead of the bulk
@@ -705,9 +707,11 @@ impl TargetFacts {
                 m.stream_min_tokens
             ));
         }
-        let ring = m.warps_per_block * m.bulk_slots * m.bulk_slot_groups * 576;
+        let slots = m.bulk_gate_up_slots.max(m.bulk_down_slots);
+        let ring = m.warps_per_block * slots * m.bulk_slot_groups * 576;
         if self.instructions.bulk_streaming()
-            && (m.bulk_slots == 0
+            && (m.bulk_gate_up_slots == 0
+                || m.bulk_down_slots == 0
                 || !(1..=16).contains(&m.bulk_slot_groups)
                 || m.bulk_slot_groups % m.gate_up_warps_per_tile != 0
                 || m.bulk_x_groups_ahead == 0
@@ -718,10 +722,15 @@ impl TargetFacts {
             // the ring is static shared memory, under 48 KB beside the stream's chunk table; a
             // slot's groups go to the gate_up accumulators as the split items' warps take them
             return fail(format!(
-                "bulk_slots {} must be positive, bulk_slot_groups {} in 1..=16 and a multiple of \
-                 gate_up_warps_per_tile {} and of bulk_x_groups_ahead {} (positive), warps x slots \
-                 x groups x 576 bytes ({ring}) at most 40 KB, bulk_blocks_per_sm positive",
-                m.bulk_slots, m.bulk_slot_groups, m.gate_up_warps_per_tile, m.bulk_x_groups_ahead
+                "bulk_gate_up_slots {} and bulk_down_slots {} must be positive, bulk_slot_groups \
+                 {} in 1..=16 and a multiple of gate_up_warps_per_tile {} and of \
+                 bulk_x_groups_ahead {} (positive), warps x slots x groups x 576 bytes ({ring}) \
+                 at most 40 KB, bulk_blocks_per_sm positive",
+                m.bulk_gate_up_slots,
+                m.bulk_down_slots,
+                m.bulk_slot_groups,
+                m.gate_up_warps_per_tile,
+                m.bulk_x_groups_ahead
             ));
         }
         if m.bulk_min_tokens > 0 && !self.instructions.bulk_streaming() {
