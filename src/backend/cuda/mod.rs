@@ -80,6 +80,10 @@ struct LaunchTarget {
     /// Dynamic shared memory the kernel was allowed so far (bytes): raised once per size, so
     /// repeated launches set no attribute and stay capturable.
     dynamic_shared_allowed: AtomicU32,
+    /// Held while the attribute is raised, so it only ever grows: two threads raising it at
+    /// once (GPU tests in parallel) left the smaller size set after the larger was recorded,
+    /// and a launch of the larger then failed with an invalid value (thirty-first session).
+    raising_shared: Mutex<()>,
 }
 
 impl CudaBackend {
@@ -317,6 +321,7 @@ impl CudaBackend {
             function,
             param_sizes,
             dynamic_shared_allowed: AtomicU32::new(0),
+            raising_shared: Mutex::new(()),
         });
         targets.insert((family, kernel), target.clone());
         Ok(target)
@@ -363,26 +368,34 @@ impl CudaBackend {
         self.context
             .bind_to_thread()
             .map_err(|e| Error::cuda(op(), e))?;
-        // a kernel may use more than 48 KiB of dynamic shared memory only once allowed to
-        if dims.shared_bytes > target.dynamic_shared_allowed.load(Ordering::Relaxed) {
-            target
-                .function
-                .set_attribute(
-                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    dims.shared_bytes as i32,
-                )
-                .map_err(|e| {
-                    Error::cuda(
-                        format!(
-                            "allow {} bytes of shared memory for {kernel} ({family})",
-                            dims.shared_bytes
-                        ),
-                        e,
+        // a kernel may use more than 48 KiB of dynamic shared memory only once allowed to; the
+        // attribute is raised under the lock, each time above every earlier setting, and
+        // recorded after it is set, so a launch that finds its size recorded finds it set
+        if dims.shared_bytes > target.dynamic_shared_allowed.load(Ordering::Acquire) {
+            let _raising = target
+                .raising_shared
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            if dims.shared_bytes > target.dynamic_shared_allowed.load(Ordering::Relaxed) {
+                target
+                    .function
+                    .set_attribute(
+                        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        dims.shared_bytes as i32,
                     )
-                })?;
-            target
-                .dynamic_shared_allowed
-                .fetch_max(dims.shared_bytes, Ordering::Relaxed);
+                    .map_err(|e| {
+                        Error::cuda(
+                            format!(
+                                "allow {} bytes of shared memory for {kernel} ({family})",
+                                dims.shared_bytes
+                            ),
+                            e,
+                        )
+                    })?;
+                target
+                    .dynamic_shared_allowed
+                    .store(dims.shared_bytes, Ordering::Release);
+            }
         }
         use cudarc::driver::sys;
         // Programmatic stream serialization where the target's kernels chain themselves
