@@ -353,9 +353,11 @@ impl Backend {
     }
 
     /// The split-K scratch of the device, grown to at least `partials` floats and `counters`
-    /// counters (a growth allocates zeroed memory; later calls of the same or smaller sizes do
-    /// not allocate, so launches using it stay capturable). Hold the guard across the launch
-    /// that uses it: one launch at a time owns the scratch.
+    /// counters (a growth allocates zeroed memory, at least twice the old size; later calls of
+    /// the same or smaller sizes do not allocate, so launches using it stay capturable). Hold
+    /// the guard across the launch that uses it: one launch at a time owns the scratch. A
+    /// buffer a growth replaces stays allocated as long as the backend: a graph captured with it
+    /// (a decoder of another batch size, a test on another thread) still names its address.
     ///
     /// # Errors
     /// [`Error::Invalid`] on the CPU backend (it has no device scratch), [`Error::Cuda`] /
@@ -376,11 +378,19 @@ impl Backend {
             Self::Hip(h) => h.split_k_scratch(),
         };
         let mut scratch = cell.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if scratch.partials.as_ref().is_none_or(|p| p.len() < partials) {
-            scratch.partials = Some(self.zeros(partials.max(1))?);
+        let old_partials = scratch.partials.as_ref().map_or(0, DeviceVec::len);
+        if old_partials < partials {
+            let grown = self.zeros(partials.max(2 * old_partials).max(1))?;
+            if let Some(old) = scratch.partials.replace(grown) {
+                scratch.retired_partials.push(old);
+            }
         }
-        if scratch.counters.as_ref().is_none_or(|c| c.len() < counters) {
-            scratch.counters = Some(self.zeros(counters.max(1))?);
+        let old_counters = scratch.counters.as_ref().map_or(0, DeviceVec::len);
+        if old_counters < counters {
+            let grown = self.zeros(counters.max(2 * old_counters).max(1))?;
+            if let Some(old) = scratch.counters.replace(grown) {
+                scratch.retired_counters.push(old);
+            }
         }
         Ok(scratch)
     }
@@ -607,6 +617,10 @@ pub struct SplitKScratch {
     pub partials: Option<DeviceVec<f32>>,
     /// Arrival counters, zero-initialised.
     pub counters: Option<DeviceVec<u32>>,
+    /// The buffers earlier growths replaced, kept for the graphs captured with them (freed,
+    /// their replays would read and write memory the device may have given to others).
+    retired_partials: Vec<DeviceVec<f32>>,
+    retired_counters: Vec<DeviceVec<u32>>,
 }
 
 /// A device backend's split-K scratch, empty until the first launch that splits K.
