@@ -948,10 +948,11 @@ fn gdn_buffers_from_another_backend_are_errors() {
 
 // ---- the peers: transformers and fla on the GPU host (tools/reference/gdn_peers.py) ----
 
-/// Median microseconds per call of `call`: `graph` captures 16 calls in a CUDA graph and
-/// replays it (launch overhead as in decode), else calls run back to back between events.
+/// Median microseconds per call of `call`: `graph` captures 16 calls in a CUDA graph (through
+/// `Backend::capture`, on this thread's own capture stream) and replays it (launch overhead as
+/// in decode), else calls run back to back between events.
 fn time_calls(backend: &Backend, graph: bool, mut call: impl FnMut()) -> f64 {
-    use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+    use cudarc::driver::sys::CUevent_flags;
     let Backend::Cuda(cuda) = backend else {
         return f64::NAN;
     };
@@ -962,18 +963,13 @@ fn time_calls(backend: &Backend, graph: bool, mut call: impl FnMut()) -> f64 {
     }
     stream.synchronize().expect("warm-up");
     let captured = if graph {
-        stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .expect("begin capture");
-        for _ in 0..CALLS {
-            call();
-        }
-        let g = stream
-            .end_capture(CUgraphInstantiate_flags(0))
-            .expect("end capture")
-            .expect("a captured graph");
-        g.upload().expect("upload graph");
-        Some(g)
+        let recorded = backend.capture(|| {
+            for _ in 0..CALLS {
+                call();
+            }
+            Ok(())
+        });
+        Some(recorded.expect("a captured graph"))
     } else {
         None
     };

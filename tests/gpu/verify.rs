@@ -10,10 +10,8 @@ mod batches;
 
 use crate::common::{cuda, devices, rng};
 use batches::{Batch, Run, assert_same, on_backend};
-use cudarc::driver::CudaGraph;
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use fp4spec::Error;
-use fp4spec::backend::{Backend, DeviceVec};
+use fp4spec::backend::{Backend, DeviceVec, Graph};
 use fp4spec::kernels::verify::{self, DraftKind, Path, SamplingParams, VerifyWorkspace};
 
 const KINDS: [DraftKind; 2] = [DraftKind::PointMass, DraftKind::Sampled];
@@ -163,37 +161,32 @@ fn verify_equals_the_reference_when_logits_straddle_zero() {
 
 /// A `verify` launch of one batch captured into a CUDA graph, with the device buffers it reads.
 struct Captured {
-    graph: CudaGraph,
+    graph: Graph,
     _inputs: (DeviceVec<f32>, DeviceVec<u32>, Option<DeviceVec<f32>>),
 }
 
 /// Uploads `batch`'s logits and drafts, runs `verify` once outside the capture (compiles and
-/// loads the module), then captures it once. The workspace holds `batch` already.
+/// loads the module), then captures it once through `Backend::capture`, which records this
+/// thread's launches on a stream of its own. (Capturing the backend's shared stream itself
+/// swallowed or broke what the other test threads queued on it meanwhile: their uploads failed
+/// with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, their kernels never ran, thirty-first session.)
+/// The workspace holds `batch` already.
 fn capture(
     backend: &Backend,
     ws: &mut VerifyWorkspace,
     batch: &Batch,
     kind: DraftKind,
 ) -> Captured {
-    let Backend::Cuda(device) = backend else {
-        unreachable!("cuda() opens CUDA")
-    };
     let target = backend.upload(&batch.target).expect("upload");
     let tokens = backend.upload(&batch.tokens).expect("upload");
     let draft = batch
         .draft_logits_for(kind)
         .map(|d| backend.upload(d).expect("upload"));
     verify::verify(backend, ws, &target, &tokens, draft.as_ref()).expect("warm-up");
-    let stream = device.stream();
-    stream.synchronize().expect("warm-up");
-    stream
-        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .expect("begin capture");
-    verify::verify(backend, ws, &target, &tokens, draft.as_ref()).expect("captured verify");
-    let graph = stream
-        .end_capture(CUgraphInstantiate_flags(0))
-        .expect("end capture")
-        .expect("a graph");
+    backend.synchronize().expect("warm-up");
+    let graph = backend
+        .capture(|| verify::verify(backend, ws, &target, &tokens, draft.as_ref()))
+        .expect("captured verify");
     Captured {
         graph,
         _inputs: (target, tokens, draft),
