@@ -1421,13 +1421,14 @@ FP4_DEVICE void moe_stream_down(const MoeArgs& args) {
 // The bulk form (MoeLaunch::Bulk, NVFP4 experts): the split route launch, then
 // moe_nvfp4_gate_up_bulk and moe_nvfp4_down_bulk, then moe_stream_combine. Both expert launches
 // walk the streaming form's units (chunk, tile) in moe_stream_down's order and split, and sum
-// as the split items do, but each warp's weights come through a ring of slots in shared
-// memory (moe.bulk_gate_up_slots / bulk_down_slots), a slot BULK_SLOT_GROUPS K groups of one tile (their words and their block
-// scales: two contiguous ranges of the fragment arrays, two bulk copies asked for by lane 0 and
-// completing on the slot's mbarrier). Why: the register rings hold at most stages_nvfp4 groups
-// per warp (576 bytes each: 3.4 KB at 6) and each 16-byte load holds an L1 miss entry until it
-// returns; at B = 64 the gate_up items and the streaming down launch moved their weights at
-// 30-45% of the H200's bandwidth (ncu, ninth and nineteenth sessions), waiting on those loads.
+// as the split items do, but each warp's weights come through a ring of slots in shared memory
+// (moe.bulk_gate_up_slots / bulk_down_slots), a slot BULK_SLOT_GROUPS K groups of one tile
+// (their words and their block scales: two contiguous ranges of the fragment arrays, two bulk
+// copies asked for by lane 0 and completing on the slot's mbarrier). Why: the register rings
+// hold at most stages_nvfp4 groups per warp (576 bytes each: 3.4 KB at 6) and each 16-byte load
+// holds an L1 miss entry until it returns; at B = 64 the gate_up items and the streaming down
+// launch moved their weights at 30-45% of the H200's bandwidth (ncu, ninth and nineteenth
+// sessions), waiting on those loads.
 // A slot of 8 groups is 4.6 KB asked for as two requests of the copy engine (fewer, larger
 // copies ran faster than 4 x 4 or 8 x 2); one slot per warp ran faster than two on the H100, the
 // SM's other warps hiding each one's wait (targets.toml).
@@ -1713,7 +1714,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_SPLIT_BOUNDS) moe_{{ format }}_down_stream
 {% endfor %}
 {% if target.instructions.bulk_copy_mbarrier %}
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BULK_BOUNDS) moe_nvfp4_gate_up_bulk(MOE_PARAMETERS) {
-    moe_bulk_experts<true, {{ target.moe.gate_up_warps_per_tile }}, {{ target.moe.bulk_gate_up_slots }}>(MOE_ARGUMENTS);
+    moe_bulk_experts<true, {{ target.moe.gate_up_warps_per_tile }},
+                     {{ target.moe.bulk_gate_up_slots }}>(MOE_ARGUMENTS);
 }
 
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(MOE_BULK_BOUNDS) moe_nvfp4_down_bulk(MOE_PARAMETERS) {
