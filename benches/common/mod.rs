@@ -7,7 +7,7 @@
 #![allow(dead_code)] // each bench binary uses its own subset
 
 use criterion::{Criterion, Throughput};
-use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::CUevent_flags;
 use fp4spec::backend::Backend;
 use std::cell::RefCell;
 use std::time::Duration;
@@ -92,17 +92,14 @@ pub fn bench_graph(
     match backend {
         Backend::Cuda(cuda) => {
             let stream = cuda.stream();
-            stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .expect("begin capture");
-            for i in 0..LAUNCHES {
-                call(i);
-            }
-            let graph = stream
-                .end_capture(CUgraphInstantiate_flags(0))
-                .expect("end capture")
+            // as the decoders capture: this thread's launches on the backend's capture stream
+            // (capturing the backend's own stream would take in any other thread's work)
+            let graph = backend
+                .capture(|| {
+                    (0..LAUNCHES).for_each(&mut call);
+                    Ok(())
+                })
                 .expect("a captured graph");
-            graph.upload().expect("upload graph");
             g.bench_function(name, |b| {
                 b.iter_custom(|iters| {
                     let start = stream
