@@ -447,7 +447,8 @@ fn emulate(
 /// Runs the block on the emulator and checks it against the reference: the same experts per
 /// token, weights and shared scales within fp32 rounding, the output within bf16 rounding of the
 /// reference evaluated with the emulated routing (activations rounded to bf16 as the kernel
-/// does), two launches bit-identical, and every counter back to zero.
+/// does), two launches bit-identical, and every counter back to zero. Returns the emulated run,
+/// for a caller's own checks of it.
 fn check(
     test: &str,
     target_name: &'static str,
@@ -456,7 +457,7 @@ fn check(
     t: usize,
     r: Option<&[bf16]>,
     grid: u32,
-) {
+) -> Emulated {
     let s = host.shape;
     let got = emulate(test, target_name, host, x, t, r, grid);
     let label = format!("{test} {target_name} {:?} T={t} grid={grid}", host.format());
@@ -553,6 +554,7 @@ fn check(
             "{label}: counters left after the {after} launches: {control:?}"
         );
     }
+    got
 }
 
 /// Elements of `a` and `b` whose bits differ.
@@ -626,9 +628,10 @@ fn the_sm90a_kernels_run_emulated() {
 /// More experts than one batch of the routing's logit loads covers (8 per lane, 256 in all; 300
 /// is no multiple of 32) and more slots than one batch of the combine's (8; k = 10, the second
 /// batch partly past k), with a two-part shared expert; 5 tokens choose more than 32 distinct
-/// experts, so the stream table (build_stream_table) holds ranks past a warp's first row. The shared gate (router row E, which the
-/// lanes past E load in place of an expert) follows token 0's signs, so its logit there is far
-/// above every expert's: a lane that kept it as an expert would route token 0 to expert >= E.
+/// experts, so the stream table (build_stream_table) holds ranks past a warp's first row. The
+/// shared gate (router row E, which the lanes past E load in place of an expert) follows token
+/// 0's signs, so its logit there is far above every expert's: a lane that kept it as an expert
+/// would route token 0 to expert >= E.
 #[test]
 fn the_sm90a_kernels_route_and_combine_past_one_batch_emulated() {
     let mut host = MoeHostWeights::synthetic(shape(300, 10, 272, 48, 80), ExpertFormat::Nvfp4, 31);
@@ -639,19 +642,17 @@ fn the_sm90a_kernels_route_and_combine_past_one_batch_emulated() {
             .map(|v| bf16::from_f32(if v.to_f32() < 0.0 { -1.0 } else { 1.0 }))
             .collect(),
     );
-    let residual = inputs(33, 5 * 272);
-    let got = emulate("300 experts", "sm_90a", &host, &x, 5, Some(&residual), 1);
-    let distinct: std::collections::BTreeSet<_> = got.routing.experts.iter().collect();
-    assert!(distinct.len() > 32, "{} distinct experts", distinct.len());
-    check(
+    let got = check(
         "300 experts, top-10",
         "sm_90a",
         &host,
         &x,
         5,
-        Some(&residual),
+        Some(&inputs(33, 5 * 272)),
         1,
     );
+    let distinct: std::collections::BTreeSet<_> = got.routing.experts.iter().collect();
+    assert!(distinct.len() > 32, "{} distinct experts", distinct.len());
 }
 
 /// The real hidden size (H = 2048, 32 K groups): in sm_90a's route launch each of a router
@@ -742,10 +743,9 @@ fn the_sm90a_kernels_run_emulated_with_a_crowded_expert() {
     for token in 0..t {
         x[token * 64] = bf16::from_f32(6.0);
     }
-    let got = emulate("crowded", "sm_90a", &host, &x, t, None, 1);
+    let got = check("crowded", "sm_90a", &host, &x, t, None, 1);
     let count = got.routing.experts.iter().filter(|&&e| e == 5).count();
     assert_eq!(count, t, "expert 5 should get every token");
-    check("crowded", "sm_90a", &host, &x, t, None, 1);
 }
 
 /// E = 8, k = 2, T = 100 on bf16 experts (every expert takes several passes), on inputs where a
