@@ -540,7 +540,7 @@ impl Backend {
 /// Launches captured by [`Backend::capture`], replayed together.
 pub struct Graph {
     backend: Arc<cuda::CudaBackend>,
-    graph: cudarc::driver::CudaGraph,
+    graph: cuda::CapturedGraph,
 }
 
 impl Graph {

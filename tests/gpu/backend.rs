@@ -177,6 +177,82 @@ fn a_capture_records_only_its_own_thread() {
     });
 }
 
+/// A capture is ended whatever its recording does: after a recording that fails, one that
+/// panics, and one during which an error is recorded in the context (as another thread's failed
+/// drop records it; cudarc hands it to the next checked call, which was the capture's own end,
+/// and the stream then stayed capturing), captures on the same backend record and replay a
+/// copy, and the recorded error is still there for the context's next checked call. On a
+/// backend of its own, where that error cannot reach another test's calls.
+#[test]
+fn a_capture_ends_whatever_its_recording_does() {
+    use cudarc::driver::{DriverError, sys::cudaError_enum};
+    let test = "a_capture_ends_whatever_its_recording_does";
+    if cuda(test).is_none() {
+        return;
+    }
+    let backend = Backend::new(BackendKind::Cuda).expect("a second CUDA backend");
+    let Backend::Cuda(device) = &backend else {
+        panic!("CUDA asked for, {} opened", backend.name());
+    };
+    let pattern: Vec<u8> = (0..4096).map(|i| (i * 13 + 5) as u8).collect();
+    let src = backend.upload(&pattern).expect("upload");
+    let mut scratch = backend.zeros::<u8>(pattern.len()).expect("zeros");
+    match backend.capture(|| {
+        backend.copy(&src, &mut scratch)?;
+        Err(Error::Invalid {
+            what: "the recording".into(),
+            reason: "fails on purpose".into(),
+        })
+    }) {
+        Err(Error::Invalid { what, .. }) => assert_eq!(what, "the recording"),
+        Err(e) => panic!("the recording's own error expected, got {e}"),
+        Ok(_) => panic!("a capture whose recording failed returned a graph"),
+    }
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        backend.capture(|| panic!("a recording that panics on purpose"))
+    }));
+    assert!(panicked.is_err(), "the recording's panic");
+    let graph = backend
+        .capture(|| {
+            backend.copy(&src, &mut scratch)?;
+            device
+                .context()
+                .record_err::<()>(Err(DriverError(cudaError_enum::CUDA_ERROR_INVALID_VALUE)));
+            Ok(())
+        })
+        .expect("a capture after a failed and a panicking one, an error recorded meanwhile");
+    assert_eq!(
+        device.context().check_err().map_err(|e| e.0),
+        Err(cudaError_enum::CUDA_ERROR_INVALID_VALUE),
+        "the error recorded during the capture, left for the context's next checked call"
+    );
+    assert!(
+        backend
+            .download(&scratch)
+            .expect("download")
+            .iter()
+            .all(|&b| b == 0),
+        "a captured copy ran at capture time"
+    );
+    graph.launch().expect("replay");
+    assert_eq!(
+        backend.download(&scratch).expect("download"),
+        pattern,
+        "the copy replayed"
+    );
+    let mut again = backend.zeros::<u8>(pattern.len()).expect("zeros");
+    backend
+        .capture(|| backend.copy(&src, &mut again))
+        .expect("one more capture")
+        .launch()
+        .expect("replay");
+    assert_eq!(
+        backend.download(&again).expect("download"),
+        pattern,
+        "the last capture's copy replayed"
+    );
+}
+
 /// Wrong argument lists never reach the device: a u32 where the kernel takes a u64 and a
 /// missing argument are refused from the driver's parameter sizes, a host buffer as a
 /// BackendMismatch naming the argument; the CPU backend refuses launches. An oversized block

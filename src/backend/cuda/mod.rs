@@ -72,6 +72,71 @@ impl Drop for CaptureScope {
     }
 }
 
+/// A capture begun on a backend's capture stream: [`OpenCapture::end`] ends it, and dropping it
+/// unended (a panic in the recording) ends it too and destroys what it recorded. It ends through
+/// the driver directly: cudarc's `end_capture` first returns any error another thread's drop
+/// recorded in the context, and then leaves the stream capturing, so every later capture failed.
+struct OpenCapture<'a> {
+    backend: &'a CudaBackend,
+}
+
+impl OpenCapture<'_> {
+    /// Ends the capture: the graph recorded (null when nothing was queued).
+    fn end(self) -> std::result::Result<cudarc::driver::sys::CUgraph, cudarc::driver::DriverError> {
+        let ended = self.end_capture();
+        std::mem::forget(self);
+        ended
+    }
+
+    fn end_capture(
+        &self,
+    ) -> std::result::Result<cudarc::driver::sys::CUgraph, cudarc::driver::DriverError> {
+        self.backend.bind_context()?;
+        // SAFETY: the backend's capture stream, capturing since this value was made.
+        unsafe {
+            cudarc::driver::result::stream::end_capture(self.backend.capture_stream.cu_stream())
+        }
+    }
+}
+
+impl Drop for OpenCapture<'_> {
+    fn drop(&mut self) {
+        if let Ok(graph) = self.end_capture()
+            && !graph.is_null()
+        {
+            // SAFETY: the graph just ended, owned by nobody else.
+            let destroyed = unsafe { cudarc::driver::result::graph::destroy(graph) };
+            self.backend.context.record_err(destroyed);
+        }
+    }
+}
+
+/// A graph [`CudaBackend::capture`] recorded, instantiated: both destroyed on drop.
+pub struct CapturedGraph {
+    context: Arc<CudaContext>,
+    graph: cudarc::driver::sys::CUgraph,
+    exec: cudarc::driver::sys::CUgraphExec,
+}
+
+impl Drop for CapturedGraph {
+    fn drop(&mut self) {
+        // SAFETY: the executable and graph are this context's and owned here (null: never made).
+        let destroyed = unsafe {
+            cudarc::driver::result::ctx::set_current(self.context.cu_ctx()).and_then(|()| {
+                if !self.exec.is_null() {
+                    cudarc::driver::result::graph::exec_destroy(self.exec)?;
+                }
+                if !self.graph.is_null() {
+                    cudarc::driver::result::graph::destroy(self.graph)?;
+                }
+                Ok(())
+            })
+        };
+        // as cudarc's own resources do: a failure is returned by the context's next checked call
+        self.context.record_err(destroyed);
+    }
+}
+
 /// A kernel as [`CudaBackend::launch`] needs it: the function and, where the driver can say,
 /// the byte size of each parameter.
 struct LaunchTarget {
@@ -206,42 +271,68 @@ impl CudaBackend {
     /// Records what `record` queues from this thread into a graph, instantiated and uploaded,
     /// to replay with [`CudaBackend::launch_graph`]. Only this thread's
     /// work is recorded (on a stream of its own); other threads keep using the backend's stream
-    /// meanwhile; a second capture waits for the first.
+    /// meanwhile; a second capture waits for the first. The capture is ended whatever happens
+    /// in `record` (an error, a panic), so the capture stream never stays capturing.
     ///
     /// # Errors
     /// The error `record` returns (the capture is ended and dropped first); [`Error::Cuda`]
     /// when the capture, instantiation or upload fails (e.g. `record` allocated or
     /// synchronised); [`Error::Invalid`] when `record` queued nothing.
-    pub fn capture(
-        &self,
-        record: impl FnOnce() -> Result<()>,
-    ) -> Result<cudarc::driver::CudaGraph> {
+    pub fn capture(&self, record: impl FnOnce() -> Result<()>) -> Result<CapturedGraph> {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         let _one_capture = self
             .capture_lock
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        self.capture_stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| Error::cuda("begin a graph capture", e))?;
+        self.bind_context()
+            .map_err(|e| Error::cuda("bind the context to begin a graph capture", e))?;
+        // SAFETY: this backend's capture stream, alive while `self` is.
+        unsafe {
+            cudarc::driver::result::stream::begin_capture(
+                self.capture_stream.cu_stream(),
+                CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        }
+        .map_err(|e| Error::cuda("begin a graph capture", e))?;
+        let open = OpenCapture { backend: self };
         let recorded = {
             let _capturing = CaptureScope::enter(self.identity());
             record()
         };
-        let ended = self.capture_stream.end_capture(CUgraphInstantiate_flags(0));
+        let ended = open.end();
+        // owned from here, so every early return below destroys it
+        let mut captured = CapturedGraph {
+            context: Arc::clone(&self.context),
+            graph: ended.as_ref().map_or(std::ptr::null_mut(), |graph| *graph),
+            exec: std::ptr::null_mut(),
+        };
         recorded?;
-        let graph = ended
-            .map_err(|e| Error::cuda("end the graph capture and instantiate it", e))?
-            .ok_or_else(|| Error::invalid("graph capture", "nothing was queued while capturing"))?;
-        self.context
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("bind the context to upload a graph", e))?;
-        // SAFETY: a live instantiated graph of this context, and this backend's stream.
-        unsafe {
-            cudarc::driver::result::graph::upload(graph.cu_graph_exec(), self.stream.cu_stream())
+        ended.map_err(|e| Error::cuda("end the graph capture", e))?;
+        if captured.graph.is_null() {
+            return Err(Error::invalid(
+                "graph capture",
+                "nothing was queued while capturing",
+            ));
         }
-        .map_err(|e| Error::cuda("upload the captured graph", e))?;
-        Ok(graph)
+        // SAFETY: a graph of this context, just captured and owned by `captured` (the context is
+        // current: `open.end` bound it).
+        captured.exec = unsafe {
+            cudarc::driver::result::graph::instantiate(captured.graph, CUgraphInstantiate_flags(0))
+        }
+        .map_err(|e| Error::cuda("instantiate the captured graph", e))?;
+        // SAFETY: the executable just instantiated, and this backend's stream.
+        unsafe { cudarc::driver::result::graph::upload(captured.exec, self.stream.cu_stream()) }
+            .map_err(|e| Error::cuda("upload the captured graph", e))?;
+        Ok(captured)
+    }
+
+    /// Makes the context current on this thread without first collecting the errors other
+    /// threads' resource drops recorded in it (cudarc's `bind_to_thread` returns those and binds
+    /// nothing): for the calls that must run whatever happened elsewhere, such as ending a
+    /// capture, and that read only their own results.
+    fn bind_context(&self) -> std::result::Result<(), cudarc::driver::DriverError> {
+        // SAFETY: this backend's context, alive while `self` is.
+        unsafe { cudarc::driver::result::ctx::set_current(self.context.cu_ctx()) }
     }
 
     /// Queues one replay of `graph` (from [`CudaBackend::capture`]) where this thread's launches
@@ -250,15 +341,13 @@ impl CudaBackend {
     ///
     /// # Errors
     /// [`Error::Cuda`] when the launch fails.
-    pub fn launch_graph(&self, graph: &cudarc::driver::CudaGraph) -> Result<()> {
+    pub fn launch_graph(&self, graph: &CapturedGraph) -> Result<()> {
         self.context
             .bind_to_thread()
             .map_err(|e| Error::cuda("bind the context to launch a graph", e))?;
         // SAFETY: a live instantiated graph of this context, and this backend's stream.
-        unsafe {
-            cudarc::driver::result::graph::launch(graph.cu_graph_exec(), self.stream().cu_stream())
-        }
-        .map_err(|e| Error::cuda("launch a captured graph", e))
+        unsafe { cudarc::driver::result::graph::launch(graph.exec, self.stream().cu_stream()) }
+            .map_err(|e| Error::cuda("launch a captured graph", e))
     }
 
     /// The context.
