@@ -593,12 +593,16 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_MMA_WARPS * FP4_WARP_SIZE) attention_deco
 
 // One block per (row, query head, dims_per_block dimensions): the row's splits merged, times
 // sigmoid(gate), bf16 out. Every warp finds the max and the rescaled sum over all used splits (2
-// floats per split, cheap to repeat); the accumulators are split across the warps (warp w takes
-// splits w, w + ATTN_COMBINE_WARPS, ...; lane l dimensions l, l + 32, ... of the block's range)
-// and their sums added through shared memory. At a long context a (row, head) has hundreds of
-// splits (313 at 20000 positions): at small batches the host cuts each head's dimensions over
-// several blocks so those reads spread over the SMs (one block per (row, head) read them as
-// chains of 40 loads per warp on 16 SMs at B = 1), at large batches one block takes a head.
+// floats per split, cheap to repeat; one pass, each lane's splits merged online); the
+// accumulators are split across the warps (warp w takes splits w, w + ATTN_COMBINE_WARPS, ...;
+// lane l dimensions l, l + 32, ... of the block's range) and their sums added through shared
+// memory. After the row's position, every load that depends on nothing else is requested at
+// once: each lane's first (max, sum), each warp's first accumulator slice and each thread's gate,
+// so a row of up to 32 splits waits for one round trip to the L2 instead of four (max, sum,
+// accumulators, gate one after another). At a long context a (row, head) has hundreds of splits
+// (313 at 20000 positions): at small batches the host cuts each head's dimensions over several
+// blocks so those reads spread over the SMs (one block per (row, head) read them as chains of 40
+// loads per warp on 16 SMs at B = 1), at large batches one block takes a head.
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_COMBINE_WARPS * FP4_WARP_SIZE) attention_combine_gate(
     const float* __restrict__ partial_ml, const float* __restrict__ partial_acc,
     const u16* __restrict__ q_gate, const u32* __restrict__ row_pos, u16* __restrict__ out,
@@ -613,23 +617,52 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_COMBINE_WARPS * FP4_WARP_SIZE) attention_
     const u32 used_splits = (row_pos[row] + ATTN_SPLIT) / ATTN_SPLIT;  // splits holding positions
     const u32 used = used_splits < splits ? used_splits : splits;
     const u64 first = (u64)item * splits;
-    float m = neg_inf();
-    for (u32 s = lane; s < used; s += FP4_WARP_SIZE) {
-        const float ms = partial_ml[2 * (first + s)];
-        m = ms > m ? ms : m;
-    }
-    m = warp_max(m);
-    float total = 0.0f;
-    for (u32 s = lane; s < used; s += FP4_WARP_SIZE)
-        total += partial_ml[2 * (first + s) + 1] * exp2_f32(partial_ml[2 * (first + s)] - m);
-    total = warp_sum(total);
-    float o[ATTN_MAX_ELEMS];
+    // the gates of the thread's output dimensions d0 + thread_x(), + the block's threads, ...
+    constexpr u32 threads = ATTN_COMBINE_WARPS * FP4_WARP_SIZE;
+    constexpr u32 outs = (ATTN_MAX_HEAD_DIM + threads - 1) / threads;
+    const u16* gate = q_gate + ((u64)row * heads + head) * 2 * head_dim + head_dim;
+    float g[outs];
     #pragma unroll
-    for (int i = 0; i < ATTN_MAX_ELEMS; ++i) o[i] = 0.0f;
+    for (u32 j = 0; j < outs; ++j) {
+        const u32 d = d0 + thread_x() + j * threads;
+        g[j] = d < d1 ? bf16_to_f32(gate[d]) : 0.0f;
+    }
+    u32x2 ml = {0xff800000u, 0u};  // (-inf, 0): no split
+    if (lane < used) ml = load_u32x2(partial_ml + 2 * (first + lane));
+    float acc0[ATTN_MAX_ELEMS];
+    #pragma unroll
+    for (int i = 0; i < ATTN_MAX_ELEMS; ++i) {
+        const u32 d = d0 + i * FP4_WARP_SIZE + lane;
+        acc0[i] = warp < used && d < d1 ? partial_acc[(first + warp) * head_dim + d] : 0.0f;
+    }
+    const float first_max = bits_to_f32(ml.x);  // of split `lane`
+    float m = first_max, l = bits_to_f32(ml.y);
+    for (u32 s = lane + FP4_WARP_SIZE; s < used; s += FP4_WARP_SIZE) {
+        const float ms = partial_ml[2 * (first + s)], ls = partial_ml[2 * (first + s) + 1];
+        if (ms > m) {
+            l = l * exp2_f32(m - ms) + ls;
+            m = ms;
+        } else {
+            l += ls * exp2_f32(ms - m);
+        }
+    }
+    const float row_max = warp_max(m);
+    const float total = warp_sum(l * exp2_f32(m - row_max));  // lanes without a split add 0
+    const auto split_scale = [&](u32 s) {
+        return s < FP4_WARP_SIZE ? exp2_f32(bits_to_f32(shuffle_from(f32_to_bits(first_max), s)) - row_max)
+                                 : exp2_f32(partial_ml[2 * (first + s)] - row_max);
+    };
+    float o[ATTN_MAX_ELEMS];
+    {
+        // every lane asks (shuffles are warp-wide); only the warp's own first split counts
+        const float scale = split_scale(warp < FP4_WARP_SIZE ? warp : 0u);
+        #pragma unroll
+        for (int i = 0; i < ATTN_MAX_ELEMS; ++i) o[i] = warp < used ? acc0[i] * scale : 0.0f;
+    }
     // two splits per step: left to the compiler's own unrolling, this loop spilled 4 bytes on sm_121a
     #pragma unroll 2
-    for (u32 s = warp; s < used; s += ATTN_COMBINE_WARPS) {
-        const float scale = exp2_f32(partial_ml[2 * (first + s)] - m);
+    for (u32 s = warp + ATTN_COMBINE_WARPS; s < used; s += ATTN_COMBINE_WARPS) {
+        const float scale = split_scale(s);
         const float* acc = partial_acc + (first + s) * head_dim;
         #pragma unroll
         for (int i = 0; i < ATTN_MAX_ELEMS; ++i) {
@@ -640,12 +673,13 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_COMBINE_WARPS * FP4_WARP_SIZE) attention_
     #pragma unroll
     for (int i = 0; i < ATTN_MAX_ELEMS; ++i) warp_acc[warp][i * FP4_WARP_SIZE + lane] = o[i];
     block_barrier();
-    const u16* gate = q_gate + ((u64)row * heads + head) * 2 * head_dim + head_dim;
-    for (u32 d = d0 + thread_x(); d < d1; d += ATTN_COMBINE_WARPS * FP4_WARP_SIZE) {
+    #pragma unroll
+    for (u32 j = 0; j < outs; ++j) {
+        const u32 d = d0 + thread_x() + j * threads;
+        if (d >= d1) break;
         float sum = 0.0f;
         #pragma unroll
         for (int w = 0; w < ATTN_COMBINE_WARPS; ++w) sum += warp_acc[w][d - d0];
-        const float g = bf16_to_f32(gate[d]);
-        out[(u64)item * head_dim + d] = f32_to_bf16(sum / total / (1.0f + fast_exp(-g)));
+        out[(u64)item * head_dim + d] = f32_to_bf16(sum / total / (1.0f + fast_exp(-g[j])));
     }
 }

@@ -321,6 +321,33 @@ fn real_shape_scenario(format: KvFormat, seed: u64) -> Scenario {
     }
 }
 
+/// A context of more than 32 splits: each lane of the combine merges several splits' (max, sum)
+/// and each warp several accumulator slices, the combine's loops past their first round. A small
+/// head shape, since the CPU reference runs the history's prefill, quadratic in its length (4150
+/// positions of the real shape kept a test thread busy for minutes).
+#[test]
+fn attention_long_context_many_splits() {
+    let (q_norm, k_norm) = norms(&mut SplitMix64::new(5), 32);
+    check(
+        "attention_long_context_many_splits",
+        Scenario {
+            shape: AttentionShape {
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 32,
+            },
+            format: KvFormat::Bf16,
+            rotary_dim: 16,
+            capacity: 2300,
+            history: vec![(0, 0, 2200)],
+            // a decode row and its draft: 35 splits of 64 positions (sm_90a), 69 of 32 (sm_121a)
+            step: vec![(0, 2200, 2)],
+            q_norm,
+            k_norm,
+        },
+    );
+}
+
 #[test]
 fn attention_fp8_cache_real_shape() {
     check(
