@@ -768,6 +768,24 @@ fn the_sm90a_kernels_round_activations_as_the_reference_does() {
     );
 }
 
+/// More slots than align_by_scan reads in one batch (ALIGN_BATCH = 8 per thread: 1024 on a block
+/// of 128 threads): E = 8, k = 8, T = 130 (1040 slots, every expert chosen by every token), so
+/// the slots of its second batch must be counted and placed too.
+#[test]
+fn the_sm90a_alignment_takes_several_batches_of_slots_emulated() {
+    let host = MoeHostWeights::synthetic(shape(8, 8, 272, 48, 0), ExpertFormat::Nvfp4, 113);
+    let got = check(
+        "1040 slots",
+        "sm_90a",
+        &host,
+        &inputs(1013, 130 * 272),
+        130,
+        None,
+        1,
+    );
+    assert_eq!(got.routing.experts.len(), 1040, "slots routed");
+}
+
 /// The gfx1151 source (WMMA tile products) on the same kinds of blocks, shared experts (two
 /// sub-experts, one padded) in both formats.
 #[test]

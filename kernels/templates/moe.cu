@@ -700,15 +700,41 @@ FP4_DEVICE void align_slots(const MoeArgs& a, MoeShared<ROWS>& sh, bool ids_in_s
     if (s == 0) *a.n_active = active;
 }
 
+/// align_by_scan's slots per thread whose experts are asked for together (registers for them).
+#define ALIGN_BATCH 8
+
 /// align() for any number of slots: per expert its slots counted with shared-memory atomics,
 /// ranks and first positions from a block scan, then each slot's position from a per-expert
-/// atomic.
+/// atomic. A thread's slots are s = tid, tid + MOE_THREADS, ...; their experts are read from
+/// the L2 ALIGN_BATCH at a time into registers, once for both passes: coherent loads are
+/// volatile, so a load inside the atomics' loop waited for the atomic before it, one L2 round
+/// trip per slot of the thread, twice (4 + 4 at T = 64, k = 8 on 128 threads). The scan is the
+/// warps' shuffle scans and one barrier (a Hillis-Steele scan over the block's threads took two
+/// barriers per doubling, 14 on 128 threads).
 template <int ROWS>
 FP4_DEVICE void align_by_scan(const MoeArgs& a, MoeShared<ROWS>& sh) {
     const u32 E = a.experts, k = a.top_k, T = a.tokens, tid = thread_x();
+    const u32 slots = T * k, lane = lane_index(), warp = tid / FP4_WARP_SIZE;
     for (u32 e = tid; e < MOE_MAX_EXPERTS; e += MOE_THREADS) sh.route.count[e] = sh.route.fill[e] = 0u;
+    // the experts of slots [s0, s0 + ALIGN_BATCH * MOE_THREADS): slot s0 + j * MOE_THREADS + tid
+    // in ids[j] (E past the slots)
+    const auto load_batch = [&](u32 s0, u32 (&ids)[ALIGN_BATCH]) {
+        #pragma unroll
+        for (u32 j = 0; j < ALIGN_BATCH; ++j) {
+            const u32 slot = s0 + j * MOE_THREADS + tid;
+            ids[j] = slot < slots ? load_coherent_u32(a.topk_ids + slot) : E;
+        }
+    };
+    const u32 batch_slots = ALIGN_BATCH * MOE_THREADS;
+    u32 ids[ALIGN_BATCH];
+    load_batch(0u, ids);  // the only batch up to T * k = 1024 (T = 128 at k = 8)
     block_barrier();
-    for (u32 s = tid; s < T * k; s += MOE_THREADS) atomic_add_block(&sh.route.count[load_coherent_u32(a.topk_ids + s)], 1u);
+    for (u32 s0 = 0; s0 < slots; s0 += batch_slots) {
+        if (s0 > 0u) load_batch(s0, ids);
+        #pragma unroll
+        for (u32 j = 0; j < ALIGN_BATCH; ++j)
+            if (ids[j] < E) atomic_add_block(&sh.route.count[ids[j]], 1u);
+    }
     block_barrier();
 
     // Alignment: an exclusive scan over the experts of (active << 16 | slots) gives each active
@@ -718,15 +744,16 @@ FP4_DEVICE void align_by_scan(const MoeArgs& a, MoeShared<ROWS>& sh) {
     const u32 begin = tid * per_thread, end = min_u32(E, begin + per_thread);
     u32 sum = 0u;
     for (u32 e = begin; e < end; ++e) sum += (sh.route.count[e] ? 0x10000u : 0u) + sh.route.count[e];
-    sh.route.scan[tid] = sum;
+    const u32 through = warp_inclusive_sum(sum);
+    if (lane == FP4_WARP_SIZE - 1) sh.route.scan[warp] = through;  // the warp's total
     block_barrier();
-    for (u32 offset = 1; offset < MOE_THREADS; offset <<= 1) {
-        const u32 before = tid >= offset ? sh.route.scan[tid - offset] : 0u;
-        block_barrier();
-        sh.route.scan[tid] += before;
-        block_barrier();
+    u32 running = through - sum, total = 0u;
+    #pragma unroll
+    for (u32 w = 0; w < MOE_WARPS; ++w) {
+        const u32 warp_total = sh.route.scan[w];
+        running += w < warp ? warp_total : 0u;
+        total += warp_total;
     }
-    u32 running = tid > 0 ? sh.route.scan[tid - 1] : 0u;
     const u32 first_routed = a.shared_experts * T;
     for (u32 e = begin; e < end; ++e) {
         const u32 count = sh.route.count[e];
@@ -739,13 +766,19 @@ FP4_DEVICE void align_by_scan(const MoeArgs& a, MoeShared<ROWS>& sh) {
             running += 0x10000u + count;
         }
     }
-    if (tid == MOE_THREADS - 1) *a.n_active = sh.route.scan[tid] >> 16;
+    if (tid == 0) *a.n_active = total >> 16;
     block_barrier();
-    for (u32 s = tid; s < T * k; s += MOE_THREADS) {
-        const u32 e = load_coherent_u32(a.topk_ids + s);
-        const u32 position = sh.route.offset[e] + atomic_add_block(&sh.route.fill[e], 1u);
-        a.sorted_token[position] = s / k;
-        a.slot_pos[s] = position;
+    for (u32 s0 = 0; s0 < slots; s0 += batch_slots) {
+        if (slots > batch_slots) load_batch(s0, ids);  // else still the first batch's
+        #pragma unroll
+        for (u32 j = 0; j < ALIGN_BATCH; ++j) {
+            const u32 slot = s0 + j * MOE_THREADS + tid, e = ids[j];
+            if (e < E) {
+                const u32 position = sh.route.offset[e] + atomic_add_block(&sh.route.fill[e], 1u);
+                a.sorted_token[position] = slot / k;
+                a.slot_pos[slot] = position;
+            }
+        }
     }
 }
 
