@@ -659,7 +659,8 @@ FP4_DEVICE bool slots_fit_block(const MoeArgs& a) {
 /// align() (below) when every slot has a thread: thread s takes slot s and, reading every slot's
 /// expert from shared memory, counts the slots of its expert (all of them, and those before s)
 /// and those of lower experts, then the distinct lower experts: no atomics and no scan, so at
-/// T = 1 the alignment is two short loops (the scan form is a chain of 16 block barriers).
+/// T = 1 the alignment is two short loops (align_by_scan takes four block barriers and
+/// shared-memory atomics).
 /// Positions within an expert follow slot order. `ids_in_shared`: this block routed every token
 /// and left the experts in sh.route.count (route_tokens' shared_ids), so they are not read back
 /// from topk_ids (an L2 round trip on the routing's critical path).
