@@ -770,9 +770,21 @@ fn the_sm90a_kernels_round_activations_as_the_reference_does() {
 
 /// More slots than align_by_scan reads in one batch (ALIGN_BATCH = 8 per thread: 1024 on a block
 /// of 128 threads): E = 8, k = 8, T = 130 (1040 slots, every expert chosen by every token), so
-/// the slots of its second batch must be counted and placed too.
+/// the slots of its second batch must be counted and placed too; and E = 64, k = 8, T = 20 (160
+/// slots), where the experts' scan spans two warps, so the second warp's ranks and positions
+/// start from the first warp's total.
 #[test]
 fn the_sm90a_alignment_takes_several_batches_of_slots_emulated() {
+    let two_warps = MoeHostWeights::synthetic(shape(64, 8, 272, 48, 0), ExpertFormat::Nvfp4, 127);
+    check(
+        "160 slots over 64 experts",
+        "sm_90a",
+        &two_warps,
+        &inputs(1027, 20 * 272),
+        20,
+        None,
+        1,
+    );
     let host = MoeHostWeights::synthetic(shape(8, 8, 272, 48, 0), ExpertFormat::Nvfp4, 113);
     let got = check(
         "1040 slots",

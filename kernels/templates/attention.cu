@@ -642,7 +642,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_COMBINE_WARPS * FP4_WARP_SIZE) attention_
         if (ms > m) {
             l = l * exp2_f32(m - ms) + ls;
             m = ms;
-        } else {
+        } else if (ms > neg_inf()) {  // a split of no score adds nothing (and -inf - -inf is NaN)
             l += ls * exp2_f32(ms - m);
         }
     }

@@ -431,7 +431,7 @@ struct MoeShared {
             u32 count[MOE_MAX_EXPERTS];   // slots per expert
             u32 offset[MOE_MAX_EXPERTS];  // first position per expert
             u32 fill[MOE_MAX_EXPERTS];    // positions handed out per expert
-            u32 scan[MOE_THREADS];        // per-thread sums, then their inclusive scan
+            u32 scan[MOE_WARPS];          // align_by_scan: each warp's total
             u64 top_k[MOE_WARPS][2][FP4_WARP_SIZE];  // per routing warp: candidates, then choices
         } route;
     };

@@ -209,7 +209,11 @@ fn a_capture_ends_whatever_its_recording_does() {
         Ok(_) => panic!("a capture whose recording failed returned a graph"),
     }
     let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        backend.capture(|| panic!("a recording that panics on purpose"))
+        backend.capture(|| {
+            // something recorded, so the unwinding capture has a graph to destroy
+            backend.copy(&src, &mut scratch)?;
+            panic!("a recording that panics on purpose")
+        })
     }));
     assert!(panicked.is_err(), "the recording's panic");
     let graph = backend

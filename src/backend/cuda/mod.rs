@@ -101,17 +101,24 @@ impl OpenCapture<'_> {
 
 impl Drop for OpenCapture<'_> {
     fn drop(&mut self) {
-        if let Ok(graph) = self.end_capture()
-            && !graph.is_null()
-        {
-            // SAFETY: the graph just ended, owned by nobody else.
-            let destroyed = unsafe { cudarc::driver::result::graph::destroy(graph) };
-            self.backend.context.record_err(destroyed);
+        match self.end_capture() {
+            Ok(graph) if graph.is_null() => {}
+            Ok(graph) => {
+                // SAFETY: the graph just ended, owned by nobody else.
+                let destroyed = unsafe { cudarc::driver::result::graph::destroy(graph) };
+                self.backend.context.record_err(destroyed);
+            }
+            // an invalidated capture has ended all the same
+            Err(e) if e.0 == cudaError_enum::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED => {}
+            // e.g. the context could not be made current: the next checked call reports it
+            Err(e) => self.backend.context.record_err::<()>(Err(e)),
         }
     }
 }
 
-/// A graph [`CudaBackend::capture`] recorded, instantiated: both destroyed on drop.
+/// A graph [`CudaBackend::capture`] recorded, instantiated: both destroyed on drop. Neither
+/// `Send` nor `Sync` (raw driver handles), as cudarc's own graph: the driver forbids using one
+/// executable from two threads at once, so `Sync` would be unsound; `Send` alone would be sound.
 pub struct CapturedGraph {
     context: Arc<CudaContext>,
     graph: cudarc::driver::sys::CUgraph,
@@ -340,8 +347,15 @@ impl CudaBackend {
     /// being recorded, like any other launch.
     ///
     /// # Errors
-    /// [`Error::Cuda`] when the launch fails.
+    /// [`Error::Invalid`] for a graph captured on another backend; [`Error::Cuda`] when the
+    /// launch fails.
     pub fn launch_graph(&self, graph: &CapturedGraph) -> Result<()> {
+        if !Arc::ptr_eq(&graph.context, &self.context) {
+            return Err(Error::invalid(
+                "captured graph",
+                "it was captured on another CUDA backend (context) than the one asked to launch it",
+            ));
+        }
         self.context
             .bind_to_thread()
             .map_err(|e| Error::cuda("bind the context to launch a graph", e))?;
