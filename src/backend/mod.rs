@@ -378,21 +378,32 @@ impl Backend {
             Self::Hip(h) => h.split_k_scratch(),
         };
         let mut scratch = cell.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let old_partials = scratch.partials.as_ref().map_or(0, DeviceVec::len);
-        if old_partials < partials {
-            let grown = self.zeros(partials.max(2 * old_partials).max(1))?;
-            if let Some(old) = scratch.partials.replace(grown) {
-                scratch.retired_partials.push(old);
-            }
-        }
-        let old_counters = scratch.counters.as_ref().map_or(0, DeviceVec::len);
-        if old_counters < counters {
-            let grown = self.zeros(counters.max(2 * old_counters).max(1))?;
-            if let Some(old) = scratch.counters.replace(grown) {
-                scratch.retired_counters.push(old);
-            }
-        }
+        let SplitKScratch {
+            partials: partials_buffer,
+            counters: counters_buffer,
+            retired_partials,
+            retired_counters,
+        } = &mut *scratch;
+        self.grow_zeroed(partials_buffer, retired_partials, partials)?;
+        self.grow_zeroed(counters_buffer, retired_counters, counters)?;
         Ok(scratch)
+    }
+
+    /// Replaces `buffer` by a zeroed one of at least `len` elements (and twice its old length)
+    /// when it is shorter, keeping the replaced one in `retired`; nothing when it is long enough.
+    fn grow_zeroed<T: DeviceRepr + ValidAsZeroBits + Clone + Default>(
+        &self,
+        buffer: &mut Option<DeviceVec<T>>,
+        retired: &mut Vec<DeviceVec<T>>,
+        len: usize,
+    ) -> Result<()> {
+        let old = buffer.as_ref().map_or(0, DeviceVec::len);
+        if old < len {
+            if let Some(replaced) = buffer.replace(self.zeros(len.max(2 * old).max(1))?) {
+                retired.push(replaced);
+            }
+        }
+        Ok(())
     }
 
     /// Copies `data` to the backend.

@@ -91,7 +91,7 @@ impl OpenCapture<'_> {
     fn end_capture(
         &self,
     ) -> std::result::Result<cudarc::driver::sys::CUgraph, cudarc::driver::DriverError> {
-        self.backend.bind_context()?;
+        make_current(&self.backend.context)?;
         // SAFETY: the backend's capture stream, capturing since this value was made.
         unsafe {
             cudarc::driver::result::stream::end_capture(self.backend.capture_stream.cu_stream())
@@ -127,21 +127,31 @@ pub struct CapturedGraph {
 
 impl Drop for CapturedGraph {
     fn drop(&mut self) {
-        // SAFETY: the executable and graph are this context's and owned here (null: never made).
-        let destroyed = unsafe {
-            cudarc::driver::result::ctx::set_current(self.context.cu_ctx()).and_then(|()| {
+        let destroyed = make_current(&self.context).and_then(|()| {
+            // SAFETY: the executable and graph are this context's (current now) and owned here
+            // (null: never made).
+            unsafe {
                 if !self.exec.is_null() {
                     cudarc::driver::result::graph::exec_destroy(self.exec)?;
                 }
                 if !self.graph.is_null() {
                     cudarc::driver::result::graph::destroy(self.graph)?;
                 }
-                Ok(())
-            })
-        };
+            }
+            Ok(())
+        });
         // as cudarc's own resources do: a failure is returned by the context's next checked call
         self.context.record_err(destroyed);
     }
+}
+
+/// Makes `context` current on this thread without first collecting the errors other threads'
+/// resource drops recorded in it (cudarc's `bind_to_thread` returns those and binds nothing):
+/// for the calls that must run whatever happened elsewhere, such as ending a capture or
+/// destroying a graph, and that read only their own results.
+fn make_current(context: &CudaContext) -> std::result::Result<(), cudarc::driver::DriverError> {
+    // SAFETY: a live context (the caller holds it).
+    unsafe { cudarc::driver::result::ctx::set_current(context.cu_ctx()) }
 }
 
 /// A kernel as [`CudaBackend::launch`] needs it: the function and, where the driver can say,
@@ -291,7 +301,7 @@ impl CudaBackend {
             .capture_lock
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        self.bind_context()
+        make_current(&self.context)
             .map_err(|e| Error::cuda("bind the context to begin a graph capture", e))?;
         // SAFETY: this backend's capture stream, alive while `self` is.
         unsafe {
@@ -331,15 +341,6 @@ impl CudaBackend {
         unsafe { cudarc::driver::result::graph::upload(captured.exec, self.stream.cu_stream()) }
             .map_err(|e| Error::cuda("upload the captured graph", e))?;
         Ok(captured)
-    }
-
-    /// Makes the context current on this thread without first collecting the errors other
-    /// threads' resource drops recorded in it (cudarc's `bind_to_thread` returns those and binds
-    /// nothing): for the calls that must run whatever happened elsewhere, such as ending a
-    /// capture, and that read only their own results.
-    fn bind_context(&self) -> std::result::Result<(), cudarc::driver::DriverError> {
-        // SAFETY: this backend's context, alive while `self` is.
-        unsafe { cudarc::driver::result::ctx::set_current(self.context.cu_ctx()) }
     }
 
     /// Queues one replay of `graph` (from [`CudaBackend::capture`]) where this thread's launches
