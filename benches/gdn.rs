@@ -27,9 +27,9 @@ use criterion::Criterion;
 use cudarc::cublas::CudaBlas;
 use fp4spec::backend::Backend;
 use fp4spec::backend::cuda::{CudaBackend, cublas};
+use fp4spec::kernels::Bf16Rows;
 use fp4spec::kernels::gdn::{
-    self, Accepted, ChunkWorkspace, GdnCache, GdnParams, GdnShape, Projections, Rows, Sequences,
-    StepMode,
+    self, Accepted, ChunkWorkspace, GdnCache, GdnParams, GdnShape, Projections, Sequences, StepMode,
 };
 use fp4spec::rng::SplitMix64;
 use half::bf16;
@@ -97,10 +97,10 @@ impl Inputs {
     fn projections(&self, gated: bool) -> Projections<'_> {
         let s = SHAPE;
         Projections {
-            qkv: Rows::packed(&self.qkv, s.conv_dim()),
-            a: Rows::packed(&self.a, s.value_heads),
-            b: Rows::packed(&self.b, s.value_heads),
-            z: gated.then(|| Rows::packed(&self.z, s.value_heads * s.dv)),
+            qkv: Bf16Rows::packed(&self.qkv, s.conv_dim()),
+            a: Bf16Rows::packed(&self.a, s.value_heads),
+            b: Bf16Rows::packed(&self.b, s.value_heads),
+            z: gated.then(|| Bf16Rows::packed(&self.z, s.value_heads * s.dv)),
         }
     }
 }

@@ -478,8 +478,9 @@ fn chained_verify_steps_replay_the_accepted_tokens_without_recompute() {
 // ---- the launch API on the CPU backend: the ring layout keeps the reference's semantics ----
 
 use fp4spec::backend::{Backend, DeviceVec};
+use fp4spec::kernels::Bf16Rows;
 use fp4spec::kernels::gdn::{
-    self as api, Accepted, ChunkWorkspace, GdnCache, GdnParams, Projections, Rows, Sequences,
+    self as api, Accepted, ChunkWorkspace, GdnCache, GdnParams, Projections, Sequences,
 };
 use half::bf16;
 
@@ -570,10 +571,10 @@ impl Uploaded {
 
     fn projections(&self, shape: GdnShape) -> Projections<'_> {
         Projections {
-            qkv: Rows::packed(&self.qkv, shape.conv_dim()),
-            a: Rows::packed(&self.a, shape.value_heads),
-            b: Rows::packed(&self.b, shape.value_heads),
-            z: Some(Rows::packed(&self.z, shape.value_heads * shape.dv)),
+            qkv: Bf16Rows::packed(&self.qkv, shape.conv_dim()),
+            a: Bf16Rows::packed(&self.a, shape.value_heads),
+            b: Bf16Rows::packed(&self.b, shape.value_heads),
+            z: Some(Bf16Rows::packed(&self.z, shape.value_heads * shape.dv)),
         }
     }
 }
@@ -857,9 +858,9 @@ fn the_launch_api_names_what_is_wrong() {
     let seqs = Sequences::new(&backend, &[0], &[0]).unwrap();
     let data = backend.zeros::<bf16>(3 * shape.conv_dim()).unwrap();
     let rows = Projections {
-        qkv: Rows::packed(&data, shape.conv_dim()),
-        a: Rows::packed(&data, 4),
-        b: Rows::packed(&data, 4),
+        qkv: Bf16Rows::packed(&data, shape.conv_dim()),
+        a: Bf16Rows::packed(&data, 4),
+        b: Bf16Rows::packed(&data, 4),
         z: None,
     };
     let mut out = backend.zeros::<bf16>(3 * 128).unwrap();
@@ -890,7 +891,7 @@ fn the_launch_api_names_what_is_wrong() {
     .err()
     .unwrap();
     assert!(err.to_string().contains("cu_seqlens"), "{err}");
-    let short = Rows::packed(&data, shape.conv_dim() + 8);
+    let short = Bf16Rows::packed(&data, shape.conv_dim() + 8);
     let err = api::prefill(
         &backend,
         &params,

@@ -10,10 +10,10 @@
 //! Needs a C++20 compiler (`$CXX`, else clang++-19, clang++, g++ or c++).
 
 use fp4spec::backend::Backend;
+use fp4spec::kernels::Bf16Rows;
 use fp4spec::kernels::gdn::reference::{self, LayerParams, RawInputs, SequenceCache};
 use fp4spec::kernels::gdn::{
-    self, Accepted, ChunkWorkspace, GdnCache, GdnParams, GdnShape, Projections, Rows, Sequences,
-    StepMode,
+    self, Accepted, ChunkWorkspace, GdnCache, GdnParams, GdnShape, Projections, Sequences, StepMode,
 };
 use fp4spec::kernels::table;
 use fp4spec::rng::SplitMix64;
@@ -463,10 +463,10 @@ impl Cpu {
             up(&rows.host[3]),
         );
         let projections = Projections {
-            qkv: Rows::packed(&qkv, shape.conv_dim()),
-            a: Rows::packed(&a, shape.value_heads),
-            b: Rows::packed(&b, shape.value_heads),
-            z: gated.then(|| Rows::packed(&z, shape.value_heads * shape.dv)),
+            qkv: Bf16Rows::packed(&qkv, shape.conv_dim()),
+            a: Bf16Rows::packed(&a, shape.value_heads),
+            b: Bf16Rows::packed(&b, shape.value_heads),
+            z: gated.then(|| Bf16Rows::packed(&z, shape.value_heads * shape.dv)),
         };
         let tokens = cu.map_or(self.seqs.len() * m, |c| c[c.len() - 1] as usize);
         let mut out = cpu

@@ -19,9 +19,10 @@ pub mod table;
 pub mod tokens;
 pub mod verify;
 
-use crate::backend::{Backend, DeviceVec};
+use crate::backend::{Backend, DeviceVec, KernelArg};
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::{BLOCK, Nvfp4Matrix, Nvfp4View};
+use half::bf16;
 
 /// An NVFP4 matrix resident on a backend, in the plain row-major layout of [`Nvfp4Matrix`].
 pub struct Nvfp4Weights {
@@ -112,4 +113,87 @@ pub(crate) fn check_len<T>(
 pub(crate) fn check_u32(what: &str, value: usize) -> Result<u32> {
     u32::try_from(value)
         .map_err(|_| Error::invalid(what, format!("{value} exceeds the kernels' 32-bit range")))
+}
+
+/// Rows of a bf16 matrix inside a buffer: element (row, col) at `offset + row * stride + col`.
+/// What a kernel reads where one GEMM wrote several projections side by side (the Gated DeltaNet
+/// `[qkv; z; b; a]`, an attention layer's `[q_gate; k; v]`), or a matrix of its own
+/// ([`Bf16Rows::packed`]).
+#[derive(Clone, Copy)]
+pub struct Bf16Rows<'a> {
+    /// The buffer.
+    pub data: &'a DeviceVec<bf16>,
+    /// Elements before row 0's first column.
+    pub offset: usize,
+    /// Elements from one row to the next.
+    pub stride: usize,
+}
+
+impl<'a> Bf16Rows<'a> {
+    /// A matrix whose rows are `width` elements, back to back.
+    pub fn packed(data: &'a DeviceVec<bf16>, width: usize) -> Self {
+        Self {
+            data,
+            offset: 0,
+            stride: width,
+        }
+    }
+
+    /// Checks that `rows` rows of `width` elements lie inside the buffer (`what` names them in
+    /// the error); `aligned`: the kernel reads them with 16-byte loads.
+    pub(crate) fn check(&self, what: &str, rows: usize, width: usize, aligned: bool) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        let need = self.offset + (rows - 1) * self.stride + width;
+        if self.stride < width || self.data.len() < need {
+            return Err(Error::invalid(
+                what,
+                format!(
+                    "{rows} rows of {width} at offset {} stride {} need {need} elements; the buffer has {}",
+                    self.offset,
+                    self.stride,
+                    self.data.len()
+                ),
+            ));
+        }
+        if aligned && (self.offset % 8 != 0 || self.stride % 8 != 0) {
+            return Err(Error::invalid(
+                what,
+                format!(
+                    "offset {} and stride {} must be multiples of 8 (16-byte loads)",
+                    self.offset, self.stride
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The first `width` elements of each row in `rows` as f32, row after row, for a CPU
+    /// reference (`what` names them when the buffer is not on the host).
+    pub(crate) fn host_rows(
+        &self,
+        what: &str,
+        rows: std::ops::Range<usize>,
+        width: usize,
+    ) -> Result<Vec<f32>> {
+        let DeviceVec::Host(v) = self.data else {
+            return Err(Backend::Cpu.mismatch(what, self.data));
+        };
+        Ok(rows
+            .flat_map(|r| {
+                v[self.offset + r * self.stride..][..width]
+                    .iter()
+                    .map(|x| x.to_f32())
+            })
+            .collect())
+    }
+
+    /// The rows as a kernel argument: the address of row 0 (the buffer from `offset` on).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `offset` is past the buffer.
+    pub(crate) fn arg(&self) -> Result<KernelArg<'a>> {
+        KernelArg::input_range(self.data, self.offset..self.data.len())
+    }
 }

@@ -37,10 +37,11 @@
 
 use crate::common::{cuda, devices, rng};
 use fp4spec::backend::{Backend, DeviceVec};
+use fp4spec::kernels::Bf16Rows;
 use fp4spec::kernels::gdn::reference::{self, LayerParams, RawInputs, SequenceCache};
 use fp4spec::kernels::gdn::{
-    self, Accepted, CHUNK, ChunkWorkspace, GdnCache, GdnParams, GdnShape, Projections, Rows,
-    Sequences, StepMode,
+    self, Accepted, CHUNK, ChunkWorkspace, GdnCache, GdnParams, GdnShape, Projections, Sequences,
+    StepMode,
 };
 use fp4spec::rng::SplitMix64;
 use half::bf16;
@@ -376,10 +377,10 @@ impl Side {
             b.upload(&rows.z).expect("upload"),
         );
         let projections = Projections {
-            qkv: Rows::packed(&qkv, shape.conv_dim()),
-            a: Rows::packed(&a, shape.value_heads),
-            b: Rows::packed(&bb, shape.value_heads),
-            z: gated.then(|| Rows::packed(&z, shape.value_heads * shape.dv)),
+            qkv: Bf16Rows::packed(&qkv, shape.conv_dim()),
+            a: Bf16Rows::packed(&a, shape.value_heads),
+            b: Bf16Rows::packed(&bb, shape.value_heads),
+            z: gated.then(|| Bf16Rows::packed(&z, shape.value_heads * shape.dv)),
         };
         let width = shape.value_heads * shape.dv;
         let mut out = b
@@ -922,9 +923,9 @@ fn gdn_buffers_from_another_backend_are_errors() {
             .upload(&vec![bf16::ZERO; shape.conv_dim()])
             .expect("host");
         let projections = Projections {
-            qkv: Rows::packed(&host, shape.conv_dim()),
-            a: Rows::packed(&host, 1),
-            b: Rows::packed(&host, 1),
+            qkv: Bf16Rows::packed(&host, shape.conv_dim()),
+            a: Bf16Rows::packed(&host, 1),
+            b: Bf16Rows::packed(&host, 1),
             z: None,
         };
         let mut out: DeviceVec<bf16> = gpu.zeros(16).expect("zeros");
@@ -1111,9 +1112,9 @@ fn gdn_peers() {
         let up = |v: &[bf16]| gpu.upload(v).expect("upload");
         let (qkv, a, b) = (up(&rowset.qkv), up(&rowset.a), up(&rowset.b));
         let projections = Projections {
-            qkv: Rows::packed(&qkv, shape.conv_dim()),
-            a: Rows::packed(&a, shape.value_heads),
-            b: Rows::packed(&b, shape.value_heads),
+            qkv: Bf16Rows::packed(&qkv, shape.conv_dim()),
+            a: Bf16Rows::packed(&a, shape.value_heads),
+            b: Bf16Rows::packed(&b, shape.value_heads),
             z: None,
         };
         let mut out: DeviceVec<bf16> = gpu

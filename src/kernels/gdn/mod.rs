@@ -74,7 +74,7 @@
 //! `pending` fused multiply-adds per state element, overlapped with the state's load.
 //!
 //! # Layouts
-//! Projection rows are bf16 [`Rows`] (any row stride, so fused projections work): qkv `[rows]
+//! Projection rows are bf16 [`Bf16Rows`] (any row stride, so fused projections work): qkv `[rows]
 //! [conv_dim]` (q `Hk dk`, k `Hk dk`, v `Hv dv`), a and b `[rows][Hv]`, z `[rows][Hv dv]`; the
 //! step's row of token `t` of sequence `b` is `b * m + t`, prefill's rows are the sequences'
 //! tokens one after another (`cu_seqlens`). Outputs are bf16 `[rows][Hv dv]`. Parameters are
@@ -91,7 +91,7 @@ pub mod reference;
 
 pub use reference::{GdnShape, StepMode};
 
-use super::{check_len, check_u32};
+use super::{Bf16Rows, check_len, check_u32};
 use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
 use crate::error::{Error, Result};
 use crate::target::TargetFacts;
@@ -573,81 +573,18 @@ impl Sequences {
     }
 }
 
-/// Rows of a bf16 matrix inside a buffer: element (row, col) at `offset + row * stride + col`.
-#[derive(Clone, Copy)]
-pub struct Rows<'a> {
-    /// The buffer.
-    pub data: &'a DeviceVec<bf16>,
-    /// Elements before row 0's first column.
-    pub offset: usize,
-    /// Elements from one row to the next.
-    pub stride: usize,
-}
-
-impl<'a> Rows<'a> {
-    /// A matrix whose rows are `width` elements, back to back.
-    pub fn packed(data: &'a DeviceVec<bf16>, width: usize) -> Self {
-        Self {
-            data,
-            offset: 0,
-            stride: width,
-        }
-    }
-
-    fn check(&self, what: &str, rows: usize, width: usize, aligned: bool) -> Result<()> {
-        if rows == 0 {
-            return Ok(());
-        }
-        let need = self.offset + (rows - 1) * self.stride + width;
-        if self.stride < width || self.data.len() < need {
-            return Err(Error::invalid(
-                what,
-                format!(
-                    "{rows} rows of {width} at offset {} stride {} need {need} elements; the buffer has {}",
-                    self.offset,
-                    self.stride,
-                    self.data.len()
-                ),
-            ));
-        }
-        if aligned && (self.offset % 8 != 0 || self.stride % 8 != 0) {
-            return Err(Error::invalid(
-                what,
-                format!(
-                    "offset {} and stride {} must be multiples of 8 (16-byte loads)",
-                    self.offset, self.stride
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    fn host_rows(&self, rows: std::ops::Range<usize>, width: usize) -> Result<Vec<f32>> {
-        let DeviceVec::Host(v) = self.data else {
-            return Err(Backend::Cpu.mismatch("gdn projection rows", self.data));
-        };
-        Ok(rows
-            .flat_map(|r| {
-                v[self.offset + r * self.stride..][..width]
-                    .iter()
-                    .map(|x| x.to_f32())
-            })
-            .collect())
-    }
-}
-
 /// The projection rows of a call.
 #[derive(Clone, Copy)]
 pub struct Projections<'a> {
     /// `in_proj_qkv` rows, `[rows][conv_dim]`.
-    pub qkv: Rows<'a>,
+    pub qkv: Bf16Rows<'a>,
     /// `in_proj_a` rows, `[rows][Hv]`.
-    pub a: Rows<'a>,
+    pub a: Bf16Rows<'a>,
     /// `in_proj_b` rows, `[rows][Hv]`.
-    pub b: Rows<'a>,
+    pub b: Bf16Rows<'a>,
     /// `in_proj_z` rows, `[rows][Hv dv]`: with them the outputs go through the gated RMSNorm,
     /// without them they are the raw recurrence outputs.
-    pub z: Option<Rows<'a>>,
+    pub z: Option<Bf16Rows<'a>>,
 }
 
 impl Projections<'_> {
@@ -804,11 +741,17 @@ fn cpu_run(
                 ));
             }
             let mut seq = host_sequence(cache, &view, slot, pos, pend);
-            let qkv = inputs.qkv.host_rows(range.clone(), channels)?;
-            let a = inputs.a.host_rows(range.clone(), shape.value_heads)?;
-            let bv = inputs.b.host_rows(range.clone(), shape.value_heads)?;
+            let qkv = inputs
+                .qkv
+                .host_rows("gdn qkv rows", range.clone(), channels)?;
+            let a = inputs
+                .a
+                .host_rows("gdn a rows", range.clone(), shape.value_heads)?;
+            let bv = inputs
+                .b
+                .host_rows("gdn b rows", range.clone(), shape.value_heads)?;
             let z = match &inputs.z {
-                Some(z) => Some(z.host_rows(range.clone(), width)?),
+                Some(z) => Some(z.host_rows("gdn z rows", range.clone(), width)?),
                 None => None,
             };
             let raw = reference::RawInputs {
@@ -851,9 +794,11 @@ fn cpu_run(
         };
         for i in first_kept..t {
             let at = slot * ring_len + (pos + i) % ring_len;
-            let row = inputs
-                .qkv
-                .host_rows(range.start + i..range.start + i + 1, channels)?;
+            let row = inputs.qkv.host_rows(
+                "gdn qkv rows",
+                range.start + i..range.start + i + 1,
+                channels,
+            )?;
             for (dst, v) in conv[at * channels..(at + 1) * channels].iter_mut().zip(row) {
                 *dst = bf16::from_f32(v);
             }
@@ -944,7 +889,7 @@ pub fn flush(
 ) -> Result<()> {
     // no rows are read; a one-element buffer because a device allocation of 0 bytes fails
     let empty = backend.zeros::<bf16>(1)?;
-    let rows = Rows::packed(&empty, 1);
+    let rows = Bf16Rows::packed(&empty, 1);
     let inputs = Projections {
         qkv: rows,
         a: rows,
@@ -1012,14 +957,6 @@ pub fn chunk_state_threads(target: &TargetFacts) -> u32 {
 const NORM_THREADS: u32 = 128;
 /// Threads per block of `gdn_commit` (COMMIT_THREADS in gdn.cu).
 const COMMIT_THREADS: u32 = 128;
-
-/// Projection rows as a kernel argument: the address of row 0 (the buffer from `offset` on).
-///
-/// # Errors
-/// [`Error::Invalid`] when `offset` is past the buffer.
-fn rows_arg<'a>(rows: &Rows<'a>) -> Result<KernelArg<'a>> {
-    KernelArg::input_range(rows.data, rows.offset..rows.data.len())
-}
 
 /// `gdn_commit`'s arguments in their parameter order: positions, pending (both written),
 /// accepted (null: `uniform` for every sequence), then uniform, count, fold.
@@ -1126,11 +1063,11 @@ fn step_device(
         check_u32("gdn z stride", z_stride)?,
     ];
     let rows = [
-        rows_arg(&inputs.qkv)?,
-        rows_arg(&inputs.a)?,
-        rows_arg(&inputs.b)?,
+        inputs.qkv.arg()?,
+        inputs.a.arg()?,
+        inputs.b.arg()?,
         match &inputs.z {
-            Some(z) => rows_arg(z)?,
+            Some(z) => z.arg()?,
             None => KernelArg::optional_input::<bf16>(None),
         },
     ];
@@ -1546,11 +1483,7 @@ fn prefill_device(
             block: (CHUNK_THREADS, 1, 1),
             shared_bytes: smem[0] as u32,
         };
-        let rows = [
-            rows_arg(&inputs.qkv)?,
-            rows_arg(&inputs.a)?,
-            rows_arg(&inputs.b)?,
-        ];
+        let rows = [inputs.qkv.arg()?, inputs.a.arg()?, inputs.b.arg()?];
         let args = prepare_arguments(
             rows,
             strides,
@@ -1576,7 +1509,7 @@ fn prefill_device(
         block: (chunk_state_threads(target), 1, 1),
         shared_bytes: smem[1] as u32,
     };
-    let qkv = [rows_arg(&inputs.qkv)?, KernelArg::u32(strides[0])];
+    let qkv = [inputs.qkv.arg()?, KernelArg::u32(strides[0])];
     let args = state_arguments(
         workspace,
         qkv,
@@ -1594,7 +1527,7 @@ fn prefill_device(
     if let Some(z) = &inputs.z {
         if tokens > 0 {
             let z_rows = [
-                rows_arg(z)?,
+                z.arg()?,
                 KernelArg::u32(check_u32("gdn z stride", z.stride)?),
             ];
             let rows = check_u32("gdn rows", tokens)?;

@@ -34,6 +34,7 @@ pub use speculative::{MAX_DRAFTS, SpecDecoder, StepEvents};
 use crate::backend::{Backend, DeviceVec, Graph};
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::Nvfp4Matrix;
+use crate::kernels::Bf16Rows;
 use crate::kernels::attention::reference::AttentionShape;
 use crate::kernels::attention::{self, GatedAttention, KvCache, KvFormat, RopeTable};
 use crate::kernels::gdn::reference::GdnShape;
@@ -899,7 +900,7 @@ fn run_layer(
             )?;
             let width = in_proj.out_features();
             let (conv_dim, value_dim) = (config.linear_conv_dim(), gdn.value_heads * gdn.dv);
-            let at = |offset: usize| gdn::Rows {
+            let at = |offset: usize| Bf16Rows {
                 data: &act.gdn_projections,
                 offset,
                 stride: width,
