@@ -14,7 +14,8 @@ use common::bench_graph;
 use fp4spec::formats::nvfp4::e4m3_encode;
 use fp4spec::kernels::attention::reference::AttentionShape;
 use fp4spec::kernels::attention::{
-    self, DecodeKernel, GatedAttention, KvCache, KvFormat, KvStore, RopeTable, Rows, Workspace,
+    self, DecodeKernel, GatedAttention, KvCache, KvFormat, KvStore, Projections, RopeTable, Rows,
+    Workspace,
 };
 use fp4spec::rng::SplitMix64;
 use half::bf16;
@@ -91,9 +92,9 @@ fn main() {
                     )
                     .expect("upload")
             };
-            let q_gate = bf(b * SHAPE.heads * 512, &mut rng);
-            let k = bf(b * SHAPE.kv_heads * 256, &mut rng);
-            let v = bf(b * SHAPE.kv_heads * 256, &mut rng);
+            // the model's layout: one GEMM's [q_gate | k | v] per row
+            let qkv = bf(b * SHAPE.projection_width(), &mut rng);
+            let projections = Projections::fused(SHAPE, &qkv);
             let mut q = backend.zeros::<f32>(b * SHAPE.heads * 256).expect("q");
             let mut out = backend.zeros::<bf16>(b * SHAPE.heads * 256).expect("out");
             let mut workspace = Workspace::new(&backend, SHAPE, b, capacity).expect("workspace");
@@ -110,7 +111,12 @@ fn main() {
                     bytes,
                     |_| {
                         attention::prepare(
-                            &backend, &layer, &q_gate, &k, &v, &rows, &mut cache, &mut q,
+                            &backend,
+                            &layer,
+                            &projections,
+                            &rows,
+                            &mut cache,
+                            &mut q,
                         )
                         .expect("prepare");
                         attention::attend_with(
@@ -118,7 +124,7 @@ fn main() {
                             decode,
                             SHAPE,
                             &q,
-                            &q_gate,
+                            projections.q_gate,
                             &cache,
                             &rows,
                             &mut workspace,

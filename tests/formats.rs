@@ -146,6 +146,46 @@ fn all_zero_blocks_get_scale_one() {
     assert!(zero.dequantize().iter().all(|v| *v == 0.0));
 }
 
+/// Stacking keeps every row's codes and scales: the stack dequantises to the parts' values one
+/// after another. Parts with another global scale, input scale or width do not stack.
+#[test]
+fn matrices_of_one_scale_stack_by_rows_and_others_do_not() {
+    let mut rng = fp4spec::rng::SplitMix64::new(11);
+    let amax = 6.0 * 448.0 * 0.01;
+    let part = |rng: &mut fp4spec::rng::SplitMix64, rows: usize| {
+        Nvfp4Matrix::quantize_with_global_scale(
+            "part",
+            &rng.normal_vec(rows * 32, 1.0),
+            rows,
+            32,
+            amax / (6.0 * 448.0),
+        )
+        .expect("finite")
+    };
+    let (q, k, v) = (part(&mut rng, 5), part(&mut rng, 2), part(&mut rng, 3));
+    let stacked = Nvfp4Matrix::stack_rows(&[&q, &k, &v]).expect("one global scale");
+    assert_eq!((stacked.rows, stacked.cols), (10, 32));
+    let want: Vec<f32> = [&q, &k, &v].iter().flat_map(|m| m.dequantize()).collect();
+    assert_eq!(stacked.dequantize(), want);
+
+    let mut other_scale = k.clone();
+    other_scale.global_scale *= 2.0;
+    assert!(Nvfp4Matrix::stack_rows(&[&q, &other_scale, &v]).is_none());
+    let mut other_input = k.clone();
+    other_input.input_scale = Some(0.5);
+    assert!(Nvfp4Matrix::stack_rows(&[&q, &other_input, &v]).is_none());
+    let wider = Nvfp4Matrix::quantize_with_global_scale(
+        "wider",
+        &rng.normal_vec(64, 1.0),
+        1,
+        64,
+        amax / (6.0 * 448.0),
+    )
+    .expect("finite");
+    assert!(Nvfp4Matrix::stack_rows(&[&q, &wider]).is_none());
+    assert!(Nvfp4Matrix::stack_rows(&[]).is_none());
+}
+
 #[test]
 fn nan_or_inf_in_a_weight_is_an_error_naming_the_element() {
     for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {

@@ -4,7 +4,6 @@
 mod device_model;
 
 use fp4spec::backend::Backend;
-use fp4spec::checkpoint::quantize::{QuantizeOptions, quantize};
 use fp4spec::kernels::attention::KvFormat;
 use fp4spec::kernels::verify::SamplingParams;
 use fp4spec::model::device::{DeviceModel, generate_greedy};
@@ -118,10 +117,7 @@ fn device_mtp_drafts_on_the_cpu_backend_match_the_runner() {
 #[test]
 fn device_decode_runs_an_nvfp4_checkpoint_on_its_codes() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let out = dir.path().join("demo-nvfp4");
-    let mut options = QuantizeOptions::new(device_model::demo_dir(), &out);
-    options.split_experts = true;
-    quantize(&options, &indicatif::ProgressBar::hidden()).expect("quantize the demo model");
+    let out = device_model::quantised_demo(dir.path(), true);
     let bf16 = DeviceModel::from_model(
         &Backend::Cpu,
         &Model::load(device_model::demo_dir()).expect("demo model"),
@@ -137,4 +133,16 @@ fn device_decode_runs_an_nvfp4_checkpoint_on_its_codes() {
         bf16.weight_bytes(e, k)
     );
     device_model::decode_matches_runner_on(&Backend::Cpu, &out, KvFormat::Bf16, 12, 12);
+}
+
+/// The quantised demo model with each attention layer's k projection re-scaled
+/// ([`device_model::rescale_attention_keys`]): the device path runs q, k and v as three GEMMs
+/// (the quantised model above runs one) and still matches the runner.
+#[test]
+fn device_decode_runs_q_k_v_of_different_scales_as_three_linears() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut model =
+        Model::load(device_model::quantised_demo(dir.path(), false)).expect("NVFP4 model");
+    device_model::rescale_attention_keys(&mut model);
+    device_model::decode_matches_runner_with(&Backend::Cpu, &model, KvFormat::Bf16, 8, 8);
 }

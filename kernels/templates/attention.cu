@@ -40,7 +40,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_PREPARE_WARPS * FP4_WARP_SIZE) attention_
     const float* __restrict__ q_norm, const float* __restrict__ k_norm,
     const float* __restrict__ rope, const u32* __restrict__ row_slot,
     const u32* __restrict__ row_pos, float* __restrict__ q_out, void* __restrict__ k_cache,
-    void* __restrict__ v_cache, u32 rows, u32 heads, u32 kv_heads, u32 head_dim,
+    void* __restrict__ v_cache, u32 rows, u32 q_stride, u32 k_stride, u32 v_stride, u32 heads, u32 kv_heads, u32 head_dim,
     u32 rotary_half, u32 capacity, float eps, u32 kv_fp8, float key_inverse, float value_inverse) {
     chain_after_previous_grid();
     __shared__ float normed[ATTN_PREPARE_WARPS][ATTN_MAX_HEAD_DIM];
@@ -51,8 +51,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_PREPARE_WARPS * FP4_WARP_SIZE) attention_
     const bool is_query = item < rows * heads;
     const u32 row = is_query ? item / heads : (item - rows * heads) / kv_heads;
     const u32 head = is_query ? item % heads : (item - rows * heads) % kv_heads;
-    const u16* src = is_query ? q_gate + ((u64)row * heads + head) * 2 * head_dim
-                              : k + ((u64)row * kv_heads + head) * head_dim;
+    const u16* src = is_query ? q_gate + (u64)row * q_stride + (u64)head * 2 * head_dim
+                              : k + (u64)row * k_stride + (u64)head * head_dim;
     const float* weight = is_query ? q_norm : k_norm;
     float x[ATTN_MAX_ELEMS];
     float sum = 0.0f;
@@ -94,7 +94,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_PREPARE_WARPS * FP4_WARP_SIZE) attention_
         return;
     }
     const u64 at = (((u64)row_slot[row] * capacity + pos) * kv_heads + head) * head_dim;
-    const u16* v_src = v + ((u64)row * kv_heads + head) * head_dim;
+    const u16* v_src = v + (u64)row * v_stride + (u64)head * head_dim;
     #pragma unroll
     for (int i = 0; i < ATTN_MAX_ELEMS; ++i) {
         const u32 d = i * FP4_WARP_SIZE + lane;
@@ -606,7 +606,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_MMA_WARPS * FP4_WARP_SIZE) attention_deco
 FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_COMBINE_WARPS * FP4_WARP_SIZE) attention_combine_gate(
     const float* __restrict__ partial_ml, const float* __restrict__ partial_acc,
     const u16* __restrict__ q_gate, const u32* __restrict__ row_pos, u16* __restrict__ out,
-    u32 rows, u32 heads, u32 head_dim, u32 splits, u32 dims_per_block) {
+    u32 rows, u32 q_stride, u32 heads, u32 head_dim, u32 splits, u32 dims_per_block) {
     chain_after_previous_grid();
     __shared__ float warp_acc[ATTN_COMBINE_WARPS][ATTN_MAX_HEAD_DIM];
     const u32 warp = thread_x() / FP4_WARP_SIZE;
@@ -620,7 +620,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(ATTN_COMBINE_WARPS * FP4_WARP_SIZE) attention_
     // the gates of the thread's output dimensions d0 + thread_x(), + the block's threads, ...
     constexpr u32 threads = ATTN_COMBINE_WARPS * FP4_WARP_SIZE;
     constexpr u32 outs = (ATTN_MAX_HEAD_DIM + threads - 1) / threads;
-    const u16* gate = q_gate + ((u64)row * heads + head) * 2 * head_dim + head_dim;
+    const u16* gate = q_gate + (u64)row * q_stride + (u64)head * 2 * head_dim + head_dim;
     float g[outs];
     #pragma unroll
     for (u32 j = 0; j < outs; ++j) {

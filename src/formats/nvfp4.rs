@@ -276,6 +276,38 @@ impl Nvfp4Matrix {
             .collect()
     }
 
+    /// The matrices' rows one after another, as one matrix: what engines do with linears that
+    /// read the same input (an attention layer's q, k and v), so one GEMM streams them all.
+    /// None unless every part has the same columns, the same global scale (bit for bit: one
+    /// per-tensor multiplier must hold for every row, and re-expressing block scales against
+    /// another would round them) and the same input scale; ModelOpt and `fp4spec quantize`
+    /// give such linears one of each. None for no parts.
+    pub fn stack_rows(parts: &[&Self]) -> Option<Self> {
+        let first = parts.first()?;
+        let same = |m: &&Self| {
+            m.cols == first.cols
+                && m.global_scale.to_bits() == first.global_scale.to_bits()
+                && m.input_scale.map(f32::to_bits) == first.input_scale.map(f32::to_bits)
+        };
+        if !parts.iter().all(same) {
+            return None;
+        }
+        Some(Self {
+            rows: parts.iter().map(|m| m.rows).sum(),
+            cols: first.cols,
+            packed: parts
+                .iter()
+                .flat_map(|m| m.packed.iter().copied())
+                .collect(),
+            scales: parts
+                .iter()
+                .flat_map(|m| m.scales.iter().copied())
+                .collect(),
+            global_scale: first.global_scale,
+            input_scale: first.input_scale,
+        })
+    }
+
     /// Bytes the matrix occupies (packed nibbles + block scales + the global scale).
     pub fn bytes(&self) -> usize {
         self.packed.len() + self.scales.len() + 4

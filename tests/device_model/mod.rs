@@ -9,10 +9,12 @@
 //! further apart than that tolerance (closer than that, bf16 rounding may pick either).
 
 use fp4spec::backend::Backend;
+use fp4spec::checkpoint::quantize::{QuantizeOptions, quantize};
 use fp4spec::kernels::attention::KvFormat;
 use fp4spec::model::cache::SequenceCache;
 use fp4spec::model::device::{Decoder, DeviceModel, SpecDecoder};
 use fp4spec::model::forward::{ForwardInput, Model, MtpInput};
+use fp4spec::model::params::MixerWeights;
 use std::path::PathBuf;
 
 /// Largest |device - runner| logit over a step, relative to the largest |runner| logit. The
@@ -97,6 +99,33 @@ fn runner_step(
     (runner, scale, error)
 }
 
+/// The demo model quantised to ModelOpt NVFP4 into `dir` (experts as per-expert linears where
+/// `split_experts`); q, k and v of each attention layer share one per-tensor scale, as
+/// `fp4spec quantize` gives linears that engines fuse.
+pub fn quantised_demo(dir: &std::path::Path, split_experts: bool) -> PathBuf {
+    let out = dir.join("demo-nvfp4");
+    let mut options = QuantizeOptions::new(demo_dir(), &out);
+    options.split_experts = split_experts;
+    quantize(&options, &indicatif::ProgressBar::hidden()).expect("quantize the demo model");
+    out
+}
+
+/// Doubles each attention layer's k projection's per-tensor scale and its dequantised weight
+/// with it: the model computes the same up to rounding, but q, k and v no longer share one
+/// scale, so the device path cannot stack them into one weight and runs three GEMMs.
+pub fn rescale_attention_keys(model: &mut Model) {
+    let mut rescaled = 0;
+    for layer in &mut model.weights.layers {
+        if let MixerWeights::Attention(a) = &mut layer.mixer {
+            let k = a.k.nvfp4.as_mut().expect("an NVFP4 k projection");
+            k.global_scale *= 2.0;
+            a.k.weight.iter_mut().for_each(|w| *w *= 2.0);
+            rescaled += 1;
+        }
+    }
+    assert!(rescaled > 0, "the model has attention layers");
+}
+
 /// Runs the comparison on `backend` with the demo model; returns the largest relative logit
 /// error seen.
 pub fn decode_matches_runner(backend: &Backend, prompt_steps: usize, greedy_steps: usize) -> f64 {
@@ -119,7 +148,18 @@ pub fn decode_matches_runner_on(
     greedy_steps: usize,
 ) -> f64 {
     let model = Model::load(dir).expect("model loads");
-    let mut device = DeviceModel::from_model(backend, &model).expect("device model");
+    decode_matches_runner_with(backend, &model, kv, prompt_steps, greedy_steps)
+}
+
+/// [`decode_matches_runner_on`] with a model already loaded (and perhaps changed).
+pub fn decode_matches_runner_with(
+    backend: &Backend,
+    model: &Model,
+    kv: KvFormat,
+    prompt_steps: usize,
+    greedy_steps: usize,
+) -> f64 {
+    let mut device = DeviceModel::from_model(backend, model).expect("device model");
     device.set_kv_format(kv);
     let tolerance = logit_tolerance(kv);
     let prompts: Vec<Vec<u32>> = ["def fib(n): return n", "The quick brown fox jumps"]
@@ -144,7 +184,7 @@ pub fn decode_matches_runner_on(
         let mut next = Vec::new();
         for (s, cache) in caches.iter_mut().enumerate() {
             let (runner, scale, error) = runner_step(
-                &model,
+                model,
                 cache,
                 inputs[s],
                 &device_logits[s * vocab..(s + 1) * vocab],

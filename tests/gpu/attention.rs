@@ -6,9 +6,11 @@
 use crate::common::{cuda, random_bf16, rng};
 use fp4spec::backend::{Backend, DeviceVec};
 use fp4spec::formats::nvfp4::e4m3_decode;
+use fp4spec::kernels::Bf16Rows;
 use fp4spec::kernels::attention::reference::AttentionShape;
 use fp4spec::kernels::attention::{
-    self, DecodeKernel, GatedAttention, KvCache, KvFormat, KvStore, RopeTable, Rows, Workspace,
+    self, DecodeKernel, GatedAttention, KvCache, KvFormat, KvStore, Projections, RopeTable, Rows,
+    Workspace,
 };
 use fp4spec::kernels::compare::compare_bf16;
 use fp4spec::kernels::norm::{self, ResidualWriter};
@@ -129,12 +131,29 @@ enum CachedKeys {
     Fp8(Vec<u8>),
 }
 
+/// Each row's `[q_gate | k | v]` side by side, as one GEMM of the three projections writes them.
+fn fused_rows(shape: AttentionShape, data: &Inputs) -> Vec<bf16> {
+    let (q_width, kv_width) = (
+        shape.heads * 2 * shape.head_dim,
+        shape.kv_heads * shape.head_dim,
+    );
+    data.q_gate
+        .chunks_exact(q_width)
+        .zip(data.k.chunks_exact(kv_width))
+        .zip(data.v.chunks_exact(kv_width))
+        .flat_map(|((q, k), v)| q.iter().chain(k).chain(v).copied())
+        .collect()
+}
+
+/// The scenario's two passes on `backend`: the projections as three matrices (`fused` false) or
+/// as the column ranges of one (`fused`: q_gate, k and v at a row stride wider than each).
 fn run(
     backend: &Backend,
     decode: DecodeKernel,
     s: &Scenario,
     history: &Inputs,
     step: &Inputs,
+    fused: bool,
 ) -> (Vec<f32>, CachedKeys, Vec<bf16>) {
     let shape = s.shape;
     let rope = RopeTable::new(backend, s.rotary_dim, 1e7, s.capacity).expect("rope");
@@ -164,21 +183,22 @@ fn run(
             position: backend.upload(&position).expect("positions"),
         };
         let n = rows.count;
-        let q_gate = backend.upload(&data.q_gate).expect("q_gate");
+        let upload = |v: &[bf16]| backend.upload(v).expect("projections");
+        let buffers = if fused {
+            [upload(&fused_rows(shape, data)), upload(&[]), upload(&[])]
+        } else {
+            [upload(&data.q_gate), upload(&data.k), upload(&data.v)]
+        };
+        let projections = if fused {
+            Projections::fused(shape, &buffers[0])
+        } else {
+            Projections::separate(shape, &buffers[0], &buffers[1], &buffers[2])
+        };
         let mut q = backend
             .upload(&vec![f32::NAN; n * shape.heads * shape.head_dim])
             .expect("q");
-        attention::prepare(
-            backend,
-            &layer,
-            &q_gate,
-            &backend.upload(&data.k).expect("k"),
-            &backend.upload(&data.v).expect("v"),
-            &rows,
-            &mut cache,
-            &mut q,
-        )
-        .expect("prepare");
+        attention::prepare(backend, &layer, &projections, &rows, &mut cache, &mut q)
+            .expect("prepare");
         let mut workspace = Workspace::new(backend, shape, n, s.capacity).expect("workspace");
         let mut out = backend
             .upload(&vec![bf16::NAN; n * shape.heads * shape.head_dim])
@@ -188,7 +208,7 @@ fn run(
             decode,
             shape,
             &q,
-            &q_gate,
+            projections.q_gate,
             &cache,
             &rows,
             &mut workspace,
@@ -244,14 +264,23 @@ fn check(test: &str, s: Scenario) {
     let step_rows: usize = s.step.iter().map(|p| p.2).sum();
     let history = inputs(&mut rng, s.shape, history_rows);
     let step = inputs(&mut rng, s.shape, step_rows);
-    let (cpu_q, cpu_keys, cpu_out) = run(&Backend::Cpu, DecodeKernel::Warp, &s, &history, &step);
+    let (cpu_q, cpu_keys, cpu_out) = run(
+        &Backend::Cpu,
+        DecodeKernel::Warp,
+        &s,
+        &history,
+        &step,
+        false,
+    );
     let target = gpu.target().expect("a device target");
     for decode in [DecodeKernel::Warp, DecodeKernel::Mma] {
         if !decode.runs_on(target) {
             continue;
         }
         let test = format!("{test} ({})", decode.name());
-        let (gpu_q, gpu_keys, gpu_out) = run(gpu, decode, &s, &history, &step);
+        // the layout of the model's fused [q; k; v] GEMM (the CPU reference reads three
+        // matrices): the kernels' row strides wider than each projection
+        let (gpu_q, gpu_keys, gpu_out) = run(gpu, decode, &s, &history, &step, true);
         // fp32 norm and rotation on both sides, in another order: a few ulps of the row's scale
         // (relative to the element alone, an element near zero failed now and then on fresh
         // seeds: 1.19e-4 against the 1e-4 once allowed)
@@ -411,6 +440,7 @@ fn attention_fp8_kernels_decode_every_code_exactly() {
             };
             let q = gpu.upload(&vec![0.0f32; 4 * 256])?;
             let q_gate = gpu.upload(&vec![bf16::ZERO; 4 * 512])?;
+            let q_gate = Bf16Rows::packed(&q_gate, 4 * 512);
             let mut workspace = Workspace::new(gpu, shape, 1, 4)?;
             let mut out: DeviceVec<bf16> = gpu.zeros(4 * 256)?;
             attention::attend_with(
@@ -418,7 +448,7 @@ fn attention_fp8_kernels_decode_every_code_exactly() {
                 decode,
                 shape,
                 &q,
-                &q_gate,
+                q_gate,
                 &cache,
                 &rows,
                 &mut workspace,
@@ -497,8 +527,9 @@ fn attention_rejects_bad_shapes() {
             let cache = KvCache::new(gpu, shape, 1, 10, KvFormat::Bf16)?;
             let q = gpu.upload(&vec![0.0f32; 34 * 64])?;
             let q_gate = gpu.upload(&vec![bf16::ZERO; 34 * 128])?;
+            let q_gate = Bf16Rows::packed(&q_gate, 34 * 128);
             let mut out: DeviceVec<bf16> = gpu.zeros(34 * 64)?;
-            attention::attend(gpu, shape, &q, &q_gate, &cache, &rows, &mut w, &mut out)
+            attention::attend(gpu, shape, &q, q_gate, &cache, &rows, &mut w, &mut out)
         })
         .expect_err("a group of 17 query heads per KV head");
     assert!(err.to_string().contains("groups of 1..=16"), "{err}");

@@ -6,6 +6,8 @@
 mod device_model;
 
 use crate::common::cuda;
+use fp4spec::kernels::attention::KvFormat;
+use fp4spec::model::forward::Model;
 
 #[test]
 fn device_decode_on_cuda_matches_the_runner() {
@@ -25,7 +27,7 @@ fn device_decode_on_cuda_with_an_fp8_kv_cache_stays_near_the_runner() {
     device_model::decode_matches_runner_on(
         backend,
         &device_model::demo_dir(),
-        fp4spec::kernels::attention::KvFormat::FP8_UNIT_SCALES,
+        KvFormat::FP8_UNIT_SCALES,
         16,
         24,
     );
@@ -55,4 +57,19 @@ fn device_mtp_drafts_on_cuda_match_the_runner() {
         return;
     };
     device_model::mtp_drafts_match_runner(backend, 5);
+}
+
+/// The demo model quantised to NVFP4: q, k and v of one scale stacked into one GEMM, then (k
+/// re-scaled) as three, both against the runner (the bf16 demo model above stacks them too).
+#[test]
+fn device_decode_on_cuda_runs_nvfp4_q_k_v_stacked_and_apart() {
+    let Some(backend) = cuda("device_decode_on_cuda_runs_nvfp4_q_k_v_stacked_and_apart") else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut model =
+        Model::load(device_model::quantised_demo(dir.path(), false)).expect("NVFP4 model");
+    device_model::decode_matches_runner_with(backend, &model, KvFormat::Bf16, 16, 16);
+    device_model::rescale_attention_keys(&mut model);
+    device_model::decode_matches_runner_with(backend, &model, KvFormat::Bf16, 16, 16);
 }

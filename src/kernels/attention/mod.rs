@@ -25,7 +25,7 @@
 
 pub mod reference;
 
-use super::{check_len, check_u32};
+use super::{Bf16Rows, check_len, check_u32};
 use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::{e4m3_decode, e4m3_encode};
@@ -304,6 +304,70 @@ pub struct Rows {
     pub position: DeviceVec<u32>,
 }
 
+/// One step's projections of an attention layer as its GEMMs wrote them, per row: `q_gate`
+/// each head's query then its output gate (`heads * 2 * head_dim`), `k` and `v` each KV head's
+/// key and value (`kv_heads * head_dim`). Three matrices of their own
+/// ([`Projections::separate`]) or the column ranges of one `[q_gate | k | v]` GEMM output
+/// ([`Projections::fused`]).
+#[derive(Clone, Copy)]
+pub struct Projections<'a> {
+    /// `[rows][heads][2 * head_dim]`.
+    pub q_gate: Bf16Rows<'a>,
+    /// `[rows][kv_heads][head_dim]`.
+    pub k: Bf16Rows<'a>,
+    /// `[rows][kv_heads][head_dim]`.
+    pub v: Bf16Rows<'a>,
+}
+
+impl<'a> Projections<'a> {
+    /// Three packed matrices.
+    pub fn separate(
+        shape: AttentionShape,
+        q_gate: &'a DeviceVec<bf16>,
+        k: &'a DeviceVec<bf16>,
+        v: &'a DeviceVec<bf16>,
+    ) -> Self {
+        let kv_width = shape.kv_heads * shape.head_dim;
+        Self {
+            q_gate: Bf16Rows::packed(q_gate, shape.heads * 2 * shape.head_dim),
+            k: Bf16Rows::packed(k, kv_width),
+            v: Bf16Rows::packed(v, kv_width),
+        }
+    }
+
+    /// The rows of one `[q_gate | k | v]` output, [`AttentionShape::projection_width`]
+    /// elements each.
+    pub fn fused(shape: AttentionShape, qkv: &'a DeviceVec<bf16>) -> Self {
+        let (q_width, kv_width) = (
+            shape.heads * 2 * shape.head_dim,
+            shape.kv_heads * shape.head_dim,
+        );
+        let at = |offset| Bf16Rows {
+            data: qkv,
+            offset,
+            stride: shape.projection_width(),
+        };
+        Self {
+            q_gate: at(0),
+            k: at(q_width),
+            v: at(q_width + kv_width),
+        }
+    }
+
+    /// Checks that `rows` rows of each lie inside their buffers.
+    fn check(&self, shape: AttentionShape, rows: usize) -> Result<()> {
+        let kv_width = shape.kv_heads * shape.head_dim;
+        self.q_gate.check(
+            "attention q_gate",
+            rows,
+            shape.heads * 2 * shape.head_dim,
+            false,
+        )?;
+        self.k.check("attention k", rows, kv_width, false)?;
+        self.v.check("attention v", rows, kv_width, false)
+    }
+}
+
 /// Per-head weights and constants of one gated attention layer.
 pub struct GatedAttention<'a> {
     /// Heads and sizes.
@@ -476,9 +540,7 @@ fn host_mut<'a, T>(
 pub fn prepare(
     backend: &Backend,
     layer: &GatedAttention<'_>,
-    q_gate: &DeviceVec<bf16>,
-    k: &DeviceVec<bf16>,
-    v: &DeviceVec<bf16>,
+    projections: &Projections<'_>,
     rows: &Rows,
     cache: &mut KvCache,
     q: &mut DeviceVec<f32>,
@@ -493,24 +555,7 @@ pub fn prepare(
             format!("{} exceeds head_dim {hd}", layer.rope.rotary_dim),
         ));
     }
-    check_len(
-        "attention q_gate",
-        q_gate,
-        n * s.heads * 2 * hd,
-        "[rows, heads, 2 * head_dim]",
-    )?;
-    check_len(
-        "attention k",
-        k,
-        n * s.kv_heads * hd,
-        "[rows, kv_heads, head_dim]",
-    )?;
-    check_len(
-        "attention v",
-        v,
-        n * s.kv_heads * hd,
-        "[rows, kv_heads, head_dim]",
-    )?;
+    projections.check(s, n)?;
     check_len(
         "attention q out",
         q,
@@ -527,11 +572,16 @@ pub fn prepare(
     let (key_scale, value_scale) = cache.format.scales();
     match backend {
         Backend::Cpu => {
-            let to_f32 = |v: &[bf16]| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
             let (qg, kk, vv) = (
-                to_f32(host(backend, "q_gate", q_gate)?),
-                to_f32(host(backend, "k", k)?),
-                to_f32(host(backend, "v", v)?),
+                projections
+                    .q_gate
+                    .host_rows("attention q_gate", 0..n, s.heads * 2 * hd)?,
+                projections
+                    .k
+                    .host_rows("attention k", 0..n, s.kv_heads * hd)?,
+                projections
+                    .v
+                    .host_rows("attention v", 0..n, s.kv_heads * hd)?,
             );
             let (qn, kn) = (
                 host(backend, "q_norm", layer.q_norm)?,
@@ -597,7 +647,7 @@ pub fn prepare(
         Backend::Cuda(_) | Backend::Hip(_) => {
             let target = backend
                 .target()
-                .ok_or_else(|| backend.mismatch("attention q_gate", q_gate))?;
+                .ok_or_else(|| backend.mismatch("attention q_gate", projections.q_gate.data))?;
             let tiles = &target.attention;
             let items = check_u32("attention rows x heads", n * (s.heads + s.kv_heads))?;
             let dims = LaunchDims::linear(
@@ -605,9 +655,9 @@ pub fn prepare(
                 tiles.prepare_warps_per_block * target.warp_size,
             );
             let args = [
-                KernelArg::input(q_gate),
-                KernelArg::input(k),
-                KernelArg::input(v),
+                projections.q_gate.arg()?,
+                projections.k.arg()?,
+                projections.v.arg()?,
                 KernelArg::input(layer.q_norm),
                 KernelArg::input(layer.k_norm),
                 KernelArg::input(&layer.rope.cos_sin),
@@ -617,6 +667,9 @@ pub fn prepare(
                 cache.keys.output(),
                 cache.values.output(),
                 KernelArg::u32(check_u32("rows", n)?),
+                KernelArg::u32(check_u32("q_gate row stride", projections.q_gate.stride)?),
+                KernelArg::u32(check_u32("k row stride", projections.k.stride)?),
+                KernelArg::u32(check_u32("v row stride", projections.v.stride)?),
                 KernelArg::u32(check_u32("heads", s.heads)?),
                 KernelArg::u32(check_u32("kv heads", s.kv_heads)?),
                 KernelArg::u32(check_u32("head_dim", hd)?),
@@ -627,8 +680,9 @@ pub fn prepare(
                 KernelArg::f32(1.0 / key_scale),
                 KernelArg::f32(1.0 / value_scale),
             ];
-            // SAFETY: the arguments are attention_prepare's parameters in order; q_gate, k, v,
-            // q and the norms were checked against (rows, heads, kv_heads, head_dim); slots and
+            // SAFETY: the arguments are attention_prepare's parameters in order; the rows of
+            // q_gate, k and v (at their strides), q and the norms were checked against (rows,
+            // heads, kv_heads, head_dim); slots and
             // positions index the cache and the RoPE table, which the caller keeps in range
             // (documented).
             unsafe { backend.launch(FAMILY, KERNEL_PREPARE, &dims, &args) }
@@ -688,7 +742,7 @@ pub fn attend(
     backend: &Backend,
     shape: AttentionShape,
     q: &DeviceVec<f32>,
-    q_gate: &DeviceVec<bf16>,
+    q_gate: Bf16Rows<'_>,
     cache: &KvCache,
     rows: &Rows,
     workspace: &mut Workspace,
@@ -715,7 +769,7 @@ pub fn attend_with(
     decode: DecodeKernel,
     shape: AttentionShape,
     q: &DeviceVec<f32>,
-    q_gate: &DeviceVec<bf16>,
+    q_gate: Bf16Rows<'_>,
     cache: &KvCache,
     rows: &Rows,
     workspace: &mut Workspace,
@@ -729,12 +783,7 @@ pub fn attend_with(
         n * shape.heads * hd,
         "[rows, heads, head_dim]",
     )?;
-    check_len(
-        "attention q_gate",
-        q_gate,
-        n * shape.heads * 2 * hd,
-        "[rows, heads, 2 * head_dim]",
-    )?;
+    q_gate.check("attention q_gate", n, shape.heads * 2 * hd, false)?;
     check_len(
         "attention out",
         out,
@@ -759,7 +808,8 @@ pub fn attend_with(
     let (key_scale, value_scale) = cache.format.scales();
     match backend {
         Backend::Cpu => {
-            let (qv, qg) = (host(backend, "q", q)?, host(backend, "q_gate", q_gate)?);
+            let qv = host(backend, "q", q)?;
+            let qg = q_gate.host_rows("attention q_gate", 0..n, shape.heads * 2 * hd)?;
             let (slots, positions) = (
                 host(backend, "slots", &rows.slot)?,
                 host(backend, "positions", &rows.position)?,
@@ -782,7 +832,7 @@ pub fn attend_with(
                 );
                 for h in 0..shape.heads {
                     for d in 0..hd {
-                        let g = f64::from(qg[(r * shape.heads + h) * 2 * hd + hd + d].to_f32());
+                        let g = f64::from(qg[(r * shape.heads + h) * 2 * hd + hd + d]);
                         let a = f64::from(attended[h * hd + d]);
                         o[(r * shape.heads + h) * hd + d] =
                             crate::formats::bf16::round_f64(a / (1.0 + (-g).exp()));
@@ -877,16 +927,18 @@ pub fn attend_with(
             let args = [
                 KernelArg::input(&workspace.partial_ml),
                 KernelArg::input(&workspace.partial_acc),
-                KernelArg::input(q_gate),
+                q_gate.arg()?,
                 KernelArg::input(&rows.position),
                 KernelArg::output(out),
                 KernelArg::u32(n32),
+                KernelArg::u32(check_u32("q_gate row stride", q_gate.stride)?),
                 KernelArg::u32(heads),
                 KernelArg::u32(hd32),
                 KernelArg::u32(splits32),
                 KernelArg::u32(dims_per_block),
             ];
-            // SAFETY: as above; out holds rows x heads x head_dim.
+            // SAFETY: as above; out holds rows x heads x head_dim, q_gate's rows (at its
+            // stride) heads x 2 x head_dim.
             unsafe { backend.launch(FAMILY, KERNEL_COMBINE_GATE, &combine, &args) }
         }
     }

@@ -16,6 +16,14 @@ pub struct AttentionShape {
     pub head_dim: usize,
 }
 
+impl AttentionShape {
+    /// Elements per row of the layer's projections side by side, `[q_gate | k | v]`: each
+    /// head's query and output gate, then each KV head's key, then each KV head's value.
+    pub fn projection_width(&self) -> usize {
+        (2 * self.heads + 2 * self.kv_heads) * self.head_dim
+    }
+}
+
 /// RoPE inverse frequencies for `rotary_dim` rotated dimensions: `theta^(-2j / rotary_dim)` for
 /// `j < rotary_dim / 2`, computed in f32 as transformers does (the angles then follow its
 /// rounding).

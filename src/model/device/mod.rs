@@ -124,13 +124,84 @@ enum DeviceMixer {
         out: Linear,
     },
     Attention {
-        q: Linear,
-        k: Linear,
-        v: Linear,
+        qkv: QkvProjection,
         o: Linear,
         q_norm: DeviceVec<f32>,
         k_norm: DeviceVec<f32>,
     },
+}
+
+/// An attention layer's q, k and v projections.
+// one per attention layer (10 in the model): the variants' size difference costs nothing worth a box
+#[allow(clippy::large_enum_variant)]
+enum QkvProjection {
+    /// One `[q; k; v]` weight: one GEMM writes each row's `[q_gate | k | v]`
+    /// ([`attention::Projections::fused`]). Where the three share a format and, NVFP4, one
+    /// per-tensor scale ([`Nvfp4Matrix::stack_rows`]), as ModelOpt and `fp4spec quantize`
+    /// export them: at B = 1 the k and v launches cost about 2.8 us each (H100), 20 a step.
+    Fused(Linear),
+    /// Three weights, three GEMMs: NVFP4 linears whose per-tensor scales differ, which one
+    /// launch could only multiply exactly with an alpha per tile.
+    Separate { q: Linear, k: Linear, v: Linear },
+}
+
+impl QkvProjection {
+    /// The projections of `a` on `backend`, fused where they can be.
+    fn new(backend: &Backend, a: &crate::model::params::AttentionWeights) -> Result<Self> {
+        let parts = [&a.q, &a.k, &a.v];
+        let nvfp4: Option<Vec<&Nvfp4Matrix>> = parts.iter().map(|l| l.nvfp4.as_ref()).collect();
+        if let Some(matrices) = nvfp4 {
+            if let Some(stacked) = Nvfp4Matrix::stack_rows(&matrices) {
+                return Ok(Self::Fused(Linear::nvfp4(
+                    backend,
+                    &stacked,
+                    RowOrder::Plain,
+                )?));
+            }
+        } else if parts.iter().all(|l| l.nvfp4.is_none()) {
+            let rows = parts.iter().map(|l| l.rows).sum();
+            let values: Vec<bf16> = parts.iter().flat_map(|l| to_bf16(&l.weight)).collect();
+            return Ok(Self::Fused(Linear::bf16(
+                backend,
+                &values,
+                rows,
+                a.q.cols,
+                RowOrder::Plain,
+            )?));
+        }
+        Ok(Self::Separate {
+            q: device_linear(backend, &a.q)?,
+            k: device_linear(backend, &a.k)?,
+            v: device_linear(backend, &a.v)?,
+        })
+    }
+
+    fn try_clone(&self, backend: &Backend) -> Result<Self> {
+        Ok(match self {
+            Self::Fused(qkv) => Self::Fused(qkv.try_clone(backend)?),
+            Self::Separate { q, k, v } => Self::Separate {
+                q: q.try_clone(backend)?,
+                k: k.try_clone(backend)?,
+                v: v.try_clone(backend)?,
+            },
+        })
+    }
+
+    /// The weight the layer's first launch streams (the next-layer prefetch asks the L2 for it).
+    fn first(&self) -> &Linear {
+        match self {
+            Self::Fused(qkv) => qkv,
+            Self::Separate { q, .. } => q,
+        }
+    }
+
+    /// Weight bytes one call streams.
+    fn weight_bytes(&self) -> u64 {
+        match self {
+            Self::Fused(qkv) => qkv.weight_bytes(),
+            Self::Separate { q, k, v } => q.weight_bytes() + k.weight_bytes() + v.weight_bytes(),
+        }
+    }
 }
 
 impl DeviceMixer {
@@ -146,16 +217,12 @@ impl DeviceMixer {
                 out: out.try_clone(backend)?,
             },
             Self::Attention {
-                q,
-                k,
-                v,
+                qkv,
                 o,
                 q_norm,
                 k_norm,
             } => Self::Attention {
-                q: q.try_clone(backend)?,
-                k: k.try_clone(backend)?,
-                v: v.try_clone(backend)?,
+                qkv: qkv.try_clone(backend)?,
                 o: o.try_clone(backend)?,
                 q_norm: backend.duplicate(q_norm)?,
                 k_norm: backend.duplicate(k_norm)?,
@@ -297,9 +364,7 @@ fn device_layer(
             }
         }
         MixerWeights::Attention(a) => DeviceMixer::Attention {
-            q: device_linear(backend, &a.q)?,
-            k: device_linear(backend, &a.k)?,
-            v: device_linear(backend, &a.v)?,
+            qkv: QkvProjection::new(backend, a)?,
             o: device_linear(backend, &a.o)?,
             q_norm: backend.upload(&a.q_norm)?,
             k_norm: backend.upload(&a.k_norm)?,
@@ -476,12 +541,9 @@ impl DeviceModel {
         };
         let att = attention_shape(config);
         let attention_template = if config.layer_types.contains(&LayerKind::FullAttention) {
-            let q_rows = att.heads * att.head_dim * 2;
-            let kv_rows = att.kv_heads * att.head_dim;
+            // one [q; k; v] weight, as a ModelOpt checkpoint's q, k and v fuse
             Some(DeviceMixer::Attention {
-                q: projection(&mut rng, q_rows, h)?,
-                k: projection(&mut rng, kv_rows, h)?,
-                v: projection(&mut rng, kv_rows, h)?,
+                qkv: QkvProjection::Fused(projection(&mut rng, att.projection_width(), h)?),
                 o: projection(&mut rng, h, att.heads * att.head_dim)?,
                 q_norm: norm(&mut rng, att.head_dim)?,
                 k_norm: norm(&mut rng, att.head_dim)?,
@@ -531,17 +593,13 @@ impl DeviceModel {
                     ),
                 )?,
             };
-            let q_rows = att.heads * att.head_dim * 2;
-            let kv_rows = att.kv_heads * att.head_dim;
             let mut layers = Vec::with_capacity(config.mtp_num_hidden_layers);
             for _ in 0..config.mtp_num_hidden_layers {
                 layers.push(DeviceLayer {
                     input_norm: norm(&mut rng, h)?,
                     post_attention_norm: norm(&mut rng, h)?,
                     mixer: DeviceMixer::Attention {
-                        q: dense(&mut rng, q_rows, h)?,
-                        k: dense(&mut rng, kv_rows, h)?,
-                        v: dense(&mut rng, kv_rows, h)?,
+                        qkv: QkvProjection::Fused(dense(&mut rng, att.projection_width(), h)?),
                         o: dense(&mut rng, h, att.heads * att.head_dim)?,
                         q_norm: norm(&mut rng, att.head_dim)?,
                         k_norm: norm(&mut rng, att.head_dim)?,
@@ -616,9 +674,7 @@ impl DeviceModel {
                     DeviceMixer::Gdn { in_proj, out, .. } => {
                         in_proj.weight_bytes() + out.weight_bytes()
                     }
-                    DeviceMixer::Attention { q, k, v, o, .. } => {
-                        q.weight_bytes() + k.weight_bytes() + v.weight_bytes() + o.weight_bytes()
-                    }
+                    DeviceMixer::Attention { qkv, o, .. } => qkv.weight_bytes() + o.weight_bytes(),
                 };
                 mixer + l.moe.block_bytes(distinct_experts, 0)
             })
@@ -637,6 +693,9 @@ struct Activations {
     delta: DeviceVec<bf16>,
     gdn_projections: DeviceVec<bf16>,
     gdn_out: DeviceVec<bf16>,
+    /// `[rows][q_gate | k | v]` ([`QkvProjection::Fused`]).
+    qkv: DeviceVec<bf16>,
+    /// The outputs of [`QkvProjection::Separate`]'s three GEMMs (empty when no layer has it).
     q_gate: DeviceVec<bf16>,
     k: DeviceVec<bf16>,
     v: DeviceVec<bf16>,
@@ -648,18 +707,24 @@ struct Activations {
 }
 
 impl Activations {
-    /// Buffers for the rows of `slots` (each row's sequence) at `positions`, over caches of
-    /// `capacity` positions.
-    fn new(
-        backend: &Backend,
-        config: &ModelConfig,
-        capacity: usize,
-        slots: &[u32],
-        positions: &[u32],
-    ) -> Result<Self> {
+    /// Buffers for the rows of `slots` (each row's sequence) at `positions` of `model` (its
+    /// layers and its MTP head's), over caches of `capacity` positions.
+    fn new(model: &DeviceModel, capacity: usize, slots: &[u32], positions: &[u32]) -> Result<Self> {
+        let (backend, config) = (&model.backend, &model.config);
         let rows = slots.len();
         let h = config.hidden_size;
         let (gdn, att) = (gdn_shape(config), attention_shape(config));
+        let mtp_layers = model.mtp.iter().flat_map(|m| &m.layers);
+        let separate = model.layers.iter().chain(mtp_layers).any(|l| {
+            matches!(
+                l.mixer,
+                DeviceMixer::Attention {
+                    qkv: QkvProjection::Separate { .. },
+                    ..
+                }
+            )
+        });
+        let separate_rows = if separate { rows } else { 0 };
         Ok(Self {
             rows,
             residual: backend.zeros(rows * h)?,
@@ -668,9 +733,10 @@ impl Activations {
             gdn_projections: backend
                 .zeros(rows * gdn_projection_rows(config).next_multiple_of(8))?,
             gdn_out: backend.zeros(rows * gdn.value_heads * gdn.dv)?,
-            q_gate: backend.zeros(rows * att.heads * 2 * att.head_dim)?,
-            k: backend.zeros(rows * att.kv_heads * att.head_dim)?,
-            v: backend.zeros(rows * att.kv_heads * att.head_dim)?,
+            qkv: backend.zeros(rows * att.projection_width())?,
+            q_gate: backend.zeros(separate_rows * att.heads * 2 * att.head_dim)?,
+            k: backend.zeros(separate_rows * att.kv_heads * att.head_dim)?,
+            v: backend.zeros(separate_rows * att.kv_heads * att.head_dim)?,
             q: backend.zeros(rows * att.heads * att.head_dim)?,
             attention_out: backend.zeros(rows * att.heads * att.head_dim)?,
             attention_rows: attention::Rows {
@@ -767,7 +833,7 @@ fn run_layers(
         // block's route launch asks the L2 for
         let next = match model.layers.get(i + 1).map(|l| &l.mixer) {
             Some(DeviceMixer::Gdn { in_proj, .. }) => in_proj,
-            Some(DeviceMixer::Attention { q, .. }) => q,
+            Some(DeviceMixer::Attention { qkv, .. }) => qkv.first(),
             None => &model.lm_head,
         };
         run_layer(
@@ -947,18 +1013,25 @@ fn run_layer(
         }
         (
             DeviceMixer::Attention {
-                q,
-                k,
-                v,
+                qkv,
                 o,
                 q_norm,
                 k_norm,
             },
             LayerCache::Kv(cache),
         ) => {
-            linear(backend, &act.normed, b, q, Epilogue::None, &mut act.q_gate)?;
-            linear(backend, &act.normed, b, k, Epilogue::None, &mut act.k)?;
-            linear(backend, &act.normed, b, v, Epilogue::None, &mut act.v)?;
+            let projections = match qkv {
+                QkvProjection::Fused(qkv) => {
+                    linear(backend, &act.normed, b, qkv, Epilogue::None, &mut act.qkv)?;
+                    attention::Projections::fused(att, &act.qkv)
+                }
+                QkvProjection::Separate { q, k, v } => {
+                    linear(backend, &act.normed, b, q, Epilogue::None, &mut act.q_gate)?;
+                    linear(backend, &act.normed, b, k, Epilogue::None, &mut act.k)?;
+                    linear(backend, &act.normed, b, v, Epilogue::None, &mut act.v)?;
+                    attention::Projections::separate(att, &act.q_gate, &act.k, &act.v)
+                }
+            };
             attention::prepare(
                 backend,
                 &GatedAttention {
@@ -968,9 +1041,7 @@ fn run_layer(
                     eps,
                     rope: shared.rope,
                 },
-                &act.q_gate,
-                &act.k,
-                &act.v,
+                &projections,
                 &act.attention_rows,
                 cache,
                 &mut act.q,
@@ -979,7 +1050,7 @@ fn run_layer(
                 backend,
                 att,
                 &act.q,
-                &act.q_gate,
+                projections.q_gate,
                 cache,
                 &act.attention_rows,
                 &mut act.attention_workspace,
@@ -1094,7 +1165,7 @@ fn prefill_rows(
             format!("{bad} is outside the vocabulary of {vocab}"),
         ));
     }
-    let mut act = Activations::new(backend, config, capacity, &slots, &positions)?;
+    let mut act = Activations::new(model, capacity, &slots, &positions)?;
     let mut workspace = gdn::ChunkWorkspace::new(backend, gdn_shape(config), rows, prompts.len())?;
     tokens::embed(
         backend,
@@ -1178,7 +1249,7 @@ impl<'m> Decoder<'m> {
             capacity,
             positions: vec![0; batch],
             tokens: backend.zeros(batch)?,
-            step: Activations::new(backend, config, capacity, &slots, &zeros)?,
+            step: Activations::new(model, capacity, &slots, &zeros)?,
             hidden: backend.zeros(batch * config.hidden_size)?,
             logits: backend.zeros(batch * config.vocab_size)?,
             caches: Caches::new(model, batch, capacity, 1)?,
