@@ -147,8 +147,10 @@ impl Drop for CapturedGraph {
 
 /// Makes `context` current on this thread without first collecting the errors other threads'
 /// resource drops recorded in it (cudarc's `bind_to_thread` returns those and binds nothing):
-/// for the calls that must run whatever happened elsewhere, such as ending a capture or
-/// destroying a graph, and that read only their own results.
+/// for the calls that must run whatever happened elsewhere and report only their own results,
+/// such as ending a capture, destroying a graph, and launches (a launch inside a capture that
+/// failed for another thread's drop ended the capture's recording with a stale error). A
+/// recorded error stays for the context's next cudarc call, which reports it.
 fn make_current(context: &CudaContext) -> std::result::Result<(), cudarc::driver::DriverError> {
     // SAFETY: a live context (the caller holds it).
     unsafe { cudarc::driver::result::ctx::set_current(context.cu_ctx()) }
@@ -357,9 +359,8 @@ impl CudaBackend {
                 "it was captured on another CUDA backend (context) than the one asked to launch it",
             ));
         }
-        self.context
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("bind the context to launch a graph", e))?;
+        make_current(&self.context)
+            .map_err(|e| Error::cuda("make the context current to launch a graph", e))?;
         // SAFETY: a live instantiated graph of this context, and this backend's stream.
         unsafe { cudarc::driver::result::graph::launch(graph.exec, self.stream().cu_stream()) }
             .map_err(|e| Error::cuda("launch a captured graph", e))
@@ -469,9 +470,7 @@ impl CudaBackend {
                 dims.grid, dims.block, dims.shared_bytes
             )
         };
-        self.context
-            .bind_to_thread()
-            .map_err(|e| Error::cuda(op(), e))?;
+        make_current(&self.context).map_err(|e| Error::cuda(op(), e))?;
         // a kernel may use more than 48 KiB of dynamic shared memory only once allowed to; the
         // attribute is raised under the lock, each time above every earlier setting, and
         // recorded after it is set, so a launch that finds its size recorded finds it set
