@@ -1,7 +1,9 @@
 //! Family `attention`: the gated full attention of Qwen3.5-MoE over a per-sequence KV cache
 //! (`kernels/templates/attention.cu`), for any mix of decode, verify and prefill rows.
 //!
-//! Per layer and step, after the q/k/v projections:
+//! Per layer and step, after the q/k/v projections (one GEMM writing each row's
+//! `[q_gate | k | v]` where the model's three weights stack, else three; both read through
+//! [`Projections`]):
 //! 1. [`prepare`]: per head, the zero-centred q/k RMSNorm, partial NeoX RoPE from a [`RopeTable`]
 //!    (cos/sin computed on the host from the f32 angle, as transformers does), k and v appended
 //!    to the cache at each row's position, q to an f32 buffer;
