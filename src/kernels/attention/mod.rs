@@ -656,32 +656,7 @@ pub fn prepare(
                 items.div_ceil(tiles.prepare_warps_per_block),
                 tiles.prepare_warps_per_block * target.warp_size,
             );
-            let args = [
-                projections.q_gate.arg()?,
-                projections.k.arg()?,
-                projections.v.arg()?,
-                KernelArg::input(layer.q_norm),
-                KernelArg::input(layer.k_norm),
-                KernelArg::input(&layer.rope.cos_sin),
-                KernelArg::input(&rows.slot),
-                KernelArg::input(&rows.position),
-                KernelArg::output(q),
-                cache.keys.output(),
-                cache.values.output(),
-                KernelArg::u32(check_u32("rows", n)?),
-                KernelArg::u32(check_u32("q_gate row stride", projections.q_gate.stride)?),
-                KernelArg::u32(check_u32("k row stride", projections.k.stride)?),
-                KernelArg::u32(check_u32("v row stride", projections.v.stride)?),
-                KernelArg::u32(check_u32("heads", s.heads)?),
-                KernelArg::u32(check_u32("kv heads", s.kv_heads)?),
-                KernelArg::u32(check_u32("head_dim", hd)?),
-                KernelArg::u32(check_u32("rotary half", half)?),
-                KernelArg::u32(check_u32("cache capacity", cache.capacity)?),
-                KernelArg::f32(layer.eps),
-                KernelArg::u32(u32::from(cache.format != KvFormat::Bf16)),
-                KernelArg::f32(1.0 / key_scale),
-                KernelArg::f32(1.0 / value_scale),
-            ];
+            let args = prepare_arguments(layer, projections, rows, cache, q)?;
             // SAFETY: the arguments are attention_prepare's parameters in order; the rows of
             // q_gate, k and v (at their strides), q and the norms were checked against (rows,
             // heads, kv_heads, head_dim); slots and
@@ -898,22 +873,7 @@ pub fn attend_with(
                 };
                 (decode_warp_kernel(cache.format), dims)
             };
-            let args = [
-                KernelArg::input(q),
-                cache.keys.input(),
-                cache.values.input(),
-                KernelArg::input(&rows.slot),
-                KernelArg::input(&rows.position),
-                KernelArg::output(&mut workspace.partial_ml),
-                KernelArg::output(&mut workspace.partial_acc),
-                KernelArg::u32(heads),
-                KernelArg::u32(kv),
-                KernelArg::u32(hd32),
-                KernelArg::u32(check_u32("cache capacity", cache.capacity)?),
-                KernelArg::u32(splits32),
-                KernelArg::f32(key_scale),
-                KernelArg::f32(value_scale),
-            ];
+            let args = decode_arguments(q, cache, rows, workspace, shape, splits32)?;
             // SAFETY: the arguments are the decode kernels' parameters in order; q holds rows x
             // heads x head_dim, the workspace rows x heads x splits partials (checked above);
             // the cache is indexed by the rows' slots and positions, which the caller keeps in
@@ -926,19 +886,15 @@ pub fn attend_with(
                 block: (combine_warps * warp, 1, 1),
                 shared_bytes: 0,
             };
-            let args = [
-                KernelArg::input(&workspace.partial_ml),
-                KernelArg::input(&workspace.partial_acc),
-                q_gate.arg()?,
-                KernelArg::input(&rows.position),
-                KernelArg::output(out),
-                KernelArg::u32(n32),
-                KernelArg::u32(check_u32("q_gate row stride", q_gate.stride)?),
-                KernelArg::u32(heads),
-                KernelArg::u32(hd32),
-                KernelArg::u32(splits32),
-                KernelArg::u32(dims_per_block),
-            ];
+            let args = combine_arguments(
+                workspace,
+                q_gate,
+                rows,
+                out,
+                shape,
+                splits32,
+                dims_per_block,
+            )?;
             // SAFETY: as above; out holds rows x heads x head_dim, q_gate's rows (at its
             // stride) heads x 2 x head_dim.
             unsafe { backend.launch(FAMILY, KERNEL_COMBINE_GATE, &combine, &args) }
@@ -946,9 +902,116 @@ pub fn attend_with(
     }
 }
 
+/// `attention_prepare`'s arguments in its parameter order; the scalars from the layer, the rows,
+/// the projections' strides and the cache.
+///
+/// # Errors
+/// [`Error::Invalid`] when a size exceeds the kernels' 32-bit range or a projection's offset lies
+/// past its buffer.
+fn prepare_arguments<'a>(
+    layer: &GatedAttention<'a>,
+    projections: &Projections<'a>,
+    rows: &'a Rows,
+    cache: &'a mut KvCache,
+    q: &'a mut DeviceVec<f32>,
+) -> Result<[KernelArg<'a>; 24]> {
+    let s = layer.shape;
+    let (key_scale, value_scale) = cache.format.scales();
+    let fp8 = u32::from(cache.format != KvFormat::Bf16);
+    let capacity = check_u32("cache capacity", cache.capacity)?;
+    Ok([
+        projections.q_gate.arg()?,
+        projections.k.arg()?,
+        projections.v.arg()?,
+        KernelArg::input(layer.q_norm),
+        KernelArg::input(layer.k_norm),
+        KernelArg::input(&layer.rope.cos_sin),
+        KernelArg::input(&rows.slot),
+        KernelArg::input(&rows.position),
+        KernelArg::output(q),
+        cache.keys.output(),
+        cache.values.output(),
+        KernelArg::u32(check_u32("rows", rows.count)?),
+        KernelArg::u32(check_u32("q_gate row stride", projections.q_gate.stride)?),
+        KernelArg::u32(check_u32("k row stride", projections.k.stride)?),
+        KernelArg::u32(check_u32("v row stride", projections.v.stride)?),
+        KernelArg::u32(check_u32("heads", s.heads)?),
+        KernelArg::u32(check_u32("kv heads", s.kv_heads)?),
+        KernelArg::u32(check_u32("head_dim", s.head_dim)?),
+        KernelArg::u32(check_u32("rotary half", layer.rope.rotary_dim / 2)?),
+        KernelArg::u32(capacity),
+        KernelArg::f32(layer.eps),
+        KernelArg::u32(fp8),
+        KernelArg::f32(1.0 / key_scale),
+        KernelArg::f32(1.0 / value_scale),
+    ])
+}
+
+/// The split kernels' arguments in their parameter order (every decode kernel takes the same).
+///
+/// # Errors
+/// [`Error::Invalid`] when a size exceeds the kernels' 32-bit range.
+fn decode_arguments<'a>(
+    q: &'a DeviceVec<f32>,
+    cache: &'a KvCache,
+    rows: &'a Rows,
+    workspace: &'a mut Workspace,
+    shape: AttentionShape,
+    splits: u32,
+) -> Result<[KernelArg<'a>; 14]> {
+    let (key_scale, value_scale) = cache.format.scales();
+    Ok([
+        KernelArg::input(q),
+        cache.keys.input(),
+        cache.values.input(),
+        KernelArg::input(&rows.slot),
+        KernelArg::input(&rows.position),
+        KernelArg::output(&mut workspace.partial_ml),
+        KernelArg::output(&mut workspace.partial_acc),
+        KernelArg::u32(check_u32("heads", shape.heads)?),
+        KernelArg::u32(check_u32("kv heads", shape.kv_heads)?),
+        KernelArg::u32(check_u32("head_dim", shape.head_dim)?),
+        KernelArg::u32(check_u32("cache capacity", cache.capacity)?),
+        KernelArg::u32(splits),
+        KernelArg::f32(key_scale),
+        KernelArg::f32(value_scale),
+    ])
+}
+
+/// `attention_combine_gate`'s arguments in its parameter order.
+///
+/// # Errors
+/// [`Error::Invalid`] when a size exceeds the kernels' 32-bit range or q_gate's offset lies
+/// past its buffer.
+fn combine_arguments<'a>(
+    workspace: &'a Workspace,
+    q_gate: Bf16Rows<'a>,
+    rows: &'a Rows,
+    out: &'a mut DeviceVec<bf16>,
+    shape: AttentionShape,
+    splits: u32,
+    dims_per_block: u32,
+) -> Result<[KernelArg<'a>; 11]> {
+    Ok([
+        KernelArg::input(&workspace.partial_ml),
+        KernelArg::input(&workspace.partial_acc),
+        q_gate.arg()?,
+        KernelArg::input(&rows.position),
+        KernelArg::output(out),
+        KernelArg::u32(check_u32("rows", rows.count)?),
+        KernelArg::u32(check_u32("q_gate row stride", q_gate.stride)?),
+        KernelArg::u32(check_u32("heads", shape.heads)?),
+        KernelArg::u32(check_u32("head_dim", shape.head_dim)?),
+        KernelArg::u32(splits),
+        KernelArg::u32(dims_per_block),
+    ])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::launch_check;
+    use crate::target;
 
     const QWEN: AttentionShape = AttentionShape {
         heads: 16,
@@ -1002,5 +1065,64 @@ mod tests {
             decode_mma_kernel(QWEN, KvFormat::FP8_UNIT_SCALES),
             KERNEL_DECODE_MMA_G8_FP8
         );
+    }
+
+    /// Every attention kernel's launch arguments against its compiled parameters on every target
+    /// (the mma split kernels where they are rendered), both KV formats and strided projections.
+    #[test]
+    fn the_launch_arguments_match_every_targets_kernels() {
+        let cpu = Backend::Cpu;
+        let shape = QWEN;
+        let (hd, q_rows) = (shape.head_dim, shape.heads * shape.head_dim);
+        let rope = RopeTable::new(&cpu, 64, 1e7, 8).expect("rope");
+        let norm = DeviceVec::Host(vec![0.0f32; hd]);
+        let layer = GatedAttention {
+            shape,
+            q_norm: &norm,
+            k_norm: &norm,
+            eps: 1e-6,
+            rope: &rope,
+        };
+        let qkv = DeviceVec::Host(vec![bf16::ZERO; shape.projection_width()]);
+        let projections = Projections::fused(shape, &qkv);
+        let rows = Rows {
+            count: 1,
+            slot: DeviceVec::Host(vec![0]),
+            position: DeviceVec::Host(vec![0]),
+        };
+        let mut q = DeviceVec::Host(vec![0.0f32; q_rows]);
+        let mut out = DeviceVec::Host(vec![bf16::ZERO; q_rows]);
+        let mut workspace = Workspace::new(&cpu, shape, 1, 8).expect("workspace");
+        let mut checks = launch_check::ArgumentChecks::new(FAMILY);
+        for t in target::all() {
+            let name = t.name.as_str();
+            for format in [KvFormat::Bf16, KvFormat::FP8_UNIT_SCALES] {
+                let mut cache = KvCache::new(&cpu, shape, 1, 8, format).expect("cache");
+                let args = prepare_arguments(&layer, &projections, &rows, &mut cache, &mut q)
+                    .expect("prepare arguments");
+                checks.check(name, KERNEL_PREPARE, &args);
+                let mut kernels = vec![decode_warp_kernel(format)];
+                if DecodeKernel::Mma.runs_on(t) {
+                    kernels.push(decode_mma_kernel(shape, format));
+                }
+                for kernel in kernels {
+                    let args = decode_arguments(&q, &cache, &rows, &mut workspace, shape, 1)
+                        .expect("decode arguments");
+                    checks.check(name, kernel, &args);
+                }
+            }
+            let args = combine_arguments(
+                &workspace,
+                projections.q_gate,
+                &rows,
+                &mut out,
+                shape,
+                1,
+                32,
+            )
+            .expect("combine arguments");
+            checks.check(name, KERNEL_COMBINE_GATE, &args);
+        }
+        checks.assert_all_match();
     }
 }
