@@ -1,4 +1,4 @@
-//! The `attention` decode kernels run on the CPU: the source rendered for each mma.sync target is
+//! The `attention` kernels run on the CPU: the source rendered for each mma.sync target is
 //! compiled for the host with tests/attention_emulator.cpp (and the GDN and GEMM emulators'
 //! layers it names) in place of its vendor layers, and `attention_decode_mma_g*` runs with the
 //! arguments src/kernels/attention/mod.rs passes, beside `attention_decode` (its reference GPU
@@ -6,16 +6,22 @@
 //! 160, an odd number of k16 steps per k part; a group of one), contexts of one position, of a
 //! split and one more, and of several splits, in a cache slot past the first. Each kernel's split
 //! partials, merged on the host, must match the CPU reference (f64) to fp32 accuracy: the mma
-//! kernel's bf16 hi + lo operands keep it there. One OS thread per GPU thread, blocks one after
+//! kernel's bf16 hi + lo operands keep it there. `attention_prepare` and `attention_combine_gate`
+//! read projections at a row stride wider than each (the model's one [q_gate | k | v] GEMM
+//! output): against the CPU path of [`attention::prepare`] and an f64 merge of random partials.
+//! One OS thread per GPU thread, blocks one after
 //! another, cp.async copies at once: no timing, no races between blocks.
 //!
 //! Needs a C++20 compiler (`$CXX`, else clang++-19, clang++, g++ or c++).
 
+use fp4spec::backend::{Backend, DeviceVec};
 use fp4spec::formats::nvfp4::{e4m3_decode, e4m3_encode};
 use fp4spec::kernels::attention::reference::{self, AttentionShape};
 use fp4spec::kernels::attention::{
-    self, KERNEL_DECODE, KERNEL_DECODE_FP8, KERNEL_DECODE_MMA_G8, KERNEL_DECODE_MMA_G8_FP8,
-    KERNEL_DECODE_MMA_G16, KERNEL_DECODE_MMA_G16_FP8, KvFormat,
+    self, GatedAttention, KERNEL_COMBINE_GATE, KERNEL_DECODE, KERNEL_DECODE_FP8,
+    KERNEL_DECODE_MMA_G8, KERNEL_DECODE_MMA_G8_FP8, KERNEL_DECODE_MMA_G16,
+    KERNEL_DECODE_MMA_G16_FP8, KERNEL_PREPARE, KvCache, KvFormat, KvStore, Projections, RopeTable,
+    Rows,
 };
 use fp4spec::kernels::table;
 use fp4spec::rng::SplitMix64;
@@ -27,7 +33,7 @@ const EMULATOR: &str = include_str!("attention_emulator.cpp");
 const GDN_EMULATOR: &str = include_str!("gdn_emulator.cpp");
 const GEMM_EMULATOR: &str = include_str!("gemm_emulator.cpp");
 
-// the decode kernels take no null or f32 arguments and no zeroed buffers
+// the attention kernels take no null arguments
 #[allow(dead_code)]
 #[path = "emulation/driver.rs"]
 mod driver;
@@ -85,6 +91,8 @@ fn emulator_source(target: &TargetFacts) -> String {
             KERNEL_DECODE_FP8,
             KERNEL_DECODE_MMA_G8_FP8,
             KERNEL_DECODE_MMA_G16_FP8,
+            KERNEL_PREPARE,
+            KERNEL_COMBINE_GATE,
         ],
     ));
     source
@@ -396,6 +404,254 @@ fn the_fp8_kernels_decode_every_e4m3_code_exactly() {
                         target.name
                     );
                 }
+            }
+        }
+    }
+}
+
+fn bf16_bytes(v: &[bf16]) -> Vec<u8> {
+    bytes(v, |x| x.to_bits().to_le_bytes())
+}
+
+fn bf16s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(2)
+        .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+        .collect()
+}
+
+/// `attention_prepare` and `attention_combine_gate` on two rows whose q_gate, k and v are the
+/// column ranges of one buffer, rows `projection_width + 24` elements apart with NaN between
+/// (the model's fused GEMM output; a read off its range poisons the results): prepare's q and
+/// cached keys against the CPU path on three packed matrices (fp32 in another order: within a
+/// few ulps), its cached values equal; the combine's gated output against an f64 merge of
+/// random partials of 3 and 1 used splits (the unused ones NaN), within a bf16 rounding.
+#[test]
+fn prepare_and_combine_read_strided_projections() {
+    let shape = AttentionShape {
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    let (heads, kv_heads, hd) = (shape.heads, shape.kv_heads, shape.head_dim);
+    let (q_width, kv_width) = (heads * 2 * hd, kv_heads * hd);
+    let stride = shape.projection_width() + 24;
+    let (capacity, rotary_dim) = (8, 32);
+    let (slots, positions) = ([1u32, 0], [5u32, 2]);
+    let cpu = Backend::Cpu;
+    for target in target::all().iter().filter(|t| t.instructions.staged_mma()) {
+        let exe = emulator(target);
+        let mut rng = SplitMix64::new(0x57e1);
+        let random_bf16 = |rng: &mut SplitMix64, n: usize| -> Vec<bf16> {
+            rng.normal_vec(n, 1.0)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect()
+        };
+        let (q_gate, k, v) = (
+            random_bf16(&mut rng, 2 * q_width),
+            random_bf16(&mut rng, 2 * kv_width),
+            random_bf16(&mut rng, 2 * kv_width),
+        );
+        let (q_norm, k_norm) = (rng.normal_vec(hd, 0.3), rng.normal_vec(hd, 0.3));
+
+        // the CPU path on three packed matrices
+        let rope = RopeTable::new(&cpu, rotary_dim, 1e7, capacity).expect("rope");
+        let (qn, kn) = (
+            DeviceVec::Host(q_norm.clone()),
+            DeviceVec::Host(k_norm.clone()),
+        );
+        let layer = GatedAttention {
+            shape,
+            q_norm: &qn,
+            k_norm: &kn,
+            eps: 1e-6,
+            rope: &rope,
+        };
+        let host = |v: &[bf16]| DeviceVec::Host(v.to_vec());
+        let (qg_host, k_host, v_host) = (host(&q_gate), host(&k), host(&v));
+        let rows = Rows {
+            count: 2,
+            slot: DeviceVec::Host(slots.to_vec()),
+            position: DeviceVec::Host(positions.to_vec()),
+        };
+        let mut cache = KvCache::new(&cpu, shape, 2, capacity, KvFormat::Bf16).expect("cache");
+        let mut q = DeviceVec::Host(vec![0.0f32; 2 * heads * hd]);
+        attention::prepare(
+            &cpu,
+            &layer,
+            &Projections::separate(shape, &qg_host, &k_host, &v_host),
+            &rows,
+            &mut cache,
+            &mut q,
+        )
+        .expect("CPU prepare");
+        let DeviceVec::Host(want_q) = q else {
+            unreachable!("a host buffer")
+        };
+        let cached = |store: &KvStore| -> Vec<f32> {
+            match store {
+                KvStore::Bf16(DeviceVec::Host(v)) => v.iter().map(|x| x.to_f32()).collect(),
+                _ => unreachable!("a host bf16 cache"),
+            }
+        };
+        let (want_keys, want_values) = (cached(&cache.keys), cached(&cache.values));
+
+        // the kernels on one strided buffer
+        let mut fused = vec![bf16::NAN; 2 * stride];
+        for r in 0..2 {
+            let row = &mut fused[r * stride..];
+            row[..q_width].copy_from_slice(&q_gate[r * q_width..][..q_width]);
+            row[q_width..][..kv_width].copy_from_slice(&k[r * kv_width..][..kv_width]);
+            row[q_width + kv_width..][..kv_width].copy_from_slice(&v[r * kv_width..][..kv_width]);
+        }
+        let mut emu = Emu::default();
+        let qg_buf = emu.buffer(bf16_bytes(&fused));
+        let k_buf = emu.buffer(bf16_bytes(&fused[q_width..]));
+        let v_buf = emu.buffer(bf16_bytes(&fused[q_width + kv_width..]));
+        let u32s = |v: &[u32]| bytes(v, u32::to_le_bytes);
+        let DeviceVec::Host(table) = &rope.cos_sin else {
+            unreachable!("a host table")
+        };
+        let (slot_buf, pos_buf) = (emu.buffer(u32s(&slots)), emu.buffer(u32s(&positions)));
+        let q_out = emu.buffer(bytes(&vec![f32::NAN; 2 * heads * hd], f32::to_le_bytes));
+        let cache_elems = 2 * capacity * kv_width;
+        let (k_cache, v_cache) = (emu.zeros(2 * cache_elems), emu.zeros(2 * cache_elems));
+        let items = (2 * (heads + kv_heads)) as u32;
+        let warps = target.attention.prepare_warps_per_block;
+        let stride32 = stride as u32;
+        let args = [
+            Arg::Ptr(qg_buf),
+            Arg::Ptr(k_buf),
+            Arg::Ptr(v_buf),
+            Arg::Ptr(emu.buffer(bytes(&q_norm, f32::to_le_bytes))),
+            Arg::Ptr(emu.buffer(bytes(&k_norm, f32::to_le_bytes))),
+            Arg::Ptr(emu.buffer(bytes(table, f32::to_le_bytes))),
+            Arg::Ptr(slot_buf),
+            Arg::Ptr(pos_buf),
+            Arg::Ptr(q_out),
+            Arg::Ptr(k_cache),
+            Arg::Ptr(v_cache),
+            Arg::U32(2),
+            Arg::U32(stride32),
+            Arg::U32(stride32),
+            Arg::U32(stride32),
+            Arg::U32(heads as u32),
+            Arg::U32(kv_heads as u32),
+            Arg::U32(hd as u32),
+            Arg::U32(rotary_dim as u32 / 2),
+            Arg::U32(capacity as u32),
+            Arg::F32(1e-6),
+            Arg::U32(0),
+            Arg::F32(1.0),
+            Arg::F32(1.0),
+        ];
+        emu.launch(
+            KERNEL_PREPARE,
+            (items.div_ceil(warps), 1),
+            warps * 32,
+            0,
+            &args,
+        );
+
+        // the combine: row 0 at a position of three used splits, row 1 of one, four splits
+        let split = target.attention.split_positions;
+        let splits = 4usize;
+        let combine_positions = [3 * split - 1, 2];
+        let used = |r: usize| ((combine_positions[r] + split) / split) as usize;
+        let mut ml = vec![f32::NAN; 2 * heads * splits * 2];
+        let mut acc = vec![f32::NAN; 2 * heads * splits * hd];
+        for item in 0..2 * heads {
+            for s in 0..used(item / heads) {
+                let p = item * splits + s;
+                ml[2 * p] = 2.0 * rng.uniform() - 1.0;
+                ml[2 * p + 1] = 0.5 + rng.uniform();
+                for (d, a) in acc[p * hd..(p + 1) * hd].iter_mut().enumerate() {
+                    *a = rng.normal_vec(1, 1.0)[0] + d as f32 * 0.01;
+                }
+            }
+        }
+        let out = emu.buffer(bf16_bytes(&vec![bf16::NAN; 2 * heads * hd]));
+        let (ml_buf, acc_buf) = (
+            emu.buffer(bytes(&ml, f32::to_le_bytes)),
+            emu.buffer(bytes(&acc, f32::to_le_bytes)),
+        );
+        let combine_pos = emu.buffer(u32s(&combine_positions));
+        let dims_per_block = 32u32;
+        let combine_warps = target.attention.combine_warps_per_block;
+        emu.launch(
+            KERNEL_COMBINE_GATE,
+            ((2 * heads) as u32, hd as u32 / dims_per_block),
+            combine_warps * 32,
+            0,
+            &[
+                Arg::Ptr(ml_buf),
+                Arg::Ptr(acc_buf),
+                Arg::Ptr(qg_buf),
+                Arg::Ptr(combine_pos),
+                Arg::Ptr(out),
+                Arg::U32(2),
+                Arg::U32(stride32),
+                Arg::U32(heads as u32),
+                Arg::U32(hd as u32),
+                Arg::U32(splits as u32),
+                Arg::U32(dims_per_block),
+            ],
+        );
+        for b in [q_out, k_cache, v_cache, out] {
+            emu.dump(b);
+        }
+        let dumps = emu.run(&exe, "attention_strided_projections");
+
+        let got_q = f32s(&dumps[&q_out.0]);
+        let q_rms = (want_q.iter().map(|v| v * v).sum::<f32>() / want_q.len() as f32).sqrt();
+        for (i, (g, w)) in got_q.iter().zip(&want_q).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-5 * (w.abs() + q_rms),
+                "{}: q[{i}] {g} against {w}",
+                target.name
+            );
+        }
+        let got_keys = bf16s(&dumps[&k_cache.0]);
+        for (i, (g, w)) in got_keys.iter().zip(&want_keys).enumerate() {
+            // one bf16 rounding of fp32 values computed in another order
+            assert!(
+                (g - w).abs() <= w.abs() / 128.0 + 1e-6,
+                "{}: cached key {i} {g} against {w}",
+                target.name
+            );
+        }
+        assert_eq!(
+            bf16s(&dumps[&v_cache.0]),
+            want_values,
+            "{}: cached values",
+            target.name
+        );
+        let got = bf16s(&dumps[&out.0]);
+        for item in 0..2 * heads {
+            let (row, head) = (item / heads, item % heads);
+            let parts: Vec<usize> = (0..used(row)).map(|s| item * splits + s).collect();
+            let max = parts
+                .iter()
+                .map(|&p| f64::from(ml[2 * p]))
+                .fold(f64::NEG_INFINITY, f64::max);
+            let total: f64 = parts
+                .iter()
+                .map(|&p| f64::from(ml[2 * p + 1]) * (f64::from(ml[2 * p]) - max).exp2())
+                .sum();
+            for d in 0..hd {
+                let merged: f64 = parts
+                    .iter()
+                    .map(|&p| f64::from(acc[p * hd + d]) * (f64::from(ml[2 * p]) - max).exp2())
+                    .sum::<f64>()
+                    / total;
+                let gate = f64::from(q_gate[row * q_width + head * 2 * hd + hd + d].to_f32());
+                let want = merged / (1.0 + (-gate).exp());
+                let g = f64::from(got[item * hd + d]);
+                assert!(
+                    (g - want).abs() <= want.abs() / 128.0 + 1e-6,
+                    "{}: row {row} head {head} dimension {d}: {g} against {want}",
+                    target.name
+                );
             }
         }
     }
