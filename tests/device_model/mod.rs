@@ -126,6 +126,14 @@ pub fn rescale_attention_keys(model: &mut Model) {
     assert!(rescaled > 0, "the model has attention layers");
 }
 
+/// How `model`'s attention layers run on `backend`: `(stacked, total)`, the layers (the target's
+/// and the MTP head's) whose q, k and v run as one GEMM, of all.
+pub fn qkv_stacking(backend: &Backend, model: &Model) -> (usize, usize) {
+    DeviceModel::from_model(backend, model)
+        .expect("device model")
+        .stacked_qkv_layers()
+}
+
 /// Runs the comparison on `backend` with the demo model; returns the largest relative logit
 /// error seen.
 pub fn decode_matches_runner(backend: &Backend, prompt_steps: usize, greedy_steps: usize) -> f64 {

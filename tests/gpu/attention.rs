@@ -185,14 +185,14 @@ fn run(
         let n = rows.count;
         let upload = |v: &[bf16]| backend.upload(v).expect("projections");
         let buffers = if fused {
-            [upload(&fused_rows(shape, data)), upload(&[]), upload(&[])]
+            vec![upload(&fused_rows(shape, data))]
         } else {
-            [upload(&data.q_gate), upload(&data.k), upload(&data.v)]
+            vec![upload(&data.q_gate), upload(&data.k), upload(&data.v)]
         };
-        let projections = if fused {
-            Projections::fused(shape, &buffers[0])
-        } else {
-            Projections::separate(shape, &buffers[0], &buffers[1], &buffers[2])
+        let projections = match &buffers[..] {
+            [qkv] => Projections::fused(shape, qkv),
+            [q_gate, k, v] => Projections::separate(shape, q_gate, k, v),
+            _ => unreachable!("one or three buffers"),
         };
         let mut q = backend
             .upload(&vec![f32::NAN; n * shape.heads * shape.head_dim])

@@ -69,7 +69,11 @@ fn device_decode_on_cuda_runs_nvfp4_q_k_v_stacked_and_apart() {
     let dir = tempfile::tempdir().expect("temp dir");
     let mut model =
         Model::load(device_model::quantised_demo(dir.path(), false)).expect("NVFP4 model");
+    // the demo model's one attention layer and its MTP head's (bf16): both stacked
+    assert_eq!(device_model::qkv_stacking(backend, &model), (2, 2));
     device_model::decode_matches_runner_with(backend, &model, KvFormat::Bf16, 16, 16);
     device_model::rescale_attention_keys(&mut model);
+    // the target layer's now apart; the MTP head's bf16 ones still stack
+    assert_eq!(device_model::qkv_stacking(backend, &model), (1, 2));
     device_model::decode_matches_runner_with(backend, &model, KvFormat::Bf16, 16, 16);
 }

@@ -150,7 +150,8 @@ impl Drop for CapturedGraph {
 /// for the calls that must run whatever happened elsewhere and report only their own results,
 /// such as ending a capture, destroying a graph, and launches (a launch inside a capture that
 /// failed for another thread's drop ended the capture's recording with a stale error). A
-/// recorded error stays for the context's next cudarc call, which reports it.
+/// recorded error stays for the context's next cudarc call, which reports it (an allocation, a
+/// copy, a synchronisation, or a family's first launch, whose module cudarc loads).
 fn make_current(context: &CudaContext) -> std::result::Result<(), cudarc::driver::DriverError> {
     // SAFETY: a live context (the caller holds it).
     unsafe { cudarc::driver::result::ctx::set_current(context.cu_ctx()) }

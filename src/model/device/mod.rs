@@ -8,8 +8,8 @@
 //! Per layer and step (B rows): `norm` (residual += previous delta, input norm) -> mixer -> `norm`
 //! (residual += mixer output, post-attention norm) -> `moe` (its output is the next delta). The
 //! Gated DeltaNet mixer runs ONE projection GEMM (the rows `[qkv; z; b; a]` of one weight) and
-//! [`gdn::step`] reads its pieces in place; attention runs q (with gate), k and v, then
-//! [`attention::prepare`] and [`attention::attend`]. The residual stream stays f32; what the
+//! [`gdn::step`] reads its pieces in place; attention runs q (with gate), k and v as ONE GEMM
+//! where their weights stack (else three), then [`attention::prepare`] and [`attention::attend`]. The residual stream stays f32; what the
 //! GEMMs read and write is bf16.
 //!
 //! Weights come from a loaded [`Model`] (linears and experts the checkpoint stores as NVFP4 run
@@ -140,8 +140,9 @@ enum QkvProjection {
     /// per-tensor scale ([`Nvfp4Matrix::stack_rows`]), as ModelOpt and `fp4spec quantize`
     /// export them: at B = 1 the k and v launches cost about 2.8 us each (H100), 20 a step.
     Fused(Linear),
-    /// Three weights, three GEMMs: NVFP4 linears whose per-tensor scales differ, which one
-    /// launch could only multiply exactly with an alpha per tile.
+    /// Three weights, three GEMMs: NVFP4 linears whose per-tensor (or input) scales differ,
+    /// which one launch could only multiply exactly with an alpha per tile, or a mix of NVFP4
+    /// and bf16 linears.
     Separate { q: Linear, k: Linear, v: Linear },
 }
 
@@ -661,6 +662,22 @@ impl DeviceModel {
         self.kv_format = format;
     }
 
+    /// The attention layers (the target's and the MTP head's) whose q, k and v run as one
+    /// GEMM, and all attention layers: `(stacked, total)`.
+    pub fn stacked_qkv_layers(&self) -> (usize, usize) {
+        let mtp_layers = self.mtp.iter().flat_map(|m| &m.layers);
+        self.layers
+            .iter()
+            .chain(mtp_layers)
+            .fold((0, 0), |(stacked, total), l| match &l.mixer {
+                DeviceMixer::Attention { qkv, .. } => (
+                    stacked + usize::from(matches!(qkv, QkvProjection::Fused(_))),
+                    total + 1,
+                ),
+                DeviceMixer::Gdn { .. } => (stacked, total),
+            })
+    }
+
     /// Weight bytes one decode step of `tokens` rows streams at least, with `distinct_experts`
     /// routed experts per layer: every dense weight once (the embedding table only for the
     /// `tokens` rows read), the chosen experts, the shared expert and the router.
@@ -695,10 +712,9 @@ struct Activations {
     gdn_out: DeviceVec<bf16>,
     /// `[rows][q_gate | k | v]` ([`QkvProjection::Fused`]).
     qkv: DeviceVec<bf16>,
-    /// The outputs of [`QkvProjection::Separate`]'s three GEMMs (empty when no layer has it).
-    q_gate: DeviceVec<bf16>,
-    k: DeviceVec<bf16>,
-    v: DeviceVec<bf16>,
+    /// The outputs of [`QkvProjection::Separate`]'s three GEMMs, q_gate, k and v, where a
+    /// layer has it.
+    separate_qkv: Option<[DeviceVec<bf16>; 3]>,
     q: DeviceVec<f32>,
     attention_out: DeviceVec<bf16>,
     /// Each row's sequence slot and position.
@@ -724,7 +740,15 @@ impl Activations {
                 }
             )
         });
-        let separate_rows = if separate { rows } else { 0 };
+        let separate_qkv = if separate {
+            Some([
+                backend.zeros(rows * att.heads * 2 * att.head_dim)?,
+                backend.zeros(rows * att.kv_heads * att.head_dim)?,
+                backend.zeros(rows * att.kv_heads * att.head_dim)?,
+            ])
+        } else {
+            None
+        };
         Ok(Self {
             rows,
             residual: backend.zeros(rows * h)?,
@@ -734,9 +758,7 @@ impl Activations {
                 .zeros(rows * gdn_projection_rows(config).next_multiple_of(8))?,
             gdn_out: backend.zeros(rows * gdn.value_heads * gdn.dv)?,
             qkv: backend.zeros(rows * att.projection_width())?,
-            q_gate: backend.zeros(separate_rows * att.heads * 2 * att.head_dim)?,
-            k: backend.zeros(separate_rows * att.kv_heads * att.head_dim)?,
-            v: backend.zeros(separate_rows * att.kv_heads * att.head_dim)?,
+            separate_qkv,
             q: backend.zeros(rows * att.heads * att.head_dim)?,
             attention_out: backend.zeros(rows * att.heads * att.head_dim)?,
             attention_rows: attention::Rows {
@@ -1026,10 +1048,16 @@ fn run_layer(
                     attention::Projections::fused(att, &act.qkv)
                 }
                 QkvProjection::Separate { q, k, v } => {
-                    linear(backend, &act.normed, b, q, Epilogue::None, &mut act.q_gate)?;
-                    linear(backend, &act.normed, b, k, Epilogue::None, &mut act.k)?;
-                    linear(backend, &act.normed, b, v, Epilogue::None, &mut act.v)?;
-                    attention::Projections::separate(att, &act.q_gate, &act.k, &act.v)
+                    let Some([q_gate, k_out, v_out]) = &mut act.separate_qkv else {
+                        return Err(Error::invalid(
+                            "decoder activations",
+                            "made for a model without separate q, k and v projections",
+                        ));
+                    };
+                    linear(backend, &act.normed, b, q, Epilogue::None, q_gate)?;
+                    linear(backend, &act.normed, b, k, Epilogue::None, k_out)?;
+                    linear(backend, &act.normed, b, v, Epilogue::None, v_out)?;
+                    attention::Projections::separate(att, q_gate, k_out, v_out)
                 }
             };
             attention::prepare(
