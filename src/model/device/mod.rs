@@ -138,7 +138,9 @@ enum QkvProjection {
     /// One `[q; k; v]` weight: one GEMM writes each row's `[q_gate | k | v]`
     /// ([`attention::Projections::fused`]). Where the three share a format and, NVFP4, one
     /// per-tensor scale ([`Nvfp4Matrix::stack_rows`]), as ModelOpt and `fp4spec quantize`
-    /// export them: at B = 1 the k and v launches cost about 2.8 us each (H100), 20 a step.
+    /// export them. The k and v launches cost about 2.8 us each at B = 1, 20 a step; one
+    /// launch took the step 0.9% shorter at B = 1 and 2.5% at B = 64 (H100, BENCHMARKS.md,
+    /// thirty-third session).
     Fused(Linear),
     /// Three weights, three GEMMs: NVFP4 linears whose per-tensor (or input) scales differ,
     /// which one launch could only multiply exactly with an alpha per tile, or a mix of NVFP4
