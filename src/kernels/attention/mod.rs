@@ -528,17 +528,16 @@ fn host_mut<'a, T>(
     }
 }
 
-/// Step 1: normalises and rotates q (`q_gate`, `[rows][heads][2 * head_dim]`, query then gate
-/// per head) into `q` (`[rows][heads][head_dim]` f32) and k (`[rows][kv_heads][head_dim]`),
-/// and appends k and v (`[rows][kv_heads][head_dim]`) to `cache` at each row's slot and
-/// position. Positions must be below the cache's and the RoPE table's capacity (the CPU path
-/// checks; on the GPU they are device data the caller keeps in range).
+/// Step 1: normalises and rotates each row's query (`projections.q_gate`, per head the query
+/// then its gate) into `q` (`[rows][heads][head_dim]` f32) and its key (`projections.k`), and
+/// appends the key and value (`projections.v`) to `cache` at each row's slot and position.
+/// Positions must be below the cache's and the RoPE table's capacity (the CPU path checks; on
+/// the GPU they are device data the caller keeps in range).
 ///
 /// # Errors
-/// [`Error::Invalid`] for buffer lengths that disagree with the shapes, a group or head size the
-/// kernels do not take, or (CPU) a slot or position out of range; [`Error::BackendMismatch`],
-/// [`Error::Compile`] / [`Error::Cuda`].
-#[allow(clippy::too_many_arguments)]
+/// [`Error::Invalid`] for projection rows that do not fit their buffers or buffer lengths that
+/// disagree with the shapes, a group or head size the kernels do not take, or (CPU) a slot or
+/// position out of range; [`Error::BackendMismatch`], [`Error::Compile`] / [`Error::Cuda`].
 pub fn prepare(
     backend: &Backend,
     layer: &GatedAttention<'_>,
@@ -706,7 +705,8 @@ impl DecodeKernel {
 }
 
 /// Step 2: every row's attention over positions `0 ..= position` of its slot, merged over the
-/// splits and multiplied by `sigmoid(gate)` (the second half of each head in `q_gate`), into
+/// splits and multiplied by `sigmoid(gate)` (the second half of each head in `q_gate`'s rows,
+/// [`Projections::q_gate`]), into
 /// `out` (`[rows][heads * head_dim]` bf16). On a device the split kernel is
 /// [`DecodeKernel::preferred`] for its target.
 ///
