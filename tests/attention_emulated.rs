@@ -433,7 +433,7 @@ fn prepare_and_combine_read_strided_projections() {
         head_dim: 64,
     };
     let (heads, kv_heads, hd) = (shape.heads, shape.kv_heads, shape.head_dim);
-    let (q_width, kv_width) = (heads * 2 * hd, kv_heads * hd);
+    let (q_width, kv_width) = (shape.q_gate_width(), shape.kv_width());
     let stride = shape.projection_width() + 24;
     let (capacity, rotary_dim) = (8, 32);
     let (slots, positions) = ([1u32, 0], [5u32, 2]);

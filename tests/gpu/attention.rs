@@ -133,10 +133,7 @@ enum CachedKeys {
 
 /// Each row's `[q_gate | k | v]` side by side, as one GEMM of the three projections writes them.
 fn fused_rows(shape: AttentionShape, data: &Inputs) -> Vec<bf16> {
-    let (q_width, kv_width) = (
-        shape.heads * 2 * shape.head_dim,
-        shape.kv_heads * shape.head_dim,
-    );
+    let (q_width, kv_width) = (shape.q_gate_width(), shape.kv_width());
     data.q_gate
         .chunks_exact(q_width)
         .zip(data.k.chunks_exact(kv_width))

@@ -329,21 +329,16 @@ impl<'a> Projections<'a> {
         k: &'a DeviceVec<bf16>,
         v: &'a DeviceVec<bf16>,
     ) -> Self {
-        let kv_width = shape.kv_heads * shape.head_dim;
         Self {
-            q_gate: Bf16Rows::packed(q_gate, shape.heads * 2 * shape.head_dim),
-            k: Bf16Rows::packed(k, kv_width),
-            v: Bf16Rows::packed(v, kv_width),
+            q_gate: Bf16Rows::packed(q_gate, shape.q_gate_width()),
+            k: Bf16Rows::packed(k, shape.kv_width()),
+            v: Bf16Rows::packed(v, shape.kv_width()),
         }
     }
 
     /// The rows of one `[q_gate | k | v]` output, [`AttentionShape::projection_width`]
     /// elements each.
     pub fn fused(shape: AttentionShape, qkv: &'a DeviceVec<bf16>) -> Self {
-        let (q_width, kv_width) = (
-            shape.heads * 2 * shape.head_dim,
-            shape.kv_heads * shape.head_dim,
-        );
         let at = |offset| Bf16Rows {
             data: qkv,
             offset,
@@ -351,22 +346,17 @@ impl<'a> Projections<'a> {
         };
         Self {
             q_gate: at(0),
-            k: at(q_width),
-            v: at(q_width + kv_width),
+            k: at(shape.q_gate_width()),
+            v: at(shape.q_gate_width() + shape.kv_width()),
         }
     }
 
     /// Checks that `rows` rows of each lie inside their buffers.
     fn check(&self, shape: AttentionShape, rows: usize) -> Result<()> {
-        let kv_width = shape.kv_heads * shape.head_dim;
-        self.q_gate.check(
-            "attention q_gate",
-            rows,
-            shape.heads * 2 * shape.head_dim,
-            false,
-        )?;
-        self.k.check("attention k", rows, kv_width, false)?;
-        self.v.check("attention v", rows, kv_width, false)
+        self.q_gate
+            .check("attention q_gate", rows, shape.q_gate_width(), false)?;
+        self.k.check("attention k", rows, shape.kv_width(), false)?;
+        self.v.check("attention v", rows, shape.kv_width(), false)
     }
 }
 
@@ -576,13 +566,9 @@ pub fn prepare(
             let (qg, kk, vv) = (
                 projections
                     .q_gate
-                    .host_rows("attention q_gate", 0..n, s.heads * 2 * hd)?,
-                projections
-                    .k
-                    .host_rows("attention k", 0..n, s.kv_heads * hd)?,
-                projections
-                    .v
-                    .host_rows("attention v", 0..n, s.kv_heads * hd)?,
+                    .host_rows("attention q_gate", 0..n, s.q_gate_width())?,
+                projections.k.host_rows("attention k", 0..n, s.kv_width())?,
+                projections.v.host_rows("attention v", 0..n, s.kv_width())?,
             );
             let (qn, kn) = (
                 host(backend, "q_norm", layer.q_norm)?,
@@ -658,9 +644,8 @@ pub fn prepare(
             let args = prepare_arguments(layer, projections, rows, cache, q)?;
             // SAFETY: the arguments are attention_prepare's parameters in order; the rows of
             // q_gate, k and v (at their strides), q and the norms were checked against (rows,
-            // heads, kv_heads, head_dim); slots and
-            // positions index the cache and the RoPE table, which the caller keeps in range
-            // (documented).
+            // heads, kv_heads, head_dim); slots and positions index the cache and the RoPE
+            // table, which the caller keeps in range (documented).
             unsafe { backend.launch(FAMILY, KERNEL_PREPARE, &dims, &args) }
         }
     }
@@ -760,7 +745,7 @@ pub fn attend_with(
         n * shape.heads * hd,
         "[rows, heads, head_dim]",
     )?;
-    q_gate.check("attention q_gate", n, shape.heads * 2 * hd, false)?;
+    q_gate.check("attention q_gate", n, shape.q_gate_width(), false)?;
     check_len(
         "attention out",
         out,
@@ -786,7 +771,7 @@ pub fn attend_with(
     match backend {
         Backend::Cpu => {
             let qv = host(backend, "q", q)?;
-            let qg = q_gate.host_rows("attention q_gate", 0..n, shape.heads * 2 * hd)?;
+            let qg = q_gate.host_rows("attention q_gate", 0..n, shape.q_gate_width())?;
             let (slots, positions) = (
                 host(backend, "slots", &rows.slot)?,
                 host(backend, "positions", &rows.position)?,

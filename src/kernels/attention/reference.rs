@@ -17,10 +17,21 @@ pub struct AttentionShape {
 }
 
 impl AttentionShape {
-    /// Elements per row of the layer's projections side by side, `[q_gate | k | v]`: each
-    /// head's query and output gate, then each KV head's key, then each KV head's value.
+    /// Elements per row of the q projection with its output gate: each head's query, then its
+    /// gate (`heads * 2 * head_dim`).
+    pub fn q_gate_width(&self) -> usize {
+        self.heads * 2 * self.head_dim
+    }
+
+    /// Elements per row of the k (or the v) projection and per cached position: each KV head's
+    /// key (`kv_heads * head_dim`).
+    pub fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Elements per row of the layer's projections side by side, `[q_gate | k | v]`.
     pub fn projection_width(&self) -> usize {
-        (2 * self.heads + 2 * self.kv_heads) * self.head_dim
+        self.q_gate_width() + 2 * self.kv_width()
     }
 }
 

@@ -9,8 +9,8 @@
 //! (residual += mixer output, post-attention norm) -> `moe` (its output is the next delta). The
 //! Gated DeltaNet mixer runs ONE projection GEMM (the rows `[qkv; z; b; a]` of one weight) and
 //! [`gdn::step`] reads its pieces in place; attention runs q (with gate), k and v as ONE GEMM
-//! where their weights stack (else three), then [`attention::prepare`] and [`attention::attend`]. The residual stream stays f32; what the
-//! GEMMs read and write is bf16.
+//! where their weights stack (else three), then [`attention::prepare`] and
+//! [`attention::attend`]. The residual stream stays f32; what the GEMMs read and write is bf16.
 //!
 //! Weights come from a loaded [`Model`] (linears and experts the checkpoint stores as NVFP4 run
 //! on their codes and scales in the W4A16 kernels, the rest as bf16; the fused Gated DeltaNet
@@ -732,21 +732,12 @@ impl Activations {
         let rows = slots.len();
         let h = config.hidden_size;
         let (gdn, att) = (gdn_shape(config), attention_shape(config));
-        let mtp_layers = model.mtp.iter().flat_map(|m| &m.layers);
-        let separate = model.layers.iter().chain(mtp_layers).any(|l| {
-            matches!(
-                l.mixer,
-                DeviceMixer::Attention {
-                    qkv: QkvProjection::Separate { .. },
-                    ..
-                }
-            )
-        });
-        let separate_qkv = if separate {
+        let (stacked, attention_layers) = model.stacked_qkv_layers();
+        let separate_qkv = if stacked < attention_layers {
             Some([
-                backend.zeros(rows * att.heads * 2 * att.head_dim)?,
-                backend.zeros(rows * att.kv_heads * att.head_dim)?,
-                backend.zeros(rows * att.kv_heads * att.head_dim)?,
+                backend.zeros(rows * att.q_gate_width())?,
+                backend.zeros(rows * att.kv_width())?,
+                backend.zeros(rows * att.kv_width())?,
             ])
         } else {
             None
