@@ -105,6 +105,8 @@ struct Case {
     tokens_per_second: f64,
     /// The roofline's bytes per step.
     bytes_per_step: f64,
+    /// Of which the target forward over the n + 1 verify rows (bytes_per_step at n = 0).
+    verify_bytes: f64,
     /// bytes_per_step / ms_per_step over the measured copy bandwidth.
     fraction_of_copy: f64,
     /// Distinct experts the last layer chose in the last step, and the roofline's expectation.
@@ -130,6 +132,10 @@ struct Speculation {
     fit: Option<RowFit>,
     /// The verification at 3 rows per sequence (n = 2) over 1 row (n = 0), where both ran.
     three_rows_over_one: Option<f64>,
+    /// The same ratio of the roofline's bytes (the verify forwards' `verify_bytes`): the least
+    /// `three_rows_over_one` can be with both forwards at the same fraction of the bandwidth (the
+    /// 3 rows' tokens select more distinct experts).
+    three_rows_over_one_roofline: Option<f64>,
     /// `(n, [speed-up at each of SEED_ACCEPTANCE])`.
     speedups: Vec<(usize, Vec<f64>)>,
 }
@@ -289,16 +295,13 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
             };
             graph = stepper.replays_graph();
             for &context in &args.context {
-                let bytes = roofline::speculative_step_bytes(
-                    &config,
-                    precision,
-                    Step {
-                        batch,
-                        rows: drafts + 1,
-                        context,
-                        kv_element_bytes: kv_format.element_bytes(),
-                    },
-                );
+                let step = Step {
+                    batch,
+                    rows: drafts + 1,
+                    context,
+                    kv_element_bytes: kv_format.element_bytes(),
+                };
+                let bytes = roofline::speculative_step_bytes(&config, precision, step);
                 let timed = time_steps(&backend, &mut stepper, context, &args)?;
                 let fraction = bytes / (timed.step_ms / 1e3) / copy;
                 let projected = |bandwidth: f64| batch as f64 * fraction * bandwidth / bytes;
@@ -312,6 +315,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
                     eager_ms_per_step: timed.eager_ms,
                     tokens_per_second: batch as f64 / (timed.step_ms / 1e3),
                     bytes_per_step: bytes,
+                    verify_bytes: roofline::step_bytes(&config, precision, step).total(),
                     fraction_of_copy: fraction,
                     distinct_experts: stepper.distinct_experts()?,
                     expected_experts: roofline::expected_distinct_experts(
@@ -437,21 +441,27 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
         println!(
             "speculation (projected from the measured step times: tokens per step at i.i.d. \
              acceptance a, (1 - a^(n + 1)) / (1 - a), over the n = 0 step; the synthetic \
-             weights' own drafts are never accepted):"
+             weights' own drafts are never accepted; 3 rows/1: the verify forward at n = 2 over \
+             n = 0, measured and in the roofline's bytes, the least it can be where both run at \
+             one fraction of the bandwidth):"
         );
         println!(
-            "{:>3} {:>7} {:>22} {:>10}   speed-up over n = 0 at acceptance {:?}",
-            "B", "context", "verify ms fit", "3 rows/1", SEED_ACCEPTANCE
+            "{:>3} {:>7} {:>22} {:>10} {:>10}   speed-up over n = 0 at acceptance {:?}",
+            "B", "context", "verify ms fit", "3 rows/1", "roofline", SEED_ACCEPTANCE
         );
         for sp in &speculation {
             let fit = sp.fit.map_or_else(
                 || "-".to_string(),
                 |f| format!("{:.3} + {:.3}/row", f.fixed_ms, f.per_row_ms),
             );
-            let ratio = sp
-                .three_rows_over_one
-                .map_or_else(|| "-".to_string(), |r| format!("{r:.3}x"));
-            println!("{:>3} {:>7} {fit:>22} {ratio:>10}", sp.batch, sp.context);
+            let ratio = |r: Option<f64>| r.map_or_else(|| "-".to_string(), |r| format!("{r:.3}x"));
+            println!(
+                "{:>3} {:>7} {fit:>22} {:>10} {:>10}",
+                sp.batch,
+                sp.context,
+                ratio(sp.three_rows_over_one),
+                ratio(sp.three_rows_over_one_roofline)
+            );
             for (n, speedups) in &sp.speedups {
                 let cells: Vec<String> = speedups.iter().map(|v| format!("{v:.2}x")).collect();
                 println!("{:>14} n = {n}: {}", "", cells.join("  "));
@@ -825,6 +835,9 @@ fn speculation(args: &DecodeArgs, cases: &[Case]) -> Vec<Speculation> {
                 three_rows_over_one: of(2)
                     .zip(base)
                     .map(|(three, one)| three.verify_ms / one.verify_ms),
+                three_rows_over_one_roofline: of(2)
+                    .zip(base)
+                    .map(|(three, one)| three.verify_bytes / one.verify_bytes),
                 speedups,
             });
         }
