@@ -29,7 +29,7 @@ const MOE_EMULATOR: &str = include_str!("moe_emulator.cpp");
 mod driver;
 mod emulation;
 use driver::{Arg, Buf, Emu, driver_for};
-use emulation::{build_host, section, splice};
+use emulation::{build_host, section, splice, splice_if_present};
 
 /// The host binary of `target`'s rendered gemm source (built once per test process).
 fn emulator(target: &TargetFacts) -> PathBuf {
@@ -69,6 +69,16 @@ fn emulator_source(target: &TargetFacts) -> String {
         "// ---- cp.async instructions ----",
         "// ---- end of cp.async instructions ----",
         section(EMULATOR, "cp_async"),
+    );
+    source = splice_if_present(
+        &source,
+        "// ---- wgmma instructions ----",
+        "// ---- end of wgmma instructions ----",
+        section(EMULATOR, "wgmma"),
+    );
+    source = source.replace(
+        "extern __shared__ __align__(128) u8 wgmma_shared[];",
+        "u8* wgmma_shared = emu::dynamic_smem;",
     );
     let shared = "extern __shared__ __align__(16) u8 stream_shared[];";
     assert!(
@@ -431,6 +441,154 @@ fn the_x_shared_kernels_match_the_reference() {
             assert!(
                 agreement.passed(),
                 "{} bf16 ({n}, {k}) M={m}: {agreement}",
+                target.name
+            );
+        }
+    }
+}
+
+/// The weights of one wgmma case, as the device holds them.
+enum WgmmaWeights<'a> {
+    Nvfp4(&'a Nvfp4Matrix),
+    Bf16(&'a [bf16]),
+}
+
+/// Runs `case` (its plan's splits and groups per split; one warp per tile) on
+/// `gemm_{nvfp4,bf16}_bf16_wgmma_m64` with the blocks, threads and shared memory
+/// src/kernels/gemm/mod.rs gives it (`wgmma_dims`); returns its output.
+fn run_wgmma_case(
+    exe: &Path,
+    target: &TargetFacts,
+    case: &Case,
+    weights: WgmmaWeights<'_>,
+    x: &[bf16],
+) -> Vec<bf16> {
+    let tiles = &target.gemm;
+    let mut emu = Emu::default();
+    let le = |words: &[u32]| {
+        words
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
+    let (kernel, grid, mut head) = match weights {
+        WgmmaWeights::Nvfp4(q) => {
+            let fragments = Nvfp4Fragments::new(q, RowOrder::Plain).expect("layout");
+            let words = emu.buffer(le(&fragments.words));
+            let scales = emu.buffer(
+                fragments
+                    .scales
+                    .iter()
+                    .flat_map(|s| s.to_le_bytes())
+                    .collect(),
+            );
+            let args = vec![
+                Arg::Ptr(words),
+                Arg::Ptr(scales),
+                Arg::F32(q.global_scale * 128.0),
+            ];
+            ("gemm_nvfp4_bf16_wgmma_m64", fragments.grid, args)
+        }
+        WgmmaWeights::Bf16(w) => {
+            let fragments = Bf16Fragments::new(w, case.n, case.k, RowOrder::Plain).expect("layout");
+            let words = emu.buffer(le(&fragments.words));
+            let args = vec![Arg::Ptr(words), Arg::F32(1.0)];
+            ("gemm_bf16_bf16_wgmma_m64", fragments.grid, args)
+        }
+    };
+    let x_buf = emu.buffer(x.iter().flat_map(|v| v.to_le_bytes()).collect());
+    let y = emu.buffer(vec![0xff; 2 * case.m * case.n]);
+    let partials = emu.zeros(grid.n_tiles * case.plan.splits as usize * 32 * 8 * 16);
+    let counters = emu.zeros(4 * grid.n_tiles);
+    head.insert(0, Arg::Ptr(x_buf));
+    head.extend([Arg::Ptr(y), Arg::Null]);
+    let quads = (grid.n_tiles as u32).div_ceil(4);
+    emu.launch(
+        kernel,
+        (
+            quads.div_ceil(tiles.wgmma_warpgroups_per_block),
+            case.plan.splits,
+        ),
+        tiles.wgmma_warpgroups_per_block * 4 * target.warp_size,
+        (tiles.wgmma_x_slots * fp4spec::target::WGMMA_SLOT_BYTES) as usize,
+        &[
+            &head[..],
+            &split_and_shape_args(partials, counters, case, grid),
+        ]
+        .concat(),
+    );
+    emu.dump(y);
+    let dumps = emu.run(exe, &format!("{kernel}_{}x{}_m{}", case.n, case.k, case.m));
+    read_bf16(&dumps, y)
+}
+
+/// The warpgroup kernels (`mma_wgmma`: m64 launches on targets with wgmma) on partitions that
+/// take every path: a last quad of one to three live tiles and a quad of none in a block, K
+/// split with a short last range, K not a multiple of 64, rows past M, more rounds than the
+/// X ring's slots and the weight stages; NVFP4 and bf16 weights, each against the CPU reference.
+#[test]
+fn the_wgmma_kernels_match_the_reference() {
+    for target in emulated_targets().filter(|t| gemm::mma_wgmma(t, 64)) {
+        assert!(gemm::mma_wgmma(target, 33) && !gemm::mma_wgmma(target, 32));
+        let exe = emulator(target);
+        let mut rng = SplitMix64::new(0x36a3);
+        for case in [
+            // 7 tiles: one quad whole, one of 3 live tiles; K = 8.25 groups, unsplit
+            Case {
+                n: 100,
+                k: 528,
+                m: 40,
+                plan: plan(1, 1, 9),
+            },
+            // 3 tiles (one quad of 3, its block's second quad empty), K split 9 + 7
+            Case {
+                n: 37,
+                k: 1040,
+                m: 33,
+                plan: plan(1, 2, 9),
+            },
+            // 4 quads over 2 blocks, all 64 rows, K split 11 + 11 + 10
+            Case {
+                n: 256,
+                k: 2048,
+                m: 64,
+                plan: plan(1, 3, 11),
+            },
+        ] {
+            let (n, k, m) = (case.n, case.k, case.m);
+            let x: Vec<bf16> = rng
+                .normal_vec(m * k, 1.0)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect();
+            let q = Nvfp4Matrix::quantize("W", &rng.normal_vec(n * k, 0.02), n, k).expect("finite");
+            let nvfp4 = run_wgmma_case(&exe, target, &case, WgmmaWeights::Nvfp4(&q), &x);
+            let want = gemm::reference::nvfp4_gemm_f32(&x, m, q.view());
+            let agreement = compare::compare_bf16(&nvfp4, &want);
+            println!(
+                "{} wgmma nvfp4 ({n}, {k}) M={m} {:?}: {agreement}",
+                target.name, case.plan
+            );
+            assert!(
+                agreement.passed(),
+                "{} wgmma nvfp4 ({n}, {k}) M={m}: {agreement}",
+                target.name
+            );
+            let w: Vec<bf16> = rng
+                .normal_vec(n * k, 0.02)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect();
+            let dense = run_wgmma_case(&exe, target, &case, WgmmaWeights::Bf16(&w), &x);
+            let want = gemm::reference::bf16_gemm_f32(&x, m, &w, n, k);
+            let agreement = compare::compare_bf16(&dense, &want);
+            println!(
+                "{} wgmma bf16 ({n}, {k}) M={m} {:?}: {agreement}",
+                target.name, case.plan
+            );
+            assert!(
+                agreement.passed(),
+                "{} wgmma bf16 ({n}, {k}) M={m}: {agreement}",
                 target.name
             );
         }

@@ -30,6 +30,8 @@ FP4_DEVICE u32 __shfl_sync(u32, u32 v, int lane) {
 }
 
 //@@ cp_async
+// shared addresses are offsets into the block's dynamic shared memory
+FP4_DEVICE u32 cp_async_shared_address(const void* p) { return (u32)(static_cast<const unsigned char*>(p) - emu::dynamic_smem); }
 FP4_DEVICE void cp_async16_zfill(void* dst, const void* src, u32 src_bytes) {
     require_copy_aligned(dst, src, 16);
     if (src_bytes == 16) std::memcpy(dst, src, 16);
@@ -47,3 +49,54 @@ FP4_DEVICE void cp_async16(void* dst, const void* src) {
 FP4_DEVICE void cp_async_commit() {}
 template <int N>
 FP4_DEVICE void cp_async_wait() {}
+
+//@@ wgmma
+// The warpgroup MMA of gemm_*_wgmma_m64, one warp's share at a time: each warp's 16 rows of A
+// (its lanes' m16n8k16 A fragments) times B[16 x 64] read from shared memory through the
+// descriptor as the no-swizzle K-major layout places it (element (k, n) at start + (k / 8) *
+// leading + (n / 8) * stride + (n % 8) * 16 + (k % 8) * 2). Asynchrony, fences and the proxy
+// fence have nothing to order on the host.
+FP4_DEVICE void wgmma_fence() {}
+FP4_DEVICE void wgmma_commit() {}
+template <int N>
+FP4_DEVICE void wgmma_wait() {}
+FP4_DEVICE void fence_proxy_async_shared() {}
+FP4_DEVICE void cp_async4_zfill(u32 dst, const void* src, u32 src_bytes) {
+    unsigned char* d = emu::dynamic_smem + dst;
+    require_copy_aligned(d, src, 4);
+    if (src_bytes == 4) std::memcpy(d, src, 4);
+    else std::memset(d, 0, 4);
+}
+FP4_DEVICE void wgmma_m64n64k16_bf16(float (&d)[32], const u32 (&a)[4], u64 b) {
+    u64* me = emu::mine();
+    for (int i = 0; i < 4; ++i) me[i] = a[i];
+    emu::warp_sync();
+    float A[16][16];
+    auto lo = [](u64 w) { return bf16_to_f32((u16)(w & 0xffffu)); };
+    auto hi = [](u64 w) { return bf16_to_f32((u16)((w >> 16) & 0xffffu)); };
+    for (u32 l = 0; l < 32; ++l) {
+        const u64* f = emu::of(l);
+        const u32 g = l / 4, t = l % 4;
+        A[g][2 * t] = lo(f[0]); A[g][2 * t + 1] = hi(f[0]);
+        A[g + 8][2 * t] = lo(f[1]); A[g + 8][2 * t + 1] = hi(f[1]);
+        A[g][2 * t + 8] = lo(f[2]); A[g][2 * t + 9] = hi(f[2]);
+        A[g + 8][2 * t + 8] = lo(f[3]); A[g + 8][2 * t + 9] = hi(f[3]);
+    }
+    emu::warp_sync();
+    const u32 start = (u32)(b & 0x3fffu) << 4, leading = (u32)((b >> 16) & 0x3fffu) << 4;
+    const u32 stride = (u32)((b >> 32) & 0x3fffu) << 4;
+    auto B = [&](u32 kk, u32 n) {
+        u16 v;
+        std::memcpy(&v, emu::dynamic_smem + start + (kk / 8) * leading + (n / 8) * stride + (n % 8) * 16 + (kk % 8) * 2, 2);
+        return bf16_to_f32(v);
+    };
+    const u32 lane = lane_index(), g = lane / 4, t = lane % 4;
+    for (u32 i = 0; i < 8; ++i) {
+        for (u32 q = 0; q < 4; ++q) {
+            const u32 row = g + 8 * (q / 2), col = 8 * i + 2 * t + (q % 2);
+            float sum = 0.0f;
+            for (u32 kk = 0; kk < 16; ++kk) sum += A[row][kk] * B(kk, col);
+            d[4 * i + q] += sum;
+        }
+    }
+}

@@ -608,6 +608,203 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STREAM_BOUNDS) gemm_nvfp4_bf16_stream_m{{ rows
 }
 {% endfor %}
 {% endif %}
+{% if target.instructions.wgmma and target.instructions.cp_async %}
+// ============================================================================================
+// gemm_{nvfp4,bf16}_bf16_wgmma_m64: the m64 product on the warpgroup MMA (sm_90a), for launches
+// of gemm.wgmma_min_rows rows or more.
+//
+// Why: at M = 64 the mma.sync kernel issues, per warp and K group, 32 MMAs of m16n8k16 and one
+// shared-memory load of an X fragment for each (gemm_mma, X_SHARED); the decode step's dense
+// GEMMs at B = 64 ran at 25-70% of the copy bandwidth (cuBLAS about twice as fast on the same
+// shapes, BENCHMARKS.md twenty-fifth session). Here a warpgroup (4 warps) owns 64 weight rows
+// (4 consecutive 16-row tiles of the fragment layout, warp q the tile 4 * quad + q) and multiplies
+// them by all 64 rows of X with 4 wgmma.m64n64k16 per K group: the weights are the A operand
+// from registers (a warp's A fragment of wgmma is the mma.sync A fragment of its 16 rows: the
+// decode is Weights::fragment unchanged), X^T the B operand read by the tensor cores from
+// shared memory, and the accumulator (64 x 64 fp32 over the 128 threads) has the m16n8
+// layout per warp, so finish_tile's epilogues and split-K finish apply as they are (MT = 8).
+//
+// X ring: WG_X_SLOTS slots of one K group (64 rows x 64 columns bf16, 8 KiB), copied by every
+// thread of the block with cp.async (4 bytes each) one round ahead of another, shared by the
+// block's WG_GROUPS warpgroups (one quad each). A slot holds the group's four k16 steps, each in
+// the no-swizzle K-major layout of wgmma (core matrices of 8 rows x 16 bytes, 128 contiguous
+// bytes; the two core matrices along K 128 bytes apart (the descriptor's leading offset), the
+// 8-row groups 256 apart (its stride offset)). The fragment layout permutes K inside a group
+// (MMA j of lane quad t takes columns 16t + 4j .. 16t + 4j + 3, layout.rs), so step j's logical
+// column 2t + e is X column 16t + 4j + e and 2t + 8 + e is 16t + 4j + 2 + e: each 4-byte word of
+// a row goes to its own place. A warp copies, per instruction, one (step, core-matrix column,
+// 8-row group): lane (r = lane / 4, t = lane % 4) the word of row r, lane quad t, so the 32
+// stores fill the 32 banks once. Rows past M are not copied (their products land in outputs
+// nobody stores), columns past K are zeros (the weights there are zero, stale shared memory
+// could be NaN).
+//
+// Per round: wait for this thread's copies of the round, make them visible to the tensor cores
+// (fence.proxy.async), block barrier, issue the copies of round + WG_X_SLOTS - 1 (into the slot
+// the previous round used, whose wgmma has completed), then the 4 wgmma, commit, wait.
+// ============================================================================================
+#define WG_GROUPS {{ target.gemm.wgmma_warpgroups_per_block }}
+#define WG_THREADS (WG_GROUPS * 4 * FP4_WARP_SIZE)
+#define WG_X_SLOTS {{ target.gemm.wgmma_x_slots }}
+#define WG_SLOT_BYTES 8192u
+#define WG_STEP_BYTES 2048u
+/// The descriptor of a no-swizzle K-major operand at shared address `address`: core matrices
+/// `leading` bytes apart along K, `stride` bytes apart along M / N (all multiples of 16).
+FP4_DEVICE u64 wgmma_descriptor(u32 address, u32 leading, u32 stride) {
+    return (u64)((address & 0x3ffffu) >> 4) | ((u64)(leading >> 4) << 16) | ((u64)(stride >> 4) << 32);
+}
+// ---- wgmma instructions ----
+FP4_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+FP4_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+FP4_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+/// Shared memory written through the generic proxy (cp.async, stores) made visible to the
+/// tensor cores' reads (the async proxy); each writing thread, before the barrier.
+FP4_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+/// 4 bytes global -> shared (through L1), zero when src_bytes is 0 (src_bytes 0 or 4).
+FP4_DEVICE void cp_async4_zfill(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+/// d[64 x 64] += A[64 x 16] (bf16, registers: this warp's 16 rows as the m16n8k16 A fragment)
+/// * B[16 x 64] (bf16, shared memory, K-major: `b` from wgmma_descriptor), fp32 accumulation.
+/// d[4i + q] is the m16n8 accumulator register q of the warp's n8 tile i.
+FP4_DEVICE void wgmma_m64n64k16_bf16(float (&d)[32], const u32 (&a)[4], u64 b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{" "%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1u)
+        : "memory");
+}
+// ---- end of wgmma instructions ----
+
+/// One block: WG_GROUPS quads of 64 weight rows, all (at most 64) rows of X, over the K groups
+/// of split blockIdx.y; STAGES groups of weights in flight per lane (loaded before the wait for
+/// the previous kernel, as gemm_mma). The finish is gemm_mma's (finish_tile per 16-row tile), so
+/// the split-K scratch and counters are the mma kernels'.
+template <class Weights, int STAGES>
+FP4_DEVICE void gemm_wgmma(const u16* __restrict__ x, Weights weights, float alpha, u16* y,
+                           const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
+                           u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 epilogue) {
+    extern __shared__ __align__(128) u8 wgmma_shared[];
+    const u32 lane = thread_x() % FP4_WARP_SIZE;
+    const u32 warp = thread_x() / FP4_WARP_SIZE;
+    const u32 quad = block_x() * WG_GROUPS + warp / 4;
+    const u32 tile = quad * 4 + warp % 4;
+    // a quad past the weights skips its wgmma (uniform over its warpgroup); a warp past the last
+    // tile of a live quad multiplies zeros and stores nothing
+    const bool quad_active = quad * 4 < n_tiles;
+    const bool active = tile < n_tiles;
+    const u32 split_begin = block_y() * groups_per_split;
+    const u32 block_end = min(k_groups, split_begin + groups_per_split);
+    const u32 split_end = active ? block_end : split_begin;
+
+    const u64 tile_base = (u64)tile * k_groups * 32 + lane;
+    typename Weights::Group ring[STAGES];
+    #pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+        const u32 group = split_begin + s;
+        if (group < split_end) ring[s] = weights.load(tile_base + (u64)group * 32);
+    }
+    if (L2_PREFETCH_GROUPS > 0 && lane == 0 && split_end > split_begin) {
+        const u32 groups = min(split_end - split_begin, (u32)L2_PREFETCH_GROUPS);
+        weights.prefetch((u64)tile * k_groups * 32 + (u64)split_begin * 32, groups * 32);
+    }
+    wait_for_previous_grid();
+    allow_next_grid();
+
+    const u32 ring_base = cp_async_shared_address(wgmma_shared);
+    const u32 rounds = block_end - split_begin;
+    // round r's X into slot r % WG_X_SLOTS; one commit group per round, empty past the end
+    const u32 r8 = lane / 4, t = lane % 4;
+    auto issue = [&](u32 r) {
+        if (r < rounds) {
+            const u32 slot = ring_base + (r % WG_X_SLOTS) * WG_SLOT_BYTES;
+            const u32 col0 = (split_begin + r) * 64 + 16 * t;
+            // instruction q: step j = q / 16, core-matrix column kc = (q / 8) % 2, 8-row group q % 8
+            for (u32 q = warp; q < 64; q += WG_THREADS / FP4_WARP_SIZE) {
+                const u32 j = q / 16, kc = (q / 8) % 2, row = (q % 8) * 8 + r8;
+                if (row >= m) continue;
+                const u32 col = col0 + 4 * j + 2 * kc;
+                const bool inside = col < k;
+                const u32 dst = slot + j * WG_STEP_BYTES + ((q % 8) * 2 + kc) * 128 + r8 * 16 + t * 4;
+                cp_async4_zfill(dst, inside ? x + (u64)row * k + col : x, inside ? 4u : 0u);
+            }
+        }
+        cp_async_commit();
+    };
+    for (u32 r = 0; r + 1 < WG_X_SLOTS; ++r) issue(r);
+
+    float d[32];
+    #pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+    for (u32 r0 = 0; r0 < rounds; r0 += STAGES) {
+        #pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            const u32 r = r0 + s;
+            if (r >= rounds) break;  // uniform across the block
+            cp_async_wait<WG_X_SLOTS - 2>();  // round r landed (this thread's copies) ...
+            fence_proxy_async_shared();        // ... for the tensor cores ...
+            __syncthreads();                   // ... and everyone's; round r - 1's slot is free
+            issue(r + WG_X_SLOTS - 1);
+            if (quad_active) {
+                const u32 group = split_begin + r;
+                u32 a[4][4];
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    if (group < split_end) weights.fragment(ring[s], j, a[j]);
+                    else a[j][0] = a[j][1] = a[j][2] = a[j][3] = 0u;
+                }
+                const u32 slot = ring_base + (r % WG_X_SLOTS) * WG_SLOT_BYTES;
+                wgmma_fence();
+                #pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    wgmma_m64n64k16_bf16(d, a[j], wgmma_descriptor(slot + j * WG_STEP_BYTES, 128u, 256u));
+                wgmma_commit();
+                // the registers the wgmma reads (for bf16 the ring's own) are rewritten only
+                // once it is done
+                wgmma_wait<0>();
+                const u32 next = group + STAGES;
+                if (next < split_end) ring[s] = weights.load(tile_base + (u64)next * 32);
+            }
+        }
+    }
+    cp_async_wait<0>();  // the empty groups past the end: nothing is left in flight
+    if (!active) return;
+    float acc[8][4];
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        acc[i][0] = d[4 * i]; acc[i][1] = d[4 * i + 1]; acc[i][2] = d[4 * i + 2]; acc[i][3] = d[4 * i + 3];
+    }
+    finish_tile<8>(acc, alpha, tile, lane, m, n, epilogue, residual, y, partials, counters);
+}
+
+// (threads, resident blocks per SM): caps the registers so that wgmma_blocks_per_sm blocks fit
+#define WG_BOUNDS WG_THREADS, {{ target.gemm.wgmma_blocks_per_sm }}
+// the same parameters as gemm_*_mma_m64 (warps_per_tile unused: a warpgroup owns a quad)
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(WG_BOUNDS) gemm_nvfp4_bf16_wgmma_m64(
+    const u16* __restrict__ x, const u32x4* __restrict__ words, const u16* __restrict__ scales,
+    float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
+    u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
+    (void)warps_per_tile;
+    gemm_wgmma<Nvfp4Weights, {{ target.gemm.wgmma_stages_nvfp4 }}>(x, Nvfp4Weights{words, scales}, alpha, y, residual,
+        partials, counters, m, n, k, n_tiles, k_groups, groups_per_split, epilogue);
+}
+
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(WG_BOUNDS) gemm_bf16_bf16_wgmma_m64(
+    const u16* __restrict__ x, const u32x4* __restrict__ words,
+    float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
+    u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
+    (void)warps_per_tile;
+    gemm_wgmma<Bf16Weights, {{ target.gemm.wgmma_stages_bf16 }}>(x, Bf16Weights{words}, alpha, y, residual,
+        partials, counters, m, n, k, n_tiles, k_groups, groups_per_split, epilogue);
+}
+{% endif %}
 {% endif %}
 {% if target.instructions.mma_block_scaled_fp4 %}
 // ============================================================================================

@@ -116,6 +116,10 @@ pub struct DequantTiles {
 /// 16 bytes of weights and 2 of scales (`STREAM_STAGE_BYTES` in `kernels/templates/gemm.cu`).
 pub const STREAM_GROUP_BYTES: u32 = 32 * (16 + 2);
 
+/// Shared-memory bytes of one slot of a `gemm_*_wgmma_m64` X ring: one 64-wide K group of 64 rows
+/// of bf16 (`WG_SLOT_BYTES` in `kernels/templates/gemm.cu`).
+pub const WGMMA_SLOT_BYTES: u32 = 64 * 64 * 2;
+
 /// Launch parameters of `gemm_nvfp4_bf16_gemv`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -160,6 +164,23 @@ pub struct GemmTiles {
     pub mma_x_shared_stages_nvfp4: u32,
     /// `gemm_bf16_*_mma_m*` streaming X: K groups of weights in flight per warp.
     pub mma_x_shared_stages_bf16: u32,
+    /// `gemm_*_wgmma_m64` (targets with `wgmma` and `cp.async`): launches of at least this many
+    /// rows (33..=64) run the warpgroup kernel in place of `gemm_*_mma_m64`; 65 or more: never.
+    pub wgmma_min_rows: u32,
+    /// `gemm_*_wgmma_m64`: warpgroups (of 4 warps, 64 weight rows each) per block (1..=8); they
+    /// share the block's X ring.
+    pub wgmma_warpgroups_per_block: u32,
+    /// `gemm_*_wgmma_m64`: resident blocks per multiprocessor the launch bounds ask for, and the
+    /// slots the K-split choice fills.
+    pub wgmma_blocks_per_sm: u32,
+    /// `gemm_*_wgmma_m64`: slots of the X ring (one K group of 64 rows each, 8 KiB; at least 2).
+    pub wgmma_x_slots: u32,
+    /// `gemm_*_wgmma_m64`: the fewest K groups one split may get.
+    pub wgmma_min_groups_per_split: u32,
+    /// `gemm_nvfp4_*_wgmma_m64`: K groups of weights in flight per warp.
+    pub wgmma_stages_nvfp4: u32,
+    /// `gemm_bf16_*_wgmma_m64`: K groups of weights in flight per warp.
+    pub wgmma_stages_bf16: u32,
     /// `gemm_nvfp4_bf16_stream_*` (targets with `cp.async`): warps per block (a power of two).
     pub stream_warps_per_block: u32,
     /// `gemm_nvfp4_bf16_stream_*`: stages in each warp's shared-memory ring (one computes while
@@ -453,6 +474,25 @@ impl TargetFacts {
                  gemm.mma_x_shared_min_groups_per_split must be positive"
                     .into(),
             );
+        }
+        let wg = &self.gemm;
+        let wg_ring = wg.wgmma_x_slots.saturating_mul(WGMMA_SLOT_BYTES);
+        if !(1..=8).contains(&wg.wgmma_warpgroups_per_block)
+            || wg.wgmma_warpgroups_per_block * 4 * self.warp_size > 1024
+            || wg.wgmma_blocks_per_sm == 0
+            || wg.wgmma_x_slots < 2
+            || wg.wgmma_min_groups_per_split == 0
+            || wg.wgmma_stages_nvfp4 == 0
+            || wg.wgmma_stages_bf16 == 0
+            || wg.wgmma_min_rows < 33
+            || wg_ring > self.max_shared_bytes_per_block
+        {
+            return fail(format!(
+                "gemm.wgmma_*: warpgroups_per_block in 1..=8 (at most 1024 threads), \
+                 blocks_per_sm, min_groups_per_split and stages positive, min_rows at least 33, \
+                 at least 2 x slots and the ring ({wg_ring} bytes) within \
+                 max_shared_bytes_per_block"
+            ));
         }
         let stream = &self.gemm;
         if !matches!(stream.stream_warps_per_block, 1 | 2 | 4 | 8 | 16)

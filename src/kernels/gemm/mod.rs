@@ -15,6 +15,10 @@
 //!   variants of at least `gemm.mma_x_shared_min_rows` rows (m64 on sm_90a and sm_121a) stream X
 //!   through a `cp.async` ring in shared memory that the block's warps share ([`mma_x_shared`],
 //!   [`x_shared_plan`]); the others load X fragments from global memory per group.
+//! - `gemm_{nvfp4,bf16}_bf16_wgmma_m64` (`wgmma` and `cp.async`: sm_90a): the m64 product on the
+//!   warpgroup MMA, a warpgroup per 64 weight rows, X^T from a shared-memory ring, in place of
+//!   the mma.sync m64 variant from `gemm.wgmma_min_rows` rows ([`mma_wgmma`], [`wgmma_plan`]);
+//!   same weights, arguments and split-K finish.
 //! - `gemm_nvfp4_bf16_stream_m{8,16}` (mma.sync and `cp.async`: sm_90a, sm_121a): the NVFP4
 //!   weight stream of the mma kernels with the groups in flight in shared-memory rings (cp.async)
 //!   instead of registers and X staged in shared memory once per block, for calls of at most
@@ -49,7 +53,7 @@ use super::{Nvfp4Weights, check_len, check_u32};
 use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims, SplitKScratch};
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::Nvfp4Matrix;
-use crate::target::{GemmTiles, STREAM_GROUP_BYTES, TargetFacts};
+use crate::target::{GemmTiles, STREAM_GROUP_BYTES, TargetFacts, WGMMA_SLOT_BYTES};
 use half::bf16;
 use layout::{Bf16Fragments, Nvfp4Fragments, WmmaBf16Fragments, WmmaNvfp4Fragments};
 use std::sync::MutexGuard;
@@ -846,6 +850,63 @@ pub fn x_shared_plan(
 /// stored, counted and added by the tile's last block (an estimate, not a measurement).
 const SPLIT_OVERHEAD_GROUPS: usize = 2;
 
+/// Whether a launch of `rows` rows (at most [`MMA_MAX_ROWS`]) runs `gemm_*_wgmma_m64` in place
+/// of the mma.sync variant: on targets with `wgmma` and `cp.async`, from `gemm.wgmma_min_rows`
+/// rows.
+pub fn mma_wgmma(target: &TargetFacts, rows: usize) -> bool {
+    target.instructions.wgmma
+        && target.instructions.cp_async
+        && rows >= target.gemm.wgmma_min_rows as usize
+}
+
+/// The partition of `gemm_*_wgmma_m64`: a warpgroup per quad of four 16-row tiles,
+/// `gemm.wgmma_warpgroups_per_block` quads per block, K split across blocks
+/// (`warps_per_tile` is 1: unused). The split count is the one whose blocks fill
+/// `multiprocessors * gemm.wgmma_blocks_per_sm` slots in the fewest waves of the least work, as
+/// [`x_shared_plan`] weighs them, with at least `gemm.wgmma_min_groups_per_split` groups each.
+pub fn wgmma_plan(
+    n_tiles: usize,
+    k_groups: usize,
+    tiles: &GemmTiles,
+    multiprocessors: u32,
+) -> MmaPlan {
+    let quads = n_tiles.max(1).div_ceil(4);
+    let quad_blocks = quads.div_ceil(tiles.wgmma_warpgroups_per_block.max(1) as usize);
+    let slots = (multiprocessors * tiles.wgmma_blocks_per_sm).max(1) as usize;
+    let k_groups = k_groups.max(1);
+    let most = (k_groups / tiles.wgmma_min_groups_per_split.max(1) as usize).max(1);
+    let cost = |groups_per_split: usize| {
+        let splits = k_groups.div_ceil(groups_per_split);
+        (quad_blocks * splits).div_ceil(slots) * (groups_per_split + SPLIT_OVERHEAD_GROUPS)
+    };
+    let groups_per_split = (1..=most)
+        .map(|splits| k_groups.div_ceil(splits))
+        .min_by_key(|&groups| cost(groups))
+        .unwrap_or(k_groups);
+    MmaPlan {
+        warps_per_tile: 1,
+        splits: k_groups.div_ceil(groups_per_split) as u32,
+        groups_per_split: groups_per_split as u32,
+    }
+}
+
+/// The launch of `gemm_*_wgmma_m64` on `plan` over `n_tiles` 16-row tiles: a block per
+/// `gemm.wgmma_warpgroups_per_block` quads and K split, the X ring's slots of dynamic shared
+/// memory.
+fn wgmma_dims(target: &TargetFacts, plan: &MmaPlan, n_tiles: u32) -> LaunchDims {
+    let tiles = &target.gemm;
+    let quads_per_block = tiles.wgmma_warpgroups_per_block.max(1);
+    LaunchDims {
+        grid: (
+            n_tiles.div_ceil(4).div_ceil(quads_per_block),
+            plan.splits,
+            1,
+        ),
+        block: (quads_per_block * 4 * target.warp_size, 1, 1),
+        shared_bytes: tiles.wgmma_x_slots * WGMMA_SLOT_BYTES,
+    }
+}
+
 /// bf16 per row of the X ring of the `gemm_*_mma_m*` variants that stream X (`X_ROW` in gemm.cu):
 /// a 64-wide K group and 16 of padding, so that rows are 160 bytes apart and a half-warp's reads
 /// of one MMA hit each shared-memory bank once.
@@ -894,6 +955,10 @@ const MMA_BF16_KERNELS: [&str; 4] = [
     "gemm_bf16_bf16_mma_m32",
     "gemm_bf16_bf16_mma_m64",
 ];
+/// `gemm_nvfp4_bf16_wgmma_m64` (targets with `wgmma`; [`mma_wgmma`]).
+const WGMMA_NVFP4_KERNEL: &str = "gemm_nvfp4_bf16_wgmma_m64";
+/// `gemm_bf16_bf16_wgmma_m64` (targets with `wgmma`; [`mma_wgmma`]).
+const WGMMA_BF16_KERNEL: &str = "gemm_bf16_bf16_wgmma_m64";
 /// `gemm_nvfp4_bf16_stream_m{8,16}`: index `log2(ceil(rows / 8))`.
 const STREAM_NVFP4_KERNELS: [&str; 2] = ["gemm_nvfp4_bf16_stream_m8", "gemm_nvfp4_bf16_stream_m16"];
 /// `gemm_nvfp4_nvfp4_mma_m{8,16,32}` (W4A4): index `log2(ceil(rows / 8))`.
@@ -1369,26 +1434,33 @@ fn linear_mma(
     let (k, n_out) = (w.grid.cols, w.out_features());
     for start in (0..m).step_by(MMA_MAX_ROWS) {
         let rows = (m - start).min(MMA_MAX_ROWS);
-        let (plan, shared_bytes) = if mma_x_shared(target, rows) {
-            let plan = x_shared_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors);
-            (plan, x_shared_bytes(tiles, rows, &plan))
+        let wgmma = mma_wgmma(target, rows);
+        let (plan, dims) = if wgmma {
+            let plan = wgmma_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors);
+            (plan, wgmma_dims(target, &plan, shape.n_tiles))
         } else {
-            let plan = mma_plan(
-                w.grid.n_tiles,
-                w.grid.k_groups,
-                tiles.mma_warps_per_block,
-                multiprocessors,
-                tiles.mma_min_warps_per_sm,
-                tiles.mma_min_groups_per_split,
+            let (plan, shared_bytes) = if mma_x_shared(target, rows) {
+                let plan = x_shared_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors);
+                (plan, x_shared_bytes(tiles, rows, &plan))
+            } else {
+                let plan = mma_plan(
+                    w.grid.n_tiles,
+                    w.grid.k_groups,
+                    tiles.mma_warps_per_block,
+                    multiprocessors,
+                    tiles.mma_min_warps_per_sm,
+                    tiles.mma_min_groups_per_split,
+                );
+                (plan, 0)
+            };
+            let dims = plan.dims(
+                shape.n_tiles,
+                mma_block_warps(target, rows),
+                target.warp_size,
+                check_u32("gemm mma shared memory", shared_bytes)?,
             );
-            (plan, 0)
+            (plan, dims)
         };
-        let dims = plan.dims(
-            shape.n_tiles,
-            mma_block_warps(target, rows),
-            target.warp_size,
-            check_u32("gemm mma shared memory", shared_bytes)?,
-        );
         let m_tiles = row_tiles(rows);
         let mut scratch = split_k_scratch(backend, &plan, w.grid.n_tiles, m_tiles)?;
         let split = SplitArgs::new(scratch.as_deref_mut(), &plan);
@@ -1405,14 +1477,22 @@ fn linear_mma(
                 scales,
                 global_scale,
             } => {
-                let kernel = variant(&MMA_NVFP4_KERNELS, 8, rows)?;
+                let kernel = if wgmma {
+                    WGMMA_NVFP4_KERNEL
+                } else {
+                    variant(&MMA_NVFP4_KERNELS, 8, rows)?
+                };
                 let args = mma_nvfp4_arguments(chunk, words, scales, global_scale, split, shape);
                 // SAFETY: gemm_nvfp4_bf16_mma_m*'s parameters in order (mma_nvfp4_arguments);
                 // bounds as above.
                 unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
             }
             MmaWeights::Bf16 { words } => {
-                let kernel = variant(&MMA_BF16_KERNELS, 8, rows)?;
+                let kernel = if wgmma {
+                    WGMMA_BF16_KERNEL
+                } else {
+                    variant(&MMA_BF16_KERNELS, 8, rows)?
+                };
                 let args = mma_bf16_arguments(chunk, words, split, shape);
                 // SAFETY: gemm_bf16_bf16_mma_m*'s parameters in order (mma_bf16_arguments);
                 // bounds as above.
@@ -1637,6 +1717,13 @@ mod tests {
             let args = gemv_arguments(&x, &plain, &mut y, [1, 1, 16]);
             checks.check(name, KERNEL_GEMM_NVFP4_BF16_GEMV, &args);
             let kernels: &[&str] = match TensorCore::for_target(t).expect("tensor cores") {
+                TensorCore::MmaSync if mma_wgmma(t, MMA_MAX_ROWS) => &[
+                    &MMA_NVFP4_KERNELS[..],
+                    &MMA_BF16_KERNELS[..],
+                    &STREAM_NVFP4_KERNELS[..],
+                    &[WGMMA_NVFP4_KERNEL, WGMMA_BF16_KERNEL][..],
+                ]
+                .concat(),
                 TensorCore::MmaSync if t.instructions.cp_async => &[
                     &MMA_NVFP4_KERNELS[..],
                     &MMA_BF16_KERNELS[..],
@@ -1654,14 +1741,17 @@ mod tests {
                     groups_per_split: 1,
                     warps_per_tile: 1,
                 };
-                // the stream kernels take the mma kernels' arguments
-                if MMA_NVFP4_KERNELS.contains(&kernel) || STREAM_NVFP4_KERNELS.contains(&kernel) {
+                // the stream and wgmma kernels take the mma kernels' arguments
+                if MMA_NVFP4_KERNELS.contains(&kernel)
+                    || STREAM_NVFP4_KERNELS.contains(&kernel)
+                    || kernel == WGMMA_NVFP4_KERNEL
+                {
                     checks.check(
                         name,
                         kernel,
                         &mma_nvfp4_arguments(chunk, &words, &scales_u16, 1.0, split, shape),
                     );
-                } else if MMA_BF16_KERNELS.contains(&kernel) {
+                } else if MMA_BF16_KERNELS.contains(&kernel) || kernel == WGMMA_BF16_KERNEL {
                     checks.check(
                         name,
                         kernel,
@@ -1708,6 +1798,9 @@ mod tests {
                     used.extend(MMA_NVFP4_KERNELS.iter().chain(&MMA_BF16_KERNELS));
                     if t.instructions.cp_async {
                         used.extend(STREAM_NVFP4_KERNELS);
+                    }
+                    if mma_wgmma(t, MMA_MAX_ROWS) {
+                        used.extend([WGMMA_NVFP4_KERNEL, WGMMA_BF16_KERNEL]);
                     }
                 }
                 TensorCore::Wmma => {
