@@ -510,7 +510,7 @@ fn run_wgmma_case(
             case.plan.splits,
         ),
         tiles.wgmma_warpgroups_per_block * 4 * target.warp_size,
-        (tiles.wgmma_x_slots * fp4spec::target::WGMMA_SLOT_BYTES) as usize,
+        fp4spec::target::wgmma_shared_bytes(tiles.wgmma_x_slots) as usize,
         &[
             &head[..],
             &split_and_shape_args(partials, counters, case, grid),

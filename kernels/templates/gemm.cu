@@ -184,7 +184,28 @@ FP4_DEVICE void finish_tile(float (&acc)[MT][4], float alpha, u32 tile, u32 lane
     __threadfence();
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
-    for (u32 s = 0; s < splits; ++s) {
+    // the partials of SPLIT_BATCH splits loaded together, one L2 round trip per batch where one
+    // split after another took one each (16 splits of the wgmma kernel's first plan); the sums
+    // stay in split order
+    constexpr u32 SPLIT_BATCH = MT >= 8 ? 2 : 4;
+    u32 s = 0;
+    for (; s + SPLIT_BATCH <= splits; s += SPLIT_BATCH) {
+        float4 v[SPLIT_BATCH][MT];
+        #pragma unroll
+        for (u32 b = 0; b < SPLIT_BATCH; ++b) {
+            const float* part = partials + (((u64)tile * splits + s + b) * 32 + lane) * (MT * 4);
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) v[b][mt] = __ldcg(reinterpret_cast<const float4*>(part + mt * 4));
+        }
+        #pragma unroll
+        for (u32 b = 0; b < SPLIT_BATCH; ++b) {
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                acc[mt][0] += v[b][mt].x; acc[mt][1] += v[b][mt].y; acc[mt][2] += v[b][mt].z; acc[mt][3] += v[b][mt].w;
+            }
+        }
+    }
+    for (; s < splits; ++s) {
         const float* part = partials + (((u64)tile * splits + s) * 32 + lane) * (MT * 4);
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -624,28 +645,38 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STREAM_BOUNDS) gemm_nvfp4_bf16_stream_m{{ rows
 // shared memory, and the accumulator (64 x 64 fp32 over the 128 threads) has the m16n8
 // layout per warp, so finish_tile's epilogues and split-K finish apply as they are (MT = 8).
 //
-// X ring: WG_X_SLOTS slots of one K group (64 rows x 64 columns bf16, 8 KiB), copied by every
-// thread of the block with cp.async (4 bytes each) one round ahead of another, shared by the
-// block's WG_GROUPS warpgroups (one quad each). A slot holds the group's four k16 steps, each in
-// the no-swizzle K-major layout of wgmma (core matrices of 8 rows x 16 bytes, 128 contiguous
-// bytes; the two core matrices along K 128 bytes apart (the descriptor's leading offset), the
-// 8-row groups 256 apart (its stride offset)). The fragment layout permutes K inside a group
-// (MMA j of lane quad t takes columns 16t + 4j .. 16t + 4j + 3, layout.rs), so step j's logical
-// column 2t + e is X column 16t + 4j + e and 2t + 8 + e is 16t + 4j + 2 + e: each 4-byte word of
-// a row goes to its own place. A warp copies, per instruction, one (step, core-matrix column,
-// 8-row group): lane (r = lane / 4, t = lane % 4) the word of row r, lane quad t, so the 32
-// stores fill the 32 banks once. Rows past M are not copied (their products land in outputs
-// nobody stores), columns past K are zeros (the weights there are zero, stale shared memory
-// could be NaN).
-//
-// Per round: wait for this thread's copies of the round, make them visible to the tensor cores
-// (fence.proxy.async), block barrier, issue the copies of round + WG_X_SLOTS - 1 (into the slot
-// the previous round used, whose wgmma has completed), then the 4 wgmma, commit, wait.
+// X: the fragment layout permutes K inside a group (MMA j of lane quad t takes columns 16t + 4j
+// .. 16t + 4j + 3, layout.rs), so wgmma's step j reads logical column 2t + e as X column
+// 16t + 4j + e and 2t + 8 + e as 16t + 4j + 2 + e: each 4-byte word of a row has its own place in
+// the B operand, which wgmma reads in the no-swizzle K-major layout (core matrices of 8 rows x 16
+// bytes, 128 contiguous bytes; the two along K 128 bytes apart (the descriptor's leading offset),
+// the 8-row groups 256 apart (its stride offset)). Copying word by word (cp.async of 4 bytes,
+// 32 sectors a warp instruction) made the first version of this kernel slower than mma.sync
+// (H100, B = 64 step 14.67 against 13.15 ms). So X goes in two steps:
+//   - staging: WG_X_SLOTS slots of one K group, rows as in X (144 bytes apart), filled by 16-byte
+//     cp.async, WG_X_SLOTS - 1 rounds ahead (columns past K zero: the weights there are zero and
+//     stale shared memory could be NaN; rows past M not copied: their products land in outputs
+//     nobody stores);
+//   - operand: two slots of the B layout (8 KiB: 4 steps of 2 KiB), each thread moving 16-byte
+//     pieces of the staging slot with four 4-byte stores; a warp's stores take one (row group, half
+//     of a lane quad's columns): lane (r = lane / 4, t = lane % 4) row r, lane quad t, so each
+//     store fills the 32 banks once. The permutation of round r + 1 runs while the tensor cores
+//     multiply round r.
+// Per round r: the wgmma of operand slot r % 2 (issued, not waited for); wait for this thread's
+// staging copies of round r + 1, barrier (every thread's copies visible, and every thread done
+// with the staging slot the next copies overwrite); copies of round r + WG_X_SLOTS; the
+// permutation of round r + 1 into operand slot (r + 1) % 2 (whose wgmma, round r - 1's, was
+// waited for) and the proxy fence that shows it to the tensor cores; wait for round r's wgmma,
+// the weight ring's reload; barrier (round r + 1's operand complete).
 // ============================================================================================
 #define WG_GROUPS {{ target.gemm.wgmma_warpgroups_per_block }}
 #define WG_THREADS (WG_GROUPS * 4 * FP4_WARP_SIZE)
 #define WG_X_SLOTS {{ target.gemm.wgmma_x_slots }}
-#define WG_SLOT_BYTES 8192u
+// a staging row: 64 bf16 and 16 bytes of padding (the 8 lanes of a 16-byte shared load phase,
+// two rows x four lane quads, then meet each bank once)
+#define WG_STAGE_ROW_BYTES 144u
+#define WG_STAGE_BYTES (64u * WG_STAGE_ROW_BYTES)
+#define WG_OPERAND_BYTES 8192u
 #define WG_STEP_BYTES 2048u
 /// The descriptor of a no-swizzle K-major operand at shared address `address`: core matrices
 /// `leading` bytes apart along K, `stride` bytes apart along M / N (all multiples of 16).
@@ -660,9 +691,9 @@ FP4_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n
 /// Shared memory written through the generic proxy (cp.async, stores) made visible to the
 /// tensor cores' reads (the async proxy); each writing thread, before the barrier.
 FP4_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-/// 4 bytes global -> shared (through L1), zero when src_bytes is 0 (src_bytes 0 or 4).
-FP4_DEVICE void cp_async4_zfill(u32 dst, const void* src, u32 src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+/// 16 bytes global -> shared at shared address `dst`, zero when src_bytes is 0 (0 or 16).
+FP4_DEVICE void cp_async16_zfill_shared(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 /// d[64 x 64] += A[64 x 16] (bf16, registers: this warp's 16 rows as the m16n8k16 A fragment)
 /// * B[16 x 64] (bf16, shared memory, K-major: `b` from wgmma_descriptor), fp32 accumulation.
@@ -718,27 +749,51 @@ FP4_DEVICE void gemm_wgmma(const u16* __restrict__ x, Weights weights, float alp
     wait_for_previous_grid();
     allow_next_grid();
 
-    const u32 ring_base = cp_async_shared_address(wgmma_shared);
+    // dynamic shared memory: the two operand slots, then the staging slots (wgmma_shared_bytes
+    // in src/kernels/gemm/mod.rs sizes it the same way)
+    const u32 operand_base = cp_async_shared_address(wgmma_shared);
+    const u32 stage_base = operand_base + 2 * WG_OPERAND_BYTES;
+    u8* const stage_ptr = wgmma_shared + 2 * WG_OPERAND_BYTES;
     const u32 rounds = block_end - split_begin;
-    // round r's X into slot r % WG_X_SLOTS; one commit group per round, empty past the end
-    const u32 r8 = lane / 4, t = lane % 4;
-    auto issue = [&](u32 r) {
+    // round r's X into staging slot r % WG_X_SLOTS (16-byte pieces: row, 8 columns); one commit
+    // group per round, empty past the end
+    auto stage = [&](u32 r) {
         if (r < rounds) {
-            const u32 slot = ring_base + (r % WG_X_SLOTS) * WG_SLOT_BYTES;
-            const u32 col0 = (split_begin + r) * 64 + 16 * t;
-            // instruction q: step j = q / 16, core-matrix column kc = (q / 8) % 2, 8-row group q % 8
-            for (u32 q = warp; q < 64; q += WG_THREADS / FP4_WARP_SIZE) {
-                const u32 j = q / 16, kc = (q / 8) % 2, row = (q % 8) * 8 + r8;
-                if (row >= m) continue;
-                const u32 col = col0 + 4 * j + 2 * kc;
+            const u32 slot = stage_base + (r % WG_X_SLOTS) * WG_STAGE_BYTES;
+            const u32 col0 = (split_begin + r) * 64;
+            for (u32 piece = thread_x(); piece < m * 8; piece += WG_THREADS) {
+                const u32 row = piece / 8, col = col0 + (piece % 8) * 8;
                 const bool inside = col < k;
-                const u32 dst = slot + j * WG_STEP_BYTES + ((q % 8) * 2 + kc) * 128 + r8 * 16 + t * 4;
-                cp_async4_zfill(dst, inside ? x + (u64)row * k + col : x, inside ? 4u : 0u);
+                cp_async16_zfill_shared(slot + row * WG_STAGE_ROW_BYTES + (piece % 8) * 16,
+                                        inside ? x + (u64)row * k + col : x, inside ? 16u : 0u);
             }
         }
         cp_async_commit();
     };
-    for (u32 r = 0; r + 1 < WG_X_SLOTS; ++r) issue(r);
+    // staging slot of round r -> operand slot r % 2: item q of a warp is row group q % 8, half
+    // q / 8 of the lane quad's 16 columns (words 0..3: step 2h + w / 2, core-matrix column w % 2)
+    const u32 r8 = lane / 4, t = lane % 4;
+    auto permute = [&](u32 r) {
+        if (r >= rounds) return;
+        const u8* src = stage_ptr + (r % WG_X_SLOTS) * WG_STAGE_BYTES;
+        u8* dst = wgmma_shared + (r % 2) * WG_OPERAND_BYTES;
+        for (u32 q = warp; q < 16; q += WG_THREADS / FP4_WARP_SIZE) {
+            const u32 ng = q % 8, h = q / 8, row = ng * 8 + r8;
+            if (row >= m) continue;
+            const u32x4 v = *reinterpret_cast<const u32x4*>(src + row * WG_STAGE_ROW_BYTES + 32 * t + 16 * h);
+            u8* base = dst + (ng * 2) * 128 + r8 * 16 + t * 4;
+            *reinterpret_cast<u32*>(base + (2 * h) * WG_STEP_BYTES) = v.x;
+            *reinterpret_cast<u32*>(base + (2 * h) * WG_STEP_BYTES + 128) = v.y;
+            *reinterpret_cast<u32*>(base + (2 * h + 1) * WG_STEP_BYTES) = v.z;
+            *reinterpret_cast<u32*>(base + (2 * h + 1) * WG_STEP_BYTES + 128) = v.w;
+        }
+    };
+    for (u32 r = 0; r < WG_X_SLOTS; ++r) stage(r);
+    cp_async_wait<WG_X_SLOTS - 1>();  // round 0 landed (this thread's copies) ...
+    __syncthreads();                   // ... and everyone's
+    permute(0);
+    fence_proxy_async_shared();
+    __syncthreads();
 
     float d[32];
     #pragma unroll
@@ -748,30 +803,34 @@ FP4_DEVICE void gemm_wgmma(const u16* __restrict__ x, Weights weights, float alp
         for (int s = 0; s < STAGES; ++s) {
             const u32 r = r0 + s;
             if (r >= rounds) break;  // uniform across the block
-            cp_async_wait<WG_X_SLOTS - 2>();  // round r landed (this thread's copies) ...
-            fence_proxy_async_shared();        // ... for the tensor cores ...
-            __syncthreads();                   // ... and everyone's; round r - 1's slot is free
-            issue(r + WG_X_SLOTS - 1);
+            const u32 group = split_begin + r;
             if (quad_active) {
-                const u32 group = split_begin + r;
                 u32 a[4][4];
                 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     if (group < split_end) weights.fragment(ring[s], j, a[j]);
                     else a[j][0] = a[j][1] = a[j][2] = a[j][3] = 0u;
                 }
-                const u32 slot = ring_base + (r % WG_X_SLOTS) * WG_SLOT_BYTES;
+                const u32 slot = operand_base + (r % 2) * WG_OPERAND_BYTES;
                 wgmma_fence();
                 #pragma unroll
                 for (int j = 0; j < 4; ++j)
                     wgmma_m64n64k16_bf16(d, a[j], wgmma_descriptor(slot + j * WG_STEP_BYTES, 128u, 256u));
                 wgmma_commit();
+            }
+            cp_async_wait<WG_X_SLOTS - 2>();  // round r + 1 landed (this thread's copies) ...
+            __syncthreads();                   // ... and everyone's; round r's staging slot is free
+            stage(r + WG_X_SLOTS);
+            permute(r + 1);
+            fence_proxy_async_shared();
+            if (quad_active) {
                 // the registers the wgmma reads (for bf16 the ring's own) are rewritten only
                 // once it is done
                 wgmma_wait<0>();
                 const u32 next = group + STAGES;
                 if (next < split_end) ring[s] = weights.load(tile_base + (u64)next * 32);
             }
+            __syncthreads();  // round r + 1's operand complete
         }
     }
     cp_async_wait<0>();  // the empty groups past the end: nothing is left in flight

@@ -116,9 +116,12 @@ pub struct DequantTiles {
 /// 16 bytes of weights and 2 of scales (`STREAM_STAGE_BYTES` in `kernels/templates/gemm.cu`).
 pub const STREAM_GROUP_BYTES: u32 = 32 * (16 + 2);
 
-/// Shared-memory bytes of one slot of a `gemm_*_wgmma_m64` X ring: one 64-wide K group of 64 rows
-/// of bf16 (`WG_SLOT_BYTES` in `kernels/templates/gemm.cu`).
-pub const WGMMA_SLOT_BYTES: u32 = 64 * 64 * 2;
+/// Shared-memory bytes of one `gemm_*_wgmma_m64` block: two slots of the B operand (one 64-wide
+/// K group of 64 rows of bf16 each, `WG_OPERAND_BYTES` in `kernels/templates/gemm.cu`) and
+/// `slots` staging slots of 64 rows of 144 bytes (`WG_STAGE_BYTES`).
+pub fn wgmma_shared_bytes(slots: u32) -> u32 {
+    2 * 64 * 64 * 2 + slots.saturating_mul(64 * 144)
+}
 
 /// Launch parameters of `gemm_nvfp4_bf16_gemv`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -173,7 +176,8 @@ pub struct GemmTiles {
     /// `gemm_*_wgmma_m64`: resident blocks per multiprocessor the launch bounds ask for, and the
     /// slots the K-split choice fills.
     pub wgmma_blocks_per_sm: u32,
-    /// `gemm_*_wgmma_m64`: slots of the X ring (one K group of 64 rows each, 8 KiB; at least 2).
+    /// `gemm_*_wgmma_m64`: staging slots of X (one K group of 64 rows each, 9 KiB; at least 2),
+    /// filled this many rounds ahead.
     pub wgmma_x_slots: u32,
     /// `gemm_*_wgmma_m64`: the fewest K groups one split may get.
     pub wgmma_min_groups_per_split: u32,
@@ -476,7 +480,7 @@ impl TargetFacts {
             );
         }
         let wg = &self.gemm;
-        let wg_ring = wg.wgmma_x_slots.saturating_mul(WGMMA_SLOT_BYTES);
+        let wg_ring = wgmma_shared_bytes(wg.wgmma_x_slots);
         if !(1..=8).contains(&wg.wgmma_warpgroups_per_block)
             || wg.wgmma_warpgroups_per_block * 4 * self.warp_size > 1024
             || wg.wgmma_blocks_per_sm == 0

@@ -53,7 +53,7 @@ use super::{Nvfp4Weights, check_len, check_u32};
 use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims, SplitKScratch};
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::Nvfp4Matrix;
-use crate::target::{GemmTiles, STREAM_GROUP_BYTES, TargetFacts, WGMMA_SLOT_BYTES};
+use crate::target::{GemmTiles, STREAM_GROUP_BYTES, TargetFacts, wgmma_shared_bytes};
 use half::bf16;
 use layout::{Bf16Fragments, Nvfp4Fragments, WmmaBf16Fragments, WmmaNvfp4Fragments};
 use std::sync::MutexGuard;
@@ -891,8 +891,8 @@ pub fn wgmma_plan(
 }
 
 /// The launch of `gemm_*_wgmma_m64` on `plan` over `n_tiles` 16-row tiles: a block per
-/// `gemm.wgmma_warpgroups_per_block` quads and K split, the X ring's slots of dynamic shared
-/// memory.
+/// `gemm.wgmma_warpgroups_per_block` quads and K split, its operand and staging slots of
+/// dynamic shared memory ([`wgmma_shared_bytes`]).
 fn wgmma_dims(target: &TargetFacts, plan: &MmaPlan, n_tiles: u32) -> LaunchDims {
     let tiles = &target.gemm;
     let quads_per_block = tiles.wgmma_warpgroups_per_block.max(1);
@@ -903,7 +903,7 @@ fn wgmma_dims(target: &TargetFacts, plan: &MmaPlan, n_tiles: u32) -> LaunchDims 
             1,
         ),
         block: (quads_per_block * 4 * target.warp_size, 1, 1),
-        shared_bytes: tiles.wgmma_x_slots * WGMMA_SLOT_BYTES,
+        shared_bytes: wgmma_shared_bytes(tiles.wgmma_x_slots),
     }
 }
 
