@@ -30,6 +30,7 @@ use fp4spec::kernels::gemm::{self, Epilogue, Linear, Nvfp4Kernel, RowOrder};
 use fp4spec::kernels::{Nvfp4Weights, dequant};
 use fp4spec::rng::SplitMix64;
 use half::bf16;
+use std::cell::RefCell;
 
 /// Weight bytes the rotation must cover: several times the H200's 60 MB L2.
 const ROTATION_BYTES: u64 = 256 << 20;
@@ -58,7 +59,7 @@ struct Row {
 fn bench_shape(
     criterion: &mut Criterion,
     backend: &Backend,
-    cublas_peer: Option<(&CudaBackend, &CudaBlas)>,
+    cublas_peer: Option<(&CudaBackend, &RefCell<CudaBlas>)>,
     rng: &mut SplitMix64,
     set: &'static str,
     n: usize,
@@ -189,7 +190,7 @@ fn bench_shape(
             },
         );
         record(out, "mma bf16", bf16_bytes, seconds);
-        let Some((_, blas)) = cublas_peer else {
+        let Some((cuda, blas)) = cublas_peer else {
             continue;
         };
         let (DeviceVec::Cuda(x_slice), DeviceVec::Cuda(y_slice)) = (&x_dev, &mut y) else {
@@ -203,8 +204,15 @@ fn bench_shape(
             &name,
             cublas_bytes,
             |i| {
+                // on the stream this thread launches to: inside bench_graph's capture that is
+                // the capture stream, which a handle bound to the backend's stream at creation
+                // would bypass (its calls ran outside the graph, which then timed as nothing)
+                let mut blas = blas.borrow_mut();
+                // SAFETY: the stream belongs to the handle's context; nothing of the handle's
+                // is in flight on another stream (every call is on this thread, one at a time)
+                unsafe { blas.set_stream(cuda.stream().clone()) }.expect("cuBLAS stream");
                 cublas::gemm_bf16_x_wt(
-                    blas,
+                    &blas,
                     &dense_dev[i % dense_dev.len()],
                     x_slice,
                     y_slice,
@@ -227,7 +235,7 @@ fn main() {
     let blas = match &backend {
         Backend::Cuda(cuda) => Some((
             &**cuda,
-            CudaBlas::new(cuda.stream().clone()).expect("cuBLAS handle"),
+            RefCell::new(CudaBlas::new(cuda.stream().clone()).expect("cuBLAS handle")),
         )),
         _ => None,
     };
