@@ -56,7 +56,12 @@ fn vendor_differences_come_from_the_portability_layer() {
 /// compiler that spilled them).
 /// - gfx1151 `verify_topk`: clang 19 spills 6-8 SGPRs (24-32 bytes) into VGPR lanes, no scratch
 ///   (107 SGPRs of its uniform loop state); not run on a gfx1151 yet.
-const SPILLS_ACCEPTED: [(&str, &str); 1] = [("gfx1151", "verify_topk")];
+/// - sm_90a `gemm_bf16_bf16_wgmma_m64`: ptxas 13.0 spills 4 bytes (8 of stack) under the 128
+///   registers of 2 blocks of 256 threads per SM; unbounded it takes 135, one block per SM.
+const SPILLS_ACCEPTED: [(&str, &str); 2] = [
+    ("gfx1151", "verify_topk"),
+    ("sm_90a", "gemm_bf16_bf16_wgmma_m64"),
+];
 
 /// ... and none of them spills registers (but the kernels of [`SPILLS_ACCEPTED`]).
 #[test]

@@ -184,24 +184,26 @@ FP4_DEVICE void finish_tile(float (&acc)[MT][4], float alpha, u32 tile, u32 lane
     __threadfence();
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
-    // the partials of SPLIT_BATCH splits loaded together, one L2 round trip per batch where one
-    // split after another took one each (16 splits of the wgmma kernel's first plan); the sums
-    // stay in split order
-    constexpr u32 SPLIT_BATCH = MT >= 8 ? 2 : 4;
+    // m64 (MT = 8): the partials of two splits loaded together, one L2 round trip per pair where
+    // one split after another took one each (the wgmma kernel's first plan had 16 splits); the
+    // sums stay in split order. The smaller variants keep one split at a time: their registers
+    // have no room (ptxas 13.0 spilled in gemm_nvfp4_bf16_mma_m8 even at one per batch).
     u32 s = 0;
-    for (; s + SPLIT_BATCH <= splits; s += SPLIT_BATCH) {
-        float4 v[SPLIT_BATCH][MT];
-        #pragma unroll
-        for (u32 b = 0; b < SPLIT_BATCH; ++b) {
-            const float* part = partials + (((u64)tile * splits + s + b) * 32 + lane) * (MT * 4);
+    if constexpr (MT >= 8) {
+        for (; s + 2 <= splits; s += 2) {
+            float4 v[2][MT];
             #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) v[b][mt] = __ldcg(reinterpret_cast<const float4*>(part + mt * 4));
-        }
-        #pragma unroll
-        for (u32 b = 0; b < SPLIT_BATCH; ++b) {
+            for (u32 b = 0; b < 2; ++b) {
+                const float* part = partials + (((u64)tile * splits + s + b) * 32 + lane) * (MT * 4);
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) v[b][mt] = __ldcg(reinterpret_cast<const float4*>(part + mt * 4));
+            }
             #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                acc[mt][0] += v[b][mt].x; acc[mt][1] += v[b][mt].y; acc[mt][2] += v[b][mt].z; acc[mt][3] += v[b][mt].w;
+            for (u32 b = 0; b < 2; ++b) {
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    acc[mt][0] += v[b][mt].x; acc[mt][1] += v[b][mt].y; acc[mt][2] += v[b][mt].z; acc[mt][3] += v[b][mt].w;
+                }
             }
         }
     }
