@@ -9,9 +9,10 @@
 //! the call must move (weights once, X once, Y once).
 //!
 //! Variants: `gemv` (the straightforward NVFP4 kernel, the reference GPU version), `mma` (the
-//! tensor-core kernels on NVFP4 or bf16 weights), `stream nvfp4` (the staged NVFP4 stream
-//! kernel, `Nvfp4Kernel::Staged`, at M <= 16 on targets with cp.async), `cublas` (bf16 weights,
-//! the peer).
+//! tensor-core kernels on NVFP4 or bf16 weights, as the library chooses them), `stream nvfp4`
+//! (the staged NVFP4 stream kernel, `MmaKernel::Staged`, at M <= 16 on targets with cp.async),
+//! `wgmma` (`MmaKernel::Wgmma`, NVFP4 and bf16, at M > 32 on targets with wgmma), `cublas`
+//! (bf16 weights, the peer).
 //!
 //! Run: `cargo bench --bench gemm [-- FILTER]` on a CUDA or ROCm host (prints one skip line
 //! elsewhere).
@@ -26,7 +27,7 @@ use fp4spec::backend::cuda::CudaBackend;
 use fp4spec::backend::cuda::cublas;
 use fp4spec::backend::{Backend, DeviceVec};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
-use fp4spec::kernels::gemm::{self, Epilogue, Linear, Nvfp4Kernel, RowOrder};
+use fp4spec::kernels::gemm::{self, Epilogue, Linear, MmaKernel, RowOrder};
 use fp4spec::kernels::{Nvfp4Weights, dequant};
 use fp4spec::rng::SplitMix64;
 use half::bf16;
@@ -149,7 +150,7 @@ fn bench_shape(
                         &nvfp4[i % nvfp4.len()],
                         Epilogue::None,
                         &mut y,
-                        Nvfp4Kernel::Staged,
+                        MmaKernel::Staged,
                     )
                     .expect("linear")
                 },
@@ -190,6 +191,36 @@ fn bench_shape(
             },
         );
         record(out, "mma bf16", bf16_bytes, seconds);
+        // the warpgroup kernels, whatever gemm.wgmma_min_rows lets the library use, from 33 rows
+        // (below, a warpgroup's 64 columns of X are mostly padding)
+        let wgmma = backend.target().is_some_and(gemm::wgmma_rendered);
+        if wgmma && m > 32 {
+            for (variant, weights, bytes) in [
+                ("wgmma nvfp4", &nvfp4, nvfp4_bytes),
+                ("wgmma bf16", &bf16, bf16_bytes),
+            ] {
+                let seconds = bench_graph(
+                    criterion,
+                    backend,
+                    &format!("{set}/{}", variant.replace(' ', "_")),
+                    &name,
+                    bytes,
+                    |i| {
+                        gemm::linear_with(
+                            backend,
+                            &x_dev,
+                            m,
+                            &weights[i % weights.len()],
+                            Epilogue::None,
+                            &mut y,
+                            MmaKernel::Wgmma,
+                        )
+                        .expect("linear")
+                    },
+                );
+                record(out, variant, bytes, seconds);
+            }
+        }
         let Some((cuda, blas)) = cublas_peer else {
             continue;
         };

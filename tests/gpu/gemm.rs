@@ -8,7 +8,7 @@ use fp4spec::Error;
 use fp4spec::backend::cuda::cublas;
 use fp4spec::backend::{Backend, DeviceVec};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
-use fp4spec::kernels::gemm::{Epilogue, Linear, Nvfp4Kernel, RowOrder};
+use fp4spec::kernels::gemm::{Epilogue, Linear, MmaKernel, RowOrder};
 use fp4spec::kernels::{Nvfp4Weights, compare, dequant, gemm};
 use fp4spec::rng::SplitMix64;
 use half::bf16;
@@ -121,13 +121,18 @@ enum Format {
     /// rows; more run the register kernel), where the target has cp.async.
     Nvfp4Staged,
     Bf16,
+    /// NVFP4 and bf16 on the warpgroup kernels (`gemm_*_wgmma_m64`) at every M, where the
+    /// target has them (whatever `gemm.wgmma_min_rows` gives the library).
+    Nvfp4Wgmma,
+    Bf16Wgmma,
 }
 
 impl Format {
-    fn kernel(self) -> Nvfp4Kernel {
+    fn kernel(self) -> MmaKernel {
         match self {
-            Format::Nvfp4Staged => Nvfp4Kernel::Staged,
-            Format::Nvfp4 | Format::Bf16 => Nvfp4Kernel::Registers,
+            Format::Nvfp4Staged => MmaKernel::Staged,
+            Format::Nvfp4Wgmma | Format::Bf16Wgmma => MmaKernel::Wgmma,
+            Format::Nvfp4 | Format::Bf16 => MmaKernel::Registers,
         }
     }
 }
@@ -150,9 +155,15 @@ fn check_linear(
             skipped(test, "the staged stream kernel needs cp.async");
             continue;
         }
+        if matches!(format, Format::Nvfp4Wgmma | Format::Bf16Wgmma)
+            && !backend.target().is_some_and(gemm::wgmma_rendered)
+        {
+            skipped(test, "the wgmma kernels need wgmma and cp.async");
+            continue;
+        }
         let mut rng = rng(test);
         let (linear, reference_product): (Linear, Box<ReferenceProduct>) = match format {
-            Format::Nvfp4 | Format::Nvfp4Staged => {
+            Format::Nvfp4 | Format::Nvfp4Staged | Format::Nvfp4Wgmma => {
                 let q = awkward_matrix(&mut rng, n, k);
                 let linear = Linear::nvfp4(backend, &q, order).expect("upload");
                 (
@@ -162,7 +173,7 @@ fn check_linear(
                     }),
                 )
             }
-            Format::Bf16 => {
+            Format::Bf16 | Format::Bf16Wgmma => {
                 let w: Vec<bf16> = rng
                     .normal_vec(n * k, 0.02)
                     .into_iter()
@@ -474,10 +485,55 @@ fn stream_refuses_bf16_weights() {
             &linear,
             Epilogue::None,
             &mut y,
-            Nvfp4Kernel::Staged,
+            MmaKernel::Staged,
         )
         .unwrap_err();
         assert!(err.to_string().contains("NVFP4"), "{err}");
+    }
+}
+
+/// The warpgroup kernels on the model's shapes (the GDN in_proj, the attention projections, the
+/// fused expert gate_up with its epilogue), an lm_head slice and awkward shapes (N not a multiple
+/// of 64 rows, K = 16, the residual epilogue), at M from 1 to 130 (two launches).
+#[test]
+fn wgmma_model_and_awkward_shapes() {
+    for format in [Format::Nvfp4Wgmma, Format::Bf16Wgmma] {
+        let name = if matches!(format, Format::Nvfp4Wgmma) {
+            "nvfp4"
+        } else {
+            "bf16"
+        };
+        for (n, k) in [(12352, 2048), (2048, 4096), (9216, 2048), (24832, 2048)] {
+            check_linear(
+                &format!("wgmma_{name}_{n}x{k}"),
+                format,
+                n,
+                k,
+                &[1, 33, 64, 130],
+                RowOrder::Plain,
+                false,
+            );
+        }
+        check_linear(
+            &format!("wgmma_{name}_gate_up"),
+            format,
+            1024,
+            2048,
+            &[3, 64],
+            RowOrder::GateUp,
+            false,
+        );
+        for (n, k) in [(100, 528), (16, 16), (37, 1040)] {
+            check_linear(
+                &format!("wgmma_{name}_awkward_{n}x{k}"),
+                format,
+                n,
+                k,
+                &[1, 40, 64],
+                RowOrder::Plain,
+                true,
+            );
+        }
     }
 }
 
@@ -637,7 +693,7 @@ fn stream_matches_the_register_kernel_bit_for_bit() {
                     .upload(&random_bf16(&mut rng, m * k))
                     .expect("upload");
                 let mut outputs = Vec::new();
-                for kernel in [Nvfp4Kernel::Registers, Nvfp4Kernel::Staged] {
+                for kernel in [MmaKernel::Registers, MmaKernel::Staged] {
                     let mut y = poisoned(backend, m * n);
                     gemm::linear_with(backend, &x, m, &linear, Epilogue::None, &mut y, kernel)
                         .expect("linear");
@@ -698,7 +754,7 @@ fn stream_nvfp4_decode_is_exact() {
                 &linear,
                 Epilogue::None,
                 &mut y,
-                Nvfp4Kernel::Staged,
+                MmaKernel::Staged,
             )
             .expect("linear");
             let y = backend.download(&y).expect("download");
@@ -795,7 +851,7 @@ fn gemm_variants_match_cublas() {
                     &mma,
                     Epilogue::None,
                     &mut y,
-                    Nvfp4Kernel::Staged,
+                    MmaKernel::Staged,
                 )
                 .expect("stream");
                 variants.push(("stream", y));

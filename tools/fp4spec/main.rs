@@ -11,7 +11,7 @@ use fp4spec::backend::cuda::nvrtc;
 use fp4spec::backend::{Backend, BackendKind};
 use fp4spec::formats::nvfp4::Nvfp4Matrix;
 use fp4spec::kernels::check::{self, CheckStatus};
-use fp4spec::kernels::gemm::{Epilogue, Linear, Nvfp4Kernel, RowOrder};
+use fp4spec::kernels::gemm::{Epilogue, Linear, MmaKernel, RowOrder};
 use fp4spec::kernels::{Nvfp4Weights, compare, gemm, table};
 use fp4spec::rng::SplitMix64;
 use fp4spec::target;
@@ -127,8 +127,8 @@ enum Command {
         #[arg(long)]
         seed: Option<u64>,
         /// mma (the tensor-core kernels, on re-laid-out weights), stream (the staged NVFP4
-        /// stream kernel at M <= 16, cp.async targets) or gemv (the straightforward reference
-        /// GPU kernel).
+        /// stream kernel at M <= 16, cp.async targets), wgmma (the warpgroup kernels at any M,
+        /// wgmma targets) or gemv (the straightforward reference GPU kernel).
         #[arg(long, default_value = "mma")]
         kernel: String,
         /// Launches after the checked one (for profilers; all on the same inputs).
@@ -364,12 +364,13 @@ fn gemm_check(
     repeat: usize,
 ) -> Result<(), Failure> {
     let mma_kernel = match kernel {
-        "mma" => Some(Nvfp4Kernel::Registers),
-        "stream" => Some(Nvfp4Kernel::Staged),
+        "mma" => Some(MmaKernel::Registers),
+        "stream" => Some(MmaKernel::Staged),
+        "wgmma" => Some(MmaKernel::Wgmma),
         "gemv" => None,
         other => {
             return Err(Failure::Input(format!(
-                "--kernel `{other}` is not one of mma, stream, gemv"
+                "--kernel `{other}` is not one of mma, stream, wgmma, gemv"
             )));
         }
     };

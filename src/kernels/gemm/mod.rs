@@ -17,12 +17,13 @@
 //!   [`x_shared_plan`]); the others load X fragments from global memory per group.
 //! - `gemm_{nvfp4,bf16}_bf16_wgmma_m64` (`wgmma` and `cp.async`: sm_90a): the m64 product on the
 //!   warpgroup MMA, a warpgroup per 64 weight rows, X^T from a shared-memory ring, in place of
-//!   the mma.sync m64 variant from `gemm.wgmma_min_rows` rows ([`mma_wgmma`], [`wgmma_plan`]);
-//!   same weights, arguments and split-K finish.
+//!   the mma.sync m64 variant from `gemm.wgmma_min_rows` rows ([`mma_wgmma`], [`wgmma_plan`];
+//!   off on sm_90a until it is measured faster: targets.toml) or per call
+//!   ([`MmaKernel::Wgmma`]); same weights, arguments and split-K finish.
 //! - `gemm_nvfp4_bf16_stream_m{8,16}` (mma.sync and `cp.async`: sm_90a, sm_121a): the NVFP4
 //!   weight stream of the mma kernels with the groups in flight in shared-memory rings (cp.async)
 //!   instead of registers and X staged in shared memory once per block, for calls of at most
-//!   [`STREAM_MAX_ROWS`] rows; chosen per call with [`Nvfp4Kernel`] ([`linear_with`]), not by
+//!   [`STREAM_MAX_ROWS`] rows; chosen per call with [`MmaKernel`] ([`linear_with`]), not by
 //!   default.
 //! - `quantize_nvfp4_rows` + `gemm_nvfp4_nvfp4_mma_m{8,16,32}` (sm_121a): W4A4 on the
 //!   block-scaled FP4 MMA, chosen per model with [`Nvfp4Mode`]; compiled and emulated here
@@ -203,18 +204,22 @@ pub enum Nvfp4Mode {
     W4a4,
 }
 
-/// Which kernel streams an NVFP4 (W4A16) weight on mma.sync targets: the per-call choice that
-/// lets the bench and the tests compare the two; the library's callers use the default.
+/// Which tensor-core kernel runs a call on mma.sync targets: the per-call choice that lets the
+/// bench and the tests compare the variants; the library's callers use the default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Nvfp4Kernel {
-    /// `gemm_nvfp4_bf16_mma_m*`: each lane's groups in flight in registers, X from global memory.
+pub enum MmaKernel {
+    /// The target table's choice: `gemm_{nvfp4,bf16}_bf16_mma_m*` (each lane's groups in flight
+    /// in registers), or `gemm_*_wgmma_m64` from `gemm.wgmma_min_rows` rows ([`mma_wgmma`]).
     #[default]
     Registers,
-    /// `gemm_nvfp4_bf16_stream_m{8,16}`: groups in flight in per-warp shared-memory rings filled
-    /// by `cp.async`, X staged in shared memory per block (targets with
-    /// `instructions.cp_async`). Calls of more than [`STREAM_MAX_ROWS`] rows run
-    /// [`Nvfp4Kernel::Registers`]: there re-reading X per tile, not the stream, limits.
+    /// NVFP4 W4A16 weights only: `gemm_nvfp4_bf16_stream_m{8,16}`, groups in flight in per-warp
+    /// shared-memory rings filled by `cp.async`, X staged in shared memory per block (targets
+    /// with `instructions.cp_async`). Calls of more than [`STREAM_MAX_ROWS`] rows run
+    /// [`MmaKernel::Registers`]: there re-reading X per tile, not the stream, limits.
     Staged,
+    /// `gemm_{nvfp4,bf16}_bf16_wgmma_m64` for every launch, whatever its rows and
+    /// `gemm.wgmma_min_rows` (NVFP4 W4A16 and bf16 weights, targets with `wgmma` and `cp.async`).
+    Wgmma,
 }
 
 /// Most rows of X the `gemm_nvfp4_bf16_stream_m*` kernels take (X is staged in shared memory).
@@ -596,16 +601,17 @@ pub fn linear(
     epilogue: Epilogue<'_>,
     y: &mut DeviceVec<bf16>,
 ) -> Result<()> {
-    linear_with(backend, x, m, w, epilogue, y, Nvfp4Kernel::default())
+    linear_with(backend, x, m, w, epilogue, y, MmaKernel::default())
 }
 
-/// [`linear`] with the NVFP4 kernel chosen by the caller (the bench and the tests compare them).
-/// [`Nvfp4Kernel::Registers`] is [`linear`] itself for every weight.
+/// [`linear`] with the tensor-core kernel chosen by the caller (the bench and the tests compare
+/// them). [`MmaKernel::Registers`] is [`linear`] itself for every weight.
 ///
 /// # Errors
-/// As [`linear`]; also [`Error::Invalid`] when [`Nvfp4Kernel::Staged`] is asked for a weight or
-/// target without that kernel (not NVFP4 W4A16 on mma.sync, or no `cp.async`). The CPU backend
-/// runs the reference whatever the choice.
+/// As [`linear`]; also [`Error::Invalid`] when [`MmaKernel::Staged`] or [`MmaKernel::Wgmma`] is
+/// asked for a weight or target without that kernel (Staged: not NVFP4 W4A16 on mma.sync, or no
+/// `cp.async`; Wgmma: not W4A16 / bf16 on mma.sync, or no `wgmma`). The CPU backend runs the
+/// reference whatever the choice.
 pub fn linear_with(
     backend: &Backend,
     x: &DeviceVec<bf16>,
@@ -613,7 +619,7 @@ pub fn linear_with(
     w: &Linear,
     epilogue: Epilogue<'_>,
     y: &mut DeviceVec<bf16>,
-    kernel: Nvfp4Kernel,
+    kernel: MmaKernel,
 ) -> Result<()> {
     let (k, n_out) = (w.grid.cols, w.out_features());
     check_len("linear input X", x, m * k, &format!("[{m}, {k}]"))?;
@@ -854,9 +860,12 @@ const SPLIT_OVERHEAD_GROUPS: usize = 2;
 /// of the mma.sync variant: on targets with `wgmma` and `cp.async`, from `gemm.wgmma_min_rows`
 /// rows.
 pub fn mma_wgmma(target: &TargetFacts, rows: usize) -> bool {
-    target.instructions.wgmma
-        && target.instructions.cp_async
-        && rows >= target.gemm.wgmma_min_rows as usize
+    wgmma_rendered(target) && rows >= target.gemm.wgmma_min_rows as usize
+}
+
+/// Whether `target`'s gemm source has the `gemm_*_wgmma_m64` kernels (`wgmma` and `cp.async`).
+pub fn wgmma_rendered(target: &TargetFacts) -> bool {
+    target.instructions.wgmma && target.instructions.cp_async
 }
 
 /// The partition of `gemm_*_wgmma_m64`: a warpgroup per quad of four 16-row tiles,
@@ -1061,7 +1070,7 @@ fn linear_device(
     w: &Linear,
     epilogue: &Epilogue<'_>,
     y: &mut DeviceVec<bf16>,
-    kernel: Nvfp4Kernel,
+    kernel: MmaKernel,
 ) -> Result<()> {
     let found = w.storage.backend_name();
     let mismatch = || Error::BackendMismatch {
@@ -1076,7 +1085,7 @@ fn linear_device(
         Epilogue::Residual(r) => Some(*r),
         Epilogue::None | Epilogue::SiluMul => None,
     };
-    if kernel == Nvfp4Kernel::Staged {
+    if kernel == MmaKernel::Staged {
         let target = device_target(backend)?;
         let LinearStorage::MmaNvfp4 {
             words,
@@ -1107,6 +1116,30 @@ fn linear_device(
             return linear_stream(backend, x, m, w, weights, epilogue, residual, y);
         }
     }
+    let force_wgmma = kernel == MmaKernel::Wgmma;
+    if force_wgmma {
+        let target = device_target(backend)?;
+        if !wgmma_rendered(target)
+            || !matches!(
+                w.storage,
+                LinearStorage::MmaNvfp4 { .. } | LinearStorage::MmaBf16 { .. }
+            )
+        {
+            return Err(Error::invalid(
+                "gemm kernel",
+                format!(
+                    "the wgmma kernels take NVFP4 W4A16 or bf16 weights on targets with wgmma \
+                     and cp.async; target {} has {}",
+                    target.name,
+                    if wgmma_rendered(target) {
+                        "them, the weight is laid out for another kernel"
+                    } else {
+                        "none"
+                    }
+                ),
+            ));
+        }
+    }
     match &w.storage {
         LinearStorage::MmaNvfp4 {
             words,
@@ -1118,11 +1151,31 @@ fn linear_device(
                 scales,
                 global_scale: *global_scale,
             };
-            linear_mma(backend, x, m, w, weights, epilogue, residual, y)
+            linear_mma(
+                backend,
+                x,
+                m,
+                w,
+                weights,
+                epilogue,
+                residual,
+                y,
+                force_wgmma,
+            )
         }
         LinearStorage::MmaBf16 { words } => {
             let weights = MmaWeights::Bf16 { words };
-            linear_mma(backend, x, m, w, weights, epilogue, residual, y)
+            linear_mma(
+                backend,
+                x,
+                m,
+                w,
+                weights,
+                epilogue,
+                residual,
+                y,
+                force_wgmma,
+            )
         }
         LinearStorage::WmmaNvfp4 {
             words,
@@ -1427,6 +1480,7 @@ fn linear_mma(
     epilogue: &Epilogue<'_>,
     residual: Option<&DeviceVec<bf16>>,
     y: &mut DeviceVec<bf16>,
+    force_wgmma: bool,
 ) -> Result<()> {
     let (target, multiprocessors) = device_facts(backend)?;
     let tiles = &target.gemm;
@@ -1434,7 +1488,7 @@ fn linear_mma(
     let (k, n_out) = (w.grid.cols, w.out_features());
     for start in (0..m).step_by(MMA_MAX_ROWS) {
         let rows = (m - start).min(MMA_MAX_ROWS);
-        let wgmma = mma_wgmma(target, rows);
+        let wgmma = force_wgmma || mma_wgmma(target, rows);
         let (plan, dims) = if wgmma {
             let plan = wgmma_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors);
             (plan, wgmma_dims(target, &plan, shape.n_tiles))
@@ -1717,7 +1771,7 @@ mod tests {
             let args = gemv_arguments(&x, &plain, &mut y, [1, 1, 16]);
             checks.check(name, KERNEL_GEMM_NVFP4_BF16_GEMV, &args);
             let kernels: &[&str] = match TensorCore::for_target(t).expect("tensor cores") {
-                TensorCore::MmaSync if mma_wgmma(t, MMA_MAX_ROWS) => &[
+                TensorCore::MmaSync if wgmma_rendered(t) => &[
                     &MMA_NVFP4_KERNELS[..],
                     &MMA_BF16_KERNELS[..],
                     &STREAM_NVFP4_KERNELS[..],
@@ -1799,7 +1853,7 @@ mod tests {
                     if t.instructions.cp_async {
                         used.extend(STREAM_NVFP4_KERNELS);
                     }
-                    if mma_wgmma(t, MMA_MAX_ROWS) {
+                    if wgmma_rendered(t) {
                         used.extend([WGMMA_NVFP4_KERNEL, WGMMA_BF16_KERNEL]);
                     }
                 }
@@ -1905,6 +1959,39 @@ mod tests {
     /// attention q projection (8192, 2048) 3 splits (258 blocks, two waves of 11 groups; 2 were
     /// 172 blocks, two waves of 16), the GDN out_proj (2048, 4096) 6 (132 blocks, one wave; the
     /// warps alone asked for 5), the GDN in_proj (12352, 2048) and the lm_head none.
+    /// The wgmma plan covers every K group with no split empty, keeps at least
+    /// `wgmma_min_groups_per_split` groups per split where it splits at all, and its launch holds
+    /// every quad of 16-row tiles within the target's shared memory.
+    #[test]
+    fn the_wgmma_plan_covers_k_in_whole_splits() {
+        for t in target::all().iter().filter(|t| wgmma_rendered(t)) {
+            let tiles = &t.gemm;
+            for (n, k) in MODEL_SHAPES.into_iter().chain([
+                (248320, 2048),
+                (65536, 4096),
+                (16, 16),
+                (100, 528),
+            ]) {
+                let (n_tiles, k_groups) = (n.div_ceil(16), k.div_ceil(64));
+                let plan = wgmma_plan(n_tiles, k_groups, tiles, t.multiprocessors);
+                let (splits, groups) = (plan.splits as usize, plan.groups_per_split as usize);
+                assert!(splits * groups >= k_groups, "{n}x{k}: {plan:?}");
+                assert!(
+                    (splits - 1) * groups < k_groups,
+                    "{n}x{k}: empty split {plan:?}"
+                );
+                assert!(
+                    splits == 1 || groups >= tiles.wgmma_min_groups_per_split as usize,
+                    "{n}x{k}: {plan:?}"
+                );
+                let dims = wgmma_dims(t, &plan, n_tiles as u32);
+                let quads = dims.grid.0 as usize * tiles.wgmma_warpgroups_per_block as usize;
+                assert!(quads * 4 >= n_tiles, "{n}x{k}: {dims:?}");
+                assert!(dims.shared_bytes <= t.max_shared_bytes_per_block, "{n}x{k}");
+            }
+        }
+    }
+
     #[test]
     fn the_x_shared_plan_fills_its_waves() {
         let mut tiles = target::by_name("sm_90a").expect("sm_90a").gemm.clone();
