@@ -176,6 +176,21 @@ FP4_DEVICE void ldmatrix_x4(u32 (&r)[4], const void* p) { emu_ldmatrix(r, p, fal
 FP4_DEVICE void ldmatrix_x4_trans(u32 (&r)[4], const void* p) { emu_ldmatrix(r, p, true); }
 // mma.m16n8k16.row.col bf16: lane (g = l / 4, t = l % 4) holds A[g][2t..], A[g+8][2t..],
 // A[g][2t+8..], A[g+8][2t+8..]; B[2t..][g], B[2t+8..][g]; C[g][2t..] and C[g+8][2t..].
+// the low / high bf16 of an exchange word
+FP4_DEVICE float emu_lo(u64 w) { return bf16_to_f32((u16)(w & 0xffffu)); }
+FP4_DEVICE float emu_hi(u64 w) { return bf16_to_f32((u16)((w >> 16) & 0xffffu)); }
+// the warp's 16 x 16 A operand from its lanes' fragments (exchange words 0..3 of each lane,
+// written before a warp_sync; also the wgmma emulation's, one warp's 16 rows)
+FP4_DEVICE void emu_gather_a(float (&A)[16][16]) {
+    for (u32 l = 0; l < 32; ++l) {
+        const u64* f = emu::of(l);
+        const u32 g = l / 4, t = l % 4;
+        A[g][2 * t] = emu_lo(f[0]); A[g][2 * t + 1] = emu_hi(f[0]);
+        A[g + 8][2 * t] = emu_lo(f[1]); A[g + 8][2 * t + 1] = emu_hi(f[1]);
+        A[g][2 * t + 8] = emu_lo(f[2]); A[g][2 * t + 9] = emu_hi(f[2]);
+        A[g + 8][2 * t + 8] = emu_lo(f[3]); A[g + 8][2 * t + 9] = emu_hi(f[3]);
+    }
+}
 FP4_DEVICE void mma_bf16_m16n8k16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     u64* me = emu::mine();
     for (int i = 0; i < 4; ++i) me[i] = a[i];
@@ -183,17 +198,12 @@ FP4_DEVICE void mma_bf16_m16n8k16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 
     me[5] = b1;
     emu::warp_sync();
     float A[16][16], B[16][8];
-    auto lo = [](u64 w) { return bf16_to_f32((u16)(w & 0xffffu)); };
-    auto hi = [](u64 w) { return bf16_to_f32((u16)((w >> 16) & 0xffffu)); };
+    emu_gather_a(A);
     for (u32 l = 0; l < 32; ++l) {
         const u64* f = emu::of(l);
         const u32 g = l / 4, t = l % 4;
-        A[g][2 * t] = lo(f[0]); A[g][2 * t + 1] = hi(f[0]);
-        A[g + 8][2 * t] = lo(f[1]); A[g + 8][2 * t + 1] = hi(f[1]);
-        A[g][2 * t + 8] = lo(f[2]); A[g][2 * t + 9] = hi(f[2]);
-        A[g + 8][2 * t + 8] = lo(f[3]); A[g + 8][2 * t + 9] = hi(f[3]);
-        B[2 * t][g] = lo(f[4]); B[2 * t + 1][g] = hi(f[4]);
-        B[2 * t + 8][g] = lo(f[5]); B[2 * t + 9][g] = hi(f[5]);
+        B[2 * t][g] = emu_lo(f[4]); B[2 * t + 1][g] = emu_hi(f[4]);
+        B[2 * t + 8][g] = emu_lo(f[5]); B[2 * t + 9][g] = emu_hi(f[5]);
     }
     emu::warp_sync();
     const u32 lane = lane_index(), g = lane / 4, t = lane % 4;

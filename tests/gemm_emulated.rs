@@ -337,16 +337,7 @@ fn the_stream_kernel_matches_the_reference_and_the_register_kernel() {
             let [stream, registers] = [&outputs[0], &outputs[1]];
             let (n, k, m) = (case.n, case.k, case.m);
             let want = gemm::reference::nvfp4_gemm_f32(&x, m, q.view());
-            let agreement = compare::compare_bf16(stream, &want);
-            println!(
-                "{} stream ({n}, {k}) M={m} {:?}: {agreement}",
-                target.name, case.plan
-            );
-            assert!(
-                agreement.passed(),
-                "{} stream ({n}, {k}) M={m}: {agreement}",
-                target.name
-            );
+            assert_agrees(target, "stream", &case, stream, &want);
             let differ = (0..m * n)
                 .filter(|&i| stream[i].to_bits() != registers[i].to_bits())
                 .count();
@@ -357,6 +348,50 @@ fn the_stream_kernel_matches_the_reference_and_the_register_kernel() {
             );
         }
     }
+}
+
+/// Prints `got` against the CPU reference `want` for `what` on `case` and asserts they agree.
+fn assert_agrees(target: &TargetFacts, what: &str, case: &Case, got: &[bf16], want: &[f32]) {
+    let (n, k, m) = (case.n, case.k, case.m);
+    let agreement = compare::compare_bf16(got, want);
+    println!(
+        "{} {what} ({n}, {k}) M={m} {:?}: {agreement}",
+        target.name, case.plan
+    );
+    assert!(
+        agreement.passed(),
+        "{} {what} ({n}, {k}) M={m}: {agreement}",
+        target.name
+    );
+}
+
+/// One case on fresh random X and weights, NVFP4 then bf16: `nvfp4` and `dense` run the kernel
+/// under test on them (the quantised matrix / the bf16 `[n, k]` weight, and X), each output
+/// against the CPU reference.
+fn check_both_formats(
+    target: &TargetFacts,
+    rng: &mut SplitMix64,
+    what: &str,
+    case: &Case,
+    nvfp4: impl Fn(&Nvfp4Matrix, &[bf16]) -> Vec<bf16>,
+    dense: impl Fn(&[bf16], &[bf16]) -> Vec<bf16>,
+) {
+    let (n, k, m) = (case.n, case.k, case.m);
+    let x: Vec<bf16> = rng
+        .normal_vec(m * k, 1.0)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let q = Nvfp4Matrix::quantize("W", &rng.normal_vec(n * k, 0.02), n, k).expect("finite");
+    let want = gemm::reference::nvfp4_gemm_f32(&x, m, q.view());
+    assert_agrees(target, &format!("{what}nvfp4"), case, &nvfp4(&q, &x), &want);
+    let w: Vec<bf16> = rng
+        .normal_vec(n * k, 0.02)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let want = gemm::reference::bf16_gemm_f32(&x, m, &w, n, k);
+    assert_agrees(target, &format!("{what}bf16"), case, &dense(&w, &x), &want);
 }
 
 /// Most warps per tile, up to `wanted`, that a block of the X-ring variants holds whole: the
@@ -407,41 +442,13 @@ fn the_x_shared_kernels_match_the_reference() {
                 plan: plan(x_shared_tile_warps(target, 4), 1, 3),
             },
         ] {
-            let (n, k, m) = (case.n, case.k, case.m);
-            let x: Vec<bf16> = rng
-                .normal_vec(m * k, 1.0)
-                .into_iter()
-                .map(bf16::from_f32)
-                .collect();
-            let q = Nvfp4Matrix::quantize("W", &rng.normal_vec(n * k, 0.02), n, k).expect("finite");
-            let nvfp4 = run_case(&exe, target, &case, &q, &x).remove(0);
-            let want = gemm::reference::nvfp4_gemm_f32(&x, m, q.view());
-            let agreement = compare::compare_bf16(&nvfp4, &want);
-            println!(
-                "{} nvfp4 ({n}, {k}) M={m} {:?}: {agreement}",
-                target.name, case.plan
-            );
-            assert!(
-                agreement.passed(),
-                "{} nvfp4 ({n}, {k}) M={m}: {agreement}",
-                target.name
-            );
-            let w: Vec<bf16> = rng
-                .normal_vec(n * k, 0.02)
-                .into_iter()
-                .map(bf16::from_f32)
-                .collect();
-            let dense = run_bf16_case(&exe, target, &case, &w, &x);
-            let want = gemm::reference::bf16_gemm_f32(&x, m, &w, n, k);
-            let agreement = compare::compare_bf16(&dense, &want);
-            println!(
-                "{} bf16 ({n}, {k}) M={m} {:?}: {agreement}",
-                target.name, case.plan
-            );
-            assert!(
-                agreement.passed(),
-                "{} bf16 ({n}, {k}) M={m}: {agreement}",
-                target.name
+            check_both_formats(
+                target,
+                &mut rng,
+                "",
+                &case,
+                |q, x| run_case(&exe, target, &case, q, x).remove(0),
+                |w, x| run_bf16_case(&exe, target, &case, w, x),
             );
         }
     }
@@ -562,41 +569,13 @@ fn the_wgmma_kernels_match_the_reference() {
                 plan: plan(1, 3, 11),
             },
         ] {
-            let (n, k, m) = (case.n, case.k, case.m);
-            let x: Vec<bf16> = rng
-                .normal_vec(m * k, 1.0)
-                .into_iter()
-                .map(bf16::from_f32)
-                .collect();
-            let q = Nvfp4Matrix::quantize("W", &rng.normal_vec(n * k, 0.02), n, k).expect("finite");
-            let nvfp4 = run_wgmma_case(&exe, target, &case, WgmmaWeights::Nvfp4(&q), &x);
-            let want = gemm::reference::nvfp4_gemm_f32(&x, m, q.view());
-            let agreement = compare::compare_bf16(&nvfp4, &want);
-            println!(
-                "{} wgmma nvfp4 ({n}, {k}) M={m} {:?}: {agreement}",
-                target.name, case.plan
-            );
-            assert!(
-                agreement.passed(),
-                "{} wgmma nvfp4 ({n}, {k}) M={m}: {agreement}",
-                target.name
-            );
-            let w: Vec<bf16> = rng
-                .normal_vec(n * k, 0.02)
-                .into_iter()
-                .map(bf16::from_f32)
-                .collect();
-            let dense = run_wgmma_case(&exe, target, &case, WgmmaWeights::Bf16(&w), &x);
-            let want = gemm::reference::bf16_gemm_f32(&x, m, &w, n, k);
-            let agreement = compare::compare_bf16(&dense, &want);
-            println!(
-                "{} wgmma bf16 ({n}, {k}) M={m} {:?}: {agreement}",
-                target.name, case.plan
-            );
-            assert!(
-                agreement.passed(),
-                "{} wgmma bf16 ({n}, {k}) M={m}: {agreement}",
-                target.name
+            check_both_formats(
+                target,
+                &mut rng,
+                "wgmma ",
+                &case,
+                |q, x| run_wgmma_case(&exe, target, &case, WgmmaWeights::Nvfp4(q), x),
+                |w, x| run_wgmma_case(&exe, target, &case, WgmmaWeights::Bf16(w), x),
             );
         }
     }

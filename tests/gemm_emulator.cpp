@@ -72,16 +72,7 @@ FP4_DEVICE void wgmma_m64n64k16_bf16(float (&d)[32], const u32 (&a)[4], u64 b) {
     for (int i = 0; i < 4; ++i) me[i] = a[i];
     emu::warp_sync();
     float A[16][16];
-    auto lo = [](u64 w) { return bf16_to_f32((u16)(w & 0xffffu)); };
-    auto hi = [](u64 w) { return bf16_to_f32((u16)((w >> 16) & 0xffffu)); };
-    for (u32 l = 0; l < 32; ++l) {
-        const u64* f = emu::of(l);
-        const u32 g = l / 4, t = l % 4;
-        A[g][2 * t] = lo(f[0]); A[g][2 * t + 1] = hi(f[0]);
-        A[g + 8][2 * t] = lo(f[1]); A[g + 8][2 * t + 1] = hi(f[1]);
-        A[g][2 * t + 8] = lo(f[2]); A[g][2 * t + 9] = hi(f[2]);
-        A[g + 8][2 * t + 8] = lo(f[3]); A[g + 8][2 * t + 9] = hi(f[3]);
-    }
+    emu_gather_a(A);  // tests/gdn_emulator.cpp's mma section
     emu::warp_sync();
     const u32 start = (u32)(b & 0x3fffu) << 4, leading = (u32)((b >> 16) & 0x3fffu) << 4;
     const u32 stride = (u32)((b >> 32) & 0x3fffu) << 4;

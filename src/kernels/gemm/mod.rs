@@ -1140,43 +1140,30 @@ fn linear_device(
             ));
         }
     }
+    let mut mma = |weights| {
+        linear_mma(
+            backend,
+            x,
+            m,
+            w,
+            weights,
+            epilogue,
+            residual,
+            y,
+            force_wgmma,
+        )
+    };
     match &w.storage {
         LinearStorage::MmaNvfp4 {
             words,
             scales,
             global_scale,
-        } => {
-            let weights = MmaWeights::Nvfp4 {
-                words,
-                scales,
-                global_scale: *global_scale,
-            };
-            linear_mma(
-                backend,
-                x,
-                m,
-                w,
-                weights,
-                epilogue,
-                residual,
-                y,
-                force_wgmma,
-            )
-        }
-        LinearStorage::MmaBf16 { words } => {
-            let weights = MmaWeights::Bf16 { words };
-            linear_mma(
-                backend,
-                x,
-                m,
-                w,
-                weights,
-                epilogue,
-                residual,
-                y,
-                force_wgmma,
-            )
-        }
+        } => mma(MmaWeights::Nvfp4 {
+            words,
+            scales,
+            global_scale: *global_scale,
+        }),
+        LinearStorage::MmaBf16 { words } => mma(MmaWeights::Bf16 { words }),
         LinearStorage::WmmaNvfp4 {
             words,
             scales,
