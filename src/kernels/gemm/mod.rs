@@ -1502,16 +1502,18 @@ fn linear_mma(
             );
             (plan, dims)
         };
-        let m_tiles = row_tiles(rows);
+        // the n8 tiles of rows each lane's partial holds: the variant's, or the wgmma kernels'
+        // 8 whatever the rows (they finish as m64; MmaKernel::Wgmma runs them at any M)
+        let m_tiles = if wgmma { 8 } else { row_tiles(rows) };
         let mut scratch = split_k_scratch(backend, &plan, w.grid.n_tiles, m_tiles)?;
         let split = SplitArgs::new(scratch.as_deref_mut(), &plan);
         let chunk = ChunkArgs::new(x, y, residual, start, rows, k, n_out)?;
-        // Both kernels index only what is checked here: X, Y and the residual were checked
+        // The kernels index only what is checked here: X, Y and the residual were checked
         // against (m, n, k) and the chunk's rows lie within them; the weights were laid out
-        // for (n_tiles, k_groups); the X ring and the warps' sums fit the dynamic shared memory
-        // (x_shared_bytes); with splits > 1 the scratch holds
-        // n_tiles * splits * 32 * 4 * m_tiles floats and n_tiles zeroed counters, and its guard
-        // is held until the launch is queued.
+        // for (n_tiles, k_groups); the X rings and the warps' sums fit the dynamic shared
+        // memory (x_shared_bytes, wgmma_shared_bytes); with splits > 1 the scratch holds
+        // n_tiles * splits * 32 * 4 * m_tiles floats (m_tiles as the launched kernel finishes)
+        // and n_tiles zeroed counters, and its guard is held until the launch is queued.
         match weights {
             MmaWeights::Nvfp4 {
                 words,
