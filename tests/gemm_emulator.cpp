@@ -37,6 +37,9 @@ FP4_DEVICE void cp_async16_zfill(void* dst, const void* src, u32 src_bytes) {
     if (src_bytes == 16) std::memcpy(dst, src, 16);
     else std::memset(dst, 0, 16);
 }
+FP4_DEVICE void cp_async16_zfill_shared(u32 dst, const void* src, u32 src_bytes) {
+    cp_async16_zfill(emu::dynamic_smem + dst, src, src_bytes);
+}
 FP4_DEVICE void cp_async8_zfill(void* dst, const void* src, u32 src_bytes) {
     require_copy_aligned(dst, src, 8);
     if (src_bytes == 8) std::memcpy(dst, src, 8);
@@ -61,12 +64,6 @@ FP4_DEVICE void wgmma_commit() {}
 template <int N>
 FP4_DEVICE void wgmma_wait() {}
 FP4_DEVICE void fence_proxy_async_shared() {}
-FP4_DEVICE void cp_async16_zfill_shared(u32 dst, const void* src, u32 src_bytes) {
-    unsigned char* d = emu::dynamic_smem + dst;
-    require_copy_aligned(d, src, 16);
-    if (src_bytes == 16) std::memcpy(d, src, 16);
-    else std::memset(d, 0, 16);
-}
 FP4_DEVICE void wgmma_m64n64k16_bf16(float (&d)[32], const u32 (&a)[4], u64 b) {
     u64* me = emu::mine();
     for (int i = 0; i < 4; ++i) me[i] = a[i];

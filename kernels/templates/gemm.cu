@@ -693,10 +693,6 @@ FP4_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n
 /// Shared memory written through the generic proxy (cp.async, stores) made visible to the
 /// tensor cores' reads (the async proxy); each writing thread, before the barrier.
 FP4_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-/// 16 bytes global -> shared at shared address `dst`, zero when src_bytes is 0 (0 or 16).
-FP4_DEVICE void cp_async16_zfill_shared(u32 dst, const void* src, u32 src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
 /// d[64 x 64] += A[64 x 16] (bf16, registers: this warp's 16 rows as the m16n8k16 A fragment)
 /// * B[16 x 64] (bf16, shared memory, K-major: `b` from wgmma_descriptor), fp32 accumulation.
 /// d[4i + q] is the m16n8 accumulator register q of the warp's n8 tile i.

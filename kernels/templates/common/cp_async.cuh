@@ -10,9 +10,14 @@ FP4_DEVICE void cp_async16_shared(u32 dst, const void* src) {
 }
 /// 16 bytes global -> shared.
 FP4_DEVICE void cp_async16(void* dst, const void* src) { cp_async16_shared(cp_async_shared_address(dst), src); }
+/// 16 bytes global -> shared at shared address `dst` (as cp_async16_shared), the last
+/// 16 - src_bytes of them zero (src_bytes 0 or 16).
+FP4_DEVICE void cp_async16_zfill_shared(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
 /// 16 bytes global -> shared, the last 16 - src_bytes of them zero (src_bytes 0 or 16).
 FP4_DEVICE void cp_async16_zfill(void* dst, const void* src, u32 src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(cp_async_shared_address(dst)), "l"(src), "r"(src_bytes) : "memory");
+    cp_async16_zfill_shared(cp_async_shared_address(dst), src, src_bytes);
 }
 /// 8 bytes global -> shared (through L1: cp.async.cg takes 16 only), zero when src_bytes is 0
 /// (src_bytes 0 or 8).

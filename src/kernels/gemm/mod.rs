@@ -833,18 +833,12 @@ pub fn x_shared_plan(
         return plan;
     }
     let tiles_per_block = (tiles.mma_x_shared_warps_per_block / plan.warps_per_tile).max(1);
-    let tile_blocks = n_tiles.max(1).div_ceil(tiles_per_block as usize);
-    let slots = (multiprocessors * tiles.mma_x_shared_blocks_per_sm).max(1) as usize;
-    let most = (k_groups / tiles.mma_x_shared_min_groups_per_split.max(1) as usize).max(1);
-    let cost = |groups_per_split: usize| {
-        let splits = k_groups.div_ceil(groups_per_split);
-        (tile_blocks * splits).div_ceil(slots) * (groups_per_split + SPLIT_OVERHEAD_GROUPS)
-    };
-    // each split count's groups per split, fewest splits first (min_by_key keeps the first)
-    let groups_per_split = (1..=most)
-        .map(|splits| k_groups.div_ceil(splits).max(1))
-        .min_by_key(|&groups| cost(groups))
-        .unwrap_or(plan.groups_per_split as usize);
+    let groups_per_split = wave_filling_groups_per_split(
+        k_groups,
+        n_tiles.max(1).div_ceil(tiles_per_block as usize),
+        multiprocessors * tiles.mma_x_shared_blocks_per_sm,
+        tiles.mma_x_shared_min_groups_per_split,
+    );
     MmaPlan {
         warps_per_tile: plan.warps_per_tile,
         splits: k_groups.div_ceil(groups_per_split).max(1) as u32,
@@ -852,8 +846,33 @@ pub fn x_shared_plan(
     }
 }
 
-/// What a K split adds to a block's work in [`x_shared_plan`], in K groups: its partial sums
-/// stored, counted and added by the tile's last block (an estimate, not a measurement).
+/// The K groups per split, of every split count that keeps at least `min_groups_per_split`
+/// groups per split, whose `blocks_per_split` blocks per split fill `slots` resident blocks in
+/// the fewest waves of the least work: waves x (groups per split + [`SPLIT_OVERHEAD_GROUPS`]),
+/// the fewest splits on a tie ([`x_shared_plan`], [`wgmma_plan`]).
+fn wave_filling_groups_per_split(
+    k_groups: usize,
+    blocks_per_split: usize,
+    slots: u32,
+    min_groups_per_split: u32,
+) -> usize {
+    let slots = slots.max(1) as usize;
+    let most = (k_groups / min_groups_per_split.max(1) as usize).max(1);
+    let cost = |groups_per_split: usize| {
+        let splits = k_groups.div_ceil(groups_per_split);
+        (blocks_per_split * splits).div_ceil(slots) * (groups_per_split + SPLIT_OVERHEAD_GROUPS)
+    };
+    // each split count's groups per split, fewest splits first (min_by_key keeps the first;
+    // the range is never empty)
+    (1..=most)
+        .map(|splits| k_groups.div_ceil(splits).max(1))
+        .min_by_key(|&groups| cost(groups))
+        .unwrap_or(k_groups.max(1))
+}
+
+/// What a K split adds to a block's work in [`wave_filling_groups_per_split`], in K groups: its
+/// partial sums stored, counted and added by the tile's last block (an estimate, not a
+/// measurement).
 const SPLIT_OVERHEAD_GROUPS: usize = 2;
 
 /// Whether a launch of `rows` rows (at most [`MMA_MAX_ROWS`]) runs `gemm_*_wgmma_m64` in place
@@ -870,9 +889,9 @@ pub fn wgmma_rendered(target: &TargetFacts) -> bool {
 
 /// The partition of `gemm_*_wgmma_m64`: a warpgroup per quad of four 16-row tiles,
 /// `gemm.wgmma_warpgroups_per_block` quads per block, K split across blocks
-/// (`warps_per_tile` is 1: unused). The split count is the one whose blocks fill
-/// `multiprocessors * gemm.wgmma_blocks_per_sm` slots in the fewest waves of the least work, as
-/// [`x_shared_plan`] weighs them, with at least `gemm.wgmma_min_groups_per_split` groups each.
+/// (`warps_per_tile` is 1: unused), the split count [`wave_filling_groups_per_split`]'s for
+/// `multiprocessors * gemm.wgmma_blocks_per_sm` slots and at least
+/// `gemm.wgmma_min_groups_per_split` groups per split.
 pub fn wgmma_plan(
     n_tiles: usize,
     k_groups: usize,
@@ -880,18 +899,13 @@ pub fn wgmma_plan(
     multiprocessors: u32,
 ) -> MmaPlan {
     let quads = n_tiles.max(1).div_ceil(4);
-    let quad_blocks = quads.div_ceil(tiles.wgmma_warpgroups_per_block.max(1) as usize);
-    let slots = (multiprocessors * tiles.wgmma_blocks_per_sm).max(1) as usize;
     let k_groups = k_groups.max(1);
-    let most = (k_groups / tiles.wgmma_min_groups_per_split.max(1) as usize).max(1);
-    let cost = |groups_per_split: usize| {
-        let splits = k_groups.div_ceil(groups_per_split);
-        (quad_blocks * splits).div_ceil(slots) * (groups_per_split + SPLIT_OVERHEAD_GROUPS)
-    };
-    let groups_per_split = (1..=most)
-        .map(|splits| k_groups.div_ceil(splits))
-        .min_by_key(|&groups| cost(groups))
-        .unwrap_or(k_groups);
+    let groups_per_split = wave_filling_groups_per_split(
+        k_groups,
+        quads.div_ceil(tiles.wgmma_warpgroups_per_block.max(1) as usize),
+        multiprocessors * tiles.wgmma_blocks_per_sm,
+        tiles.wgmma_min_groups_per_split,
+    );
     MmaPlan {
         warps_per_tile: 1,
         splits: k_groups.div_ceil(groups_per_split) as u32,
@@ -1943,11 +1957,6 @@ mod tests {
         }
     }
 
-    /// The X-ring plan splits K only where the tiles alone leave warps idle, and then into the
-    /// split count that fills its waves of 12-warp blocks (one per SM on 132 SMs) best: the
-    /// attention q projection (8192, 2048) 3 splits (258 blocks, two waves of 11 groups; 2 were
-    /// 172 blocks, two waves of 16), the GDN out_proj (2048, 4096) 6 (132 blocks, one wave; the
-    /// warps alone asked for 5), the GDN in_proj (12352, 2048) and the lm_head none.
     /// The wgmma plan covers every K group with no split empty, keeps at least
     /// `wgmma_min_groups_per_split` groups per split where it splits at all, and its launch holds
     /// every quad of 16-row tiles within the target's shared memory.
@@ -1981,6 +1990,11 @@ mod tests {
         }
     }
 
+    /// The X-ring plan splits K only where the tiles alone leave warps idle, and then into the
+    /// split count that fills its waves of 12-warp blocks (one per SM on 132 SMs) best: the
+    /// attention q projection (8192, 2048) 3 splits (258 blocks, two waves of 11 groups; 2 were
+    /// 172 blocks, two waves of 16), the GDN out_proj (2048, 4096) 6 (132 blocks, one wave; the
+    /// warps alone asked for 5), the GDN in_proj (12352, 2048) and the lm_head none.
     #[test]
     fn the_x_shared_plan_fills_its_waves() {
         let mut tiles = target::by_name("sm_90a").expect("sm_90a").gemm.clone();
