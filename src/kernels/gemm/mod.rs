@@ -759,20 +759,38 @@ pub fn stream_plan(
     tiles: &GemmTiles,
     multiprocessors: u32,
 ) -> MmaPlan {
+    let (warps, max_x_bytes) = (tiles.stream_warps_per_block, tiles.stream_max_x_bytes);
+    staged_x_plan(
+        n_tiles,
+        k_groups,
+        rows,
+        tiles,
+        multiprocessors,
+        warps,
+        max_x_bytes,
+    )
+}
+
+/// [`mma_plan`] on blocks of `warps_per_block` warps with the target's bounds, then K split
+/// further, where needed, until a block's staged X ([`staged_x_bytes`] of `rows` rows) fits in
+/// `max_x_bytes` (at least one K group per split).
+fn staged_x_plan(
+    n_tiles: usize,
+    k_groups: usize,
+    rows: usize,
+    tiles: &GemmTiles,
+    multiprocessors: u32,
+    warps_per_block: u32,
+    max_x_bytes: u32,
+) -> MmaPlan {
     let plan = mma_plan(
         n_tiles,
         k_groups,
-        tiles.stream_warps_per_block,
+        warps_per_block,
         multiprocessors,
         tiles.mma_min_warps_per_sm,
         tiles.mma_min_groups_per_split,
     );
-    fit_staged_x(plan, k_groups, rows, tiles.stream_max_x_bytes)
-}
-
-/// `plan` with K split further, where needed, until a block's staged X ([`staged_x_bytes`])
-/// fits in `max_x_bytes` (at least one K group per split).
-fn fit_staged_x(plan: MmaPlan, k_groups: usize, rows: usize, max_x_bytes: u32) -> MmaPlan {
     let row_bytes = max_x_bytes as usize / rows.max(1);
     let most = (row_bytes.saturating_sub(16) / 128).max(1);
     if plan.groups_per_split as usize <= most {
@@ -819,15 +837,16 @@ pub fn x_once_plan(
     tiles: &GemmTiles,
     multiprocessors: u32,
 ) -> MmaPlan {
-    let plan = mma_plan(
+    let (warps, max_x_bytes) = (tiles.mma_warps_per_block, tiles.mma_x_once_max_bytes);
+    staged_x_plan(
         n_tiles,
         k_groups,
-        tiles.mma_warps_per_block,
+        rows,
+        tiles,
         multiprocessors,
-        tiles.mma_min_warps_per_sm,
-        tiles.mma_min_groups_per_split,
-    );
-    fit_staged_x(plan, k_groups, rows, tiles.mma_x_once_max_bytes)
+        warps,
+        max_x_bytes,
+    )
 }
 
 /// The partition and dynamic shared memory (bytes) of a `gemm_*_mma_m*` launch of `rows` rows
