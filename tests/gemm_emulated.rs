@@ -137,8 +137,6 @@ fn shared_bytes(target: &TargetFacts, kernel: &str, case: &Case) -> usize {
         gemm::stream_shared_bytes(&target.gemm, case.m, case.plan.groups_per_split)
     } else if gemm::mma_x_shared(target, case.m) {
         gemm::x_shared_bytes(&target.gemm, case.m, &case.plan)
-    } else if gemm::mma_x_once(target, case.m, kernel.starts_with("gemm_bf16")) {
-        gemm::staged_x_bytes(case.m, case.plan.groups_per_split)
     } else {
         0
     }

@@ -95,38 +95,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_ge
 {% include "common/mma.cuh" %}
 {% if target.instructions.cp_async %}
 {% include "common/cp_async.cuh" %}
-
-/// Rows 0 .. m of X, columns col0 .. col0 + 8 * units_per_row, into shared memory `xs` (rows
-/// x_stride bf16 apart) by 16-byte cp.async from the block's THREADS threads, zero past K (the
-/// weights are zero-padded there, and zero times stale shared memory could be NaN); the caller
-/// commits the group. K and col0 are multiples of 16 (linear's checks), so a copy is all in or
-/// all out.
-template <int THREADS>
-FP4_DEVICE void stage_x_range(u16* xs, const u16* __restrict__ x, u32 m, u32 k, u32 col0, u32 units_per_row, u32 x_stride) {
-    for (u32 u = thread_x(); u < m * units_per_row; u += THREADS) {
-        const u32 row = u / units_per_row, col = col0 + (u % units_per_row) * 8;
-        const bool inside = col < k;
-        cp_async16_zfill(xs + row * x_stride + (col - col0), inside ? x + (u64)row * k + col : x, inside ? 16u : 0u);
-    }
-}
 {% endif %}
-
-/// load_x_fragment's fragment from X staged in shared memory: `xg` is row g's columns 16t ..
-/// of the group, rows x_stride bf16 apart; zero past M. With rows 16 bytes longer than a
-/// multiple of 128, the 8 rows a warp reads fall in different banks.
-template <int MT>
-FP4_DEVICE void staged_x_fragment(const u16* xg, u32 x_stride, u32 m, u32 g, u32x4 (&xs)[MT][2]) {
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        if (mt * 8 + g < m) {
-            const u16* p = xg + mt * 8 * x_stride;
-            xs[mt][0] = *reinterpret_cast<const u32x4*>(p);
-            xs[mt][1] = *reinterpret_cast<const u32x4*>(p + 8);
-        } else {
-            xs[mt][0] = xs[mt][1] = {0u, 0u, 0u, 0u};
-        }
-    }
-}
 // gemm_*_mma_m* of at least mma_x_shared_min_rows rows on cp.async targets stream X through
 // shared memory (gemm_mma, X_SHARED): (threads, resident blocks per SM) cap their registers so
 // that mma_x_shared_blocks_per_sm blocks fit
@@ -275,15 +244,7 @@ FP4_DEVICE void finish_tile(float (&acc)[MT][4], float alpha, u32 tile, u32 lane
 /// 4 rows of a half-warp then fill the 32 banks once (the natural order at 144 bytes read each
 /// bank twice: ncu, half the shared wavefronts were conflicts). The products and their order
 /// are the same either way.
-///
-/// X_ONCE (variants of at most mma_x_once_max_rows_* rows below the ring, cp.async targets):
-/// loading a group's X fragment when the group is used put an L2 round trip in every warp's
-/// chain per group, which the weights in flight do not hide (at B = 1 the stacked attention
-/// q/k/v, 16 groups per warp, took 12 us under ncu with its weights already in the L2). So the
-/// block copies its K range of X (m rows of groups_per_split * 64 + 8 bf16, the host sizes it
-/// and splits K to keep it within mma_x_once_max_bytes) into shared memory once, after the
-/// wait, and every group reads its fragment from there: one round trip per block.
-template <class Weights, int MT, int STAGES, bool X_SHARED, bool X_ONCE, int WARPS>
+template <class Weights, int MT, int STAGES, bool X_SHARED, int WARPS>
 FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha, u16* y,
                          const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
                          u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split,
@@ -375,46 +336,23 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
         }
         cp_async_wait<0>();  // the empty groups past the end: nothing is left in flight
     } else {
-        // X_ONCE: the block's K range of X in shared memory (inactive warps copy and meet the
-        // barrier too), row g's columns 16t .. of the block's first group at x_once
-        const u32 x_stride = groups_per_split * 64 + 8;
-        const u16* x_once = reinterpret_cast<const u16*>(mma_shared) + g * x_stride + 16 * t;
-        if constexpr (X_ONCE) {
-            stage_x_range<WARPS * FP4_WARP_SIZE>(reinterpret_cast<u16*>(mma_shared), x, m, k, split_begin * 64, groups_per_split * 8, x_stride);
-            cp_async_commit();
-            cp_async_wait<0>();
-            __syncthreads();
-        }
-        // group's X fragment, zero when `valid` is false
-        auto x_fragment = [&](u32 group, bool valid, u32x4 (&xs)[MT][2]) {
-            if constexpr (X_ONCE) {
-                if (valid) {
-                    staged_x_fragment<MT>(x_once + (group - split_begin) * 64, x_stride, m, g, xs);
-                } else {
-                    #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) xs[mt][0] = xs[mt][1] = {0u, 0u, 0u, 0u};
-                }
-            } else {
-                load_x_fragment<MT>(x, m, k, group, g, t, valid, xs);
-            }
-        };
-        // Where the weights say so (bf16) and M <= 16, X from global memory runs one group
-        // ahead of its use (two buffers; STAGES is even so each unrolled stage's buffer is a
+        // Where the weights say so (bf16) and M <= 16, the X fragments run one group ahead of
+        // their use (two buffers; STAGES is even so each unrolled stage's buffer is a
         // compile-time index). Otherwise the registers are better spent on occupancy and X is
         // loaded when its group is used (measured on the H200: prefetching X cost NVFP4 20% at
         // M = 1, gained bf16 20% at 16).
-        constexpr int X_BUFFERS = !X_ONCE && Weights::PREFETCH_X && MT <= 2 ? 2 : 1;
+        constexpr int X_BUFFERS = Weights::PREFETCH_X && MT <= 2 ? 2 : 1;
         static_assert(X_BUFFERS == 1 || STAGES % 2 == 0, "the X double buffer needs an even stage count");
         u32x4 xs[X_BUFFERS][MT][2];
-        if (X_BUFFERS == 2) x_fragment(first, first < split_end, xs[0]);
+        if (X_BUFFERS == 2) load_x_fragment<MT>(x, m, k, first, g, t, first < split_end, xs[0]);
         for (u32 base = first; base < split_end; base += STAGES * warps_per_tile) {
             #pragma unroll
             for (int s = 0; s < STAGES; ++s) {
                 const u32 group = base + s * warps_per_tile;
                 if (group < split_end) {
                     const u32 after = group + warps_per_tile;
-                    if (X_BUFFERS == 2) x_fragment(after, after < split_end, xs[(s + 1) % X_BUFFERS]);
-                    else x_fragment(group, true, xs[0]);
+                    if (X_BUFFERS == 2) load_x_fragment<MT>(x, m, k, after, g, t, after < split_end, xs[(s + 1) % X_BUFFERS]);
+                    else load_x_fragment<MT>(x, m, k, group, g, t, true, xs[0]);
                     #pragma unroll
                     for (int j = 0; j < 4; ++j) {
                         u32 a[4];
@@ -478,18 +416,12 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
 {% set stages_nvfp4 = target.gemm.mma_stages_nvfp4 %}
 {% set stages_bf16 = target.gemm.mma_stages_bf16 %}
 {% endif %}
-{% set x_once_nvfp4 = "false" %}
-{% set x_once_bf16 = "false" %}
-{% if x_shared == "false" and target.instructions.cp_async %}
-{% if rows <= target.gemm.mma_x_once_max_rows_nvfp4 %}{% set x_once_nvfp4 = "true" %}{% endif %}
-{% if rows <= target.gemm.mma_x_once_max_rows_bf16 %}{% set x_once_bf16 = "true" %}{% endif %}
-{% endif %}
 FP4_KERNEL void FP4_LAUNCH_BOUNDS({{ bounds }}) gemm_nvfp4_bf16_mma_m{{ rows }}(
     const u16* __restrict__ x, const u32x4* __restrict__ words, const u16* __restrict__ scales,
     float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
     u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
     // gemm_mma waits for the previous grid after its weight prologue
-    gemm_mma<Nvfp4Weights, {{ rows }} / 8, {{ stages_nvfp4 }}, {{ x_shared }}, {{ x_once_nvfp4 }}, {{ warps }}>(x, Nvfp4Weights{words, scales}, alpha, y, residual, partials, counters,
+    gemm_mma<Nvfp4Weights, {{ rows }} / 8, {{ stages_nvfp4 }}, {{ x_shared }}, {{ warps }}>(x, Nvfp4Weights{words, scales}, alpha, y, residual, partials, counters,
         m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile, epilogue);
 }
 
@@ -498,7 +430,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS({{ bounds }}) gemm_bf16_bf16_mma_m{{ rows }}(
     float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
     u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
     // gemm_mma waits for the previous grid after its weight prologue
-    gemm_mma<Bf16Weights, {{ rows }} / 8, {{ stages_bf16 }}, {{ x_shared }}, {{ x_once_bf16 }}, {{ warps }}>(x, Bf16Weights{words}, alpha, y, residual, partials, counters,
+    gemm_mma<Bf16Weights, {{ rows }} / 8, {{ stages_bf16 }}, {{ x_shared }}, {{ warps }}>(x, Bf16Weights{words}, alpha, y, residual, partials, counters,
         m, n, k, n_tiles, k_groups, groups_per_split, warps_per_tile, epilogue);
 }
 {% endfor %}
@@ -570,9 +502,18 @@ FP4_DEVICE void gemm_stream(const u16* __restrict__ x, const u32x4* __restrict__
     u16* xs = reinterpret_cast<u16*>(stream_shared + STREAM_WARPS * STREAM_RING_BYTES);
     const u32 x_stride = groups_per_split * 64 + 8;  // bf16 per staged row of X
 
-    // X of the split's K range: its own cp.async group, committed first
-    stage_x_range<STREAM_WARPS * FP4_WARP_SIZE>(xs, x, m, k, split_begin * 64, groups_per_split * 8, x_stride);
-    cp_async_commit();
+    // X of the split's K range, zero past K (the weights are zero-padded there, and zero times
+    // stale shared memory could be NaN); its own cp.async group, committed first
+    {
+        const u32 units_per_row = groups_per_split * 8;  // 16-byte units
+        const u32 col0 = split_begin * 64;
+        for (u32 u = thread_x(); u < m * units_per_row; u += STREAM_WARPS * FP4_WARP_SIZE) {
+            const u32 row = u / units_per_row, col = col0 + (u % units_per_row) * 8;
+            const bool inside = col < k;
+            cp_async16_zfill(xs + row * x_stride + (col - col0), inside ? x + (u64)row * k + col : x, inside ? 16u : 0u);
+        }
+        cp_async_commit();
+    }
 
     // This warp's groups are gemm_mma's: split_begin + part + j * warps_per_tile, j = 0 ..
     // groups - 1 (so both kernels add the same products in the same order, and a small K still
@@ -628,7 +569,16 @@ FP4_DEVICE void gemm_stream(const u16* __restrict__ x, const u32x4* __restrict__
             w.w = *reinterpret_cast<const u32x4*>(stage + (c * 32 + lane) * 16);
             w.scales = reinterpret_cast<const u16*>(stage + STREAM_CHUNK * 512)[c * 32 + lane];
             u32x4 xf[MT][2];
-            staged_x_fragment<MT>(x_lane + c * warps_per_tile * 64, x_stride, m, g, xf);
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (mt * 8 + g < m) {
+                    const u16* p = x_lane + mt * 8 * x_stride + c * warps_per_tile * 64;
+                    xf[mt][0] = *reinterpret_cast<const u32x4*>(p);
+                    xf[mt][1] = *reinterpret_cast<const u32x4*>(p + 8);
+                } else {
+                    xf[mt][0] = xf[mt][1] = {0u, 0u, 0u, 0u};
+                }
+            }
             #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 u32 a[4];

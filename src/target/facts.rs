@@ -147,16 +147,6 @@ pub struct GemmTiles {
     /// `gemm_*_mma_m*` variants of at least this many rows stream X through shared memory on
     /// `cp.async` targets (17..=64: the m32 and m64 variants, or m64 only).
     pub mma_x_shared_min_rows: u32,
-    /// `gemm_nvfp4_*_mma_m*` variants of at most this many rows that do not stream X (below
-    /// `mma_x_shared_min_rows`) copy the block's K range of X into shared memory once, after
-    /// the wait for the previous kernel, instead of loading each group's X fragment from global
-    /// memory when it is used (`cp.async` targets; 0: none, else 8, 16 or 32).
-    pub mma_x_once_max_rows_nvfp4: u32,
-    /// `gemm_bf16_*_mma_m*`: as `mma_x_once_max_rows_nvfp4`.
-    pub mma_x_once_max_rows_bf16: u32,
-    /// `gemm_*_mma_m*` copying X once: most bytes of X one block holds; beyond, K is split
-    /// across more blocks.
-    pub mma_x_once_max_bytes: u32,
     /// `gemm_*_mma_m*` streaming X: slots of the shared-memory ring X streams
     /// through (rounds of one K group per warp of a tile; at least 2).
     pub mma_x_shared_slots: u32,
@@ -477,32 +467,6 @@ impl TargetFacts {
                  max_warps_per_tile a power of two dividing warps_per_block (at most 1024 \
                  threads), and the ring at 64 rows ({x_ring} bytes) within \
                  max_shared_bytes_per_block"
-            ));
-        }
-        let once = &self.gemm;
-        for (field, rows) in [
-            ("mma_x_once_max_rows_nvfp4", once.mma_x_once_max_rows_nvfp4),
-            ("mma_x_once_max_rows_bf16", once.mma_x_once_max_rows_bf16),
-        ] {
-            let variant_rows = rows.max(1).next_power_of_two();
-            if !matches!(rows, 0 | 8 | 16 | 32)
-                || (rows > 0 && !self.instructions.cp_async)
-                || (rows > 0 && variant_rows >= once.mma_x_shared_min_rows)
-            {
-                return fail(format!(
-                    "gemm.{field} {rows} must be 0, or 8, 16 or 32 below mma_x_shared_min_rows {} \
-                     on a target with cp.async",
-                    once.mma_x_shared_min_rows
-                ));
-            }
-        }
-        if once.mma_x_once_max_bytes < 128 + 16
-            || once.mma_x_once_max_bytes > self.max_shared_bytes_per_block
-        {
-            return fail(format!(
-                "gemm.mma_x_once_max_bytes {} must hold one row of one K group (144 bytes) and \
-                 fit max_shared_bytes_per_block {}",
-                once.mma_x_once_max_bytes, self.max_shared_bytes_per_block
             ));
         }
         if self.gemm.mma_min_warps_per_sm == 0

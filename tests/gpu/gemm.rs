@@ -676,8 +676,14 @@ fn stream_matches_the_register_kernel_bit_for_bit() {
             let linear = Linear::nvfp4(backend, &q, RowOrder::Plain).expect("upload");
             for m in [1, 3, 8, 16] {
                 let (n_tiles, k_groups) = (n.div_ceil(16), k.div_ceil(64));
-                let (registers, _) =
-                    gemm::mma_launch_plan(target, m, false, n_tiles, k_groups, multiprocessors);
+                let registers = gemm::mma_plan(
+                    n_tiles,
+                    k_groups,
+                    tiles.mma_warps_per_block,
+                    multiprocessors,
+                    tiles.mma_min_warps_per_sm,
+                    tiles.mma_min_groups_per_split,
+                );
                 let staged = gemm::stream_plan(n_tiles, k_groups, m, tiles, multiprocessors);
                 if registers != staged {
                     println!("({n}, {k}) M={m}: partitions differ ({registers:?} vs {staged:?})");

@@ -14,9 +14,7 @@
 //!   (deterministic). Epilogues: residual add, `silu(gate) * up` ([`RowOrder::GateUp`]). The
 //!   variants of at least `gemm.mma_x_shared_min_rows` rows (m64 on sm_90a and sm_121a) stream X
 //!   through a `cp.async` ring in shared memory that the block's warps share ([`mma_x_shared`],
-//!   [`x_shared_plan`]); below them, variants of at most `gemm.mma_x_once_max_rows_*` rows copy
-//!   their block's K range of X into shared memory once ([`mma_x_once`], [`x_once_plan`]); the
-//!   others load X fragments from global memory per group.
+//!   [`x_shared_plan`]); the others load X fragments from global memory per group.
 //! - `gemm_{nvfp4,bf16}_bf16_wgmma_m64` (`wgmma` and `cp.async`: sm_90a): the m64 product on the
 //!   warpgroup MMA, a warpgroup per 64 weight rows, X^T from a shared-memory ring, in place of
 //!   the mma.sync m64 variant from `gemm.wgmma_min_rows` rows ([`mma_wgmma`], [`wgmma_plan`];
@@ -759,39 +757,15 @@ pub fn stream_plan(
     tiles: &GemmTiles,
     multiprocessors: u32,
 ) -> MmaPlan {
-    let (warps, max_x_bytes) = (tiles.stream_warps_per_block, tiles.stream_max_x_bytes);
-    staged_x_plan(
-        n_tiles,
-        k_groups,
-        rows,
-        tiles,
-        multiprocessors,
-        warps,
-        max_x_bytes,
-    )
-}
-
-/// [`mma_plan`] on blocks of `warps_per_block` warps with the target's bounds, then K split
-/// further, where needed, until a block's staged X ([`staged_x_bytes`] of `rows` rows) fits in
-/// `max_x_bytes` (at least one K group per split).
-fn staged_x_plan(
-    n_tiles: usize,
-    k_groups: usize,
-    rows: usize,
-    tiles: &GemmTiles,
-    multiprocessors: u32,
-    warps_per_block: u32,
-    max_x_bytes: u32,
-) -> MmaPlan {
     let plan = mma_plan(
         n_tiles,
         k_groups,
-        warps_per_block,
+        tiles.stream_warps_per_block,
         multiprocessors,
         tiles.mma_min_warps_per_sm,
         tiles.mma_min_groups_per_split,
     );
-    let row_bytes = max_x_bytes as usize / rows.max(1);
+    let row_bytes = tiles.stream_max_x_bytes as usize / rows.max(1);
     let most = (row_bytes.saturating_sub(16) / 128).max(1);
     if plan.groups_per_split as usize <= most {
         return plan;
@@ -801,83 +775,6 @@ fn staged_x_plan(
         warps_per_tile: plan.warps_per_tile,
         splits: k_groups.div_ceil(groups_per_split) as u32,
         groups_per_split: groups_per_split as u32,
-    }
-}
-
-/// Bytes of X a block stages for `rows` rows of a K range of `groups_per_split` groups (the
-/// stream kernels and the mma kernels copying X once, `stage_x_range` in gemm.cu): rows of
-/// `groups_per_split * 64 + 8` bf16, the 16 bytes of padding putting a warp's 8 rows in
-/// different banks.
-pub fn staged_x_bytes(rows: usize, groups_per_split: u32) -> usize {
-    rows * (groups_per_split as usize * 64 + 8) * 2
-}
-
-/// Whether a launch of `rows` rows runs a `gemm_*_mma_m*` variant that copies its block's K
-/// range of X into shared memory once (`X_ONCE` in gemm.cu): on `cp.async` targets, variants
-/// below the X ring ([`mma_x_shared`]) of at most `gemm.mma_x_once_max_rows_bf16` (bf16
-/// weights) or `_nvfp4` rows.
-pub fn mma_x_once(target: &TargetFacts, rows: usize, bf16_weights: bool) -> bool {
-    let tiles = &target.gemm;
-    let most = if bf16_weights {
-        tiles.mma_x_once_max_rows_bf16
-    } else {
-        tiles.mma_x_once_max_rows_nvfp4
-    };
-    target.instructions.cp_async
-        && !mma_x_shared(target, rows)
-        && row_tiles(rows) * 8 <= most as usize
-}
-
-/// The partition of the `gemm_*_mma_m*` variants that copy X once ([`mma_x_once`]): [`mma_plan`],
-/// with K split further until a block's X fits in `gemm.mma_x_once_max_bytes`.
-pub fn x_once_plan(
-    n_tiles: usize,
-    k_groups: usize,
-    rows: usize,
-    tiles: &GemmTiles,
-    multiprocessors: u32,
-) -> MmaPlan {
-    let (warps, max_x_bytes) = (tiles.mma_warps_per_block, tiles.mma_x_once_max_bytes);
-    staged_x_plan(
-        n_tiles,
-        k_groups,
-        rows,
-        tiles,
-        multiprocessors,
-        warps,
-        max_x_bytes,
-    )
-}
-
-/// The partition and dynamic shared memory (bytes) of a `gemm_*_mma_m*` launch of `rows` rows
-/// (at most [`MMA_MAX_ROWS`]) over `n_tiles` x `k_groups`: the X ring's ([`x_shared_plan`],
-/// [`x_shared_bytes`]), X copied once ([`x_once_plan`], [`staged_x_bytes`]) or [`mma_plan`]
-/// with no dynamic shared memory, as the variant for `rows` and the weights' format runs.
-pub fn mma_launch_plan(
-    target: &TargetFacts,
-    rows: usize,
-    bf16_weights: bool,
-    n_tiles: usize,
-    k_groups: usize,
-    multiprocessors: u32,
-) -> (MmaPlan, usize) {
-    let tiles = &target.gemm;
-    if mma_x_shared(target, rows) {
-        let plan = x_shared_plan(n_tiles, k_groups, tiles, multiprocessors);
-        (plan, x_shared_bytes(tiles, rows, &plan))
-    } else if mma_x_once(target, rows, bf16_weights) {
-        let plan = x_once_plan(n_tiles, k_groups, rows, tiles, multiprocessors);
-        (plan, staged_x_bytes(rows, plan.groups_per_split))
-    } else {
-        let plan = mma_plan(
-            n_tiles,
-            k_groups,
-            tiles.mma_warps_per_block,
-            multiprocessors,
-            tiles.mma_min_warps_per_sm,
-            tiles.mma_min_groups_per_split,
-        );
-        (plan, 0)
     }
 }
 
@@ -1064,7 +961,7 @@ pub fn stream_shared_bytes(tiles: &GemmTiles, rows: usize, groups_per_split: u32
         * tiles.stream_stages
         * tiles.stream_chunk_groups
         * STREAM_GROUP_BYTES;
-    rings as usize + staged_x_bytes(rows, groups_per_split)
+    rings as usize + rows * (groups_per_split as usize * 64 + 8) * 2
 }
 
 /// `gemm_nvfp4_bf16_mma_m{8,16,32,64}`: index `log2(ceil(rows / 8))`.
@@ -1597,15 +1494,20 @@ fn linear_mma(
             let plan = wgmma_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors);
             (plan, wgmma_dims(target, &plan, shape.n_tiles))
         } else {
-            let bf16_weights = matches!(weights, MmaWeights::Bf16 { .. });
-            let (plan, shared_bytes) = mma_launch_plan(
-                target,
-                rows,
-                bf16_weights,
-                w.grid.n_tiles,
-                w.grid.k_groups,
-                multiprocessors,
-            );
+            let (plan, shared_bytes) = if mma_x_shared(target, rows) {
+                let plan = x_shared_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors);
+                (plan, x_shared_bytes(tiles, rows, &plan))
+            } else {
+                let plan = mma_plan(
+                    w.grid.n_tiles,
+                    w.grid.k_groups,
+                    tiles.mma_warps_per_block,
+                    multiprocessors,
+                    tiles.mma_min_warps_per_sm,
+                    tiles.mma_min_groups_per_split,
+                );
+                (plan, 0)
+            };
             let dims = plan.dims(
                 shape.n_tiles,
                 mma_block_warps(target, rows),
@@ -1622,9 +1524,8 @@ fn linear_mma(
         let chunk = ChunkArgs::new(x, y, residual, start, rows, k, n_out)?;
         // The kernels index only what is checked here: X, Y and the residual were checked
         // against (m, n, k) and the chunk's rows lie within them; the weights were laid out
-        // for (n_tiles, k_groups); the X rings, the warps' sums and the X copied once fit the
-        // dynamic shared memory (x_shared_bytes, wgmma_shared_bytes, staged_x_bytes of the
-        // chunk's rows); with splits > 1 the scratch holds
+        // for (n_tiles, k_groups); the X rings and the warps' sums fit the dynamic shared
+        // memory (x_shared_bytes, wgmma_shared_bytes); with splits > 1 the scratch holds
         // n_tiles * splits * 32 * 4 * m_tiles floats (m_tiles as the launched kernel finishes)
         // and n_tiles zeroed counters, and its guard is held until the launch is queued.
         match weights {
@@ -2054,65 +1955,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    /// Where a variant copies X once, its launch plan keeps a block's X within
-    /// `mma_x_once_max_bytes` and the target's shared memory, covers every K group with no split
-    /// empty, and is the register kernels' plan wherever that X already fits.
-    #[test]
-    fn the_x_once_plan_fits_its_bytes() {
-        let mut checked = 0;
-        for t in target::all() {
-            let tiles = &t.gemm;
-            for (n, k) in MODEL_SHAPES
-                .into_iter()
-                .chain([(248320, 2048), (65536, 4096), (37, 528)])
-            {
-                let (n_tiles, k_groups) = (n.div_ceil(16), k.div_ceil(64));
-                for (rows, bf16_weights) in [1, 3, 8, 9, 16, 32]
-                    .into_iter()
-                    .flat_map(|rows| [(rows, false), (rows, true)])
-                {
-                    if !mma_x_once(t, rows, bf16_weights) {
-                        continue;
-                    }
-                    let (plan, bytes) = mma_launch_plan(
-                        t,
-                        rows,
-                        bf16_weights,
-                        n_tiles,
-                        k_groups,
-                        t.multiprocessors,
-                    );
-                    let what = format!("{}: ({n}, {k}) x {rows}: {plan:?}", t.name);
-                    assert_eq!(bytes, staged_x_bytes(rows, plan.groups_per_split), "{what}");
-                    assert!(bytes <= tiles.mma_x_once_max_bytes as usize, "{what}");
-                    assert!(bytes <= t.max_shared_bytes_per_block as usize, "{what}");
-                    assert!(plan.splits as usize * plan.groups_per_split as usize >= k_groups);
-                    assert!(
-                        (plan.splits as usize - 1) * (plan.groups_per_split as usize) < k_groups
-                    );
-                    let registers = mma_plan(
-                        n_tiles,
-                        k_groups,
-                        tiles.mma_warps_per_block,
-                        t.multiprocessors,
-                        tiles.mma_min_warps_per_sm,
-                        tiles.mma_min_groups_per_split,
-                    );
-                    if staged_x_bytes(rows, registers.groups_per_split)
-                        <= tiles.mma_x_once_max_bytes as usize
-                    {
-                        assert_eq!(plan, registers, "{what}");
-                    }
-                    checked += 1;
-                }
-            }
-        }
-        assert!(
-            checked > 0,
-            "no target copies X once: the test checked nothing"
-        );
     }
 
     /// The wgmma plan covers every K group with no split empty, keeps at least
