@@ -18,7 +18,7 @@
 //! - `gemm_{nvfp4,bf16}_bf16_wgmma_m64` (`wgmma` and `cp.async`: sm_90a): the m64 product on the
 //!   warpgroup MMA, a warpgroup per 64 weight rows, X^T from a shared-memory ring, in place of
 //!   the mma.sync m64 variant from `gemm.wgmma_min_rows` rows ([`mma_wgmma`], [`wgmma_plan`];
-//!   off on sm_90a until it is measured faster: targets.toml) or per call
+//!   off on sm_90a: both versions measured slower than mma.sync, targets.toml) or per call
 //!   ([`MmaKernel::Wgmma`]); same weights, arguments and split-K finish.
 //! - `gemm_nvfp4_bf16_stream_m{8,16}` (mma.sync and `cp.async`: sm_90a, sm_121a): the NVFP4
 //!   weight stream of the mma kernels with the groups in flight in shared-memory rings (cp.async)
