@@ -290,19 +290,24 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
         const u32 block_end = min(k_groups, split_begin + groups_per_split);
         const u32 rounds = (block_end - split_begin + warps_per_tile - 1) / warps_per_tile;
         u16* x_ring = reinterpret_cast<u16*>(mma_shared);
-        const u32 slot_elems = warps_per_tile * m * X_ROW;
+        // a slot holds all MT * 8 rows of the variant, those past M zero, so the MMAs read X
+        // without a per-fragment row test (SASS of the m64 bf16 kernel: a zeroing CS2R and a
+        // predicated LDS per MMA, with their compares and addresses, in a loop that issued about
+        // 250 instructions per K group for its 32 MMAs)
+        constexpr u32 ROWS = MT * 8;
+        const u32 slot_elems = warps_per_tile * ROWS * X_ROW;
         // round r's X into slot r % X_SLOTS in 8-byte pieces (piece q = 4j + t of a ring row is
-        // columns 16t + 4j ..), zero past K (the weights are zero there, and zero times stale
-        // shared memory could be NaN); one commit group per round, empty past the end
+        // columns 16t + 4j ..), zero past K and past M (the weights are zero past K, and zero
+        // times stale shared memory could be NaN); one commit group per round, empty past the end
         auto issue = [&](u32 r) {
             if (r < rounds) {
                 u16* slot = x_ring + (r % X_SLOTS) * slot_elems;
                 const u32 g0 = split_begin + r * warps_per_tile;
-                for (u32 u = thread_x(); u < warps_per_tile * m * 16; u += WARPS * FP4_WARP_SIZE) {
-                    const u32 p = u / (m * 16), row = (u / 16) % m, piece = u % 16;
+                for (u32 u = thread_x(); u < warps_per_tile * ROWS * 16; u += WARPS * FP4_WARP_SIZE) {
+                    const u32 p = u / (ROWS * 16), row = (u / 16) % ROWS, piece = u % 16;
                     const u32 group = g0 + p, col = group * 64 + 16 * (piece % 4) + 4 * (piece / 4);
-                    const bool inside = group < block_end && col < k;
-                    cp_async8_zfill(slot + (p * m + row) * X_ROW + piece * 4, inside ? x + (u64)row * k + col : x, inside ? 8u : 0u);
+                    const bool inside = group < block_end && col < k && row < m;
+                    cp_async8_zfill(slot + (p * ROWS + row) * X_ROW + piece * 4, inside ? x + (u64)row * k + col : x, inside ? 8u : 0u);
                 }
             }
             cp_async_commit();
@@ -318,15 +323,14 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
                 issue(r + X_SLOTS - 1);
                 const u32 group = first + r * warps_per_tile;
                 if (group >= split_end) continue;
-                const u16* xg = x_ring + (r % X_SLOTS) * slot_elems + (part * m + g) * X_ROW + 4 * t;
+                const u16* xg = x_ring + (r % X_SLOTS) * slot_elems + (part * ROWS + g) * X_ROW + 4 * t;
                 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     u32 a[4];
                     weights.fragment(ring[s], j, a);
                     #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
-                        const bool row_ok = mt * 8 + g < m;
-                        const u32x2 v = row_ok ? *reinterpret_cast<const u32x2*>(xg + mt * 8 * X_ROW + 16 * j) : u32x2{0u, 0u};
+                        const u32x2 v = *reinterpret_cast<const u32x2*>(xg + mt * 8 * X_ROW + 16 * j);
                         mma_m16n8k16_bf16(acc[mt], a[0], a[1], a[2], a[3], v.x, v.y);
                     }
                 }
