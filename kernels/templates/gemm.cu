@@ -159,6 +159,27 @@ FP4_DEVICE void load_x_fragment(const u16* __restrict__ x, u32 m, u32 k, u32 gro
     }
 }
 
+/// Adds splits s .. s + BATCH - 1 of tile `tile`'s partials (this lane's) to acc in split
+/// order, their loads issued together (from the L2: another block wrote them).
+template <int MT, int BATCH>
+FP4_DEVICE void add_partials(float (&acc)[MT][4], const float* __restrict__ partials, u32 tile, u32 splits, u32 s,
+                             u32 lane) {
+    float4 v[BATCH][MT];
+    #pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+        const float* part = partials + (((u64)tile * splits + s + b) * 32 + lane) * (MT * 4);
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) v[b][mt] = __ldcg(reinterpret_cast<const float4*>(part + mt * 4));
+    }
+    #pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            acc[mt][0] += v[b][mt].x; acc[mt][1] += v[b][mt].y; acc[mt][2] += v[b][mt].z; acc[mt][3] += v[b][mt].w;
+        }
+    }
+}
+
 /// One warp's sums for a whole tile (or, with split-K, for its split): stored with the epilogue
 /// when K is not split; else published to `partials`, and the last of the tile's blocks to
 /// arrive (a counter per tile) adds the partials in split order and stores, so the result does
@@ -187,34 +208,12 @@ FP4_DEVICE void finish_tile(float (&acc)[MT][4], float alpha, u32 tile, u32 lane
     // m64 (MT = 8): the partials of two splits loaded together, one L2 round trip per pair where
     // one split after another took one each (the wgmma kernel's first plan had 16 splits); the
     // sums stay in split order. The smaller variants keep one split at a time: their registers
-    // have no room (ptxas 13.0 spilled in gemm_nvfp4_bf16_mma_m8 even at one per batch).
+    // have no room (ptxas 13.0 spilled in gemm_nvfp4_bf16_mma_m8 with two).
     u32 s = 0;
     if constexpr (MT >= 8) {
-        for (; s + 2 <= splits; s += 2) {
-            float4 v[2][MT];
-            #pragma unroll
-            for (u32 b = 0; b < 2; ++b) {
-                const float* part = partials + (((u64)tile * splits + s + b) * 32 + lane) * (MT * 4);
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) v[b][mt] = __ldcg(reinterpret_cast<const float4*>(part + mt * 4));
-            }
-            #pragma unroll
-            for (u32 b = 0; b < 2; ++b) {
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    acc[mt][0] += v[b][mt].x; acc[mt][1] += v[b][mt].y; acc[mt][2] += v[b][mt].z; acc[mt][3] += v[b][mt].w;
-                }
-            }
-        }
+        for (; s + 2 <= splits; s += 2) add_partials<MT, 2>(acc, partials, tile, splits, s, lane);
     }
-    for (; s < splits; ++s) {
-        const float* part = partials + (((u64)tile * splits + s) * 32 + lane) * (MT * 4);
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(part + mt * 4));
-            acc[mt][0] += v.x; acc[mt][1] += v.y; acc[mt][2] += v.z; acc[mt][3] += v.w;
-        }
-    }
+    for (; s < splits; ++s) add_partials<MT, 1>(acc, partials, tile, splits, s, lane);
     if (lane == 0) counters[tile] = 0;  // ready for the next launch
     store_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y);
 }

@@ -937,9 +937,9 @@ const X_RING_ROW_ELEMS: usize = 80;
 
 /// Dynamic shared memory of one `gemm_*_mma_m*` block that streams X ([`mma_x_shared`]): the ring
 /// (`mma_x_shared_slots` rounds of `warps_per_tile` x the variant's rows, those past `rows` zero,
-/// of 80 bf16), which the tile's
-/// warps reuse for their sums when they share a tile (`mma_x_shared_warps_per_block` x
-/// `m_tiles` x 32 lanes x 16 bytes), as `gemm_mma` in gemm.cu lays it out.
+/// of 80 bf16), which the tile's warps reuse for their sums when they share a tile
+/// (`mma_x_shared_warps_per_block` x `m_tiles` x 32 lanes x 16 bytes), as `gemm_mma` in gemm.cu
+/// lays it out.
 pub fn x_shared_bytes(tiles: &GemmTiles, rows: usize, plan: &MmaPlan) -> usize {
     let m_tiles = row_tiles(rows);
     let ring = tiles.mma_x_shared_slots as usize
