@@ -40,11 +40,6 @@ FP4_DEVICE void cp_async16_zfill(void* dst, const void* src, u32 src_bytes) {
 FP4_DEVICE void cp_async16_zfill_shared(u32 dst, const void* src, u32 src_bytes) {
     cp_async16_zfill(emu::dynamic_smem + dst, src, src_bytes);
 }
-FP4_DEVICE void cp_async8_zfill(void* dst, const void* src, u32 src_bytes) {
-    require_copy_aligned(dst, src, 8);
-    if (src_bytes == 8) std::memcpy(dst, src, 8);
-    else std::memset(dst, 0, 8);
-}
 FP4_DEVICE void cp_async16(void* dst, const void* src) {
     require_copy_aligned(dst, src, 16);
     std::memcpy(dst, src, 16);

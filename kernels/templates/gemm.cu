@@ -101,11 +101,11 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_ge
 // that mma_x_shared_blocks_per_sm blocks fit
 #define MMA_X_WARPS {{ target.gemm.mma_x_shared_warps_per_block }}
 #define MMA_X_SHARED_BOUNDS MMA_X_WARPS * FP4_WARP_SIZE, {{ target.gemm.mma_x_shared_blocks_per_sm }}
-// the X ring's slots (rounds in flight + the one computed) and bf16 per staged row (64 + 16 pad:
-// rows 160 bytes apart, see gemm_mma); src/kernels/gemm/mod.rs, X_RING_ROW_ELEMS, sizes the ring
+// the X ring's slots (rounds in flight + the one computed) and bf16 per staged row (64 + 8 pad:
+// rows 144 bytes apart, see gemm_mma); src/kernels/gemm/mod.rs, X_RING_ROW_ELEMS, sizes the ring
 // the same way
 #define X_SLOTS {{ target.gemm.mma_x_shared_slots }}
-#define X_ROW 80
+#define X_ROW 72
 
 /// Writes one lane's 16 x (8 * MT) tile of fp32 results: scaled by alpha, with the epilogue.
 template <int MT>
@@ -238,11 +238,12 @@ FP4_DEVICE void finish_tile(float (&acc)[MT][4], float alpha, u32 tile, u32 lane
 /// memory, one round ahead of another: round r is the warps_per_tile groups split_begin + r *
 /// warps_per_tile + part the block's warps compute next, with a block barrier per round; every
 /// warp of the block reads its fragments from there. A ring row (part p's row of a group, X_ROW
-/// bf16) holds lane quad t's 4 columns of MMA j (columns 16t + 4j ..) at 16j + 4t, so that a
-/// warp's 8-byte reads of one MMA take 32 contiguous bytes per row; with rows 160 bytes apart the
-/// 4 rows of a half-warp then fill the 32 banks once (the natural order at 144 bytes read each
-/// bank twice: ncu, half the shared wavefronts were conflicts). The products and their order
-/// are the same either way.
+/// bf16) holds the group's 64 columns in X's own order, copied in 16-byte pieces; lane (g, t)
+/// reads its 16 columns [16t, 16t + 16) of a row as two 16-byte loads, the first feeding MMAs
+/// 0 and 1 of the group, the second MMAs 2 and 3. With rows 144 bytes apart the 8 lanes of one
+/// phase of a 16-byte load (rows g, g + 1, all t) cover the 32 banks once. (The ring used to
+/// hold each MMA's 8 bytes per lane apart, read by one 8-byte load per MMA: twice the loads and
+/// copies, and their addresses, in a K loop that ncu found issue-bound.)
 template <class Weights, int MT, int STAGES, bool X_SHARED, int WARPS>
 FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha, u16* y,
                          const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
@@ -295,18 +296,19 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
         // 250 instructions per K group for its 32 MMAs)
         constexpr u32 ROWS = MT * 8;
         const u32 slot_elems = warps_per_tile * ROWS * X_ROW;
-        // round r's X into slot r % X_SLOTS in 8-byte pieces (piece q = 4j + t of a ring row is
-        // columns 16t + 4j ..), zero past K and past M (the weights are zero past K, and zero
-        // times stale shared memory could be NaN); one commit group per round, empty past the end
+        // round r's X into slot r % X_SLOTS in 16-byte pieces (piece q of a ring row is columns
+        // 8q ..; K is a multiple of 16, so a piece is wholly inside K or wholly past it), zero
+        // past K and past M (the weights are zero past K, and zero times stale shared memory
+        // could be NaN); one commit group per round, empty past the end
         auto issue = [&](u32 r) {
             if (r < rounds) {
                 u16* slot = x_ring + (r % X_SLOTS) * slot_elems;
                 const u32 g0 = split_begin + r * warps_per_tile;
-                for (u32 u = thread_x(); u < warps_per_tile * ROWS * 16; u += WARPS * FP4_WARP_SIZE) {
-                    const u32 p = u / (ROWS * 16), row = (u / 16) % ROWS, piece = u % 16;
-                    const u32 group = g0 + p, col = group * 64 + 16 * (piece % 4) + 4 * (piece / 4);
+                for (u32 u = thread_x(); u < warps_per_tile * ROWS * 8; u += WARPS * FP4_WARP_SIZE) {
+                    const u32 p = u / (ROWS * 8), row = (u / 8) % ROWS, piece = u % 8;
+                    const u32 group = g0 + p, col = group * 64 + 8 * piece;
                     const bool inside = group < block_end && col < k && row < m;
-                    cp_async8_zfill(slot + (p * ROWS + row) * X_ROW + piece * 4, inside ? x + (u64)row * k + col : x, inside ? 8u : 0u);
+                    cp_async16_zfill(slot + (p * ROWS + row) * X_ROW + piece * 8, inside ? x + (u64)row * k + col : x, inside ? 16u : 0u);
                 }
             }
             cp_async_commit();
@@ -322,15 +324,25 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
                 issue(r + X_SLOTS - 1);
                 const u32 group = first + r * warps_per_tile;
                 if (group >= split_end) continue;
-                const u16* xg = x_ring + (r % X_SLOTS) * slot_elems + (part * ROWS + g) * X_ROW + 4 * t;
+                const u16* xg = x_ring + (r % X_SLOTS) * slot_elems + (part * ROWS + g) * X_ROW + 16 * t;
+                // half h: columns 16t + 8h .. of every row tile in one 16-byte load each, then
+                // MMAs 2h and 2h + 1 over the row tiles (each accumulator still adds j = 0..3
+                // in order, and MT independent MMAs stand between two dependent ones)
                 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    u32 a[4];
-                    weights.fragment(ring[s], j, a);
+                for (int h = 0; h < 2; ++h) {
+                    u32x4 xv[MT];
                     #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        const u32x2 v = *reinterpret_cast<const u32x2*>(xg + mt * 8 * X_ROW + 16 * j);
-                        mma_m16n8k16_bf16(acc[mt], a[0], a[1], a[2], a[3], v.x, v.y);
+                    for (int mt = 0; mt < MT; ++mt) xv[mt] = *reinterpret_cast<const u32x4*>(xg + mt * 8 * X_ROW + 8 * h);
+                    #pragma unroll
+                    for (int jj = 0; jj < 2; ++jj) {
+                        u32 a[4];
+                        weights.fragment(ring[s], 2 * h + jj, a);
+                        #pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) {
+                            const u32 b0 = jj == 0 ? xv[mt].x : xv[mt].z;
+                            const u32 b1 = jj == 0 ? xv[mt].y : xv[mt].w;
+                            mma_m16n8k16_bf16(acc[mt], a[0], a[1], a[2], a[3], b0, b1);
+                        }
                     }
                 }
                 const u32 next = group + STAGES * warps_per_tile;

@@ -19,11 +19,6 @@ FP4_DEVICE void cp_async16_zfill_shared(u32 dst, const void* src, u32 src_bytes)
 FP4_DEVICE void cp_async16_zfill(void* dst, const void* src, u32 src_bytes) {
     cp_async16_zfill_shared(cp_async_shared_address(dst), src, src_bytes);
 }
-/// 8 bytes global -> shared (through L1: cp.async.cg takes 16 only), zero when src_bytes is 0
-/// (src_bytes 0 or 8).
-FP4_DEVICE void cp_async8_zfill(void* dst, const void* src, u32 src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" :: "r"(cp_async_shared_address(dst)), "l"(src), "r"(src_bytes) : "memory");
-}
 /// Closes this thread's group of copies issued since the last commit.
 FP4_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 /// Waits until at most N of this thread's committed groups are still in flight.

@@ -931,13 +931,13 @@ fn wgmma_dims(target: &TargetFacts, plan: &MmaPlan, n_tiles: u32) -> LaunchDims 
 }
 
 /// bf16 per row of the X ring of the `gemm_*_mma_m*` variants that stream X (`X_ROW` in gemm.cu):
-/// a 64-wide K group and 16 of padding, so that rows are 160 bytes apart and a half-warp's reads
-/// of one MMA hit each shared-memory bank once.
-const X_RING_ROW_ELEMS: usize = 80;
+/// a 64-wide K group and 8 of padding, so that rows are 144 bytes apart and each phase of a
+/// warp's 16-byte reads hits each shared-memory bank once.
+const X_RING_ROW_ELEMS: usize = 72;
 
 /// Dynamic shared memory of one `gemm_*_mma_m*` block that streams X ([`mma_x_shared`]): the ring
 /// (`mma_x_shared_slots` rounds of `warps_per_tile` x the variant's rows, those past `rows` zero,
-/// of 80 bf16), which the tile's warps reuse for their sums when they share a tile
+/// of 72 bf16), which the tile's warps reuse for their sums when they share a tile
 /// (`mma_x_shared_warps_per_block` x `m_tiles` x 32 lanes x 16 bytes), as `gemm_mma` in gemm.cu
 /// lays it out.
 pub fn x_shared_bytes(tiles: &GemmTiles, rows: usize, plan: &MmaPlan) -> usize {
