@@ -814,7 +814,10 @@ pub fn mma_block_warps(target: &TargetFacts, rows: usize) -> u32 {
 /// split count chosen for the warps alone can leave a last wave nearly empty (the (8192, 2048)
 /// attention q projection at M = 64 in 12-warp blocks: 2 splits are 172 blocks on 132 SMs, two
 /// waves of 16 groups; 3 splits two waves of 11). The cost of a split count is its waves times
-/// (groups per split + a split's overhead, 2 groups), the fewest splits on a tie.
+/// (groups per split + a split's overhead, 2 groups), the fewest splits on a tie. Where the
+/// tiles alone give every warp work, K stays whole even when the blocks leave part of a wave
+/// empty: the attention q/k/v at M = 64 (576 tiles, 96 blocks, 0.73 waves) split 4 ways for
+/// waves made the H100's B = 64 decode step 1.2% slower (BENCHMARKS.md, thirty-sixth session).
 pub fn x_shared_plan(
     n_tiles: usize,
     k_groups: usize,
