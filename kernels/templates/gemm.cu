@@ -67,7 +67,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_ge
 }
 {% if target.instructions.mma_sync_bf16 %}
 // ============================================================================================
-// gemm_{nvfp4,bf16}_bf16_mma_m{8,16,32,64}: the weight-streaming tensor-core kernels.
+// gemm_{nvfp4,bf16}_bf16_mma_m{8,16,32,48,64}: the weight-streaming tensor-core kernels.
 // A block holds MMA_WARPS warps: that many tiles of one warp each when the tiles alone fill the
 // device, else fewer tiles whose warps split K (and K split across blocks for the smallest N).
 //
@@ -417,7 +417,8 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
     finish_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y, partials, counters);
 }
 
-{% for rows in [8, 16, 32, 64] %}
+{# the variants of src/kernels/gemm/mod.rs, MMA_VARIANT_ROWS #}
+{% for rows in [8, 16, 32, 48, 64] %}
 {% if rows >= target.gemm.mma_x_shared_min_rows and target.instructions.cp_async %}
 {% set x_shared = "true" %}
 {% set warps = "MMA_X_WARPS" %}

@@ -5,14 +5,14 @@
 //! [`Backend::launch`], so CUDA and HIP run the same code here):
 //! - `gemm_nvfp4_bf16_gemv` (all): the straightforward one (one warp per output column, plain
 //!   layout, no tensor cores), kept as the reference GPU version: [`nvfp4_gemm`].
-//! - `gemm_{nvfp4,bf16}_bf16_mma_m{8,16,32,64}` (mma.sync: sm_90a, sm_121a): the weight-streaming
+//! - `gemm_{nvfp4,bf16}_bf16_mma_m{8,16,32,48,64}` (mma.sync: sm_90a, sm_121a): the weight-streaming
 //!   tensor-core kernels on `mma.sync.m16n8k16`, on weights re-laid out once at load
 //!   ([`layout`]) into a [`Linear`]: [`linear`]. W is the A operand, so M = 1..64 rows cost
 //!   1..8 MMAs per weight fragment and the weights are read once whatever M is. Each tile gets
 //!   1..8 warps ([`mma_plan`]: the fewest that fill the device), K is split across blocks only
 //!   when even that does not, and the last block of a tile adds the splits in order
 //!   (deterministic). Epilogues: residual add, `silu(gate) * up` ([`RowOrder::GateUp`]). The
-//!   variants of at least `gemm.mma_x_shared_min_rows` rows (m64 on sm_90a and sm_121a) stream X
+//!   variants of at least `gemm.mma_x_shared_min_rows` rows (m48, m64 on sm_90a and sm_121a) stream X
 //!   through a `cp.async` ring in shared memory that the block's warps share ([`mma_x_shared`],
 //!   [`x_shared_plan`]); the others load X fragments from global memory per group.
 //! - `gemm_{nvfp4,bf16}_bf16_wgmma_m64` (`wgmma` and `cp.async`: sm_90a): the m64 product on the
@@ -177,6 +177,13 @@ pub const MODEL_SHAPES: [(usize, usize); 6] = [
 
 /// Most rows of X one tensor-core launch takes; larger M runs in chunks of this many.
 pub const MMA_MAX_ROWS: usize = 64;
+
+/// Rows of the `gemm_*_bf16_mma_m*` variants, smallest first (gemm.cu renders the same list); a
+/// launch runs the smallest that holds its rows. Why 48: at M = 33..64 these kernels' time is
+/// their MMAs, not their bytes (per block about 0.94 us per round of one K group per warp,
+/// whether 8 or 86 blocks run: BENCHMARKS.md, thirty-seventh session), and at M = 33..48 the m64
+/// variant spends a quarter of its MMAs on zero rows.
+pub const MMA_VARIANT_ROWS: [usize; 5] = [8, 16, 32, 48, 64];
 
 /// Most rows of X one W4A4 launch takes (the block-scaled kernels stop at 32).
 pub const W4A4_MAX_ROWS: usize = 32;
@@ -779,9 +786,10 @@ pub fn stream_plan(
 }
 
 /// The 8-row tiles of X in the `gemm_*_mma_m*` / `_stream_m*` variant that takes `rows` rows
-/// (the kernels' MT: 1, 2, 4 or 8).
+/// (the kernels' MT: 1, 2, 4, 6 or 8; [`MMA_VARIANT_ROWS`]).
 pub fn row_tiles(rows: usize) -> usize {
-    rows.div_ceil(8).next_power_of_two()
+    let variant = MMA_VARIANT_ROWS.iter().find(|&&v| v >= rows);
+    variant.copied().unwrap_or(MMA_MAX_ROWS) / 8
 }
 
 /// Whether a launch of `rows` rows (at most [`MMA_MAX_ROWS`]) runs a `gemm_*_mma_m*` variant
@@ -969,18 +977,20 @@ pub fn stream_shared_bytes(tiles: &GemmTiles, rows: usize, groups_per_split: u32
     rings as usize + rows * (groups_per_split as usize * 64 + 8) * 2
 }
 
-/// `gemm_nvfp4_bf16_mma_m{8,16,32,64}`: index `log2(ceil(rows / 8))`.
-const MMA_NVFP4_KERNELS: [&str; 4] = [
+/// `gemm_nvfp4_bf16_mma_m{8,16,32,48,64}`: one per [`MMA_VARIANT_ROWS`] ([`mma_variant`]).
+const MMA_NVFP4_KERNELS: [&str; 5] = [
     "gemm_nvfp4_bf16_mma_m8",
     "gemm_nvfp4_bf16_mma_m16",
     "gemm_nvfp4_bf16_mma_m32",
+    "gemm_nvfp4_bf16_mma_m48",
     "gemm_nvfp4_bf16_mma_m64",
 ];
-/// `gemm_bf16_bf16_mma_m{8,16,32,64}`: index `log2(ceil(rows / 8))`.
-const MMA_BF16_KERNELS: [&str; 4] = [
+/// `gemm_bf16_bf16_mma_m{8,16,32,48,64}`: one per [`MMA_VARIANT_ROWS`] ([`mma_variant`]).
+const MMA_BF16_KERNELS: [&str; 5] = [
     "gemm_bf16_bf16_mma_m8",
     "gemm_bf16_bf16_mma_m16",
     "gemm_bf16_bf16_mma_m32",
+    "gemm_bf16_bf16_mma_m48",
     "gemm_bf16_bf16_mma_m64",
 ];
 /// `gemm_nvfp4_bf16_wgmma_m64` (targets with `wgmma`; [`mma_wgmma`]).
@@ -1026,6 +1036,21 @@ fn variant(variants: &[&'static str], step: usize, rows: usize) -> Result<&'stat
                 "{rows} rows; the largest kernel takes {}",
                 step << (variants.len() - 1)
             ),
+        )
+    })
+}
+
+/// The `gemm_*_bf16_mma_m*` kernel of `kernels` (one per [`MMA_VARIANT_ROWS`]) that takes `rows`
+/// rows: the smallest that holds them.
+///
+/// # Errors
+/// More than [`MMA_MAX_ROWS`] rows.
+fn mma_variant(kernels: &[&'static str; 5], rows: usize) -> Result<&'static str> {
+    let index = MMA_VARIANT_ROWS.iter().position(|&v| v >= rows);
+    index.map(|i| kernels[i]).ok_or_else(|| {
+        Error::invalid(
+            "gemm rows per launch",
+            format!("{rows} rows; the largest kernel takes {MMA_MAX_ROWS}"),
         )
     })
 }
@@ -1542,7 +1567,7 @@ fn linear_mma(
                 let kernel = if wgmma {
                     WGMMA_NVFP4_KERNEL
                 } else {
-                    variant(&MMA_NVFP4_KERNELS, 8, rows)?
+                    mma_variant(&MMA_NVFP4_KERNELS, rows)?
                 };
                 let args = mma_nvfp4_arguments(chunk, words, scales, global_scale, split, shape);
                 // SAFETY: gemm_nvfp4_bf16_mma_m*'s parameters in order (mma_nvfp4_arguments);
@@ -1553,7 +1578,7 @@ fn linear_mma(
                 let kernel = if wgmma {
                     WGMMA_BF16_KERNEL
                 } else {
-                    variant(&MMA_BF16_KERNELS, 8, rows)?
+                    mma_variant(&MMA_BF16_KERNELS, rows)?
                 };
                 let args = mma_bf16_arguments(chunk, words, split, shape);
                 // SAFETY: gemm_bf16_bf16_mma_m*'s parameters in order (mma_bf16_arguments);
@@ -2045,10 +2070,13 @@ mod tests {
             (9, "m16", "m16"),
             (16, "m16", "m16"),
             (17, "m32", "m32"),
-            (33, "m64", "m64"),
+            (32, "m32", "m32"),
+            (33, "m48", "m64"),
+            (48, "m48", "m64"),
+            (49, "m64", "m64"),
             (64, "m64", "m64"),
         ] {
-            let got = variant(&MMA_NVFP4_KERNELS, 8, rows).expect("fits");
+            let got = mma_variant(&MMA_NVFP4_KERNELS, rows).expect("fits");
             assert!(got.ends_with(&format!("_{mma}")), "{rows} rows: {got}");
             let got = variant(&WMMA_BF16_KERNELS, 16, rows).expect("fits");
             assert!(got.ends_with(&format!("_{wmma}")), "{rows} rows: {got}");
@@ -2057,7 +2085,7 @@ mod tests {
             variant(&W4A4_KERNELS, 8, W4A4_MAX_ROWS).ok(),
             Some("gemm_nvfp4_nvfp4_mma_m32")
         );
-        let e = variant(&MMA_BF16_KERNELS, 8, MMA_MAX_ROWS + 1).unwrap_err();
+        let e = mma_variant(&MMA_BF16_KERNELS, MMA_MAX_ROWS + 1).unwrap_err();
         assert!(e.to_string().contains("65 rows"), "{e}");
     }
 }
