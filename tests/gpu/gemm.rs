@@ -108,8 +108,9 @@ fn buffers_from_another_backend_are_errors() {
 
 // ---- the tensor-core kernels (gemm_*_mma_*) ----
 
-/// Rows of the issue, plus ones that cross the 64-row launch chunks.
-const MMA_ROWS: [usize; 10] = [1, 2, 3, 4, 8, 16, 33, 64, 67, 130];
+/// Rows of the issue, 48 (the m48 variant full; 33 runs it with rows past M), plus ones that
+/// cross the 64-row launch chunks.
+const MMA_ROWS: [usize; 11] = [1, 2, 3, 4, 8, 16, 33, 48, 64, 67, 130];
 
 /// The CPU reference of `X * W^T` for a weight: (X, M) -> unrounded `[M, N]`.
 type ReferenceProduct = dyn Fn(&[bf16], usize) -> Vec<f32>;
