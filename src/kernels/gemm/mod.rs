@@ -5,16 +5,17 @@
 //! [`Backend::launch`], so CUDA and HIP run the same code here):
 //! - `gemm_nvfp4_bf16_gemv` (all): the straightforward one (one warp per output column, plain
 //!   layout, no tensor cores), kept as the reference GPU version: [`nvfp4_gemm`].
-//! - `gemm_{nvfp4,bf16}_bf16_mma_m{8,16,32,48,64}` (mma.sync: sm_90a, sm_121a): the weight-streaming
-//!   tensor-core kernels on `mma.sync.m16n8k16`, on weights re-laid out once at load
-//!   ([`layout`]) into a [`Linear`]: [`linear`]. W is the A operand, so M = 1..64 rows cost
+//! - `gemm_{nvfp4,bf16}_bf16_mma_m{8,16,32,48,64}` (mma.sync: sm_90a, sm_121a): the
+//!   weight-streaming tensor-core kernels on `mma.sync.m16n8k16`, on weights re-laid out once at
+//!   load ([`layout`]) into a [`Linear`]: [`linear`]. W is the A operand, so M = 1..64 rows cost
 //!   1..8 MMAs per weight fragment and the weights are read once whatever M is. Each tile gets
 //!   1..8 warps ([`mma_plan`]: the fewest that fill the device), K is split across blocks only
 //!   when even that does not, and the last block of a tile adds the splits in order
 //!   (deterministic). Epilogues: residual add, `silu(gate) * up` ([`RowOrder::GateUp`]). The
-//!   variants of at least `gemm.mma_x_shared_min_rows` rows (m48, m64 on sm_90a and sm_121a) stream X
-//!   through a `cp.async` ring in shared memory that the block's warps share ([`mma_x_shared`],
-//!   [`x_shared_plan`]); the others load X fragments from global memory per group.
+//!   variants of at least `gemm.mma_x_shared_min_rows` rows (m48 and m64 on sm_90a and sm_121a)
+//!   stream X through a `cp.async` ring in shared memory that the block's warps share
+//!   ([`mma_x_shared`], [`x_shared_plan`]); the others load X fragments from global memory per
+//!   group.
 //! - `gemm_{nvfp4,bf16}_bf16_wgmma_m64` (`wgmma` and `cp.async`: sm_90a): the m64 product on the
 //!   warpgroup MMA, a warpgroup per 64 weight rows, X^T from a shared-memory ring, in place of
 //!   the mma.sync m64 variant from `gemm.wgmma_min_rows` rows ([`mma_wgmma`], [`wgmma_plan`];
@@ -182,7 +183,7 @@ pub const MMA_MAX_ROWS: usize = 64;
 /// launch runs the smallest that holds its rows. Why 48: at M = 33..64 these kernels' time is
 /// their MMAs, not their bytes (per block about 0.94 us per round of one K group per warp,
 /// whether 8 or 86 blocks run: BENCHMARKS.md, thirty-seventh session), and at M = 33..48 the m64
-/// variant spends a quarter of its MMAs on zero rows.
+/// variant spends a quarter or more of its MMAs on zero rows.
 pub const MMA_VARIANT_ROWS: [usize; 5] = [8, 16, 32, 48, 64];
 
 /// Most rows of X one W4A4 launch takes (the block-scaled kernels stop at 32).
