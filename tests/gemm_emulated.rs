@@ -406,10 +406,10 @@ fn x_shared_tile_warps(target: &TargetFacts, wanted: u32) -> u32 {
 }
 
 /// The kernels that stream X through shared memory (`mma_x_shared`: the m48 and m64 variants on
-/// `cp.async` targets; 33 and 40 rows run m48) on partitions that take every path: one to eight warps per tile (as
-/// many as the target's blocks hold; their sums through the ring's memory), K split with a
-/// short last range, K not a multiple of 64, rows past M, NVFP4 and bf16 weights: each against
-/// the CPU reference.
+/// `cp.async` targets; 33 and 40 rows run m48) on partitions that take every path: one to eight
+/// warps per tile (as many as the target's blocks hold; their sums through the ring's memory), K
+/// split with a short last range, K not a multiple of 64, rows past M, NVFP4 and bf16 weights:
+/// each against the CPU reference.
 #[test]
 fn the_x_shared_kernels_match_the_reference() {
     for target in emulated_targets() {

@@ -789,8 +789,14 @@ pub fn stream_plan(
 /// The 8-row tiles of X in the `gemm_*_mma_m*` / `_stream_m*` variant that takes `rows` rows
 /// (the kernels' MT: 1, 2, 4, 6 or 8; [`MMA_VARIANT_ROWS`]).
 pub fn row_tiles(rows: usize) -> usize {
-    let variant = MMA_VARIANT_ROWS.iter().find(|&&v| v >= rows);
-    variant.copied().unwrap_or(MMA_MAX_ROWS) / 8
+    let index = mma_variant_index(rows).unwrap_or(MMA_VARIANT_ROWS.len() - 1);
+    MMA_VARIANT_ROWS[index] / 8
+}
+
+/// The index in [`MMA_VARIANT_ROWS`] of the smallest variant that holds `rows` rows; `None` past
+/// [`MMA_MAX_ROWS`].
+fn mma_variant_index(rows: usize) -> Option<usize> {
+    MMA_VARIANT_ROWS.iter().position(|&v| v >= rows)
 }
 
 /// Whether a launch of `rows` rows (at most [`MMA_MAX_ROWS`]) runs a `gemm_*_mma_m*` variant
@@ -1030,15 +1036,11 @@ const QUANTIZE_THREADS: u32 = 256;
 /// [`Error::Invalid`] when none does (the callers chunk M so that one always does).
 fn variant(variants: &[&'static str], step: usize, rows: usize) -> Result<&'static str> {
     let index = rows.div_ceil(step).next_power_of_two().trailing_zeros() as usize;
-    variants.get(index).copied().ok_or_else(|| {
-        Error::invalid(
-            "gemm rows per launch",
-            format!(
-                "{rows} rows; the largest kernel takes {}",
-                step << (variants.len() - 1)
-            ),
-        )
-    })
+    let largest = step << (variants.len() - 1);
+    variants
+        .get(index)
+        .copied()
+        .ok_or_else(|| too_many_rows(rows, largest))
 }
 
 /// The `gemm_*_bf16_mma_m*` kernel of `kernels` (one per [`MMA_VARIANT_ROWS`]) that takes `rows`
@@ -1047,13 +1049,18 @@ fn variant(variants: &[&'static str], step: usize, rows: usize) -> Result<&'stat
 /// # Errors
 /// More than [`MMA_MAX_ROWS`] rows.
 fn mma_variant(kernels: &[&'static str; 5], rows: usize) -> Result<&'static str> {
-    let index = MMA_VARIANT_ROWS.iter().position(|&v| v >= rows);
-    index.map(|i| kernels[i]).ok_or_else(|| {
-        Error::invalid(
-            "gemm rows per launch",
-            format!("{rows} rows; the largest kernel takes {MMA_MAX_ROWS}"),
-        )
-    })
+    let index = mma_variant_index(rows);
+    index
+        .map(|i| kernels[i])
+        .ok_or_else(|| too_many_rows(rows, MMA_MAX_ROWS))
+}
+
+/// The error of a launch of `rows` rows where the largest kernel takes `largest`.
+fn too_many_rows(rows: usize, largest: usize) -> Error {
+    Error::invalid(
+        "gemm rows per launch",
+        format!("{rows} rows; the largest kernel takes {largest}"),
+    )
 }
 
 /// The target and multiprocessor count of a device backend.
