@@ -22,6 +22,10 @@ SCANS = (
     + [
         ("out_w1s6", "bf16", 2048, 4096, 6, 1),
         ("out_w1s12", "bf16", 2048, 4096, 12, 1),
+        # fewer tiles per block, fewer splits (4 tiles x 4 splits, 2 tiles x 2 splits: 128 blocks)
+        ("out_w3s4", "bf16", 2048, 4096, 4, 3),
+        ("out_w6s2", "bf16", 2048, 4096, 2, 6),
+        ("o_w3s4", "nvfp4", 2048, 4096, 4, 3),
         ("qkv_k512", "nvfp4", 9216, 512, 1, 2),
         ("qkv_k64", "nvfp4", 9216, 64, 1, 2),
     ]

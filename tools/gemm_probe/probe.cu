@@ -8,6 +8,8 @@
 //                        stream serialization, as the decode graph does
 //   PROBE_M=48           rows of X (default 64; the kernel's rows past it are zero)
 //   PROBE_KERNEL=m32     time gemm_*_mma_m32 (no X ring) instead of gemm_*_mma_m64
+//   PROBE_CLUSTER=1      launch the K splits of a tile group as one cluster (1, splits, 1), for the
+//                        `cluster` variant's finish; cases of more than 8 splits are skipped
 //
 // Each case: 60 launches back to back in a CUDA graph over rotating copies of the weights (512 MiB,
 // beyond the 50 MiB L2), the median of 7 replays per launch; then cuBLAS (bf16 cases) the same way;
@@ -96,7 +98,12 @@ int main(int argc, char** argv) {
         CK(cudaDeviceSynchronize());
         const u32 n_tiles = c.n / 16, k_groups = c.k / 64;
         const u32 rows_ring = X_SLOTS * c.wpt * 64 * 72 * 2;
-        const u32 sums = c.wpt > 1 ? c.warps * 8 * 32 * 16 : 0;
+        const bool cluster = getenv("PROBE_CLUSTER") && std::string(getenv("PROBE_CLUSTER")) == "1" && c.splits > 1;
+        if (cluster && c.splits > 8) {
+            printf("%s: skipped (a cluster of %u splits: more than 8 blocks)\n", c.name.c_str(), c.splits);
+            continue;
+        }
+        const u32 sums = c.wpt > 1 || cluster ? c.warps * 8 * 32 * 16 : 0;
         u32 smem = std::max(rows_ring, sums);
         // PROBE_KERNEL=m32: the m32 kernels (no X ring: static shared memory only)
         const bool m32 = getenv("PROBE_KERNEL") && std::string(getenv("PROBE_KERNEL")) == "m32";
@@ -114,9 +121,17 @@ int main(int argc, char** argv) {
             cudaLaunchConfig_t cfg = {};
             cfg.gridDim = dim3(c.bx, c.splits, 1); cfg.blockDim = dim3(c.warps * 32, 1, 1);
             cfg.dynamicSmemBytes = smem; cfg.stream = st;
-            cudaLaunchAttribute at[1]; at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            at[0].val.programmaticStreamSerializationAllowed = 1;
-            cfg.attrs = at; cfg.numAttrs = pdl ? 1 : 0;
+            cudaLaunchAttribute at[2];
+            u32 attrs = 0;
+            if (pdl) {
+                at[attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                at[attrs++].val.programmaticStreamSerializationAllowed = 1;
+            }
+            if (cluster) {
+                at[attrs].id = cudaLaunchAttributeClusterDimension;
+                at[attrs].val.clusterDim.x = 1; at[attrs].val.clusterDim.y = c.splits; at[attrs++].val.clusterDim.z = 1;
+            }
+            cfg.attrs = at; cfg.numAttrs = attrs;
             u16* yy = y; const u16* rr = res; float* pp = partials; u32* cc = counters;
             u32 m = M, n = c.n, k = c.k;
             if (nv) CK(cudaLaunchKernelEx(&cfg, kn, (const u16*)x, words, scales, alpha, yy, rr, pp, cc, m, n, k, n_tiles, k_groups, c.gps, c.wpt, epi));
