@@ -40,13 +40,27 @@ typedef int i32;
 namespace emu {
 struct Thread { u32 tid, bx, by; };
 inline thread_local Thread self;
-inline unsigned char* dynamic_smem = nullptr;
-inline std::barrier<>* block = nullptr;
-inline std::vector<std::unique_ptr<std::barrier<>>> warps;
-inline u64 exchange[32][32][8];  // [warp][lane][word]
-inline void warp_sync() { warps[self.tid / 32]->arrive_and_wait(); }
-inline u64* mine() { return exchange[self.tid / 32][self.tid % 32]; }
-inline u64* of(u32 lane) { return exchange[self.tid / 32][lane]; }
+/// A block's warps: a barrier per warp and the words its shuffles exchange.
+struct Warps {
+    std::vector<std::unique_ptr<std::barrier<>>> barriers;
+    u64 exchange[32][32][8];  // [warp][lane][word]
+    explicit Warps(u32 threads) {
+        for (u32 w = 0; w < threads / 32; ++w) barriers.push_back(std::make_unique<std::barrier<>>(32));
+    }
+};
+// The running thread's block (set by the driver in each thread: the blocks of a cluster run at
+// once, each with its own).
+inline thread_local unsigned char* dynamic_smem = nullptr;
+inline thread_local std::barrier<>* block = nullptr;
+inline thread_local Warps* warps = nullptr;
+inline void warp_sync() { warps->barriers[self.tid / 32]->arrive_and_wait(); }
+inline u64* mine() { return warps->exchange[self.tid / 32][self.tid % 32]; }
+inline u64* of(u32 lane) { return warps->exchange[self.tid / 32][lane]; }
+// The running launch's clusters: blocks per cluster along y, a barrier of all their threads and
+// each block's dynamic shared memory by rank (blockIdx.y % cluster_y).
+inline u32 cluster_y = 1;
+inline std::barrier<>* cluster = nullptr;
+inline std::vector<unsigned char*> cluster_smem;
 }  // namespace emu
 
 FP4_DEVICE u32 thread_x() { return emu::self.tid; }
@@ -230,9 +244,10 @@ FP4_DEVICE void cp_async_wait() {}
 
 //@@ driver
 // Commands (little-endian) from argv[1]: 1 = buffer (u32 id, u64 bytes, bytes), 2 = launch
-// (u32 name length, name, u32 grid x, grid y, threads, shared bytes, u32 args, per argument u32
-// kind (0 pointer: u64 id << 40 | byte offset, 1 null, 2 u32, 3 f32 bits) and u64 value),
-// 3 = dump (u32 id) to argv[2] as (u32 id, u64 bytes, bytes).
+// (u32 name length, name, u32 grid x, grid y, cluster y (blocks per cluster along y), threads,
+// shared bytes, u32 args, per argument u32 kind (0 pointer: u64 id << 40 | byte offset, 1 null,
+// 2 u32, 3 f32 bits) and u64 value), 3 = dump (u32 id) to argv[2] as (u32 id, u64 bytes, bytes).
+// Blocks run one after another, except that the cluster_y blocks of a cluster run at once.
 namespace emu {
 struct Arg { u32 kind; u64 value; };
 inline std::vector<std::vector<unsigned char>> buffers(1);
@@ -292,27 +307,40 @@ int main(int argc, char** argv) {
         } else if (op == 2) {
             std::string name(u32_(), '\0');
             read(name.data(), name.size());
-            const u32 gx = u32_(), gy = u32_(), threads = u32_(), smem = u32_(), n = u32_();
+            const u32 gx = u32_(), gy = u32_(), cy = u32_(), threads = u32_(), smem = u32_(), n = u32_();
             std::vector<emu::Arg> args(n);
             for (auto& a : args) { a.kind = u32_(); a.value = u64_(); }
             auto found = kernels.find(name);
             if (found == kernels.end()) { std::fprintf(stderr, "no kernel %s\n", name.c_str()); return 3; }
-            std::vector<unsigned char> shared(smem + 16);
-            emu::dynamic_smem = shared.data() + (16 - (uintptr_t)shared.data() % 16) % 16;
-            std::barrier<> block(threads);
-            emu::block = &block;
-            emu::warps.clear();
-            for (u32 w = 0; w < threads / 32; ++w) emu::warps.push_back(std::make_unique<std::barrier<>>(32));
+            if (cy == 0 || gy % cy != 0) { std::fprintf(stderr, "%s: clusters of %u blocks over a grid of %u\n", name.c_str(), cy, gy); return 3; }
+            std::vector<std::vector<unsigned char>> shared(cy, std::vector<unsigned char>(smem + 16));
+            std::vector<std::unique_ptr<std::barrier<>>> blocks;
+            std::vector<std::unique_ptr<emu::Warps>> warps;
+            emu::cluster_smem.clear();
+            for (u32 r = 0; r < cy; ++r) {
+                emu::cluster_smem.push_back(shared[r].data() + (16 - (uintptr_t)shared[r].data() % 16) % 16);
+                blocks.push_back(std::make_unique<std::barrier<>>(threads));
+                warps.push_back(std::make_unique<emu::Warps>(threads));
+            }
+            std::barrier<> cluster(threads * cy);
+            emu::cluster_y = cy;
+            emu::cluster = &cluster;
             std::vector<std::thread> pool;
-            for (u32 t = 0; t < threads; ++t) {
-                pool.emplace_back([&, t] {
-                    for (u32 by = 0; by < gy; ++by)
-                        for (u32 bx = 0; bx < gx; ++bx) {
-                            emu::self = {t, bx, by};
-                            found->second(args);
-                            block.arrive_and_wait();
-                        }
-                });
+            for (u32 r = 0; r < cy; ++r) {
+                for (u32 t = 0; t < threads; ++t) {
+                    pool.emplace_back([&, r, t] {
+                        emu::dynamic_smem = emu::cluster_smem[r];
+                        emu::block = blocks[r].get();
+                        emu::warps = warps[r].get();
+                        for (u32 y0 = 0; y0 < gy; y0 += cy)
+                            for (u32 bx = 0; bx < gx; ++bx) {
+                                const u32 by = y0 + r;
+                                emu::self = {t, bx, by};
+                                found->second(args);
+                                emu::block->arrive_and_wait();
+                            }
+                    });
+                }
             }
             for (auto& th : pool) th.join();
         } else if (op == 3) {

@@ -72,6 +72,12 @@ fn emulator_source(target: &TargetFacts) -> String {
     );
     source = splice_if_present(
         &source,
+        "// ---- cluster instructions ----",
+        "// ---- end of cluster instructions ----",
+        section(EMULATOR, "cluster"),
+    );
+    source = splice_if_present(
+        &source,
         "// ---- wgmma instructions ----",
         "// ---- end of wgmma instructions ----",
         section(EMULATOR, "wgmma"),
@@ -131,14 +137,30 @@ struct Case {
     plan: MmaPlan,
 }
 
+/// How a split-K launch adds its splits: through the L2 (the tile's last block), or in clusters
+/// of the splits (the X-ring variants on targets with clusters, `gemm::x_shared_in_cluster`).
+#[derive(Clone, Copy, PartialEq)]
+enum Finish {
+    L2,
+    Cluster,
+}
+
 /// Dynamic shared memory of `kernel` on `case`, as src/kernels/gemm/mod.rs sizes it.
-fn shared_bytes(target: &TargetFacts, kernel: &str, case: &Case) -> usize {
+fn shared_bytes(target: &TargetFacts, kernel: &str, case: &Case, finish: Finish) -> usize {
     if kernel.contains("stream") {
         gemm::stream_shared_bytes(&target.gemm, case.m, case.plan.groups_per_split)
     } else if gemm::mma_x_shared(target, case.m) {
-        gemm::x_shared_bytes(&target.gemm, case.m, &case.plan)
+        gemm::x_shared_bytes(&target.gemm, case.m, &case.plan, finish == Finish::Cluster)
     } else {
         0
+    }
+}
+
+/// The clusters along grid y a launch of `case` makes with `finish`.
+fn cluster_y(case: &Case, finish: Finish) -> u32 {
+    match finish {
+        Finish::L2 => 1,
+        Finish::Cluster => case.plan.splits,
     }
 }
 
@@ -148,6 +170,7 @@ fn run_case(
     exe: &Path,
     target: &TargetFacts,
     case: &Case,
+    finish: Finish,
     q: &Nvfp4Matrix,
     x: &[bf16],
 ) -> Vec<Vec<bf16>> {
@@ -189,11 +212,12 @@ fn run_case(
         let y = emu.buffer(vec![0xff; 2 * case.m * case.n]);
         let partials = emu.zeros(grid.n_tiles * case.plan.splits as usize * 32 * m_tiles * 16);
         let counters = emu.zeros(4 * grid.n_tiles);
-        let shared = shared_bytes(target, &kernel, case);
+        let shared = shared_bytes(target, &kernel, case, finish);
         let blocks = (grid.n_tiles as u32).div_ceil(warps / case.plan.warps_per_tile);
-        emu.launch(
+        emu.launch_clusters(
             &kernel,
             (blocks, case.plan.splits),
+            cluster_y(case, finish),
             warps * target.warp_size,
             shared,
             &[
@@ -212,7 +236,16 @@ fn run_case(
         emu.dump(y);
         outputs.push(y);
     }
-    let dumps = emu.run(exe, &format!("case_{}x{}_m{}", case.n, case.k, case.m));
+    let dumps = emu.run(
+        exe,
+        &format!(
+            "case_{}x{}_m{}_c{}",
+            case.n,
+            case.k,
+            case.m,
+            cluster_y(case, finish)
+        ),
+    );
     outputs.into_iter().map(|y| read_bf16(&dumps, y)).collect()
 }
 
@@ -247,6 +280,7 @@ fn run_bf16_case(
     exe: &Path,
     target: &TargetFacts,
     case: &Case,
+    finish: Finish,
     w: &[bf16],
     x: &[bf16],
 ) -> Vec<bf16> {
@@ -268,11 +302,12 @@ fn run_bf16_case(
     let partials = emu.zeros(grid.n_tiles * case.plan.splits as usize * 32 * m_tiles * 16);
     let counters = emu.zeros(4 * grid.n_tiles);
     let blocks = (grid.n_tiles as u32).div_ceil(warps / case.plan.warps_per_tile);
-    emu.launch(
+    emu.launch_clusters(
         &kernel,
         (blocks, case.plan.splits),
+        cluster_y(case, finish),
         warps * target.warp_size,
-        shared_bytes(target, &kernel, case),
+        shared_bytes(target, &kernel, case, finish),
         &[
             &[
                 Arg::Ptr(x_buf),
@@ -286,7 +321,16 @@ fn run_bf16_case(
         .concat(),
     );
     emu.dump(y);
-    let dumps = emu.run(exe, &format!("bf16_case_{}x{}_m{}", case.n, case.k, case.m));
+    let dumps = emu.run(
+        exe,
+        &format!(
+            "bf16_case_{}x{}_m{}_c{}",
+            case.n,
+            case.k,
+            case.m,
+            cluster_y(case, finish)
+        ),
+    );
     read_bf16(&dumps, y)
 }
 
@@ -333,7 +377,7 @@ fn the_stream_kernel_matches_the_reference_and_the_register_kernel() {
                 .into_iter()
                 .map(bf16::from_f32)
                 .collect();
-            let outputs = run_case(&exe, target, &case, &q, &x);
+            let outputs = run_case(&exe, target, &case, Finish::L2, &q, &x);
             let [stream, registers] = [&outputs[0], &outputs[1]];
             let (n, k, m) = (case.n, case.k, case.m);
             let want = gemm::reference::nvfp4_gemm_f32(&x, m, q.view());
@@ -447,10 +491,89 @@ fn the_x_shared_kernels_match_the_reference() {
                 &mut rng,
                 "",
                 &case,
-                |q, x| run_case(&exe, target, &case, q, x).remove(0),
-                |w, x| run_bf16_case(&exe, target, &case, w, x),
+                |q, x| run_case(&exe, target, &case, Finish::L2, q, x).remove(0),
+                |w, x| run_bf16_case(&exe, target, &case, Finish::L2, w, x),
             );
         }
+    }
+}
+
+/// The X-ring variants' K splits finished in clusters (`finish_in_cluster`: the blocks of a
+/// cluster run at once, each tile's sums read from every block's shared memory), on targets with
+/// clusters: the same bits as the L2 finish of the same partition, NVFP4 and bf16, with one and
+/// several warps per tile, an odd and an even number of splits, a short last split, a tile group
+/// with fewer tiles than a block holds and rows past M; and close to the CPU reference.
+#[test]
+fn the_x_shared_kernels_finish_splits_in_clusters_as_through_the_l2() {
+    for target in emulated_targets().filter(|t| t.instructions.clusters) {
+        let exe = emulator(target);
+        let mut rng = SplitMix64::new(0xc105);
+        for case in [
+            Case {
+                n: 100,
+                k: 1040,
+                m: 40,
+                plan: plan(1, 3, 6),
+            },
+            Case {
+                n: 37,
+                k: 2048,
+                m: 64,
+                plan: plan(x_shared_tile_warps(target, 2), 4, 8),
+            },
+            Case {
+                n: 208,
+                k: 704,
+                m: 57,
+                plan: plan(x_shared_tile_warps(target, 4), 2, 6),
+            },
+        ] {
+            let l2_nvfp4 = std::cell::RefCell::new(Vec::new());
+            let l2_bf16 = std::cell::RefCell::new(Vec::new());
+            check_both_formats(
+                target,
+                &mut rng.clone(),
+                "l2 ",
+                &case,
+                |q, x| {
+                    let y = run_case(&exe, target, &case, Finish::L2, q, x).remove(0);
+                    *l2_nvfp4.borrow_mut() = y.clone();
+                    y
+                },
+                |w, x| {
+                    let y = run_bf16_case(&exe, target, &case, Finish::L2, w, x);
+                    *l2_bf16.borrow_mut() = y.clone();
+                    y
+                },
+            );
+            check_both_formats(
+                target,
+                &mut rng,
+                "cluster ",
+                &case,
+                |q, x| {
+                    let y = run_case(&exe, target, &case, Finish::Cluster, q, x).remove(0);
+                    assert_same_bits(&y, &l2_nvfp4.borrow(), target, "nvfp4", &case);
+                    y
+                },
+                |w, x| {
+                    let y = run_bf16_case(&exe, target, &case, Finish::Cluster, w, x);
+                    assert_same_bits(&y, &l2_bf16.borrow(), target, "bf16", &case);
+                    y
+                },
+            );
+        }
+    }
+}
+
+/// `cluster` and `l2` (one launch's outputs with either finish) are the same bits.
+fn assert_same_bits(cluster: &[bf16], l2: &[bf16], target: &TargetFacts, what: &str, case: &Case) {
+    assert_eq!(cluster.len(), l2.len());
+    if let Some(i) = (0..l2.len()).find(|&i| cluster[i].to_bits() != l2[i].to_bits()) {
+        panic!(
+            "{} {what} ({} x {} x {}, {:?}): the cluster finish gives {} at {i}, the L2 finish {}",
+            target.name, case.m, case.n, case.k, case.plan, cluster[i], l2[i]
+        );
     }
 }
 

@@ -4,7 +4,8 @@
 // another), tests/moe_emulator.cpp's adapters for common/mma.cuh, and the sections below for the
 // CUDA built-ins gemm.cu calls directly. cp.async copies at once, so the rings are exercised in
 // their fastest order only; what this checks is the partition, the ring and X addressing, the
-// chunk bookkeeping and the split-K finish. Sections start at `//@@ name` lines.
+// chunk bookkeeping and the split-K finishes (through the L2, and in a cluster, whose blocks the
+// driver runs at once). Sections start at `//@@ name` lines.
 
 //@@ cuda
 #include <algorithm>
@@ -47,6 +48,18 @@ FP4_DEVICE void cp_async16(void* dst, const void* src) {
 FP4_DEVICE void cp_async_commit() {}
 template <int N>
 FP4_DEVICE void cp_async_wait() {}
+
+//@@ cluster
+// Thread block clusters: the driver runs a cluster's blocks at once (tests/gdn_emulator.cpp), each
+// with its own dynamic shared memory, which the others find by rank at the same offset.
+FP4_DEVICE u32 cluster_blocks_y() { return emu::cluster_y; }
+FP4_DEVICE void cluster_barrier() { emu::cluster->arrive_and_wait(); }
+FP4_DEVICE float4 load_cluster_f4(const float4* local, u32 rank) {
+    const auto offset = reinterpret_cast<const unsigned char*>(local) - emu::dynamic_smem;
+    float4 v;
+    std::memcpy(&v, emu::cluster_smem.at(rank) + offset, sizeof v);
+    return v;
+}
 
 //@@ wgmma
 // The warpgroup MMA of gemm_*_wgmma_m64, one warp's share at a time: each warp's 16 rows of A

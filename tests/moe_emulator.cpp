@@ -168,12 +168,12 @@ int main(int argc, char** argv) {
             if (found == kernels.end()) { std::fprintf(stderr, "no kernel %s\n", name.c_str()); return 3; }
             emu::grid_blocks = grid;
             std::barrier<> block(threads);
-            emu::block = &block;
-            emu::warps.clear();
-            for (u32 w = 0; w < threads / 32; ++w) emu::warps.push_back(std::make_unique<std::barrier<>>(32));
+            emu::Warps warps(threads);
             std::vector<std::thread> pool;
             for (u32 t = 0; t < threads; ++t) {
                 pool.emplace_back([&, t] {
+                    emu::block = &block;
+                    emu::warps = &warps;
                     for (u32 bx = 0; bx < grid; ++bx) {
                         emu::self = {t, bx, 0};
                         found->second((const u16*)emu::pointer(f[0]), (const u16*)emu::pointer(f[1]),

@@ -96,6 +96,9 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_ge
 {% if target.instructions.cp_async %}
 {% include "common/cp_async.cuh" %}
 {% endif %}
+{% if target.instructions.clusters %}
+{% include "common/cluster.cuh" %}
+{% endif %}
 // gemm_*_mma_m* of at least mma_x_shared_min_rows rows on cp.async targets stream X through
 // shared memory (gemm_mma, X_SHARED): (threads, resident blocks per SM) cap their registers so
 // that mma_x_shared_blocks_per_sm blocks fit
@@ -217,6 +220,68 @@ FP4_DEVICE void finish_tile(float (&acc)[MT][4], float alpha, u32 tile, u32 lane
     if (lane == 0) counters[tile] = 0;  // ready for the next launch
     store_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y);
 }
+
+{% if target.instructions.clusters %}
+/// The split-K finish of a launch whose K splits are one cluster (grid y = cluster y = splits;
+/// block rank = split), for the X-ring variants, once every warp has its sums: each block's
+/// tile sums (its tile's warps added in warp order, as gemm_mma does) go to its own shared
+/// memory, a cluster barrier, then the block of rank i % splits reduces the block's tile i from
+/// every block's shared memory in split order and stores it (the sums of finish_tile's L2
+/// finish, the same bits); a second barrier keeps every block's shared memory alive until the
+/// others have read it. Why: the L2 finish stores the partials, fences, counts and reloads them
+/// in the tile's last block, a chain of L2 round trips that grew the m64 launches by about
+/// 1.4 us per split (the gemm probe, thirty-seventh session); here the partials cross the
+/// cluster's network once, and the tiles' stores are spread over the cluster's blocks. `sums`:
+/// WARPS * MT * 32 float4 of dynamic shared memory (the X ring's, which it follows).
+template <int MT, int WARPS>
+FP4_DEVICE void finish_in_cluster(float (&acc)[MT][4], float4* sums, float alpha, u32 tile, u32 lane, u32 warp,
+                                  u32 part, bool active, u32 m, u32 n, u32 epilogue, const u16* residual, u16* y,
+                                  u32 warps_per_tile) {
+    __syncthreads();  // every warp is done with the X ring the sums overwrite
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) sums[(warp * MT + mt) * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+    __syncthreads();
+    if (part == 0 && warps_per_tile > 1) {
+        for (u32 w = warp + 1; w < warp + warps_per_tile; ++w) {
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const float4 v = sums[(w * MT + mt) * 32 + lane];
+                acc[mt][0] += v.x; acc[mt][1] += v.y; acc[mt][2] += v.z; acc[mt][3] += v.w;
+            }
+        }
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) sums[(warp * MT + mt) * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+    }
+    cluster_barrier();
+    const u32 splits = gridDim.y;
+    if (part == 0 && active && (warp / warps_per_tile) % splits == block_y()) {
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
+        // two splits' sums asked for at once, added in split order
+        for (u32 s = 0; s < splits; s += 2) {
+            float4 v[2][MT];
+            #pragma unroll
+            for (int b = 0; b < 2; ++b) {
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    v[b][mt] = s + b < splits ? load_cluster_f4(sums + (warp * MT + mt) * 32 + lane, s + b)
+                                              : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                }
+            }
+            #pragma unroll
+            for (int b = 0; b < 2; ++b) {
+                if (s + b >= splits) break;
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    acc[mt][0] += v[b][mt].x; acc[mt][1] += v[b][mt].y; acc[mt][2] += v[b][mt].z; acc[mt][3] += v[b][mt].w;
+                }
+            }
+        }
+        store_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y);
+    }
+    cluster_barrier();
+}
+{% endif %}
 
 /// One block: WARPS / warps_per_tile weight tiles of 16 rows, all M rows, over the K groups
 /// of split blockIdx.y. The warps_per_tile warps of a tile take the split's groups in turn
@@ -387,6 +452,16 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
         }
     }
 
+{% if target.instructions.clusters %}
+    if constexpr (X_SHARED) {
+        // K splits launched as one cluster (mma_x_shared_cluster_max_splits): finished there
+        if (gridDim.y > 1 && cluster_blocks_y() == gridDim.y) {
+            finish_in_cluster<MT, WARPS>(acc, reinterpret_cast<float4*>(mma_shared), alpha, tile, lane, warp, part,
+                                         active, m, n, epilogue, residual, y, warps_per_tile);
+            return;
+        }
+    }
+{% endif %}
     if (warps_per_tile > 1) {
         // the tile's warps add up in warp order through shared memory (uniform branch: every
         // warp of the block reaches the barrier); with X_SHARED in the X area, once every warp

@@ -173,6 +173,14 @@ impl Backend {
                 return Ok(());
             }
         }
+        if let Some(target) = self.target() {
+            check_clusters(dims, target).map_err(|reason| {
+                Error::invalid(
+                    format!("launch of `{kernel}` ({family}, {})", target.name),
+                    reason,
+                )
+            })?;
+        }
         match self {
             Self::Cpu => Err(Error::invalid(
                 format!("launch of `{kernel}` ({family})"),
@@ -728,6 +736,41 @@ pub struct LaunchDims {
     pub block: (u32, u32, u32),
     /// Dynamic shared memory per block, bytes (on top of the kernel's static use).
     pub shared_bytes: u32,
+    /// Blocks per thread block cluster in x, y, z (`(1, 1, 1)`: no clusters). Each grid
+    /// dimension must be a multiple of its cluster dimension, on targets with
+    /// `instructions.clusters` only; a launch the device cannot place fails with the driver's
+    /// error.
+    pub cluster: (u32, u32, u32),
+}
+
+/// Why `dims`' clusters cannot run on `target`: clusters on a target without them, a cluster
+/// dimension of zero or one that does not divide the grid, or more than 8 blocks in a cluster
+/// (the portable size).
+fn check_clusters(dims: &LaunchDims, target: &TargetFacts) -> std::result::Result<(), String> {
+    let (cx, cy, cz) = dims.cluster;
+    if (cx, cy, cz) == (1, 1, 1) {
+        return Ok(());
+    }
+    if !target.instructions.clusters {
+        return Err(format!(
+            "clusters of {:?} blocks: {} has no thread block clusters",
+            dims.cluster, target.name
+        ));
+    }
+    let (gx, gy, gz) = dims.grid;
+    if cx == 0 || cy == 0 || cz == 0 || gx % cx != 0 || gy % cy != 0 || gz % cz != 0 {
+        return Err(format!(
+            "clusters of {:?} blocks do not tile the grid {:?}",
+            dims.cluster, dims.grid
+        ));
+    }
+    if u64::from(cx) * u64::from(cy) * u64::from(cz) > 8 {
+        return Err(format!(
+            "clusters of {:?} blocks: more than 8 blocks in a cluster",
+            dims.cluster
+        ));
+    }
+    Ok(())
 }
 
 impl LaunchDims {
@@ -737,6 +780,7 @@ impl LaunchDims {
             grid: (blocks, 1, 1),
             block: (threads, 1, 1),
             shared_bytes: 0,
+            cluster: (1, 1, 1),
         }
     }
 }
@@ -1045,6 +1089,7 @@ mod tests {
             grid: (x, y, 1),
             block: (32, 1, 1),
             shared_bytes: 0,
+            cluster: (1, 1, 1),
         };
         assert!(filter.admits("gemm", &dims(386, 1)));
         assert!(filter.state().seen.is_empty(), "noted while idle");

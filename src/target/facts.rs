@@ -88,6 +88,9 @@ pub struct Instructions {
     /// Programmatic dependent launch (`griddepcontrol`, sm_90 and later): a kernel's blocks may
     /// start while the previous kernel in the stream finishes, and wait for it in the kernel.
     pub grid_dependency_control: bool,
+    /// Thread block clusters (sm_90 and later): the blocks of a cluster run at once and read
+    /// each other's shared memory (`mapa`, `ld.shared::cluster`, `barrier.cluster`).
+    pub clusters: bool,
 }
 
 impl Instructions {
@@ -159,6 +162,11 @@ pub struct GemmTiles {
     /// `gemm_*_mma_m*` streaming X: resident blocks per multiprocessor the
     /// launch bounds ask for.
     pub mma_x_shared_blocks_per_sm: u32,
+    /// `gemm_*_mma_m*` streaming X on targets with `clusters`: launches of 2 to this many K
+    /// splits (at most 8, the portable cluster size) make each tile group's splits one cluster,
+    /// whose blocks add their sums through each other's shared memory; 0 or 1: the partials of
+    /// every split go through the L2 to the tile's last block.
+    pub mma_x_shared_cluster_max_splits: u32,
     /// `gemm_*_mma_m*` streaming X: the fewest K groups one split may get (their own bound: with
     /// at most `mma_x_shared_max_warps_per_tile` warps per tile, small weights fill the device
     /// only through K splits).
@@ -467,6 +475,13 @@ impl TargetFacts {
                  max_warps_per_tile a power of two dividing warps_per_block (at most 1024 \
                  threads), and the ring at 64 rows ({x_ring} bytes) within \
                  max_shared_bytes_per_block"
+            ));
+        }
+        if self.gemm.mma_x_shared_cluster_max_splits > 8 {
+            return fail(format!(
+                "gemm.mma_x_shared_cluster_max_splits {} must be at most 8 (the portable \
+                 cluster size)",
+                self.gemm.mma_x_shared_cluster_max_splits
             ));
         }
         if self.gemm.mma_min_warps_per_sm == 0

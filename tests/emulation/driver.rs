@@ -68,11 +68,31 @@ impl Emu {
         shared: usize,
         args: &[Arg],
     ) {
+        self.launch_clusters(name, grid, 1, threads, shared, args);
+    }
+
+    /// A launch whose blocks form clusters of `cluster_y` blocks along grid y (run at once).
+    pub fn launch_clusters(
+        &mut self,
+        name: &str,
+        grid: (u32, u32),
+        cluster_y: u32,
+        threads: u32,
+        shared: usize,
+        args: &[Arg],
+    ) {
         let c = &mut self.commands;
         c.extend(2u32.to_le_bytes());
         c.extend((name.len() as u32).to_le_bytes());
         c.extend(name.as_bytes());
-        for v in [grid.0, grid.1, threads, shared as u32, args.len() as u32] {
+        for v in [
+            grid.0,
+            grid.1,
+            cluster_y,
+            threads,
+            shared as u32,
+            args.len() as u32,
+        ] {
             c.extend(v.to_le_bytes());
         }
         for a in args {

@@ -467,8 +467,8 @@ impl CudaBackend {
         }
         let op = || {
             format!(
-                "launch {kernel} ({family}) grid {:?} block {:?} shared {} bytes",
-                dims.grid, dims.block, dims.shared_bytes
+                "launch {kernel} ({family}) grid {:?} block {:?} cluster {:?} shared {} bytes",
+                dims.grid, dims.block, dims.cluster, dims.shared_bytes
             )
         };
         make_current(&self.context).map_err(|e| Error::cuda(op(), e))?;
@@ -505,7 +505,7 @@ impl CudaBackend {
         // Programmatic stream serialization where the target's kernels chain themselves
         // (chain_after_previous_grid() in common/prelude.cuh): the kernel's blocks may start
         // while the previous kernel finishes and wait for it on the device.
-        let mut serialization = sys::CUlaunchAttribute {
+        let serialization = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],
             value: sys::CUlaunchAttributeValue {
@@ -513,6 +513,25 @@ impl CudaBackend {
             },
         };
         let chained = self.target.instructions.grid_dependency_control;
+        // The cluster shape where the launch asks for one (checked by Backend::launch).
+        let cluster = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+                    x: dims.cluster.0,
+                    y: dims.cluster.1,
+                    z: dims.cluster.2,
+                },
+            },
+        };
+        let mut attributes = [serialization, cluster];
+        let attributes: &mut [sys::CUlaunchAttribute] = match (chained, dims.cluster != (1, 1, 1)) {
+            (true, true) => &mut attributes[..],
+            (true, false) => &mut attributes[..1],
+            (false, true) => &mut attributes[1..],
+            (false, false) => &mut [],
+        };
         let config = sys::CUlaunchConfig {
             gridDimX: dims.grid.0,
             gridDimY: dims.grid.1,
@@ -522,12 +541,12 @@ impl CudaBackend {
             blockDimZ: dims.block.2,
             sharedMemBytes: dims.shared_bytes,
             hStream: self.stream().cu_stream(),
-            attrs: if chained {
-                &mut serialization
-            } else {
+            attrs: if attributes.is_empty() {
                 std::ptr::null_mut()
+            } else {
+                attributes.as_mut_ptr()
             },
-            numAttrs: u32::from(chained),
+            numAttrs: attributes.len() as u32,
         };
         // SAFETY: one pointer per parameter, each to a value of the parameter's size (checked
         // above where the driver reports sizes) living in `args` for the call; the config and

@@ -848,6 +848,7 @@ pub fn attend_with(
                     grid: (kv, splits32, n32),
                     block: (DECODE_MMA_WARPS * warp, 1, 1),
                     shared_bytes: check_u32("attention shared memory", bytes)?,
+                    cluster: (1, 1, 1),
                 };
                 (decode_mma_kernel(shape, cache.format), dims)
             } else {
@@ -855,6 +856,7 @@ pub fn attend_with(
                     grid: (splits32, kv, n32),
                     block: ((heads / kv) * warp, 1, 1),
                     shared_bytes: 0,
+                    cluster: (1, 1, 1),
                 };
                 (decode_warp_kernel(cache.format), dims)
             };
@@ -870,6 +872,7 @@ pub fn attend_with(
                 grid: (n32 * heads, hd32.div_ceil(dims_per_block), 1),
                 block: (combine_warps * warp, 1, 1),
                 shared_bytes: 0,
+                cluster: (1, 1, 1),
             };
             let args = combine_arguments(
                 workspace,

@@ -1095,6 +1095,7 @@ fn step_device(
         grid: (grid_x, grid_y, 1),
         block: (tiles.step_threads, 1, 1),
         shared_bytes: 0,
+        cluster: (1, 1, 1),
     };
     let kernel = step_kernel(shape.dk, shape.dv);
     let args = step_arguments(
@@ -1482,6 +1483,7 @@ fn prefill_device(
             grid: (check_u32("gdn chunks", chunks)?, hv, 1),
             block: (CHUNK_THREADS, 1, 1),
             shared_bytes: smem[0] as u32,
+            cluster: (1, 1, 1),
         };
         let rows = [inputs.qkv.arg()?, inputs.a.arg()?, inputs.b.arg()?];
         let args = prepare_arguments(
@@ -1508,6 +1510,7 @@ fn prefill_device(
         ),
         block: (chunk_state_threads(target), 1, 1),
         shared_bytes: smem[1] as u32,
+        cluster: (1, 1, 1),
     };
     let qkv = [inputs.qkv.arg()?, KernelArg::u32(strides[0])];
     let args = state_arguments(

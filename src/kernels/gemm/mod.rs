@@ -15,7 +15,10 @@
 //!   variants of at least `gemm.mma_x_shared_min_rows` rows (m48 and m64 on sm_90a and sm_121a)
 //!   stream X through a `cp.async` ring in shared memory that the block's warps share
 //!   ([`mma_x_shared`], [`x_shared_plan`]); the others load X fragments from global memory per
-//!   group.
+//!   group. On targets with thread block clusters the X-ring launches of 2 to
+//!   `gemm.mma_x_shared_cluster_max_splits` K splits make each tile group's splits one cluster,
+//!   whose blocks add their sums through each other's shared memory in split order (the same
+//!   bits) instead of through the L2 ([`x_shared_in_cluster`]).
 //! - `gemm_{nvfp4,bf16}_bf16_wgmma_m64` (`wgmma` and `cp.async`: sm_90a): the m64 product on the
 //!   warpgroup MMA, a warpgroup per 64 weight rows, X^T from a shared-memory ring, in place of
 //!   the mma.sync m64 variant from `gemm.wgmma_min_rows` rows ([`mma_wgmma`], [`wgmma_plan`];
@@ -124,6 +127,7 @@ pub fn nvfp4_gemm(
                 grid: (n32.div_ceil(tiles.warps_per_block), grid_y, 1),
                 block: (tiles.warps_per_block * target.warp_size, 1, 1),
                 shared_bytes: 0,
+                cluster: (1, 1, 1),
             };
             let args = gemv_arguments(x, w, y, [m32, n32, k32]);
             // SAFETY: gemm_nvfp4_bf16_gemv's parameters in order (gemv_arguments); X, Y and W
@@ -723,6 +727,7 @@ impl MmaPlan {
             ),
             block: (warps_per_block * warp_size, 1, 1),
             shared_bytes,
+            cluster: (1, 1, 1),
         }
     }
 }
@@ -945,6 +950,7 @@ fn wgmma_dims(target: &TargetFacts, plan: &MmaPlan, n_tiles: u32) -> LaunchDims 
         ),
         block: (quads_per_block * 4 * target.warp_size, 1, 1),
         shared_bytes: wgmma_shared_bytes(tiles.wgmma_x_slots),
+        cluster: (1, 1, 1),
     }
 }
 
@@ -953,12 +959,20 @@ fn wgmma_dims(target: &TargetFacts, plan: &MmaPlan, n_tiles: u32) -> LaunchDims 
 /// warp's 16-byte reads hits each shared-memory bank once.
 const X_RING_ROW_ELEMS: usize = 72;
 
+/// Whether a launch of the variants that stream X ([`mma_x_shared`]) on `plan` makes each tile
+/// group's K splits one cluster and finishes them there (`finish_in_cluster` in gemm.cu): on
+/// targets with `clusters`, for 2 to `gemm.mma_x_shared_cluster_max_splits` splits.
+pub fn x_shared_in_cluster(target: &TargetFacts, plan: &MmaPlan) -> bool {
+    target.instructions.clusters
+        && (2..=target.gemm.mma_x_shared_cluster_max_splits).contains(&plan.splits)
+}
+
 /// Dynamic shared memory of one `gemm_*_mma_m*` block that streams X ([`mma_x_shared`]): the ring
 /// (`mma_x_shared_slots` rounds of `warps_per_tile` x the variant's rows, those past `rows` zero,
-/// of 72 bf16), which the tile's warps reuse for their sums when they share a tile
-/// (`mma_x_shared_warps_per_block` x `m_tiles` x 32 lanes x 16 bytes), as `gemm_mma` in gemm.cu
-/// lays it out.
-pub fn x_shared_bytes(tiles: &GemmTiles, rows: usize, plan: &MmaPlan) -> usize {
+/// of 72 bf16), which the warps reuse for their sums when they share a tile or finish `in_cluster`
+/// ([`x_shared_in_cluster`]): `mma_x_shared_warps_per_block` x `m_tiles` x 32 lanes x 16 bytes,
+/// as `gemm_mma` in gemm.cu lays it out.
+pub fn x_shared_bytes(tiles: &GemmTiles, rows: usize, plan: &MmaPlan, in_cluster: bool) -> usize {
     let m_tiles = row_tiles(rows);
     let ring = tiles.mma_x_shared_slots as usize
         * plan.warps_per_tile as usize
@@ -966,7 +980,7 @@ pub fn x_shared_bytes(tiles: &GemmTiles, rows: usize, plan: &MmaPlan) -> usize {
         * 8
         * X_RING_ROW_ELEMS
         * 2;
-    let sums = if plan.warps_per_tile > 1 {
+    let sums = if plan.warps_per_tile > 1 || in_cluster {
         tiles.mma_x_shared_warps_per_block as usize * m_tiles * 32 * 16
     } else {
         0
@@ -1528,13 +1542,19 @@ fn linear_mma(
     for start in (0..m).step_by(MMA_MAX_ROWS) {
         let rows = (m - start).min(MMA_MAX_ROWS);
         let wgmma = force_wgmma || mma_wgmma(target, rows);
-        let (plan, dims) = if wgmma {
+        let (plan, dims, in_cluster) = if wgmma {
             let plan = wgmma_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors);
-            (plan, wgmma_dims(target, &plan, shape.n_tiles))
+            (plan, wgmma_dims(target, &plan, shape.n_tiles), false)
         } else {
-            let (plan, shared_bytes) = if mma_x_shared(target, rows) {
+            let x_shared = mma_x_shared(target, rows);
+            let (plan, in_cluster, shared_bytes) = if x_shared {
                 let plan = x_shared_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors);
-                (plan, x_shared_bytes(tiles, rows, &plan))
+                let in_cluster = x_shared_in_cluster(target, &plan);
+                (
+                    plan,
+                    in_cluster,
+                    x_shared_bytes(tiles, rows, &plan, in_cluster),
+                )
             } else {
                 let plan = mma_plan(
                     w.grid.n_tiles,
@@ -1544,26 +1564,35 @@ fn linear_mma(
                     tiles.mma_min_warps_per_sm,
                     tiles.mma_min_groups_per_split,
                 );
-                (plan, 0)
+                (plan, false, 0)
             };
-            let dims = plan.dims(
+            let mut dims = plan.dims(
                 shape.n_tiles,
                 mma_block_warps(target, rows),
                 target.warp_size,
                 check_u32("gemm mma shared memory", shared_bytes)?,
             );
-            (plan, dims)
+            if in_cluster {
+                dims.cluster = (1, plan.splits, 1);
+            }
+            (plan, dims, in_cluster)
         };
         // the n8 tiles of rows each lane's partial holds: the variant's, or the wgmma kernels'
-        // 8 whatever the rows (they finish as m64; MmaKernel::Wgmma runs them at any M)
+        // 8 whatever the rows (they finish as m64; MmaKernel::Wgmma runs them at any M); a
+        // launch that finishes in its clusters needs no partials or counters
         let m_tiles = if wgmma { 8 } else { row_tiles(rows) };
-        let mut scratch = split_k_scratch(backend, &plan, w.grid.n_tiles, m_tiles)?;
+        let mut scratch = if in_cluster {
+            None
+        } else {
+            split_k_scratch(backend, &plan, w.grid.n_tiles, m_tiles)?
+        };
         let split = SplitArgs::new(scratch.as_deref_mut(), &plan);
         let chunk = ChunkArgs::new(x, y, residual, start, rows, k, n_out)?;
         // The kernels index only what is checked here: X, Y and the residual were checked
         // against (m, n, k) and the chunk's rows lie within them; the weights were laid out
         // for (n_tiles, k_groups); the X rings and the warps' sums fit the dynamic shared
-        // memory (x_shared_bytes, wgmma_shared_bytes); with splits > 1 the scratch holds
+        // memory (x_shared_bytes, wgmma_shared_bytes); with splits > 1 (and not in_cluster,
+        // whose kernels keep their partials in shared memory) the scratch holds
         // n_tiles * splits * 32 * 4 * m_tiles floats (m_tiles as the launched kernel finishes)
         // and n_tiles zeroed counters, and its guard is held until the launch is queued.
         match weights {
@@ -1984,12 +2013,15 @@ mod tests {
                     let plan = x_shared_plan(n_tiles, k_groups, tiles, t.multiprocessors);
                     assert!(plan.warps_per_tile <= tiles.mma_x_shared_max_warps_per_tile);
                     assert!(plan.splits as usize * plan.groups_per_split as usize >= k_groups);
-                    let bytes = x_shared_bytes(tiles, rows, &plan);
-                    assert!(
-                        bytes <= most,
-                        "{}: ({n}, {k}) x {rows}: {bytes} bytes for {plan:?}",
-                        t.name
-                    );
+                    // in a cluster or not: the sums take the ring's place whenever asked for
+                    for in_cluster in [false, true] {
+                        let bytes = x_shared_bytes(tiles, rows, &plan, in_cluster);
+                        assert!(
+                            bytes <= most,
+                            "{}: ({n}, {k}) x {rows}: {bytes} bytes for {plan:?}",
+                            t.name
+                        );
+                    }
                 }
             }
         }

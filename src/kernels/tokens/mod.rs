@@ -268,6 +268,7 @@ pub fn argmax(
                 ),
                 block: (target.tokens.threads_per_block, 1, 1),
                 shared_bytes: 0,
+                cluster: (1, 1, 1),
             };
             let args = argmax_arguments(
                 logits,

@@ -1222,6 +1222,7 @@ fn launch(
             grid: (x, y, 1),
             block: (threads, 1, 1),
             shared_bytes: 0,
+            cluster: (1, 1, 1),
         };
         // SAFETY: `Args` is the kernels' one argument, laid out as verify.cu declares it; every
         // address points into a buffer of this backend sized by `layout` for this batch
