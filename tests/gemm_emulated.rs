@@ -138,29 +138,40 @@ struct Case {
 }
 
 /// How a split-K launch adds its splits: through the L2 (the tile's last block), or in clusters
-/// of the splits (the X-ring variants on targets with clusters, `gemm::x_shared_in_cluster`).
+/// of the splits (the mma kernels on targets with clusters, `gemm::mma_in_cluster`).
 #[derive(Clone, Copy, PartialEq)]
 enum Finish {
     L2,
     Cluster,
 }
 
-/// Dynamic shared memory of `kernel` on `case`, as src/kernels/gemm/mod.rs sizes it.
-fn shared_bytes(target: &TargetFacts, kernel: &str, case: &Case, finish: Finish) -> usize {
-    if kernel.contains("stream") {
-        gemm::stream_shared_bytes(&target.gemm, case.m, case.plan.groups_per_split)
-    } else if gemm::mma_x_shared(target, case.m) {
-        gemm::x_shared_bytes(&target.gemm, case.m, &case.plan, finish == Finish::Cluster)
-    } else {
-        0
+impl Finish {
+    fn name(self) -> &'static str {
+        match self {
+            Finish::L2 => "l2",
+            Finish::Cluster => "cluster",
+        }
     }
 }
 
-/// The clusters along grid y a launch of `case` makes with `finish`.
-fn cluster_y(case: &Case, finish: Finish) -> u32 {
+/// Dynamic shared memory of `kernel` on `case`, as src/kernels/gemm/mod.rs sizes it.
+fn shared_bytes(target: &TargetFacts, kernel: &str, case: &Case, finish: Finish) -> usize {
+    let in_cluster = finish == Finish::Cluster;
+    if kernel.contains("stream") {
+        gemm::stream_shared_bytes(&target.gemm, case.m, case.plan.groups_per_split)
+    } else if gemm::mma_x_shared(target, case.m) {
+        gemm::x_shared_bytes(&target.gemm, case.m, &case.plan, in_cluster)
+    } else {
+        gemm::mma_shared_bytes(&target.gemm, case.m, in_cluster)
+    }
+}
+
+/// The blocks per cluster along grid y of a launch of `kernel` on `case` with `finish` (the
+/// stream kernel finishes through the L2 only).
+fn cluster_y(kernel: &str, case: &Case, finish: Finish) -> u32 {
     match finish {
-        Finish::L2 => 1,
-        Finish::Cluster => case.plan.splits,
+        Finish::Cluster if !kernel.contains("stream") => case.plan.splits,
+        _ => 1,
     }
 }
 
@@ -217,7 +228,7 @@ fn run_case(
         emu.launch_clusters(
             &kernel,
             (blocks, case.plan.splits),
-            cluster_y(case, finish),
+            cluster_y(&kernel, case, finish),
             warps * target.warp_size,
             shared,
             &[
@@ -238,13 +249,7 @@ fn run_case(
     }
     let dumps = emu.run(
         exe,
-        &format!(
-            "case_{}x{}_m{}_c{}",
-            case.n,
-            case.k,
-            case.m,
-            cluster_y(case, finish)
-        ),
+        &format!("case_{}x{}_m{}_{}", case.n, case.k, case.m, finish.name()),
     );
     outputs.into_iter().map(|y| read_bf16(&dumps, y)).collect()
 }
@@ -305,7 +310,7 @@ fn run_bf16_case(
     emu.launch_clusters(
         &kernel,
         (blocks, case.plan.splits),
-        cluster_y(case, finish),
+        cluster_y(&kernel, case, finish),
         warps * target.warp_size,
         shared_bytes(target, &kernel, case, finish),
         &[
@@ -324,11 +329,11 @@ fn run_bf16_case(
     let dumps = emu.run(
         exe,
         &format!(
-            "bf16_case_{}x{}_m{}_c{}",
+            "bf16_case_{}x{}_m{}_{}",
             case.n,
             case.k,
             case.m,
-            cluster_y(case, finish)
+            finish.name()
         ),
     );
     read_bf16(&dumps, y)
@@ -498,13 +503,14 @@ fn the_x_shared_kernels_match_the_reference() {
     }
 }
 
-/// The X-ring variants' K splits finished in clusters (`finish_in_cluster`: the blocks of a
-/// cluster run at once, each tile's sums read from every block's shared memory), on targets with
-/// clusters: the same bits as the L2 finish of the same partition, NVFP4 and bf16, with one and
-/// several warps per tile, an odd and an even number of splits, a short last split, a tile group
-/// with fewer tiles than a block holds and rows past M; and close to the CPU reference.
+/// The mma kernels' K splits finished in clusters (`finish_in_cluster`: the blocks of a cluster
+/// run at once, each tile's sums read from every block's shared memory), on targets with
+/// clusters: the same bits as the L2 finish of the same partition, NVFP4 and bf16, for the
+/// X-ring variants (m48, m64) and those that load X from global memory (m8, m16, m32), with one
+/// and several warps per tile, an odd and an even number of splits, a short last split, a tile
+/// group with fewer tiles than a block holds and rows past M; and close to the CPU reference.
 #[test]
-fn the_x_shared_kernels_finish_splits_in_clusters_as_through_the_l2() {
+fn the_mma_kernels_finish_splits_in_clusters_as_through_the_l2() {
     for target in emulated_targets().filter(|t| t.instructions.clusters) {
         let exe = emulator(target);
         let mut rng = SplitMix64::new(0xc105);
@@ -527,6 +533,24 @@ fn the_x_shared_kernels_finish_splits_in_clusters_as_through_the_l2() {
                 m: 57,
                 plan: plan(x_shared_tile_warps(target, 4), 2, 6),
             },
+            Case {
+                n: 70,
+                k: 1008,
+                m: 1,
+                plan: plan(2, 3, 6),
+            },
+            Case {
+                n: 160,
+                k: 512,
+                m: 13,
+                plan: plan(1, 2, 4),
+            },
+            Case {
+                n: 48,
+                k: 1536,
+                m: 29,
+                plan: plan(4, 3, 8),
+            },
         ] {
             let l2_nvfp4 = std::cell::RefCell::new(Vec::new());
             let l2_bf16 = std::cell::RefCell::new(Vec::new());
@@ -536,7 +560,9 @@ fn the_x_shared_kernels_finish_splits_in_clusters_as_through_the_l2() {
                 "l2 ",
                 &case,
                 |q, x| {
-                    let y = run_case(&exe, target, &case, Finish::L2, q, x).remove(0);
+                    let y = run_case(&exe, target, &case, Finish::L2, q, x)
+                        .pop()
+                        .expect("register kernel");
                     *l2_nvfp4.borrow_mut() = y.clone();
                     y
                 },
@@ -552,7 +578,9 @@ fn the_x_shared_kernels_finish_splits_in_clusters_as_through_the_l2() {
                 "cluster ",
                 &case,
                 |q, x| {
-                    let y = run_case(&exe, target, &case, Finish::Cluster, q, x).remove(0);
+                    let y = run_case(&exe, target, &case, Finish::Cluster, q, x)
+                        .pop()
+                        .expect("register kernel");
                     assert_same_bits(&y, &l2_nvfp4.borrow(), target, "nvfp4", &case);
                     y
                 },

@@ -223,7 +223,7 @@ FP4_DEVICE void finish_tile(float (&acc)[MT][4], float alpha, u32 tile, u32 lane
 
 {% if target.instructions.clusters %}
 /// The split-K finish of a launch whose K splits are one cluster (grid y = cluster y = splits;
-/// block rank = split), for the X-ring variants, once every warp has its sums: each block's
+/// block rank = split), once every warp has its sums: each block's
 /// tile sums (its tile's warps added in warp order, as gemm_mma does) go to its own shared
 /// memory, a cluster barrier, then the block of rank i % splits reduces the block's tile i from
 /// every block's shared memory in split order and stores it (the sums of finish_tile's L2
@@ -232,12 +232,12 @@ FP4_DEVICE void finish_tile(float (&acc)[MT][4], float alpha, u32 tile, u32 lane
 /// in the tile's last block, a chain of L2 round trips that grew the m64 launches by about
 /// 1.4 us per split (the gemm probe, thirty-seventh session); here the partials cross the
 /// cluster's network once, and the tiles' stores are spread over the cluster's blocks. `sums`:
-/// WARPS * MT * 32 float4 of dynamic shared memory (the X ring's, which it follows).
+/// WARPS * MT * 32 float4 of dynamic shared memory (where the X-ring variants keep their ring).
 template <int MT, int WARPS>
 FP4_DEVICE void finish_in_cluster(float (&acc)[MT][4], float4* sums, float alpha, u32 tile, u32 lane, u32 warp,
                                   u32 part, bool active, u32 m, u32 n, u32 epilogue, const u16* residual, u16* y,
                                   u32 warps_per_tile) {
-    __syncthreads();  // every warp is done with the X ring the sums overwrite
+    __syncthreads();  // every warp is done with the X ring (if any) the sums overwrite
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) sums[(warp * MT + mt) * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
     __syncthreads();
@@ -453,13 +453,12 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
     }
 
 {% if target.instructions.clusters %}
-    if constexpr (X_SHARED) {
-        // K splits launched as one cluster (mma_x_shared_cluster_max_splits): finished there
-        if (gridDim.y > 1 && cluster_blocks_y() == gridDim.y) {
-            finish_in_cluster<MT, WARPS>(acc, reinterpret_cast<float4*>(mma_shared), alpha, tile, lane, warp, part,
-                                         active, m, n, epilogue, residual, y, warps_per_tile);
-            return;
-        }
+    // K splits launched as one cluster (gemm.mma_x_shared_cluster_max_splits,
+    // gemm.mma_cluster_max_splits): finished there, the sums in the dynamic shared memory
+    if (gridDim.y > 1 && cluster_blocks_y() == gridDim.y) {
+        finish_in_cluster<MT, WARPS>(acc, reinterpret_cast<float4*>(mma_shared), alpha, tile, lane, warp, part,
+                                     active, m, n, epilogue, residual, y, warps_per_tile);
+        return;
     }
 {% endif %}
     if (warps_per_tile > 1) {

@@ -147,6 +147,11 @@ pub struct GemmTiles {
     pub mma_min_warps_per_sm: u32,
     /// `gemm_*_mma_*`: the fewest K groups one split may get.
     pub mma_min_groups_per_split: u32,
+    /// `gemm_*_mma_m*` loading X from global memory (the variants below
+    /// `mma_x_shared_min_rows` rows) on targets with `clusters`: launches of 2 to this many K
+    /// splits finish them in a cluster, as `mma_x_shared_cluster_max_splits` does for the X-ring
+    /// variants (at most 8; 0 or 1: through the L2).
+    pub mma_cluster_max_splits: u32,
     /// `gemm_*_mma_m*` variants of at least this many rows stream X through shared memory on
     /// `cp.async` targets (17..=64: the m32 and m64 variants, or m64 only).
     pub mma_x_shared_min_rows: u32,
@@ -477,11 +482,11 @@ impl TargetFacts {
                  max_shared_bytes_per_block"
             ));
         }
-        if self.gemm.mma_x_shared_cluster_max_splits > 8 {
+        if self.gemm.mma_x_shared_cluster_max_splits > 8 || self.gemm.mma_cluster_max_splits > 8 {
             return fail(format!(
-                "gemm.mma_x_shared_cluster_max_splits {} must be at most 8 (the portable \
-                 cluster size)",
-                self.gemm.mma_x_shared_cluster_max_splits
+                "gemm.mma_x_shared_cluster_max_splits {} and gemm.mma_cluster_max_splits {} must \
+                 be at most 8 (the portable cluster size)",
+                self.gemm.mma_x_shared_cluster_max_splits, self.gemm.mma_cluster_max_splits
             ));
         }
         if self.gemm.mma_min_warps_per_sm == 0

@@ -15,10 +15,11 @@
 //!   variants of at least `gemm.mma_x_shared_min_rows` rows (m48 and m64 on sm_90a and sm_121a)
 //!   stream X through a `cp.async` ring in shared memory that the block's warps share
 //!   ([`mma_x_shared`], [`x_shared_plan`]); the others load X fragments from global memory per
-//!   group. On targets with thread block clusters the X-ring launches of 2 to
-//!   `gemm.mma_x_shared_cluster_max_splits` K splits make each tile group's splits one cluster,
-//!   whose blocks add their sums through each other's shared memory in split order (the same
-//!   bits) instead of through the L2 ([`x_shared_in_cluster`]).
+//!   group. On targets with thread block clusters, launches of 2 to
+//!   `gemm.mma_x_shared_cluster_max_splits` (X-ring variants) or `gemm.mma_cluster_max_splits`
+//!   (the others) K splits make each tile group's splits one cluster, whose blocks add their
+//!   sums through each other's shared memory in split order (the same bits) instead of through
+//!   the L2 ([`mma_in_cluster`]).
 //! - `gemm_{nvfp4,bf16}_bf16_wgmma_m64` (`wgmma` and `cp.async`: sm_90a): the m64 product on the
 //!   warpgroup MMA, a warpgroup per 64 weight rows, X^T from a shared-memory ring, in place of
 //!   the mma.sync m64 variant from `gemm.wgmma_min_rows` rows ([`mma_wgmma`], [`wgmma_plan`];
@@ -959,18 +960,34 @@ fn wgmma_dims(target: &TargetFacts, plan: &MmaPlan, n_tiles: u32) -> LaunchDims 
 /// warp's 16-byte reads hits each shared-memory bank once.
 const X_RING_ROW_ELEMS: usize = 72;
 
-/// Whether a launch of the variants that stream X ([`mma_x_shared`]) on `plan` makes each tile
-/// group's K splits one cluster and finishes them there (`finish_in_cluster` in gemm.cu): on
-/// targets with `clusters`, for 2 to `gemm.mma_x_shared_cluster_max_splits` splits.
-pub fn x_shared_in_cluster(target: &TargetFacts, plan: &MmaPlan) -> bool {
-    target.instructions.clusters
-        && (2..=target.gemm.mma_x_shared_cluster_max_splits).contains(&plan.splits)
+/// Whether a `gemm_*_mma_m*` launch of `rows` rows on `plan` makes each tile group's K splits
+/// one cluster and finishes them there (`finish_in_cluster` in gemm.cu): on targets with
+/// `clusters`, for 2 to `gemm.mma_x_shared_cluster_max_splits` splits where the variant streams
+/// X ([`mma_x_shared`]), `gemm.mma_cluster_max_splits` where it does not.
+pub fn mma_in_cluster(target: &TargetFacts, rows: usize, plan: &MmaPlan) -> bool {
+    let most = if mma_x_shared(target, rows) {
+        target.gemm.mma_x_shared_cluster_max_splits
+    } else {
+        target.gemm.mma_cluster_max_splits
+    };
+    target.instructions.clusters && (2..=most).contains(&plan.splits)
+}
+
+/// Dynamic shared memory of one block of the `gemm_*_mma_m*` variants that load X from global
+/// memory: none, or the warps' sums when the launch finishes `in_cluster` ([`mma_in_cluster`]:
+/// `mma_warps_per_block` x `m_tiles` x 32 lanes x 16 bytes).
+pub fn mma_shared_bytes(tiles: &GemmTiles, rows: usize, in_cluster: bool) -> usize {
+    if in_cluster {
+        tiles.mma_warps_per_block as usize * row_tiles(rows) * 32 * 16
+    } else {
+        0
+    }
 }
 
 /// Dynamic shared memory of one `gemm_*_mma_m*` block that streams X ([`mma_x_shared`]): the ring
 /// (`mma_x_shared_slots` rounds of `warps_per_tile` x the variant's rows, those past `rows` zero,
 /// of 72 bf16), which the warps reuse for their sums when they share a tile or finish `in_cluster`
-/// ([`x_shared_in_cluster`]): `mma_x_shared_warps_per_block` x `m_tiles` x 32 lanes x 16 bytes,
+/// ([`mma_in_cluster`]): `mma_x_shared_warps_per_block` x `m_tiles` x 32 lanes x 16 bytes,
 /// as `gemm_mma` in gemm.cu lays it out.
 pub fn x_shared_bytes(tiles: &GemmTiles, rows: usize, plan: &MmaPlan, in_cluster: bool) -> usize {
     let m_tiles = row_tiles(rows);
@@ -1546,10 +1563,9 @@ fn linear_mma(
             let plan = wgmma_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors);
             (plan, wgmma_dims(target, &plan, shape.n_tiles), false)
         } else {
-            let x_shared = mma_x_shared(target, rows);
-            let (plan, in_cluster, shared_bytes) = if x_shared {
+            let (plan, in_cluster, shared_bytes) = if mma_x_shared(target, rows) {
                 let plan = x_shared_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors);
-                let in_cluster = x_shared_in_cluster(target, &plan);
+                let in_cluster = mma_in_cluster(target, rows, &plan);
                 (
                     plan,
                     in_cluster,
@@ -1564,7 +1580,8 @@ fn linear_mma(
                     tiles.mma_min_warps_per_sm,
                     tiles.mma_min_groups_per_split,
                 );
-                (plan, false, 0)
+                let in_cluster = mma_in_cluster(target, rows, &plan);
+                (plan, in_cluster, mma_shared_bytes(tiles, rows, in_cluster))
             };
             let mut dims = plan.dims(
                 shape.n_tiles,
