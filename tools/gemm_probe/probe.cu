@@ -8,8 +8,9 @@
 //                        stream serialization, as the decode graph does
 //   PROBE_M=48           rows of X (default 64; the kernel's rows past it are zero)
 //   PROBE_KERNEL=m32     time gemm_*_mma_m32 (no X ring) instead of gemm_*_mma_m64
-//   PROBE_CLUSTER=1      launch the K splits of a tile group as one cluster (1, splits, 1), for the
-//                        `cluster` variant's finish; cases of more than 8 splits are skipped
+//   PROBE_CLUSTER=1      launch the K splits of a tile group as one cluster (1, splits, 1): the
+//                        kernels then finish them there (finish_in_cluster, on targets with
+//                        clusters); cases of more than 8 splits are skipped
 //
 // Each case: 60 launches back to back in a CUDA graph over rotating copies of the weights (512 MiB,
 // beyond the 50 MiB L2), the median of 7 replays per launch; then cuBLAS (bf16 cases) the same way;

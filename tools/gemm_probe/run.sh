@@ -2,7 +2,8 @@
 # On the GPU host: builds probe.cu against each variant's gemm_NAME.cu (nvcc, in parallel) and runs
 # it on cases_NAME.txt: `bash run.sh NAME...` in the folder variants.py wrote (README.md). Base also
 # runs with PDL launches, at M = 48, and its m32 kernels at M = 24 and 32; m48 runs at M = 48; m24
-# runs the m32 kernels at M = 24; cluster runs with PROBE_CLUSTER=1, without and with PDL.
+# runs the m32 kernels at M = 24. Base also runs with PROBE_CLUSTER=1 (the K splits of a tile
+# group as one cluster: gemm.cu's finish_in_cluster), without and with PDL.
 set -uo pipefail
 cd "$(dirname "$0")"
 arch=${PROBE_ARCH:-sm_90a}
@@ -13,10 +14,11 @@ done
 wait
 for v in "$@"; do
   if [ ! -x "probe_$v" ]; then echo "== $v: build failed"; grep -v "^ptxas info" "build_$v.log" | head -30; continue; fi
-  if [ "$v" = cluster ]; then
-    echo "== $v"; PROBE_CLUSTER=1 "./probe_$v" "cases_$v.txt"
-    echo "== $v pdl"; PROBE_CLUSTER=1 "./probe_$v" "cases_$v.txt" pdl
-  elif [ "$v" != m24 ]; then echo "== $v"; "./probe_$v" "cases_$v.txt"; fi
+  if [ "$v" != m24 ]; then echo "== $v"; "./probe_$v" "cases_$v.txt"; fi
+  if [ "$v" = base ]; then
+    echo "== $v in clusters"; PROBE_CLUSTER=1 "./probe_$v" "cases_$v.txt"
+    echo "== $v in clusters, pdl"; PROBE_CLUSTER=1 "./probe_$v" "cases_$v.txt" pdl
+  fi
   if [ "$v" = base ]; then echo "== $v pdl"; "./probe_$v" "cases_$v.txt" pdl; fi
   if [ "$v" = base ] || [ "$v" = m48 ]; then echo "== $v M=48"; PROBE_M=48 "./probe_$v" "cases_$v.txt"; fi
   if [ "$v" = base ] || [ "$v" = m24 ]; then

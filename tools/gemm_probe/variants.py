@@ -26,69 +26,6 @@ def m64_stages(rows, stages):
     ]
 
 
-CLUSTER_FINISH = r"""
-// ---- probe: split-K finish through the cluster's shared memory ----
-FP4_DEVICE void cluster_barrier() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-FP4_DEVICE float4 load_cluster_f4(const float4* local, u32 rank) {
-    u32 address = (u32)__cvta_generic_to_shared(local), remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(address), "r"(rank));
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
-    return v;
-}
-template <int MT, int WARPS>
-FP4_DEVICE void cluster_finish(float (&acc)[MT][4], float4* sums, float alpha, u32 tile, u32 lane, u32 warp,
-                               u32 part, bool active, u32 m, u32 n, u32 epilogue, const u16* residual, u16* y,
-                               u32 warps_per_tile) {
-    __syncthreads();  // every warp done with the X ring
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) sums[(warp * MT + mt) * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
-    __syncthreads();
-    // the tile's warps in warp order, into the first warp's slot (as base's finish)
-    if (part == 0 && warps_per_tile > 1) {
-        for (u32 w = warp + 1; w < warp + warps_per_tile; ++w) {
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                const float4 v = sums[(w * MT + mt) * 32 + lane];
-                acc[mt][0] += v.x; acc[mt][1] += v.y; acc[mt][2] += v.z; acc[mt][3] += v.w;
-            }
-        }
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) sums[(warp * MT + mt) * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
-    }
-    cluster_barrier();
-    const u32 splits = gridDim.y, rank = block_y();
-    if (part == 0 && active && (warp / warps_per_tile) % splits == rank) {
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
-        for (u32 s = 0; s < splits; s += 2) {
-            float4 v[2][MT];
-            #pragma unroll
-            for (int b = 0; b < 2; ++b) {
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-                    v[b][mt] = s + b < splits ? load_cluster_f4(sums + (warp * MT + mt) * 32 + lane, s + b) : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-            #pragma unroll
-            for (int b = 0; b < 2; ++b) {
-                if (s + b >= splits) break;
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    acc[mt][0] += v[b][mt].x; acc[mt][1] += v[b][mt].y; acc[mt][2] += v[b][mt].z; acc[mt][3] += v[b][mt].w;
-                }
-            }
-        }
-        store_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y);
-    }
-    cluster_barrier();  // no block leaves while another reads its shared memory
-}
-// ---- end of probe: cluster finish ----
-"""
-
 VARIANTS = {
     "base": ([], None),
     # the m64 kernels with 48 rows of X (MT 6): run with PROBE_M=48
@@ -127,27 +64,6 @@ VARIANTS = {
              "(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);\n    asm volatile(\"fence.acq_rel.gpu;\\n\" ::: \"memory\");\n"),
             ("    if (arrived != splits - 1) return;\n    __threadfence();\n",
              "    if (arrived != splits - 1) return;\n    asm volatile(\"fence.acq_rel.gpu;\\n\" ::: \"memory\");\n"),
-        ],
-        None,
-    ),
-    # split-K through the cluster's shared memory (run with PROBE_CLUSTER=1: the splits of a tile
-    # group are one cluster): each block's tile sums into its own shared memory, a cluster barrier,
-    # tile i of the block reduced by block i % splits from every block's shared memory in split
-    # order (the bits of base's finish), a second barrier before any block leaves; no partials in
-    # global memory, no fences, no counters
-    "cluster": (
-        [
-            ("template <class Weights, int MT, int STAGES, bool X_SHARED, int WARPS>\nFP4_DEVICE void gemm_mma(",
-             CLUSTER_FINISH + "template <class Weights, int MT, int STAGES, bool X_SHARED, int WARPS>\nFP4_DEVICE void gemm_mma("),
-            ("    if (warps_per_tile > 1) {\n        // the tile's warps add up in warp order through shared memory (uniform",
-             "    if constexpr (X_SHARED) {\n"
-             "        if (gridDim.y > 1) {\n"
-             "            cluster_finish<MT, WARPS>(acc, reinterpret_cast<float4*>(mma_shared), alpha, tile, lane, warp, part,\n"
-             "                                      active, m, n, epilogue, residual, y, warps_per_tile);\n"
-             "            return;\n"
-             "        }\n"
-             "    }\n"
-             "    if (warps_per_tile > 1) {\n        // the tile's warps add up in warp order through shared memory (uniform"),
         ],
         None,
     ),
