@@ -193,6 +193,25 @@ impl Backend {
         }
     }
 
+    /// How many clusters of `dims`' shape (threads per block, dynamic shared memory, cluster
+    /// shape) of `kernel` the device holds at once; `None` where the backend has no clusters
+    /// (the CPU, HIP).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the kernel's module does not load or the driver cannot answer for
+    /// this shape.
+    pub fn max_active_clusters(
+        &self,
+        family: &'static str,
+        kernel: &'static str,
+        dims: &LaunchDims,
+    ) -> Result<Option<u32>> {
+        match self {
+            Self::Cuda(c) => c.max_active_clusters(family, kernel, dims).map(Some),
+            Self::Cpu | Self::Hip(_) => Ok(None),
+        }
+    }
+
     /// The device backend's launch filter (none on the CPU).
     fn launch_filter(&self) -> Option<&LaunchFilter> {
         match self {

@@ -169,6 +169,48 @@ struct LaunchTarget {
     /// once (GPU tests in parallel) left the smaller size set after the larger was recorded,
     /// and a launch of the larger then failed with an invalid value (thirty-first session).
     raising_shared: Mutex<()>,
+    /// [`CudaBackend::max_active_clusters`] by launch shape.
+    active_clusters: Mutex<HashMap<ClusterShape, u32>>,
+}
+
+/// What decides how many clusters of a kernel fit at once: threads per block, dynamic shared
+/// memory (bytes) and blocks per cluster in x, y, z.
+type ClusterShape = (u32, u32, (u32, u32, u32));
+
+/// Lets `target`'s kernel use `bytes` of dynamic shared memory: more than 48 KiB only once
+/// allowed to. The attribute is raised under the lock, each time above every earlier setting,
+/// and recorded after it is set, so a launch that finds its size recorded finds it set.
+fn allow_dynamic_shared(
+    target: &LaunchTarget,
+    family: &'static str,
+    kernel: &'static str,
+    bytes: u32,
+) -> Result<()> {
+    if bytes <= target.dynamic_shared_allowed.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    let _raising = target
+        .raising_shared
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if bytes > target.dynamic_shared_allowed.load(Ordering::Relaxed) {
+        target
+            .function
+            .set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .map_err(|e| {
+                Error::cuda(
+                    format!("allow {bytes} bytes of shared memory for {kernel} ({family})"),
+                    e,
+                )
+            })?;
+        target
+            .dynamic_shared_allowed
+            .store(bytes, Ordering::Release);
+    }
+    Ok(())
 }
 
 impl CudaBackend {
@@ -428,6 +470,7 @@ impl CudaBackend {
             param_sizes,
             dynamic_shared_allowed: AtomicU32::new(0),
             raising_shared: Mutex::new(()),
+            active_clusters: Mutex::new(HashMap::new()),
         });
         targets.insert((family, kernel), target.clone());
         Ok(target)
@@ -472,35 +515,7 @@ impl CudaBackend {
             )
         };
         make_current(&self.context).map_err(|e| Error::cuda(op(), e))?;
-        // a kernel may use more than 48 KiB of dynamic shared memory only once allowed to; the
-        // attribute is raised under the lock, each time above every earlier setting, and
-        // recorded after it is set, so a launch that finds its size recorded finds it set
-        if dims.shared_bytes > target.dynamic_shared_allowed.load(Ordering::Acquire) {
-            let _raising = target
-                .raising_shared
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            if dims.shared_bytes > target.dynamic_shared_allowed.load(Ordering::Relaxed) {
-                target
-                    .function
-                    .set_attribute(
-                        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        dims.shared_bytes as i32,
-                    )
-                    .map_err(|e| {
-                        Error::cuda(
-                            format!(
-                                "allow {} bytes of shared memory for {kernel} ({family})",
-                                dims.shared_bytes
-                            ),
-                            e,
-                        )
-                    })?;
-                target
-                    .dynamic_shared_allowed
-                    .store(dims.shared_bytes, Ordering::Release);
-            }
-        }
+        allow_dynamic_shared(&target, family, kernel, dims.shared_bytes)?;
         use cudarc::driver::sys;
         // Programmatic stream serialization where the target's kernels chain themselves
         // (chain_after_previous_grid() in common/prelude.cuh): the kernel's blocks may start
@@ -561,6 +576,78 @@ impl CudaBackend {
         }
         .result()
         .map_err(|e| Error::cuda(op(), e))
+    }
+
+    /// How many clusters of `dims`' shape (threads per block, dynamic shared memory, cluster
+    /// shape; the grid only has to be a multiple of the cluster) of `kernel` the device holds at
+    /// once (`cuOccupancyMaxActiveClusters`), asked once per shape. A launch of more clusters
+    /// runs them in more than one wave.
+    ///
+    /// # Errors
+    /// As [`CudaBackend::launch`] for an unknown kernel or a module that does not load;
+    /// [`Error::Cuda`] when the driver cannot answer (a cluster shape the kernel cannot run).
+    pub fn max_active_clusters(
+        &self,
+        family: &'static str,
+        kernel: &'static str,
+        dims: &LaunchDims,
+    ) -> Result<u32> {
+        let target = self.launch_target(family, kernel)?;
+        let key = (
+            dims.block.0 * dims.block.1 * dims.block.2,
+            dims.shared_bytes,
+            dims.cluster,
+        );
+        let mut known = target
+            .active_clusters
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(&clusters) = known.get(&key) {
+            return Ok(clusters);
+        }
+        let op = || {
+            format!(
+                "clusters of {:?} blocks of {:?} threads and {} bytes of shared memory resident \
+                 at once for {kernel} ({family})",
+                dims.cluster, dims.block, dims.shared_bytes
+            )
+        };
+        make_current(&self.context).map_err(|e| Error::cuda(op(), e))?;
+        allow_dynamic_shared(&target, family, kernel, dims.shared_bytes)?;
+        use cudarc::driver::sys;
+        let mut cluster = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+                    x: dims.cluster.0,
+                    y: dims.cluster.1,
+                    z: dims.cluster.2,
+                },
+            },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: dims.grid.0,
+            gridDimY: dims.grid.1,
+            gridDimZ: dims.grid.2,
+            blockDimX: dims.block.0,
+            blockDimY: dims.block.1,
+            blockDimZ: dims.block.2,
+            sharedMemBytes: dims.shared_bytes,
+            hStream: self.stream().cu_stream(),
+            attrs: &mut cluster,
+            numAttrs: 1,
+        };
+        let mut clusters: std::ffi::c_int = 0;
+        // SAFETY: the config and its attribute outlive the call; `clusters` is written once.
+        unsafe {
+            sys::cuOccupancyMaxActiveClusters(&mut clusters, target.function.cu_function(), &config)
+        }
+        .result()
+        .map_err(|e| Error::cuda(op(), e))?;
+        let clusters = clusters.max(0) as u32;
+        known.insert(key, clusters);
+        Ok(clusters)
     }
 
     fn module(&self, family: &'static str) -> Result<Arc<CudaModule>> {

@@ -19,7 +19,7 @@
 //!   `gemm.mma_x_shared_cluster_max_splits` (X-ring variants) or `gemm.mma_cluster_max_splits`
 //!   (the others) K splits make each tile group's splits one cluster, whose blocks add their
 //!   sums through each other's shared memory in split order (the same bits) instead of through
-//!   the L2 ([`mma_in_cluster`]).
+//!   the L2 ([`cluster_candidates`]).
 //! - `gemm_{nvfp4,bf16}_bf16_wgmma_m64` (`wgmma` and `cp.async`: sm_90a): the m64 product on the
 //!   warpgroup MMA, a warpgroup per 64 weight rows, X^T from a shared-memory ring, in place of
 //!   the mma.sync m64 variant from `gemm.wgmma_min_rows` rows ([`mma_wgmma`], [`wgmma_plan`];
@@ -960,21 +960,48 @@ fn wgmma_dims(target: &TargetFacts, plan: &MmaPlan, n_tiles: u32) -> LaunchDims 
 /// warp's 16-byte reads hits each shared-memory bank once.
 const X_RING_ROW_ELEMS: usize = 72;
 
-/// Whether a `gemm_*_mma_m*` launch of `rows` rows on `plan` makes each tile group's K splits
-/// one cluster and finishes them there (`finish_in_cluster` in gemm.cu): on targets with
-/// `clusters`, for 2 to `gemm.mma_x_shared_cluster_max_splits` splits where the variant streams
-/// X ([`mma_x_shared`]), `gemm.mma_cluster_max_splits` where it does not.
-pub fn mma_in_cluster(target: &TargetFacts, rows: usize, plan: &MmaPlan) -> bool {
-    let most = if mma_x_shared(target, rows) {
-        target.gemm.mma_x_shared_cluster_max_splits
-    } else {
-        target.gemm.mma_cluster_max_splits
-    };
-    target.instructions.clusters && (2..=most).contains(&plan.splits)
+/// The partitions, in order of preference, that would finish a `gemm_*_mma_m*` launch of `rows`
+/// rows (planned as `plan` over `k_groups` groups) in clusters (`finish_in_cluster` in gemm.cu),
+/// on targets with `clusters`; the launch takes the first whose clusters the device holds all at
+/// once, else `plan` finishing through the L2. The variants that load X from global memory keep
+/// `plan` when it has 2 to `gemm.mma_cluster_max_splits` splits. The X-ring variants, where
+/// `plan` splits K, try every split count from `plan`'s (at most
+/// `gemm.mma_x_shared_cluster_max_splits`) down to 2, the groups spread evenly again: a cluster
+/// is placed whole within a GPC, so the wave-filling split count's clusters may not all fit at
+/// once (H100: 132 blocks in clusters of 6 took two waves, 25.92 us against 20.95 through the L2,
+/// while 88 in clusters of 4 took 15.81; BENCHMARKS.md, thirty-eighth session).
+pub fn cluster_candidates(
+    target: &TargetFacts,
+    rows: usize,
+    plan: &MmaPlan,
+    k_groups: usize,
+) -> Vec<MmaPlan> {
+    if !target.instructions.clusters || plan.splits < 2 {
+        return Vec::new();
+    }
+    if !mma_x_shared(target, rows) {
+        let fits = plan.splits <= target.gemm.mma_cluster_max_splits;
+        return if fits { vec![*plan] } else { Vec::new() };
+    }
+    let most = plan.splits.min(target.gemm.mma_x_shared_cluster_max_splits) as usize;
+    let mut candidates: Vec<MmaPlan> = Vec::new();
+    for splits in (2..=most).rev() {
+        let groups_per_split = k_groups.div_ceil(splits);
+        let candidate = MmaPlan {
+            warps_per_tile: plan.warps_per_tile,
+            splits: k_groups.div_ceil(groups_per_split) as u32,
+            groups_per_split: groups_per_split as u32,
+        };
+        // two split counts can spread the groups alike (the last split short)
+        if candidate.splits >= 2 && candidates.last() != Some(&candidate) {
+            candidates.push(candidate);
+        }
+    }
+    candidates
 }
 
 /// Dynamic shared memory of one block of the `gemm_*_mma_m*` variants that load X from global
-/// memory: none, or the warps' sums when the launch finishes `in_cluster` ([`mma_in_cluster`]:
+/// memory: none, or the warps' sums when the launch finishes `in_cluster` ([`cluster_candidates`]:
 /// `mma_warps_per_block` x `m_tiles` x 32 lanes x 16 bytes).
 pub fn mma_shared_bytes(tiles: &GemmTiles, rows: usize, in_cluster: bool) -> usize {
     if in_cluster {
@@ -987,7 +1014,7 @@ pub fn mma_shared_bytes(tiles: &GemmTiles, rows: usize, in_cluster: bool) -> usi
 /// Dynamic shared memory of one `gemm_*_mma_m*` block that streams X ([`mma_x_shared`]): the ring
 /// (`mma_x_shared_slots` rounds of `warps_per_tile` x the variant's rows, those past `rows` zero,
 /// of 72 bf16), which the warps reuse for their sums when they share a tile or finish `in_cluster`
-/// ([`mma_in_cluster`]): `mma_x_shared_warps_per_block` x `m_tiles` x 32 lanes x 16 bytes,
+/// ([`cluster_candidates`]): `mma_x_shared_warps_per_block` x `m_tiles` x 32 lanes x 16 bytes,
 /// as `gemm_mma` in gemm.cu lays it out.
 pub fn x_shared_bytes(tiles: &GemmTiles, rows: usize, plan: &MmaPlan, in_cluster: bool) -> usize {
     let m_tiles = row_tiles(rows);
@@ -1559,40 +1586,59 @@ fn linear_mma(
     for start in (0..m).step_by(MMA_MAX_ROWS) {
         let rows = (m - start).min(MMA_MAX_ROWS);
         let wgmma = force_wgmma || mma_wgmma(target, rows);
+        let kernel = match (&weights, wgmma) {
+            (MmaWeights::Nvfp4 { .. }, true) => WGMMA_NVFP4_KERNEL,
+            (MmaWeights::Nvfp4 { .. }, false) => mma_variant(&MMA_NVFP4_KERNELS, rows)?,
+            (MmaWeights::Bf16 { .. }, true) => WGMMA_BF16_KERNEL,
+            (MmaWeights::Bf16 { .. }, false) => mma_variant(&MMA_BF16_KERNELS, rows)?,
+        };
         let (plan, dims, in_cluster) = if wgmma {
             let plan = wgmma_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors);
             (plan, wgmma_dims(target, &plan, shape.n_tiles), false)
         } else {
-            let (plan, in_cluster, shared_bytes) = if mma_x_shared(target, rows) {
-                let plan = x_shared_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors);
-                let in_cluster = mma_in_cluster(target, rows, &plan);
-                (
-                    plan,
-                    in_cluster,
-                    x_shared_bytes(tiles, rows, &plan, in_cluster),
-                )
+            let plan = if mma_x_shared(target, rows) {
+                x_shared_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors)
             } else {
-                let plan = mma_plan(
+                mma_plan(
                     w.grid.n_tiles,
                     w.grid.k_groups,
                     tiles.mma_warps_per_block,
                     multiprocessors,
                     tiles.mma_min_warps_per_sm,
                     tiles.mma_min_groups_per_split,
-                );
-                let in_cluster = mma_in_cluster(target, rows, &plan);
-                (plan, in_cluster, mma_shared_bytes(tiles, rows, in_cluster))
+                )
             };
-            let mut dims = plan.dims(
-                shape.n_tiles,
-                mma_block_warps(target, rows),
-                target.warp_size,
-                check_u32("gemm mma shared memory", shared_bytes)?,
-            );
-            if in_cluster {
-                dims.cluster = (1, plan.splits, 1);
+            let launch = |plan: &MmaPlan, in_cluster: bool| -> Result<LaunchDims> {
+                let bytes = if mma_x_shared(target, rows) {
+                    x_shared_bytes(tiles, rows, plan, in_cluster)
+                } else {
+                    mma_shared_bytes(tiles, rows, in_cluster)
+                };
+                let mut dims = plan.dims(
+                    shape.n_tiles,
+                    mma_block_warps(target, rows),
+                    target.warp_size,
+                    check_u32("gemm mma shared memory", bytes)?,
+                );
+                if in_cluster {
+                    dims.cluster = (1, plan.splits, 1);
+                }
+                Ok(dims)
+            };
+            // the first candidate whose clusters the device holds at once, else the L2 finish
+            let mut chosen = None;
+            for candidate in cluster_candidates(target, rows, &plan, w.grid.k_groups) {
+                let dims = launch(&candidate, true)?;
+                let resident = backend.max_active_clusters(FAMILY, kernel, &dims)?;
+                if resident.is_some_and(|clusters| clusters >= dims.grid.0) {
+                    chosen = Some((candidate, dims));
+                    break;
+                }
             }
-            (plan, dims, in_cluster)
+            match chosen {
+                Some((plan, dims)) => (plan, dims, true),
+                None => (plan, launch(&plan, false)?, false),
+            }
         };
         // the n8 tiles of rows each lane's partial holds: the variant's, or the wgmma kernels'
         // 8 whatever the rows (they finish as m64; MmaKernel::Wgmma runs them at any M); a
@@ -1618,22 +1664,12 @@ fn linear_mma(
                 scales,
                 global_scale,
             } => {
-                let kernel = if wgmma {
-                    WGMMA_NVFP4_KERNEL
-                } else {
-                    mma_variant(&MMA_NVFP4_KERNELS, rows)?
-                };
                 let args = mma_nvfp4_arguments(chunk, words, scales, global_scale, split, shape);
                 // SAFETY: gemm_nvfp4_bf16_mma_m*'s parameters in order (mma_nvfp4_arguments);
                 // bounds as above.
                 unsafe { backend.launch(FAMILY, kernel, &dims, &args) }?;
             }
             MmaWeights::Bf16 { words } => {
-                let kernel = if wgmma {
-                    WGMMA_BF16_KERNEL
-                } else {
-                    mma_variant(&MMA_BF16_KERNELS, rows)?
-                };
                 let args = mma_bf16_arguments(chunk, words, split, shape);
                 // SAFETY: gemm_bf16_bf16_mma_m*'s parameters in order (mma_bf16_arguments);
                 // bounds as above.
@@ -2042,6 +2078,58 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The cluster partitions: none without clusters, a knob of 0 or a plan without splits; the
+    /// plan itself for the variants that load X from global memory when its splits are within
+    /// their bound; for the X-ring variants every split count from the plan's (within the bound)
+    /// down to 2, each covering K with no split empty, distinct.
+    #[test]
+    fn cluster_candidates_follow_the_knobs_and_cover_k() {
+        let mut t = target::by_name("sm_90a").expect("sm_90a").clone();
+        let gfx = target::by_name("gfx1151").expect("gfx1151");
+        let l2_plan = MmaPlan {
+            warps_per_tile: 2,
+            splits: 6,
+            groups_per_split: 11,
+        };
+        assert!(cluster_candidates(gfx, 64, &l2_plan, 64).is_empty());
+        t.gemm.mma_x_shared_cluster_max_splits = 0;
+        t.gemm.mma_cluster_max_splits = 2;
+        assert!(cluster_candidates(&t, 64, &l2_plan, 64).is_empty());
+        let pair = MmaPlan {
+            warps_per_tile: 8,
+            splits: 2,
+            groups_per_split: 32,
+        };
+        assert_eq!(cluster_candidates(&t, 1, &pair, 64), vec![pair]);
+        let three = MmaPlan { splits: 3, ..pair };
+        assert!(cluster_candidates(&t, 1, &three, 64).is_empty());
+        let whole = MmaPlan { splits: 1, ..pair };
+        assert!(cluster_candidates(&t, 1, &whole, 64).is_empty());
+        t.gemm.mma_x_shared_cluster_max_splits = 8;
+        let candidates = cluster_candidates(&t, 64, &l2_plan, 64);
+        let shapes: Vec<(u32, u32)> = candidates
+            .iter()
+            .map(|p| (p.splits, p.groups_per_split))
+            .collect();
+        assert_eq!(shapes, [(6, 11), (5, 13), (4, 16), (3, 22), (2, 32)]);
+        for p in &candidates {
+            assert_eq!(p.warps_per_tile, 2);
+            assert!(p.splits as usize * p.groups_per_split as usize >= 64);
+            assert!((p.splits as usize - 1) * (p.groups_per_split as usize) < 64);
+        }
+        // 9 groups: 4 and 3 splits spread them alike (3 groups each), offered once
+        let small = MmaPlan {
+            warps_per_tile: 2,
+            splits: 4,
+            groups_per_split: 3,
+        };
+        let shapes: Vec<(u32, u32)> = cluster_candidates(&t, 64, &small, 9)
+            .iter()
+            .map(|p| (p.splits, p.groups_per_split))
+            .collect();
+        assert_eq!(shapes, [(3, 3), (2, 5)]);
     }
 
     /// The wgmma plan covers every K group with no split empty, keeps at least
