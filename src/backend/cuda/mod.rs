@@ -177,6 +177,47 @@ struct LaunchTarget {
 /// memory (bytes) and blocks per cluster in x, y, z.
 type ClusterShape = (u32, u32, (u32, u32, u32));
 
+/// The launch attribute of `dims`' cluster shape.
+fn cluster_attribute(dims: &LaunchDims) -> cudarc::driver::sys::CUlaunchAttribute {
+    use cudarc::driver::sys;
+    sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+        pad: [0; 4],
+        value: sys::CUlaunchAttributeValue {
+            clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+                x: dims.cluster.0,
+                y: dims.cluster.1,
+                z: dims.cluster.2,
+            },
+        },
+    }
+}
+
+/// The launch configuration of `dims` on `stream` with `attributes` (which must outlive its
+/// use).
+fn launch_config(
+    dims: &LaunchDims,
+    stream: cudarc::driver::sys::CUstream,
+    attributes: &mut [cudarc::driver::sys::CUlaunchAttribute],
+) -> cudarc::driver::sys::CUlaunchConfig {
+    cudarc::driver::sys::CUlaunchConfig {
+        gridDimX: dims.grid.0,
+        gridDimY: dims.grid.1,
+        gridDimZ: dims.grid.2,
+        blockDimX: dims.block.0,
+        blockDimY: dims.block.1,
+        blockDimZ: dims.block.2,
+        sharedMemBytes: dims.shared_bytes,
+        hStream: stream,
+        attrs: if attributes.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            attributes.as_mut_ptr()
+        },
+        numAttrs: attributes.len() as u32,
+    }
+}
+
 /// Lets `target`'s kernel use `bytes` of dynamic shared memory: more than 48 KiB only once
 /// allowed to. The attribute is raised under the lock, each time above every earlier setting,
 /// and recorded after it is set, so a launch that finds its size recorded finds it set.
@@ -529,17 +570,7 @@ impl CudaBackend {
         };
         let chained = self.target.instructions.grid_dependency_control;
         // The cluster shape where the launch asks for one (checked by Backend::launch).
-        let cluster = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-            pad: [0; 4],
-            value: sys::CUlaunchAttributeValue {
-                clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
-                    x: dims.cluster.0,
-                    y: dims.cluster.1,
-                    z: dims.cluster.2,
-                },
-            },
-        };
+        let cluster = cluster_attribute(dims);
         let mut attributes = [serialization, cluster];
         let attributes: &mut [sys::CUlaunchAttribute] = match (chained, dims.cluster != (1, 1, 1)) {
             (true, true) => &mut attributes[..],
@@ -547,22 +578,7 @@ impl CudaBackend {
             (false, true) => &mut attributes[1..],
             (false, false) => &mut [],
         };
-        let config = sys::CUlaunchConfig {
-            gridDimX: dims.grid.0,
-            gridDimY: dims.grid.1,
-            gridDimZ: dims.grid.2,
-            blockDimX: dims.block.0,
-            blockDimY: dims.block.1,
-            blockDimZ: dims.block.2,
-            sharedMemBytes: dims.shared_bytes,
-            hStream: self.stream().cu_stream(),
-            attrs: if attributes.is_empty() {
-                std::ptr::null_mut()
-            } else {
-                attributes.as_mut_ptr()
-            },
-            numAttrs: attributes.len() as u32,
-        };
+        let config = launch_config(dims, self.stream().cu_stream(), attributes);
         // SAFETY: one pointer per parameter, each to a value of the parameter's size (checked
         // above where the driver reports sizes) living in `args` for the call; the config and
         // its attribute outlive the call; the caller vouches for the indexing.
@@ -614,34 +630,16 @@ impl CudaBackend {
         };
         make_current(&self.context).map_err(|e| Error::cuda(op(), e))?;
         allow_dynamic_shared(&target, family, kernel, dims.shared_bytes)?;
-        use cudarc::driver::sys;
-        let mut cluster = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-            pad: [0; 4],
-            value: sys::CUlaunchAttributeValue {
-                clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
-                    x: dims.cluster.0,
-                    y: dims.cluster.1,
-                    z: dims.cluster.2,
-                },
-            },
-        };
-        let config = sys::CUlaunchConfig {
-            gridDimX: dims.grid.0,
-            gridDimY: dims.grid.1,
-            gridDimZ: dims.grid.2,
-            blockDimX: dims.block.0,
-            blockDimY: dims.block.1,
-            blockDimZ: dims.block.2,
-            sharedMemBytes: dims.shared_bytes,
-            hStream: self.stream().cu_stream(),
-            attrs: &mut cluster,
-            numAttrs: 1,
-        };
+        let mut cluster = [cluster_attribute(dims)];
+        let config = launch_config(dims, self.stream().cu_stream(), &mut cluster);
         let mut clusters: std::ffi::c_int = 0;
         // SAFETY: the config and its attribute outlive the call; `clusters` is written once.
         unsafe {
-            sys::cuOccupancyMaxActiveClusters(&mut clusters, target.function.cu_function(), &config)
+            cudarc::driver::sys::cuOccupancyMaxActiveClusters(
+                &mut clusters,
+                target.function.cu_function(),
+                &config,
+            )
         }
         .result()
         .map_err(|e| Error::cuda(op(), e))?;
