@@ -1626,11 +1626,16 @@ fn linear_mma(
                 Ok(dims)
             };
             // the first candidate whose clusters the device holds at once, else the L2 finish
+            // (pairs always fit: a cluster of 2 needs two blocks of one GPC, which holds pairs
+            // of SMs)
             let mut chosen = None;
             for candidate in cluster_candidates(target, rows, &plan, w.grid.k_groups) {
                 let dims = launch(&candidate, true)?;
-                let resident = backend.max_active_clusters(FAMILY, kernel, &dims)?;
-                if resident.is_some_and(|clusters| clusters >= dims.grid.0) {
+                let fits = candidate.splits <= 2
+                    || backend
+                        .max_active_clusters(FAMILY, kernel, &dims)?
+                        .is_some_and(|clusters| clusters >= dims.grid.0);
+                if fits {
                     chosen = Some((candidate, dims));
                     break;
                 }
