@@ -162,23 +162,41 @@ FP4_DEVICE void load_x_fragment(const u16* __restrict__ x, u32 m, u32 k, u32 gro
     }
 }
 
-/// Adds splits s .. s + BATCH - 1 of tile `tile`'s partials (this lane's) to acc in split
-/// order, their loads issued together (from the L2: another block wrote them).
-template <int MT, int BATCH>
-FP4_DEVICE void add_partials(float (&acc)[MT][4], const float* __restrict__ partials, u32 tile, u32 splits, u32 s,
-                             u32 lane) {
+/// Adds splits s .. s + BATCH - 1 of a tile's partial sums (this lane's; `load(split, mt)` is
+/// split's float4 of n8 tile mt) to acc in split order, their loads issued together.
+template <int MT, int BATCH, class Load>
+FP4_DEVICE void add_splits(float (&acc)[MT][4], u32 s, Load load) {
     float4 v[BATCH][MT];
     #pragma unroll
     for (int b = 0; b < BATCH; ++b) {
-        const float* part = partials + (((u64)tile * splits + s + b) * 32 + lane) * (MT * 4);
         #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) v[b][mt] = __ldcg(reinterpret_cast<const float4*>(part + mt * 4));
+        for (int mt = 0; mt < MT; ++mt) v[b][mt] = load(s + b, mt);
     }
     #pragma unroll
     for (int b = 0; b < BATCH; ++b) {
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             acc[mt][0] += v[b][mt].x; acc[mt][1] += v[b][mt].y; acc[mt][2] += v[b][mt].z; acc[mt][3] += v[b][mt].w;
+        }
+    }
+}
+
+/// This lane's sums of warp `warp` into `sums` ([warp][MT][32 lanes] float4 in shared memory).
+template <int MT>
+FP4_DEVICE void put_warp_sums(float4* sums, u32 warp, u32 lane, const float (&acc)[MT][4]) {
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) sums[(warp * MT + mt) * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+}
+
+/// Adds the sums of warps warp + 1 .. warp + warps_per_tile - 1 (this lane's, laid out as
+/// put_warp_sums writes them) to acc in warp order: a tile's warps added by its first.
+template <int MT>
+FP4_DEVICE void add_warp_sums(float (&acc)[MT][4], const float4* sums, u32 warp, u32 warps_per_tile, u32 lane) {
+    for (u32 w = warp + 1; w < warp + warps_per_tile; ++w) {
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const float4 v = sums[(w * MT + mt) * 32 + lane];
+            acc[mt][0] += v.x; acc[mt][1] += v.y; acc[mt][2] += v.z; acc[mt][3] += v.w;
         }
     }
 }
@@ -212,11 +230,16 @@ FP4_DEVICE void finish_tile(float (&acc)[MT][4], float alpha, u32 tile, u32 lane
     // one split after another took one each (the wgmma kernel's first plan had 16 splits); the
     // sums stay in split order. The smaller variants keep one split at a time: their registers
     // have no room (ptxas 13.0 spilled in gemm_nvfp4_bf16_mma_m8 with two).
+    // from the L2: other blocks wrote them
+    auto partial = [&](u32 split, int mt) {
+        const float* part = partials + (((u64)tile * splits + split) * 32 + lane) * (MT * 4);
+        return __ldcg(reinterpret_cast<const float4*>(part + mt * 4));
+    };
     u32 s = 0;
     if constexpr (MT >= 8) {
-        for (; s + 2 <= splits; s += 2) add_partials<MT, 2>(acc, partials, tile, splits, s, lane);
+        for (; s + 2 <= splits; s += 2) add_splits<MT, 2>(acc, s, partial);
     }
-    for (; s < splits; ++s) add_partials<MT, 1>(acc, partials, tile, splits, s, lane);
+    for (; s < splits; ++s) add_splits<MT, 1>(acc, s, partial);
     if (lane == 0) counters[tile] = 0;  // ready for the next launch
     store_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y);
 }
@@ -238,45 +261,22 @@ FP4_DEVICE void finish_in_cluster(float (&acc)[MT][4], float4* sums, float alpha
                                   u32 part, bool active, u32 m, u32 n, u32 epilogue, const u16* residual, u16* y,
                                   u32 warps_per_tile) {
     __syncthreads();  // every warp is done with the X ring (if any) the sums overwrite
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) sums[(warp * MT + mt) * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+    put_warp_sums<MT>(sums, warp, lane, acc);
     __syncthreads();
     if (part == 0 && warps_per_tile > 1) {
-        for (u32 w = warp + 1; w < warp + warps_per_tile; ++w) {
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                const float4 v = sums[(w * MT + mt) * 32 + lane];
-                acc[mt][0] += v.x; acc[mt][1] += v.y; acc[mt][2] += v.z; acc[mt][3] += v.w;
-            }
-        }
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) sums[(warp * MT + mt) * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
+        add_warp_sums<MT>(acc, sums, warp, warps_per_tile, lane);
+        put_warp_sums<MT>(sums, warp, lane, acc);
     }
     cluster_barrier();
     const u32 splits = gridDim.y;
     if (part == 0 && active && (warp / warps_per_tile) % splits == block_y()) {
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
-        // two splits' sums asked for at once, added in split order
-        for (u32 s = 0; s < splits; s += 2) {
-            float4 v[2][MT];
-            #pragma unroll
-            for (int b = 0; b < 2; ++b) {
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    v[b][mt] = s + b < splits ? load_cluster_f4(sums + (warp * MT + mt) * 32 + lane, s + b)
-                                              : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                }
-            }
-            #pragma unroll
-            for (int b = 0; b < 2; ++b) {
-                if (s + b >= splits) break;
-                #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    acc[mt][0] += v[b][mt].x; acc[mt][1] += v[b][mt].y; acc[mt][2] += v[b][mt].z; acc[mt][3] += v[b][mt].w;
-                }
-            }
-        }
+        // from the shared memory of the cluster's block of rank split; two splits asked for at once
+        auto remote = [&](u32 split, int mt) { return load_cluster_f4(sums + (warp * MT + mt) * 32 + lane, split); };
+        u32 s = 0;
+        for (; s + 2 <= splits; s += 2) add_splits<MT, 2>(acc, s, remote);
+        for (; s < splits; ++s) add_splits<MT, 1>(acc, s, remote);
         store_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y);
     }
     cluster_barrier();
@@ -473,19 +473,10 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
             __shared__ float4 static_sums[WARPS * MT * 32];
             warp_sums = static_sums;
         }
-        if (part > 0) {
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) warp_sums[(warp * MT + mt) * 32 + lane] = make_float4(acc[mt][0], acc[mt][1], acc[mt][2], acc[mt][3]);
-        }
+        if (part > 0) put_warp_sums<MT>(warp_sums, warp, lane, acc);
         __syncthreads();
         if (part > 0) return;
-        for (u32 w = warp + 1; w < warp + warps_per_tile; ++w) {
-            #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                const float4 v = warp_sums[(w * MT + mt) * 32 + lane];
-                acc[mt][0] += v.x; acc[mt][1] += v.y; acc[mt][2] += v.z; acc[mt][3] += v.w;
-            }
-        }
+        add_warp_sums<MT>(acc, warp_sums, warp, warps_per_tile, lane);
     }
     if (!active) return;
     finish_tile<MT>(acc, alpha, tile, lane, m, n, epilogue, residual, y, partials, counters);
