@@ -58,9 +58,14 @@ fn vendor_differences_come_from_the_portability_layer() {
 ///   (107 SGPRs of its uniform loop state); not run on a gfx1151 yet.
 /// - sm_90a `gemm_bf16_bf16_wgmma_m64`: ptxas 13.0 spills 4 bytes (8 of stack) under the 128
 ///   registers of 2 blocks of 256 threads per SM; unbounded it takes 135, one block per SM.
-const SPILLS_ACCEPTED: [(&str, &str); 2] = [
+/// - sm_90a `gemm_nvfp4_bf16_mma_m8`: ptxas 13.0 spills 8 bytes under its 64 registers since the
+///   NVFP4 decode rotates the word (common/mma.cuh; every form of the rotations tried did): two
+///   values stored at the start and loaded four times outside the K loop, whose instructions hold
+///   no local-memory access (SASS of the rendered kernel, thirty-ninth session).
+const SPILLS_ACCEPTED: [(&str, &str); 3] = [
     ("gfx1151", "verify_topk"),
     ("sm_90a", "gemm_bf16_bf16_wgmma_m64"),
+    ("sm_90a", "gemm_nvfp4_bf16_mma_m8"),
 ];
 
 /// ... and none of them spills registers (but the kernels of [`SPILLS_ACCEPTED`]).

@@ -50,11 +50,12 @@ proptest! {
 /// (common/mma.cuh, e2m1_word_to_bf16x2_scaled), written out here.
 fn e2m1x2_scaled(w: u32, register: usize) -> [f32; 2] {
     const CODES: u32 = 0x81C0_81C0;
+    const MANTISSAS: u32 = 0x0040_0040;
     let bits = match register {
         0 => w & CODES,
-        1 => (w << 3) & CODES,
-        2 => (w << 6) & CODES,
-        _ => ((w << 1) & 0x8000_8000) | ((w >> 3) & 0x0180_0180) | ((w >> 7) & 0x0040_0040),
+        1 => w.rotate_left(4) & CODES,
+        2 => w.rotate_left(10) & CODES,
+        _ => (w.rotate_left(6) & MANTISSAS) | (w.rotate_left(14) & CODES & !MANTISSAS),
     };
     [
         f32::from_bits((bits & 0xffff) << 16),

@@ -83,7 +83,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(GEMV_WARPS * FP4_WARP_SIZE) gemm_nvfp4_bf16_ge
 // run and its weights one 16-byte load (NVFP4: 2 blocks of 8 bytes + 2 scale bytes; bf16: 64
 // bytes). The load is the fragment, straight to registers; STAGES groups are in flight per warp.
 //
-// NVFP4 decode, exact: the codes' bits are stored where a mask of the word (shifted) leaves a
+// NVFP4 decode, exact: the codes' bits are stored where a mask of the word (rotated) leaves a
 // bf16 of e2m1 * 2^-126 (0.5 as a subnormal; common/mma.cuh, e2m1_word_to_bf16x2_scaled);
 // the scale byte (re-encoded at load as unsigned e5m3, exponent offset 10, no subnormals) becomes
 // bf16 of s * 2^119 with one multiply-add; their bf16 product e2m1 * s * 2^-7 is exact (<= 6

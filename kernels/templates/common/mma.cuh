@@ -32,17 +32,26 @@ FP4_DEVICE u32 load_stream_u16(const void* p) {
 }
 // ---- end of inline PTX of the mma building blocks ----
 
+/// `w` rotated left by BITS (0 < BITS < 32): one funnel shift.
+template <u32 BITS>
+FP4_DEVICE u32 rotate_left(u32 w) { return (w << BITS) | (w >> (32u - BITS)); }
+
 /// The four A registers of one MMA word (src/kernels/gemm/layout.rs, code_bits), each a bf16x2 of
 /// e2m1 * 2^-126: a code's sign at bit 15 / 31 and its exponent and mantissa bits at 8..6 / 24..22
-/// (exact; 0.5 is a subnormal). Registers 0..2 are one mask of the word shifted by 0, 3 and 6
-/// bits, register 3 gathers the bits left over: 11 instructions per word, where one shift and two
-/// masks per register took 15 (H200, ncu: the decode was most of the MoE kernels' instructions).
+/// (exact; 0.5 is a subnormal). Registers 0..2 are one mask of the word rotated by 0, 4 and 10
+/// bits, register 3 the mantissas of it rotated by 6 and the rest of it rotated by 14: 9
+/// instructions per word, where shifts within 16-bit halves took 11 (ptxas 13.0, sm_90a) and one
+/// shift and two masks per register 15 (H200, ncu: the decode was most of the MoE kernels'
+/// instructions).
 FP4_DEVICE void e2m1_word_to_bf16x2_scaled(u32 w, u32 (&v)[4]) {
     constexpr u32 CODES = 0x81C081C0u;  // sign and exponent / mantissa bits of both halves
+    constexpr u32 MANTISSAS = 0x00400040u;
+    // each rotation of w itself: rotating by 10 and 14 as further rotations of the one by 6 made
+    // ptxas 13.0 emit more instructions (the sm_90a bulk gate_up loop: 690 against 598)
     v[0] = w & CODES;
-    v[1] = (w << 3) & CODES;
-    v[2] = (w << 6) & CODES;
-    v[3] = ((w << 1) & 0x80008000u) | ((w >> 3) & 0x01800180u) | ((w >> 7) & 0x00400040u);
+    v[1] = rotate_left<4>(w) & CODES;
+    v[2] = rotate_left<10>(w) & CODES;
+    v[3] = (rotate_left<6>(w) & MANTISSAS) | (rotate_left<14>(w) & (CODES & ~MANTISSAS));
 }
 
 /// A re-encoded scale byte -> bf16x2 {s * 2^119, s * 2^119}.

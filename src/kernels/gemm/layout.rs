@@ -10,8 +10,8 @@
 //!
 //! - NVFP4: per (tile, group, lane) one `u32` word per MMA, the 4-bit codes of its 8 values with
 //!   their bits spread so that the kernel gets register `r`'s bf16 pair with few instructions (see
-//!   [`code_bits`]: registers 0, 1, 2 are one mask of the word shifted by 0, 3 and 6 bits, register
-//!   3 takes three shifts), and one `u16` with the two rows' block scales, re-encoded as unsigned
+//!   [`code_bits`]: registers 0, 1, 2 are one mask of the word rotated by 0, 4 and 10 bits, register
+//!   3 takes two rotations), and one `u16` with the two rows' block scales, re-encoded as unsigned
 //!   e5m3 (exponent offset 10, no subnormals): exact for every non-zero e4m3 scale. A zero scale
 //!   zeroes its block's nibbles and a negative one flips their signs, so the kernel never sees
 //!   either.
@@ -196,16 +196,26 @@ impl TileGrid {
 /// Columns 4j, 4j + 1 go to A register 0 (row g) or 1 (row g + 8), 4j + 2, 4j + 3 to 2 or 3; a
 /// register's even column is its low bf16, the odd one its high bf16 (16 bits up). The kernel
 /// makes bf16 of `e2m1 * 2^-126` by placing a code's sign at bit 15 and its other three bits at
-/// 8..6 (the exponent's two low bits and the mantissa's top bit, `common/mma.cuh`). Register 0's
-/// codes are stored there already, register 1's 3 bits lower and register 2's 6 bits lower, so
-/// each is the word (shifted) under one mask; only three disjoint shifts of that pattern fit in 16
-/// bits, so register 3 takes the 4 bits left over (sign at 14, exponent at 11..10, mantissa at
-/// 13) and three shifts. The old nibble order cost each register a shift and two masks.
+/// 8..6 (the exponent's two low bits and the mantissa's top bit, `common/mma.cuh`), so register
+/// `r` is the word rotated left under one mask: register 0 not rotated, 1 by 4 bits, 2 by 10. No
+/// fourth rotation of that pattern fits the 8 bits left over, so register 3 takes its mantissas
+/// from the word rotated by 6 and its signs and exponents from it rotated by 14: 9 instructions
+/// per word, where shifts within 16-bit halves took 11 (register 3 then needed three; the NVFP4
+/// decode is most of the MoE and GEMM kernels' inner-loop instructions).
 pub fn code_bits(upper: bool, c: usize) -> [u32; 4] {
-    const LOW_HALF: [[u32; 4]; 4] = [[6, 7, 8, 15], [3, 4, 5, 12], [0, 1, 2, 9], [13, 10, 11, 14]];
+    const TARGET: [u32; 4] = [6, 7, 8, 15];
+    const ROTATION: [u32; 4] = [0, 4, 10, 6];
+    const REGISTER_3_REST_ROTATION: u32 = 14;
     let register = 2 * ((c % 4) / 2) + usize::from(upper);
     let half = 16 * (c % 2) as u32;
-    LOW_HALF[register].map(|bit| bit + half)
+    TARGET.map(|bit| {
+        let rotation = if register == 3 && bit != 6 {
+            REGISTER_3_REST_ROTATION
+        } else {
+            ROTATION[register]
+        };
+        (bit + half + 32 - rotation) % 32
+    })
 }
 
 /// `code`'s 4 bits placed in a word at `bits` (see [`code_bits`]).
