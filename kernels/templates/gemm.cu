@@ -255,8 +255,9 @@ FP4_DEVICE void finish_tile(float (&acc)[MT][4], float alpha, u32 tile, u32 lane
 /// in the tile's last block, a chain of L2 round trips that grew the m64 launches by about
 /// 1.4 us per split (the gemm probe, thirty-seventh session); here the partials cross the
 /// cluster's network once, and the tiles' stores are spread over the cluster's blocks. `sums`:
-/// WARPS * MT * 32 float4 of dynamic shared memory (where the X-ring variants keep their ring).
-template <int MT, int WARPS>
+/// (the block's warps) * MT * 32 float4 of dynamic shared memory (where the X-ring variants keep
+/// their ring).
+template <int MT>
 FP4_DEVICE void finish_in_cluster(float (&acc)[MT][4], float4* sums, float alpha, u32 tile, u32 lane, u32 warp,
                                   u32 part, bool active, u32 m, u32 n, u32 epilogue, const u16* residual, u16* y,
                                   u32 warps_per_tile) {
@@ -456,7 +457,7 @@ FP4_DEVICE void gemm_mma(const u16* __restrict__ x, Weights weights, float alpha
     // K splits launched as one cluster (gemm.mma_x_shared_cluster_max_splits,
     // gemm.mma_cluster_max_splits): finished there, the sums in the dynamic shared memory
     if (gridDim.y > 1 && cluster_blocks_y() == gridDim.y) {
-        finish_in_cluster<MT, WARPS>(acc, reinterpret_cast<float4*>(mma_shared), alpha, tile, lane, warp, part,
+        finish_in_cluster<MT>(acc, reinterpret_cast<float4*>(mma_shared), alpha, tile, lane, warp, part,
                                      active, m, n, epilogue, residual, y, warps_per_tile);
         return;
     }
