@@ -13,8 +13,8 @@ usage: tools/ncu_details.py details.csv
 
 import argparse
 import collections
-import csv
-import sys
+
+from ncu_csv import launch_table
 
 METRICS = [
     "Duration", "DRAM Throughput", "Memory Throughput", "Registers Per Thread", "Grid Size",
@@ -28,14 +28,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("csv", help="the details page as CSV")
     args = parser.parse_args()
-    with open(args.csv, newline="") as f:
-        lines = f.read().splitlines()
-    # ncu prints a few lines of its own before the table: start at the header
-    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
-    if start is None:
-        sys.exit(f"{args.csv}: no header starting with \"ID\"; first lines: {lines[:3]}")
     launches = collections.OrderedDict()
-    for row in csv.DictReader(lines[start:]):
+    for row in launch_table(args.csv):
         key = (row["ID"], row["Kernel Name"].split("(")[0])
         metrics = launches.setdefault(key, {})
         if row["Metric Name"] in METRICS:

@@ -11,9 +11,10 @@ usage: tools/ncu_durations.py launches.csv
 
 import argparse
 import collections
-import csv
 import statistics
 import sys
+
+from ncu_csv import launch_table
 
 METRIC = "gpu__time_duration.sum"
 TO_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
@@ -23,14 +24,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("csv", help=f"ncu --csv output with the {METRIC} metric")
     args = parser.parse_args()
-    with open(args.csv, newline="") as f:
-        # ncu and the profiled program print lines of their own before the table
-        lines = f.read().splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
-    if start is None:
-        sys.exit(f"{args.csv}: no ncu CSV header (a line starting with \"ID\"); first lines: {lines[:3]}")
     launches = collections.defaultdict(list)
-    for row in csv.DictReader(lines[start:]):
+    for row in launch_table(args.csv):
         if row.get("Metric Name") != METRIC:
             continue
         unit = row.get("Metric Unit", "")

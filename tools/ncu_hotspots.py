@@ -12,8 +12,9 @@ usage: tools/ncu_hotspots.py source.csv [--top N]
 """
 
 import argparse
-import csv
 import sys
+
+from ncu_csv import table
 
 
 def number(text):
@@ -28,13 +29,8 @@ def main():
     parser.add_argument("csv", help="the source page as CSV")
     parser.add_argument("--top", type=int, default=25, help="lines to print (25)")
     args = parser.parse_args()
-    with open(args.csv, newline="") as f:
-        # ncu prints a few lines of its own before the table: start at the header
-        lines = f.read().splitlines()
-    start = next((i for i, l in enumerate(lines) if "Source" in l and "Address" in l), None)
-    if start is None:
-        sys.exit(f"{args.csv}: no header with Address and Source columns; first lines: {lines[:3]}")
-    rows = list(csv.DictReader(lines[start:]))
+    rows = table(args.csv, lambda line: "Source" in line and "Address" in line,
+                 "header with Address and Source columns")
     header = list(rows[0].keys()) if rows else []
     total_column = next((c for c in header if "Sampling (All" in c), None)
     if total_column is None:
