@@ -212,6 +212,25 @@ impl Backend {
         }
     }
 
+    /// How many blocks of `dims`' shape (threads per block, dynamic shared memory) of `kernel`
+    /// the device holds at once; `None` where the backend has no occupancy query here (the CPU,
+    /// HIP).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the kernel's module does not load or the driver cannot answer for
+    /// this shape.
+    pub fn max_active_blocks(
+        &self,
+        family: &'static str,
+        kernel: &'static str,
+        dims: &LaunchDims,
+    ) -> Result<Option<u32>> {
+        match self {
+            Self::Cuda(c) => c.max_active_blocks(family, kernel, dims).map(Some),
+            Self::Cpu | Self::Hip(_) => Ok(None),
+        }
+    }
+
     /// The device backend's launch filter (none on the CPU).
     fn launch_filter(&self) -> Option<&LaunchFilter> {
         match self {

@@ -152,6 +152,11 @@ pub struct GemmTiles {
     /// splits finish them in a cluster, as `mma_x_shared_cluster_max_splits` does for the X-ring
     /// variants (at most 8; 0 or 1: through the L2).
     pub mma_cluster_max_splits: u32,
+    /// `gemm_*_mma_m*` loading X from global memory: where the plan keeps K whole, double the
+    /// warps per tile (up to `mma_warps_per_block`) while the launch's blocks still fit in one
+    /// wave of the blocks the device holds at once (the driver's occupancy), so each warp's
+    /// chain over K is shorter. Backends without an occupancy query keep the plan.
+    pub mma_wave_warps_per_tile: bool,
     /// `gemm_*_mma_m*` variants of at least this many rows stream X through shared memory on
     /// `cp.async` targets (17..=64: the m32 and m64 variants, or m64 only).
     pub mma_x_shared_min_rows: u32,

@@ -171,6 +171,8 @@ struct LaunchTarget {
     raising_shared: Mutex<()>,
     /// [`CudaBackend::max_active_clusters`] by launch shape.
     active_clusters: Mutex<HashMap<ClusterShape, u32>>,
+    /// [`CudaBackend::max_active_blocks`] by (threads per block, dynamic shared memory bytes).
+    active_blocks: Mutex<HashMap<(u32, u32), u32>>,
 }
 
 /// What decides how many clusters of a kernel fit at once: threads per block, dynamic shared
@@ -512,6 +514,7 @@ impl CudaBackend {
             dynamic_shared_allowed: AtomicU32::new(0),
             raising_shared: Mutex::new(()),
             active_clusters: Mutex::new(HashMap::new()),
+            active_blocks: Mutex::new(HashMap::new()),
         });
         targets.insert((family, kernel), target.clone());
         Ok(target)
@@ -646,6 +649,55 @@ impl CudaBackend {
         let clusters = clusters.max(0) as u32;
         known.insert(key, clusters);
         Ok(clusters)
+    }
+
+    /// How many blocks of `dims`' shape (threads per block, dynamic shared memory) of `kernel`
+    /// the device holds at once: `cuOccupancyMaxActiveBlocksPerMultiprocessor` times the
+    /// multiprocessors, asked once per shape. A launch of more blocks runs in more than one wave.
+    ///
+    /// # Errors
+    /// As [`CudaBackend::launch`] for an unknown kernel or a module that does not load;
+    /// [`Error::Cuda`] when the driver cannot answer.
+    pub fn max_active_blocks(
+        &self,
+        family: &'static str,
+        kernel: &'static str,
+        dims: &LaunchDims,
+    ) -> Result<u32> {
+        let target = self.launch_target(family, kernel)?;
+        let threads = dims.block.0 * dims.block.1 * dims.block.2;
+        let key = (threads, dims.shared_bytes);
+        let mut known = target
+            .active_blocks
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(&blocks) = known.get(&key) {
+            return Ok(blocks);
+        }
+        let op = || {
+            format!(
+                "blocks of {:?} threads and {} bytes of shared memory resident per \
+                 multiprocessor for {kernel} ({family})",
+                dims.block, dims.shared_bytes
+            )
+        };
+        make_current(&self.context).map_err(|e| Error::cuda(op(), e))?;
+        allow_dynamic_shared(&target, family, kernel, dims.shared_bytes)?;
+        let mut per_multiprocessor: std::ffi::c_int = 0;
+        // SAFETY: `per_multiprocessor` is written once; the function belongs to a loaded module.
+        unsafe {
+            cudarc::driver::sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                &mut per_multiprocessor,
+                target.function.cu_function(),
+                threads as std::ffi::c_int,
+                dims.shared_bytes as usize,
+            )
+        }
+        .result()
+        .map_err(|e| Error::cuda(op(), e))?;
+        let blocks = per_multiprocessor.max(0) as u32 * self.multiprocessors;
+        known.insert(key, blocks);
+        Ok(blocks)
     }
 
     fn module(&self, family: &'static str) -> Result<Arc<CudaModule>> {

@@ -9,9 +9,10 @@
 //!   weight-streaming tensor-core kernels on `mma.sync.m16n8k16`, on weights re-laid out once at
 //!   load ([`layout`]) into a [`Linear`]: [`linear`]. W is the A operand, so M = 1..64 rows cost
 //!   1..8 MMAs per weight fragment and the weights are read once whatever M is. Each tile gets
-//!   1..8 warps ([`mma_plan`]: the fewest that fill the device), K is split across blocks only
-//!   when even that does not, and the last block of a tile adds the splits in order
-//!   (deterministic). Epilogues: residual add, `silu(gate) * up` ([`RowOrder::GateUp`]). The
+//!   1..8 warps ([`mma_plan`]: the fewest that fill the device; with
+//!   `gemm.mma_wave_warps_per_tile`, more while the blocks fit one wave, [`wave_plan`]), K is
+//!   split across blocks only when even that does not, and the last block of a tile adds the
+//!   splits in order (deterministic). Epilogues: residual add, `silu(gate) * up` ([`RowOrder::GateUp`]). The
 //!   variants of at least `gemm.mma_x_shared_min_rows` rows (m48 and m64 on sm_90a and sm_121a)
 //!   stream X through a `cp.async` ring in shared memory that the block's warps share
 //!   ([`mma_x_shared`], [`x_shared_plan`]); the others load X fragments from global memory per
@@ -759,6 +760,32 @@ pub fn mma_plan(
         splits: k_groups.div_ceil(groups_per_split).max(1) as u32,
         groups_per_split: groups_per_split as u32,
     }
+}
+
+/// [`GemmTiles::mma_wave_warps_per_tile`]: `plan` with its warps per tile doubled (up to
+/// `warps_per_block`) while its blocks, `blocks_of` a plan, stay within `resident_blocks` (one
+/// wave of the blocks the device holds at once). Only where `plan` keeps K whole: a split plan
+/// already gives every warp work and shortens the chains by splitting. More warps per tile
+/// shorten each warp's chain over K when the tiles alone leave the SMs half empty (the attention
+/// q/k/v at M = 1..16: 576 tiles of 32 groups in 144 blocks, 16 groups per warp).
+pub fn wave_plan(
+    plan: MmaPlan,
+    warps_per_block: u32,
+    resident_blocks: u32,
+    blocks_of: impl Fn(&MmaPlan) -> u32,
+) -> MmaPlan {
+    let mut plan = plan;
+    while plan.splits == 1 && plan.warps_per_tile < warps_per_block {
+        let wider = MmaPlan {
+            warps_per_tile: plan.warps_per_tile * 2,
+            ..plan
+        };
+        if blocks_of(&wider) > resident_blocks {
+            break;
+        }
+        plan = wider;
+    }
+    plan
 }
 
 /// The partition of `gemm_nvfp4_bf16_stream_m*` for `rows` rows: [`mma_plan`] on
@@ -1625,6 +1652,25 @@ fn linear_mma(
                 }
                 Ok(dims)
             };
+            let plan = if tiles.mma_wave_warps_per_tile && !mma_x_shared(target, rows) {
+                let dims = launch(&plan, false)?;
+                match backend.max_active_blocks(FAMILY, kernel, &dims)? {
+                    Some(resident) => wave_plan(plan, tiles.mma_warps_per_block, resident, |p| {
+                        let grid = p
+                            .dims(
+                                shape.n_tiles,
+                                mma_block_warps(target, rows),
+                                target.warp_size,
+                                0,
+                            )
+                            .grid;
+                        grid.0 * grid.1
+                    }),
+                    None => plan,
+                }
+            } else {
+                plan
+            };
             // the first candidate whose clusters the device holds at once, else the L2 finish
             // (pairs always fit: a cluster of 2 needs two blocks of one GPC, which holds pairs
             // of SMs)
@@ -2082,6 +2128,40 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// wave_plan: the attention q/k/v at M = 1..16 (576 tiles, 32 K groups, 8-warp blocks; mma_plan
+    /// gives 2 warps per tile, 144 blocks) doubles to 4 warps per tile where 288 blocks are resident
+    /// at once, not where only 264 are, to 8 where 576 are; a split plan, or one already at the
+    /// block's warps, stays as it is.
+    #[test]
+    fn wave_plan_widens_tiles_within_one_wave() {
+        let tiles = 576usize;
+        let blocks = |p: &MmaPlan| (tiles as u32).div_ceil(8 / p.warps_per_tile) * p.splits;
+        let plan = mma_plan(tiles, 32, 8, 132, 8, 8);
+        assert_eq!(
+            plan,
+            MmaPlan {
+                warps_per_tile: 2,
+                splits: 1,
+                groups_per_split: 32
+            }
+        );
+        assert_eq!(wave_plan(plan, 8, 396, blocks).warps_per_tile, 4);
+        assert_eq!(wave_plan(plan, 8, 264, blocks), plan);
+        assert_eq!(wave_plan(plan, 8, 576, blocks).warps_per_tile, 8);
+        assert_eq!(wave_plan(plan, 4, 10_000, blocks).warps_per_tile, 4);
+        let split = MmaPlan {
+            warps_per_tile: 2,
+            splits: 2,
+            groups_per_split: 16,
+        };
+        assert_eq!(wave_plan(split, 8, 10_000, blocks), split);
+        for resident in [0, 100, 300, 600] {
+            let p = wave_plan(plan, 8, resident, blocks);
+            assert_eq!((p.splits, p.groups_per_split), (1, 32));
+            assert!(p == plan || blocks(&p) <= resident);
         }
     }
 
