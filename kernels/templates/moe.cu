@@ -517,34 +517,26 @@ struct TokenLanes {
     static FP4_DEVICE u32 group() { return lane_index() / LANES; }
     /// The value `v` of lane `l` of the caller's group.
     static FP4_DEVICE u32 from(u32 v, u32 l) { return shuffle_from(v, group() * LANES + l); }
+    /// `v` combined over the group by `op`, a butterfly of shuffles within it (half-warps).
+    template <typename Op>
+    static FP4_DEVICE u32 butterfly(u32 v, Op op) {
+        #pragma unroll
+        for (u32 offset = LANES / 2; offset > 0; offset >>= 1) v = op(v, shuffle_xor(v, (int)offset));
+        return v;
+    }
     static FP4_DEVICE u32 max(u32 v) {
-        if constexpr (LANES == FP4_WARP_SIZE) {
-            return warp_max_u32(v);
-        } else {
-            #pragma unroll
-            for (u32 offset = LANES / 2; offset > 0; offset >>= 1) v = max_u32(v, shuffle_xor(v, (int)offset));
-            return v;
-        }
+        if constexpr (LANES == FP4_WARP_SIZE) return warp_max_u32(v);
+        else return butterfly(v, [](u32 x, u32 y) { return max_u32(x, y); });
     }
     static FP4_DEVICE u32 min(u32 v) {
-        if constexpr (LANES == FP4_WARP_SIZE) {
-            return warp_min_u32(v);
-        } else {
-            #pragma unroll
-            for (u32 offset = LANES / 2; offset > 0; offset >>= 1) v = min_u32(v, shuffle_xor(v, (int)offset));
-            return v;
-        }
+        if constexpr (LANES == FP4_WARP_SIZE) return warp_min_u32(v);
+        else return butterfly(v, [](u32 x, u32 y) { return min_u32(x, y); });
     }
     /// The group's sum in warp_sum's order (its butterfly over the group's lanes: the other
     /// group's lanes add nothing there when they hold 0, so the same bits either way).
     static FP4_DEVICE float sum(float v) {
-        if constexpr (LANES == FP4_WARP_SIZE) {
-            return warp_sum(v);
-        } else {
-            #pragma unroll
-            for (u32 offset = LANES / 2; offset > 0; offset >>= 1) v += bits_to_f32(shuffle_xor(f32_to_bits(v), (int)offset));
-            return v;
-        }
+        if constexpr (LANES == FP4_WARP_SIZE) return warp_sum(v);
+        else return bits_to_f32(butterfly(f32_to_bits(v), [](u32 x, u32 y) { return f32_to_bits(bits_to_f32(x) + bits_to_f32(y)); }));
     }
     /// Lane l of the group gets the sum of its lanes 0 ..= l.
     static FP4_DEVICE u32 inclusive_sum(u32 v) {

@@ -169,15 +169,23 @@ struct LaunchTarget {
     /// once (GPU tests in parallel) left the smaller size set after the larger was recorded,
     /// and a launch of the larger then failed with an invalid value (thirty-first session).
     raising_shared: Mutex<()>,
-    /// [`CudaBackend::max_active_clusters`] by launch shape.
-    active_clusters: Mutex<HashMap<ClusterShape, u32>>,
-    /// [`CudaBackend::max_active_blocks`] by (threads per block, dynamic shared memory bytes).
-    active_blocks: Mutex<HashMap<(u32, u32), u32>>,
+    /// The driver's answers to [`CudaBackend::max_active_clusters`] and
+    /// [`CudaBackend::max_active_blocks`], by question and launch shape.
+    occupancy: Mutex<HashMap<OccupancyShape, u32>>,
 }
 
-/// What decides how many clusters of a kernel fit at once: threads per block, dynamic shared
-/// memory (bytes) and blocks per cluster in x, y, z.
-type ClusterShape = (u32, u32, (u32, u32, u32));
+/// What the occupancy queries ask the driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Occupancy {
+    /// Clusters of the launch's shape resident at once on the device.
+    Clusters,
+    /// Blocks resident at once on the device (per multiprocessor, times the multiprocessors).
+    Blocks,
+}
+
+/// What decides an occupancy answer: the question, threads per block, dynamic shared memory
+/// (bytes) and blocks per cluster in x, y, z.
+type OccupancyShape = (Occupancy, u32, u32, (u32, u32, u32));
 
 /// The launch attribute of `dims`' cluster shape.
 fn cluster_attribute(dims: &LaunchDims) -> cudarc::driver::sys::CUlaunchAttribute {
@@ -513,8 +521,7 @@ impl CudaBackend {
             param_sizes,
             dynamic_shared_allowed: AtomicU32::new(0),
             raising_shared: Mutex::new(()),
-            active_clusters: Mutex::new(HashMap::new()),
-            active_blocks: Mutex::new(HashMap::new()),
+            occupancy: Mutex::new(HashMap::new()),
         });
         targets.insert((family, kernel), target.clone());
         Ok(target)
@@ -611,44 +618,7 @@ impl CudaBackend {
         kernel: &'static str,
         dims: &LaunchDims,
     ) -> Result<u32> {
-        let target = self.launch_target(family, kernel)?;
-        let key = (
-            dims.block.0 * dims.block.1 * dims.block.2,
-            dims.shared_bytes,
-            dims.cluster,
-        );
-        let mut known = target
-            .active_clusters
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(&clusters) = known.get(&key) {
-            return Ok(clusters);
-        }
-        let op = || {
-            format!(
-                "clusters of {:?} blocks of {:?} threads and {} bytes of shared memory resident \
-                 at once for {kernel} ({family})",
-                dims.cluster, dims.block, dims.shared_bytes
-            )
-        };
-        make_current(&self.context).map_err(|e| Error::cuda(op(), e))?;
-        allow_dynamic_shared(&target, family, kernel, dims.shared_bytes)?;
-        let mut cluster = [cluster_attribute(dims)];
-        let config = launch_config(dims, self.stream().cu_stream(), &mut cluster);
-        let mut clusters: std::ffi::c_int = 0;
-        // SAFETY: the config and its attribute outlive the call; `clusters` is written once.
-        unsafe {
-            cudarc::driver::sys::cuOccupancyMaxActiveClusters(
-                &mut clusters,
-                target.function.cu_function(),
-                &config,
-            )
-        }
-        .result()
-        .map_err(|e| Error::cuda(op(), e))?;
-        let clusters = clusters.max(0) as u32;
-        known.insert(key, clusters);
-        Ok(clusters)
+        self.occupancy(family, kernel, dims, Occupancy::Clusters)
     }
 
     /// How many blocks of `dims`' shape (threads per block, dynamic shared memory) of `kernel`
@@ -664,40 +634,77 @@ impl CudaBackend {
         kernel: &'static str,
         dims: &LaunchDims,
     ) -> Result<u32> {
+        self.occupancy(family, kernel, dims, Occupancy::Blocks)
+    }
+
+    /// The driver's answer to `question` for `kernel` launched as `dims`, remembered per shape.
+    fn occupancy(
+        &self,
+        family: &'static str,
+        kernel: &'static str,
+        dims: &LaunchDims,
+        question: Occupancy,
+    ) -> Result<u32> {
         let target = self.launch_target(family, kernel)?;
         let threads = dims.block.0 * dims.block.1 * dims.block.2;
-        let key = (threads, dims.shared_bytes);
+        let cluster = match question {
+            Occupancy::Clusters => dims.cluster,
+            Occupancy::Blocks => (1, 1, 1),
+        };
+        let key = (question, threads, dims.shared_bytes, cluster);
         let mut known = target
-            .active_blocks
+            .occupancy
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(&blocks) = known.get(&key) {
-            return Ok(blocks);
+        if let Some(&answer) = known.get(&key) {
+            return Ok(answer);
         }
         let op = || {
+            let unit = match question {
+                Occupancy::Clusters => format!("clusters of {:?} blocks", dims.cluster),
+                Occupancy::Blocks => "blocks".to_string(),
+            };
             format!(
-                "blocks of {:?} threads and {} bytes of shared memory resident per \
-                 multiprocessor for {kernel} ({family})",
+                "{unit} of {:?} threads and {} bytes of shared memory resident at once for \
+                 {kernel} ({family})",
                 dims.block, dims.shared_bytes
             )
         };
         make_current(&self.context).map_err(|e| Error::cuda(op(), e))?;
         allow_dynamic_shared(&target, family, kernel, dims.shared_bytes)?;
-        let mut per_multiprocessor: std::ffi::c_int = 0;
-        // SAFETY: `per_multiprocessor` is written once; the function belongs to a loaded module.
-        unsafe {
-            cudarc::driver::sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                &mut per_multiprocessor,
-                target.function.cu_function(),
-                threads as std::ffi::c_int,
-                dims.shared_bytes as usize,
-            )
-        }
-        .result()
-        .map_err(|e| Error::cuda(op(), e))?;
-        let blocks = per_multiprocessor.max(0) as u32 * self.multiprocessors;
-        known.insert(key, blocks);
-        Ok(blocks)
+        let function = target.function.cu_function();
+        let mut answer: std::ffi::c_int = 0;
+        let result = match question {
+            Occupancy::Clusters => {
+                let mut attributes = [cluster_attribute(dims)];
+                let config = launch_config(dims, self.stream().cu_stream(), &mut attributes);
+                // SAFETY: the config and its attribute outlive the call; `answer` is written once.
+                unsafe {
+                    cudarc::driver::sys::cuOccupancyMaxActiveClusters(
+                        &mut answer,
+                        function,
+                        &config,
+                    )
+                }
+            }
+            // SAFETY: `answer` is written once; the function belongs to a loaded module.
+            Occupancy::Blocks => unsafe {
+                cudarc::driver::sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    &mut answer,
+                    function,
+                    threads as std::ffi::c_int,
+                    dims.shared_bytes as usize,
+                )
+            },
+        };
+        result.result().map_err(|e| Error::cuda(op(), e))?;
+        let per_answer = match question {
+            Occupancy::Clusters => 1,
+            Occupancy::Blocks => self.multiprocessors,
+        };
+        let answer = answer.max(0) as u32 * per_answer;
+        known.insert(key, answer);
+        Ok(answer)
     }
 
     fn module(&self, family: &'static str) -> Result<Arc<CudaModule>> {
