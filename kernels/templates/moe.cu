@@ -68,6 +68,8 @@ static_assert((MOE_EXPERTS_PER_LANE & (MOE_EXPERTS_PER_LANE - 1)) == 0, "route_t
 #define GROUP_COLS 64
 // the split gate_up / down items load X through L1 (moe.split_x_through_l1; tile_product)
 #define MOE_SPLIT_X_L1 {{ target.moe.split_x_through_l1 }}
+// split gate_up launches of at most this many tokens ask the L2 for their experts' down weights
+#define MOE_PREFETCH_DOWN_MAX_TOKENS {{ target.moe.split_prefetch_down_max_tokens }}
 {% if target.vendor == "nvidia" %}
 // __launch_bounds__(threads, blocks per SM): the grid is sized for that many resident blocks
 #define MOE_BOUNDS MOE_THREADS, {{ target.moe.blocks_per_sm }}
@@ -199,6 +201,14 @@ template <> FP4_DEVICE Nvfp4Weights weights_at<Nvfp4Weights>(const void* words, 
 }
 template <> FP4_DEVICE Bf16Weights weights_at<Bf16Weights>(const void* words, const void*) {
     return {static_cast<const u32x4*>(words)};
+}
+/// Asks the L2 for part `part` of `parts` (whole K groups) of expert `expert`'s down weights,
+/// `groups` K groups in all (moe_split_gate_up).
+template <class W>
+FP4_DEVICE void prefetch_down_part(const MoeArgs& a, u32 groups, u32 expert, u32 part, u32 parts) {
+    const u32 per = div_up(groups, parts), first = part * per;
+    if (first >= groups) return;
+    weights_at<W>(a.down, a.down_scales).prefetch(((u64)expert * groups + first) * 32, min_u32(per, groups - first) * 32);
 }
 
 /// One lane's share of a 16-row weight tile x ROWS tokens: C registers of n8 tile mt at
@@ -342,6 +352,9 @@ template <> FP4_DEVICE WmmaNvfp4Weights weights_at<WmmaNvfp4Weights>(const void*
 template <> FP4_DEVICE WmmaBf16Weights weights_at<WmmaBf16Weights>(const void* words, const void*) {
     return {static_cast<const u16*>(words)};
 }
+/// No L2 prefetch on this target (moe.split_prefetch_down_max_tokens is 0 here).
+template <class W>
+FP4_DEVICE void prefetch_down_part(const MoeArgs&, u32, u32, u32, u32) {}
 
 /// One lane's share of a 16-row weight tile x ROWS tokens: D element e of token tile mt at
 /// v[8 mt + e] (tile row 2 (e % 4) + lane / 16 (+ 8 for e >= 4), token 16 mt + lane % 16).
@@ -1214,7 +1227,10 @@ FP4_DEVICE void moe_split_route(const MoeArgs& args) {
 /// launch: they read X (written by the norm two launches back, final once this kernel starts, see
 /// chain_after_previous_grid) and write only their own act rows, which the route launch beside
 /// them never touches; so at decode the shared expert costs the step nothing after the routing.
-/// The routed items wait first: which expert they multiply is the routing.
+/// The routed items wait first: which expert they multiply is the routing. Up to
+/// moe.split_prefetch_down_max_tokens tokens, each item first asks the L2 for its share of its
+/// expert's down weights (the down launch's blocks, resident only as these leave, then find
+/// them there).
 template <class W, int ROWS, int STAGES>
 FP4_DEVICE void moe_split_gate_up(const MoeArgs& args) {
     MOE_LAUNCH_SETUP(args)
@@ -1232,7 +1248,11 @@ FP4_DEVICE void moe_split_gate_up(const MoeArgs& args) {
     // reads them before any wait
     job.x_through_l1 = MOE_SPLIT_X_L1 && !shared;
     if (shared || routed < n_active * p.gate_up_groups) {
-        if (thread_x() == 0) sh.job = job;
+        if (thread_x() == 0) {
+            sh.job = job;
+            if (a.tokens <= MOE_PREFETCH_DOWN_MAX_TOKENS)
+                prefetch_down_part<W>(a, p.down_tiles * p.inter_k_groups, job.expert, job.group, p.gate_up_groups);
+        }
         block_barrier();
         expert_item<W, ROWS, STAGES>(a, p, sh.job, sh);
     }
