@@ -50,8 +50,7 @@
 #define MOE_MAX_EXPERTS {{ target.moe.max_experts }}
 #define MOE_EXPERTS_PER_LANE (MOE_MAX_EXPERTS / FP4_WARP_SIZE)
 static_assert((MOE_EXPERTS_PER_LANE & (MOE_EXPERTS_PER_LANE - 1)) == 0, "route_tokens' arg-max tree: a power of two of experts per lane");
-// the routing loads the logits of this many experts per lane at once (route_tokens; twice as
-// many where a half-warp routes a token, so a lane's experts still come in one round trip)
+// the routing loads the logits of this many experts per lane at once (route_tokens)
 #define ROUTE_BATCH 8
 // combine() loads the positions, weights and partials of this many slots at once
 #define COMBINE_BATCH 8
@@ -68,8 +67,6 @@ static_assert((MOE_EXPERTS_PER_LANE & (MOE_EXPERTS_PER_LANE - 1)) == 0, "route_t
 #define GROUP_COLS 64
 // the split gate_up / down items load X through L1 (moe.split_x_through_l1; tile_product)
 #define MOE_SPLIT_X_L1 {{ target.moe.split_x_through_l1 }}
-// split gate_up launches of at most this many tokens ask the L2 for their experts' down weights
-#define MOE_PREFETCH_DOWN_MAX_TOKENS {{ target.moe.split_prefetch_down_max_tokens }}
 {% if target.vendor == "nvidia" %}
 // __launch_bounds__(threads, blocks per SM): the grid is sized for that many resident blocks
 #define MOE_BOUNDS MOE_THREADS, {{ target.moe.blocks_per_sm }}
@@ -201,14 +198,6 @@ template <> FP4_DEVICE Nvfp4Weights weights_at<Nvfp4Weights>(const void* words, 
 }
 template <> FP4_DEVICE Bf16Weights weights_at<Bf16Weights>(const void* words, const void*) {
     return {static_cast<const u32x4*>(words)};
-}
-/// Asks the L2 for part `part` of `parts` (whole K groups) of expert `expert`'s down weights,
-/// `groups` K groups in all (moe_split_gate_up).
-template <class W>
-FP4_DEVICE void prefetch_down_part(const MoeArgs& a, u32 groups, u32 expert, u32 part, u32 parts) {
-    const u32 per = div_up(groups, parts), first = part * per;
-    if (first >= groups) return;
-    weights_at<W>(a.down, a.down_scales).prefetch(((u64)expert * groups + first) * 32, min_u32(per, groups - first) * 32);
 }
 
 /// One lane's share of a 16-row weight tile x ROWS tokens: C registers of n8 tile mt at
@@ -352,9 +341,6 @@ template <> FP4_DEVICE WmmaNvfp4Weights weights_at<WmmaNvfp4Weights>(const void*
 template <> FP4_DEVICE WmmaBf16Weights weights_at<WmmaBf16Weights>(const void* words, const void*) {
     return {static_cast<const u16*>(words)};
 }
-/// No L2 prefetch on this target (moe.split_prefetch_down_max_tokens is 0 here).
-template <class W>
-FP4_DEVICE void prefetch_down_part(const MoeArgs&, u32, u32, u32, u32) {}
 
 /// One lane's share of a 16-row weight tile x ROWS tokens: D element e of token tile mt at
 /// v[8 mt + e] (tile row 2 (e % 4) + lane / 16 (+ 8 for e >= 4), token 16 mt + lane % 16).
@@ -518,89 +504,36 @@ FP4_DEVICE u32 lane_largest_key(const u32 (&keys)[MOE_EXPERTS_PER_LANE]) {
     return level[0];
 }
 
-/// The lanes that route one token (route_tokens): the whole warp (LANES = FP4_WARP_SIZE), or one
-/// half of it, two tokens at once. Lane l of the group holds experts i * LANES + l. The group's
-/// reductions are shuffles within it (the warp's own reductions where the group is the warp).
-template <u32 LANES>
-struct TokenLanes {
-    static_assert(LANES == FP4_WARP_SIZE || LANES == FP4_WARP_SIZE / 2, "a warp or half a warp per token");
-    /// The calling lane's index in its group.
-    static FP4_DEVICE u32 lane() { return lane_index() % LANES; }
-    /// The calling lane's group in its warp (0 or 1).
-    static FP4_DEVICE u32 group() { return lane_index() / LANES; }
-    /// The value `v` of lane `l` of the caller's group.
-    static FP4_DEVICE u32 from(u32 v, u32 l) { return shuffle_from(v, group() * LANES + l); }
-    /// `v` combined over the group by `op`, a butterfly of shuffles within it (half-warps).
-    template <typename Op>
-    static FP4_DEVICE u32 butterfly(u32 v, Op op) {
-        #pragma unroll
-        for (u32 offset = LANES / 2; offset > 0; offset >>= 1) v = op(v, shuffle_xor(v, (int)offset));
-        return v;
-    }
-    static FP4_DEVICE u32 max(u32 v) {
-        if constexpr (LANES == FP4_WARP_SIZE) return warp_max_u32(v);
-        else return butterfly(v, [](u32 x, u32 y) { return max_u32(x, y); });
-    }
-    static FP4_DEVICE u32 min(u32 v) {
-        if constexpr (LANES == FP4_WARP_SIZE) return warp_min_u32(v);
-        else return butterfly(v, [](u32 x, u32 y) { return min_u32(x, y); });
-    }
-    /// The group's sum in warp_sum's order (its butterfly over the group's lanes: the other
-    /// group's lanes add nothing there when they hold 0, so the same bits either way).
-    static FP4_DEVICE float sum(float v) {
-        if constexpr (LANES == FP4_WARP_SIZE) return warp_sum(v);
-        else return bits_to_f32(butterfly(f32_to_bits(v), [](u32 x, u32 y) { return f32_to_bits(bits_to_f32(x) + bits_to_f32(y)); }));
-    }
-    /// Lane l of the group gets the sum of its lanes 0 ..= l.
-    static FP4_DEVICE u32 inclusive_sum(u32 v) {
-        if constexpr (LANES == FP4_WARP_SIZE) {
-            return warp_inclusive_sum(v);
-        } else {
-            const u32 l = lane();
-            #pragma unroll
-            for (u32 offset = 1; offset < LANES; offset <<= 1) {
-                const u32 other = shuffle_from(v, lane_index() - (l >= offset ? offset : 0u));
-                if (l >= offset) v += other;
-            }
-            return v;
-        }
-    }
-};
-
 /// route_tokens' top-k when few experts can be among it, as at every real router's decode: the
 /// k-th largest of the lanes' largest keys is a floor that every chosen expert reaches (k distinct
 /// experts reach it), so only the experts at or above it (the candidates, usually k to a dozen
 /// more) are ranked, each against the others by (key, lower id first) as one 64-bit code, and the
-/// expert of rank j goes to lane j of the group. That is a fixed chain of about 50 shuffles and a
-/// short shared-memory loop, where the k rounds of route_tokens are k chains of two group
-/// reductions and two trees over the lane's keys each. `scratch`: the warp's 2 x 32 codes of
-/// shared memory (a group's candidates, then its choices, at its own offsets). Returns false,
-/// choosing nothing, when more than a group of experts reach the floor in either group of the warp
-/// (ties at it, e.g. a router whose logits are mostly equal): the caller then runs the rounds for
-/// both (they choose the same experts where this would have).
-template <u32 LANES>
+/// expert of rank j goes to lane j. That is a fixed chain of about 50 shuffles and a short shared-
+/// memory loop, where the k rounds of route_tokens are k chains of two warp reductions and two
+/// trees over the lane's keys each. `scratch`: the warp's 2 x 32 codes of shared memory. Returns
+/// false, choosing nothing, when more than a warp of experts reach the floor (ties at it, e.g. a
+/// router whose logits are mostly equal): the caller then runs the rounds.
 FP4_DEVICE bool top_k_above_floor(const u32 (&keys)[MOE_EXPERTS_PER_LANE], u32 k, u64* scratch, u32& mine,
                                   u32& mine_key, u32& first_key) {
-    using G = TokenLanes<LANES>;
-    const u32 lane = G::lane();
+    const u32 lane = lane_index();
     const u32 lane_top = lane_largest_key(keys);
     // the lanes whose largest key fewer than k lanes' exceed hold the k largest of them
     u32 above = 0u;
     #pragma unroll
-    for (u32 l = 0; l < LANES; ++l) above += G::from(lane_top, l) > lane_top ? 1u : 0u;
-    const u32 floor = G::min(above < k ? lane_top : 0xffffffffu);
+    for (u32 l = 0; l < FP4_WARP_SIZE; ++l) above += shuffle_from(lane_top, l) > lane_top ? 1u : 0u;
+    const u32 floor = warp_min_u32(above < k ? lane_top : 0xffffffffu);
     u32 count = 0u;
     #pragma unroll
     for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) count += keys[i] >= floor ? 1u : 0u;
-    const u32 through = G::inclusive_sum(count);  // candidates of the group's lanes up to this one
-    const u32 total = G::from(through, LANES - 1);
-    if (warp_max_u32(total) > LANES) return false;  // uniform over the warp
-    u64* const candidates = scratch + G::group() * LANES;
-    u64* const chosen = scratch + FP4_WARP_SIZE + G::group() * LANES;
+    const u32 through = warp_inclusive_sum(count);  // candidates of the lanes up to this one
+    const u32 total = shuffle_from(through, FP4_WARP_SIZE - 1);
+    if (total > FP4_WARP_SIZE) return false;  // uniform
+    u64* const candidates = scratch;
+    u64* const chosen = scratch + FP4_WARP_SIZE;
     u32 at = through - count;
     #pragma unroll
     for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i)
-        if (keys[i] >= floor) candidates[at++] = (u64)keys[i] << 32 | (u64)~(i * LANES + lane);
+        if (keys[i] >= floor) candidates[at++] = (u64)keys[i] << 32 | (u64)~(i * FP4_WARP_SIZE + lane);
     warp_barrier();
     // codes are distinct (so are the ids): the ranks are 0 .. total - 1 once each
     const u64 code = lane < total ? candidates[lane] : 0ull;
@@ -615,36 +548,19 @@ FP4_DEVICE bool top_k_above_floor(const u32 (&keys)[MOE_EXPERTS_PER_LANE], u32 k
     return true;
 }
 
-/// Whether route_tokens takes a token per half-warp for the rows [r0, r0 + rows) of a chunk: when
-/// a warp would otherwise route more than one token one after another (the chunk's last block has
-/// MOE_WARPS warps), and half a warp holds every expert and every choice.
-FP4_DEVICE bool routes_by_half_warps(const MoeArgs& a, u32 rows) {
-    return rows > MOE_WARPS && a.experts <= FP4_WARP_SIZE / 2 * MOE_EXPERTS_PER_LANE && a.top_k <= FP4_WARP_SIZE / 2;
-}
-
-/// Routing of tokens t0 .. t1 (a group of LANES lanes per token, TokenLanes; two groups of a warp
-/// route their tokens at once), by the block that finished the router items of their chunk last:
-/// top-k ids, renormalised weights, the shared expert's scale; the ids also to shared_ids[t * k +
-/// j] where that is not null. `top_k_scratch`: MOE_WARPS x 64 codes of shared memory
-/// (MoeShared::route.top_k). With a warp per token, a chunk of 8 tokens on 4 warps was two
-/// routings one after another per warp.
-template <u32 LANES>
+/// Routing of tokens t0 .. t1 (one warp per token), by the block that finished the router
+/// items of their chunk last: top-k ids, renormalised weights, the shared expert's scale; the
+/// ids also to shared_ids[t * k + j] where that is not null. `top_k_scratch`: MOE_WARPS x 64
+/// codes of shared memory (MoeShared::route.top_k).
 FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1, u32* shared_ids, u64* top_k_scratch) {
-    using G = TokenLanes<LANES>;
-    constexpr u32 GROUPS = FP4_WARP_SIZE / LANES;
-    constexpr int BATCH = ROUTE_BATCH * GROUPS;
     const u32 E = a.experts, k = a.top_k, stride = E + 1;
-    const u32 lane = G::lane(), warp = thread_x() / FP4_WARP_SIZE;
+    const u32 lane = lane_index(), warp = thread_x() / FP4_WARP_SIZE;
     const float minus_infinity = bits_to_f32(0xff800000u);
     const u64 plane = (u64)a.tokens * stride;  // floats per plane of partial logits
-    // the loop runs while any group of the warp has a token (its shuffles need the whole warp); a
-    // group past t1 routes token t1 - 1 again and stores nothing
-    for (u32 warp_t = t0 + warp * GROUPS; warp_t < t1; warp_t += MOE_WARPS * GROUPS) {
-        const bool stores = warp_t + G::group() < t1;
-        const u32 t = stores ? warp_t + G::group() : t1 - 1u;
+    for (u32 t = t0 + warp; t < t1; t += MOE_WARPS) {
         const float* row = a.logits + (u64)t * stride;
         // The planes of the shared gate's logit (row E) and of the lane's experts, requested
-        // together, BATCH experts per lane at a time, before any is summed: coherent loads
+        // together, ROUTE_BATCH experts per lane at a time, before any is summed: coherent loads
         // are volatile, never speculated, so a load behind `e < E` waited for the sums of the
         // expert before it (one L2 round trip per expert of the lane, nine at E = 256 with the
         // gate; now one). Lanes past E read row E again and drop it.
@@ -653,47 +569,47 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1, u32* shared_ids, 
         for (int q = 0; q < ROUTER_PLANES; ++q) gate_planes[q] = load_coherent_f32(row + q * plane + E);
         float l[MOE_EXPERTS_PER_LANE];
         #pragma unroll
-        for (int i0 = 0; i0 < MOE_EXPERTS_PER_LANE; i0 += BATCH) {
-            if (i0 * LANES >= E) {  // uniform: no expert of the batch exists
+        for (int i0 = 0; i0 < MOE_EXPERTS_PER_LANE; i0 += ROUTE_BATCH) {
+            if (i0 * FP4_WARP_SIZE >= E) {  // uniform: no expert of the batch exists
                 #pragma unroll
-                for (int i = 0; i < BATCH && i0 + i < MOE_EXPERTS_PER_LANE; ++i) l[i0 + i] = minus_infinity;
+                for (int i = 0; i < ROUTE_BATCH && i0 + i < MOE_EXPERTS_PER_LANE; ++i) l[i0 + i] = minus_infinity;
                 continue;
             }
-            float planes[BATCH][ROUTER_PLANES];
+            float planes[ROUTE_BATCH][ROUTER_PLANES];
             #pragma unroll
-            for (int i = 0; i < BATCH && i0 + i < MOE_EXPERTS_PER_LANE; ++i) {
-                const u32 e = min_u32((i0 + i) * LANES + lane, E);
+            for (int i = 0; i < ROUTE_BATCH && i0 + i < MOE_EXPERTS_PER_LANE; ++i) {
+                const u32 e = min_u32((i0 + i) * FP4_WARP_SIZE + lane, E);
                 #pragma unroll
                 for (int q = 0; q < ROUTER_PLANES; ++q) planes[i][q] = load_coherent_f32(row + q * plane + e);
             }
             #pragma unroll
-            for (int i = 0; i < BATCH && i0 + i < MOE_EXPERTS_PER_LANE; ++i) {
+            for (int i = 0; i < ROUTE_BATCH && i0 + i < MOE_EXPERTS_PER_LANE; ++i) {
                 // logit e of the token: its planes summed in plane order
                 float v = 0.0f;
                 #pragma unroll
                 for (int q = 0; q < ROUTER_PLANES; ++q) v += planes[i][q];
-                if (!(v == v) || (i0 + i) * LANES + lane >= E) v = minus_infinity;  // a NaN logit (NaN input) is never preferred
+                if (!(v == v) || (i0 + i) * FP4_WARP_SIZE + lane >= E) v = minus_infinity;  // a NaN logit (NaN input) is never preferred
                 l[i0 + i] = v;
             }
         }
         // top-k over the logits (softmax is monotone in them), ties to the lower expert id: by
         // top_k_above_floor, else by repeated arg-max. Each lane keeps its experts as order keys
         // (0: taken, or no expert), so a round is a tree of maxima over the lane's keys, the
-        // group's largest key, a tree of minima for the lowest of the lane's slots holding it, and
-        // the lowest id over the group (a whole warp's reductions are one instruction each on
-        // NVIDIA); lane j of the group keeps choice j. The probabilities wait until after the loop, so a round is only
+        // warp's largest key, a tree of minima for the lowest of the lane's slots holding it, and
+        // the lowest id over the warp (the warp reductions are one instruction each on NVIDIA);
+        // lane j keeps choice j. The probabilities wait until after the loop, so a round is only
         // compares. (H200, T = 1,
         // clock64: the whole routing took 7,040-7,820 cycles with the arg-max over the lane's
         // keys as one chain and a probability per round, 6,170-6,440 with the trees; the rounds
         // themselves 2,820-2,970.)
         u32 keys[MOE_EXPERTS_PER_LANE];
         #pragma unroll
-        for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) keys[i] = i * LANES + lane < E ? order_key(l[i]) : 0u;
+        for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) keys[i] = i * FP4_WARP_SIZE + lane < E ? order_key(l[i]) : 0u;
         u32 mine = 0u, mine_key = 0u, first_key = 0u;
-        if (!top_k_above_floor<LANES>(keys, k, top_k_scratch + warp * 2 * FP4_WARP_SIZE, mine, mine_key, first_key)) {
+        if (!top_k_above_floor(keys, k, top_k_scratch + warp * 2 * FP4_WARP_SIZE, mine, mine_key, first_key)) {
             for (u32 j = 0; j < k; ++j) {
                 // the lane's largest key, then the lowest slot holding it (two trees of min / max)
-                const u32 top_key = G::max(lane_largest_key(keys));
+                const u32 top_key = warp_max_u32(lane_largest_key(keys));
                 u32 level[MOE_EXPERTS_PER_LANE];
                 #pragma unroll
                 for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) level[i] = keys[i] == top_key ? (u32)i : 0xffffffffu;
@@ -701,11 +617,11 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1, u32* shared_ids, 
                 for (int stride = 1; stride < MOE_EXPERTS_PER_LANE; stride *= 2)
                     #pragma unroll
                     for (int i = 0; i < MOE_EXPERTS_PER_LANE; i += 2 * stride) level[i] = min_u32(level[i], level[i + stride]);
-                const u32 best_e = G::min(level[0] == 0xffffffffu ? 0xffffffffu : level[0] * LANES + lane);
+                const u32 best_e = warp_min_u32(level[0] == 0xffffffffu ? 0xffffffffu : level[0] * FP4_WARP_SIZE + lane);
                 // the winner's slot taken, as selects (a store under a branch put the keys in local memory)
-                const bool winner = best_e % LANES == lane;
+                const bool winner = best_e % FP4_WARP_SIZE == lane;
                 #pragma unroll
-                for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) keys[i] = winner && (u32)i == best_e / LANES ? 0u : keys[i];
+                for (int i = 0; i < MOE_EXPERTS_PER_LANE; ++i) keys[i] = winner && (u32)i == best_e / FP4_WARP_SIZE ? 0u : keys[i];
                 if (lane == j) {
                     mine = best_e;
                     mine_key = top_key;
@@ -718,14 +634,14 @@ FP4_DEVICE void route_tokens(const MoeArgs& a, u32 t0, u32 t1, u32* shared_ids, 
         // 1,200-1,410 cycles of the chain at T = 1; the warp's maximum before it, part of the
         // loads' 1,440-1,980, was not timed on its own)
         const float mine_p = lane < k ? fast_exp(from_order_key(mine_key) - from_order_key(first_key)) : 0.0f;
-        const float kept = G::sum(mine_p);
-        if (stores && lane < k) {
+        const float kept = warp_sum(mine_p);
+        if (lane < k) {
             a.topk_ids[t * k + lane] = mine;
             a.route_weight[t * k + lane] = mine_p / kept;
             if (shared_ids != nullptr) shared_ids[t * k + lane] = mine;
         }
-        if (LANES == FP4_WARP_SIZE && aligns_in_routing_warp(a)) align_one_token(a, mine);
-        if (stores && lane == 0) {
+        if (aligns_in_routing_warp(a)) align_one_token(a, mine);
+        if (lane == 0) {
             float gate = 0.0f;
             #pragma unroll
             for (int q = 0; q < ROUTER_PLANES; ++q) gate += gate_planes[q];
@@ -937,9 +853,7 @@ FP4_DEVICE void router_item(const MoeArgs& a, const Plan& p, u32 group, u32 chun
     // for align_slots; one token: its routing warp aligns it (nothing for the barrier to order)
     const bool one_token = aligns_in_routing_warp(a);
     const bool ids_in_shared = p.chunks == 1 && slots_fit_block(a) && !one_token;
-    u32* const ids = ids_in_shared ? sh.route.count : nullptr;
-    if (routes_by_half_warps(a, rows)) route_tokens<FP4_WARP_SIZE / 2>(a, r0, r0 + rows, ids, &sh.route.top_k[0][0][0]);
-    else route_tokens<FP4_WARP_SIZE>(a, r0, r0 + rows, ids, &sh.route.top_k[0][0][0]);
+    route_tokens(a, r0, r0 + rows, ids_in_shared ? sh.route.count : nullptr, &sh.route.top_k[0][0][0]);
     if (p.chunks == 1) {
         if (!one_token) block_barrier();
         align<ROWS>(a, sh, !split, ids_in_shared);
@@ -1227,10 +1141,7 @@ FP4_DEVICE void moe_split_route(const MoeArgs& args) {
 /// launch: they read X (written by the norm two launches back, final once this kernel starts, see
 /// chain_after_previous_grid) and write only their own act rows, which the route launch beside
 /// them never touches; so at decode the shared expert costs the step nothing after the routing.
-/// The routed items wait first: which expert they multiply is the routing. Up to
-/// moe.split_prefetch_down_max_tokens tokens, each item first asks the L2 for its share of its
-/// expert's down weights (the down launch's blocks, resident only as these leave, then find
-/// them there).
+/// The routed items wait first: which expert they multiply is the routing.
 template <class W, int ROWS, int STAGES>
 FP4_DEVICE void moe_split_gate_up(const MoeArgs& args) {
     MOE_LAUNCH_SETUP(args)
@@ -1248,11 +1159,7 @@ FP4_DEVICE void moe_split_gate_up(const MoeArgs& args) {
     // reads them before any wait
     job.x_through_l1 = MOE_SPLIT_X_L1 && !shared;
     if (shared || routed < n_active * p.gate_up_groups) {
-        if (thread_x() == 0) {
-            sh.job = job;
-            if (a.tokens <= MOE_PREFETCH_DOWN_MAX_TOKENS)
-                prefetch_down_part<W>(a, p.down_tiles * p.inter_k_groups, job.expert, job.group, p.gate_up_groups);
-        }
+        if (thread_x() == 0) sh.job = job;
         block_barrier();
         expert_item<W, ROWS, STAGES>(a, p, sh.job, sh);
     }

@@ -376,10 +376,6 @@ pub struct MoeTiles {
     /// Blocks of at most this many tokens prefetch (`prefetch_next_layer_bytes`); larger blocks
     /// keep the bandwidth for their own experts.
     pub prefetch_next_layer_max_tokens: u32,
-    /// Split gate_up launches of at most this many tokens ask the L2 for their experts' down
-    /// weights (each item a share of its expert's) while they multiply, so the down launch that
-    /// follows reads them from there; 0: never.
-    pub split_prefetch_down_max_tokens: u32,
     /// The split gate_up and down launches load the tokens' rows through L1 (where the block's
     /// other tiles of the same expert find them) instead of from the L2 for every tile; only
     /// rows an earlier launch wrote, read after the block's wait for it.
