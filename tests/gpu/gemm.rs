@@ -677,14 +677,9 @@ fn stream_matches_the_register_kernel_bit_for_bit() {
             let linear = Linear::nvfp4(backend, &q, RowOrder::Plain).expect("upload");
             for m in [1, 3, 8, 16] {
                 let (n_tiles, k_groups) = (n.div_ceil(16), k.div_ceil(64));
-                let registers = gemm::mma_plan(
-                    n_tiles,
-                    k_groups,
-                    tiles.mma_warps_per_block,
-                    multiprocessors,
-                    tiles.mma_min_warps_per_sm,
-                    tiles.mma_min_groups_per_split,
-                );
+                // the partition the register launch runs (gemm.mma_wave_warps_per_tile may widen
+                // mma_plan's: (8192, 2048) at M = 1 then takes 8 warps per tile, the staged 4)
+                let registers = gemm::register_plan(backend, &linear, m).expect("register plan");
                 let staged = gemm::stream_plan(n_tiles, k_groups, m, tiles, multiprocessors);
                 if registers != staged {
                     println!("({n}, {k}) M={m}: partitions differ ({registers:?} vs {staged:?})");

@@ -788,6 +788,63 @@ pub fn wave_plan(
     plan
 }
 
+/// The partition a `gemm_*_bf16_mma_m*` launch of `rows` rows of `w` runs where its variant
+/// loads X from global memory (not [`mma_x_shared`]; the launches of [`MmaKernel::Registers`]
+/// there): [`mma_plan`], then [`wave_plan`] where `gemm.mma_wave_warps_per_tile` is on and the
+/// backend says how many blocks the device holds at once (the plan as it is elsewhere).
+///
+/// # Errors
+/// [`Error::Invalid`] for a weight that is not an mma.sync layout or rows past
+/// [`MMA_MAX_ROWS`]; the backend's errors from its occupancy query.
+pub fn register_plan(backend: &Backend, w: &Linear, rows: usize) -> Result<MmaPlan> {
+    let kernel = match &w.storage {
+        LinearStorage::MmaNvfp4 { .. } => mma_variant(&MMA_NVFP4_KERNELS, rows)?,
+        LinearStorage::MmaBf16 { .. } => mma_variant(&MMA_BF16_KERNELS, rows)?,
+        _ => {
+            return Err(Error::invalid(
+                "linear weight",
+                "not laid out for the mma.sync kernels",
+            ));
+        }
+    };
+    global_x_plan(backend, kernel, w, rows)
+}
+
+/// [`register_plan`] for the launch of `kernel`.
+fn global_x_plan(
+    backend: &Backend,
+    kernel: &'static str,
+    w: &Linear,
+    rows: usize,
+) -> Result<MmaPlan> {
+    let (target, multiprocessors) = device_facts(backend)?;
+    let tiles = &target.gemm;
+    let plan = mma_plan(
+        w.grid.n_tiles,
+        w.grid.k_groups,
+        tiles.mma_warps_per_block,
+        multiprocessors,
+        tiles.mma_min_warps_per_sm,
+        tiles.mma_min_groups_per_split,
+    );
+    if !tiles.mma_wave_warps_per_tile {
+        return Ok(plan);
+    }
+    let n_tiles = check_u32("linear tiles", w.grid.n_tiles)?;
+    let block_warps = mma_block_warps(target, rows);
+    // these variants' blocks take no dynamic shared memory outside clusters, whatever the plan
+    let dims_of = |p: &MmaPlan| p.dims(n_tiles, block_warps, target.warp_size, 0);
+    Ok(
+        match backend.max_active_blocks(FAMILY, kernel, &dims_of(&plan))? {
+            Some(resident) => wave_plan(plan, tiles.mma_warps_per_block, resident, |p| {
+                let grid = dims_of(p).grid;
+                grid.0 * grid.1
+            }),
+            None => plan,
+        },
+    )
+}
+
 /// The partition of `gemm_nvfp4_bf16_stream_m*` for `rows` rows: [`mma_plan`] on
 /// `stream_warps_per_block`-warp blocks, then K split further until a block's X
 /// (`rows * (groups_per_split * 64 + 8)` bf16) fits in `stream_max_x_bytes`.
@@ -1626,14 +1683,7 @@ fn linear_mma(
             let plan = if mma_x_shared(target, rows) {
                 x_shared_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors)
             } else {
-                mma_plan(
-                    w.grid.n_tiles,
-                    w.grid.k_groups,
-                    tiles.mma_warps_per_block,
-                    multiprocessors,
-                    tiles.mma_min_warps_per_sm,
-                    tiles.mma_min_groups_per_split,
-                )
+                global_x_plan(backend, kernel, w, rows)?
             };
             let launch = |plan: &MmaPlan, in_cluster: bool| -> Result<LaunchDims> {
                 let bytes = if mma_x_shared(target, rows) {
@@ -1651,25 +1701,6 @@ fn linear_mma(
                     dims.cluster = (1, plan.splits, 1);
                 }
                 Ok(dims)
-            };
-            let plan = if tiles.mma_wave_warps_per_tile && !mma_x_shared(target, rows) {
-                let dims = launch(&plan, false)?;
-                match backend.max_active_blocks(FAMILY, kernel, &dims)? {
-                    Some(resident) => wave_plan(plan, tiles.mma_warps_per_block, resident, |p| {
-                        let grid = p
-                            .dims(
-                                shape.n_tiles,
-                                mma_block_warps(target, rows),
-                                target.warp_size,
-                                0,
-                            )
-                            .grid;
-                        grid.0 * grid.1
-                    }),
-                    None => plan,
-                }
-            } else {
-                plan
             };
             // the first candidate whose clusters the device holds at once, else the L2 finish
             // (pairs always fit: a cluster of 2 needs two blocks of one GPC, which holds pairs
