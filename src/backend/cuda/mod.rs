@@ -647,9 +647,10 @@ impl CudaBackend {
     ) -> Result<u32> {
         let target = self.launch_target(family, kernel)?;
         let threads = dims.block.0 * dims.block.1 * dims.block.2;
-        let cluster = match question {
-            Occupancy::Clusters => dims.cluster,
-            Occupancy::Blocks => (1, 1, 1),
+        // the driver answers blocks per multiprocessor, clusters per device
+        let (cluster, per_answer) = match question {
+            Occupancy::Clusters => (dims.cluster, 1),
+            Occupancy::Blocks => ((1, 1, 1), self.multiprocessors),
         };
         let key = (question, threads, dims.shared_bytes, cluster);
         let mut known = target
@@ -698,10 +699,6 @@ impl CudaBackend {
             },
         };
         result.result().map_err(|e| Error::cuda(op(), e))?;
-        let per_answer = match question {
-            Occupancy::Clusters => 1,
-            Occupancy::Blocks => self.multiprocessors,
-        };
         let answer = answer.max(0) as u32 * per_answer;
         known.insert(key, answer);
         Ok(answer)

@@ -12,11 +12,11 @@
 //!   1..8 warps ([`mma_plan`]: the fewest that fill the device; with
 //!   `gemm.mma_wave_warps_per_tile`, more while the blocks fit one wave, [`wave_plan`]), K is
 //!   split across blocks only when even that does not, and the last block of a tile adds the
-//!   splits in order (deterministic). Epilogues: residual add, `silu(gate) * up` ([`RowOrder::GateUp`]). The
-//!   variants of at least `gemm.mma_x_shared_min_rows` rows (m48 and m64 on sm_90a and sm_121a)
-//!   stream X through a `cp.async` ring in shared memory that the block's warps share
-//!   ([`mma_x_shared`], [`x_shared_plan`]); the others load X fragments from global memory per
-//!   group. On targets with thread block clusters, launches of 2 to
+//!   splits in order (deterministic). Epilogues: residual add, `silu(gate) * up`
+//!   ([`RowOrder::GateUp`]). The variants of at least `gemm.mma_x_shared_min_rows` rows (m48
+//!   and m64 on sm_90a and sm_121a) stream X through a `cp.async` ring in shared memory that the
+//!   block's warps share ([`mma_x_shared`], [`x_shared_plan`]); the others load X fragments
+//!   from global memory per group. On targets with thread block clusters, launches of 2 to
 //!   `gemm.mma_x_shared_cluster_max_splits` (X-ring variants) or `gemm.mma_cluster_max_splits`
 //!   (the others) K splits make each tile group's splits one cluster, whose blocks add their
 //!   sums through each other's shared memory in split order (the same bits) instead of through
