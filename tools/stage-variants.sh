@@ -84,26 +84,31 @@ build_cli() {
 }
 
 # The executable a `cargo test` / `cargo bench` --no-run JSON line names.
+# The executable of test or bench target NAME ($1) among cargo's JSON messages on stdin: a build
+# of a test or bench also (re)builds the crate's own binaries when their sources changed (a set:
+# variant's targets.toml put back), so the last executable artifact is not always the target's
+# (forty-first session: bench:gemm staged the fp4spec CLI as gemm-bench).
 executable_of() {
   python3 -c '
 import json, sys
+name = sys.argv[1]
 for line in sys.stdin:
     try: m = json.loads(line)
     except ValueError: continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable"):
-        print(m["executable"])'
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("target", {}).get("name") == name:
+        print(m["executable"])' "$1"
 }
 
 for item in "$@"; do
   case "$item" in
     test:*)
       name=${item#test:}
-      exe=$(cargo test --release --no-run --test "$name" --message-format=json --quiet | executable_of | tail -1)
+      exe=$(cargo test --release --no-run --test "$name" --message-format=json --quiet | executable_of "$name" | tail -1)
       cp "$exe" "$work/bin/$name" && strip "$work/bin/$name"
       echo "$name: test executable of the working tree" >> "$manifest";;
     bench:*)
       name=${item#bench:}
-      exe=$(cargo bench --no-run --bench "$name" --message-format=json --quiet | executable_of | tail -1)
+      exe=$(cargo bench --no-run --bench "$name" --message-format=json --quiet | executable_of "$name" | tail -1)
       cp "$exe" "$work/bin/$name-bench" && strip "$work/bin/$name-bench"
       echo "$name-bench: bench executable of the working tree" >> "$manifest";;
     *=*)
