@@ -668,7 +668,7 @@ fn run_wgmma_case(
             case.plan.splits,
         ),
         tiles.wgmma_warpgroups_per_block * 4 * target.warp_size,
-        fp4spec::target::wgmma_shared_bytes(tiles.wgmma_x_slots) as usize,
+        fp4spec::target::wgmma_shared_bytes(tiles, kernel.contains("nvfp4")) as usize,
         &[
             &head[..],
             &split_and_shape_args(partials, counters, case, grid),

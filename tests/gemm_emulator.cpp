@@ -45,6 +45,7 @@ FP4_DEVICE void cp_async16(void* dst, const void* src) {
     require_copy_aligned(dst, src, 16);
     std::memcpy(dst, src, 16);
 }
+FP4_DEVICE void cp_async16_shared(u32 dst, const void* src) { cp_async16(emu::dynamic_smem + dst, src); }
 FP4_DEVICE void cp_async_commit() {}
 template <int N>
 FP4_DEVICE void cp_async_wait() {}
@@ -65,13 +66,15 @@ FP4_DEVICE float4 load_cluster_f4(const float4* local, u32 rank) {
 // The warpgroup MMA of gemm_*_wgmma_m64, one warp's share at a time: each warp's 16 rows of A
 // (its lanes' m16n8k16 A fragments) times B[16 x 64] read from shared memory through the
 // descriptor as the no-swizzle K-major layout places it (element (k, n) at start + (k / 8) *
-// leading + (n / 8) * stride + (n % 8) * 16 + (k % 8) * 2). Asynchrony, fences and the proxy
+// leading + (n / 8) * stride + (n % 8) * 16 + (k % 8) * 2). Asynchrony, fences, register pins and the proxy
 // fence have nothing to order on the host.
 FP4_DEVICE void wgmma_fence() {}
 FP4_DEVICE void wgmma_commit() {}
 template <int N>
 FP4_DEVICE void wgmma_wait() {}
 FP4_DEVICE void fence_proxy_async_shared() {}
+template <class T>
+FP4_DEVICE void wgmma_pin(T&) {}
 FP4_DEVICE void wgmma_m64n64k16_bf16(float (&d)[32], const u32 (&a)[4], u64 b) {
     u64* me = emu::mine();
     for (int i = 0; i < 4; ++i) me[i] = a[i];

@@ -746,12 +746,25 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STREAM_BOUNDS) gemm_nvfp4_bf16_stream_m{{ rows
 //     of a lane quad's columns): lane (r = lane / 4, t = lane % 4) row r, lane quad t, so each
 //     store fills the 32 banks once. The permutation of round r + 1 runs while the tensor cores
 //     multiply round r.
-// Per round r: the wgmma of operand slot r % 2 (issued, not waited for); wait for this thread's
-// staging copies of round r + 1, barrier (every thread's copies visible, and every thread done
-// with the staging slot the next copies overwrite); copies of round r + WG_X_SLOTS; the
-// permutation of round r + 1 into operand slot (r + 1) % 2 (whose wgmma, round r - 1's, was
-// waited for) and the proxy fence that shows it to the tensor cores; wait for round r's wgmma,
-// the weight ring's reload; barrier (round r + 1's operand complete).
+// Weights: each warp's own ring of shared-memory slots (gemm.wgmma_stages_*), filled by
+// cp.async STAGES - 1 rounds ahead and read back into the A registers at their round (the second
+// version held them in registers, 2 bf16 / 3 NVFP4 groups a warp, reloaded once the round's
+// wgmma was waited for). This third version streams at the copy bandwidth where many blocks each
+// run many rounds (H100, M = 64, (65536, 4096) bf16 183.71 us, 98.8% of copy, against mma.sync
+// 202.36 and cuBLAS 192.64; NVFP4 150.45 against 169.32) but stays about twice as slow as
+// mma.sync on the model's shapes ((12288, 2048) bf16 41.48 against 21.88 us, the second version
+// 40.87): ncu of the GDN in_proj in a B = 64 step, 48.9 us, shows each warp spending ~300
+// instructions a round (the X staging and permutation, two barriers) at ~10 cycles each with 8
+// to 16 warps per SM, where mma.sync's warps spend ~230 on the same 16 rows and K group
+// (BENCHMARKS.md, forty-first session). So gemm.wgmma_min_rows stays 65 on sm_90a; what would
+// change it is more work per round and warp (several K groups per round, or more rows per warp).
+// Per round r (gemm_wgmma): the A fragments out of the ring, the wgmma of operand slot r % 2
+// (issued); the copies of round r + STAGES - 1's weights and round r + WG_X_SLOTS - 1's X; wait
+// for this thread's copies of round r + 1, barrier (every thread's copies visible); the
+// permutation of round r + 1 into operand slot (r + 1) % 2 (round r - 1's wgmma was retired in
+// its round) and the proxy fence that shows it to the tensor cores; barrier; the wait for round
+// r's wgmma. (The second version, and this one before ptxas's C7513 / C7518 notes were read,
+// had every wgmma serialised by ptxas: see gemm_wgmma.)
 // ============================================================================================
 #define WG_GROUPS {{ target.gemm.wgmma_warpgroups_per_block }}
 #define WG_THREADS (WG_GROUPS * 4 * FP4_WARP_SIZE)
@@ -772,6 +785,12 @@ FP4_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "
 FP4_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
 FP4_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+/// Pins a register's value at this point of the program (no instruction moves across it), so
+/// that what a wgmma reads is computed before the first wgmma of a batch: ptxas 13.0 serialises
+/// every wgmma where another instruction defines one of their inputs between the first and the
+/// commit (C7513). (Emulated as nothing.)
+FP4_DEVICE void wgmma_pin(u32& v) { asm volatile("" : "+r"(v)::"memory"); }
+FP4_DEVICE void wgmma_pin(u64& v) { asm volatile("" : "+l"(v)::"memory"); }
 /// Shared memory written through the generic proxy (cp.async, stores) made visible to the
 /// tensor cores' reads (the async proxy); each writing thread, before the barrier.
 FP4_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -794,62 +813,115 @@ FP4_DEVICE void wgmma_m64n64k16_bf16(float (&d)[32], const u32 (&a)[4], u64 b) {
 }
 // ---- end of wgmma instructions ----
 
+// ---- a warp's weight ring (gemm_*_wgmma_m64): one K group of its tile per slot ----
+// Each lane copies its own entries of the fragment arrays (cp.async, 16 bytes) into the warp's
+// slot and later reads them back as the Group that Weights::load would have returned, so no
+// other lane waits on them; only the NVFP4 scales (2 bytes a lane, 64 a group) are copied by
+// lanes 0..3 for the warp, which the block barrier after each round's wait makes visible. (Bulk
+// copies of a slot completing on an mbarrier per slot, one or two per warp and round, ran no
+// faster at M = 64 and slower where NVFP4 streams: H100, gemm bench (65536, 4096) 167.48 against
+// 150.45 us, forty-first session.)
+/// Bytes of one slot: NVFP4 32 lanes x 16 bytes of words, then their 32 scales; bf16 the four
+/// MMAs' 32 x 16 bytes.
+template <class Weights> struct WgmmaSlot;
+template <> struct WgmmaSlot<Nvfp4Weights> { static constexpr u32 BYTES = 32u * 16u + 32u * 2u; };
+template <> struct WgmmaSlot<Bf16Weights> { static constexpr u32 BYTES = 4u * 32u * 16u; };
+/// This lane's copies of lane entry `index` (group * 32 + lane) into the slot at shared address
+/// `slot`.
+FP4_DEVICE void wgmma_copy_group(const Nvfp4Weights& w, u32 slot, u64 index, u32 lane) {
+    cp_async16_shared(slot + lane * 16u, w.words + index);
+    if (lane < 4u) cp_async16_shared(slot + 512u + lane * 16u, w.scales + (index - lane) + lane * 8u);
+}
+FP4_DEVICE void wgmma_copy_group(const Bf16Weights& w, u32 slot, u64 index, u32 lane) {
+    const u32x4* group_words = w.words + (index / 32) * 128 + index % 32;
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) cp_async16_shared(slot + (u32)(j * 32 + lane) * 16u, group_words + j * 32);
+}
+/// This lane's Group of the slot at `slot` (generic pointer into shared memory).
+FP4_DEVICE Nvfp4Group wgmma_slot_group(const Nvfp4Weights&, const u8* slot, u32 lane) {
+    return {*reinterpret_cast<const u32x4*>(slot + lane * 16u), (u32)*reinterpret_cast<const u16*>(slot + 512u + lane * 2u)};
+}
+FP4_DEVICE Bf16Group wgmma_slot_group(const Bf16Weights&, const u8* slot, u32 lane) {
+    Bf16Group group;
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) group.w[j] = *reinterpret_cast<const u32x4*>(slot + (u32)(j * 32 + lane) * 16u);
+    return group;
+}
+
 /// One block: WG_GROUPS quads of 64 weight rows, all (at most 64) rows of X, over the K groups
-/// of split blockIdx.y; STAGES groups of weights in flight per lane (loaded before the wait for
-/// the previous kernel, as gemm_mma). The finish is gemm_mma's (finish_tile per 16-row tile), so
-/// the split-K scratch and counters are the mma kernels'.
+/// of split blockIdx.y. Each warp's weights come through its own ring of STAGES slots in shared
+/// memory, STAGES - 1 rounds ahead (the first ones asked for before the wait for the previous
+/// kernel, as gemm_mma); X through the staging slots, WG_X_SLOTS - 1 rounds ahead. The copies of
+/// a round are one cp.async group: round r's group holds the weights of round r + STAGES - 1 and
+/// the X of round r + WG_X_SLOTS - 1, so waiting until WG_X_SLOTS - 2 groups are pending leaves
+/// round r + 1's X and weights landed (STAGES >= WG_X_SLOTS; it also waits for the weights of
+/// rounds up to r + STAGES - WG_X_SLOTS + 1). The finish is gemm_mma's (finish_tile per 16-row
+/// tile), so the split-K scratch and counters are the mma kernels'.
 template <class Weights, int STAGES>
 FP4_DEVICE void gemm_wgmma(const u16* __restrict__ x, Weights weights, float alpha, u16* y,
                            const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
                            u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 epilogue) {
+    static_assert(STAGES >= WG_X_SLOTS, "round r + 1's weights must be in the groups the X wait covers");
     extern __shared__ __align__(128) u8 wgmma_shared[];
     const u32 lane = thread_x() % FP4_WARP_SIZE;
     const u32 warp = thread_x() / FP4_WARP_SIZE;
     const u32 quad = block_x() * WG_GROUPS + warp / 4;
     const u32 tile = quad * 4 + warp % 4;
-    // a quad past the weights skips its wgmma (uniform over its warpgroup); a warp past the last
-    // tile of a live quad multiplies zeros and stores nothing
-    const bool quad_active = quad * 4 < n_tiles;
+    // a warp past the last tile copies no weights and stores nothing
     const bool active = tile < n_tiles;
     const u32 split_begin = block_y() * groups_per_split;
     const u32 block_end = min(k_groups, split_begin + groups_per_split);
     const u32 split_end = active ? block_end : split_begin;
+    const u32 rounds = block_end - split_begin;
 
-    const u64 tile_base = (u64)tile * k_groups * 32 + lane;
-    typename Weights::Group ring[STAGES];
-    #pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-        const u32 group = split_begin + s;
-        if (group < split_end) ring[s] = weights.load(tile_base + (u64)group * 32);
-    }
-    if (L2_PREFETCH_GROUPS > 0 && lane == 0 && split_end > split_begin) {
-        const u32 groups = min(split_end - split_begin, (u32)L2_PREFETCH_GROUPS);
-        weights.prefetch((u64)tile * k_groups * 32 + (u64)split_begin * 32, groups * 32);
-    }
-    wait_for_previous_grid();
-    allow_next_grid();
-
-    // dynamic shared memory: the two operand slots, then the staging slots (wgmma_shared_bytes
-    // in src/kernels/gemm/mod.rs sizes it the same way)
+    // dynamic shared memory: the two operand slots, the staging slots, then the warps' weight
+    // rings (wgmma_shared_bytes in src/target/facts.rs sizes it the same way)
+    constexpr u32 SLOT_BYTES = WgmmaSlot<Weights>::BYTES;
     const u32 operand_base = cp_async_shared_address(wgmma_shared);
     const u32 stage_base = operand_base + 2 * WG_OPERAND_BYTES;
     u8* const stage_ptr = wgmma_shared + 2 * WG_OPERAND_BYTES;
-    const u32 rounds = block_end - split_begin;
-    // round r's X into staging slot r % WG_X_SLOTS (16-byte pieces: row, 8 columns); one commit
-    // group per round, empty past the end
-    auto stage = [&](u32 r) {
-        if (r < rounds) {
-            const u32 slot = stage_base + (r % WG_X_SLOTS) * WG_STAGE_BYTES;
-            const u32 col0 = (split_begin + r) * 64;
-            for (u32 piece = thread_x(); piece < m * 8; piece += WG_THREADS) {
-                const u32 row = piece / 8, col = col0 + (piece % 8) * 8;
-                const bool inside = col < k;
-                cp_async16_zfill_shared(slot + row * WG_STAGE_ROW_BYTES + (piece % 8) * 16,
-                                        inside ? x + (u64)row * k + col : x, inside ? 16u : 0u);
-            }
-        }
-        cp_async_commit();
+    const u32 ring_offset = 2 * WG_OPERAND_BYTES + WG_X_SLOTS * WG_STAGE_BYTES + warp * STAGES * SLOT_BYTES;
+    const u32 ring_base = operand_base + ring_offset;
+    const u8* const ring_ptr = wgmma_shared + ring_offset;
+    const u64 tile_base = (u64)tile * k_groups * 32 + lane;
+    // round r's weights into ring slot r % STAGES (none past this warp's range)
+    auto copy_weights = [&](u32 r) {
+        const u32 group = split_begin + r;
+        if (r < rounds && group < split_end)
+            wgmma_copy_group(weights, ring_base + (r % STAGES) * SLOT_BYTES, tile_base + (u64)group * 32, lane);
     };
+    // round r's X into staging slot r % WG_X_SLOTS (16-byte pieces: row, 8 columns; columns past K
+    // zero: the weights there are zero and stale shared memory could be NaN; rows past M not
+    // copied: their products land in outputs nobody stores)
+    auto copy_x = [&](u32 r) {
+        if (r >= rounds) return;
+        const u32 slot = stage_base + (r % WG_X_SLOTS) * WG_STAGE_BYTES;
+        const u32 col0 = (split_begin + r) * 64;
+        for (u32 piece = thread_x(); piece < m * 8; piece += WG_THREADS) {
+            const u32 row = piece / 8, col = col0 + (piece % 8) * 8;
+            const bool inside = col < k;
+            cp_async16_zfill_shared(slot + row * WG_STAGE_ROW_BYTES + (piece % 8) * 16,
+                                    inside ? x + (u64)row * k + col : x, inside ? 16u : 0u);
+        }
+    };
+    // the weights of rounds 0 .. STAGES - 2 in one group, before the wait (the weights do not
+    // depend on the previous kernel)
+    for (u32 r = 0; r + 1 < STAGES; ++r) copy_weights(r);
+    cp_async_commit();
+    if (L2_PREFETCH_GROUPS > 0 && lane == 0 && split_end > split_begin + STAGES - 1) {
+        const u32 first = split_begin + STAGES - 1;
+        const u32 groups = min(split_end - first, (u32)L2_PREFETCH_GROUPS);
+        weights.prefetch((u64)tile * k_groups * 32 + (u64)first * 32, groups * 32);
+    }
+    wait_for_previous_grid();
+    allow_next_grid();
+    // X of rounds 0 .. WG_X_SLOTS - 2, a group each (possibly empty): with the loop's groups,
+    // round r + 1's X is always followed by exactly WG_X_SLOTS - 2 groups at round r's wait
+    for (u32 r = 0; r + 1 < WG_X_SLOTS; ++r) {
+        copy_x(r);
+        cp_async_commit();
+    }
+
     // staging slot of round r -> operand slot r % 2: item q of a warp is row group q % 8, half
     // q / 8 of the lane quad's 16 columns (words 0..3: step 2h + w / 2, core-matrix column w % 2)
     const u32 r8 = lane / 4, t = lane % 4;
@@ -868,8 +940,7 @@ FP4_DEVICE void gemm_wgmma(const u16* __restrict__ x, Weights weights, float alp
             *reinterpret_cast<u32*>(base + (2 * h + 1) * WG_STEP_BYTES + 128) = v.w;
         }
     };
-    for (u32 r = 0; r < WG_X_SLOTS; ++r) stage(r);
-    cp_async_wait<WG_X_SLOTS - 1>();  // round 0 landed (this thread's copies) ...
+    cp_async_wait<WG_X_SLOTS - 2>();  // round 0's weights and X landed (this thread's copies) ...
     __syncthreads();                   // ... and everyone's
     permute(0);
     fence_proxy_async_shared();
@@ -878,41 +949,43 @@ FP4_DEVICE void gemm_wgmma(const u16* __restrict__ x, Weights weights, float alp
     float d[32];
     #pragma unroll
     for (int i = 0; i < 32; ++i) d[i] = 0.0f;
-    for (u32 r0 = 0; r0 < rounds; r0 += STAGES) {
+    // round r: its A fragments out of the ring, its wgmma issued; while the tensor cores multiply,
+    // the copies of round r + STAGES - 1's weights and round r + WG_X_SLOTS - 1's X into the
+    // slots round r - 1 freed, the wait for round r + 1's copies and round r + 1's operand; then
+    // the wait for the wgmma. Every warpgroup issues and waits for its wgmma unconditionally, and
+    // each round's is retired within the round: ptxas 13.0 serialises every wgmma of the kernel
+    // where one sits in a branch that depends on the warp (C7518: a quad past the weights) or
+    // where a round's A fragments are written while the previous round's wgmma is in flight
+    // (C7513, even with two sets of A registers). A warp past the last tile reads its ring's
+    // unwritten slots: its products land in rows nobody stores.
+    auto round = [&](u32 r) {
+        u32 a[4][4];
+        u64 b[4];
+        const auto group = wgmma_slot_group(weights, ring_ptr + (r % STAGES) * SLOT_BYTES, lane);
+        const u32 slot = operand_base + (r % 2) * WG_OPERAND_BYTES;
         #pragma unroll
-        for (int s = 0; s < STAGES; ++s) {
-            const u32 r = r0 + s;
-            if (r >= rounds) break;  // uniform across the block
-            const u32 group = split_begin + r;
-            if (quad_active) {
-                u32 a[4][4];
-                #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    if (group < split_end) weights.fragment(ring[s], j, a[j]);
-                    else a[j][0] = a[j][1] = a[j][2] = a[j][3] = 0u;
-                }
-                const u32 slot = operand_base + (r % 2) * WG_OPERAND_BYTES;
-                wgmma_fence();
-                #pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    wgmma_m64n64k16_bf16(d, a[j], wgmma_descriptor(slot + j * WG_STEP_BYTES, 128u, 256u));
-                wgmma_commit();
-            }
-            cp_async_wait<WG_X_SLOTS - 2>();  // round r + 1 landed (this thread's copies) ...
-            __syncthreads();                   // ... and everyone's; round r's staging slot is free
-            stage(r + WG_X_SLOTS);
-            permute(r + 1);
-            fence_proxy_async_shared();
-            if (quad_active) {
-                // the registers the wgmma reads (for bf16 the ring's own) are rewritten only
-                // once it is done
-                wgmma_wait<0>();
-                const u32 next = group + STAGES;
-                if (next < split_end) ring[s] = weights.load(tile_base + (u64)next * 32);
-            }
-            __syncthreads();  // round r + 1's operand complete
+        for (int j = 0; j < 4; ++j) {
+            weights.fragment(group, j, a[j]);
+            b[j] = wgmma_descriptor(slot + j * WG_STEP_BYTES, 128u, 256u);
+            wgmma_pin(b[j]);
+            #pragma unroll
+            for (int q = 0; q < 4; ++q) wgmma_pin(a[j][q]);
         }
-    }
+        wgmma_fence();
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) wgmma_m64n64k16_bf16(d, a[j], b[j]);
+        wgmma_commit();
+        copy_weights(r + STAGES - 1);
+        copy_x(r + WG_X_SLOTS - 1);
+        cp_async_commit();
+        cp_async_wait<WG_X_SLOTS - 2>();  // round r + 1 landed (this thread's copies) ...
+        __syncthreads();                   // ... and everyone's
+        permute(r + 1);
+        fence_proxy_async_shared();
+        __syncthreads();  // round r + 1's operand complete
+        wgmma_wait<0>();
+    };
+    for (u32 r = 0; r < rounds; ++r) round(r);
     cp_async_wait<0>();  // the empty groups past the end: nothing is left in flight
     if (!active) return;
     float acc[8][4];

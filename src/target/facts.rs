@@ -119,11 +119,21 @@ pub struct DequantTiles {
 /// 16 bytes of weights and 2 of scales (`STREAM_STAGE_BYTES` in `kernels/templates/gemm.cu`).
 pub const STREAM_GROUP_BYTES: u32 = 32 * (16 + 2);
 
-/// Shared-memory bytes of one `gemm_*_wgmma_m64` block: two slots of the B operand (one 64-wide
-/// K group of 64 rows of bf16 each, `WG_OPERAND_BYTES` in `kernels/templates/gemm.cu`) and
-/// `slots` staging slots of 64 rows of 144 bytes (`WG_STAGE_BYTES`).
-pub fn wgmma_shared_bytes(slots: u32) -> u32 {
-    2 * 64 * 64 * 2 + slots.saturating_mul(64 * 144)
+/// Shared-memory bytes of one `gemm_*_wgmma_m64` block (NVFP4 weights where `nvfp4`, else
+/// bf16): two slots of the B operand (one 64-wide K group of 64 rows of bf16 each,
+/// `WG_OPERAND_BYTES` in `kernels/templates/gemm.cu`), `gemm.wgmma_x_slots` staging slots of 64
+/// rows of 144 bytes (`WG_STAGE_BYTES`), then each warp's ring of `gemm.wgmma_stages_*` slots of
+/// one K group of its tile (`WgmmaSlot`: NVFP4 [`STREAM_GROUP_BYTES`], bf16 2 KiB).
+pub fn wgmma_shared_bytes(tiles: &GemmTiles, nvfp4: bool) -> u32 {
+    let (stages, slot_bytes) = if nvfp4 {
+        (tiles.wgmma_stages_nvfp4, STREAM_GROUP_BYTES)
+    } else {
+        (tiles.wgmma_stages_bf16, 4 * 32 * 16)
+    };
+    let warps = tiles.wgmma_warpgroups_per_block.saturating_mul(4);
+    (2 * 64 * 64 * 2u32)
+        .saturating_add(tiles.wgmma_x_slots.saturating_mul(64 * 144))
+        .saturating_add(warps.saturating_mul(stages).saturating_mul(slot_bytes))
 }
 
 /// Launch parameters of `gemm_nvfp4_bf16_gemv`.
@@ -199,9 +209,10 @@ pub struct GemmTiles {
     pub wgmma_x_slots: u32,
     /// `gemm_*_wgmma_m64`: the fewest K groups one split may get.
     pub wgmma_min_groups_per_split: u32,
-    /// `gemm_nvfp4_*_wgmma_m64`: K groups of weights in flight per warp.
+    /// `gemm_nvfp4_*_wgmma_m64`: slots of each warp's shared-memory weight ring (one K group
+    /// each, 576 bytes), filled this many rounds ahead less one; at least `wgmma_x_slots`.
     pub wgmma_stages_nvfp4: u32,
-    /// `gemm_bf16_*_wgmma_m64`: K groups of weights in flight per warp.
+    /// `gemm_bf16_*_wgmma_m64`: the same for bf16 weights (2 KiB a slot).
     pub wgmma_stages_bf16: u32,
     /// `gemm_nvfp4_bf16_stream_*` (targets with `cp.async`): warps per block (a power of two).
     pub stream_warps_per_block: u32,
@@ -505,22 +516,22 @@ impl TargetFacts {
             );
         }
         let wg = &self.gemm;
-        let wg_ring = wgmma_shared_bytes(wg.wgmma_x_slots);
+        let wg_ring = wgmma_shared_bytes(wg, true).max(wgmma_shared_bytes(wg, false));
         if !(1..=8).contains(&wg.wgmma_warpgroups_per_block)
             || wg.wgmma_warpgroups_per_block * 4 * self.warp_size > 1024
             || wg.wgmma_blocks_per_sm == 0
             || wg.wgmma_x_slots < 2
             || wg.wgmma_min_groups_per_split == 0
-            || wg.wgmma_stages_nvfp4 == 0
-            || wg.wgmma_stages_bf16 == 0
+            || wg.wgmma_stages_nvfp4 < wg.wgmma_x_slots
+            || wg.wgmma_stages_bf16 < wg.wgmma_x_slots
             || wg.wgmma_min_rows < 33
-            || wg_ring > self.max_shared_bytes_per_block
+            || (self.instructions.wgmma && wg_ring > self.max_shared_bytes_per_block)
         {
             return fail(format!(
                 "gemm.wgmma_*: warpgroups_per_block in 1..=8 (at most 1024 threads), \
-                 blocks_per_sm, min_groups_per_split and stages positive, min_rows at least 33, \
-                 at least 2 x slots and the ring ({wg_ring} bytes) within \
-                 max_shared_bytes_per_block"
+                 blocks_per_sm and min_groups_per_split positive, min_rows at least 33, \
+                 at least 2 x slots, stages of each format at least x_slots, and on wgmma \
+                 targets the shared memory ({wg_ring} bytes) within max_shared_bytes_per_block"
             ));
         }
         let stream = &self.gemm;

@@ -1022,9 +1022,9 @@ pub fn wgmma_plan(
 }
 
 /// The launch of `gemm_*_wgmma_m64` on `plan` over `n_tiles` 16-row tiles: a block per
-/// `gemm.wgmma_warpgroups_per_block` quads and K split, its operand and staging slots of
-/// dynamic shared memory ([`wgmma_shared_bytes`]).
-fn wgmma_dims(target: &TargetFacts, plan: &MmaPlan, n_tiles: u32) -> LaunchDims {
+/// `gemm.wgmma_warpgroups_per_block` quads and K split, its operand and staging slots and
+/// weight rings (NVFP4 weights where `nvfp4`) of dynamic shared memory ([`wgmma_shared_bytes`]).
+fn wgmma_dims(target: &TargetFacts, plan: &MmaPlan, n_tiles: u32, nvfp4: bool) -> LaunchDims {
     let tiles = &target.gemm;
     let quads_per_block = tiles.wgmma_warpgroups_per_block.max(1);
     LaunchDims {
@@ -1034,7 +1034,7 @@ fn wgmma_dims(target: &TargetFacts, plan: &MmaPlan, n_tiles: u32) -> LaunchDims 
             1,
         ),
         block: (quads_per_block * 4 * target.warp_size, 1, 1),
-        shared_bytes: wgmma_shared_bytes(tiles.wgmma_x_slots),
+        shared_bytes: wgmma_shared_bytes(tiles, nvfp4),
         cluster: (1, 1, 1),
     }
 }
@@ -1678,7 +1678,8 @@ fn linear_mma(
         };
         let (plan, dims, in_cluster) = if wgmma {
             let plan = wgmma_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors);
-            (plan, wgmma_dims(target, &plan, shape.n_tiles), false)
+            let nvfp4 = matches!(weights, MmaWeights::Nvfp4 { .. });
+            (plan, wgmma_dims(target, &plan, shape.n_tiles, nvfp4), false)
         } else {
             let plan = if mma_x_shared(target, rows) {
                 x_shared_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors)
@@ -2273,10 +2274,12 @@ mod tests {
                     splits == 1 || groups >= tiles.wgmma_min_groups_per_split as usize,
                     "{n}x{k}: {plan:?}"
                 );
-                let dims = wgmma_dims(t, &plan, n_tiles as u32);
-                let quads = dims.grid.0 as usize * tiles.wgmma_warpgroups_per_block as usize;
-                assert!(quads * 4 >= n_tiles, "{n}x{k}: {dims:?}");
-                assert!(dims.shared_bytes <= t.max_shared_bytes_per_block, "{n}x{k}");
+                for nvfp4 in [true, false] {
+                    let dims = wgmma_dims(t, &plan, n_tiles as u32, nvfp4);
+                    let quads = dims.grid.0 as usize * tiles.wgmma_warpgroups_per_block as usize;
+                    assert!(quads * 4 >= n_tiles, "{n}x{k}: {dims:?}");
+                    assert!(dims.shared_bytes <= t.max_shared_bytes_per_block, "{n}x{k}");
+                }
             }
         }
     }
