@@ -694,7 +694,10 @@ fn the_wgmma_kernels_match_the_reference() {
         "no emulated target has the wgmma kernels"
     );
     for target in targets {
-        assert!(!gemm::mma_wgmma(target, 32), "wgmma is the m64 variant's");
+        assert!(
+            !gemm::mma_wgmma(target, 32, usize::MAX),
+            "wgmma is the m48 / m64 variants'"
+        );
         let exe = emulator(target);
         let mut rng = SplitMix64::new(0x36a3);
         for case in [

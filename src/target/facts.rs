@@ -198,6 +198,9 @@ pub struct GemmTiles {
     /// `gemm_*_wgmma_m64` (targets with `wgmma` and `cp.async`): launches of at least this many
     /// rows (33..=64) run the warpgroup kernel in place of `gemm_*_mma_m64`; 65 or more: never.
     pub wgmma_min_rows: u32,
+    /// `gemm_*_wgmma_m64`: launches of 33 rows or more whose weights have at least this many
+    /// 16-row tiles run the warpgroup kernel too (0: none).
+    pub wgmma_min_tiles: u32,
     /// `gemm_*_wgmma_m64`: warpgroups (of 4 warps, 64 weight rows each) per block (1..=8); they
     /// share the block's X ring.
     pub wgmma_warpgroups_per_block: u32,

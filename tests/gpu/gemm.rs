@@ -494,8 +494,9 @@ fn stream_refuses_bf16_weights() {
 }
 
 /// The warpgroup kernels on the model's shapes (the GDN in_proj, the attention projections, the
-/// fused expert gate_up with its epilogue), an lm_head slice and awkward shapes (N not a multiple
-/// of 64 rows, K = 16, the residual epilogue), at M from 1 to 130 (two launches).
+/// fused expert gate_up with its epilogue), an lm_head slice, a launch of more blocks than the
+/// device holds (unsplit, as the lm_head's) and awkward shapes (N not a multiple of 64 rows,
+/// K = 16, the residual epilogue), at M from 1 to 130 (two launches).
 #[test]
 fn wgmma_model_and_awkward_shapes() {
     for format in [Format::Nvfp4Wgmma, Format::Bf16Wgmma] {
@@ -515,6 +516,16 @@ fn wgmma_model_and_awkward_shapes() {
                 false,
             );
         }
+        // more blocks than the device holds at once: the plan leaves K unsplit (as the lm_head's)
+        check_linear(
+            &format!("wgmma_{name}_unsplit_34816x256"),
+            format,
+            34816,
+            256,
+            &[33, 64],
+            RowOrder::Plain,
+            false,
+        );
         check_linear(
             &format!("wgmma_{name}_gate_up"),
             format,

@@ -983,11 +983,18 @@ fn wave_filling_groups_per_split(
 /// measurement).
 const SPLIT_OVERHEAD_GROUPS: usize = 2;
 
-/// Whether a launch of `rows` rows (at most [`MMA_MAX_ROWS`]) runs `gemm_*_wgmma_m64` in place
-/// of the mma.sync variant: on targets with `wgmma` and `cp.async`, from `gemm.wgmma_min_rows`
-/// rows.
-pub fn mma_wgmma(target: &TargetFacts, rows: usize) -> bool {
-    wgmma_rendered(target) && rows >= target.gemm.wgmma_min_rows as usize
+/// Whether a launch of `rows` rows (at most [`MMA_MAX_ROWS`]) over `n_tiles` 16-row tiles runs
+/// `gemm_*_wgmma_m64` in place of the mma.sync variant: on targets with `wgmma` and `cp.async`,
+/// from `gemm.wgmma_min_rows` rows, and above 32 rows (the m48 / m64 variants' launches) where
+/// the weights have at least `gemm.wgmma_min_tiles` tiles (0: never), whose many blocks of many
+/// rounds stream at the copy bandwidth.
+pub fn mma_wgmma(target: &TargetFacts, rows: usize, n_tiles: usize) -> bool {
+    let tiles = &target.gemm;
+    wgmma_rendered(target)
+        && (rows >= tiles.wgmma_min_rows as usize
+            || (rows > 32
+                && tiles.wgmma_min_tiles > 0
+                && n_tiles >= tiles.wgmma_min_tiles as usize))
 }
 
 /// Whether `target`'s gemm source has the `gemm_*_wgmma_m64` kernels (`wgmma` and `cp.async`).
@@ -1008,12 +1015,16 @@ pub fn wgmma_plan(
 ) -> MmaPlan {
     let quads = n_tiles.max(1).div_ceil(4);
     let k_groups = k_groups.max(1);
-    let groups_per_split = wave_filling_groups_per_split(
-        k_groups,
-        quads.div_ceil(tiles.wgmma_warpgroups_per_block.max(1) as usize),
-        multiprocessors * tiles.wgmma_blocks_per_sm,
-        tiles.wgmma_min_groups_per_split,
-    );
+    let blocks = quads.div_ceil(tiles.wgmma_warpgroups_per_block.max(1) as usize);
+    let slots = multiprocessors * tiles.wgmma_blocks_per_sm;
+    // K splits only fill the device's slots: where the tiles alone fill them, splitting K adds
+    // the partial sums' traffic to every tile (the lm_head at M = 64 took 2 splits by a hair of
+    // the estimate, 530.82 us against 186.80 for (65536, 4096) unsplit; forty-first session)
+    let groups_per_split = if blocks >= slots as usize {
+        k_groups
+    } else {
+        wave_filling_groups_per_split(k_groups, blocks, slots, tiles.wgmma_min_groups_per_split)
+    };
     MmaPlan {
         warps_per_tile: 1,
         splits: k_groups.div_ceil(groups_per_split) as u32,
@@ -1669,7 +1680,7 @@ fn linear_mma(
     let (k, n_out) = (w.grid.cols, w.out_features());
     for start in (0..m).step_by(MMA_MAX_ROWS) {
         let rows = (m - start).min(MMA_MAX_ROWS);
-        let wgmma = force_wgmma || mma_wgmma(target, rows);
+        let wgmma = force_wgmma || mma_wgmma(target, rows, w.grid.n_tiles);
         let kernel = match (&weights, wgmma) {
             (MmaWeights::Nvfp4 { .. }, true) => WGMMA_NVFP4_KERNEL,
             (MmaWeights::Nvfp4 { .. }, false) => mma_variant(&MMA_NVFP4_KERNELS, rows)?,
@@ -2247,6 +2258,25 @@ mod tests {
             .map(|p| (p.splits, p.groups_per_split))
             .collect();
         assert_eq!(shapes, [(3, 3), (2, 5)]);
+    }
+
+    /// On sm_90a the warpgroup kernel takes the launches of more than 32 rows over the lm_head
+    /// (at least `gemm.wgmma_min_tiles` tiles) and runs them unsplit, their blocks filling the
+    /// device on their own; the model's other projections stay on mma.sync, and where their blocks
+    /// leave slots empty the plan still splits K.
+    #[test]
+    fn the_wgmma_kernel_takes_the_lm_head_unsplit() {
+        let t = target::by_name("sm_90a").expect("sm_90a");
+        let lm_head_tiles = 248320 / 16;
+        assert!(mma_wgmma(t, 64, lm_head_tiles) && mma_wgmma(t, 33, lm_head_tiles));
+        assert!(!mma_wgmma(t, 32, lm_head_tiles));
+        for (n, _) in MODEL_SHAPES {
+            assert!(!mma_wgmma(t, 64, n / 16), "({n}) is not the lm_head");
+        }
+        let lm_head = wgmma_plan(lm_head_tiles, 32, &t.gemm, 132);
+        assert_eq!((lm_head.splits, lm_head.groups_per_split), (1, 32));
+        let in_proj = wgmma_plan(12352 / 16, 32, &t.gemm, 132);
+        assert!(in_proj.splits > 1, "{in_proj:?}");
     }
 
     /// The wgmma plan covers every K group with no split empty, keeps at least
