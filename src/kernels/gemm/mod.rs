@@ -22,10 +22,13 @@
 //!   sums through each other's shared memory in split order (the same bits) instead of through
 //!   the L2 ([`cluster_candidates`]).
 //! - `gemm_{nvfp4,bf16}_bf16_wgmma_m64` (`wgmma` and `cp.async`: sm_90a): the m64 product on the
-//!   warpgroup MMA, a warpgroup per 64 weight rows, X^T from a shared-memory ring, in place of
-//!   the mma.sync m64 variant from `gemm.wgmma_min_rows` rows ([`mma_wgmma`], [`wgmma_plan`];
-//!   off on sm_90a: both versions measured slower than mma.sync, targets.toml) or per call
-//!   ([`MmaKernel::Wgmma`]); same weights, arguments and split-K finish.
+//!   warpgroup MMA, a warpgroup per 64 weight rows, X^T and each warp's weights through
+//!   shared-memory rings, in place of the mma.sync m48 / m64 variants from `gemm.wgmma_min_rows`
+//!   rows or, above 32 rows, for weights of at least `gemm.wgmma_min_tiles` tiles
+//!   ([`mma_wgmma`], [`wgmma_plan`]; on sm_90a only the lm_head: it streams large weights at
+//!   the copy bandwidth but runs the model's other shapes about twice as slow as mma.sync,
+//!   targets.toml) or per call ([`MmaKernel::Wgmma`]); same weights, arguments and split-K
+//!   finish.
 //! - `gemm_nvfp4_bf16_stream_m{8,16}` (mma.sync and `cp.async`: sm_90a, sm_121a): the NVFP4
 //!   weight stream of the mma kernels with the groups in flight in shared-memory rings (cp.async)
 //!   instead of registers and X staged in shared memory once per block, for calls of at most
@@ -223,7 +226,7 @@ pub enum Nvfp4Mode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MmaKernel {
     /// The target table's choice: `gemm_{nvfp4,bf16}_bf16_mma_m*` (each lane's groups in flight
-    /// in registers), or `gemm_*_wgmma_m64` from `gemm.wgmma_min_rows` rows ([`mma_wgmma`]).
+    /// in registers), or `gemm_*_wgmma_m64` where [`mma_wgmma`] says so.
     #[default]
     Registers,
     /// NVFP4 W4A16 weights only: `gemm_nvfp4_bf16_stream_m{8,16}`, groups in flight in per-warp
