@@ -1022,7 +1022,7 @@ pub fn wgmma_plan(
     let slots = multiprocessors * tiles.wgmma_blocks_per_sm;
     // K splits only fill the device's slots: where the tiles alone fill them, splitting K adds
     // the partial sums' traffic to every tile (the lm_head at M = 64 took 2 splits by a hair of
-    // the estimate, 530.82 us against 186.80 for (65536, 4096) unsplit; forty-first session)
+    // the estimate, 521.07 us against 183.71 for (65536, 4096) unsplit; forty-first session)
     let groups_per_split = if blocks >= slots as usize {
         k_groups
     } else {
