@@ -1006,10 +1006,10 @@ pub fn wgmma_rendered(target: &TargetFacts) -> bool {
 }
 
 /// The partition of `gemm_*_wgmma_m64`: a warpgroup per quad of four 16-row tiles,
-/// `gemm.wgmma_warpgroups_per_block` quads per block, K split across blocks
-/// (`warps_per_tile` is 1: unused), the split count [`wave_filling_groups_per_split`]'s for
-/// `multiprocessors * gemm.wgmma_blocks_per_sm` slots and at least
-/// `gemm.wgmma_min_groups_per_split` groups per split.
+/// `gemm.wgmma_warpgroups_per_block` quads per block (`warps_per_tile` is 1: unused), K whole
+/// where those blocks fill the `multiprocessors * gemm.wgmma_blocks_per_sm` resident slots,
+/// else split across blocks into the split count that fills the slots in the fewest waves of the
+/// least work, with at least `gemm.wgmma_min_groups_per_split` groups per split.
 pub fn wgmma_plan(
     n_tiles: usize,
     k_groups: usize,
