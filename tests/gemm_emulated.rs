@@ -612,14 +612,16 @@ enum WgmmaWeights<'a> {
 }
 
 /// Runs `case` (its plan's splits and groups per split; one warp per tile) on
-/// `gemm_{nvfp4,bf16}_bf16_wgmma_m64` with the blocks, threads and shared memory
-/// src/kernels/gemm/mod.rs gives it (`wgmma_dims`); returns its output.
+/// `gemm_{nvfp4,bf16}_bf16_wgmma_m64`, or `gemm_*_wgmma_resident_m64` where `resident`, with the
+/// blocks, threads and shared memory src/kernels/gemm/mod.rs gives it (`wgmma_dims`,
+/// `wgmma_resident_dims`); returns its output.
 fn run_wgmma_case(
     exe: &Path,
     target: &TargetFacts,
     case: &Case,
     weights: WgmmaWeights<'_>,
     x: &[bf16],
+    resident: bool,
 ) -> Vec<bf16> {
     let tiles = &target.gemm;
     let mut emu = Emu::default();
@@ -645,13 +647,23 @@ fn run_wgmma_case(
                 Arg::Ptr(scales),
                 Arg::F32(q.global_scale * 128.0),
             ];
-            ("gemm_nvfp4_bf16_wgmma_m64", fragments.grid, args)
+            let kernel = if resident {
+                "gemm_nvfp4_bf16_wgmma_resident_m64"
+            } else {
+                "gemm_nvfp4_bf16_wgmma_m64"
+            };
+            (kernel, fragments.grid, args)
         }
         WgmmaWeights::Bf16(w) => {
             let fragments = Bf16Fragments::new(w, case.n, case.k, RowOrder::Plain).expect("layout");
             let words = emu.buffer(le(&fragments.words));
             let args = vec![Arg::Ptr(words), Arg::F32(1.0)];
-            ("gemm_bf16_bf16_wgmma_m64", fragments.grid, args)
+            let kernel = if resident {
+                "gemm_bf16_bf16_wgmma_resident_m64"
+            } else {
+                "gemm_bf16_bf16_wgmma_m64"
+            };
+            (kernel, fragments.grid, args)
         }
     };
     let x_buf = emu.buffer(x.iter().flat_map(|v| v.to_le_bytes()).collect());
@@ -661,14 +673,23 @@ fn run_wgmma_case(
     head.insert(0, Arg::Ptr(x_buf));
     head.extend([Arg::Ptr(y), Arg::Null]);
     let quads = (grid.n_tiles as u32).div_ceil(4);
+    let nvfp4 = kernel.contains("nvfp4");
+    let (warpgroups, shared) = if resident {
+        (
+            tiles.wgmma_resident_warpgroups_per_block,
+            fp4spec::target::wgmma_resident_shared_bytes(tiles, nvfp4, case.plan.groups_per_split),
+        )
+    } else {
+        (
+            tiles.wgmma_warpgroups_per_block,
+            fp4spec::target::wgmma_shared_bytes(tiles, nvfp4),
+        )
+    };
     emu.launch(
         kernel,
-        (
-            quads.div_ceil(tiles.wgmma_warpgroups_per_block),
-            case.plan.splits,
-        ),
-        tiles.wgmma_warpgroups_per_block * 4 * target.warp_size,
-        fp4spec::target::wgmma_shared_bytes(tiles, kernel.contains("nvfp4")) as usize,
+        (quads.div_ceil(warpgroups), case.plan.splits),
+        warpgroups * 4 * target.warp_size,
+        shared as usize,
         &[
             &head[..],
             &split_and_shape_args(partials, counters, case, grid),
@@ -680,10 +701,11 @@ fn run_wgmma_case(
     read_bf16(&dumps, y)
 }
 
-/// The warpgroup kernels (`wgmma_rendered`: targets with wgmma and cp.async) on partitions that
-/// take every path: a last quad of one to three live tiles and a quad of none in a block, K
-/// split with a short last range, K not a multiple of 64, rows past M, more rounds than the
-/// X ring's slots and the weight stages; NVFP4 and bf16 weights, each against the CPU reference.
+/// The warpgroup kernels (`wgmma_rendered`: targets with wgmma and cp.async), the ring and the
+/// resident forms, on partitions that take every path: a last quad of one to three live tiles
+/// and a quad of none in a block, K split with a short last range, K not a multiple of 64, rows
+/// past M, more rounds than the X ring's slots and the weight stages; NVFP4 and bf16 weights,
+/// each against the CPU reference.
 #[test]
 fn the_wgmma_kernels_match_the_reference() {
     let targets: Vec<_> = emulated_targets()
@@ -723,14 +745,16 @@ fn the_wgmma_kernels_match_the_reference() {
                 plan: plan(1, 3, 11),
             },
         ] {
-            check_both_formats(
-                target,
-                &mut rng,
-                "wgmma ",
-                &case,
-                |q, x| run_wgmma_case(&exe, target, &case, WgmmaWeights::Nvfp4(q), x),
-                |w, x| run_wgmma_case(&exe, target, &case, WgmmaWeights::Bf16(w), x),
-            );
+            for (resident, what) in [(false, "wgmma "), (true, "wgmma resident ")] {
+                check_both_formats(
+                    target,
+                    &mut rng,
+                    what,
+                    &case,
+                    |q, x| run_wgmma_case(&exe, target, &case, WgmmaWeights::Nvfp4(q), x, resident),
+                    |w, x| run_wgmma_case(&exe, target, &case, WgmmaWeights::Bf16(w), x, resident),
+                );
+            }
         }
     }
 }

@@ -848,6 +848,75 @@ FP4_DEVICE Bf16Group wgmma_slot_group(const Bf16Weights&, const u8* slot, u32 la
     return group;
 }
 
+/// A warp's weight ring in a wgmma launch: its tile's K groups [split_begin, split_end) (none
+/// for a warp past the last tile), round r being group split_begin + r, in slot r % STAGES of
+/// SLOT_BYTES at shared address `base` (generic pointer `ptr`).
+template <class Weights, int STAGES>
+struct WgmmaRing {
+    static constexpr u32 SLOT_BYTES = WgmmaSlot<Weights>::BYTES;
+    Weights weights;
+    u32 base;
+    const u8* ptr;
+    u64 tile_base;  // this lane's entry of the tile's group 0
+    u32 lane, split_begin, split_end;
+    /// This lane's copies of round r's weights (none past the warp's range; no commit).
+    FP4_DEVICE void copy(u32 r) const {
+        const u32 group = split_begin + r;
+        if (group < split_end) wgmma_copy_group(weights, base + (r % STAGES) * SLOT_BYTES, tile_base + (u64)group * 32, lane);
+    }
+    FP4_DEVICE const u8* slot(u32 r) const { return ptr + (r % STAGES) * SLOT_BYTES; }
+    /// The copies of rounds 0 .. STAGES - 2 (each its own cp.async group where `group_each`, else
+    /// one for all), then lane 0 asks the L2 for the next L2_PREFETCH_GROUPS groups: what a block
+    /// does before its wait for the previous kernel (the weights do not depend on it).
+    FP4_DEVICE void start(bool group_each) const {
+        for (u32 r = 0; r + 1 < STAGES; ++r) {
+            copy(r);
+            if (group_each) cp_async_commit();
+        }
+        if (!group_each) cp_async_commit();
+        if (L2_PREFETCH_GROUPS > 0 && lane == 0 && split_end > split_begin + STAGES - 1) {
+            const u32 first = split_begin + STAGES - 1;
+            const u32 groups = min(split_end - first, (u32)L2_PREFETCH_GROUPS);
+            weights.prefetch(tile_base - lane + (u64)first * 32, groups * 32);
+        }
+    }
+};
+
+/// One K group of a warpgroup's product: this lane's A fragments out of ring slot `slot`, the
+/// B operand's descriptors at shared address `operand`, both pinned before the fence (C7513), and
+/// the four wgmma.m64n64k16 issued and committed, not waited for. Every warp of the warpgroup
+/// calls it, unconditionally (C7518).
+template <class Weights>
+FP4_DEVICE void wgmma_issue_group(const Weights& weights, const u8* slot, u32 lane, u32 operand, float (&d)[32]) {
+    u32 a[4][4];
+    u64 b[4];
+    const auto group = wgmma_slot_group(weights, slot, lane);
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        weights.fragment(group, j, a[j]);
+        b[j] = wgmma_descriptor(operand + j * WG_STEP_BYTES, 128u, 256u);
+        wgmma_pin(b[j]);
+        #pragma unroll
+        for (int q = 0; q < 4; ++q) wgmma_pin(a[j][q]);
+    }
+    wgmma_fence();
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) wgmma_m64n64k16_bf16(d, a[j], b[j]);
+    wgmma_commit();
+}
+
+/// The accumulators of a warp's 16-row tile (the m16n8 layout, d[4i + q] of n8 tile i) through
+/// gemm_mma's finish.
+FP4_DEVICE void wgmma_finish_tile(const float (&d)[32], float alpha, u32 tile, u32 lane, u32 m, u32 n, u32 epilogue,
+                                  const u16* residual, u16* y, float* __restrict__ partials, u32* __restrict__ counters) {
+    float acc[8][4];
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        acc[i][0] = d[4 * i]; acc[i][1] = d[4 * i + 1]; acc[i][2] = d[4 * i + 2]; acc[i][3] = d[4 * i + 3];
+    }
+    finish_tile<8>(acc, alpha, tile, lane, m, n, epilogue, residual, y, partials, counters);
+}
+
 /// One block: WG_GROUPS quads of 64 weight rows, all (at most 64) rows of X, over the K groups
 /// of split blockIdx.y. Each warp's weights come through its own ring of STAGES slots in shared
 /// memory, STAGES - 1 rounds ahead (the first ones asked for before the wait for the previous
@@ -881,15 +950,8 @@ FP4_DEVICE void gemm_wgmma(const u16* __restrict__ x, Weights weights, float alp
     const u32 stage_base = operand_base + 2 * WG_OPERAND_BYTES;
     u8* const stage_ptr = wgmma_shared + 2 * WG_OPERAND_BYTES;
     const u32 ring_offset = 2 * WG_OPERAND_BYTES + WG_X_SLOTS * WG_STAGE_BYTES + warp * STAGES * SLOT_BYTES;
-    const u32 ring_base = operand_base + ring_offset;
-    const u8* const ring_ptr = wgmma_shared + ring_offset;
-    const u64 tile_base = (u64)tile * k_groups * 32 + lane;
-    // round r's weights into ring slot r % STAGES (none past this warp's range)
-    auto copy_weights = [&](u32 r) {
-        const u32 group = split_begin + r;
-        if (r < rounds && group < split_end)
-            wgmma_copy_group(weights, ring_base + (r % STAGES) * SLOT_BYTES, tile_base + (u64)group * 32, lane);
-    };
+    const WgmmaRing<Weights, STAGES> ring = {weights, operand_base + ring_offset, wgmma_shared + ring_offset,
+                                             (u64)tile * k_groups * 32 + lane, lane, split_begin, split_end};
     // round r's X into staging slot r % WG_X_SLOTS (16-byte pieces: row, 8 columns; columns past K
     // zero: the weights there are zero and stale shared memory could be NaN; rows past M not
     // copied: their products land in outputs nobody stores)
@@ -904,15 +966,7 @@ FP4_DEVICE void gemm_wgmma(const u16* __restrict__ x, Weights weights, float alp
                                     inside ? x + (u64)row * k + col : x, inside ? 16u : 0u);
         }
     };
-    // the weights of rounds 0 .. STAGES - 2 in one group, before the wait (the weights do not
-    // depend on the previous kernel)
-    for (u32 r = 0; r + 1 < STAGES; ++r) copy_weights(r);
-    cp_async_commit();
-    if (L2_PREFETCH_GROUPS > 0 && lane == 0 && split_end > split_begin + STAGES - 1) {
-        const u32 first = split_begin + STAGES - 1;
-        const u32 groups = min(split_end - first, (u32)L2_PREFETCH_GROUPS);
-        weights.prefetch((u64)tile * k_groups * 32 + (u64)first * 32, groups * 32);
-    }
+    ring.start(false);  // the weights of rounds 0 .. STAGES - 2 in one group
     wait_for_previous_grid();
     allow_next_grid();
     // X of rounds 0 .. WG_X_SLOTS - 2, a group each (possibly empty): with the loop's groups,
@@ -959,23 +1013,8 @@ FP4_DEVICE void gemm_wgmma(const u16* __restrict__ x, Weights weights, float alp
     // (C7513, even with two sets of A registers). A warp past the last tile reads its ring's
     // unwritten slots: its products land in rows nobody stores.
     auto round = [&](u32 r) {
-        u32 a[4][4];
-        u64 b[4];
-        const auto group = wgmma_slot_group(weights, ring_ptr + (r % STAGES) * SLOT_BYTES, lane);
-        const u32 slot = operand_base + (r % 2) * WG_OPERAND_BYTES;
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            weights.fragment(group, j, a[j]);
-            b[j] = wgmma_descriptor(slot + j * WG_STEP_BYTES, 128u, 256u);
-            wgmma_pin(b[j]);
-            #pragma unroll
-            for (int q = 0; q < 4; ++q) wgmma_pin(a[j][q]);
-        }
-        wgmma_fence();
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) wgmma_m64n64k16_bf16(d, a[j], b[j]);
-        wgmma_commit();
-        copy_weights(r + STAGES - 1);
+        wgmma_issue_group(weights, ring.slot(r), lane, operand_base + (r % 2) * WG_OPERAND_BYTES, d);
+        ring.copy(r + STAGES - 1);
         copy_x(r + WG_X_SLOTS - 1);
         cp_async_commit();
         cp_async_wait<WG_X_SLOTS - 2>();  // round r + 1 landed (this thread's copies) ...
@@ -987,13 +1026,7 @@ FP4_DEVICE void gemm_wgmma(const u16* __restrict__ x, Weights weights, float alp
     };
     for (u32 r = 0; r < rounds; ++r) round(r);
     cp_async_wait<0>();  // the empty groups past the end: nothing is left in flight
-    if (!active) return;
-    float acc[8][4];
-    #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        acc[i][0] = d[4 * i]; acc[i][1] = d[4 * i + 1]; acc[i][2] = d[4 * i + 2]; acc[i][3] = d[4 * i + 3];
-    }
-    finish_tile<8>(acc, alpha, tile, lane, m, n, epilogue, residual, y, partials, counters);
+    if (active) wgmma_finish_tile(d, alpha, tile, lane, m, n, epilogue, residual, y, partials, counters);
 }
 
 // (threads, resident blocks per SM): caps the registers so that wgmma_blocks_per_sm blocks fit
@@ -1014,6 +1047,118 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(WG_BOUNDS) gemm_bf16_bf16_wgmma_m64(
     u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
     (void)warps_per_tile;
     gemm_wgmma<Bf16Weights, {{ target.gemm.wgmma_stages_bf16 }}>(x, Bf16Weights{words}, alpha, y, residual,
+        partials, counters, m, n, k, n_tiles, k_groups, groups_per_split, epilogue);
+}
+
+// --------------------------------------------------------------------------------------------
+// gemm_{nvfp4,bf16}_bf16_wgmma_resident_m64: the same product with the block's whole K range of X
+// permuted into the B layout once, before the K loop (gemm.wgmma_resident_max_groups groups at
+// most: 8 KiB each), so the loop has no block barrier at all: a warp waits only for its own
+// weight ring (cp.async, one group per round), multiplies, and asks for the round STAGES - 1
+// ahead. Why: gemm_wgmma spends ~300 instructions a warp per round on the X staging, its
+// permutation and two barriers (ncu, BENCHMARKS.md forty-first section), twice the mma.sync
+// kernel's cost on the model's shapes; here a round is its fragments, four wgmma and four copies.
+// Blocks of gemm.wgmma_resident_warpgroups_per_block warpgroups, one per SM (the X range and the
+// rings take most of its shared memory).
+// --------------------------------------------------------------------------------------------
+#define WGR_GROUPS {{ target.gemm.wgmma_resident_warpgroups_per_block }}
+#define WGR_THREADS (WGR_GROUPS * 4 * FP4_WARP_SIZE)
+/// One block: WGR_GROUPS quads of 64 weight rows, all (at most 64) rows of X, over the K groups of
+/// split blockIdx.y (at most gemm.wgmma_resident_max_groups of them: the host sizes the dynamic
+/// shared memory as groups_per_split X operands of WG_OPERAND_BYTES, then the warps' rings).
+template <class Weights, int STAGES>
+FP4_DEVICE void gemm_wgmma_resident(const u16* __restrict__ x, Weights weights, float alpha, u16* y,
+                                    const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
+                                    u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 epilogue) {
+    extern __shared__ __align__(128) u8 wgmma_shared[];
+    const u32 lane = thread_x() % FP4_WARP_SIZE;
+    const u32 warp = thread_x() / FP4_WARP_SIZE;
+    const u32 tile = (block_x() * WGR_GROUPS + warp / 4) * 4 + warp % 4;
+    // a warp past the last tile copies no weights and stores nothing
+    const bool active = tile < n_tiles;
+    const u32 split_begin = block_y() * groups_per_split;
+    const u32 block_end = min(k_groups, split_begin + groups_per_split);
+    const u32 split_end = active ? block_end : split_begin;
+    const u32 rounds = block_end - split_begin;
+
+    constexpr u32 SLOT_BYTES = WgmmaSlot<Weights>::BYTES;
+    const u32 operand_base = cp_async_shared_address(wgmma_shared);
+    const u32 ring_offset = groups_per_split * WG_OPERAND_BYTES + warp * STAGES * SLOT_BYTES;
+    const WgmmaRing<Weights, STAGES> ring = {weights, operand_base + ring_offset, wgmma_shared + ring_offset,
+                                             (u64)tile * k_groups * 32 + lane, lane, split_begin, split_end};
+    // a cp.async group per round (empty past the warp's range), so that waiting until STAGES - 2
+    // groups are pending leaves round r's
+    ring.start(true);
+    wait_for_previous_grid();
+    allow_next_grid();
+
+    // X of the split into the B layout of each group (as gemm_wgmma's permute, from global
+    // memory): piece p = (group g, row, lane quad t, half h) is X columns 16t + 8h .. + 7 of the
+    // group, 16 bytes, whose four words go to steps 2h / 2h + 1, core-matrix columns 0 / 1 of row
+    // group row / 8; columns past K zero, rows past M not written (their products land in
+    // outputs nobody stores). X_BATCH pieces are loaded before any is stored.
+    constexpr u32 X_BATCH = 4;
+    const u32 pieces = rounds * 512u;
+    for (u32 p0 = thread_x(); p0 < pieces; p0 += X_BATCH * WGR_THREADS) {
+        u32x4 v[X_BATCH];
+        #pragma unroll
+        for (u32 i = 0; i < X_BATCH; ++i) {
+            const u32 p = p0 + i * WGR_THREADS, row = (p % 512u) / 8u;
+            const u32 col = (split_begin + p / 512u) * 64u + (p % 8u) * 8u;
+            v[i] = {0u, 0u, 0u, 0u};
+            if (p < pieces && row < m && col < k) v[i] = *reinterpret_cast<const u32x4*>(x + (u64)row * k + col);
+        }
+        #pragma unroll
+        for (u32 i = 0; i < X_BATCH; ++i) {
+            const u32 p = p0 + i * WGR_THREADS, row = (p % 512u) / 8u;
+            if (p >= pieces || row >= m) continue;
+            const u32 t = (p % 8u) / 2u, h = p % 2u;
+            u8* base = wgmma_shared + (p / 512u) * WG_OPERAND_BYTES + (row / 8u) * 2u * 128u + (row % 8u) * 16u + t * 4u;
+            *reinterpret_cast<u32*>(base + (2 * h) * WG_STEP_BYTES) = v[i].x;
+            *reinterpret_cast<u32*>(base + (2 * h) * WG_STEP_BYTES + 128) = v[i].y;
+            *reinterpret_cast<u32*>(base + (2 * h + 1) * WG_STEP_BYTES) = v[i].z;
+            *reinterpret_cast<u32*>(base + (2 * h + 1) * WG_STEP_BYTES + 128) = v[i].w;
+        }
+    }
+    fence_proxy_async_shared();
+    __syncthreads();  // the X operands complete; the only block barrier
+
+    float d[32];
+    #pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+    // as gemm_wgmma's rounds (every warpgroup issues and waits unconditionally, fragments and
+    // descriptors pinned before the fence, each round's wgmma retired in its round), without the
+    // X ring: the wait for this lane's copies of round r, the warp's barrier (the NVFP4 scales
+    // lanes 0..3 copied; the warp done reading slot r - 1, which round r + STAGES - 1 refills)
+    for (u32 r = 0; r < rounds; ++r) {
+        cp_async_wait<STAGES - 2>();
+        warp_barrier();
+        wgmma_issue_group(weights, ring.slot(r), lane, operand_base + r * WG_OPERAND_BYTES, d);
+        ring.copy(r + STAGES - 1);
+        cp_async_commit();
+        wgmma_wait<0>();
+    }
+    cp_async_wait<0>();  // the empty groups past the end: nothing is left in flight
+    if (active) wgmma_finish_tile(d, alpha, tile, lane, m, n, epilogue, residual, y, partials, counters);
+}
+
+// one block per SM: the X range and the rings take most of its shared memory
+#define WGR_BOUNDS WGR_THREADS, 1
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(WGR_BOUNDS) gemm_nvfp4_bf16_wgmma_resident_m64(
+    const u16* __restrict__ x, const u32x4* __restrict__ words, const u16* __restrict__ scales,
+    float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
+    u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
+    (void)warps_per_tile;
+    gemm_wgmma_resident<Nvfp4Weights, {{ target.gemm.wgmma_stages_nvfp4 }}>(x, Nvfp4Weights{words, scales}, alpha, y,
+        residual, partials, counters, m, n, k, n_tiles, k_groups, groups_per_split, epilogue);
+}
+
+FP4_KERNEL void FP4_LAUNCH_BOUNDS(WGR_BOUNDS) gemm_bf16_bf16_wgmma_resident_m64(
+    const u16* __restrict__ x, const u32x4* __restrict__ words,
+    float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
+    u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
+    (void)warps_per_tile;
+    gemm_wgmma_resident<Bf16Weights, {{ target.gemm.wgmma_stages_bf16 }}>(x, Bf16Weights{words}, alpha, y, residual,
         partials, counters, m, n, k, n_tiles, k_groups, groups_per_split, epilogue);
 }
 {% endif %}
