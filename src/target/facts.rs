@@ -119,13 +119,16 @@ pub struct DequantTiles {
 /// 16 bytes of weights and 2 of scales (`STREAM_STAGE_BYTES` in `kernels/templates/gemm.cu`).
 pub const STREAM_GROUP_BYTES: u32 = 32 * (16 + 2);
 
+/// Shared-memory bytes of one 64-wide K group of 64 rows of X in the wgmma kernels' B operand
+/// layout (`WG_OPERAND_BYTES` in `kernels/templates/gemm.cu`).
+pub const WGMMA_OPERAND_BYTES: u32 = 64 * 64 * 2;
+
 /// Shared-memory bytes of one `gemm_*_wgmma_m64` block (NVFP4 weights where `nvfp4`, else
-/// bf16): two slots of the B operand (one 64-wide K group of 64 rows of bf16 each,
-/// `WG_OPERAND_BYTES` in `kernels/templates/gemm.cu`), `gemm.wgmma_x_slots` staging slots of 64
+/// bf16): two slots of the B operand ([`WGMMA_OPERAND_BYTES`] each), `gemm.wgmma_x_slots` staging slots of 64
 /// rows of 144 bytes (`WG_STAGE_BYTES`), then each warp's ring of `gemm.wgmma_stages_*` slots of
 /// one K group of its tile (`WgmmaSlot`: NVFP4 [`STREAM_GROUP_BYTES`], bf16 2 KiB).
 pub fn wgmma_shared_bytes(tiles: &GemmTiles, nvfp4: bool) -> u32 {
-    (2 * 64 * 64 * 2u32)
+    (2 * WGMMA_OPERAND_BYTES)
         .saturating_add(tiles.wgmma_x_slots.saturating_mul(64 * 144))
         .saturating_add(wgmma_ring_bytes(
             tiles,
@@ -135,11 +138,12 @@ pub fn wgmma_shared_bytes(tiles: &GemmTiles, nvfp4: bool) -> u32 {
 }
 
 /// Shared-memory bytes of one `gemm_*_wgmma_resident_m64` block over `groups` K groups (NVFP4
-/// weights where `nvfp4`, else bf16): the groups' X in the B operand layout (8 KiB each), then
+/// weights where `nvfp4`, else bf16): the groups' X in the B operand layout
+/// ([`WGMMA_OPERAND_BYTES`] each), then
 /// each warp's weight ring, as [`wgmma_shared_bytes`] sizes it.
 pub fn wgmma_resident_shared_bytes(tiles: &GemmTiles, nvfp4: bool, groups: u32) -> u32 {
     groups
-        .saturating_mul(64 * 64 * 2)
+        .saturating_mul(WGMMA_OPERAND_BYTES)
         .saturating_add(wgmma_ring_bytes(
             tiles,
             nvfp4,

@@ -67,7 +67,8 @@ use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims, SplitKScratch};
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::Nvfp4Matrix;
 use crate::target::{
-    GemmTiles, STREAM_GROUP_BYTES, TargetFacts, wgmma_resident_shared_bytes, wgmma_shared_bytes,
+    GemmTiles, STREAM_GROUP_BYTES, TargetFacts, WGMMA_OPERAND_BYTES, wgmma_resident_shared_bytes,
+    wgmma_shared_bytes,
 };
 use half::bf16;
 use layout::{Bf16Fragments, Nvfp4Fragments, WmmaBf16Fragments, WmmaNvfp4Fragments};
@@ -958,6 +959,7 @@ pub fn x_shared_plan(
         n_tiles.max(1).div_ceil(tiles_per_block as usize),
         multiprocessors * tiles.mma_x_shared_blocks_per_sm,
         tiles.mma_x_shared_min_groups_per_split,
+        1,
     );
     MmaPlan {
         warps_per_tile: plan.warps_per_tile,
@@ -966,15 +968,17 @@ pub fn x_shared_plan(
     }
 }
 
-/// The K groups per split, of every split count that keeps at least `min_groups_per_split`
-/// groups per split, whose `blocks_per_split` blocks per split fill `slots` resident blocks in
-/// the fewest waves of the least work: waves x (groups per split + [`SPLIT_OVERHEAD_GROUPS`]),
-/// the fewest splits on a tie ([`x_shared_plan`], [`wgmma_plan`]).
+/// The K groups per split, of every split count from `fewest_splits` that keeps at least
+/// `min_groups_per_split` groups per split, whose `blocks_per_split` blocks per split fill `slots`
+/// resident blocks in the fewest waves of the least work: waves x (groups per split +
+/// [`SPLIT_OVERHEAD_GROUPS`]), the fewest splits on a tie ([`x_shared_plan`], [`wgmma_plan`],
+/// [`wgmma_resident_plan`]).
 fn wave_filling_groups_per_split(
     k_groups: usize,
     blocks_per_split: usize,
     slots: u32,
     min_groups_per_split: u32,
+    fewest_splits: usize,
 ) -> usize {
     let slots = slots.max(1) as usize;
     let most = (k_groups / min_groups_per_split.max(1) as usize).max(1);
@@ -984,7 +988,7 @@ fn wave_filling_groups_per_split(
     };
     // each split count's groups per split, fewest splits first (min_by_key keeps the first;
     // the range is never empty)
-    (1..=most)
+    (fewest_splits.clamp(1, most)..=most)
         .map(|splits| k_groups.div_ceil(splits).max(1))
         .min_by_key(|&groups| cost(groups))
         .unwrap_or(k_groups.max(1))
@@ -1035,7 +1039,7 @@ pub fn wgmma_plan(
     let groups_per_split = if blocks >= slots as usize {
         k_groups
     } else {
-        wave_filling_groups_per_split(k_groups, blocks, slots, tiles.wgmma_min_groups_per_split)
+        wave_filling_groups_per_split(k_groups, blocks, slots, tiles.wgmma_min_groups_per_split, 1)
     };
     MmaPlan {
         warps_per_tile: 1,
@@ -1085,7 +1089,7 @@ pub fn resident_max_groups(target: &TargetFacts, nvfp4: bool) -> u32 {
         return tiles.wgmma_resident_max_groups;
     }
     let rings = wgmma_resident_shared_bytes(tiles, nvfp4, 0);
-    (target.max_shared_bytes_per_block.saturating_sub(rings) / (64 * 64 * 2)).clamp(1, 16)
+    (target.max_shared_bytes_per_block.saturating_sub(rings) / WGMMA_OPERAND_BYTES).clamp(1, 16)
 }
 
 /// The partition of `gemm_*_wgmma_resident_m64`: a warpgroup per quad of four 16-row tiles,
@@ -1105,20 +1109,12 @@ pub fn wgmma_resident_plan(
         .max(1)
         .div_ceil(4)
         .div_ceil(tiles.wgmma_resident_warpgroups_per_block.max(1) as usize);
-    let slots = multiprocessors.max(1) as usize;
     let fewest = k_groups.div_ceil(most_groups.max(1) as usize);
-    let cost = |splits: usize| {
-        let groups = k_groups.div_ceil(splits);
-        (blocks * k_groups.div_ceil(groups)).div_ceil(slots) * (groups + SPLIT_OVERHEAD_GROUPS)
-    };
-    let splits = if blocks >= slots {
-        fewest
+    let groups_per_split = if blocks >= multiprocessors as usize {
+        k_groups.div_ceil(fewest)
     } else {
-        (fewest..=k_groups.max(fewest))
-            .min_by_key(|&splits| cost(splits))
-            .unwrap_or(fewest)
+        wave_filling_groups_per_split(k_groups, blocks, multiprocessors, 1, fewest)
     };
-    let groups_per_split = k_groups.div_ceil(splits);
     MmaPlan {
         warps_per_tile: 1,
         splits: k_groups.div_ceil(groups_per_split) as u32,
