@@ -813,6 +813,40 @@ FP4_DEVICE void wgmma_m64n64k16_bf16(float (&d)[32], const u32 (&a)[4], u64 b) {
 }
 // ---- end of wgmma instructions ----
 
+/// X columns 16t + 8h .. 16t + 8h + 7 of row `row` of a K group (16 bytes, `v`) into that group's
+/// B operand at `operand` (no-swizzle K-major): its four words go to steps 2h / 2h + 1,
+/// core-matrix columns 0 / 1 of row group row / 8 (the fragment layout's K order, see above).
+FP4_DEVICE void wgmma_store_x_piece(u8* operand, u32 row, u32 t, u32 h, const u32x4& v) {
+    u8* base = operand + (row / 8u) * 2u * 128u + (row % 8u) * 16u + t * 4u;
+    *reinterpret_cast<u32*>(base + (2 * h) * WG_STEP_BYTES) = v.x;
+    *reinterpret_cast<u32*>(base + (2 * h) * WG_STEP_BYTES + 128) = v.y;
+    *reinterpret_cast<u32*>(base + (2 * h + 1) * WG_STEP_BYTES) = v.z;
+    *reinterpret_cast<u32*>(base + (2 * h + 1) * WG_STEP_BYTES + 128) = v.w;
+}
+
+/// Where a warp of a wgmma block of WARPGROUPS quads stands: its 16-row tile (warp q of quad g
+/// the tile 4g + q), whether the tile exists (a warp past the last one copies no weights and
+/// stores nothing), and split blockIdx.y's K groups [split_begin, block_end), its own
+/// [split_begin, split_end) (empty past the last tile).
+struct WgmmaWarp {
+    u32 lane, warp, tile;
+    bool active;
+    u32 split_begin, block_end, split_end, rounds;
+};
+template <int WARPGROUPS>
+FP4_DEVICE WgmmaWarp wgmma_warp(u32 n_tiles, u32 k_groups, u32 groups_per_split) {
+    WgmmaWarp w;
+    w.lane = thread_x() % FP4_WARP_SIZE;
+    w.warp = thread_x() / FP4_WARP_SIZE;
+    w.tile = (block_x() * WARPGROUPS + w.warp / 4) * 4 + w.warp % 4;
+    w.active = w.tile < n_tiles;
+    w.split_begin = block_y() * groups_per_split;
+    w.block_end = min(k_groups, w.split_begin + groups_per_split);
+    w.split_end = w.active ? w.block_end : w.split_begin;
+    w.rounds = w.block_end - w.split_begin;
+    return w;
+}
+
 // ---- a warp's weight ring (gemm_*_wgmma_m64): one K group of its tile per slot ----
 // Each lane copies its own entries of the fragment arrays (cp.async, 16 bytes) into the warp's
 // slot and later reads them back as the Group that Weights::load would have returned, so no
@@ -865,6 +899,13 @@ struct WgmmaRing {
         if (group < split_end) wgmma_copy_group(weights, base + (r % STAGES) * SLOT_BYTES, tile_base + (u64)group * 32, lane);
     }
     FP4_DEVICE const u8* slot(u32 r) const { return ptr + (r % STAGES) * SLOT_BYTES; }
+    /// Warp `w`'s ring in the block's dynamic shared memory `shared`, the warps' rings from byte
+    /// `rings_offset` on, one after another.
+    static FP4_DEVICE WgmmaRing of(const Weights& weights, u8* shared, u32 rings_offset, const WgmmaWarp& w, u32 k_groups) {
+        const u32 offset = rings_offset + w.warp * STAGES * SLOT_BYTES;
+        return {weights, cp_async_shared_address(shared) + offset, shared + offset,
+                (u64)w.tile * k_groups * 32 + w.lane, w.lane, w.split_begin, w.split_end};
+    }
     /// The copies of rounds 0 .. STAGES - 2 (each its own cp.async group where `group_each`, else
     /// one for all), then lane 0 asks the L2 for the next L2_PREFETCH_GROUPS groups: what a block
     /// does before its wait for the previous kernel (the weights do not depend on it).
@@ -932,26 +973,15 @@ FP4_DEVICE void gemm_wgmma(const u16* __restrict__ x, Weights weights, float alp
                            u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 epilogue) {
     static_assert(STAGES >= WG_X_SLOTS, "round r + 1's weights must be in the groups the X wait covers");
     extern __shared__ __align__(128) u8 wgmma_shared[];
-    const u32 lane = thread_x() % FP4_WARP_SIZE;
-    const u32 warp = thread_x() / FP4_WARP_SIZE;
-    const u32 quad = block_x() * WG_GROUPS + warp / 4;
-    const u32 tile = quad * 4 + warp % 4;
-    // a warp past the last tile copies no weights and stores nothing
-    const bool active = tile < n_tiles;
-    const u32 split_begin = block_y() * groups_per_split;
-    const u32 block_end = min(k_groups, split_begin + groups_per_split);
-    const u32 split_end = active ? block_end : split_begin;
-    const u32 rounds = block_end - split_begin;
-
+    const WgmmaWarp w = wgmma_warp<WG_GROUPS>(n_tiles, k_groups, groups_per_split);
+    const u32 lane = w.lane, warp = w.warp, split_begin = w.split_begin, rounds = w.rounds;
     // dynamic shared memory: the two operand slots, the staging slots, then the warps' weight
     // rings (wgmma_shared_bytes in src/target/facts.rs sizes it the same way)
-    constexpr u32 SLOT_BYTES = WgmmaSlot<Weights>::BYTES;
     const u32 operand_base = cp_async_shared_address(wgmma_shared);
     const u32 stage_base = operand_base + 2 * WG_OPERAND_BYTES;
     u8* const stage_ptr = wgmma_shared + 2 * WG_OPERAND_BYTES;
-    const u32 ring_offset = 2 * WG_OPERAND_BYTES + WG_X_SLOTS * WG_STAGE_BYTES + warp * STAGES * SLOT_BYTES;
-    const WgmmaRing<Weights, STAGES> ring = {weights, operand_base + ring_offset, wgmma_shared + ring_offset,
-                                             (u64)tile * k_groups * 32 + lane, lane, split_begin, split_end};
+    const auto ring = WgmmaRing<Weights, STAGES>::of(weights, wgmma_shared,
+                                                     2 * WG_OPERAND_BYTES + WG_X_SLOTS * WG_STAGE_BYTES, w, k_groups);
     // round r's X into staging slot r % WG_X_SLOTS (16-byte pieces: row, 8 columns; columns past K
     // zero: the weights there are zero and stale shared memory could be NaN; rows past M not
     // copied: their products land in outputs nobody stores)
@@ -986,12 +1016,7 @@ FP4_DEVICE void gemm_wgmma(const u16* __restrict__ x, Weights weights, float alp
         for (u32 q = warp; q < 16; q += WG_THREADS / FP4_WARP_SIZE) {
             const u32 ng = q % 8, h = q / 8, row = ng * 8 + r8;
             if (row >= m) continue;
-            const u32x4 v = *reinterpret_cast<const u32x4*>(src + row * WG_STAGE_ROW_BYTES + 32 * t + 16 * h);
-            u8* base = dst + (ng * 2) * 128 + r8 * 16 + t * 4;
-            *reinterpret_cast<u32*>(base + (2 * h) * WG_STEP_BYTES) = v.x;
-            *reinterpret_cast<u32*>(base + (2 * h) * WG_STEP_BYTES + 128) = v.y;
-            *reinterpret_cast<u32*>(base + (2 * h + 1) * WG_STEP_BYTES) = v.z;
-            *reinterpret_cast<u32*>(base + (2 * h + 1) * WG_STEP_BYTES + 128) = v.w;
+            wgmma_store_x_piece(dst, row, t, h, *reinterpret_cast<const u32x4*>(src + row * WG_STAGE_ROW_BYTES + 32 * t + 16 * h));
         }
     };
     cp_async_wait<WG_X_SLOTS - 2>();  // round 0's weights and X landed (this thread's copies) ...
@@ -1026,7 +1051,7 @@ FP4_DEVICE void gemm_wgmma(const u16* __restrict__ x, Weights weights, float alp
     };
     for (u32 r = 0; r < rounds; ++r) round(r);
     cp_async_wait<0>();  // the empty groups past the end: nothing is left in flight
-    if (active) wgmma_finish_tile(d, alpha, tile, lane, m, n, epilogue, residual, y, partials, counters);
+    if (w.active) wgmma_finish_tile(d, alpha, w.tile, lane, m, n, epilogue, residual, y, partials, counters);
 }
 
 // (threads, resident blocks per SM): caps the registers so that wgmma_blocks_per_sm blocks fit
@@ -1071,21 +1096,10 @@ FP4_DEVICE void gemm_wgmma_resident(const u16* __restrict__ x, Weights weights, 
                                     const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
                                     u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 epilogue) {
     extern __shared__ __align__(128) u8 wgmma_shared[];
-    const u32 lane = thread_x() % FP4_WARP_SIZE;
-    const u32 warp = thread_x() / FP4_WARP_SIZE;
-    const u32 tile = (block_x() * WGR_GROUPS + warp / 4) * 4 + warp % 4;
-    // a warp past the last tile copies no weights and stores nothing
-    const bool active = tile < n_tiles;
-    const u32 split_begin = block_y() * groups_per_split;
-    const u32 block_end = min(k_groups, split_begin + groups_per_split);
-    const u32 split_end = active ? block_end : split_begin;
-    const u32 rounds = block_end - split_begin;
-
-    constexpr u32 SLOT_BYTES = WgmmaSlot<Weights>::BYTES;
+    const WgmmaWarp w = wgmma_warp<WGR_GROUPS>(n_tiles, k_groups, groups_per_split);
+    const u32 lane = w.lane, split_begin = w.split_begin, rounds = w.rounds;
     const u32 operand_base = cp_async_shared_address(wgmma_shared);
-    const u32 ring_offset = groups_per_split * WG_OPERAND_BYTES + warp * STAGES * SLOT_BYTES;
-    const WgmmaRing<Weights, STAGES> ring = {weights, operand_base + ring_offset, wgmma_shared + ring_offset,
-                                             (u64)tile * k_groups * 32 + lane, lane, split_begin, split_end};
+    const auto ring = WgmmaRing<Weights, STAGES>::of(weights, wgmma_shared, groups_per_split * WG_OPERAND_BYTES, w, k_groups);
     // a cp.async group per round (empty past the warp's range), so that waiting until STAGES - 2
     // groups are pending leaves round r's
     ring.start(true);
@@ -1113,12 +1127,7 @@ FP4_DEVICE void gemm_wgmma_resident(const u16* __restrict__ x, Weights weights, 
         for (u32 i = 0; i < X_BATCH; ++i) {
             const u32 p = p0 + i * WGR_THREADS, row = (p % 512u) / 8u;
             if (p >= pieces || row >= m) continue;
-            const u32 t = (p % 8u) / 2u, h = p % 2u;
-            u8* base = wgmma_shared + (p / 512u) * WG_OPERAND_BYTES + (row / 8u) * 2u * 128u + (row % 8u) * 16u + t * 4u;
-            *reinterpret_cast<u32*>(base + (2 * h) * WG_STEP_BYTES) = v[i].x;
-            *reinterpret_cast<u32*>(base + (2 * h) * WG_STEP_BYTES + 128) = v[i].y;
-            *reinterpret_cast<u32*>(base + (2 * h + 1) * WG_STEP_BYTES) = v[i].z;
-            *reinterpret_cast<u32*>(base + (2 * h + 1) * WG_STEP_BYTES + 128) = v[i].w;
+            wgmma_store_x_piece(wgmma_shared + (p / 512u) * WG_OPERAND_BYTES, row, (p % 8u) / 2u, p % 2u, v[i]);
         }
     }
     fence_proxy_async_shared();
@@ -1140,7 +1149,7 @@ FP4_DEVICE void gemm_wgmma_resident(const u16* __restrict__ x, Weights weights, 
         wgmma_wait<0>();
     }
     cp_async_wait<0>();  // the empty groups past the end: nothing is left in flight
-    if (active) wgmma_finish_tile(d, alpha, tile, lane, m, n, epilogue, residual, y, partials, counters);
+    if (w.active) wgmma_finish_tile(d, alpha, w.tile, lane, m, n, epilogue, residual, y, partials, counters);
 }
 
 // one block per SM: the X range and the rings take most of its shared memory
