@@ -856,6 +856,28 @@ fn emulated_kernels_keep_model_like_batches_on_the_fast_path() {
     );
 }
 
+/// At the full vocabulary a row spreads over a wave of blocks (61 at B = 1 on 132 SMs), each
+/// writing the ~50 candidates above its own floor: the row's last block must not merge them all
+/// (about 2500, over twice its buffer), but only those reaching the bound its blocks' pooled
+/// maxima give (the k-th largest of them), so that its buffer never fills.
+#[test]
+fn emulated_top_k_merges_only_what_the_pooled_bound_admits() {
+    let mut rng = SplitMix64::new(19);
+    let vocab = 248_320;
+    let batch = batches::model_like(&mut rng, vocab, 1, 1, &batches::all_controls());
+    let trace = check_emulated(
+        "full-vocabulary merge",
+        &sm90_tiles(),
+        vocab,
+        &batch,
+        &[132],
+    );
+    assert_eq!(
+        trace.full_top_k_buffers, 0,
+        "a verify_topk buffer filled up: {trace:?}"
+    );
+}
+
 /// Rows with one logit far above the rest at a low temperature: the blocks holding it have tops
 /// hundreds of octaves above the grid anchored at another block, and keep their own histograms.
 #[test]

@@ -269,7 +269,8 @@ struct VerifyArgs {
     const VerifyRow* rows;
     const u32* bias_tokens;
     const float* bias_values;
-    u64* block_hist;                // [rows * blocks_per_row][VNB] (blocks above their row's grid)
+    u64* block_hist;                // [rows * blocks_per_row][VNB] (blocks above their row's grid;
+                                    // verify_topk: a block's VTOPK_POOL group maxima)
     u64* block_summary;             // [rows * blocks_per_row][3]
     u64* row_grid;                  // [rows][VGRID], zero between launches
     u32* row_anchor;                // [rows], zero between launches (verify_topk: the row's bound key)
@@ -1954,7 +1955,11 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
 // cut back to its top k. A row's blocks raise a shared lower bound on the row's k-th logit (an
 // atomic max), write only the candidates that reach it, and the row's last block merges them
 // through the same buffer, ranks the top k and finishes the row as verify_finish does; the last
-// row of a sequence walks its acceptance chain. Greedy sequences run with k = 1. Sampled drafts
+// row of a sequence walks its acceptance chain. That bound is one block's k-th largest, far
+// below the row's (a block holds 1/61 of a B = 1 row), so the blocks write about 50 candidates
+// each; the last block first takes the k-th largest of every block's VTOPK_POOL group maxima
+// (distinct tokens of the row, so a bound too, near the row's k-th) and merges only what reaches
+// it: about 3 candidates a block where it merged them all and cut its full buffer 2-3 times. Greedy sequences run with k = 1. Sampled drafts
 // still need verify_residual after it.
 #define VTOPK_MAX {{ target.verify.top_k_max }}
 #define VTOPK_BUF {{ target.verify.top_k_buffer }}
@@ -1962,7 +1967,10 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
 #define VTOPK_SORTED VTOPK_MAX                  // the ranked top k: buf[VTOPK_SORTED + rank]
 #define VTOPK_MERGE 4                           // candidates per thread per merge round
 #define VKEY_LOWEST_FINITE 0x00800000u          // order_key(-FLT_MAX)
+#define VTOPK_POOL 8                            // group maxima each block pools for the row's bound
 static_assert(VTOPK_MAX <= VT && VTOPK_BUF >= VTOPK_MAX + VT, "verify.top_k_max, top_k_buffer");
+// a block's pooled maxima live in its block_hist words, which verify_topk does not otherwise use
+static_assert(VNB >= VTOPK_POOL && VT % VTOPK_POOL == 0 && FP4_WARP_SIZE % VTOPK_POOL == 0, "VTOPK_POOL");
 
 struct TopkShared {
     u64 buf[VTOPK_BUF];  // candidate codes; later the ranked top k; later the sequence's rows
@@ -1973,6 +1981,7 @@ struct TopkShared {
     float bias_values[VT];
     u32 drafts[VT];
     u32 block_start[VMAX_BLOCKS_PER_ROW + 1];
+    u64 pool[VWARPS * VTOPK_POOL];
     u32 digit[3];
     u32 key;
     u32 last;
@@ -2189,6 +2198,45 @@ FP4_DEVICE u64 candidate_at(const TopkShared& sh, u32 blocks, u32 f) {
     return (u64)lo * VTOPK_BUF + (f - sh.block_start[lo]);
 }
 
+/// Block-wide: writes to `out` the block's VTOPK_POOL group maxima, group g holding the
+/// candidates buf[i], i % VTOPK_POOL == g (0 for an empty group). They are distinct tokens of the
+/// row: the k-th largest of every block's is a lower bound on the row's k-th code.
+FP4_DEVICE void pool_group_maxima(TopkShared& sh, const TopkState& st, u64* out) {
+    // thread t holds buf[t + VT m]: its group is t % VTOPK_POOL, and so is each lane's
+    u64 best = 0;
+    #pragma unroll
+    for (u32 m = 0; m < VTOPK_PER; ++m) {
+        const u32 i = thread_x() + VT * m;
+        const u64 c = i < st.count ? sh.buf[i] : 0;
+        best = c > best ? c : best;
+    }
+    for (u32 offset = VTOPK_POOL; offset < FP4_WARP_SIZE; offset <<= 1)
+        best = combine(best, shuffle_from_u64(best, lane_index() ^ offset), VOP_MAX);
+    if (lane_index() < VTOPK_POOL) sh.pool[warp_index() * VTOPK_POOL + lane_index()] = best;
+    block_sync();
+    if (thread_x() < VTOPK_POOL) {
+        u64 group = 0;
+        for (u32 w = 0; w < VWARPS; ++w) group = combine(group, sh.pool[w * VTOPK_POOL + thread_x()], VOP_MAX);
+        out[thread_x()] = group;
+    }
+}
+
+/// Block-wide, on the row's last block: the k-th largest of the group maxima its blocks pooled
+/// (pool_group_maxima; those of the first VTOPK_BUF / VTOPK_POOL blocks, any subset being a
+/// bound), 0 when they hold fewer than k tokens. Uses the buffer.
+FP4_DEVICE u64 pooled_bound(const VerifyArgs& a, u32 r, TopkShared& sh, u32 k) {
+    const u32 blocks = umin(a.blocks_per_row, VTOPK_BUF / VTOPK_POOL);
+    const u32 n = blocks * VTOPK_POOL;
+    if (n < k) return 0;
+    const u64* pools = a.block_hist + (u64)r * a.blocks_per_row * VNB;
+    for (u32 i = thread_x(); i < n; i += VT)
+        sh.buf[i] = load_shared_u64(&pools[(u64)(i / VTOPK_POOL) * VNB + i % VTOPK_POOL]);
+    // kth_code's first barrier orders these writes before its reads. Empty groups read 0, equal
+    // codes where kth_code assumes distinct ones: with fewer than k tokens the bound is 0 (every
+    // round's digit is a zero's), with k or more the k-th largest token lies above every zero.
+    return kth_code(sh, sh.buf, n, k);
+}
+
 /// The block of the row's last arrival: merges the candidates every block of the row wrote
 /// (those at or above the row's bound) into the buffer; returns the row's first bad token (the
 /// least of the blocks'). Block-wide.
@@ -2208,8 +2256,9 @@ FP4_DEVICE u32 topk_merge(const VerifyArgs& a, u32 r, TopkShared& sh, TopkState&
     }
     if (thread_x() == 0) sh.block_start[blocks] = total;
     const u32 key = load_shared_u32(&a.row_anchor[r]);
+    const u64 pooled = pooled_bound(a, r, sh, k);
     st.count = 0;
-    st.floor_code = (u64)key << 32;
+    st.floor_code = (u64)key << 32 > pooled ? (u64)key << 32 : pooled;
     block_sync();
     const u64* written = a.candidates + (u64)r * blocks * VTOPK_BUF;
     for (u32 f0 = 0; f0 < total; f0 += VT * VTOPK_MERGE) {
@@ -2397,6 +2446,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
         }
         block_sync();
         const u64 slot = (u64)r * a.blocks_per_row + block_x();
+        pool_group_maxima(sh, st, a.block_hist + slot * VNB);
         const u32 written = copy_codes_from(sh, st, (u64)sh.key << 32, a.candidates + slot * VTOPK_BUF);
         if (thread_x() == 0) {
             a.block_summary[slot * 3] = written;
