@@ -1965,7 +1965,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
 #define VTOPK_BUF {{ target.verify.top_k_buffer }}
 #define VTOPK_PER ((VTOPK_BUF + VT - 1) / VT)  // buffer entries per thread
 #define VTOPK_SORTED VTOPK_MAX                  // the ranked top k: buf[VTOPK_SORTED + rank]
-#define VTOPK_MERGE 4                           // candidates per thread per merge round
+#define VTOPK_MERGE 8                           // candidates per thread per merge round
 #define VKEY_LOWEST_FINITE 0x00800000u          // order_key(-FLT_MAX)
 #define VTOPK_POOL 8                            // group maxima each block pools for the row's bound
 static_assert(VTOPK_MAX <= VT && VTOPK_BUF >= VTOPK_MAX + VT, "verify.top_k_max, top_k_buffer");
@@ -1974,7 +1974,7 @@ static_assert(VNB >= VTOPK_POOL && VT % VTOPK_POOL == 0 && FP4_WARP_SIZE % VTOPK
 
 struct TopkShared {
     u64 buf[VTOPK_BUF];  // candidate codes; later the ranked top k; later the sequence's rows
-    u32 hist[256];
+    u32 hist[256];  // kth_code's digit counts, zero between its calls
     u32 totals[2 * VWARPS];
     u64 scratch[VREDUCE * VWARPS];
     u32 bias_tokens[VT];  // stage_bias
@@ -2044,13 +2044,13 @@ FP4_DEVICE float float_below(float x) {
 
 /// Block-wide: a code T with exactly k of the n distinct codes[0, n) at or above it (n >= k >= 1),
 /// to every thread. Radix rounds over 8-bit digits from the top, stopping at the first digit that
-/// holds exactly the codes still needed (T is then that prefix, its lower bits zero).
+/// holds exactly the codes still needed (T is then that prefix, its lower bits zero). sh.hist is
+/// zero on entry and on return (verify_topk clears it once): warp 0 clears each round's bins as
+/// it reads them, so a round takes two barriers, not three.
 FP4_DEVICE u64 kth_code(TopkShared& sh, const u64* codes, u32 n, u32 k) {
     u64 prefix = 0;
     u32 need = k;
     for (int shift = 56;; shift -= 8) {
-        for (u32 i = thread_x(); i < 256; i += VT) sh.hist[i] = 0;
-        block_sync();
         const u64 high = shift == 56 ? 0ull : ~0ull << (shift + 8);
         for (u32 i = thread_x(); i < n; i += VT) {
             const u64 c = codes[i];
@@ -2059,21 +2059,25 @@ FP4_DEVICE u64 kth_code(TopkShared& sh, const u64* codes, u32 n, u32 k) {
         block_sync();
         if (warp_index() == 0) {
             // lane l holds digits 255 - 8l down to 248 - 8l: lanes ascend as digits descend
-            u32 own = 0;
-            for (u32 i = 0; i < 8; ++i) own += sh.hist[255 - 8 * lane_index() - i];
+            u32 bins[8], own = 0;
+            #pragma unroll
+            for (u32 i = 0; i < 8; ++i) {
+                bins[i] = sh.hist[255 - 8 * lane_index() - i];
+                sh.hist[255 - 8 * lane_index() - i] = 0;
+                own += bins[i];
+            }
             const u32 incl = warp_inclusive_sum(own);
             u32 run = incl - own;
             if (run < need && need <= incl) {
+                #pragma unroll
                 for (u32 i = 0; i < 8; ++i) {
-                    const u32 d = 255 - 8 * lane_index() - i;
-                    const u32 h = sh.hist[d];
-                    if (run + h >= need) {
-                        sh.digit[0] = d;
+                    if (run + bins[i] >= need) {
+                        sh.digit[0] = 255 - 8 * lane_index() - i;
                         sh.digit[1] = run;
-                        sh.digit[2] = h;
+                        sh.digit[2] = bins[i];
                         break;
                     }
-                    run += h;
+                    run += bins[i];
                 }
             }
         }
@@ -2419,6 +2423,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
     }
     RowView v = row_view(a, row, seq);
     stage_bias(v, sh.bias_tokens, sh.bias_values);
+    for (u32 i = thread_x(); i < 256; i += VT) sh.hist[i] = 0;  // kth_code keeps it zero
     block_sync();
     const u32 k = seq.temperature > 0.0f ? seq.top_k : 1u;
     TopkState st{0, 0, -f32_inf(), 0, 0};
