@@ -858,7 +858,7 @@ fn emulated_kernels_keep_model_like_batches_on_the_fast_path() {
 
 /// At the full vocabulary a row spreads over a wave of blocks (61 at B = 1 on 132 SMs), each
 /// writing the ~50 candidates above its own floor: the row's last block must not merge them all
-/// (about 2500, over twice its buffer), but only those reaching the bound its blocks' pooled
+/// (over 3000, three times its buffer), but only those reaching the bound its blocks' pooled
 /// maxima give (the k-th largest of them), so that its buffer never fills.
 #[test]
 fn emulated_top_k_merges_only_what_the_pooled_bound_admits() {

@@ -1952,15 +1952,14 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
 // (argmax_code: order key, then inverted token id, so the largest code comes first), admitting a
 // token only above a floor that only rises: the k-th largest of the first chunk's per-thread
 // maxima, then, whenever the buffer fills, the k-th code of the buffer (radix rounds) as it is
-// cut back to its top k. A row's blocks raise a shared lower bound on the row's k-th logit (an
-// atomic max), write only the candidates that reach it, and the row's last block merges them
-// through the same buffer, ranks the top k and finishes the row as verify_finish does; the last
-// row of a sequence walks its acceptance chain. That bound is one block's k-th largest, far
-// below the row's (a block holds 1/61 of a B = 1 row), so the blocks write about 50 candidates
-// each; the last block first takes the k-th largest of every block's VTOPK_POOL group maxima
-// (distinct tokens of the row, so a bound too, near the row's k-th) and merges only what reaches
-// it: about 3 candidates a block where it merged them all and cut its full buffer 2-3 times. Greedy sequences run with k = 1. Sampled drafts
-// still need verify_residual after it.
+// cut back to its top k. A row's blocks (61 at B = 1) each write all their candidates (about 50)
+// with VTOPK_POOL group maxima of them, and raise a shared lower bound on the row's k-th logit
+// (an atomic max of their own k-th's) without waiting for it. The row's last block takes the k-th
+// largest of the pooled maxima (distinct tokens of the row, so a bound near the row's k-th, where
+// the largest block k-th lies far below it), merges only the candidates reaching both bounds
+// (a few a block) through the same buffer, ranks the top k and finishes the row as verify_finish
+// does; the last row of a sequence walks its acceptance chain. Greedy sequences run with k = 1.
+// Sampled drafts still need verify_residual after it.
 #define VTOPK_MAX {{ target.verify.top_k_max }}
 #define VTOPK_BUF {{ target.verify.top_k_buffer }}
 #define VTOPK_PER ((VTOPK_BUF + VT - 1) / VT)  // buffer entries per thread
@@ -1983,7 +1982,6 @@ struct TopkShared {
     u32 block_start[VMAX_BLOCKS_PER_ROW + 1];
     u64 pool[VWARPS * VTOPK_POOL];
     u32 digit[3];
-    u32 key;
     u32 last;
     u64 words[6];  // the row's kept weight or top-k weight (2), probe weight (2), weight before it (2)
 };
@@ -2225,16 +2223,29 @@ FP4_DEVICE void pool_group_maxima(TopkShared& sh, const TopkState& st, u64* out)
     }
 }
 
-/// Block-wide, on the row's last block: the k-th largest of the group maxima its blocks pooled
-/// (pool_group_maxima; those of the first VTOPK_BUF / VTOPK_POOL blocks, any subset being a
-/// bound), 0 when they hold fewer than k tokens. Uses the buffer.
-FP4_DEVICE u64 pooled_bound(const VerifyArgs& a, u32 r, TopkShared& sh, u32 k) {
-    const u32 blocks = umin(a.blocks_per_row, VTOPK_BUF / VTOPK_POOL);
-    const u32 n = blocks * VTOPK_POOL;
-    if (n < k) return 0;
+/// The group maxima the row's blocks pooled (pool_group_maxima), those of the first
+/// VTOPK_BUF / VTOPK_POOL blocks (any subset of the row's tokens gives a bound): this thread's
+/// share, codes[thread + VT m] in `pool[m]`; returns how many there are in all.
+FP4_DEVICE u32 load_pool(const VerifyArgs& a, u32 r, u64 (&pool)[VTOPK_PER]) {
+    const u32 n = umin(a.blocks_per_row, VTOPK_BUF / VTOPK_POOL) * VTOPK_POOL;
     const u64* pools = a.block_hist + (u64)r * a.blocks_per_row * VNB;
-    for (u32 i = thread_x(); i < n; i += VT)
-        sh.buf[i] = load_shared_u64(&pools[(u64)(i / VTOPK_POOL) * VNB + i % VTOPK_POOL]);
+    #pragma unroll
+    for (u32 m = 0; m < VTOPK_PER; ++m) {
+        const u32 i = thread_x() + VT * m;
+        pool[m] = i < n ? load_shared_u64(&pools[(u64)(i / VTOPK_POOL) * VNB + i % VTOPK_POOL]) : 0;
+    }
+    return n;
+}
+
+/// Block-wide: the k-th largest of the n pooled codes (load_pool), a lower bound on the row's
+/// k-th code; 0 when they hold fewer than k tokens. Uses the buffer.
+FP4_DEVICE u64 pooled_bound(TopkShared& sh, const u64 (&pool)[VTOPK_PER], u32 n, u32 k) {
+    if (n < k) return 0;
+    #pragma unroll
+    for (u32 m = 0; m < VTOPK_PER; ++m) {
+        const u32 i = thread_x() + VT * m;
+        if (i < n) sh.buf[i] = pool[m];
+    }
     // kth_code's first barrier orders these writes before its reads. Empty groups read 0, equal
     // codes where kth_code assumes distinct ones: with fewer than k tokens the bound is 0 (every
     // round's digit is a zero's), with k or more the k-th largest token lies above every zero.
@@ -2246,6 +2257,9 @@ FP4_DEVICE u64 pooled_bound(const VerifyArgs& a, u32 r, TopkShared& sh, u32 k) {
 /// least of the blocks'). Block-wide.
 FP4_DEVICE u32 topk_merge(const VerifyArgs& a, u32 r, TopkShared& sh, TopkState& st, u32 k) {
     const u32 blocks = a.blocks_per_row;
+    // the pool's loads first: they do not depend on the summaries, so the round trips overlap
+    u64 pool[VTOPK_PER];
+    const u32 pooled = load_pool(a, r, pool);
     const u64* summary = a.block_summary + (u64)r * blocks * 3;
     u32 total = 0;
     u64 bad = VNONE;
@@ -2260,9 +2274,9 @@ FP4_DEVICE u32 topk_merge(const VerifyArgs& a, u32 r, TopkShared& sh, TopkState&
     }
     if (thread_x() == 0) sh.block_start[blocks] = total;
     const u32 key = load_shared_u32(&a.row_anchor[r]);
-    const u64 pooled = pooled_bound(a, r, sh, k);
+    const u64 bound = pooled_bound(sh, pool, pooled, k);
     st.count = 0;
-    st.floor_code = (u64)key << 32 > pooled ? (u64)key << 32 : pooled;
+    st.floor_code = (u64)key << 32 > bound ? (u64)key << 32 : bound;
     block_sync();
     const u64* written = a.candidates + (u64)r * blocks * VTOPK_BUF;
     for (u32 f0 = 0; f0 < total; f0 += VT * VTOPK_MERGE) {
@@ -2444,15 +2458,14 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
     }
     bad = (u32)block_reduce(bad, VOP_MIN, sh.scratch);
     if (a.blocks_per_row > 1) {
-        // publish the bound, write what reaches the row's bound so far, and arrive
-        if (thread_x() == 0) {
-            const u32 old = atomic_max_u32(&a.row_anchor[r], st.bound_key);
-            sh.key = old > st.bound_key ? old : st.bound_key;
-        }
-        block_sync();
+        // publish the bound and the group maxima, write every candidate, arrive. The bound is
+        // raised without waiting for the row's (a round trip each block paid to write fewer
+        // candidates): the row's last block reads the final one and merges only what reaches it
+        // and the pooled maxima's bound.
+        if (thread_x() == 0) atomic_max_u32(&a.row_anchor[r], st.bound_key);
         const u64 slot = (u64)r * a.blocks_per_row + block_x();
         pool_group_maxima(sh, st, a.block_hist + slot * VNB);
-        const u32 written = copy_codes_from(sh, st, (u64)sh.key << 32, a.candidates + slot * VTOPK_BUF);
+        const u32 written = copy_codes_from(sh, st, 0, a.candidates + slot * VTOPK_BUF);
         if (thread_x() == 0) {
             a.block_summary[slot * 3] = written;
             a.block_summary[slot * 3 + 1] = bad;
