@@ -11,8 +11,8 @@
 //! Variants: `gemv` (the straightforward NVFP4 kernel, the reference GPU version), `mma` (the
 //! tensor-core kernels on NVFP4 or bf16 weights, as the library chooses them), `stream nvfp4`
 //! (the staged NVFP4 stream kernel, `MmaKernel::Staged`, at M <= 16 on targets with cp.async),
-//! `wgmma` / `resident` (`MmaKernel::Wgmma` / `MmaKernel::WgmmaResident`, NVFP4 and bf16, at
-//! M > 32 on targets with wgmma), `cublas` (bf16 weights, the peer).
+//! `wgmma` (`MmaKernel::Wgmma`, NVFP4 and bf16, at M > 32 on targets with wgmma), `cublas`
+//! (bf16 weights, the peer).
 //!
 //! Run: `cargo bench --bench gemm [-- FILTER]` on a CUDA or ROCm host (prints one skip line
 //! elsewhere).
@@ -195,16 +195,9 @@ fn bench_shape(
         // (below, a warpgroup's 64 columns of X are mostly padding)
         let wgmma = backend.target().is_some_and(gemm::wgmma_rendered);
         if wgmma && m > 32 {
-            for (variant, weights, bytes, kernel) in [
-                ("wgmma nvfp4", &nvfp4, nvfp4_bytes, MmaKernel::Wgmma),
-                ("wgmma bf16", &bf16, bf16_bytes, MmaKernel::Wgmma),
-                (
-                    "resident nvfp4",
-                    &nvfp4,
-                    nvfp4_bytes,
-                    MmaKernel::WgmmaResident,
-                ),
-                ("resident bf16", &bf16, bf16_bytes, MmaKernel::WgmmaResident),
+            for (variant, weights, bytes) in [
+                ("wgmma nvfp4", &nvfp4, nvfp4_bytes),
+                ("wgmma bf16", &bf16, bf16_bytes),
             ] {
                 let seconds = bench_graph(
                     criterion,
@@ -220,7 +213,7 @@ fn bench_shape(
                             &weights[i % weights.len()],
                             Epilogue::None,
                             &mut y,
-                            kernel,
+                            MmaKernel::Wgmma,
                         )
                         .expect("linear")
                     },

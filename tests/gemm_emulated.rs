@@ -612,16 +612,14 @@ enum WgmmaWeights<'a> {
 }
 
 /// Runs `case` (its plan's splits and groups per split; one warp per tile) on
-/// `gemm_{nvfp4,bf16}_bf16_wgmma_m64`, or `gemm_*_wgmma_resident_m64` where `resident`, with the
-/// blocks, threads and shared memory src/kernels/gemm/mod.rs gives it (`wgmma_dims`,
-/// `wgmma_resident_dims`); returns its output.
+/// `gemm_{nvfp4,bf16}_bf16_wgmma_m64` with the blocks, threads and shared memory
+/// src/kernels/gemm/mod.rs gives it (`wgmma_dims`); returns its output.
 fn run_wgmma_case(
     exe: &Path,
     target: &TargetFacts,
     case: &Case,
     weights: WgmmaWeights<'_>,
     x: &[bf16],
-    resident: bool,
 ) -> Vec<bf16> {
     let tiles = &target.gemm;
     let mut emu = Emu::default();
@@ -647,23 +645,13 @@ fn run_wgmma_case(
                 Arg::Ptr(scales),
                 Arg::F32(q.global_scale * 128.0),
             ];
-            let kernel = if resident {
-                "gemm_nvfp4_bf16_wgmma_resident_m64"
-            } else {
-                "gemm_nvfp4_bf16_wgmma_m64"
-            };
-            (kernel, fragments.grid, args)
+            ("gemm_nvfp4_bf16_wgmma_m64", fragments.grid, args)
         }
         WgmmaWeights::Bf16(w) => {
             let fragments = Bf16Fragments::new(w, case.n, case.k, RowOrder::Plain).expect("layout");
             let words = emu.buffer(le(&fragments.words));
             let args = vec![Arg::Ptr(words), Arg::F32(1.0)];
-            let kernel = if resident {
-                "gemm_bf16_bf16_wgmma_resident_m64"
-            } else {
-                "gemm_bf16_bf16_wgmma_m64"
-            };
-            (kernel, fragments.grid, args)
+            ("gemm_bf16_bf16_wgmma_m64", fragments.grid, args)
         }
     };
     let x_buf = emu.buffer(x.iter().flat_map(|v| v.to_le_bytes()).collect());
@@ -673,18 +661,8 @@ fn run_wgmma_case(
     head.insert(0, Arg::Ptr(x_buf));
     head.extend([Arg::Ptr(y), Arg::Null]);
     let quads = (grid.n_tiles as u32).div_ceil(4);
-    let nvfp4 = kernel.contains("nvfp4");
-    let (warpgroups, shared) = if resident {
-        (
-            tiles.wgmma_resident_warpgroups_per_block,
-            fp4spec::target::wgmma_resident_shared_bytes(tiles, nvfp4, case.plan.groups_per_split),
-        )
-    } else {
-        (
-            tiles.wgmma_warpgroups_per_block,
-            fp4spec::target::wgmma_shared_bytes(tiles, nvfp4),
-        )
-    };
+    let warpgroups = tiles.wgmma_warpgroups_per_block;
+    let shared = fp4spec::target::wgmma_shared_bytes(tiles, kernel.contains("nvfp4"));
     emu.launch(
         kernel,
         (quads.div_ceil(warpgroups), case.plan.splits),
@@ -701,11 +679,10 @@ fn run_wgmma_case(
     read_bf16(&dumps, y)
 }
 
-/// The warpgroup kernels (`wgmma_rendered`: targets with wgmma and cp.async), the ring and the
-/// resident forms, on partitions that take every path: a last quad of one to three live tiles
-/// and a quad of none in a block, K split with a short last range, K not a multiple of 64, rows
-/// past M, more rounds than the X ring's slots and the weight stages; NVFP4 and bf16 weights,
-/// each against the CPU reference.
+/// The warpgroup kernels (`wgmma_rendered`: targets with wgmma and cp.async) on partitions that
+/// take every path: a last quad of one to three live tiles and a quad of none in a block, K
+/// split with a short last range, K not a multiple of 64, rows past M, more rounds than the
+/// X ring's slots and the weight stages; NVFP4 and bf16 weights, each against the CPU reference.
 #[test]
 fn the_wgmma_kernels_match_the_reference() {
     let targets: Vec<_> = emulated_targets()
@@ -745,16 +722,14 @@ fn the_wgmma_kernels_match_the_reference() {
                 plan: plan(1, 3, 11),
             },
         ] {
-            for (resident, what) in [(false, "wgmma "), (true, "wgmma resident ")] {
-                check_both_formats(
-                    target,
-                    &mut rng,
-                    what,
-                    &case,
-                    |q, x| run_wgmma_case(&exe, target, &case, WgmmaWeights::Nvfp4(q), x, resident),
-                    |w, x| run_wgmma_case(&exe, target, &case, WgmmaWeights::Bf16(w), x, resident),
-                );
-            }
+            check_both_formats(
+                target,
+                &mut rng,
+                "wgmma ",
+                &case,
+                |q, x| run_wgmma_case(&exe, target, &case, WgmmaWeights::Nvfp4(q), x),
+                |w, x| run_wgmma_case(&exe, target, &case, WgmmaWeights::Bf16(w), x),
+            );
         }
     }
 }

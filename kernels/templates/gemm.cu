@@ -824,7 +824,7 @@ FP4_DEVICE void wgmma_store_x_piece(u8* operand, u32 row, u32 t, u32 h, const u3
     *reinterpret_cast<u32*>(base + (2 * h + 1) * WG_STEP_BYTES + 128) = v.w;
 }
 
-/// Where a warp of a wgmma block of WARPGROUPS quads stands: its 16-row tile (warp q of quad g
+/// Where a warp of a wgmma block of WG_GROUPS quads stands: its 16-row tile (warp q of quad g
 /// the tile 4g + q), whether the tile exists (a warp past the last one copies no weights and
 /// stores nothing), and split blockIdx.y's K groups [split_begin, block_end), its own
 /// [split_begin, split_end) (empty past the last tile).
@@ -833,12 +833,11 @@ struct WgmmaWarp {
     bool active;
     u32 split_begin, block_end, split_end, rounds;
 };
-template <int WARPGROUPS>
 FP4_DEVICE WgmmaWarp wgmma_warp(u32 n_tiles, u32 k_groups, u32 groups_per_split) {
     WgmmaWarp w;
     w.lane = thread_x() % FP4_WARP_SIZE;
     w.warp = thread_x() / FP4_WARP_SIZE;
-    w.tile = (block_x() * WARPGROUPS + w.warp / 4) * 4 + w.warp % 4;
+    w.tile = (block_x() * WG_GROUPS + w.warp / 4) * 4 + w.warp % 4;
     w.active = w.tile < n_tiles;
     w.split_begin = block_y() * groups_per_split;
     w.block_end = min(k_groups, w.split_begin + groups_per_split);
@@ -906,15 +905,12 @@ struct WgmmaRing {
         return {weights, cp_async_shared_address(shared) + offset, shared + offset,
                 (u64)w.tile * k_groups * 32 + w.lane, w.lane, w.split_begin, w.split_end};
     }
-    /// The copies of rounds 0 .. STAGES - 2 (each its own cp.async group where `group_each`, else
-    /// one for all), then lane 0 asks the L2 for the next L2_PREFETCH_GROUPS groups: what a block
-    /// does before its wait for the previous kernel (the weights do not depend on it).
-    FP4_DEVICE void start(bool group_each) const {
-        for (u32 r = 0; r + 1 < STAGES; ++r) {
-            copy(r);
-            if (group_each) cp_async_commit();
-        }
-        if (!group_each) cp_async_commit();
+    /// The copies of rounds 0 .. STAGES - 2 in one cp.async group, then lane 0 asks the L2 for
+    /// the next L2_PREFETCH_GROUPS groups: what a block does before its wait for the previous
+    /// kernel (the weights do not depend on it).
+    FP4_DEVICE void start() const {
+        for (u32 r = 0; r + 1 < STAGES; ++r) copy(r);
+        cp_async_commit();
         if (L2_PREFETCH_GROUPS > 0 && lane == 0 && split_end > split_begin + STAGES - 1) {
             const u32 first = split_begin + STAGES - 1;
             const u32 groups = min(split_end - first, (u32)L2_PREFETCH_GROUPS);
@@ -973,7 +969,7 @@ FP4_DEVICE void gemm_wgmma(const u16* __restrict__ x, Weights weights, float alp
                            u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 epilogue) {
     static_assert(STAGES >= WG_X_SLOTS, "round r + 1's weights must be in the groups the X wait covers");
     extern __shared__ __align__(128) u8 wgmma_shared[];
-    const WgmmaWarp w = wgmma_warp<WG_GROUPS>(n_tiles, k_groups, groups_per_split);
+    const WgmmaWarp w = wgmma_warp(n_tiles, k_groups, groups_per_split);
     const u32 lane = w.lane, warp = w.warp, split_begin = w.split_begin, rounds = w.rounds;
     // dynamic shared memory: the two operand slots, the staging slots, then the warps' weight
     // rings (wgmma_shared_bytes in src/target/facts.rs sizes it the same way)
@@ -996,7 +992,7 @@ FP4_DEVICE void gemm_wgmma(const u16* __restrict__ x, Weights weights, float alp
                                     inside ? x + (u64)row * k + col : x, inside ? 16u : 0u);
         }
     };
-    ring.start(false);  // the weights of rounds 0 .. STAGES - 2 in one group
+    ring.start();
     wait_for_previous_grid();
     allow_next_grid();
     // X of rounds 0 .. WG_X_SLOTS - 2, a group each (possibly empty): with the loop's groups,
@@ -1072,103 +1068,6 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(WG_BOUNDS) gemm_bf16_bf16_wgmma_m64(
     u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
     (void)warps_per_tile;
     gemm_wgmma<Bf16Weights, {{ target.gemm.wgmma_stages_bf16 }}>(x, Bf16Weights{words}, alpha, y, residual,
-        partials, counters, m, n, k, n_tiles, k_groups, groups_per_split, epilogue);
-}
-
-// --------------------------------------------------------------------------------------------
-// gemm_{nvfp4,bf16}_bf16_wgmma_resident_m64: the same product with the block's whole K range of X
-// permuted into the B layout once, before the K loop (gemm.wgmma_resident_max_groups groups at
-// most: 8 KiB each), so the loop has no block barrier at all: a warp waits only for its own
-// weight ring (cp.async, one group per round), multiplies, and asks for the round STAGES - 1
-// ahead. Why: gemm_wgmma spends ~300 instructions a warp per round on the X staging, its
-// permutation and two barriers (ncu, BENCHMARKS.md forty-first section), twice the mma.sync
-// kernel's cost on the model's shapes; here a round is its fragments, four wgmma and four copies.
-// Blocks of gemm.wgmma_resident_warpgroups_per_block warpgroups, one per SM (the X range and the
-// rings take most of its shared memory).
-// --------------------------------------------------------------------------------------------
-#define WGR_GROUPS {{ target.gemm.wgmma_resident_warpgroups_per_block }}
-#define WGR_THREADS (WGR_GROUPS * 4 * FP4_WARP_SIZE)
-/// One block: WGR_GROUPS quads of 64 weight rows, all (at most 64) rows of X, over the K groups of
-/// split blockIdx.y (at most gemm.wgmma_resident_max_groups of them: the host sizes the dynamic
-/// shared memory as groups_per_split X operands of WG_OPERAND_BYTES, then the warps' rings).
-template <class Weights, int STAGES>
-FP4_DEVICE void gemm_wgmma_resident(const u16* __restrict__ x, Weights weights, float alpha, u16* y,
-                                    const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
-                                    u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 epilogue) {
-    extern __shared__ __align__(128) u8 wgmma_shared[];
-    const WgmmaWarp w = wgmma_warp<WGR_GROUPS>(n_tiles, k_groups, groups_per_split);
-    const u32 lane = w.lane, split_begin = w.split_begin, rounds = w.rounds;
-    const u32 operand_base = cp_async_shared_address(wgmma_shared);
-    const auto ring = WgmmaRing<Weights, STAGES>::of(weights, wgmma_shared, groups_per_split * WG_OPERAND_BYTES, w, k_groups);
-    // a cp.async group per round (empty past the warp's range), so that waiting until STAGES - 2
-    // groups are pending leaves round r's
-    ring.start(true);
-    wait_for_previous_grid();
-    allow_next_grid();
-
-    // X of the split into the B layout of each group (as gemm_wgmma's permute, from global
-    // memory): piece p = (group g, row, lane quad t, half h) is X columns 16t + 8h .. + 7 of the
-    // group, 16 bytes, whose four words go to steps 2h / 2h + 1, core-matrix columns 0 / 1 of row
-    // group row / 8; columns past K zero, rows past M not written (their products land in
-    // outputs nobody stores). X_BATCH pieces are loaded before any is stored: 16 groups are
-    // 8192 pieces, 3 batches of L2 round trips on 384 threads.
-    constexpr u32 X_BATCH = 8;
-    const u32 pieces = rounds * 512u;
-    for (u32 p0 = thread_x(); p0 < pieces; p0 += X_BATCH * WGR_THREADS) {
-        u32x4 v[X_BATCH];
-        #pragma unroll
-        for (u32 i = 0; i < X_BATCH; ++i) {
-            const u32 p = p0 + i * WGR_THREADS, row = (p % 512u) / 8u;
-            const u32 col = (split_begin + p / 512u) * 64u + (p % 8u) * 8u;
-            v[i] = {0u, 0u, 0u, 0u};
-            if (p < pieces && row < m && col < k) v[i] = *reinterpret_cast<const u32x4*>(x + (u64)row * k + col);
-        }
-        #pragma unroll
-        for (u32 i = 0; i < X_BATCH; ++i) {
-            const u32 p = p0 + i * WGR_THREADS, row = (p % 512u) / 8u;
-            if (p >= pieces || row >= m) continue;
-            wgmma_store_x_piece(wgmma_shared + (p / 512u) * WG_OPERAND_BYTES, row, (p % 8u) / 2u, p % 2u, v[i]);
-        }
-    }
-    fence_proxy_async_shared();
-    __syncthreads();  // the X operands complete; the only block barrier
-
-    float d[32];
-    #pragma unroll
-    for (int i = 0; i < 32; ++i) d[i] = 0.0f;
-    // as gemm_wgmma's rounds (every warpgroup issues and waits unconditionally, fragments and
-    // descriptors pinned before the fence, each round's wgmma retired in its round), without the
-    // X ring: the wait for this lane's copies of round r, the warp's barrier (the NVFP4 scales
-    // lanes 0..3 copied; the warp done reading slot r - 1, which round r + STAGES - 1 refills)
-    for (u32 r = 0; r < rounds; ++r) {
-        cp_async_wait<STAGES - 2>();
-        warp_barrier();
-        wgmma_issue_group(weights, ring.slot(r), lane, operand_base + r * WG_OPERAND_BYTES, d);
-        ring.copy(r + STAGES - 1);
-        cp_async_commit();
-        wgmma_wait<0>();
-    }
-    cp_async_wait<0>();  // the empty groups past the end: nothing is left in flight
-    if (w.active) wgmma_finish_tile(d, alpha, w.tile, lane, m, n, epilogue, residual, y, partials, counters);
-}
-
-// one block per SM: the X range and the rings take most of its shared memory
-#define WGR_BOUNDS WGR_THREADS, 1
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(WGR_BOUNDS) gemm_nvfp4_bf16_wgmma_resident_m64(
-    const u16* __restrict__ x, const u32x4* __restrict__ words, const u16* __restrict__ scales,
-    float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
-    u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
-    (void)warps_per_tile;
-    gemm_wgmma_resident<Nvfp4Weights, {{ target.gemm.wgmma_stages_nvfp4 }}>(x, Nvfp4Weights{words, scales}, alpha, y,
-        residual, partials, counters, m, n, k, n_tiles, k_groups, groups_per_split, epilogue);
-}
-
-FP4_KERNEL void FP4_LAUNCH_BOUNDS(WGR_BOUNDS) gemm_bf16_bf16_wgmma_resident_m64(
-    const u16* __restrict__ x, const u32x4* __restrict__ words,
-    float alpha, u16* y, const u16* residual, float* __restrict__ partials, u32* __restrict__ counters,
-    u32 m, u32 n, u32 k, u32 n_tiles, u32 k_groups, u32 groups_per_split, u32 warps_per_tile, u32 epilogue) {
-    (void)warps_per_tile;
-    gemm_wgmma_resident<Bf16Weights, {{ target.gemm.wgmma_stages_bf16 }}>(x, Bf16Weights{words}, alpha, y, residual,
         partials, counters, m, n, k, n_tiles, k_groups, groups_per_split, epilogue);
 }
 {% endif %}

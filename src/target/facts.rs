@@ -130,36 +130,19 @@ pub const WGMMA_OPERAND_BYTES: u32 = 64 * 64 * 2;
 pub fn wgmma_shared_bytes(tiles: &GemmTiles, nvfp4: bool) -> u32 {
     (2 * WGMMA_OPERAND_BYTES)
         .saturating_add(tiles.wgmma_x_slots.saturating_mul(64 * 144))
-        .saturating_add(wgmma_ring_bytes(
-            tiles,
-            nvfp4,
-            tiles.wgmma_warpgroups_per_block,
-        ))
+        .saturating_add(wgmma_ring_bytes(tiles, nvfp4))
 }
 
-/// Shared-memory bytes of one `gemm_*_wgmma_resident_m64` block over `groups` K groups (NVFP4
-/// weights where `nvfp4`, else bf16): the groups' X in the B operand layout
-/// ([`WGMMA_OPERAND_BYTES`] each), then
-/// each warp's weight ring, as [`wgmma_shared_bytes`] sizes it.
-pub fn wgmma_resident_shared_bytes(tiles: &GemmTiles, nvfp4: bool, groups: u32) -> u32 {
-    groups
-        .saturating_mul(WGMMA_OPERAND_BYTES)
-        .saturating_add(wgmma_ring_bytes(
-            tiles,
-            nvfp4,
-            tiles.wgmma_resident_warpgroups_per_block,
-        ))
-}
-
-/// The weight rings of `warpgroups` warpgroups of the wgmma kernels: `gemm.wgmma_stages_*` slots a
-/// warp of one K group of its tile (`WgmmaSlot` in `kernels/templates/gemm.cu`).
-fn wgmma_ring_bytes(tiles: &GemmTiles, nvfp4: bool, warpgroups: u32) -> u32 {
+/// The weight rings of a `gemm_*_wgmma_m64` block: `gemm.wgmma_stages_*` slots a warp of one K
+/// group of its tile (`WgmmaSlot` in `kernels/templates/gemm.cu`).
+fn wgmma_ring_bytes(tiles: &GemmTiles, nvfp4: bool) -> u32 {
     let (stages, slot_bytes) = if nvfp4 {
         (tiles.wgmma_stages_nvfp4, STREAM_GROUP_BYTES)
     } else {
         (tiles.wgmma_stages_bf16, 4 * 32 * 16)
     };
-    warpgroups
+    tiles
+        .wgmma_warpgroups_per_block
         .saturating_mul(4)
         .saturating_mul(stages)
         .saturating_mul(slot_bytes)
@@ -246,13 +229,6 @@ pub struct GemmTiles {
     pub wgmma_stages_nvfp4: u32,
     /// `gemm_bf16_*_wgmma_m64`: the same for bf16 weights (2 KiB a slot).
     pub wgmma_stages_bf16: u32,
-    /// Where positive, the launches the warpgroup kernels take run
-    /// `gemm_*_wgmma_resident_m64`, whose blocks hold their whole K range of X in shared memory:
-    /// K splits of at most this many groups (8 KiB of X each). 0: `gemm_*_wgmma_m64`.
-    pub wgmma_resident_max_groups: u32,
-    /// `gemm_*_wgmma_resident_m64`: warpgroups (64 weight rows each) per block, one block per
-    /// multiprocessor; their rings are `wgmma_stages_*` slots a warp.
-    pub wgmma_resident_warpgroups_per_block: u32,
     /// `gemm_nvfp4_bf16_stream_*` (targets with `cp.async`): warps per block (a power of two).
     pub stream_warps_per_block: u32,
     /// `gemm_nvfp4_bf16_stream_*`: stages in each warp's shared-memory ring (one computes while
@@ -571,19 +547,6 @@ impl TargetFacts {
                  blocks_per_sm and min_groups_per_split positive, min_rows at least 33, \
                  at least 2 x slots, stages of each format at least x_slots, and on wgmma \
                  targets the shared memory ({wg_ring} bytes) within max_shared_bytes_per_block"
-            ));
-        }
-        let resident = wgmma_resident_shared_bytes(wg, true, wg.wgmma_resident_max_groups).max(
-            wgmma_resident_shared_bytes(wg, false, wg.wgmma_resident_max_groups),
-        );
-        if !(1..=8).contains(&wg.wgmma_resident_warpgroups_per_block)
-            || wg.wgmma_resident_warpgroups_per_block * 4 * self.warp_size > 1024
-            || (self.instructions.wgmma && resident > self.max_shared_bytes_per_block)
-        {
-            return fail(format!(
-                "gemm.wgmma_resident_*: warpgroups_per_block in 1..=8 (at most 1024 threads), and \
-                 on wgmma targets max_groups of X and the rings ({resident} bytes) within \
-                 max_shared_bytes_per_block"
             ));
         }
         let stream = &self.gemm;

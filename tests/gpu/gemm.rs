@@ -122,18 +122,17 @@ enum Format {
     /// rows; more run the register kernel), where the target has cp.async.
     Nvfp4Staged,
     Bf16,
-    /// NVFP4 and bf16 on a warpgroup kernel (`MmaKernel::Wgmma`: `gemm_*_wgmma_m64`, or
-    /// `MmaKernel::WgmmaResident`) at every M, where the target has them (whatever
-    /// `gemm.wgmma_min_rows` gives the library).
-    Nvfp4Wgmma(MmaKernel),
-    Bf16Wgmma(MmaKernel),
+    /// NVFP4 and bf16 on the warpgroup kernels (`gemm_*_wgmma_m64`) at every M, where the
+    /// target has them (whatever `gemm.wgmma_min_rows` gives the library).
+    Nvfp4Wgmma,
+    Bf16Wgmma,
 }
 
 impl Format {
     fn kernel(self) -> MmaKernel {
         match self {
             Format::Nvfp4Staged => MmaKernel::Staged,
-            Format::Nvfp4Wgmma(kernel) | Format::Bf16Wgmma(kernel) => kernel,
+            Format::Nvfp4Wgmma | Format::Bf16Wgmma => MmaKernel::Wgmma,
             Format::Nvfp4 | Format::Bf16 => MmaKernel::Registers,
         }
     }
@@ -157,7 +156,7 @@ fn check_linear(
             skipped(test, "the staged stream kernel needs cp.async");
             continue;
         }
-        if matches!(format, Format::Nvfp4Wgmma(_) | Format::Bf16Wgmma(_))
+        if matches!(format, Format::Nvfp4Wgmma | Format::Bf16Wgmma)
             && !backend.target().is_some_and(gemm::wgmma_rendered)
         {
             skipped(test, "the wgmma kernels need wgmma and cp.async");
@@ -165,7 +164,7 @@ fn check_linear(
         }
         let mut rng = rng(test);
         let (linear, reference_product): (Linear, Box<ReferenceProduct>) = match format {
-            Format::Nvfp4 | Format::Nvfp4Staged | Format::Nvfp4Wgmma(_) => {
+            Format::Nvfp4 | Format::Nvfp4Staged | Format::Nvfp4Wgmma => {
                 let q = awkward_matrix(&mut rng, n, k);
                 let linear = Linear::nvfp4(backend, &q, order).expect("upload");
                 (
@@ -175,7 +174,7 @@ fn check_linear(
                     }),
                 )
             }
-            Format::Bf16 | Format::Bf16Wgmma(_) => {
+            Format::Bf16 | Format::Bf16Wgmma => {
                 let w: Vec<bf16> = rng
                     .normal_vec(n * k, 0.02)
                     .into_iter()
@@ -500,23 +499,11 @@ fn stream_refuses_bf16_weights() {
 /// K = 16, the residual epilogue), at M from 1 to 130 (two launches).
 #[test]
 fn wgmma_model_and_awkward_shapes() {
-    wgmma_shapes(MmaKernel::Wgmma, "wgmma");
-}
-
-/// The same on the resident form (`gemm_*_wgmma_resident_m64`, its K splits as many groups as its
-/// shared memory holds).
-#[test]
-fn wgmma_resident_model_and_awkward_shapes() {
-    wgmma_shapes(MmaKernel::WgmmaResident, "wgmma_resident");
-}
-
-/// The shapes of the warpgroup kernels' tests on `kernel`, the cases named `{what}_...`.
-fn wgmma_shapes(kernel: MmaKernel, what: &str) {
-    for format in [Format::Nvfp4Wgmma(kernel), Format::Bf16Wgmma(kernel)] {
-        let name = if matches!(format, Format::Nvfp4Wgmma(_)) {
-            format!("{what}_nvfp4")
+    for format in [Format::Nvfp4Wgmma, Format::Bf16Wgmma] {
+        let name = if matches!(format, Format::Nvfp4Wgmma) {
+            "wgmma_nvfp4"
         } else {
-            format!("{what}_bf16")
+            "wgmma_bf16"
         };
         for (n, k) in [(12352, 2048), (2048, 4096), (9216, 2048), (24832, 2048)] {
             check_linear(

@@ -28,10 +28,7 @@
 //!   ([`mma_wgmma`], [`wgmma_plan`]; on sm_90a only the lm_head: it streams large weights at
 //!   the copy bandwidth but runs the model's other shapes about twice as slow as mma.sync,
 //!   targets.toml) or per call ([`MmaKernel::Wgmma`]); same weights, arguments and split-K
-//!   finish. `gemm_{nvfp4,bf16}_bf16_wgmma_resident_m64` take those launches instead where
-//!   `gemm.wgmma_resident_max_groups` is positive (or per call, [`MmaKernel::WgmmaResident`]):
-//!   each block permutes its whole K range of X into shared memory once, so the K loop has no
-//!   block barrier ([`wgmma_resident_plan`]; not yet measured).
+//!   finish.
 //! - `gemm_nvfp4_bf16_stream_m{8,16}` (mma.sync and `cp.async`: sm_90a, sm_121a): the NVFP4
 //!   weight stream of the mma kernels with the groups in flight in shared-memory rings (cp.async)
 //!   instead of registers and X staged in shared memory once per block, for calls of at most
@@ -66,10 +63,7 @@ use super::{Nvfp4Weights, check_len, check_u32};
 use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims, SplitKScratch};
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::Nvfp4Matrix;
-use crate::target::{
-    GemmTiles, STREAM_GROUP_BYTES, TargetFacts, WGMMA_OPERAND_BYTES, wgmma_resident_shared_bytes,
-    wgmma_shared_bytes,
-};
+use crate::target::{GemmTiles, STREAM_GROUP_BYTES, TargetFacts, wgmma_shared_bytes};
 use half::bf16;
 use layout::{Bf16Fragments, Nvfp4Fragments, WmmaBf16Fragments, WmmaNvfp4Fragments};
 use std::sync::MutexGuard;
@@ -243,9 +237,6 @@ pub enum MmaKernel {
     /// `gemm_{nvfp4,bf16}_bf16_wgmma_m64` for every launch, whatever its rows and
     /// `gemm.wgmma_min_rows` (NVFP4 W4A16 and bf16 weights, targets with `wgmma` and `cp.async`).
     Wgmma,
-    /// `gemm_{nvfp4,bf16}_bf16_wgmma_resident_m64` for every launch (as [`MmaKernel::Wgmma`]),
-    /// whatever `gemm.wgmma_resident_max_groups` says ([`resident_max_groups`]).
-    WgmmaResident,
 }
 
 /// Most rows of X the `gemm_nvfp4_bf16_stream_m*` kernels take (X is staged in shared memory).
@@ -634,10 +625,9 @@ pub fn linear(
 /// them). [`MmaKernel::Registers`] is [`linear`] itself for every weight.
 ///
 /// # Errors
-/// As [`linear`]; also [`Error::Invalid`] when [`MmaKernel::Staged`], [`MmaKernel::Wgmma`] or
-/// [`MmaKernel::WgmmaResident`] is asked for a weight or target without that kernel (Staged: not
-/// NVFP4 W4A16 on mma.sync, or no `cp.async`; the wgmma kernels: not W4A16 / bf16 on mma.sync,
-/// or no `wgmma`). The CPU backend runs the
+/// As [`linear`]; also [`Error::Invalid`] when [`MmaKernel::Staged`] or [`MmaKernel::Wgmma`] is
+/// asked for a weight or target without that kernel (Staged: not NVFP4 W4A16 on mma.sync, or no
+/// `cp.async`; Wgmma: not W4A16 / bf16 on mma.sync, or no `wgmma`). The CPU backend runs the
 /// reference whatever the choice.
 pub fn linear_with(
     backend: &Backend,
@@ -959,7 +949,6 @@ pub fn x_shared_plan(
         n_tiles.max(1).div_ceil(tiles_per_block as usize),
         multiprocessors * tiles.mma_x_shared_blocks_per_sm,
         tiles.mma_x_shared_min_groups_per_split,
-        1,
     );
     MmaPlan {
         warps_per_tile: plan.warps_per_tile,
@@ -968,17 +957,15 @@ pub fn x_shared_plan(
     }
 }
 
-/// The K groups per split, of every split count from `fewest_splits` that keeps at least
-/// `min_groups_per_split` groups per split, whose `blocks_per_split` blocks per split fill `slots`
-/// resident blocks in the fewest waves of the least work: waves x (groups per split +
-/// [`SPLIT_OVERHEAD_GROUPS`]), the fewest splits on a tie ([`x_shared_plan`], [`wgmma_plan`],
-/// [`wgmma_resident_plan`]).
+/// The K groups per split, of every split count that keeps at least `min_groups_per_split`
+/// groups per split, whose `blocks_per_split` blocks per split fill `slots` resident blocks in
+/// the fewest waves of the least work: waves x (groups per split + [`SPLIT_OVERHEAD_GROUPS`]),
+/// the fewest splits on a tie ([`x_shared_plan`], [`wgmma_plan`]).
 fn wave_filling_groups_per_split(
     k_groups: usize,
     blocks_per_split: usize,
     slots: u32,
     min_groups_per_split: u32,
-    fewest_splits: usize,
 ) -> usize {
     let slots = slots.max(1) as usize;
     let most = (k_groups / min_groups_per_split.max(1) as usize).max(1);
@@ -988,7 +975,7 @@ fn wave_filling_groups_per_split(
     };
     // each split count's groups per split, fewest splits first (min_by_key keeps the first;
     // the range is never empty)
-    (fewest_splits.clamp(1, most)..=most)
+    (1..=most)
         .map(|splits| k_groups.div_ceil(splits).max(1))
         .min_by_key(|&groups| cost(groups))
         .unwrap_or(k_groups.max(1))
@@ -1039,7 +1026,7 @@ pub fn wgmma_plan(
     let groups_per_split = if blocks >= slots as usize {
         k_groups
     } else {
-        wave_filling_groups_per_split(k_groups, blocks, slots, tiles.wgmma_min_groups_per_split, 1)
+        wave_filling_groups_per_split(k_groups, blocks, slots, tiles.wgmma_min_groups_per_split)
     };
     MmaPlan {
         warps_per_tile: 1,
@@ -1053,93 +1040,13 @@ pub fn wgmma_plan(
 /// weight rings (NVFP4 weights where `nvfp4`) of dynamic shared memory ([`wgmma_shared_bytes`]).
 fn wgmma_dims(target: &TargetFacts, plan: &MmaPlan, n_tiles: u32, nvfp4: bool) -> LaunchDims {
     let tiles = &target.gemm;
-    warpgroup_dims(
-        target,
-        plan,
-        n_tiles,
-        tiles.wgmma_warpgroups_per_block,
-        wgmma_shared_bytes(tiles, nvfp4),
-    )
-}
-
-/// A warpgroup kernel's launch on `plan` over `n_tiles` 16-row tiles: a block per `warpgroups`
-/// quads of four tiles and K split, `shared_bytes` of dynamic shared memory.
-fn warpgroup_dims(
-    target: &TargetFacts,
-    plan: &MmaPlan,
-    n_tiles: u32,
-    warpgroups: u32,
-    shared_bytes: u32,
-) -> LaunchDims {
-    let warpgroups = warpgroups.max(1);
+    let warpgroups = tiles.wgmma_warpgroups_per_block.max(1);
     LaunchDims {
         grid: (n_tiles.div_ceil(4).div_ceil(warpgroups), plan.splits, 1),
         block: (warpgroups * 4 * target.warp_size, 1, 1),
-        shared_bytes,
+        shared_bytes: wgmma_shared_bytes(tiles, nvfp4),
         cluster: (1, 1, 1),
     }
-}
-
-/// The most K groups one `gemm_*_wgmma_resident_m64` block holds: `gemm.wgmma_resident_max_groups`,
-/// or where that is 0 (the kernel forced per call, [`MmaKernel::WgmmaResident`]) as many as the
-/// shared memory holds beside the rings, at most 16.
-pub fn resident_max_groups(target: &TargetFacts, nvfp4: bool) -> u32 {
-    let tiles = &target.gemm;
-    if tiles.wgmma_resident_max_groups > 0 {
-        return tiles.wgmma_resident_max_groups;
-    }
-    let rings = wgmma_resident_shared_bytes(tiles, nvfp4, 0);
-    (target.max_shared_bytes_per_block.saturating_sub(rings) / WGMMA_OPERAND_BYTES).clamp(1, 16)
-}
-
-/// The partition of `gemm_*_wgmma_resident_m64`: a warpgroup per quad of four 16-row tiles,
-/// `gemm.wgmma_resident_warpgroups_per_block` quads per block, one block per multiprocessor, K
-/// split into at least enough splits for `most_groups` groups each; more where the blocks leave
-/// multiprocessors idle, the count that fills them in the fewest waves of the least work (the
-/// fewest splits on a tie).
-pub fn wgmma_resident_plan(
-    n_tiles: usize,
-    k_groups: usize,
-    tiles: &GemmTiles,
-    multiprocessors: u32,
-    most_groups: u32,
-) -> MmaPlan {
-    let k_groups = k_groups.max(1);
-    let blocks = n_tiles
-        .max(1)
-        .div_ceil(4)
-        .div_ceil(tiles.wgmma_resident_warpgroups_per_block.max(1) as usize);
-    let fewest = k_groups.div_ceil(most_groups.max(1) as usize);
-    let groups_per_split = if blocks >= multiprocessors as usize {
-        k_groups.div_ceil(fewest)
-    } else {
-        wave_filling_groups_per_split(k_groups, blocks, multiprocessors, 1, fewest)
-    };
-    MmaPlan {
-        warps_per_tile: 1,
-        splits: k_groups.div_ceil(groups_per_split) as u32,
-        groups_per_split: groups_per_split as u32,
-    }
-}
-
-/// The launch of `gemm_*_wgmma_resident_m64` on `plan` over `n_tiles` 16-row tiles: a block per
-/// `gemm.wgmma_resident_warpgroups_per_block` quads and K split, the split's X and the weight
-/// rings (NVFP4 weights where `nvfp4`) of dynamic shared memory
-/// ([`wgmma_resident_shared_bytes`]).
-fn wgmma_resident_dims(
-    target: &TargetFacts,
-    plan: &MmaPlan,
-    n_tiles: u32,
-    nvfp4: bool,
-) -> LaunchDims {
-    let tiles = &target.gemm;
-    warpgroup_dims(
-        target,
-        plan,
-        n_tiles,
-        tiles.wgmma_resident_warpgroups_per_block,
-        wgmma_resident_shared_bytes(tiles, nvfp4, plan.groups_per_split),
-    )
 }
 
 /// bf16 per row of the X ring of the `gemm_*_mma_m*` variants that stream X (`X_ROW` in gemm.cu):
@@ -1249,17 +1156,6 @@ const MMA_BF16_KERNELS: [&str; 5] = [
 const WGMMA_NVFP4_KERNEL: &str = "gemm_nvfp4_bf16_wgmma_m64";
 /// `gemm_bf16_bf16_wgmma_m64` (targets with `wgmma`; [`mma_wgmma`]).
 const WGMMA_BF16_KERNEL: &str = "gemm_bf16_bf16_wgmma_m64";
-/// `gemm_nvfp4_bf16_wgmma_resident_m64` (targets with `wgmma`; `gemm.wgmma_resident_max_groups`).
-const WGMMA_RESIDENT_NVFP4_KERNEL: &str = "gemm_nvfp4_bf16_wgmma_resident_m64";
-/// `gemm_bf16_bf16_wgmma_resident_m64` (targets with `wgmma`; `gemm.wgmma_resident_max_groups`).
-const WGMMA_RESIDENT_BF16_KERNEL: &str = "gemm_bf16_bf16_wgmma_resident_m64";
-/// Which warpgroup kernel a launch runs: `gemm_*_wgmma_m64` (X through a ring of staging slots,
-/// permuted every round) or `gemm_*_wgmma_resident_m64` (the block's K range of X permuted once).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Wgmma {
-    Rings,
-    Resident,
-}
 /// `gemm_nvfp4_bf16_stream_m{8,16}`: index `log2(ceil(rows / 8))`.
 const STREAM_NVFP4_KERNELS: [&str; 2] = ["gemm_nvfp4_bf16_stream_m8", "gemm_nvfp4_bf16_stream_m16"];
 /// `gemm_nvfp4_nvfp4_mma_m{8,16,32}` (W4A4): index `log2(ceil(rows / 8))`.
@@ -1424,12 +1320,8 @@ fn linear_device(
             return linear_stream(backend, x, m, w, weights, epilogue, residual, y);
         }
     }
-    let force_wgmma = match kernel {
-        MmaKernel::Wgmma => Some(Wgmma::Rings),
-        MmaKernel::WgmmaResident => Some(Wgmma::Resident),
-        MmaKernel::Registers | MmaKernel::Staged => None,
-    };
-    if force_wgmma.is_some() {
+    let force_wgmma = kernel == MmaKernel::Wgmma;
+    if force_wgmma {
         let target = device_target(backend)?;
         if !wgmma_rendered(target)
             || !matches!(
@@ -1779,7 +1671,7 @@ fn linear_mma(
     epilogue: &Epilogue<'_>,
     residual: Option<&DeviceVec<bf16>>,
     y: &mut DeviceVec<bf16>,
-    force_wgmma: Option<Wgmma>,
+    force_wgmma: bool,
 ) -> Result<()> {
     let (target, multiprocessors) = device_facts(backend)?;
     let tiles = &target.gemm;
@@ -1787,46 +1679,17 @@ fn linear_mma(
     let (k, n_out) = (w.grid.cols, w.out_features());
     for start in (0..m).step_by(MMA_MAX_ROWS) {
         let rows = (m - start).min(MMA_MAX_ROWS);
-        let wgmma = force_wgmma.or_else(|| {
-            mma_wgmma(target, rows, w.grid.n_tiles).then_some(
-                if tiles.wgmma_resident_max_groups > 0 {
-                    Wgmma::Resident
-                } else {
-                    Wgmma::Rings
-                },
-            )
-        });
+        let wgmma = force_wgmma || mma_wgmma(target, rows, w.grid.n_tiles);
         let nvfp4 = matches!(weights, MmaWeights::Nvfp4 { .. });
         let kernel = match (nvfp4, wgmma) {
-            (true, Some(Wgmma::Rings)) => WGMMA_NVFP4_KERNEL,
-            (true, Some(Wgmma::Resident)) => WGMMA_RESIDENT_NVFP4_KERNEL,
-            (true, None) => mma_variant(&MMA_NVFP4_KERNELS, rows)?,
-            (false, Some(Wgmma::Rings)) => WGMMA_BF16_KERNEL,
-            (false, Some(Wgmma::Resident)) => WGMMA_RESIDENT_BF16_KERNEL,
-            (false, None) => mma_variant(&MMA_BF16_KERNELS, rows)?,
+            (true, true) => WGMMA_NVFP4_KERNEL,
+            (true, false) => mma_variant(&MMA_NVFP4_KERNELS, rows)?,
+            (false, true) => WGMMA_BF16_KERNEL,
+            (false, false) => mma_variant(&MMA_BF16_KERNELS, rows)?,
         };
-        let (plan, dims, in_cluster) = if let Some(wgmma) = wgmma {
-            let (plan, dims) = match wgmma {
-                Wgmma::Rings => {
-                    let plan = wgmma_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors);
-                    (plan, wgmma_dims(target, &plan, shape.n_tiles, nvfp4))
-                }
-                Wgmma::Resident => {
-                    let most = resident_max_groups(target, nvfp4);
-                    let plan = wgmma_resident_plan(
-                        w.grid.n_tiles,
-                        w.grid.k_groups,
-                        tiles,
-                        multiprocessors,
-                        most,
-                    );
-                    (
-                        plan,
-                        wgmma_resident_dims(target, &plan, shape.n_tiles, nvfp4),
-                    )
-                }
-            };
-            (plan, dims, false)
+        let (plan, dims, in_cluster) = if wgmma {
+            let plan = wgmma_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors);
+            (plan, wgmma_dims(target, &plan, shape.n_tiles, nvfp4), false)
         } else {
             let plan = if mma_x_shared(target, rows) {
                 x_shared_plan(w.grid.n_tiles, w.grid.k_groups, tiles, multiprocessors)
@@ -1873,7 +1736,7 @@ fn linear_mma(
         // the n8 tiles of rows each lane's partial holds: the variant's, or the wgmma kernels'
         // 8 whatever the rows (they finish as m64; MmaKernel::Wgmma runs them at any M); a
         // launch that finishes in its clusters needs no partials or counters
-        let m_tiles = if wgmma.is_some() { 8 } else { row_tiles(rows) };
+        let m_tiles = if wgmma { 8 } else { row_tiles(rows) };
         let mut scratch = if in_cluster {
             None
         } else {
@@ -2128,12 +1991,7 @@ mod tests {
                     &MMA_NVFP4_KERNELS[..],
                     &MMA_BF16_KERNELS[..],
                     &STREAM_NVFP4_KERNELS[..],
-                    &[
-                        WGMMA_NVFP4_KERNEL,
-                        WGMMA_BF16_KERNEL,
-                        WGMMA_RESIDENT_NVFP4_KERNEL,
-                        WGMMA_RESIDENT_BF16_KERNEL,
-                    ][..],
+                    &[WGMMA_NVFP4_KERNEL, WGMMA_BF16_KERNEL][..],
                 ]
                 .concat(),
                 TensorCore::MmaSync if t.instructions.cp_async => &[
@@ -2157,17 +2015,13 @@ mod tests {
                 if MMA_NVFP4_KERNELS.contains(&kernel)
                     || STREAM_NVFP4_KERNELS.contains(&kernel)
                     || kernel == WGMMA_NVFP4_KERNEL
-                    || kernel == WGMMA_RESIDENT_NVFP4_KERNEL
                 {
                     checks.check(
                         name,
                         kernel,
                         &mma_nvfp4_arguments(chunk, &words, &scales_u16, 1.0, split, shape),
                     );
-                } else if MMA_BF16_KERNELS.contains(&kernel)
-                    || kernel == WGMMA_BF16_KERNEL
-                    || kernel == WGMMA_RESIDENT_BF16_KERNEL
-                {
+                } else if MMA_BF16_KERNELS.contains(&kernel) || kernel == WGMMA_BF16_KERNEL {
                     checks.check(
                         name,
                         kernel,
@@ -2216,12 +2070,7 @@ mod tests {
                         used.extend(STREAM_NVFP4_KERNELS);
                     }
                     if wgmma_rendered(t) {
-                        used.extend([
-                            WGMMA_NVFP4_KERNEL,
-                            WGMMA_BF16_KERNEL,
-                            WGMMA_RESIDENT_NVFP4_KERNEL,
-                            WGMMA_RESIDENT_BF16_KERNEL,
-                        ]);
+                        used.extend([WGMMA_NVFP4_KERNEL, WGMMA_BF16_KERNEL]);
                     }
                 }
                 TensorCore::Wmma => {
@@ -2427,46 +2276,6 @@ mod tests {
         assert_eq!((lm_head.splits, lm_head.groups_per_split), (1, 32));
         let in_proj = wgmma_plan(12352 / 16, 32, &t.gemm, 132);
         assert!(in_proj.splits > 1, "{in_proj:?}");
-    }
-
-    /// The resident plan keeps each split within the groups its block's shared memory holds,
-    /// covers K with no split empty, and splits further only to fill the device: on sm_90a with
-    /// 16 groups and 3 warpgroups a block, the GDN in_proj (12352, 2048) takes 2 splits of 16
-    /// (130 blocks on 132 SMs), the out_proj (2048, 4096) 11 of 6 (121 blocks), the lm_head none
-    /// beyond K's own 2.
-    #[test]
-    fn the_resident_plan_fits_its_shared_memory_and_fills_the_device() {
-        let mut t = target::by_name("sm_90a").expect("sm_90a").clone();
-        t.gemm.wgmma_resident_max_groups = 16;
-        t.gemm.wgmma_resident_warpgroups_per_block = 3;
-        let plan = |n: usize, k: usize| {
-            let most = resident_max_groups(&t, false);
-            let plan = wgmma_resident_plan(n.div_ceil(16), k.div_ceil(64), &t.gemm, 132, most);
-            let k_groups = k.div_ceil(64);
-            assert!(plan.groups_per_split <= most, "({n}, {k}): {plan:?}");
-            assert!(plan.splits as usize * plan.groups_per_split as usize >= k_groups);
-            assert!(((plan.splits - 1) * plan.groups_per_split) < k_groups as u32);
-            for nvfp4 in [true, false] {
-                let dims = wgmma_resident_dims(&t, &plan, n.div_ceil(16) as u32, nvfp4);
-                assert!(
-                    dims.shared_bytes <= t.max_shared_bytes_per_block,
-                    "({n}, {k})"
-                );
-            }
-            (plan.splits, plan.groups_per_split)
-        };
-        assert_eq!(plan(12352, 2048), (2, 16));
-        assert_eq!(plan(2048, 4096), (11, 6));
-        assert_eq!(plan(248320, 2048), (2, 16));
-        for (n, k) in MODEL_SHAPES
-            .into_iter()
-            .chain([(16, 16), (100, 528), (65536, 4096)])
-        {
-            plan(n, k);
-        }
-        // forced on a target whose knob is 0: as many groups as fit beside the rings
-        let off = target::by_name("sm_90a").expect("sm_90a");
-        assert!((1..=16).contains(&resident_max_groups(off, false)));
     }
 
     /// The wgmma plan covers every K group with no split empty, keeps at least
