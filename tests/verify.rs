@@ -859,7 +859,7 @@ fn emulated_kernels_keep_model_like_batches_on_the_fast_path() {
 /// At the full vocabulary a row spreads over a wave of blocks (61 at B = 1 on 132 SMs), each
 /// writing the ~50 candidates above its own floor: the row's last block must not merge them all
 /// (over 3000, three times its buffer), but only those reaching the bound its blocks' pooled
-/// maxima give (the k-th largest of them), so that its buffer never fills.
+/// codes give (the k-th largest of them), so that its buffer never fills.
 #[test]
 fn emulated_top_k_merges_only_what_the_pooled_bound_admits() {
     let mut rng = SplitMix64::new(19);
@@ -876,6 +876,19 @@ fn emulated_top_k_merges_only_what_the_pooled_bound_admits() {
         trace.full_top_k_buffers, 0,
         "a verify_topk buffer filled up: {trace:?}"
     );
+}
+
+/// A block holding more of the row's top k than it pools (VTOPK_POOL = 8 of 64 nearly equal top
+/// tokens in one chunk): the merge must read that block's whole candidate list, with fewer pooled
+/// codes than k (20000 tokens: 5 blocks a row) and with more (the full vocabulary: 61), or the
+/// draws over the top 50 differ.
+#[test]
+fn emulated_top_k_reads_the_list_of_a_block_holding_the_top() {
+    let mut rng = SplitMix64::new(21);
+    for (vocab, start) in [(20_000usize, 4100usize), (248_320, 5 * 4096 + 7)] {
+        let batch = batches::clustered_top(&mut rng, vocab, 3, 2, start);
+        check_emulated("clustered top", &sm90_tiles(), vocab, &batch, &[132]);
+    }
 }
 
 /// Rows with one logit far above the rest at a low temperature: the blocks holding it have tops

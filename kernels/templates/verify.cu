@@ -1953,22 +1953,22 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
 // token only above a floor that only rises: the k-th largest of the first chunk's per-thread
 // maxima, then, whenever the buffer fills, the k-th code of the buffer (radix rounds) as it is
 // cut back to its top k. A row's blocks (61 at B = 1) each write all their candidates (about 50)
-// with VTOPK_POOL group maxima of them, and raise a shared lower bound on the row's k-th logit
-// (an atomic max of their own k-th's) without waiting for it. The row's last block takes the k-th
-// largest of the pooled maxima (distinct tokens of the row, so a bound near the row's k-th, where
-// the largest block k-th lies far below it), merges only the candidates reaching both bounds
-// (a few a block) through the same buffer, ranks the top k and finishes the row as verify_finish
-// does; the last row of a sequence walks its acceptance chain. Greedy sequences run with k = 1.
-// Sampled drafts still need verify_residual after it.
+// and, apart, their VTOPK_POOL largest, and raise a shared lower bound on the row's k-th logit (an
+// atomic max of their own k-th's) without waiting for it. The row's last block takes the k-th
+// largest of the pooled codes (distinct tokens of the row: a bound at or near the row's k-th,
+// where the largest block k-th lies far below it), keeps the pooled codes above it, and reads a
+// block's whole list only where the block's smallest pooled code reaches it (it may hold more);
+// then it ranks the top k and finishes the row as verify_finish does; the last row of a sequence
+// walks its acceptance chain. Greedy sequences run with k = 1. Sampled drafts still need
+// verify_residual after it.
 #define VTOPK_MAX {{ target.verify.top_k_max }}
 #define VTOPK_BUF {{ target.verify.top_k_buffer }}
 #define VTOPK_PER ((VTOPK_BUF + VT - 1) / VT)  // buffer entries per thread
 #define VTOPK_SORTED VTOPK_MAX                  // the ranked top k: buf[VTOPK_SORTED + rank]
-#define VTOPK_MERGE 8                           // candidates per thread per merge round
 #define VKEY_LOWEST_FINITE 0x00800000u          // order_key(-FLT_MAX)
-#define VTOPK_POOL 8                            // group maxima each block pools for the row's bound
+#define VTOPK_POOL 8                            // candidates each block pools for the row's bound
 static_assert(VTOPK_MAX <= VT && VTOPK_BUF >= VTOPK_MAX + VT, "verify.top_k_max, top_k_buffer");
-// a block's pooled maxima live in its block_hist words, which verify_topk does not otherwise use
+// a block's pooled codes live in its block_hist words, which verify_topk does not otherwise use
 static_assert(VNB >= VTOPK_POOL && VT % VTOPK_POOL == 0 && FP4_WARP_SIZE % VTOPK_POOL == 0, "VTOPK_POOL");
 
 struct TopkShared {
@@ -1979,7 +1979,7 @@ struct TopkShared {
     u32 bias_tokens[VT];  // stage_bias
     float bias_values[VT];
     u32 drafts[VT];
-    u32 block_start[VMAX_BLOCKS_PER_ROW + 1];
+    u32 listed[VMAX_BLOCKS_PER_ROW];  // the merge: blocks whose candidate lists it reads
     u64 pool[VWARPS * VTOPK_POOL];
     u32 digit[3];
     u32 last;
@@ -2188,42 +2188,18 @@ FP4_DEVICE void topk_first_floor(TopkShared& sh, TopkState& st, u32 k, const flo
     st.bound_key = key;
 }
 
-/// Where candidate f (counted over the row's blocks in order) lies in the row's slots: in the
-/// block of the last start at or before it.
-FP4_DEVICE u64 candidate_at(const TopkShared& sh, u32 blocks, u32 f) {
-    u32 lo = 0, hi = blocks - 1;
-    while (lo < hi) {
-        const u32 mid = (lo + hi + 1) / 2;
-        if (sh.block_start[mid] <= f) lo = mid;
-        else hi = mid - 1;
-    }
-    return (u64)lo * VTOPK_BUF + (f - sh.block_start[lo]);
+/// Block-wide: writes to `out` the block's VTOPK_POOL largest candidates (all of them, then
+/// zeros, where it holds fewer). They are distinct tokens of the row, so the k-th largest of every
+/// block's is a lower bound on the row's k-th code; and where the smallest of a block's is below
+/// that bound, the block holds no other candidate above it.
+FP4_DEVICE void pool_top_codes(TopkShared& sh, TopkState& st, u64* out) {
+    // no token's code is 0: threshold 1 takes every candidate
+    const u64 t = st.count > VTOPK_POOL ? kth_code(sh, sh.buf, st.count, VTOPK_POOL) : 1;
+    const u32 at = copy_codes_from(sh, st, t, out);
+    for (u32 i = at + thread_x(); i < VTOPK_POOL; i += VT) out[i] = 0;
 }
 
-/// Block-wide: writes to `out` the block's VTOPK_POOL group maxima, group g holding the
-/// candidates buf[i], i % VTOPK_POOL == g (0 for an empty group). They are distinct tokens of the
-/// row: the k-th largest of every block's is a lower bound on the row's k-th code.
-FP4_DEVICE void pool_group_maxima(TopkShared& sh, const TopkState& st, u64* out) {
-    // thread t holds buf[t + VT m]: its group is t % VTOPK_POOL, and so is each lane's
-    u64 best = 0;
-    #pragma unroll
-    for (u32 m = 0; m < VTOPK_PER; ++m) {
-        const u32 i = thread_x() + VT * m;
-        const u64 c = i < st.count ? sh.buf[i] : 0;
-        best = c > best ? c : best;
-    }
-    for (u32 offset = VTOPK_POOL; offset < FP4_WARP_SIZE; offset <<= 1)
-        best = combine(best, shuffle_from_u64(best, lane_index() ^ offset), VOP_MAX);
-    if (lane_index() < VTOPK_POOL) sh.pool[warp_index() * VTOPK_POOL + lane_index()] = best;
-    block_sync();
-    if (thread_x() < VTOPK_POOL) {
-        u64 group = 0;
-        for (u32 w = 0; w < VWARPS; ++w) group = combine(group, sh.pool[w * VTOPK_POOL + thread_x()], VOP_MAX);
-        out[thread_x()] = group;
-    }
-}
-
-/// The group maxima the row's blocks pooled (pool_group_maxima), those of the first
+/// The codes the row's blocks pooled (pool_top_codes), those of the first
 /// VTOPK_BUF / VTOPK_POOL blocks (any subset of the row's tokens gives a bound): this thread's
 /// share, codes[thread + VT m] in `pool[m]`; returns how many there are in all.
 FP4_DEVICE u32 load_pool(const VerifyArgs& a, u32 r, u64 (&pool)[VTOPK_PER]) {
@@ -2252,48 +2228,61 @@ FP4_DEVICE u64 pooled_bound(TopkShared& sh, const u64 (&pool)[VTOPK_PER], u32 n,
     return kth_code(sh, sh.buf, n, k);
 }
 
-/// The block of the row's last arrival: merges the candidates every block of the row wrote
-/// (those at or above the row's bound) into the buffer; returns the row's first bad token (the
-/// least of the blocks'). Block-wide.
+/// The block of the row's last arrival: merges what can be among the row's top k into the
+/// buffer (st.count codes, all at or above st.floor_code); returns the row's first bad token (the
+/// least of the blocks'). Block-wide. The floor is the larger of the row's bound (the largest block
+/// k-th) and the pooled one (pooled_bound); the codes above it are the blocks' pooled codes, and
+/// only where a block's smallest pooled code reaches the floor (or the block pooled nothing: past
+/// VTOPK_BUF / VTOPK_POOL blocks) does the merge read that block's candidate list: at B = 1 the
+/// pool of 61 blocks' top 8 holds the row's top 50 but for a block with 8 of them.
 FP4_DEVICE u32 topk_merge(const VerifyArgs& a, u32 r, TopkShared& sh, TopkState& st, u32 k) {
     const u32 blocks = a.blocks_per_row;
     // the pool's loads first: they do not depend on the summaries, so the round trips overlap
     u64 pool[VTOPK_PER];
     const u32 pooled = load_pool(a, r, pool);
     const u64* summary = a.block_summary + (u64)r * blocks * 3;
-    u32 total = 0;
     u64 bad = VNONE;
-    for (u32 b0 = 0; b0 < blocks; b0 += VT) {
-        const u32 b = b0 + thread_x();
-        const u32 count = b < blocks ? (u32)load_shared_u64(&summary[3 * b]) : 0;
-        const u64 first_bad = b < blocks ? load_shared_u64(&summary[3 * b + 1]) : VNONE;
+    for (u32 b = thread_x(); b < blocks; b += VT) {
+        const u64 first_bad = load_shared_u64(&summary[3 * b + 1]);
         bad = first_bad < bad ? first_bad : bad;
-        const Slots s = block_count_scan(count, sh.totals, st.phase);
-        if (b < blocks) sh.block_start[b] = total + s.offset;
-        total += s.total;
     }
-    if (thread_x() == 0) sh.block_start[blocks] = total;
     const u32 key = load_shared_u32(&a.row_anchor[r]);
     const u64 bound = pooled_bound(sh, pool, pooled, k);
     st.count = 0;
     st.floor_code = (u64)key << 32 > bound ? (u64)key << 32 : bound;
+    block_sync();  // the buffer is free again (pooled_bound's selection is done)
+    // a block's VTOPK_POOL codes lie in VTOPK_POOL consecutive lanes (VT % VTOPK_POOL == 0): the
+    // group's least nonzero code decides whether its list holds more above the floor
+    u32 mask = 0, listed = 0;
+    #pragma unroll
+    for (u32 m = 0; m < VTOPK_PER; ++m) {
+        u64 least = pool[m];
+        for (u32 offset = 1; offset < VTOPK_POOL; offset <<= 1)
+            least = combine(least, shuffle_from_u64(least, lane_index() ^ offset), VOP_MIN);
+        const u32 i = thread_x() + VT * m;
+        const bool whole_list = least != 0 && least >= st.floor_code;
+        if (!whole_list && pool[m] != 0 && pool[m] >= st.floor_code) mask |= 1u << m;
+        if (whole_list && i < pooled && i % VTOPK_POOL == 0) listed |= 1u << m;
+    }
+    // the pooled codes of the other blocks, then the list of blocks to read (those flagged, and
+    // every block past the pooled ones)
+    topk_append<VTOPK_PER>(sh, st, mask, [&](int m) { return pool[m]; });  // at most VTOPK_BUF fit
+    const Slots s = block_count_scan(popcount(listed), sh.totals, st.phase);
+    u32 at = s.offset;
+    #pragma unroll
+    for (u32 m = 0; m < VTOPK_PER; ++m)
+        if ((listed >> m) & 1u) sh.listed[at++] = (thread_x() + VT * m) / VTOPK_POOL;
+    const u32 pooled_blocks = pooled / VTOPK_POOL;
+    for (u32 b = pooled_blocks + thread_x(); b < blocks; b += VT) sh.listed[s.total + b - pooled_blocks] = b;
+    const u32 n_listed = s.total + (blocks > pooled_blocks ? blocks - pooled_blocks : 0);
     block_sync();
-    const u64* written = a.candidates + (u64)r * blocks * VTOPK_BUF;
-    for (u32 f0 = 0; f0 < total; f0 += VT * VTOPK_MERGE) {
-        u64 code[VTOPK_MERGE];
-        u32 mask = 0;
-        #pragma unroll
-        for (int j = 0; j < VTOPK_MERGE; ++j) {
-            const u32 f = f0 + thread_x() + VT * (u32)j;
-            code[j] = f < total ? load_shared_u64(&written[candidate_at(sh, blocks, f)]) : 0;
-        }
-        #pragma unroll
-        for (int j = 0; j < VTOPK_MERGE; ++j)
-            if (code[j] != 0 && code[j] >= st.floor_code) mask |= 1u << j;
-        if (topk_append<VTOPK_MERGE>(sh, st, mask, [&](int j) { return code[j]; })) continue;
-        for (u32 j = 0; j < VTOPK_MERGE; ++j) {
-            const u32 f = f0 + thread_x() + VT * j;
-            const u64 c = f < total ? load_shared_u64(&written[candidate_at(sh, blocks, f)]) : 0;
+    for (u32 l = 0; l < n_listed; ++l) {
+        const u32 b = sh.listed[l];
+        const u32 count = (u32)load_shared_u64(&summary[3 * b]);
+        const u64* written = a.candidates + ((u64)r * blocks + b) * VTOPK_BUF;
+        for (u32 f0 = 0; f0 < count; f0 += VT) {
+            const u32 f = f0 + thread_x();
+            const u64 c = f < count ? load_shared_u64(&written[f]) : 0;
             topk_insert_one(sh, st, k, c, c != 0 && c >= st.floor_code);
         }
     }
@@ -2464,7 +2453,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
         // and the pooled maxima's bound.
         if (thread_x() == 0) atomic_max_u32(&a.row_anchor[r], st.bound_key);
         const u64 slot = (u64)r * a.blocks_per_row + block_x();
-        pool_group_maxima(sh, st, a.block_hist + slot * VNB);
+        pool_top_codes(sh, st, a.block_hist + slot * VNB);
         const u32 written = copy_codes_from(sh, st, 0, a.candidates + slot * VTOPK_BUF);
         if (thread_x() == 0) {
             a.block_summary[slot * 3] = written;

@@ -203,6 +203,49 @@ pub fn random(rng: &mut SplitMix64, vocab: usize, sequences: usize, max_drafts: 
     b
 }
 
+/// Rows whose 64 strongest tokens, nearly equal, lie together at `start..start + 64` (one block's
+/// chunk), over a unit normal bulk; top-k 50 and no other control, so every one of the top 50
+/// weighs in every draw; drafts among them.
+pub fn clustered_top(
+    rng: &mut SplitMix64,
+    vocab: usize,
+    sequences: usize,
+    drafts: usize,
+    start: usize,
+) -> Batch {
+    let mut b = Batch::default();
+    let params = SamplingParams {
+        temperature: 1.0,
+        top_k: 50,
+        ..SamplingParams::default()
+    };
+    for s in 0..sequences {
+        let rows: Vec<Vec<f32>> = (0..=drafts)
+            .map(|_| {
+                let mut row = rng.normal_vec(vocab, 1.0);
+                for (t, v) in rng.normal_vec(64, 0.05).into_iter().enumerate() {
+                    row[start + t] = 10.0 + v;
+                }
+                row
+            })
+            .collect();
+        let draft_rows: Vec<(u32, Vec<f32>)> = (0..drafts)
+            .map(|j| {
+                let token = (start as u64 + rng.next_u64() % 64) as u32;
+                let mut draft_row = rows[j].clone();
+                draft_row[token as usize] += 0.5;
+                (token, draft_row)
+            })
+            .collect();
+        let params = SamplingParams {
+            seed: 77 + s as u64,
+            ..params.clone()
+        };
+        b.push(params, 10 * s as u64, &rows, &draft_rows);
+    }
+    b
+}
+
 /// Rows shaped like a language model's (a broad bulk and eight strong candidates), `drafts`
 /// drafts per sequence, mostly the target's favourite, all sequences with `params` (own seeds).
 pub fn model_like(

@@ -24,13 +24,14 @@
 //!   weighs anything), so one pass over the logits is enough: each block keeps its chunks'
 //!   candidates in shared memory as order codes, admitting a token only above a floor that rises
 //!   as it goes (from the first chunk's per-thread maxima, then from each cut of a full buffer back
-//!   to the top k by radix rounds over the codes); a row's blocks write their candidates with 8
-//!   group maxima of them, and raise a shared lower bound on the row's k-th logit (an atomic max
-//!   of their own k-th's, not waited for); the row's last block takes the k-th largest of the
-//!   pooled maxima (distinct tokens of the row: a bound near the row's k-th, where the largest
-//!   block k-th lies far below it at B = 1, one block per 4096 tokens), merges only the
-//!   candidates above both bounds, ranks the top k, and finishes the row as `verify_finish` does
-//!   (one token per thread); the last row of a sequence walks its chain. Its grid is one wave of
+//!   to the top k by radix rounds over the codes); a row's blocks write their candidates and,
+//!   apart, their 8 largest, and raise a shared lower bound on the row's k-th logit (an atomic
+//!   max of their own k-th's, not waited for); the row's last block takes the k-th largest of the
+//!   pooled codes (distinct tokens of the row: a bound at or near the row's k-th, where the
+//!   largest block k-th lies far below it at B = 1, one block per 4096 tokens), keeps the pooled
+//!   codes above both bounds and reads a block's whole list only where its 8th pooled code
+//!   reaches them; then it ranks the top k and finishes the row as `verify_finish` does (one
+//!   token per thread); the last row of a sequence walks its chain. Its grid is one wave of
 //!   `top_k_blocks_per_sm` blocks per multiprocessor (also its NVIDIA launch bounds).
 //! - `verify_greedy`, alone, when every sequence is greedy ([`Path::Greedy`]): a greedy row needs
 //!   only its argmax and first bad logit, so pass 1's streaming and each sequence's acceptance
