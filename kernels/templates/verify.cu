@@ -270,7 +270,7 @@ struct VerifyArgs {
     const u32* bias_tokens;
     const float* bias_values;
     u64* block_hist;                // [rows * blocks_per_row][VNB] (blocks above their row's grid;
-                                    // verify_topk: a block's VTOPK_POOL group maxima)
+                                    // verify_topk: a block's VTOPK_POOL largest candidates)
     u64* block_summary;             // [rows * blocks_per_row][3]
     u64* row_grid;                  // [rows][VGRID], zero between launches
     u32* row_anchor;                // [rows], zero between launches (verify_topk: the row's bound key)
@@ -1980,7 +1980,6 @@ struct TopkShared {
     float bias_values[VT];
     u32 drafts[VT];
     u32 listed[VMAX_BLOCKS_PER_ROW];  // the merge: blocks whose candidate lists it reads
-    u64 pool[VWARPS * VTOPK_POOL];
     u32 digit[3];
     u32 last;
     u64 words[6];  // the row's kept weight or top-k weight (2), probe weight (2), weight before it (2)
@@ -2447,10 +2446,10 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
     }
     bad = (u32)block_reduce(bad, VOP_MIN, sh.scratch);
     if (a.blocks_per_row > 1) {
-        // publish the bound and the group maxima, write every candidate, arrive. The bound is
+        // publish the bound and the pooled codes, write every candidate, arrive. The bound is
         // raised without waiting for the row's (a round trip each block paid to write fewer
         // candidates): the row's last block reads the final one and merges only what reaches it
-        // and the pooled maxima's bound.
+        // and the pooled codes' bound.
         if (thread_x() == 0) atomic_max_u32(&a.row_anchor[r], st.bound_key);
         const u64 slot = (u64)r * a.blocks_per_row + block_x();
         pool_top_codes(sh, st, a.block_hist + slot * VNB);

@@ -124,28 +124,20 @@ pub const STREAM_GROUP_BYTES: u32 = 32 * (16 + 2);
 pub const WGMMA_OPERAND_BYTES: u32 = 64 * 64 * 2;
 
 /// Shared-memory bytes of one `gemm_*_wgmma_m64` block (NVFP4 weights where `nvfp4`, else
-/// bf16): two slots of the B operand ([`WGMMA_OPERAND_BYTES`] each), `gemm.wgmma_x_slots` staging slots of 64
-/// rows of 144 bytes (`WG_STAGE_BYTES`), then each warp's ring of `gemm.wgmma_stages_*` slots of
-/// one K group of its tile (`WgmmaSlot`: NVFP4 [`STREAM_GROUP_BYTES`], bf16 2 KiB).
+/// bf16): two slots of the B operand ([`WGMMA_OPERAND_BYTES`] each), `gemm.wgmma_x_slots`
+/// staging slots of 64 rows of 144 bytes (`WG_STAGE_BYTES`), then each warp's ring of
+/// `gemm.wgmma_stages_*` slots of one K group of its tile (`WgmmaSlot`: NVFP4
+/// [`STREAM_GROUP_BYTES`], bf16 2 KiB).
 pub fn wgmma_shared_bytes(tiles: &GemmTiles, nvfp4: bool) -> u32 {
-    (2 * WGMMA_OPERAND_BYTES)
-        .saturating_add(tiles.wgmma_x_slots.saturating_mul(64 * 144))
-        .saturating_add(wgmma_ring_bytes(tiles, nvfp4))
-}
-
-/// The weight rings of a `gemm_*_wgmma_m64` block: `gemm.wgmma_stages_*` slots a warp of one K
-/// group of its tile (`WgmmaSlot` in `kernels/templates/gemm.cu`).
-fn wgmma_ring_bytes(tiles: &GemmTiles, nvfp4: bool) -> u32 {
     let (stages, slot_bytes) = if nvfp4 {
         (tiles.wgmma_stages_nvfp4, STREAM_GROUP_BYTES)
     } else {
         (tiles.wgmma_stages_bf16, 4 * 32 * 16)
     };
-    tiles
-        .wgmma_warpgroups_per_block
-        .saturating_mul(4)
-        .saturating_mul(stages)
-        .saturating_mul(slot_bytes)
+    let warps = tiles.wgmma_warpgroups_per_block.saturating_mul(4);
+    (2 * WGMMA_OPERAND_BYTES)
+        .saturating_add(tiles.wgmma_x_slots.saturating_mul(64 * 144))
+        .saturating_add(warps.saturating_mul(stages).saturating_mul(slot_bytes))
 }
 
 /// Launch parameters of `gemm_nvfp4_bf16_gemv`.

@@ -5,7 +5,7 @@ mod facts;
 
 pub use facts::{
     AttentionTiles, DequantTiles, GdnTiles, GemmTiles, Instructions, MoeTiles, NormTiles,
-    STREAM_GROUP_BYTES, TargetFacts, Vendor, VerifyTiles, wgmma_shared_bytes,
+    STREAM_GROUP_BYTES, TargetFacts, Vendor, VerifyTiles, WGMMA_OPERAND_BYTES, wgmma_shared_bytes,
 };
 
 use crate::error::{Error, Result};

@@ -259,8 +259,8 @@ pub mod device {
         pub bias_tokens: u64,
         /// Bias values, in the same order.
         pub bias_values: u64,
-        /// Scratch: per-block histograms (`verify_topk`: each block's group maxima, pooled into
-        /// a bound on its row's k-th logit).
+        /// Scratch: per-block histograms (`verify_topk`: each block's 8 largest candidates,
+        /// pooled into a bound on its row's k-th logit).
         pub block_hist: u64,
         /// Scratch: per-block summaries.
         pub block_summary: u64,
