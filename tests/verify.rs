@@ -458,6 +458,9 @@ extern "C" unsigned long long emu_take_trace(int what) {
                     ["#define", "VCAP"] => define("VCAP", tiles.candidates_per_row),
                     ["#define", "VTOPK_MAX"] => define("VTOPK_MAX", tiles.top_k_max),
                     ["#define", "VTOPK_BUF"] => define("VTOPK_BUF", tiles.top_k_buffer),
+                    ["#define", "VTOPK_PREFETCH"] => {
+                        define("VTOPK_PREFETCH", tiles.top_k_prefetch_chunks)
+                    }
                     _ => line.to_string(),
                 }
             })
@@ -726,6 +729,7 @@ fn tiny_tiles() -> VerifyTiles {
         top_k_blocks_per_sm: 2,
         top_k_max: 8,
         top_k_buffer: 72,
+        top_k_prefetch_chunks: 1,
     }
 }
 
@@ -880,8 +884,8 @@ fn emulated_top_k_merges_only_what_the_pooled_bound_admits() {
 
 /// A block holding more of the row's top k than it pools (VTOPK_POOL = 8 of 64 nearly equal top
 /// tokens in one chunk): the merge must read that block's whole candidate list, with fewer pooled
-/// codes than k (20000 tokens: 5 blocks a row) and with more (the full vocabulary: 61), or the
-/// draws over the top 50 differ.
+/// codes than k (20000 tokens: 5 blocks a row, too few to pool, so every list is read) and with
+/// more (the full vocabulary: 61), or the draws over the top 50 differ.
 #[test]
 fn emulated_top_k_reads_the_list_of_a_block_holding_the_top() {
     let mut rng = SplitMix64::new(21);
@@ -939,15 +943,16 @@ fn emulated_greedy_batches_equal_the_reference_in_one_launch() {
 
 /// Batches whose every sequence has top-k on (up to the tiles' `top_k_max`), or is greedy, or was
 /// rejected by the host, take the one-launch top-k path (`verify_topk`, then `verify_residual`
-/// for sampled drafts) and give the reference's outcomes: random ragged batches, flat rows (every
-/// logit tied), the bad-value batch and a full vocabulary; on one block per row and on many. The
+/// for sampled drafts) and give the reference's outcomes: random ragged batches (one of 1001
+/// tokens: rows off 16-byte boundaries, which the blocks' L2 prefetches must respect), flat rows
+/// (every logit tied), the bad-value batch and a full vocabulary; on one block per row and on many. The
 /// tiny tiles' buffers (72 candidates, k up to 8) and the flat rows' fill up over and over.
 #[test]
 fn emulated_top_k_batches_equal_the_reference_in_one_launch() {
     let mut rng = SplitMix64::new(19);
     let (bad, bad_vocab) = batches::bad_values(&mut rng);
     let mut cases = vec![("bad values", bad, bad_vocab)];
-    for (vocab, sequences) in [(37usize, 8usize), (1000, 6), (20_000, 4)] {
+    for (vocab, sequences) in [(37usize, 8usize), (1001, 6), (20_000, 4)] {
         cases.push((
             "random",
             batches::random(&mut rng, vocab, sequences, 4),

@@ -527,6 +527,15 @@ FP4_DEVICE void load_logits(const float* logits, u32 vocab, u32 chunk, float (&x
     for (int j = 0; j < VI; ++j) x[j] = first + VT * j < vocab ? p[VT * j] : -f32_inf();
 }
 
+/// Asks the L2 for chunk `chunk` of a row (its whole 16-byte pieces: a row need not start on
+/// one), for a load_logits to come.
+FP4_DEVICE void prefetch_chunk(const RowView& v, u32 chunk) {
+    const u32 first = chunk * VCHUNK;
+    const u64 lo = ((u64)(v.logits + first) + 15) & ~(u64)15;
+    const u64 hi = (u64)(v.logits + umin(first + VCHUNK, v.vocab)) & ~(u64)15;
+    if (hi > lo) prefetch_l2((const void*)lo, (u32)(hi - lo));
+}
+
 /// Chunk `chunk` of a row, its logits in z (load_logits), with the bias applied in place. Bit j
 /// of the result marks a bad element (NaN or +inf logit, or +inf or NaN after the bias); bad elements
 /// read as -inf.
@@ -1953,12 +1962,12 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
 // token only above a floor that only rises: the k-th largest of the first chunk's per-thread
 // maxima, then, whenever the buffer fills, the k-th code of the buffer (radix rounds) as it is
 // cut back to its top k. A row's blocks (61 at B = 1) each write all their candidates (about 50)
-// and, apart, their VTOPK_POOL largest, and raise a shared lower bound on the row's k-th logit (an
-// atomic max of their own k-th's) without waiting for it. The row's last block takes the k-th
-// largest of the pooled codes (distinct tokens of the row: a bound at or near the row's k-th,
-// where the largest block k-th lies far below it), keeps the pooled codes above it, and reads a
-// block's whole list only where the block's smallest pooled code reaches it (it may hold more);
-// then it ranks the top k and finishes the row as verify_finish does; the last row of a sequence
+// and, apart, where they are many (topk_pools), their VTOPK_POOL largest, and raise a shared
+// lower bound on the row's k-th logit (an atomic max of their own k-th's) without waiting for it.
+// The row's last block takes the k-th largest of the pooled codes (distinct tokens of the row: a
+// bound at or near the row's k-th, where the largest block k-th lies far below it), keeps the
+// pooled codes above it, and reads a block's whole list only where the block's smallest pooled
+// code reaches it (it may hold more; every list where nothing was pooled); then it ranks the top k and finishes the row as verify_finish does; the last row of a sequence
 // walks its acceptance chain. Greedy sequences run with k = 1. Sampled drafts still need
 // verify_residual after it.
 #define VTOPK_MAX {{ target.verify.top_k_max }}
@@ -1967,6 +1976,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
 #define VTOPK_SORTED VTOPK_MAX                  // the ranked top k: buf[VTOPK_SORTED + rank]
 #define VKEY_LOWEST_FINITE 0x00800000u          // order_key(-FLT_MAX)
 #define VTOPK_POOL 8                            // candidates each block pools for the row's bound
+#define VTOPK_MERGE 8                           // candidates per thread per merge round
+#define VTOPK_PREFETCH {{ target.verify.top_k_prefetch_chunks }}  // chunks asked of the L2 ahead
 static_assert(VTOPK_MAX <= VT && VTOPK_BUF >= VTOPK_MAX + VT, "verify.top_k_max, top_k_buffer");
 // a block's pooled codes live in its block_hist words, which verify_topk does not otherwise use
 static_assert(VNB >= VTOPK_POOL && VT % VTOPK_POOL == 0 && FP4_WARP_SIZE % VTOPK_POOL == 0, "VTOPK_POOL");
@@ -1979,7 +1990,8 @@ struct TopkShared {
     u32 bias_tokens[VT];  // stage_bias
     float bias_values[VT];
     u32 drafts[VT];
-    u32 listed[VMAX_BLOCKS_PER_ROW];  // the merge: blocks whose candidate lists it reads
+    u32 listed[VMAX_BLOCKS_PER_ROW];  // the merge: blocks whose candidate lists it reads,
+    u32 list_start[VMAX_BLOCKS_PER_ROW + 1];  // and where each list starts among all it reads
     u32 digit[3];
     u32 last;
     u64 words[6];  // the row's kept weight or top-k weight (2), probe weight (2), weight before it (2)
@@ -2187,6 +2199,12 @@ FP4_DEVICE void topk_first_floor(TopkShared& sh, TopkState& st, u32 k, const flo
     st.bound_key = key;
 }
 
+/// Whether a row's blocks pool their largest candidates: where a block holds about VTOPK_POOL / 2
+/// or fewer of the row's top k on average. With fewer blocks (B = 64: 2 a row at k = 50) most
+/// blocks hold more than VTOPK_POOL of them, the merge reads their lists anyway, and the pool's
+/// selection is a cost every block pays for nothing (3% of B = 64's call, forty-third session).
+FP4_DEVICE bool topk_pools(u32 blocks, u32 k) { return blocks * VTOPK_POOL >= 2 * k; }
+
 /// Block-wide: writes to `out` the block's VTOPK_POOL largest candidates (all of them, then
 /// zeros, where it holds fewer). They are distinct tokens of the row, so the k-th largest of every
 /// block's is a lower bound on the row's k-th code; and where the smallest of a block's is below
@@ -2200,9 +2218,11 @@ FP4_DEVICE void pool_top_codes(TopkShared& sh, TopkState& st, u64* out) {
 
 /// The codes the row's blocks pooled (pool_top_codes), those of the first
 /// VTOPK_BUF / VTOPK_POOL blocks (any subset of the row's tokens gives a bound): this thread's
-/// share, codes[thread + VT m] in `pool[m]`; returns how many there are in all.
-FP4_DEVICE u32 load_pool(const VerifyArgs& a, u32 r, u64 (&pool)[VTOPK_PER]) {
-    const u32 n = umin(a.blocks_per_row, VTOPK_BUF / VTOPK_POOL) * VTOPK_POOL;
+/// share, codes[thread + VT m] in `pool[m]`; returns how many there are in all (none where the
+/// blocks do not pool, topk_pools).
+FP4_DEVICE u32 load_pool(const VerifyArgs& a, u32 r, u32 k, u64 (&pool)[VTOPK_PER]) {
+    const u32 blocks = topk_pools(a.blocks_per_row, k) ? umin(a.blocks_per_row, VTOPK_BUF / VTOPK_POOL) : 0;
+    const u32 n = blocks * VTOPK_POOL;
     const u64* pools = a.block_hist + (u64)r * a.blocks_per_row * VNB;
     #pragma unroll
     for (u32 m = 0; m < VTOPK_PER; ++m) {
@@ -2215,7 +2235,7 @@ FP4_DEVICE u32 load_pool(const VerifyArgs& a, u32 r, u64 (&pool)[VTOPK_PER]) {
 /// Block-wide: the k-th largest of the n pooled codes (load_pool), a lower bound on the row's
 /// k-th code; 0 when they hold fewer than k tokens. Uses the buffer.
 FP4_DEVICE u64 pooled_bound(TopkShared& sh, const u64 (&pool)[VTOPK_PER], u32 n, u32 k) {
-    if (n < k) return 0;
+    if (n < k) return 0;  // k >= 1: so too where nothing was pooled
     #pragma unroll
     for (u32 m = 0; m < VTOPK_PER; ++m) {
         const u32 i = thread_x() + VT * m;
@@ -2227,18 +2247,31 @@ FP4_DEVICE u64 pooled_bound(TopkShared& sh, const u64 (&pool)[VTOPK_PER], u32 n,
     return kth_code(sh, sh.buf, n, k);
 }
 
+/// Where candidate f of the merge's range (the listed blocks' lists one after another) lies in
+/// the row's candidate slots: in the listed block of the last start at or before it.
+FP4_DEVICE u64 listed_candidate(const TopkShared& sh, u32 n_listed, u32 f) {
+    u32 lo = 0, hi = n_listed - 1;
+    while (lo < hi) {
+        const u32 mid = (lo + hi + 1) / 2;
+        if (sh.list_start[mid] <= f) lo = mid;
+        else hi = mid - 1;
+    }
+    return (u64)sh.listed[lo] * VTOPK_BUF + (f - sh.list_start[lo]);
+}
+
 /// The block of the row's last arrival: merges what can be among the row's top k into the
 /// buffer (st.count codes, all at or above st.floor_code); returns the row's first bad token (the
 /// least of the blocks'). Block-wide. The floor is the larger of the row's bound (the largest block
 /// k-th) and the pooled one (pooled_bound); the codes above it are the blocks' pooled codes, and
 /// only where a block's smallest pooled code reaches the floor (or the block pooled nothing: past
-/// VTOPK_BUF / VTOPK_POOL blocks) does the merge read that block's candidate list: at B = 1 the
-/// pool of 61 blocks' top 8 holds the row's top 50 but for a block with 8 of them.
+/// VTOPK_BUF / VTOPK_POOL blocks, or none pooled) does the merge read that block's candidate
+/// list: at B = 1 the pool of 61 blocks' top 8 holds the row's top 50 but for a block with 8 of
+/// them.
 FP4_DEVICE u32 topk_merge(const VerifyArgs& a, u32 r, TopkShared& sh, TopkState& st, u32 k) {
     const u32 blocks = a.blocks_per_row;
     // the pool's loads first: they do not depend on the summaries, so the round trips overlap
     u64 pool[VTOPK_PER];
-    const u32 pooled = load_pool(a, r, pool);
+    const u32 pooled = load_pool(a, r, k, pool);
     const u64* summary = a.block_summary + (u64)r * blocks * 3;
     u64 bad = VNONE;
     for (u32 b = thread_x(); b < blocks; b += VT) {
@@ -2275,13 +2308,33 @@ FP4_DEVICE u32 topk_merge(const VerifyArgs& a, u32 r, TopkShared& sh, TopkState&
     for (u32 b = pooled_blocks + thread_x(); b < blocks; b += VT) sh.listed[s.total + b - pooled_blocks] = b;
     const u32 n_listed = s.total + (blocks > pooled_blocks ? blocks - pooled_blocks : 0);
     block_sync();
-    for (u32 l = 0; l < n_listed; ++l) {
-        const u32 b = sh.listed[l];
-        const u32 count = (u32)load_shared_u64(&summary[3 * b]);
-        const u64* written = a.candidates + ((u64)r * blocks + b) * VTOPK_BUF;
-        for (u32 f0 = 0; f0 < count; f0 += VT) {
-            const u32 f = f0 + thread_x();
-            const u64 c = f < count ? load_shared_u64(&written[f]) : 0;
+    // the listed blocks' counts at once, then their candidates as one range: a list after another
+    // was a chain of round trips (two a block: 2 blocks a row at B = 64 read nothing in parallel)
+    u32 total = 0;
+    for (u32 l0 = 0; l0 < n_listed; l0 += VT) {
+        const u32 l = l0 + thread_x();
+        const u32 count = l < n_listed ? (u32)load_shared_u64(&summary[3 * sh.listed[l]]) : 0;
+        const Slots c = block_count_scan(count, sh.totals, st.phase);
+        if (l < n_listed) sh.list_start[l] = total + c.offset;
+        total += c.total;
+    }
+    if (thread_x() == 0) sh.list_start[n_listed] = total;
+    block_sync();
+    const u64* written = a.candidates + (u64)r * blocks * VTOPK_BUF;
+    for (u32 f0 = 0; f0 < total; f0 += VT * VTOPK_MERGE) {
+        u64 code[VTOPK_MERGE];
+        u32 in = 0;
+        #pragma unroll
+        for (int j = 0; j < VTOPK_MERGE; ++j) {
+            const u32 f = f0 + thread_x() + VT * (u32)j;
+            code[j] = f < total ? load_shared_u64(&written[listed_candidate(sh, n_listed, f)]) : 0;
+            if (code[j] != 0 && code[j] >= st.floor_code) in |= 1u << j;
+        }
+        if (topk_append<VTOPK_MERGE>(sh, st, in, [&](int j) { return code[j]; })) continue;
+        // they do not fit whole: one a thread at a time, read again (no array lives across a cut)
+        for (u32 j = 0; j < VTOPK_MERGE; ++j) {
+            const u32 f = f0 + thread_x() + VT * j;
+            const u64 c = f < total ? load_shared_u64(&written[listed_candidate(sh, n_listed, f)]) : 0;
             topk_insert_one(sh, st, k, c, c != 0 && c >= st.floor_code);
         }
     }
@@ -2431,7 +2484,11 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
     TopkState st{0, 0, -f32_inf(), 0, 0};
     u32 bad = VNONE;
     const u32 end = umin(first + a.chunks_per_block, a.chunks_per_row);
+    if (thread_x() == 0)
+        for (u32 ahead = 1; ahead < VTOPK_PREFETCH && first + ahead < end; ++ahead) prefetch_chunk(v, first + ahead);
     for (u32 chunk = first; chunk < end; ++chunk) {
+        if (VTOPK_PREFETCH > 0 && thread_x() == 0 && chunk + VTOPK_PREFETCH < end)
+            prefetch_chunk(v, chunk + VTOPK_PREFETCH);
         if (chunk != first) load_logits(v.logits, v.vocab, chunk, z);
         const u32 bad_bits = bias_chunk(v, chunk, z);
         const u32 base = chunk * VCHUNK + thread_x();
@@ -2452,7 +2509,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
         // and the pooled codes' bound.
         if (thread_x() == 0) atomic_max_u32(&a.row_anchor[r], st.bound_key);
         const u64 slot = (u64)r * a.blocks_per_row + block_x();
-        pool_top_codes(sh, st, a.block_hist + slot * VNB);
+        if (topk_pools(a.blocks_per_row, k)) pool_top_codes(sh, st, a.block_hist + slot * VNB);
         const u32 written = copy_codes_from(sh, st, 0, a.candidates + slot * VTOPK_BUF);
         if (thread_x() == 0) {
             a.block_summary[slot * 3] = written;

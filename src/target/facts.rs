@@ -334,6 +334,10 @@ pub struct VerifyTiles {
     /// Candidate tokens a `verify_topk` block holds in shared memory (8 bytes each), at least
     /// `top_k_max + threads_per_block`: a full buffer is cut back to the block's top k.
     pub top_k_buffer: u32,
+    /// Chunks past the one it reads (0..=4) that a `verify_topk` block streaming several asks
+    /// the L2 cache for, so that their loads wait on the L2 rather than on DRAM (0: none; a
+    /// target without an L2 prefetch instruction ignores it).
+    pub top_k_prefetch_chunks: u32,
 }
 
 /// Launch parameters of the `moe` family: one persistent launch per MoE block
@@ -710,12 +714,17 @@ impl TargetFacts {
             || !(1..=verify.threads_per_block).contains(&verify.top_k_max)
             || verify.top_k_buffer < verify.top_k_max + verify.threads_per_block
             || verify.top_k_buffer > 4096
+            || verify.top_k_prefetch_chunks > 4
         {
             return fail(format!(
                 "verify.top_k_blocks_per_sm {} must be positive, verify.top_k_max {} in \
-                 1..=threads_per_block and verify.top_k_buffer {} in \
-                 top_k_max + threads_per_block..=4096 (shared memory)",
-                verify.top_k_blocks_per_sm, verify.top_k_max, verify.top_k_buffer
+                 1..=threads_per_block, verify.top_k_buffer {} in \
+                 top_k_max + threads_per_block..=4096 (shared memory) and \
+                 verify.top_k_prefetch_chunks {} in 0..=4",
+                verify.top_k_blocks_per_sm,
+                verify.top_k_max,
+                verify.top_k_buffer,
+                verify.top_k_prefetch_chunks
             ));
         }
         self.validate_moe()?;

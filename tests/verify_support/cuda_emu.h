@@ -15,6 +15,8 @@
 #define allow_next_grid() do {} while (0)
 #define wait_for_previous_grid() do {} while (0)
 #define chain_after_previous_grid() do {} while (0)
+// a hint to the L2: nothing to do on the host (its address is still checked: 16-byte aligned)
+#define prefetch_l2(p, bytes) emu::prefetch_hint((p), (bytes))
 #include <csetjmp>
 #include <cmath>
 #include <cstdint>
@@ -86,6 +88,13 @@ inline void fiber_entry() {
     _longjmp(b.scheduler, 1);
 }
 
+/// cp.async.bulk.prefetch.L2's contract, checked (the prefetch itself has nothing to do here): a
+/// 16-byte aligned address and a size that is a nonzero multiple of 16.
+inline void prefetch_hint(const void* p, unsigned bytes) {
+    if ((reinterpret_cast<uintptr_t>(p) & 15) != 0 || bytes == 0 || bytes % 16 != 0)
+        block().failure = "an L2 prefetch of a misaligned address or size";
+}
+
 inline unsigned lane() { return block().current->thread_idx.x % 32; }
 inline unsigned warp() { return block().current->thread_idx.x / 32; }
 
@@ -138,6 +147,7 @@ inline int launch(unsigned grid_x, unsigned grid_y, unsigned threads, std::funct
     Block& b = block();
     b.threads = threads;
     b.body = std::move(body);
+    b.failure = nullptr;
     b.fibers.resize(threads);
     for (Fiber& f : b.fibers)
         if (f.stack.empty()) f.stack.resize(256 * 1024);
@@ -203,6 +213,10 @@ inline int launch(unsigned grid_x, unsigned grid_y, unsigned threads, std::funct
                              bx, by, done, at_block, at_warp);
                 return 1;
             }
+        }
+        if (b.failure) {
+            std::fprintf(stderr, "emulation: block (%u, %u): %s\n", bx, by, b.failure);
+            return 1;
         }
     }
     return 0;

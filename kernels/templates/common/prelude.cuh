@@ -114,12 +114,15 @@ FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) {
 /// Gated DeltaNet step, 4x the store instructions of its state).
 FP4_DEVICE void store_coherent_u32x4(void* p, u32x4 v) { __stcg(reinterpret_cast<uint4*>(p), make_uint4(v.x, v.y, v.z, v.w)); }
 /// Asks the L2 to fetch `bytes` (a multiple of 16, not 0) at `p` (16-byte aligned) and returns at
-/// once: a block names what it will read before it waits for the previous kernel.
+/// once: a block names what it will read before it waits for the previous kernel, or streams
+/// later. (The host emulation of tests/verify_support/cuda_emu.h defines it first, as a macro.)
+#ifndef prefetch_l2
 FP4_DEVICE void prefetch_l2(const void* p, u32 bytes) {
 {% if target.instructions.bulk_copy_mbarrier %}
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(p), "r"(bytes) : "memory");
 {% endif %}
 }
+#endif
 {% else %}
 // HIP without the ROCm headers: the attributes and builtins clang provides for amdgcn.
 #define __global__ __attribute__((global))
@@ -209,7 +212,7 @@ FP4_DEVICE u32 load_coherent_u32(const u32* p) { return *p; }
 FP4_DEVICE float load_coherent_f32(const float* p) { return *p; }
 FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) { return load_u32x4(p); }
 FP4_DEVICE void store_coherent_u32x4(void* p, u32x4 v) { store_u32x4(p, v); }
-/// An L2 prefetch hint (nothing on this target: no programmatic dependent launch to overlap).
+/// An L2 prefetch hint (nothing on this target: no instruction for it in this layer).
 FP4_DEVICE void prefetch_l2(const void*, u32) {}
 {% endif %}
 // ---- end of portability layer ----
