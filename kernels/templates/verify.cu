@@ -2347,9 +2347,10 @@ FP4_DEVICE u32 topk_merge(const VerifyArgs& a, u32 r, TopkShared& sh, TopkState&
 
 /// Block-wide: the row's state from its ranked top n (buf[VTOPK_SORTED, + n)), the words
 /// verify_finish writes (status, argmax, top, kept weight, probe, cut, draw) for finish_sequence
-/// and verify_residual: reference.rs weigh over those tokens, one per thread.
+/// and verify_residual: reference.rs weigh over those tokens, one per thread. `probe`: the row's
+/// draft token (VNONE: none).
 FP4_DEVICE void topk_finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row, const VerifySequence& seq,
-                                const RowView& v, TopkShared& sh, TopkState& st, u32 n, u32 bad) {
+                                const RowView& v, TopkShared& sh, TopkState& st, u32 n, u32 bad, u32 probe) {
     u64* state = a.row_state + (u64)r * VROW_WORDS;
     const u64 best = n > 0 ? sh.buf[VTOPK_SORTED] : 0;
     if (bad != VNONE || best == 0 || seq.temperature == 0.0f) {
@@ -2401,8 +2402,6 @@ FP4_DEVICE void topk_finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row
         const bool fails = !(positive && passes_min_p(mantissa, below, seq.min_p, top_mantissa));
         kept = umin(kept, block_first(fails, sh.totals, st.phase));
     }
-    // the probe: the row's draft token (none on the last target row)
-    const u32 probe = row.index < seq.drafts ? a.draft_tokens[seq.first_draft + row.index] : VNONE;
     const bool is_probe = i < kept && ~(u32)code == probe;
     // every thread has read words[0, 2) (the barrier of the block_first above)
     if (i == kept - 1) {
@@ -2454,6 +2453,23 @@ FP4_DEVICE void topk_finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row
     }
 }
 
+/// Block-wide: writes the n codes of buf[0, n) (n <= VT, distinct) in descending order to
+/// buf[VTOPK_SORTED, + n), each at the count of larger codes. A code's count is split over the
+/// lanes of a power-of-two group (up to a warp, as many as VT / n allow), each counting every
+/// group-size-th code, then summed by shuffles: at k = 50 a chain of 13 shared loads, not 50,
+/// on the row's serial tail.
+FP4_DEVICE void topk_rank(TopkShared& sh, u32 n) {
+    u32 group = 1;
+    while (group < FP4_WARP_SIZE && group * 2 * n <= VT) group *= 2;
+    const u32 e = thread_x() / group, part = thread_x() % group;
+    const u64 code = e < n ? sh.buf[e] : 0;
+    u32 rank = 0;
+    if (e < n)
+        for (u32 j = part; j < n; j += group) rank += sh.buf[j] > code ? 1u : 0u;
+    for (u32 offset = 1; offset < group; offset <<= 1) rank += shuffle_from(rank, lane_index() ^ offset);
+    if (e < n && part == 0) sh.buf[VTOPK_SORTED + rank] = code;
+}
+
 /// Whether verify_topk serves a sequence: its controls rejected, greedy, or top-k in 1..VTOPK_MAX.
 FP4_DEVICE bool topk_serves(const VerifySequence& seq) {
     return seq.host_error != 0 || seq.temperature == 0.0f || (seq.top_k >= 1 && seq.top_k <= VTOPK_MAX);
@@ -2477,6 +2493,9 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
         return;
     }
     RowView v = row_view(a, row, seq);
+    // the probe of the row's finish (topk_finish_row: the row's draft token, none on the last
+    // target row), loaded now: at the finish it was a round trip on the row's serial tail
+    const u32 probe = row.index < seq.drafts ? a.draft_tokens[seq.first_draft + row.index] : VNONE;
     stage_bias(v, sh.bias_tokens, sh.bias_values);
     for (u32 i = thread_x(); i < 256; i += VT) sh.hist[i] = 0;  // kth_code keeps it zero
     block_sync();
@@ -2525,16 +2544,10 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
     }
     if (st.count > k) topk_cut(sh, st, k);
     const u32 n = st.count;
-    // rank the top n (at most VT): each by the count of larger codes
     block_sync();
-    if (thread_x() < n) {
-        const u64 code = sh.buf[thread_x()];
-        u32 rank = 0;
-        for (u32 j = 0; j < n; ++j) rank += sh.buf[j] > code ? 1u : 0u;
-        sh.buf[VTOPK_SORTED + rank] = code;
-    }
+    topk_rank(sh, n);
     block_sync();
-    topk_finish_row(a, r, row, seq, v, sh, st, n, bad);
+    topk_finish_row(a, r, row, seq, v, sh, st, n, bad, probe);
     sequence_row_done(a, row.sequence, seq, sh.buf, VTOPK_BUF, sh.drafts, VT, &sh.last);
 }
 
