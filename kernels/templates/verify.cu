@@ -2508,7 +2508,11 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
     for (u32 chunk = first; chunk < end; ++chunk) {
         if (VTOPK_PREFETCH > 0 && thread_x() == 0 && chunk + VTOPK_PREFETCH < end)
             prefetch_chunk(v, chunk + VTOPK_PREFETCH);
-        if (chunk != first) load_logits(v.logits, v.vocab, chunk, z);
+        // the next chunk's loads go out before this one's work (a block streams its chunks one
+        // after another with barriers between: at B = 64, 31 of them, each waited for whole)
+        float next[VI];
+        const bool more = chunk + 1 < end;
+        if (more) load_logits(v.logits, v.vocab, chunk + 1, next);
         const u32 bad_bits = bias_chunk(v, chunk, z);
         const u32 base = chunk * VCHUNK + thread_x();
         if (bad_bits != 0) bad = umin(bad, base + VT * (u32)lowest_bit(bad_bits));
@@ -2519,6 +2523,9 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
             if (z[j] > st.floor) mask |= 1u << j;
         if (!topk_append<VI>(sh, st, mask, [&](int j) { return argmax_code(z[j], base + VT * (u32)j); }))
             topk_insert_slabs(v, chunk, sh, st, k);
+        if (more)
+            #pragma unroll
+            for (int j = 0; j < VI; ++j) z[j] = next[j];
     }
     bad = (u32)block_reduce(bad, VOP_MIN, sh.scratch);
     if (a.blocks_per_row > 1) {
