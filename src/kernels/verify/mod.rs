@@ -24,13 +24,15 @@
 //!   weighs anything), so one pass over the logits is enough: each block keeps its chunks'
 //!   candidates in shared memory as order codes, admitting a token only above a floor that rises
 //!   as it goes (from the first chunk's per-thread maxima, then from each cut of a full buffer back
-//!   to the top k by radix rounds over the codes); a row's blocks write their candidates and,
-//!   apart, their 8 largest, and raise a shared lower bound on the row's k-th logit (an atomic
-//!   max of their own k-th's, not waited for); the row's last block takes the k-th largest of the
-//!   pooled codes (distinct tokens of the row: a bound at or near the row's k-th, where the
+//!   to the top k by radix rounds over the codes; a block streaming several chunks loads the next
+//!   one before its current one's work and asks the L2 for `top_k_prefetch_chunks` more); a row's
+//!   blocks write their candidates and, where they hold 8 or fewer of its top k each on
+//!   average, apart, their 8 largest, and raise a shared lower bound on the row's k-th logit (an
+//!   atomic max of their own k-th's, not waited for); the row's last block takes the k-th largest
+//!   of the pooled codes (distinct tokens of the row: a bound at or near the row's k-th, where the
 //!   largest block k-th lies far below it at B = 1, one block per 4096 tokens), keeps the pooled
 //!   codes above both bounds and reads a block's whole list only where its 8th pooled code
-//!   reaches them; then it ranks the top k and finishes the row as `verify_finish` does (one
+//!   reaches them (every list where nothing was pooled, all at once); then it ranks the top k and finishes the row as `verify_finish` does (one
 //!   token per thread); the last row of a sequence walks its chain. Its grid is one wave of
 //!   `top_k_blocks_per_sm` blocks per multiprocessor (also its NVIDIA launch bounds).
 //! - `verify_greedy`, alone, when every sequence is greedy ([`Path::Greedy`]): a greedy row needs
@@ -260,7 +262,7 @@ pub mod device {
         /// Bias values, in the same order.
         pub bias_values: u64,
         /// Scratch: per-block histograms (`verify_topk`: each block's 8 largest candidates,
-        /// pooled into a bound on its row's k-th logit).
+        /// pooled into a bound on its row's k-th logit where its row has many blocks).
         pub block_hist: u64,
         /// Scratch: per-block summaries.
         pub block_summary: u64,
