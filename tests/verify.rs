@@ -945,8 +945,9 @@ fn emulated_greedy_batches_equal_the_reference_in_one_launch() {
 /// rejected by the host, take the one-launch top-k path (`verify_topk`, then `verify_residual`
 /// for sampled drafts) and give the reference's outcomes: random ragged batches (one of 1001
 /// tokens: rows off 16-byte boundaries, which the blocks' L2 prefetches must respect), flat rows
-/// (every logit tied), the bad-value batch and a full vocabulary; on one block per row and on many. The
-/// tiny tiles' buffers (72 candidates, k up to 8) and the flat rows' fill up over and over.
+/// (every logit tied), the bad-value batch and a full vocabulary; on one block per row and on
+/// many. The tiny tiles' buffers (72 candidates, k up to 8) and the flat rows' fill up over and
+/// over.
 #[test]
 fn emulated_top_k_batches_equal_the_reference_in_one_launch() {
     let mut rng = SplitMix64::new(19);

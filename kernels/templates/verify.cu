@@ -1967,9 +1967,9 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
 // The row's last block takes the k-th largest of the pooled codes (distinct tokens of the row: a
 // bound at or near the row's k-th, where the largest block k-th lies far below it), keeps the
 // pooled codes above it, and reads a block's whole list only where the block's smallest pooled
-// code reaches it (it may hold more; every list where nothing was pooled); then it ranks the top k and finishes the row as verify_finish does; the last row of a sequence
-// walks its acceptance chain. Greedy sequences run with k = 1. Sampled drafts still need
-// verify_residual after it.
+// code reaches it (it may hold more; every list where nothing was pooled); then it ranks the top
+// k and finishes the row as verify_finish does; the last row of a sequence walks its acceptance
+// chain. Greedy sequences run with k = 1. Sampled drafts still need verify_residual after it.
 #define VTOPK_MAX {{ target.verify.top_k_max }}
 #define VTOPK_BUF {{ target.verify.top_k_buffer }}
 #define VTOPK_PER ((VTOPK_BUF + VT - 1) / VT)  // buffer entries per thread
@@ -2506,8 +2506,9 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
     TopkState st{0, 0, -f32_inf(), 0, 0};
     u32 bad = VNONE;
     const u32 end = umin(first + a.chunks_per_block, a.chunks_per_row);
+    // chunk + 1 is loaded into registers at chunk's start (below): the L2 is asked for those after
     if (thread_x() == 0)
-        for (u32 ahead = 1; ahead < VTOPK_PREFETCH && first + ahead < end; ++ahead) prefetch_chunk(v, first + ahead);
+        for (u32 ahead = 2; ahead < VTOPK_PREFETCH && first + ahead < end; ++ahead) prefetch_chunk(v, first + ahead);
     for (u32 chunk = first; chunk < end; ++chunk) {
         if (VTOPK_PREFETCH > 0 && thread_x() == 0 && chunk + VTOPK_PREFETCH < end)
             prefetch_chunk(v, chunk + VTOPK_PREFETCH);

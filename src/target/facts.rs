@@ -336,7 +336,8 @@ pub struct VerifyTiles {
     pub top_k_buffer: u32,
     /// Chunks past the one it reads (0..=4) that a `verify_topk` block streaming several asks
     /// the L2 cache for, so that their loads wait on the L2 rather than on DRAM (0: none; a
-    /// target without an L2 prefetch instruction ignores it).
+    /// target without an L2 prefetch instruction ignores it). The next chunk is loaded into
+    /// registers as the current one's work starts, so 1 only repeats that load as a hint.
     pub top_k_prefetch_chunks: u32,
 }
 

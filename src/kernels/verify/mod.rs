@@ -32,8 +32,9 @@
 //!   of the pooled codes (distinct tokens of the row: a bound at or near the row's k-th, where the
 //!   largest block k-th lies far below it at B = 1, one block per 4096 tokens), keeps the pooled
 //!   codes above both bounds and reads a block's whole list only where its 8th pooled code
-//!   reaches them (every list where nothing was pooled, all at once); then it ranks the top k and finishes the row as `verify_finish` does (one
-//!   token per thread); the last row of a sequence walks its chain. Its grid is one wave of
+//!   reaches them (every list where nothing was pooled, all at once); then it ranks the top k
+//!   and finishes the row as `verify_finish` does (one token per thread); the last row of a
+//!   sequence walks its chain. Its grid is one wave of
 //!   `top_k_blocks_per_sm` blocks per multiprocessor (also its NVIDIA launch bounds).
 //! - `verify_greedy`, alone, when every sequence is greedy ([`Path::Greedy`]): a greedy row needs
 //!   only its argmax and first bad logit, so pass 1's streaming and each sequence's acceptance
