@@ -461,6 +461,7 @@ extern "C" unsigned long long emu_take_trace(int what) {
                     ["#define", "VTOPK_PREFETCH"] => {
                         define("VTOPK_PREFETCH", tiles.top_k_prefetch_chunks)
                     }
+                    ["#define", "VTOPK_RANK_MAX"] => define("VTOPK_RANK_MAX", tiles.top_k_rank_max),
                     _ => line.to_string(),
                 }
             })
@@ -730,6 +731,7 @@ fn tiny_tiles() -> VerifyTiles {
         top_k_max: 8,
         top_k_buffer: 72,
         top_k_prefetch_chunks: 1,
+        top_k_rank_max: 8,
     }
 }
 

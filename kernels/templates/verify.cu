@@ -1978,7 +1978,10 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
 #define VTOPK_POOL 8                            // candidates each block pools for the row's bound
 #define VTOPK_MERGE 8                           // candidates per thread per merge round
 #define VTOPK_PREFETCH {{ target.verify.top_k_prefetch_chunks }}  // chunks asked of the L2 ahead
+#define VTOPK_RANK_MAX {{ target.verify.top_k_rank_max }}  // candidates rank_codes takes without a cut
 static_assert(VTOPK_MAX <= VT && VTOPK_BUF >= VTOPK_MAX + VT, "verify.top_k_max, top_k_buffer");
+// the row's tail ranks buf[0, n) into buf[VTOPK_SORTED, ...): n <= VTOPK_RANK_MAX must not reach it
+static_assert(VTOPK_RANK_MAX <= VTOPK_SORTED, "verify.top_k_rank_max");
 // a block's pooled codes live in its block_hist words, which verify_topk does not otherwise use
 static_assert(VNB >= VTOPK_POOL && VT % VTOPK_POOL == 0 && FP4_WARP_SIZE % VTOPK_POOL == 0, "VTOPK_POOL");
 
@@ -2138,6 +2141,25 @@ FP4_DEVICE void topk_cut(TopkShared& sh, TopkState& st, u32 k) {
     block_sync();
 }
 
+/// Block-wide: writes the `keep` largest of the n distinct codes[0, n) (n <= VT) in descending
+/// order to out[0, min(n, keep)), each at its count of larger codes (out must not overlap
+/// codes[0, n)). A code's count is split over the lanes of a power-of-two group (up to a warp, as
+/// many as VT / n allow), each counting every group-size-th code, then summed by shuffles: at
+/// n = 50 a chain of 13 shared loads, not 50, and no barrier. Up to VTOPK_RANK_MAX codes it takes
+/// the top `keep` where a cut would (kth_code's radix rounds, two barriers each, then the copy's
+/// scan): the pool of every block, and the row's top k on its serial tail.
+FP4_DEVICE void rank_codes(const u64* codes, u32 n, u32 keep, u64* out) {
+    u32 group = 1;
+    while (group < FP4_WARP_SIZE && group * 2 * n <= VT) group *= 2;
+    const u32 e = thread_x() / group, part = thread_x() % group;
+    const u64 code = e < n ? codes[e] : 0;
+    u32 rank = 0;
+    if (e < n)
+        for (u32 j = part; j < n; j += group) rank += codes[j] > code ? 1u : 0u;
+    for (u32 offset = 1; offset < group; offset <<= 1) rank += shuffle_from(rank, lane_index() ^ offset);
+    if (e < n && part == 0 && rank < keep) out[rank] = code;
+}
+
 /// Block-wide: appends the codes code_of(j), j < N, whose bit j of `mask` is set (the caller
 /// admitted them), when they all fit; false, having written nothing, when they do not.
 template <int N, typename CodeOf>
@@ -2213,10 +2235,14 @@ FP4_DEVICE bool topk_pools(u32 blocks, u32 k) { return blocks * VTOPK_POOL >= k;
 /// block's is a lower bound on the row's k-th code; and where the smallest of a block's is below
 /// that bound, the block holds no other candidate above it.
 FP4_DEVICE void pool_top_codes(TopkShared& sh, TopkState& st, u64* out) {
-    // no token's code is 0: threshold 1 takes every candidate
-    const u64 t = st.count > VTOPK_POOL ? kth_code(sh, sh.buf, st.count, VTOPK_POOL) : 1;
-    const u32 at = copy_codes_from(sh, st, t, out);
-    for (u32 i = at + thread_x(); i < VTOPK_POOL; i += VT) out[i] = 0;
+    if (st.count <= VTOPK_RANK_MAX) {
+        rank_codes(sh.buf, st.count, VTOPK_POOL, out);
+    } else {
+        // no token's code is 0: threshold 1 takes every candidate
+        const u64 t = st.count > VTOPK_POOL ? kth_code(sh, sh.buf, st.count, VTOPK_POOL) : 1;
+        copy_codes_from(sh, st, t, out);
+    }
+    for (u32 i = umin(st.count, VTOPK_POOL) + thread_x(); i < VTOPK_POOL; i += VT) out[i] = 0;
 }
 
 /// The codes the row's blocks pooled (pool_top_codes), those of the first
@@ -2456,23 +2482,6 @@ FP4_DEVICE void topk_finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row
     }
 }
 
-/// Block-wide: writes the n codes of buf[0, n) (n <= VT, distinct) in descending order to
-/// buf[VTOPK_SORTED, + n), each at the count of larger codes. A code's count is split over the
-/// lanes of a power-of-two group (up to a warp, as many as VT / n allow), each counting every
-/// group-size-th code, then summed by shuffles: at k = 50 a chain of 13 shared loads, not 50,
-/// on the row's serial tail.
-FP4_DEVICE void topk_rank(TopkShared& sh, u32 n) {
-    u32 group = 1;
-    while (group < FP4_WARP_SIZE && group * 2 * n <= VT) group *= 2;
-    const u32 e = thread_x() / group, part = thread_x() % group;
-    const u64 code = e < n ? sh.buf[e] : 0;
-    u32 rank = 0;
-    if (e < n)
-        for (u32 j = part; j < n; j += group) rank += sh.buf[j] > code ? 1u : 0u;
-    for (u32 offset = 1; offset < group; offset <<= 1) rank += shuffle_from(rank, lane_index() ^ offset);
-    if (e < n && part == 0) sh.buf[VTOPK_SORTED + rank] = code;
-}
-
 /// Whether verify_topk serves a sequence: its controls rejected, greedy, or top-k in 1..VTOPK_MAX.
 FP4_DEVICE bool topk_serves(const VerifySequence& seq) {
     return seq.host_error != 0 || seq.temperature == 0.0f || (seq.top_k >= 1 && seq.top_k <= VTOPK_MAX);
@@ -2553,10 +2562,11 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
         device_fence();
         bad = topk_merge(a, r, sh, st, k);
     }
-    if (st.count > k) topk_cut(sh, st, k);
-    const u32 n = st.count;
+    // more candidates than rank_codes takes: cut back to the top k first
+    if (st.count > k && st.count > VTOPK_RANK_MAX) topk_cut(sh, st, k);
+    const u32 n = umin(st.count, k);
     block_sync();
-    topk_rank(sh, n);
+    rank_codes(sh.buf, st.count, k, sh.buf + VTOPK_SORTED);
     block_sync();
     topk_finish_row(a, r, row, seq, v, sh, st, n, bad, probe);
     sequence_row_done(a, row.sequence, seq, sh.buf, VTOPK_BUF, sh.drafts, VT, &sh.last);

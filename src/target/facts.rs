@@ -339,6 +339,10 @@ pub struct VerifyTiles {
     /// target without an L2 prefetch instruction ignores it). The next chunk is loaded into
     /// registers as the current one's work starts, so 1 only repeats that load as a hint.
     pub top_k_prefetch_chunks: u32,
+    /// Candidates (0..=`top_k_max`) up to which a `verify_topk` block ranks its buffer directly
+    /// (every code counted against the others, no barrier) to take its top few, where more are
+    /// first cut by radix rounds over their digits (0: always cut).
+    pub top_k_rank_max: u32,
 }
 
 /// Launch parameters of the `moe` family: one persistent launch per MoE block
@@ -716,16 +720,19 @@ impl TargetFacts {
             || verify.top_k_buffer < verify.top_k_max + verify.threads_per_block
             || verify.top_k_buffer > 4096
             || verify.top_k_prefetch_chunks > 4
+            || verify.top_k_rank_max > verify.top_k_max
         {
             return fail(format!(
                 "verify.top_k_blocks_per_sm {} must be positive, verify.top_k_max {} in \
                  1..=threads_per_block, verify.top_k_buffer {} in \
-                 top_k_max + threads_per_block..=4096 (shared memory) and \
-                 verify.top_k_prefetch_chunks {} in 0..=4",
+                 top_k_max + threads_per_block..=4096 (shared memory), \
+                 verify.top_k_prefetch_chunks {} in 0..=4 and verify.top_k_rank_max {} in \
+                 0..=top_k_max",
                 verify.top_k_blocks_per_sm,
                 verify.top_k_max,
                 verify.top_k_buffer,
-                verify.top_k_prefetch_chunks
+                verify.top_k_prefetch_chunks,
+                verify.top_k_rank_max
             ));
         }
         self.validate_moe()?;
