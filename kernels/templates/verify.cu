@@ -1995,6 +1995,7 @@ struct TopkShared {
     u32 drafts[VT];
     u32 listed[VMAX_BLOCKS_PER_ROW];  // the merge: blocks whose candidate lists it reads,
     u32 list_start[VMAX_BLOCKS_PER_ROW + 1];  // and where each list starts among all it reads
+    u32 list_count[VMAX_BLOCKS_PER_ROW];  // every block's candidate count
     u32 digit[3];
     u32 last;
     u64 words[6];  // the row's kept weight or top-k weight (2), probe weight (2), weight before it (2)
@@ -2326,13 +2327,18 @@ FP4_DEVICE u32 topk_merge(const VerifyArgs& a, u32 r, TopkShared& sh, TopkState&
     // the pool's loads first: they do not depend on the summaries, so the round trips overlap
     u64 pool[VTOPK_PER];
     const u32 pooled = load_pool(a, r, k, pool);
+    // the row's bound and every block's count and first bad token, requested together: the bound
+    // read after the summaries, and the listed blocks' counts after the listing, were two more
+    // L2 round trips on the row's tail
+    const u32 key = load_shared_u32(&a.row_anchor[r]);
     const u64* summary = a.block_summary + (u64)r * blocks * 3;
     u64 bad = VNONE;
     for (u32 b = thread_x(); b < blocks; b += VT) {
+        const u64 count = load_shared_u64(&summary[3 * b]);
         const u64 first_bad = load_shared_u64(&summary[3 * b + 1]);
+        sh.list_count[b] = (u32)count;
         bad = first_bad < bad ? first_bad : bad;
     }
-    const u32 key = load_shared_u32(&a.row_anchor[r]);
     const u64 bound = pooled_bound(sh, pool, pooled, k);
     st.count = 0;
     st.floor_code = (u64)key << 32 > bound ? (u64)key << 32 : bound;
@@ -2362,12 +2368,13 @@ FP4_DEVICE u32 topk_merge(const VerifyArgs& a, u32 r, TopkShared& sh, TopkState&
     for (u32 b = pooled_blocks + thread_x(); b < blocks; b += VT) sh.listed[s.total + b - pooled_blocks] = b;
     const u32 n_listed = s.total + (blocks > pooled_blocks ? blocks - pooled_blocks : 0);
     block_sync();
-    // the listed blocks' counts at once, then their candidates as one range: a list after another
-    // was a chain of round trips (two a block: 2 blocks a row at B = 64 read nothing in parallel)
+    // the listed blocks' counts (loaded with the summaries), then their candidates as one range: a
+    // list after another was a chain of round trips (two a block: 2 blocks a row at B = 64 read
+    // nothing in parallel)
     u32 total = 0;
     for (u32 l0 = 0; l0 < n_listed; l0 += VT) {
         const u32 l = l0 + thread_x();
-        const u32 count = l < n_listed ? (u32)load_shared_u64(&summary[3 * sh.listed[l]]) : 0;
+        const u32 count = l < n_listed ? sh.list_count[sh.listed[l]] : 0;
         const Slots c = block_count_scan(count, sh.totals, st.phase);
         if (l < n_listed) sh.list_start[l] = total + c.offset;
         total += c.total;
