@@ -2433,38 +2433,46 @@ FP4_DEVICE void topk_finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row
     const i32 below = octaves_below(top.octave, p.octave);
     const bool positive = present && below >= 0;
     const u128 w = positive ? w128(mantissa) << (u32)(VOCT - below) : w128(0);
-    // inclusive running weight: the 32-bit halves scanned apart (each sum fits in 64 bits)
+    const bool min_p_fails = seq.min_p > 0.0f && !(positive && passes_min_p(mantissa, below, seq.min_p, top_mantissa));
+    // inclusive running weight: the 32-bit halves scanned apart (each sum fits in 64 bits); each
+    // warp's totals, its first token without weight and its first failing min-p cross one barrier
+    // together (three more when each first was a block_first and the top-k mass a shared word)
     u64 lo = warp_inclusive_sum<u64>(w.lo & 0xffffffffull), hi = warp_inclusive_sum<u64>((w >> 32).lo);
+    const u32 weightless = ballot(!positive), failing = ballot(min_p_fails);
     if (lane_index() == FP4_WARP_SIZE - 1) {
         sh.scratch[warp_index()] = lo;
         sh.scratch[VWARPS + warp_index()] = hi;
+        sh.scratch[2 * VWARPS + warp_index()] = (u64)weightless | (u64)failing << 32;
     }
     if (i == 0)
         for (u32 x = 2; x < 6; ++x) sh.words[x] = 0;
     block_sync();
-    for (u32 x = 0; x < warp_index(); ++x) {
-        lo += sh.scratch[x];
-        hi += sh.scratch[VWARPS + x];
+    u64 total_lo = 0, total_hi = 0;
+    u32 positives = VT, min_p_first = VT;
+    for (u32 x = 0; x < VWARPS; ++x) {
+        const u64 warp_lo = sh.scratch[x], warp_hi = sh.scratch[VWARPS + x], firsts = sh.scratch[2 * VWARPS + x];
+        if (x < warp_index()) {
+            lo += warp_lo;
+            hi += warp_hi;
+        }
+        total_lo += warp_lo;
+        total_hi += warp_hi;
+        const u32 first_weightless = (u32)firsts, first_failing = (u32)(firsts >> 32);
+        if (positives == VT && first_weightless != 0) positives = x * FP4_WARP_SIZE + lowest_bit(first_weightless);
+        if (min_p_first == VT && first_failing != 0) min_p_first = x * FP4_WARP_SIZE + lowest_bit(first_failing);
     }
     const u128 prefix = (w128(hi) << 32) + w128(lo);
-    const u32 positives = block_first(!positive, sh.totals, st.phase);
     const u32 by_k = umin(seq.top_k, positives);
-    if (i == by_k - 1) {
-        sh.words[0] = prefix.lo;
-        sh.words[1] = prefix.hi;
-    }
-    block_sync();
     u32 kept = by_k;
     if (seq.top_p < 1.0f) {
-        const u128 need = top_p_need(seq.top_p, u128{sh.words[0], sh.words[1]});
+        // the mass of the first by_k tokens is the total: the n <= top_k ranked tokens are all
+        // there are, and those past the positives weigh nothing
+        const u128 need = top_p_need(seq.top_p, (w128(total_hi) << 32) + w128(total_lo));
         kept = umin(kept, block_first(i < by_k && prefix >= need, sh.totals, st.phase) + 1);
     }
-    if (seq.min_p > 0.0f) {
-        const bool fails = !(positive && passes_min_p(mantissa, below, seq.min_p, top_mantissa));
-        kept = umin(kept, block_first(fails, sh.totals, st.phase));
-    }
+    if (seq.min_p > 0.0f) kept = umin(kept, min_p_first);
     const bool is_probe = i < kept && ~(u32)code == probe;
-    // every thread has read words[0, 2) (the barrier of the block_first above)
+    // no thread reads words[0, 2) before the barrier below
     if (i == kept - 1) {
         sh.words[0] = prefix.lo;
         sh.words[1] = prefix.hi;
