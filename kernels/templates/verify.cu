@@ -2144,7 +2144,7 @@ FP4_DEVICE void topk_cut(TopkShared& sh, TopkState& st, u32 k) {
 
 /// Block-wide: writes the `keep` largest of the n distinct codes[0, n) (n <= VT) in descending
 /// order to out[0, min(n, keep)), each at its count of larger codes (out must not overlap
-/// codes[0, n); zeros may repeat: they share one rank, and the slots after it stay unwritten). A code's count is split over the lanes of a power-of-two group (up to a warp, as
+/// codes[0, n)). A code's count is split over the lanes of a power-of-two group (up to a warp, as
 /// many as VT / n allow), each counting every group-size-th code, then summed by shuffles: at
 /// n = 50 a chain of 13 shared loads, not 50, and no barrier. Up to VTOPK_RANK_MAX codes it takes
 /// the top `keep` where a cut would (kth_code's radix rounds, two barriers each, then the copy's
@@ -2207,38 +2207,13 @@ FP4_DEVICE void topk_insert_slabs(const RowView& v, u32 chunk, TopkShared& sh, T
     }
 }
 
-/// Block-wide, on a block's first chunk (z biased, its tokens first + VT * j; the buffer empty):
-/// the floors from the k-th largest of the threads' maxima (k distinct tokens reach it; k <= VT);
-/// none when fewer than k threads hold a finite logit. Where twice k's share of a warp fits
-/// rank_codes, each warp keeps its largest 2 ceil(k / VWARPS) maxima (ranked by shuffles) and the
-/// block ranks those: the k-th of them is the k-th of all unless a warp holds more than its
-/// share twice over (a lower floor then, still one k tokens reach), and it takes two barriers
-/// where kth_code's radix rounds over all VT maxima take two each, on every block's path.
+/// Block-wide, on a block's first chunk (z biased, its tokens first + VT * j): the floors from the
+/// k-th largest of the threads' maxima (k distinct tokens reach it; k <= VT); none when fewer
+/// than k threads hold a finite logit.
 FP4_DEVICE void topk_first_floor(TopkShared& sh, TopkState& st, u32 k, const float (&z)[VI], u32 first) {
-    const u64 mine = thread_argmax(z, first);
-    const u32 per_warp = umin(2 * ((k + VWARPS - 1) / VWARPS), FP4_WARP_SIZE);
-    u64 t;
-    if (per_warp * VWARPS <= VTOPK_RANK_MAX) {
-        // ties only among zeros (threads without a finite logit): the lane order breaks them, so
-        // each of the warp's first per_warp slots is written once
-        const u32 lane = lane_index();
-        u32 rank = 0;
-        for (u32 l = 0; l < FP4_WARP_SIZE; ++l) {
-            const u64 other = shuffle_from_u64(mine, l);
-            rank += other > mine || (other == mine && l < lane) ? 1u : 0u;
-        }
-        if (rank < per_warp) sh.buf[warp_index() * per_warp + rank] = mine;
-        // the k-th slot stays 0 where the zeros' shared rank lies below it (fewer than k tokens)
-        if (thread_x() == 0) sh.buf[VTOPK_SORTED + k - 1] = 0;
-        block_sync();
-        rank_codes(sh.buf, per_warp * VWARPS, k, sh.buf + VTOPK_SORTED);
-        block_sync();
-        t = sh.buf[VTOPK_SORTED + k - 1];
-    } else {
-        sh.buf[thread_x()] = mine;
-        block_sync();
-        t = kth_code(sh, sh.buf, VT, k);
-    }
+    sh.buf[thread_x()] = thread_argmax(z, first);
+    block_sync();
+    const u64 t = kth_code(sh, sh.buf, VT, k);
     const u32 key = (u32)(t >> 32);
     if (key < VKEY_LOWEST_FINITE) return;
     // those k maxima tie with the floor's logit at worst, with ids above or below: admit ties
