@@ -394,7 +394,7 @@ fn bad_values_are_per_sequence_errors_never_tokens() {
 mod emulation {
     use crate::batches;
     use fp4spec::kernels::table;
-    use fp4spec::kernels::verify::{AcceptanceStats, Batch, DraftKind, Layout, device};
+    use fp4spec::kernels::verify::{AcceptanceStats, Batch, DraftKind, Layout, device, reference};
     use fp4spec::target::VerifyTiles;
     use std::ffi::{CStr, CString, c_char, c_int, c_void};
     use std::path::PathBuf;
@@ -467,6 +467,17 @@ extern "C" unsigned long long emu_take_trace(int what) {
             })
             .collect::<Vec<_>>()
             .join("\n")
+    }
+
+    /// The value of `#define NAME` in the source for `tiles` (a row state word's index).
+    fn rendered_define(tiles: &VerifyTiles, name: &str) -> usize {
+        let prefix = format!("#define {name} ");
+        source_for(tiles)
+            .lines()
+            .find_map(|line| line.strip_prefix(&prefix))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|value| value.parse().ok())
+            .unwrap_or_else(|| panic!("verify.cu defines no {name}"))
     }
 
     /// The emulated kernels for `tiles` (compiled once per tiles and test binary).
@@ -599,6 +610,7 @@ extern "C" unsigned long long emu_take_trace(int what) {
         // the emulation is one global machine: one batch at a time across test threads
         static MACHINE: Mutex<()> = Mutex::new(());
         let _machine = MACHINE.lock().unwrap_or_else(|p| p.into_inner());
+        let params = &batch.params;
         let layout = Layout::new(capacity, tiles, multiprocessors).expect("layout");
         let batch = Batch::encode(&layout, &sequences, kind).expect("encode");
         let n = layout.buffer_lengths();
@@ -681,6 +693,33 @@ extern "C" unsigned long long emu_take_trace(int what) {
             row_grid.iter().all(|&c| c == 0) && row_anchor.iter().all(|&c| c == 0),
             "row grids or anchors left nonzero"
         );
+        // every processed row's kept weight (its row state's two RS_MASS words) is the
+        // reference's exactly: a top k short of a token that top-p or min-p cut anyway changes
+        // no outcome, but it changes this
+        let mass_word = rendered_define(tiles, "RS_MASS");
+        for (r, row) in batch.rows.iter().enumerate() {
+            let s = row.sequence as usize;
+            let logits = match (row.is_draft, draft_logits) {
+                _ if params[s].temperature <= 0.0 => continue,
+                (0, _) => target,
+                (_, Some(draft)) => draft,
+                (_, None) => continue,
+            };
+            let at = row.logits_row as usize * vocab;
+            let Ok(weighed) =
+                reference::weigh(&logits[at..at + vocab], &params[s], row.index as usize)
+            else {
+                continue;
+            };
+            let words = &row_state[r * layout.row_words + mass_word..][..2];
+            assert_eq!(
+                u128::from(words[0]) | u128::from(words[1]) << 64,
+                weighed.mass(),
+                "row {r} (sequence {s}, draft {}, index {}): kept weight",
+                row.is_draft,
+                row.index
+            );
+        }
         let outcomes = batch.decode(&layout, &status, &emitted).expect("decode");
         let m = capacity.max_drafts;
         let run = batches::Run {
@@ -876,7 +915,7 @@ fn emulated_top_k_merges_only_what_the_pooled_bound_admits() {
         &sm90_tiles(),
         vocab,
         &batch,
-        &[132],
+        &[132, 8],
     );
     assert_eq!(
         trace.full_top_k_buffers, 0,
