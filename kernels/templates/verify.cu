@@ -2036,6 +2036,17 @@ FP4_DEVICE Slots block_count_scan(u32 count, u32* totals, u32& phase) {
     return s;
 }
 
+/// The first thread of the block whose bit is set in its warp's ballot, warp_bits(w) for warp w
+/// (VT when none).
+template <typename WarpBits>
+FP4_DEVICE u32 first_of_ballots(WarpBits warp_bits) {
+    for (u32 w = 0; w < VWARPS; ++w) {
+        const u32 bits = warp_bits(w);
+        if (bits != 0) return w * FP4_WARP_SIZE + lowest_bit(bits);
+    }
+    return VT;
+}
+
 /// Block-wide: the first thread whose `hit` is set (VT when none); one barrier, as
 /// block_count_scan.
 FP4_DEVICE u32 block_first(bool hit, u32* totals, u32& phase) {
@@ -2044,9 +2055,7 @@ FP4_DEVICE u32 block_first(bool hit, u32* totals, u32& phase) {
     phase ^= 1u;
     if (lane_index() == 0) t[warp_index()] = bits;
     block_sync();
-    for (u32 w = 0; w < VWARPS; ++w)
-        if (t[w] != 0) return w * FP4_WARP_SIZE + lowest_bit(t[w]);
-    return VT;
+    return first_of_ballots([&](u32 w) { return t[w]; });
 }
 
 /// The largest float below x (finite): z > float_below(x) is z >= x.
@@ -2424,19 +2433,18 @@ FP4_DEVICE void topk_finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row
         for (u32 x = 2; x < 6; ++x) sh.words[x] = 0;
     block_sync();
     u64 total_lo = 0, total_hi = 0;
-    u32 positives = VT, min_p_first = VT;
     for (u32 x = 0; x < VWARPS; ++x) {
-        const u64 warp_lo = sh.scratch[x], warp_hi = sh.scratch[VWARPS + x], firsts = sh.scratch[2 * VWARPS + x];
+        const u64 warp_lo = sh.scratch[x], warp_hi = sh.scratch[VWARPS + x];
         if (x < warp_index()) {
             lo += warp_lo;
             hi += warp_hi;
         }
         total_lo += warp_lo;
         total_hi += warp_hi;
-        const u32 first_weightless = (u32)firsts, first_failing = (u32)(firsts >> 32);
-        if (positives == VT && first_weightless != 0) positives = x * FP4_WARP_SIZE + lowest_bit(first_weightless);
-        if (min_p_first == VT && first_failing != 0) min_p_first = x * FP4_WARP_SIZE + lowest_bit(first_failing);
     }
+    const u64* ballots = sh.scratch + 2 * VWARPS;
+    const u32 positives = first_of_ballots([&](u32 w) { return (u32)ballots[w]; });
+    const u32 min_p_first = first_of_ballots([&](u32 w) { return (u32)(ballots[w] >> 32); });
     const u128 prefix = (w128(hi) << 32) + w128(lo);
     const u32 by_k = umin(seq.top_k, positives);
     u32 kept = by_k;
