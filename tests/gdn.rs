@@ -5,6 +5,7 @@
 //! chains of verify steps replaying their accepted tokens); and the launch API on the CPU
 //! backend, whose cache layout (state slots, position ring) must keep those semantics.
 
+use fp4spec::kernels::compare;
 use fp4spec::kernels::gdn::reference::{self as gdn, DeltaInputs, GdnShape};
 use fp4spec::rng::SplitMix64;
 
@@ -59,14 +60,7 @@ fn inputs(c: &Case, t: usize) -> DeltaInputs<'_> {
 }
 
 fn max_rel(a: &[f32], b: &[f32]) -> f64 {
-    let scale = b
-        .iter()
-        .fold(0.0f64, |m, v| m.max(f64::from(v.abs())))
-        .max(1e-30);
-    a.iter()
-        .zip(b)
-        .fold(0.0f64, |m, (x, y)| m.max(f64::from((x - y).abs())))
-        / scale
+    compare::max_difference(a, b).1
 }
 
 #[test]

@@ -164,7 +164,8 @@ fn the_emulated_kernel_matches_the_reference() {
 #[test]
 fn bf16_fragments_hold_each_element_once_in_register_order() {
     let (n, k) = (24, 80);
-    let values: Vec<bf16> = (0..n * k).map(|i| bf16::from_f32(i as f32)).collect();
+    // distinct, finite, nonzero bit patterns (padding is zero): any misplaced element shows
+    let values: Vec<bf16> = (0..n * k).map(|i| bf16::from_bits(1 + i as u16)).collect();
     let f = Bf16Fragments::new(&values, n, k, RowOrder::Plain).expect("layout");
     let mut seen = vec![0u32; n * k];
     for tile in 0..f.grid.n_tiles {
@@ -447,7 +448,8 @@ fn wmma_nvfp4_fragments_decode_to_the_matrix() {
 #[test]
 fn wmma_bf16_fragments_hold_each_row_contiguously_per_group() {
     let (n, k) = (21, 80);
-    let values: Vec<bf16> = (0..n * k).map(|i| bf16::from_f32(i as f32)).collect();
+    // distinct, finite, nonzero bit patterns (padding is zero): any misplaced element shows
+    let values: Vec<bf16> = (0..n * k).map(|i| bf16::from_bits(1 + i as u16)).collect();
     let f = WmmaBf16Fragments::new(&values, n, k, RowOrder::Plain).expect("layout");
     for tile in 0..f.grid.n_tiles {
         for tile_row in 0..16 {

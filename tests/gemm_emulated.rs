@@ -112,11 +112,21 @@ fn emulator_source(target: &TargetFacts) -> String {
 
 /// The targets the emulator runs: sm_121a renders the same kernels (only the tuning numbers
 /// differ) beside W4A4 code whose FP4 conversions the host cannot compile, so the mma.sync
-/// targets without it stand for it.
-fn emulated_targets() -> impl Iterator<Item = &'static TargetFacts> {
-    target::all()
+/// targets without it stand for it. Those of them that also have `feature`, described by `what`.
+///
+/// # Panics
+/// When there are none: a test over them would check nothing.
+fn emulated_targets(
+    what: &str,
+    feature: impl Fn(&TargetFacts) -> bool,
+) -> Vec<&'static TargetFacts> {
+    let targets: Vec<_> = target::all()
         .iter()
         .filter(|t| t.instructions.staged_mma() && !t.instructions.mma_block_scaled_fp4)
+        .filter(|t| feature(t))
+        .collect();
+    assert!(!targets.is_empty(), "no emulated target {what}");
+    targets
 }
 
 /// A partition: `warps_per_tile` warps per tile, `splits` K ranges of `groups_per_split` groups.
@@ -341,7 +351,7 @@ fn run_bf16_case(
 
 #[test]
 fn the_stream_kernel_matches_the_reference_and_the_register_kernel() {
-    for target in emulated_targets() {
+    for target in emulated_targets("", |_| true) {
         let exe = emulator(target);
         let mut rng = SplitMix64::new(0x57e4);
         for case in [
@@ -461,7 +471,7 @@ fn x_shared_tile_warps(target: &TargetFacts, wanted: u32) -> u32 {
 /// each against the CPU reference.
 #[test]
 fn the_x_shared_kernels_match_the_reference() {
-    for target in emulated_targets() {
+    for target in emulated_targets("", |_| true) {
         assert!(gemm::mma_x_shared(target, 33) && !gemm::mma_x_shared(target, 32));
         let exe = emulator(target);
         let mut rng = SplitMix64::new(0x5a4ed);
@@ -511,7 +521,7 @@ fn the_x_shared_kernels_match_the_reference() {
 /// group with fewer tiles than a block holds and rows past M; and close to the CPU reference.
 #[test]
 fn the_mma_kernels_finish_splits_in_clusters_as_through_the_l2() {
-    for target in emulated_targets().filter(|t| t.instructions.clusters) {
+    for target in emulated_targets("has clusters", |t| t.instructions.clusters) {
         let exe = emulator(target);
         let mut rng = SplitMix64::new(0xc105);
         for case in [
@@ -685,14 +695,7 @@ fn run_wgmma_case(
 /// X ring's slots and the weight stages; NVFP4 and bf16 weights, each against the CPU reference.
 #[test]
 fn the_wgmma_kernels_match_the_reference() {
-    let targets: Vec<_> = emulated_targets()
-        .filter(|t| gemm::wgmma_rendered(t))
-        .collect();
-    assert!(
-        !targets.is_empty(),
-        "no emulated target has the wgmma kernels"
-    );
-    for target in targets {
+    for target in emulated_targets("has the wgmma kernels", gemm::wgmma_rendered) {
         assert!(
             !gemm::mma_wgmma(target, 32, usize::MAX),
             "wgmma is the m48 / m64 variants'"

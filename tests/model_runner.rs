@@ -3,6 +3,7 @@
 //! greedy with speculation equal to greedy without it, on every layout (text-only, the
 //! vision-language wrapper sharded with F32 norms, ModelOpt NVFP4, Qwen3-Next).
 
+use fp4spec::kernels::compare;
 use fp4spec::kernels::verify::reference::SamplingParams;
 use fp4spec::model::cache::SequenceCache;
 use fp4spec::model::forward::{ForwardInput, ForwardOutput, Model, MtpInput};
@@ -50,12 +51,7 @@ fn reference(name: &str) -> Reference {
 fn max_relative_error(ours: &[f32], theirs: &[Vec<f32>]) -> f64 {
     let flat: Vec<f32> = theirs.iter().flatten().copied().collect();
     assert_eq!(ours.len(), flat.len(), "row count or vocabulary differs");
-    let scale = flat.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
-    let worst = ours
-        .iter()
-        .zip(&flat)
-        .fold(0.0f64, |m, (a, b)| m.max(f64::from((a - b).abs())));
-    worst / scale
+    compare::max_difference(ours, &flat).1
 }
 
 /// fp32 transformers against f64-accumulating references: agreement to ~1e-6 of the logit scale

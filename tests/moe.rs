@@ -520,6 +520,7 @@ fn the_kernel_layout_decodes_back_to_the_weights() {
                 ("gate_up", &gate_up, &want_gate_up),
                 ("down", &down, &want_down),
             ] {
+                assert_eq!(got.len(), want.len(), "unit {unit} {what}: element count");
                 for (index, (g, w)) in got.iter().zip(want).enumerate() {
                     let ok = if exact {
                         g.to_bits() == w.to_bits() || (*g == 0.0 && *w == 0.0)

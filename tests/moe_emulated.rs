@@ -124,6 +124,20 @@ impl Emu {
         self.buffer(vec![0; bytes])
     }
 
+    /// Overwrites `buffer` (an id from [`Emu::buffer`]) with `bytes`.
+    fn refill(&mut self, buffer: u64, bytes: Vec<u8>) {
+        self.commands.extend(1u32.to_le_bytes());
+        self.commands.extend(((buffer >> 40) as u32).to_le_bytes());
+        self.commands.extend((bytes.len() as u64).to_le_bytes());
+        self.commands.extend(bytes);
+    }
+
+    /// Fills a bf16 output with NaN before a launch that must write all of it: an element a
+    /// form leaves unwritten then fails the comparison instead of matching an earlier form's.
+    fn poison_bf16(&mut self, buffer: u64, elements: usize) {
+        self.refill(buffer, vec![0xff; 2 * elements]);
+    }
+
     fn launch(&mut self, name: &str, grid: u32, threads: u32, args: &[u64; 34]) {
         let c = &mut self.commands;
         c.extend(2u32.to_le_bytes());
@@ -285,6 +299,7 @@ fn emulate(
     let x_buf = emu.buffer(bf(x));
     let residual_buf = residual.map_or(0, |r| emu.buffer(bf(r)));
     let y_buf = emu.zeros(2 * t * h);
+    emu.poison_bf16(y_buf, t * h);
     let router = emu.buffer(l.router.clone());
     let gate_up = emu.buffer(l.gate_up.clone());
     let gate_up_scales = l.gate_up_scales.clone().map_or(0, |v| emu.buffer(v));
@@ -347,6 +362,7 @@ fn emulate(
     let threads = facts.moe.warps_per_block * facts.warp_size;
     emu.launch(&kernel, grid, threads, &args);
     emu.dump(y_buf);
+    emu.poison_bf16(y_buf, t * h);
     emu.launch(&kernel, grid, threads, &args);
     for buffer in [y_buf, topk_ids, route_weight, shared_scale, control] {
         emu.dump(buffer);
@@ -360,6 +376,7 @@ fn emulate(
         rows,
     );
     for _ in 0..2 {
+        emu.poison_bf16(y_buf, t * h);
         emu.launch(&format!("moe_route_m{rows}"), grids.route, threads, &args);
         emu.launch(
             &format!("moe_{format}_gate_up_m{rows}"),
@@ -402,6 +419,7 @@ fn emulate(
             }
         }
         for ((gate_up, gate_up_grid), down, grid) in &forms {
+            emu.poison_bf16(y_buf, t * h);
             emu.launch(&format!("moe_route_m{rows}"), grids.route, threads, &args);
             emu.launch(gate_up, *gate_up_grid, threads, &args);
             emu.launch(down, *grid, threads, &args);

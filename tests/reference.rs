@@ -123,9 +123,55 @@ fn compare_rejects_wrong_and_non_finite_outputs() {
     let mut off = exact.clone();
     off[2] = bf16::from_f32(3.1);
     assert!(!compare::compare_bf16(&off, &want).passed());
-    let mut nan = exact;
+    let mut nan = exact.clone();
     nan[0] = bf16::NAN;
     assert!(!compare::compare_bf16(&nan, &want).passed());
+    // a non-finite reference: matched only by the same value, and it does not widen the
+    // other elements' allowances
+    for bad in [f32::NAN, f32::INFINITY] {
+        let mut want_bad = want.clone();
+        want_bad[1] = bad;
+        let mut got = exact.clone();
+        got[1] = bf16::from_f32(bad);
+        assert!(
+            compare::compare_bf16(&got, &want_bad).passed(),
+            "{bad} for {bad}"
+        );
+        got[1] = bf16::from_f32(-2.0);
+        assert!(
+            !compare::compare_bf16(&got, &want_bad).passed(),
+            "-2 for {bad}"
+        );
+        got[1] = bf16::from_f32(bad);
+        got[2] = bf16::from_f32(30.0);
+        assert!(
+            !compare::compare_bf16(&got, &want_bad).passed(),
+            "30 for 3 beside {bad}"
+        );
+    }
+}
+
+#[test]
+fn max_difference_keeps_non_finite_elements() {
+    let want = [1.0f32, -4.0, 2.0];
+    assert_eq!(
+        compare::max_difference(&[1.5, -4.0, 2.0], &want),
+        (0.5, 0.125)
+    );
+    // what a bound of 1 on either figure makes of it
+    let fails = |v: f64| v.is_nan() || v > 1.0;
+    for bad in [f32::NAN, f32::INFINITY] {
+        let (largest, relative) = compare::max_difference(&[1.0, bad, 2.0], &want);
+        assert!(
+            fails(largest) && fails(relative),
+            "{bad}: {largest} {relative}"
+        );
+        let (largest, relative) = compare::max_difference(&want, &[1.0, bad, 2.0]);
+        assert!(
+            fails(largest) && fails(relative),
+            "{bad} wanted: {largest} {relative}"
+        );
+    }
 }
 
 #[test]

@@ -12,7 +12,8 @@ pub struct Agreement {
     /// Index of the element that breaks the per-element bound worst (ratio of its error to its
     /// allowance), and that ratio; <= 1 everywhere means the check passed.
     pub worst: (usize, f64),
-    /// Elements that are NaN or infinite while the reference is finite.
+    /// Elements that are NaN or infinite while the reference is finite, or differ from a
+    /// non-finite reference (anything but NaN for NaN, or the same infinity).
     pub non_finite: usize,
 }
 
@@ -51,13 +52,26 @@ pub fn compare_bf16_with_slack(got: &[bf16], want: &[f32], slack: &[f64]) -> Agr
         slack.is_empty() || slack.len() == want.len(),
         "compare_bf16: slack of another length"
     );
-    let rms =
-        (want.iter().map(|w| (*w as f64).powi(2)).sum::<f64>() / want.len().max(1) as f64).sqrt();
+    // over the finite elements: one infinity in the reference would make every allowance
+    // infinite and pass anything
+    let rms = (want
+        .iter()
+        .filter(|w| w.is_finite())
+        .map(|w| (*w as f64).powi(2))
+        .sum::<f64>()
+        / want.len().max(1) as f64)
+        .sqrt();
     let (mut diff2, mut want2, mut max_abs, mut worst, mut non_finite) =
         (0.0, 0.0, 0.0f64, (0, 0.0f64), 0);
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let (g, w) = (g.to_f64(), *w as f64);
-        if !g.is_finite() && w.is_finite() {
+        if !w.is_finite() {
+            if !(g == w || g.is_nan() && w.is_nan()) {
+                non_finite += 1;
+            }
+            continue;
+        }
+        if !g.is_finite() {
             non_finite += 1;
             continue;
         }
@@ -77,4 +91,24 @@ pub fn compare_bf16_with_slack(got: &[bf16], want: &[f32], slack: &[f64]) -> Agr
         worst,
         non_finite,
     }
+}
+
+/// The largest |got - want| over the elements, and that relative to the largest |want|, for fp32
+/// outputs against a reference: NaN where any element of either is NaN (or both are the same
+/// infinity), infinite where only one is, so a bound on either figure fails on a non-finite
+/// output rather than passing it over.
+///
+/// # Panics
+/// If the lengths differ.
+pub fn max_difference(got: &[f32], want: &[f32]) -> (f64, f64) {
+    assert_eq!(got.len(), want.len(), "max_difference: lengths differ");
+    // f64::max drops a NaN; this keeps it
+    let nan_max = |m: f64, d: f64| if d.is_nan() || d > m { d } else { m };
+    let largest = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| f64::from(*g) - f64::from(*w))
+        .fold(0.0, |m, d| nan_max(m, d.abs()));
+    let scale = want.iter().fold(0.0, |m, w| nan_max(m, f64::from(w.abs())));
+    (largest, largest / scale.max(1e-30))
 }

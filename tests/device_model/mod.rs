@@ -11,6 +11,7 @@
 use fp4spec::backend::Backend;
 use fp4spec::checkpoint::quantize::{QuantizeOptions, quantize};
 use fp4spec::kernels::attention::KvFormat;
+use fp4spec::kernels::compare;
 use fp4spec::model::cache::SequenceCache;
 use fp4spec::model::device::{Decoder, DeviceModel, SpecDecoder};
 use fp4spec::model::forward::{ForwardInput, Model, MtpInput};
@@ -87,11 +88,7 @@ fn runner_step(
         .expect("runner forward");
     let runner = out.into_iter().next().expect("one sequence").logits;
     let scale = runner.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
-    let error = device_row
-        .iter()
-        .zip(&runner)
-        .fold(0.0f64, |m, (a, b)| m.max(f64::from((a - b).abs())))
-        / scale;
+    let error = compare::max_difference(device_row, &runner).1;
     assert!(
         error <= tolerance,
         "{what}: logits differ by {error:.3e} of the largest (tolerance {tolerance:.0e})"

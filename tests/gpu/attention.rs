@@ -439,7 +439,8 @@ fn attention_fp8_kernels_decode_every_code_exactly() {
             let q_gate = gpu.upload(&vec![bf16::ZERO; 4 * 512])?;
             let q_gate = Bf16Rows::packed(&q_gate, 4 * 512);
             let mut workspace = Workspace::new(gpu, shape, 1, 4)?;
-            let mut out: DeviceVec<bf16> = gpu.zeros(4 * 256)?;
+            // poisoned: codes 0x00 and 0x80 decode to +-0, which an unwritten zero would match
+            let mut out: DeviceVec<bf16> = gpu.upload(&vec![bf16::NAN; 4 * 256])?;
             attention::attend_with(
                 gpu,
                 decode,

@@ -438,6 +438,8 @@ fn hip_backend_opens_or_says_why_not() {
         Ok(backend) => println!("hip backend: {}", backend.describe()),
         Err(e) => {
             assert!(matches!(e, Error::HipUnavailable(_)), "{e}");
+            let devices = fp4spec::backend::hip::device_count();
+            assert_eq!(devices, 0, "{devices} HIP device(s) present, yet: {e}");
             skipped(
                 "hip_backend_opens_or_says_why_not (no HIP device to open)",
                 &e.to_string(),

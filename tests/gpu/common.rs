@@ -7,29 +7,46 @@ use half::bf16;
 use std::sync::OnceLock;
 
 /// The CUDA backend, opened once per binary; `None` (after one skip line naming `test`) when
-/// there is no usable device.
+/// the machine has no CUDA device.
+///
+/// # Panics
+/// When a device is present but the backend does not open (no target for it, no NVRTC or CUDA
+/// headers, a driver error): on a GPU host that is a failure, never a skip.
 pub fn cuda(test: &str) -> Option<&'static Backend> {
     static BACKEND: OnceLock<Result<Backend, String>> = OnceLock::new();
     match BACKEND.get_or_init(|| Backend::new(BackendKind::Cuda).map_err(|e| e.to_string())) {
         Ok(backend) => Some(backend),
-        Err(why) => {
-            skipped(test, why);
-            None
-        }
+        Err(why) => absent_or_panic(test, why, fp4spec::backend::cuda::device_count(), "CUDA"),
     }
 }
 
 /// The HIP backend, opened once per binary; `None` (after one skip line naming `test`) when
-/// there is none.
+/// the machine has no HIP device.
+///
+/// # Panics
+/// When a device is present but the backend does not open.
 pub fn hip(test: &str) -> Option<&'static Backend> {
     static BACKEND: OnceLock<Result<Backend, String>> = OnceLock::new();
     match BACKEND.get_or_init(|| Backend::new(BackendKind::Hip).map_err(|e| e.to_string())) {
         Ok(backend) => Some(backend),
-        Err(why) => {
-            skipped(&format!("{test} on HIP"), why);
-            None
-        }
+        Err(why) => absent_or_panic(
+            &format!("{test} on HIP"),
+            why,
+            fp4spec::backend::hip::device_count(),
+            "HIP",
+        ),
     }
+}
+
+/// A backend that did not open: a skip line when there is no device of its kind, a panic when
+/// there are `devices` of them.
+fn absent_or_panic(test: &str, why: &str, devices: usize, kind: &str) -> Option<&'static Backend> {
+    assert!(
+        devices == 0,
+        "{test}: the driver reports {devices} {kind} device(s), but the backend did not open: {why}"
+    );
+    skipped(test, why);
+    None
 }
 
 /// Every device backend present: CUDA, HIP (one skip line for each that is not).

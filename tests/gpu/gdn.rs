@@ -38,6 +38,7 @@
 use crate::common::{cuda, devices, rng};
 use fp4spec::backend::{Backend, DeviceVec};
 use fp4spec::kernels::Bf16Rows;
+use fp4spec::kernels::compare;
 use fp4spec::kernels::gdn::reference::{self, LayerParams, RawInputs, SequenceCache};
 use fp4spec::kernels::gdn::{
     self, Accepted, CHUNK, ChunkWorkspace, GdnCache, GdnParams, GdnShape, Projections, Sequences,
@@ -992,16 +993,6 @@ fn time_calls(backend: &Backend, graph: bool, mut call: impl FnMut()) -> f64 {
     samples[samples.len() / 2]
 }
 
-/// (max |a - b|, that over max |b|).
-fn max_diff(a: &[f32], b: &[f32]) -> (f64, f64) {
-    let d = a
-        .iter()
-        .zip(b)
-        .fold(0.0f64, |m, (x, y)| m.max(f64::from((x - y).abs())));
-    let scale = b.iter().fold(0.0f64, |m, y| m.max(f64::from(y.abs())));
-    (d, d / scale.max(1e-30))
-}
-
 /// Runs our kernels on the cases `tools/reference/gdn_peers.py` wrote to `$FP4SPEC_GDN_PEERS`
 /// and prints outputs and final states against fla and transformers, with the times of all
 /// three. Fails when we differ from fla by more than the prefill tolerance's scale (bf16
@@ -1016,7 +1007,8 @@ fn gdn_peers() {
         );
         return;
     };
-    let Some(gpu) = cuda("gdn_peers") else { return };
+    let gpu = cuda("gdn_peers")
+        .expect("FP4SPEC_GDN_PEERS is set, so the peers' cases need a CUDA device");
     let dir = std::path::PathBuf::from(dir);
     let manifest: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(dir.join("manifest.json")).expect("manifest.json"),
@@ -1157,16 +1149,21 @@ fn gdn_peers() {
         let errors = &case["errors"];
         let mut cells = Vec::new();
         for peer in ["fla", "hf_chunk", "hf_recurrent"] {
-            if let Some(error) = errors[peer].as_str() {
+            let error = errors[peer].as_str();
+            if let Some(error) = error {
                 println!("{name}: {peer} failed on the host: {error}");
-                if peer == "fla" {
-                    failures.push(format!("{name}: no fla result to compare with ({error})"));
-                }
             }
-            if has(&format!("{peer}_o")) {
+            let compared = has(&format!("{peer}_o"));
+            if peer == "fla" && !compared {
+                failures.push(format!(
+                    "{name}: no fla result to compare with ({})",
+                    error.unwrap_or("the script wrote none: was it run with fla?")
+                ));
+            }
+            if compared {
                 let (o, s) = (
-                    max_diff(&ours, &get(&format!("{peer}_o"))),
-                    max_diff(&states, &get(&format!("{peer}_state"))),
+                    compare::max_difference(&ours, &get(&format!("{peer}_o"))),
+                    compare::max_difference(&states, &get(&format!("{peer}_state"))),
                 );
                 if peer == "fla" && (o.1 > 3e-2 || s.1 > 3e-2) {
                     failures.push(format!(

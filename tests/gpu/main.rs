@@ -26,6 +26,8 @@ fn cuda_backend_opens_or_says_why_not() {
         Ok(backend) => println!("cuda backend: {}", backend.describe()),
         Err(e) => {
             assert!(matches!(e, Error::CudaUnavailable(_)), "{e}");
+            let devices = fp4spec::backend::cuda::device_count();
+            assert_eq!(devices, 0, "{devices} CUDA device(s) present, yet: {e}");
             skipped(
                 "cuda_backend_opens_or_says_why_not (no device to open)",
                 &e.to_string(),

@@ -264,6 +264,20 @@ fn allow_dynamic_shared(
     Ok(())
 }
 
+/// How many CUDA devices the driver reports: 0 when there is no driver library or `cuInit`
+/// fails (no usable NVIDIA GPU). Tells "no GPU here" apart from a GPU that
+/// [`CudaBackend::new`] cannot open (no target for it, no NVRTC or headers, a driver error).
+pub fn device_count() -> usize {
+    // SAFETY: only probes whether the driver library can be opened.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return 0;
+    }
+    if cudarc::driver::result::init().is_err() {
+        return 0;
+    }
+    cudarc::driver::result::device::get_count().map_or(0, |count| count.max(0) as usize)
+}
+
 impl CudaBackend {
     /// Opens device `ordinal`.
     ///

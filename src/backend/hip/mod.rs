@@ -127,6 +127,16 @@ struct LoadedFunction {
     info: Arc<KernelInfo>,
 }
 
+/// How many HIP devices the runtime sees: 0 in a build without the `hip` feature, without a
+/// HIP runtime library, or when the runtime reports none. Tells "no GPU here" apart from a GPU
+/// that [`HipBackend::new`] cannot open.
+pub fn device_count() -> usize {
+    Runtime::load()
+        .ok()
+        .and_then(|runtime| runtime.device_count().ok())
+        .map_or(0, |count| count.max(0) as usize)
+}
+
 impl HipBackend {
     /// Opens HIP device `ordinal`.
     ///
