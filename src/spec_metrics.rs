@@ -11,6 +11,9 @@ const DRAFTS: &str = "vllm:spec_decode_num_drafts_total";
 const DRAFT_TOKENS: &str = "vllm:spec_decode_num_draft_tokens_total";
 const ACCEPTED: &str = "vllm:spec_decode_num_accepted_tokens_total";
 const ACCEPTED_PER_POSITION: &str = "vllm:spec_decode_num_accepted_tokens_per_pos_total";
+/// Draft positions a page may report: far past any speculative length in use (vLLM's MTP runs 1
+/// to a few), so a corrupt label cannot size the summary's per-position list.
+pub const MAX_POSITIONS: u32 = 1024;
 
 /// The acceptance regimes measured in the seeds: a block drafter pays on edit-like text, not on
 /// prose-like text.
@@ -50,7 +53,8 @@ impl SpecCounters {
     ///
     /// # Errors
     /// [`Error::Invalid`] naming `source:line` for a malformed metric line, a per-position
-    /// sample without a numeric `position` label, or a missing speculative-decoding metric.
+    /// sample without a numeric `position` label or with one of [`MAX_POSITIONS`] or more, or a
+    /// missing speculative-decoding metric.
     pub fn parse(text: &str, source: &str) -> Result<Self> {
         let mut counters = Self::default();
         let mut seen = [false; 3];
@@ -85,6 +89,15 @@ impl SpecCounters {
                             ),
                         )
                     })?;
+                if position >= MAX_POSITIONS {
+                    return Err(Error::invalid(
+                        at(),
+                        format!(
+                            "position {position} is past the {MAX_POSITIONS} draft positions a \
+                             summary covers: `{raw}`"
+                        ),
+                    ));
+                }
                 *counters
                     .accepted_per_position
                     .entry(position)

@@ -229,6 +229,37 @@ fn inconsistent_fields_are_errors_naming_the_field() {
     );
 }
 
+/// Sizes past what any model of the family has are refused before anything is sized from them
+/// (a corrupt count would otherwise overflow a product or ask for terabytes), naming the field.
+#[test]
+fn sizes_past_the_limits_and_an_ungated_attention_are_refused() {
+    let huge = json!(u64::MAX / 2);
+    for field in [
+        "num_hidden_layers",
+        "hidden_size",
+        "vocab_size",
+        "num_experts",
+        "linear_key_head_dim",
+        "linear_num_value_heads",
+        "mtp_num_hidden_layers",
+    ] {
+        let mut text = qwen36_text();
+        text[field] = huge.clone();
+        let err = error_of(&text);
+        assert!(
+            err.contains(field) && err.contains("more than this crate accepts"),
+            "{field}: {err}"
+        );
+    }
+    let mut text = qwen36_text();
+    text["attn_output_gate"] = json!(false);
+    let err = error_of(&text);
+    assert!(
+        err.contains("attn_output_gate") && err.contains("gated attention"),
+        "{err}"
+    );
+}
+
 #[test]
 fn load_reads_config_json_from_a_folder_and_names_a_missing_file() {
     let dir = tempfile::tempdir().expect("tempdir");

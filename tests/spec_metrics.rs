@@ -93,6 +93,18 @@ fn malformed_lines_and_missing_metrics_are_errors_naming_the_line_or_metric() {
         + "vllm:spec_decode_num_accepted_tokens_per_pos_total{engine=\"0\"} 1\n";
     let err = SpecCounters::parse(&text, "m.txt").expect_err("no position");
     assert!(err.to_string().contains("position"), "{err}");
+    for position in ["4294967295", "4000000000"] {
+        let text = page(10.0, 20.0, 5.0, &[])
+            + &format!(
+                "vllm:spec_decode_num_accepted_tokens_per_pos_total{{position=\"{position}\"}} 1\n"
+            );
+        let err = SpecCounters::parse(&text, "m.txt").expect_err("position past the limit");
+        assert!(
+            err.to_string()
+                .contains(&format!("position {position} is past")),
+            "{err}"
+        );
+    }
     let none = SpecCounters::parse(&page(0.0, 0.0, 0.0, &[]), "m.txt").expect("parses");
     assert!(none.summary().is_err(), "no drafts: nothing to measure");
 }

@@ -471,13 +471,22 @@ impl Backend {
     /// A zero-filled buffer of `len` elements.
     ///
     /// # Errors
-    /// [`Error::Cuda`] / [`Error::Hip`] when the allocation fails.
+    /// [`Error::Cuda`] / [`Error::Hip`] when the allocation fails; [`Error::Invalid`] when a
+    /// host buffer (the CPU backend) cannot be allocated.
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits + Clone + Default>(
         &self,
         len: usize,
     ) -> Result<DeviceVec<T>> {
         Ok(match self {
-            Self::Cpu => DeviceVec::Host(vec![T::default(); len]),
+            Self::Cpu => {
+                // an allocation the host cannot make is an error here, not an abort
+                let mut host = Vec::new();
+                host.try_reserve_exact(len).map_err(|e| {
+                    Error::invalid(format!("a host buffer of {len} elements"), e.to_string())
+                })?;
+                host.resize(len, T::default());
+                DeviceVec::Host(host)
+            }
             Self::Cuda(c) => DeviceVec::Cuda(
                 c.stream()
                     .alloc_zeros(len)

@@ -205,7 +205,7 @@ fn scan_structure(dir: &Path, report: &mut Report) -> Result<HeaderCatalog> {
     }
     for name in catalog.names() {
         if let Some(h) = catalog.header(name) {
-            report.summary.tensor_bytes += h.bytes();
+            report.summary.tensor_bytes = report.summary.tensor_bytes.saturating_add(h.bytes());
         }
     }
     Ok(catalog)

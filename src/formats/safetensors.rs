@@ -476,10 +476,16 @@ impl TensorHeader<'_> {
         Ok(())
     }
 
-    /// Bytes of data the header implies (elements x dtype width).
+    /// Bytes of data the header implies (elements x dtype width); `u64::MAX` where that product
+    /// overflows (possible only in a header read without the safetensors checks, which
+    /// `fp4spec doctor` reports as such).
     pub fn bytes(&self) -> u64 {
-        let elements: u64 = self.shape.iter().map(|&d| d as u64).product();
-        elements * self.dtype.bitsize() as u64 / 8
+        self.shape
+            .iter()
+            .try_fold(self.dtype.bitsize() as u64, |bits, &d| {
+                bits.checked_mul(d as u64)
+            })
+            .map_or(u64::MAX, |bits| bits / 8)
     }
 
     /// An [`Error::Shape`] for this tensor.

@@ -90,6 +90,30 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
 }
 
+/// The largest value accepted for each size in a config.json: far past any model of the family
+/// (Qwen3.6-35B-A3B: 40 layers, 256 experts, hidden 2048, vocabulary 248320, head_dim 256, GDN
+/// heads of 128), and small enough that every product of them the runner forms (a weight's
+/// elements, a sequence's caches, a launch's grid) fits in 64 bits, so a corrupt file is refused
+/// here, naming the field, before anything is sized from it.
+pub mod limits {
+    /// `num_hidden_layers`, and `full_attention_interval`.
+    pub const LAYERS: usize = 1024;
+    /// `mtp_num_hidden_layers` / `num_nextn_predict_layers`.
+    pub const MTP_LAYERS: usize = 16;
+    /// `hidden_size`, `moe_intermediate_size`, `shared_expert_intermediate_size`.
+    pub const WIDTH: usize = 1 << 16;
+    /// `vocab_size`.
+    pub const VOCABULARY: usize = 1 << 22;
+    /// `num_experts` (and so `num_experts_per_tok`).
+    pub const EXPERTS: usize = 4096;
+    /// Attention and Gated DeltaNet head counts.
+    pub const HEADS: usize = 256;
+    /// Attention and Gated DeltaNet head dimensions.
+    pub const HEAD_DIM: usize = 1024;
+    /// `linear_conv_kernel_dim`.
+    pub const CONV_KERNEL: usize = 64;
+}
+
 /// Where a field is read from, for error messages (`config.json: text_config.hidden_size`).
 #[derive(Clone, Copy)]
 struct Fields<'a> {
@@ -107,13 +131,13 @@ impl Fields<'_> {
         self.map.get(field).filter(|v| !v.is_null())
     }
 
-    fn positive(&self, field: &str) -> Result<usize> {
+    /// A positive integer of at most `most` (one of [`limits`]).
+    fn positive(&self, field: &str, most: usize) -> Result<usize> {
         let value = self
             .get(field)
             .ok_or_else(|| Error::invalid(self.name(field), "missing"))?;
         match value.as_u64() {
-            Some(v) if v > 0 => usize::try_from(v)
-                .map_err(|_| Error::invalid(self.name(field), format!("{v} is too large"))),
+            Some(v) if v > 0 => self.at_most(field, v, most),
             _ => Err(Error::invalid(
                 self.name(field),
                 format!("must be a positive integer, found {value}"),
@@ -121,19 +145,30 @@ impl Fields<'_> {
         }
     }
 
-    fn count_or(&self, field: &str, default: usize) -> Result<usize> {
+    /// A non-negative integer of at most `most`; `default` when absent.
+    fn count_or(&self, field: &str, default: usize, most: usize) -> Result<usize> {
         match self.get(field) {
             None => Ok(default),
-            Some(value) => value
-                .as_u64()
-                .and_then(|v| usize::try_from(v).ok())
-                .ok_or_else(|| {
-                    Error::invalid(
-                        self.name(field),
-                        format!("must be a non-negative integer, found {value}"),
-                    )
-                }),
+            Some(value) => match value.as_u64() {
+                Some(v) => self.at_most(field, v, most),
+                None => Err(Error::invalid(
+                    self.name(field),
+                    format!("must be a non-negative integer, found {value}"),
+                )),
+            },
         }
+    }
+
+    fn at_most(&self, field: &str, v: u64, most: usize) -> Result<usize> {
+        usize::try_from(v)
+            .ok()
+            .filter(|&v| v <= most)
+            .ok_or_else(|| {
+                Error::invalid(
+                    self.name(field),
+                    format!("{v} is more than this crate accepts ({most})"),
+                )
+            })
     }
 
     fn number(&self, field: &str) -> Result<Option<f64>> {
@@ -289,7 +324,7 @@ impl ModelConfig {
             }
         };
         let f = &fields;
-        let num_hidden_layers = f.positive("num_hidden_layers")?;
+        let num_hidden_layers = f.positive("num_hidden_layers", limits::LAYERS)?;
         let layer_types = layer_types(f, num_hidden_layers)?;
         let rope = f.get("rope_parameters").and_then(Value::as_object);
         let rope_fields = rope.map(|map| Fields {
@@ -317,16 +352,17 @@ impl ModelConfig {
         let config = Self {
             family,
             vision_language,
-            hidden_size: f.positive("hidden_size")?,
+            hidden_size: f.positive("hidden_size", limits::WIDTH)?,
             layer_types,
-            vocab_size: f.positive("vocab_size")?,
-            num_experts: f.positive("num_experts")?,
-            num_experts_per_tok: f.positive("num_experts_per_tok")?,
-            moe_intermediate_size: f.positive("moe_intermediate_size")?,
-            shared_expert_intermediate_size: f.positive("shared_expert_intermediate_size")?,
-            num_attention_heads: f.positive("num_attention_heads")?,
-            num_key_value_heads: f.positive("num_key_value_heads")?,
-            head_dim: f.positive("head_dim")?,
+            vocab_size: f.positive("vocab_size", limits::VOCABULARY)?,
+            num_experts: f.positive("num_experts", limits::EXPERTS)?,
+            num_experts_per_tok: f.positive("num_experts_per_tok", limits::EXPERTS)?,
+            moe_intermediate_size: f.positive("moe_intermediate_size", limits::WIDTH)?,
+            shared_expert_intermediate_size: f
+                .positive("shared_expert_intermediate_size", limits::WIDTH)?,
+            num_attention_heads: f.positive("num_attention_heads", limits::HEADS)?,
+            num_key_value_heads: f.positive("num_key_value_heads", limits::HEADS)?,
+            head_dim: f.positive("head_dim", limits::HEAD_DIM)?,
             rope_theta: from_rope("rope_theta")?.ok_or_else(|| {
                 Error::invalid(
                     f.name("rope_parameters.rope_theta"),
@@ -334,16 +370,16 @@ impl ModelConfig {
                 )
             })?,
             partial_rotary_factor: from_rope("partial_rotary_factor")?.unwrap_or(1.0),
-            linear_num_key_heads: f.positive("linear_num_key_heads")?,
-            linear_num_value_heads: f.positive("linear_num_value_heads")?,
-            linear_key_head_dim: f.positive("linear_key_head_dim")?,
-            linear_value_head_dim: f.positive("linear_value_head_dim")?,
-            linear_conv_kernel_dim: f.positive("linear_conv_kernel_dim")?,
+            linear_num_key_heads: f.positive("linear_num_key_heads", limits::HEADS)?,
+            linear_num_value_heads: f.positive("linear_num_value_heads", limits::HEADS)?,
+            linear_key_head_dim: f.positive("linear_key_head_dim", limits::HEAD_DIM)?,
+            linear_value_head_dim: f.positive("linear_value_head_dim", limits::HEAD_DIM)?,
+            linear_conv_kernel_dim: f.positive("linear_conv_kernel_dim", limits::CONV_KERNEL)?,
             rms_norm_eps: f
                 .number("rms_norm_eps")?
                 .ok_or_else(|| Error::invalid(f.name("rms_norm_eps"), "missing"))?,
             attn_output_gate: f.flag_or("attn_output_gate", true)?,
-            mtp_num_hidden_layers: f.count_or(mtp_field, 0)?,
+            mtp_num_hidden_layers: f.count_or(mtp_field, 0, limits::MTP_LAYERS)?,
             tie_word_embeddings: top.flag_or("tie_word_embeddings", false)?
                 || f.flag_or("tie_word_embeddings", false)?,
             eos_token_ids: match f.token_ids("eos_token_id")? {
@@ -356,6 +392,13 @@ impl ModelConfig {
     }
 
     fn check(&self, f: &Fields<'_>) -> Result<()> {
+        if !self.attn_output_gate {
+            return Err(Error::invalid(
+                f.name("attn_output_gate"),
+                "false: the runner and the attention kernels implement the gated attention of \
+                 Qwen3.5 / 3.6 and Qwen3-Next only",
+            ));
+        }
         if self.num_attention_heads % self.num_key_value_heads != 0 {
             return Err(Error::invalid(
                 f.name("num_key_value_heads"),
@@ -456,7 +499,7 @@ fn layer_types(f: &Fields<'_>, layers: usize) -> Result<Vec<LayerKind>> {
             })
             .collect();
     }
-    let interval = f.positive("full_attention_interval").map_err(|_| {
+    let interval = f.positive("full_attention_interval", limits::LAYERS).map_err(|_| {
         Error::invalid(f.name("layer_types"), "missing, and full_attention_interval (to derive it from) is missing or not a positive integer")
     })?;
     Ok((0..layers)

@@ -770,11 +770,11 @@ pub fn linear_problems(
         .filter_map(|n| headers.header(n))
         .find(|h| h.dtype == Dtype::U8)
         .and_then(|h| h.expect_rank::<2>().ok())
-        .map(|[rows, half]| (rows, 2 * half));
+        .and_then(|[rows, half]| Some((rows, half.checked_mul(2)?)));
     let from_scales = headers
         .header(&format!("{prefix}.weight_scale"))
         .and_then(|h| h.expect_rank::<2>().ok())
-        .map(|[rows, blocks]| (rows, 16 * blocks));
+        .and_then(|[rows, blocks]| Some((rows, blocks.checked_mul(16)?)));
     match from_codes.or(from_scales) {
         Some((out, input)) => checker.linear(prefix, out, input),
         None => {

@@ -119,6 +119,10 @@ pub struct DequantTiles {
 /// 16 bytes of weights and 2 of scales (`STREAM_STAGE_BYTES` in `kernels/templates/gemm.cu`).
 pub const STREAM_GROUP_BYTES: u32 = 32 * (16 + 2);
 
+/// The most tokens per sequence any target's Gated DeltaNet step may declare
+/// (`gdn.step_max_tokens`): the step keeps each token's vectors in shared memory.
+pub const GDN_STEP_MAX_TOKENS: u32 = 16;
+
 /// Shared-memory bytes of one 64-wide K group of 64 rows of X in the wgmma kernels' B operand
 /// layout (`WG_OPERAND_BYTES` in `kernels/templates/gemm.cu`).
 pub const WGMMA_OPERAND_BYTES: u32 = 64 * 64 * 2;
@@ -663,8 +667,10 @@ impl TargetFacts {
         if gdn.step_blocks_per_sm == 0 {
             return fail("gdn.step_blocks_per_sm must be positive".into());
         }
-        if !(1..=16).contains(&gdn.step_max_tokens) {
-            return fail("gdn.step_max_tokens must be in 1..=16 (shared memory per token)".into());
+        if !(1..=GDN_STEP_MAX_TOKENS).contains(&gdn.step_max_tokens) {
+            return fail(format!(
+                "gdn.step_max_tokens must be in 1..={GDN_STEP_MAX_TOKENS} (shared memory per token)"
+            ));
         }
         if !matches!(gdn.chunk_dv_per_block, 16 | 32) {
             return fail("gdn.chunk_dv_per_block must be 16 or 32".into());

@@ -4,8 +4,9 @@
 mod facts;
 
 pub use facts::{
-    AttentionTiles, DequantTiles, GdnTiles, GemmTiles, Instructions, MoeTiles, NormTiles,
-    STREAM_GROUP_BYTES, TargetFacts, Vendor, VerifyTiles, WGMMA_OPERAND_BYTES, wgmma_shared_bytes,
+    AttentionTiles, DequantTiles, GDN_STEP_MAX_TOKENS, GdnTiles, GemmTiles, Instructions, MoeTiles,
+    NormTiles, STREAM_GROUP_BYTES, TargetFacts, Vendor, VerifyTiles, WGMMA_OPERAND_BYTES,
+    wgmma_shared_bytes,
 };
 
 use crate::error::{Error, Result};

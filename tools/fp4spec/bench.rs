@@ -16,7 +16,9 @@ use fp4spec::backend::{Backend, BackendKind};
 use fp4spec::kernels::attention::KvFormat;
 use fp4spec::kernels::chain;
 use fp4spec::model::config::ModelConfig;
-use fp4spec::model::device::{Decoder, DeviceModel, MAX_DRAFTS, SpecDecoder, SyntheticWeights};
+use fp4spec::model::device::{
+    Decoder, DeviceModel, MAX_POSITIONS, SpecDecoder, SyntheticWeights, max_drafts,
+};
 use fp4spec::roofline::{self, RowFit, Step};
 use std::path::PathBuf;
 
@@ -213,11 +215,6 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
             "--batch needs positive sizes and --context at least one length".into(),
         ));
     }
-    if let Some(&n) = args.drafts.iter().find(|&&n| n > MAX_DRAFTS) {
-        return Err(Failure::Input(format!(
-            "--drafts {n}: at most {MAX_DRAFTS} drafts per step"
-        )));
-    }
     if args.drafts.is_empty() {
         return Err(Failure::Input("--drafts needs at least one count".into()));
     }
@@ -228,6 +225,13 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
     }
     let kind: BackendKind = args.backend.parse()?;
     let backend = Backend::new(kind)?;
+    let draft_limit = max_drafts(&backend);
+    if let Some(&n) = args.drafts.iter().find(|&&n| n > draft_limit) {
+        return Err(Failure::Input(format!(
+            "--drafts {n}: at most {draft_limit} drafts per step on {}",
+            backend.describe()
+        )));
+    }
     if args.kernel_costs && matches!(backend, Backend::Cpu) {
         return Err(Failure::Input(
             "--kernel-costs needs a device backend (the CPU runs no kernels)".into(),
@@ -271,7 +275,23 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
     let most_drafts = args.drafts.iter().copied().max().unwrap_or(0);
     // every timed run starts again at its context: room for the warm-up and one run of steps
     // of up to n + 1 tokens, and the chained drafts past the last
-    let capacity = longest + (args.steps + 1) * (most_drafts + 1) + 2 * most_drafts + 2;
+    let capacity = args
+        .steps
+        .checked_add(1)
+        .and_then(|steps| steps.checked_mul(most_drafts + 1))
+        .and_then(|tokens| {
+            tokens
+                .checked_add(2 * most_drafts + 2)?
+                .checked_add(longest)
+        })
+        .filter(|&capacity| capacity <= MAX_POSITIONS)
+        .ok_or_else(|| {
+            Failure::Input(format!(
+                "--context {longest} and --steps {} need more than the {MAX_POSITIONS} positions \
+                 a decoder holds",
+                args.steps
+            ))
+        })?;
     let preset = |name: &str| {
         roofline::DEVICES
             .iter()

@@ -254,6 +254,17 @@ pub struct GdnCache {
     counters: DeviceVec<u32>,
 }
 
+/// Most tokens per sequence one decode / verify step takes on `backend`: the target's
+/// `gdn.step_max_tokens`, and on the CPU the largest any target may declare
+/// ([`crate::target::GDN_STEP_MAX_TOKENS`]).
+pub fn step_max_tokens(backend: &Backend) -> usize {
+    backend
+        .target()
+        .map_or(crate::target::GDN_STEP_MAX_TOKENS, |t| {
+            t.gdn.step_max_tokens
+        }) as usize
+}
+
 impl GdnCache {
     /// Zeroed slots for `slots` sequences of a layer with conv width `kernel`, for steps of at
     /// most `max_step_tokens` tokens per sequence.
@@ -269,9 +280,7 @@ impl GdnCache {
         max_step_tokens: usize,
     ) -> Result<Self> {
         check_shape(shape)?;
-        let most = backend
-            .target()
-            .map_or(16, |t| t.gdn.step_max_tokens as usize);
+        let most = step_max_tokens(backend);
         if slots == 0 || max_step_tokens == 0 || max_step_tokens > most || kernel == 0 {
             return Err(Error::invalid(
                 "gdn cache",

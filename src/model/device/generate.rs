@@ -4,7 +4,7 @@
 //! [`Generation`] ([`crate::model::generate::generate`]), so a caller switches paths without
 //! changing types; sampling stays on the CPU runner for now.
 
-use super::{Decoder, DeviceModel, SpecDecoder};
+use super::{Decoder, DeviceModel, MAX_POSITIONS, SpecDecoder};
 use crate::error::{Error, Result};
 use crate::kernels::verify::AcceptanceStats;
 use crate::model::generate::{FinishReason, Generation, Request};
@@ -22,7 +22,7 @@ const STEPS_BETWEEN_CHECKS: usize = 16;
 /// # Errors
 /// [`Error::Invalid`] for no requests, an empty prompt, a token outside the vocabulary, sampling
 /// asked for (temperature above 0, or a logit bias, which changes the greedy token), drafts asked
-/// of a model without an MTP head or beyond [`super::MAX_DRAFTS`]; errors of the launches.
+/// of a model without an MTP head or beyond [`super::max_drafts`]; errors of the launches.
 pub fn generate_greedy(
     model: &DeviceModel,
     requests: &[Request],
@@ -45,7 +45,21 @@ pub fn generate_greedy(
     let most_new = requests.iter().map(|r| r.max_new_tokens).max().unwrap_or(0);
     // every sequence steps until the last one finishes: at most `most_new` steps (each emits a
     // token at least) of at most n + 1 tokens, and a step's drafts look 2 n ahead
-    let capacity = longest + (drafts + 1) * most_new + 2 * drafts + 2;
+    let capacity = drafts
+        .checked_add(1)
+        .and_then(|width| width.checked_mul(most_new))
+        .and_then(|tokens| tokens.checked_add(drafts.checked_mul(2)?.checked_add(2)?))
+        .and_then(|tokens| tokens.checked_add(longest))
+        .filter(|&capacity| capacity <= MAX_POSITIONS)
+        .ok_or_else(|| {
+            Error::invalid(
+                "requests",
+                format!(
+                    "a prompt of {longest} tokens and max_new_tokens {most_new} at {drafts} \
+                     drafts per step need more than the {MAX_POSITIONS} positions a decoder holds"
+                ),
+            )
+        })?;
     let prompts: Vec<&[u32]> = requests.iter().map(|r| r.prompt.as_slice()).collect();
     let mut stepper = if drafts == 0 {
         let mut decoder = Decoder::new(model, batch, capacity)?;

@@ -29,7 +29,13 @@ mod generate;
 mod speculative;
 
 pub use generate::generate_greedy;
-pub use speculative::{MAX_DRAFTS, SpecDecoder, StepEvents};
+pub use speculative::{SpecDecoder, StepEvents, max_drafts};
+
+/// Most positions a sequence of a [`Decoder`] or [`SpecDecoder`] may hold (its `capacity`): the
+/// kernels index positions in 32 bits, and 4 Mi positions are far past any context the family
+/// supports (Qwen3.6: 262144), so a request's arithmetic gone wrong is refused before the caches
+/// are sized from it.
+pub const MAX_POSITIONS: usize = 1 << 22;
 
 use crate::backend::{Backend, DeviceVec, Graph};
 use crate::error::{Error, Result};
@@ -1255,10 +1261,13 @@ impl<'m> Decoder<'m> {
     /// [`Error::Cuda`] / [`Error::Hip`] when an allocation, the warm-up step or the capture
     /// fails.
     pub fn new(model: &'m DeviceModel, batch: usize, capacity: usize) -> Result<Self> {
-        if batch == 0 || capacity == 0 {
+        if batch == 0 || !(1..=MAX_POSITIONS).contains(&capacity) {
             return Err(Error::invalid(
                 "decoder",
-                format!("{batch} sequences of {capacity} tokens: both must be positive"),
+                format!(
+                    "{batch} sequences of {capacity} tokens: both must be positive, the tokens at \
+                     most {MAX_POSITIONS}"
+                ),
             ));
         }
         let (backend, config) = (&model.backend, &model.config);

@@ -27,11 +27,11 @@
 //! its norm, as [`Model::mtp_forward`](crate::model::forward::Model::mtp_forward) on the CPU.
 
 use super::{
-    Activations, Caches, DeviceModel, DeviceMtp, GdnForward, LayerCache, SharedCaches,
-    attention_shape, check_prompts, distinct_first_tokens, prefill_moe_workspace, prefill_rows,
-    run_layer, target_logits,
+    Activations, Caches, DeviceModel, DeviceMtp, GdnForward, LayerCache, MAX_POSITIONS,
+    SharedCaches, attention_shape, check_prompts, distinct_first_tokens, prefill_moe_workspace,
+    prefill_rows, run_layer, target_logits,
 };
-use crate::backend::{DeviceEvent, DeviceVec, Graph};
+use crate::backend::{Backend, DeviceEvent, DeviceVec, Graph};
 use crate::error::{Error, Result};
 use crate::kernels::attention::{KvCache, RopeTable};
 use crate::kernels::gdn::{self, Sequences, StepMode};
@@ -42,9 +42,12 @@ use crate::kernels::tokens::{self, AcceptBuffers, ArgmaxWorkspace, TokenColumn};
 use crate::kernels::verify::AcceptanceStats;
 use half::bf16;
 
-/// Most drafts per step: the verify rows of a sequence go through the Gated DeltaNet step
-/// kernel in one launch (`gdn.step_max_tokens` tokens at most on every target, 8).
-pub const MAX_DRAFTS: usize = 7;
+/// Most drafts per step on `backend`: a sequence's verify rows (its drafts and the token
+/// before them) go through the Gated DeltaNet step kernel in one launch, which takes
+/// [`gdn::step_max_tokens`] tokens (`gdn.step_max_tokens`: 8 on every target, so 7 drafts).
+pub fn max_drafts(backend: &Backend) -> usize {
+    gdn::step_max_tokens(backend) - 1
+}
 
 /// The MTP head's scratch for a forward over some rows.
 struct MtpScratch {
@@ -216,7 +219,7 @@ impl<'m> SpecDecoder<'m> {
     ///
     /// # Errors
     /// [`Error::Invalid`] for a model without an MTP head, an empty batch, drafts outside
-    /// `1..=`[`MAX_DRAFTS`] or a capacity with no room for a step; [`Error::Cuda`] /
+    /// `1..=`[`max_drafts`] or a capacity with no room for a step; [`Error::Cuda`] /
     /// [`Error::Hip`] when an allocation, the warm-up step or the capture fails.
     pub fn new(
         model: &'m DeviceModel,
@@ -230,12 +233,17 @@ impl<'m> SpecDecoder<'m> {
                 "the model has no MTP head (mtp.* tensors) to draft with",
             )
         })?;
-        if batch == 0 || !(1..=MAX_DRAFTS).contains(&drafts) || capacity < 2 * drafts + 2 {
+        let most_drafts = max_drafts(&model.backend);
+        if batch == 0
+            || !(1..=most_drafts).contains(&drafts)
+            || !(2 * drafts + 2..=MAX_POSITIONS).contains(&capacity)
+        {
             return Err(Error::invalid(
                 "speculative decoder",
                 format!(
                     "{batch} sequences of {capacity} tokens with {drafts} drafts: needs at least \
-                     one sequence, 1 ..= {MAX_DRAFTS} drafts and room for 2 n + 2 tokens"
+                     one sequence, 1 ..= {most_drafts} drafts and room for 2 n + 2 tokens, at \
+                     most {MAX_POSITIONS}"
                 ),
             ));
         }
