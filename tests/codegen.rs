@@ -54,7 +54,7 @@ fn vendor_differences_come_from_the_portability_layer() {
 
 /// Kernels whose spills are accepted, and why (each entry names its target, its bytes and the
 /// compiler that spilled them).
-/// - gfx1151 `verify_topk`: clang 19 spills up to 16 SGPRs (48-64 bytes since the row's last block
+/// - gfx1151 `verify_topk`: clang 19 spills up to 15 SGPRs (48-60 bytes since the row's last block
 ///   merges its blocks' pooled codes) into VGPR lanes, no scratch (107 SGPRs of its uniform loop
 ///   state); not run on a gfx1151 yet.
 /// - sm_90a `gemm_bf16_bf16_wgmma_m64`: ptxas 13.0 spills 4 bytes (8 of stack) under the 128

@@ -1573,10 +1573,9 @@ FP4_DEVICE SequenceRows gather_sequence(const VerifyArgs& a, const VerifySequenc
 }
 
 /// The acceptance chain of one sequence (thread 0 of its last row's block): the reference's
-/// walk, reading rows in order and only as far as the outcome needs them. `seq` is the caller's
-/// copy of a.sequences[s] (loaded again here, it was one more L2 round trip at the end of the
-/// launch's critical path).
-VERIFY_RARE void finish_sequence(const VerifyArgs& a, u32 s, const VerifySequence& seq, const SequenceRows& rows) {
+/// walk, reading rows in order and only as far as the outcome needs them.
+VERIFY_RARE void finish_sequence(const VerifyArgs& a, u32 s, const SequenceRows& rows) {
+    const VerifySequence seq = a.sequences[s];
     u32* out = a.emitted + (u64)s * (a.max_drafts + 1);
     u32* st = a.status + (u64)s * VSTATUS_WORDS;
     const u32* drafts = rows.drafts;
@@ -1678,7 +1677,7 @@ FP4_DEVICE void sequence_row_done(const VerifyArgs& a, u32 s, const VerifySequen
     device_fence();
     const SequenceRows rows = gather_sequence(a, seq, words, word_capacity, drafts, draft_capacity);
     if (thread_x() == 0) {
-        finish_sequence(a, s, seq, rows);
+        finish_sequence(a, s, rows);
         *done = 0;
     }
 }
@@ -1947,7 +1946,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
     for (u32 i = thread_x(); i < seq.drafts; i += VT) sh.drafts[i] = a.draft_tokens[seq.first_draft + i];
     block_sync();
     if (thread_x() == 0) {
-        finish_sequence(a, row.sequence, seq, SequenceRows{sh.rows, 2, true, sh.drafts});
+        finish_sequence(a, row.sequence, SequenceRows{sh.rows, 2, true, sh.drafts});
         *arrived = 0;
     }
 }
