@@ -338,6 +338,26 @@ fn compressed_tensors_and_split_experts_pass_doctor_and_match_modelopt() {
 }
 
 #[test]
+fn calibration_values_outside_f32_or_not_positive_are_refused_by_name() {
+    for (value, shown) in [
+        ("1e39", "1e+39"),
+        ("1e-50", "e-51"),
+        ("[2.0, -1.0]", "-1"),
+        ("0", "0"),
+    ] {
+        let text = format!(r#"{{"*.o_proj": {value}}}"#);
+        let err = Calibration::parse(&text, "calibration.json")
+            .err()
+            .unwrap_or_else(|| panic!("{value} accepted"))
+            .to_string();
+        assert!(
+            err.contains("calibration.json: `*.o_proj`") && err.contains(shown),
+            "{value}: {err}"
+        );
+    }
+}
+
+#[test]
 fn calibration_sets_input_scale_and_weights_only_writes_none() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let model = tmp.path().join("bf16");

@@ -246,11 +246,26 @@ fn bad_inputs_are_errors() {
             all_logits: false,
         }])
         .expect_err("token 320 is outside a 320-token vocabulary");
-    assert!(err.to_string().contains("320"), "{err}");
+    assert!(
+        err.to_string().contains("sequence 0, token 1") && err.to_string().contains("320"),
+        "{err}"
+    );
     assert!(cache.commit(1).is_err(), "no recorded forward to commit");
+    // a cache made for another model (Qwen3-Next's layers) is refused, not indexed past its end
+    let next = Model::load(fixture("qwen3_next")).expect("fixture");
+    let mut foreign = SequenceCache::new(&next.config);
+    foreign.layers.truncate(1);
+    let err = model
+        .forward(&mut [ForwardInput {
+            cache: &mut foreign,
+            tokens: &[1],
+            record: false,
+            all_logits: false,
+        }])
+        .expect_err("a cache of another model");
+    assert!(err.to_string().contains("sequence 0 cache"), "{err}");
     let err = generate::generate(&model, &[greedy(&[], 4)], 0).expect_err("empty prompt");
     assert!(err.to_string().contains("empty prompt"), "{err}");
-    let next = Model::load(fixture("qwen3_next")).expect("fixture");
     let err = generate::generate(&next, &[greedy(&[1], 4)], 2).expect_err("no MTP head");
     assert!(err.to_string().contains("no MTP head"), "{err}");
 }

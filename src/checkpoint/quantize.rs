@@ -102,15 +102,20 @@ impl Calibration {
                 }
                 other => other.as_f64().map(|x| vec![x]),
             };
+            // checked as the f32 the scales are written in: 1e39 would become infinite and 1e-50
+            // zero (then replaced by the default) after the narrowing
             let numbers = numbers
+                .map(|n| n.into_iter().map(|x| x as f32).collect::<Vec<f32>>())
                 .filter(|n| n.iter().all(|x| x.is_finite() && *x > 0.0))
                 .ok_or_else(|| {
                     Error::invalid(
                         format!("{source}: `{key}`"),
-                        format!("{v} is not a positive number or a list of them"),
+                        format!(
+                            "{v} is not a positive number or a list of them within f32's range"
+                        ),
                     )
                 })?;
-            entries.push((key.clone(), numbers.into_iter().map(|x| x as f32).collect()));
+            entries.push((key.clone(), numbers));
         }
         Ok(Self { entries })
     }

@@ -110,6 +110,54 @@ impl SequenceCache {
         }
     }
 
+    /// Checks that this cache is one [`SequenceCache::new`] made for `config` (its fields are
+    /// public, so a caller may hand over one of another model): a cache of the right kind and
+    /// size for every layer and every MTP layer, keys and values of whole positions.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming `sequence` and the first layer that does not fit.
+    pub fn check_for(&self, config: &ModelConfig, sequence: usize) -> Result<()> {
+        let kv_row = config.num_key_value_heads * config.head_dim;
+        let state_len = config.linear_num_value_heads
+            * config.linear_key_head_dim
+            * config.linear_value_head_dim;
+        let conv_len = (config.linear_conv_kernel_dim - 1) * config.linear_conv_dim();
+        let kv_fits = |kv: &KvCache| {
+            kv.row == kv_row && kv.keys.len() == kv.values.len() && kv.keys.len() % kv_row == 0
+        };
+        let bad = |what: String| {
+            Error::invalid(
+                format!("sequence {sequence} cache"),
+                format!("{what} does not fit the model's config: not a cache made for this model"),
+            )
+        };
+        if self.layers.len() != config.layer_types.len()
+            || self.mtp.len() != config.mtp_num_hidden_layers
+        {
+            return Err(bad(format!(
+                "{} layers and {} MTP layers",
+                self.layers.len(),
+                self.mtp.len()
+            )));
+        }
+        for (i, (layer, kind)) in self.layers.iter().zip(&config.layer_types).enumerate() {
+            let fits = match (layer, kind) {
+                (LayerCache::Kv(kv), LayerKind::FullAttention) => kv_fits(kv),
+                (LayerCache::Gdn(g), LayerKind::LinearAttention) => {
+                    g.conv.len() == conv_len && g.state.len() == state_len
+                }
+                _ => false,
+            };
+            if !fits {
+                return Err(bad(format!("layer {i}'s cache")));
+            }
+        }
+        if let Some(i) = self.mtp.iter().position(|kv| !kv_fits(kv)) {
+            return Err(bad(format!("MTP layer {i}'s cache")));
+        }
+        Ok(())
+    }
+
     /// Positions the MTP head's caches hold (the first MTP layer's).
     pub fn mtp_len(&self) -> usize {
         self.mtp.first().map_or(0, KvCache::len)

@@ -99,6 +99,21 @@ impl Model {
         self.weights.mtp.is_some()
     }
 
+    /// Checks that every token of sequence `sequence` is in the vocabulary.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the sequence, the position in its tokens and the id.
+    fn check_tokens(&self, tokens: &[u32], sequence: usize) -> Result<()> {
+        let v = self.config.vocab_size;
+        match tokens.iter().position(|&t| t as usize >= v) {
+            Some(p) => Err(Error::invalid(
+                format!("sequence {sequence}, token {p}"),
+                format!("id {} is outside the vocabulary of {v}", tokens[p]),
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// The embeddings of `tokens`, `[T][H]`.
     fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>> {
         let (v, h) = (self.config.vocab_size, self.config.hidden_size);
@@ -118,22 +133,27 @@ impl Model {
     /// Target forward over a batch of sequences.
     ///
     /// # Errors
-    /// [`Error::Invalid`] for a token outside the vocabulary, an empty token list, or a sequence
-    /// with a recorded forward still pending commit.
+    /// [`Error::Invalid`], naming the sequence, for a token outside the vocabulary, an empty
+    /// token list, a recorded forward still pending commit, or a cache not made for this model.
     pub fn forward(&self, batch: &mut [ForwardInput<'_>]) -> Result<Vec<ForwardOutput>> {
         let h = self.config.hidden_size;
         let mut segments = Vec::with_capacity(batch.len());
         let mut tokens = Vec::new();
-        for input in batch.iter() {
+        for (i, input) in batch.iter().enumerate() {
             if input.tokens.is_empty() {
-                return Err(Error::invalid("forward", "a sequence with no tokens"));
+                return Err(Error::invalid(
+                    format!("forward: sequence {i}"),
+                    "no tokens",
+                ));
             }
             if input.cache.recorded_from.is_some() {
                 return Err(Error::invalid(
-                    "forward",
-                    "the sequence's last recorded forward was not committed",
+                    format!("forward: sequence {i}"),
+                    "its last recorded forward was not committed",
                 ));
             }
+            input.cache.check_for(&self.config, i)?;
+            self.check_tokens(input.tokens, i)?;
             segments.push(Segment {
                 start: tokens.len(),
                 rows: input.tokens.len(),
@@ -174,7 +194,8 @@ impl Model {
     ///
     /// # Errors
     /// [`Error::Invalid`] when the model has no MTP head, for a token outside the vocabulary,
-    /// rows and hidden states that disagree, or an MTP layer index out of range.
+    /// rows and hidden states that disagree, an MTP layer index out of range, or a cache not made
+    /// for this model.
     pub fn mtp_forward(&self, batch: &mut [MtpInput<'_>]) -> Result<Vec<ForwardOutput>> {
         let mtp = self.weights.mtp.as_ref().ok_or_else(|| {
             Error::invalid("MTP", "the checkpoint has no MTP head (mtp.* tensors)")
@@ -184,7 +205,9 @@ impl Model {
         let mut tokens = Vec::new();
         let mut hidden = Vec::new();
         let layer = batch.first().map_or(0, |b| b.layer);
-        for input in batch.iter() {
+        for (i, input) in batch.iter().enumerate() {
+            input.cache.check_for(&self.config, i)?;
+            self.check_tokens(input.tokens, i)?;
             if input.hidden.len() != input.tokens.len() * h || input.tokens.is_empty() {
                 return Err(Error::invalid(
                     "MTP input",

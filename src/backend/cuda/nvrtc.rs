@@ -158,9 +158,10 @@ fn compile_here(
     let options = options(target, include_dir);
     // SAFETY: `program` is a live program handle until destroyed below.
     let compiled = unsafe { nvrtc::compile_program(program, &options) };
-    let log = unsafe { nvrtc::get_program_log(program) }
-        .map(|raw| c_chars_to_string(&raw))
-        .unwrap_or_default();
+    let log = unsafe { nvrtc::get_program_log(program) }.map_or_else(
+        |e| format!("(the compiler's log could not be read: nvrtcGetProgramLog: {e})"),
+        |raw| c_chars_to_string(&raw),
+    );
     let result = compiled
         .map_err(|e| compile_error(format!("{e}\n{log}")))
         .and_then(|()| {
