@@ -5,9 +5,14 @@
 //! - [`target`]: the facts of each target, from `kernels/targets.toml`.
 //! - [`kernels`]: the kernel families (launch API + CPU reference each) and the table of
 //!   rendered sources.
-//! - [`backend`]: CPU (references) and CUDA (NVRTC + cudarc); HIP compilation.
+//! - [`backend`]: CPU (references), CUDA (NVRTC + cudarc) and HIP (gfx1151 code objects on
+//!   the HIP runtime, `hip` feature).
 //! - [`formats`]: NVFP4, safetensors checkpoints and quantisation configs.
 //! - [`checkpoint`]: the checkpoint tools (doctor, MTP graft, NVFP4 quantiser).
+//! - [`model`]: the model runner on the CPU, the device decode path (`model::device`) and
+//!   generation with MTP speculation.
+//! - [`roofline`]: bytes per decode step and the speed they allow; [`spec_metrics`]: acceptance
+//!   from a vLLM metrics page.
 
 #![warn(missing_docs)]
 

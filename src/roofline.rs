@@ -268,7 +268,9 @@ pub struct DevicePreset {
     pub measured: f64,
 }
 
-/// GB10, Strix Halo and H200, from ../shared/reference/kernels.md.
+/// GB10, Strix Halo and H200, from ../shared/reference/kernels.md: the crate's one record of
+/// device bandwidths (kernels/targets.toml describes compile targets, and sm_90a is both the
+/// H100 and the H200; every bench measures its own ceiling in the run).
 pub const DEVICES: [DevicePreset; 3] = [
     DevicePreset {
         name: "gb10",

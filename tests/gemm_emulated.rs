@@ -148,7 +148,7 @@ struct Case {
 }
 
 /// How a split-K launch adds its splits: through the L2 (the tile's last block), or in clusters
-/// of the splits (the mma kernels on targets with clusters, `gemm::mma_in_cluster`).
+/// of the splits (the mma kernels on targets with clusters, `gemm::cluster_candidates`).
 #[derive(Clone, Copy, PartialEq)]
 enum Finish {
     L2,

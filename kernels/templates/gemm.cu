@@ -1084,7 +1084,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(WG_BOUNDS) gemm_bf16_bf16_wgmma_m64(
 // g / g + 8 at K 8t .. 8t + 7, registers 2/3 the same at K 32 + 8t; B registers 0/1 = column g at
 // K 8t / 32 + 8t; element i of a register at bits 4i; scale_vec::4X: one .b32 of four ue4m3 per
 // row, selector {0, 0}: lane t = 0 of each quad supplies row g, t = 1 row g + 8). They have NOT
-// been run: no GB10 is reachable from this project; tests/gpu.rs checks them on any device whose
+// been run: no GB10 is reachable from this project; tests/gpu/gemm.rs checks them on any device whose
 // target has the instruction.
 // ============================================================================================
 #define QUANTIZE_THREADS 256

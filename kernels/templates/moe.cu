@@ -8,9 +8,8 @@
 // CPU reference: src/kernels/moe/reference.rs. Launch: src/kernels/moe/mod.rs; weight layouts:
 // src/kernels/moe/weights.rs.
 //
-// Why one launch: at decode sizes the whole block reads ~17 MB (NVFP4, T = 1), 4 us at the
-// H200's bandwidth, while every extra dependent launch costs about 2 us. So the block is a list
-// of work items, claimed in order from a counter in global memory by a grid of resident-sized
+// The persistent form (one launch; above moe.split_max_tokens, where the three launches'
+// boundaries weigh little): the block is a list of work items, claimed in order from a counter in global memory by a grid of resident-sized
 // blocks, that hand results to each other through counters:
 //   1. router       (router tile group, token chunk): logits[T][E + 1] in fp32 (row E is the
 //                   shared-expert gate) as ROUTER_PLANES planes of partial sums over K, summed in

@@ -1,7 +1,8 @@
 //! Kernel families. Each family lives in one place: its template
 //! (`kernels/templates/<family>.cu`), its folder here (`mod.rs`: the typed launch API and shape
-//! validation; `reference.rs`: the CPU reference, the oracle of every test), its tests and its
-//! bench, named alike. Callers pass a [`Backend`] and never see the
+//! validation; `reference.rs`: the CPU reference, the oracle of every test), its tests and, for
+//! the families with a cost of their own to show (gemm, moe, gdn, attention, verify), its bench,
+//! named alike. Callers pass a [`Backend`] and never see the
 //! target.
 
 pub mod attention;

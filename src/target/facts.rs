@@ -45,8 +45,6 @@ pub struct TargetFacts {
     pub multiprocessors: u32,
     /// Shared memory (LDS) one block may use, bytes.
     pub max_shared_bytes_per_block: u32,
-    /// Vendor peak DRAM bandwidth, GB/s (10^9 bytes per second).
-    pub memory_bandwidth_gbs: f64,
     /// Instruction classes the target can execute.
     pub instructions: Instructions,
     /// Launch parameters of the `dequant` family.
@@ -75,8 +73,6 @@ pub struct Instructions {
     pub mma_sync_bf16: bool,
     /// Block-scaled FP4 `mma.sync ... kind::mxf4nvf4`.
     pub mma_block_scaled_fp4: bool,
-    /// `cvt.rn.satfinite.e2m1x2.f32`.
-    pub cvt_e2m1x2: bool,
     /// Hopper warpgroup MMA.
     pub wgmma: bool,
     /// `cp.async` global -> shared copies.
@@ -144,7 +140,9 @@ pub fn wgmma_shared_bytes(tiles: &GemmTiles, nvfp4: bool) -> u32 {
         .saturating_add(warps.saturating_mul(stages).saturating_mul(slot_bytes))
 }
 
-/// Launch parameters of `gemm_nvfp4_bf16_gemv`.
+/// Launch parameters of the `gemm` family: the plain `gemm_nvfp4_bf16_gemv`, the `mma.sync`
+/// kernels (with X through shared memory from `mma_x_shared_min_rows`), the staged `stream`
+/// kernels and the `wgmma` ones.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GemmTiles {
@@ -176,7 +174,7 @@ pub struct GemmTiles {
     /// chain over K is shorter. Backends without an occupancy query keep the plan.
     pub mma_wave_warps_per_tile: bool,
     /// `gemm_*_mma_m*` variants of at least this many rows stream X through shared memory on
-    /// `cp.async` targets (17..=64: the m32 and m64 variants, or m64 only).
+    /// `cp.async` targets (17..=64: from the m32, m48 or m64 variant on).
     pub mma_x_shared_min_rows: u32,
     /// `gemm_*_mma_m*` streaming X: slots of the shared-memory ring X streams
     /// through (rounds of one K group per warp of a tile; at least 2).
@@ -204,7 +202,8 @@ pub struct GemmTiles {
     /// `gemm_bf16_*_mma_m*` streaming X: K groups of weights in flight per warp.
     pub mma_x_shared_stages_bf16: u32,
     /// `gemm_*_wgmma_m64` (targets with `wgmma` and `cp.async`): launches of at least this many
-    /// rows (33..=64) run the warpgroup kernel in place of `gemm_*_mma_m64`; 65 or more: never.
+    /// rows (33..=64) run the warpgroup kernel in place of `gemm_*_mma_m48` / `_m64`; 65 or
+    /// more: never.
     pub wgmma_min_rows: u32,
     /// `gemm_*_wgmma_m64`: launches of 33 rows or more whose weights have at least this many
     /// 16-row tiles run the warpgroup kernel too (0: none).

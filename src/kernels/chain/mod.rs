@@ -1,7 +1,7 @@
 //! Family `chain`: kernels that do nothing but chain to the one before them
 //! (`kernels/templates/chain.cu`), and [`dependent_launch_seconds`], what one such launch adds
-//! to a sequence of them. A decode step is a sequence of dependent launches (some 420 at B = 1
-//! for Qwen3.6-35B-A3B), each waiting for the previous one as these do, so this is the part of
+//! to a sequence of them. A decode step is a sequence of dependent launches (345 at B = 1 for
+//! Qwen3.6-35B-A3B, as `bench decode` counts them), each waiting for the previous one as these do, so this is the part of
 //! every kernel boundary that no kernel's own speed removes: the decode bench reports it beside
 //! the copy bandwidth, as the other ceiling a step runs against. Two hand-overs are measured:
 //! the grid dependency every kernel uses now ([`Handover::GridDependency`]: programmatic

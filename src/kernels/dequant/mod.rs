@@ -18,7 +18,8 @@ pub const KERNEL_DEQUANT_NVFP4_BF16: &str = "dequant_nvfp4_bf16";
 ///
 /// # Errors
 /// [`Error::Invalid`] when `out` has the wrong length, [`Error::BackendMismatch`] when the
-/// buffers live elsewhere, [`Error::Compile`] / [`Error::Cuda`] from the CUDA path.
+/// buffers live elsewhere, [`Error::Compile`] / [`Error::Cuda`] / [`Error::Hip`] from a device
+/// backend.
 pub fn dequant_nvfp4(backend: &Backend, w: &Nvfp4Weights, out: &mut DeviceVec<bf16>) -> Result<()> {
     let shape = format!("[{}, {}]", w.rows, w.cols);
     check_len("dequant output", out, w.rows * w.cols, &shape)?;

@@ -81,8 +81,8 @@
 //! f32 ([`GdnParams`]).
 //!
 //! # Limits and checks
-//! dk and dv are multiples of 16, dk at most 256 ([`step`]) and 64 or 128 ([`prefill`], the
-//! instantiated chunk kernels); the step takes at most `gdn.step_max_tokens` tokens per sequence
+//! dk and dv are multiples of 16, dk at most 256 ([`step`]) and one of [`CHUNK_DK`] ([`prefill`],
+//! the instantiated chunk kernels); the step takes at most `gdn.step_max_tokens` tokens per sequence
 //! (targets.toml). The kernels are checked against the CPU backend on a GPU
 //! (`tests/gpu/gdn.rs`) and, without one, by running the rendered sources of sm_90a, sm_121a
 //! and gfx1151 on the CPU with the MMA fragments emulated (`tests/gdn_emulated.rs`).

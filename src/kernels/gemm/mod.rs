@@ -51,8 +51,8 @@
 //! the GDN in_proj at 524 GB/s (97 us in a B = 64 decode step); X through shared memory: 45 us
 //! (ncu, BENCHMARKS.md, ninth session), still far from its 12 us of weights.
 //!
-//! The bytes a GEMM must move at least are [`nvfp4_gemm_bytes`] / [`Linear::bytes`]; benches
-//! report achieved bandwidth against them.
+//! The bytes a GEMM must move at least are [`Linear::bytes`]; the GEMM bench reports achieved
+//! bandwidth against them.
 
 pub mod layout;
 pub mod reference;
@@ -72,12 +72,6 @@ use std::sync::MutexGuard;
 pub const FAMILY: &str = "gemm";
 /// The straightforward NVFP4 x bf16 kernel: one warp per output column.
 pub const KERNEL_GEMM_NVFP4_BF16_GEMV: &str = "gemm_nvfp4_bf16_gemv";
-
-/// The fewest bytes `Y = X * dequant(W)^T` can move: W's packed nibbles and scales, X and Y
-/// each once.
-pub fn nvfp4_gemm_bytes(m: usize, w: &Nvfp4Weights) -> u64 {
-    w.bytes() + 2 * (m * w.cols) as u64 + 2 * (m * w.rows) as u64
-}
 
 /// Computes `y = x * dequant(w)^T` for `m` rows: `x` is bf16 `[m, w.grid.cols]`, `y` bf16
 /// `[m, w.grid.rows]`, both row-major. `m == 0` does nothing.

@@ -474,8 +474,8 @@ pub enum MoeLaunch {
 
 impl MoeLaunch {
     /// The form a launch of `tokens` tokens takes on `target`: [`MoeLaunch::Auto`] resolved by
-    /// kernels/targets.toml (`moe.split_max_tokens`, `moe.stream_min_tokens`), any other choice
-    /// itself.
+    /// kernels/targets.toml (`moe.split_max_tokens`, `moe.stream_min_tokens`,
+    /// `moe.bulk_min_tokens`), any other choice itself.
     pub fn resolve(self, target: &TargetFacts, tokens: usize) -> MoeLaunch {
         let m = &target.moe;
         match self {

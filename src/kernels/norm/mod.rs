@@ -36,7 +36,7 @@ pub enum ResidualWriter {
 /// # Errors
 /// [`Error::Invalid`] when a buffer's length disagrees with `rows` and the weight's length,
 /// [`Error::BackendMismatch`] when buffers live elsewhere, [`Error::Compile`] /
-/// [`Error::Cuda`] from the CUDA path.
+/// [`Error::Cuda`] / [`Error::Hip`] from a device backend.
 #[allow(clippy::too_many_arguments)]
 pub fn rms_norm_residual(
     backend: &Backend,
