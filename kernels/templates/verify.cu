@@ -114,7 +114,6 @@ typedef long long i64;
 // Functions that run once per row or sequence, off the streaming loops: out of line, so that
 // their registers do not weigh on the kernels' streaming code.
 #define VERIFY_RARE __device__ __noinline__
-FP4_DEVICE void block_sync() { __syncthreads(); }
 FP4_DEVICE void device_fence() { __threadfence(); }
 FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return atomicAdd(p, v); }
 FP4_DEVICE u32 atomic_cas_u32(u32* p, u32 expected, u32 desired) { return atomicCAS(p, expected, desired); }
@@ -155,11 +154,6 @@ FP4_DEVICE u64 mul_hi_u64(u64 a, u64 b) { return (u64)__umul64hi((unsigned long 
 // ..., is copied to the caller's private stack, 496 bytes per lane in verify_histogram and 256
 // in verify_finish), and the callee's registers count against the kernel either way.
 #define VERIFY_RARE FP4_DEVICE
-FP4_DEVICE void block_sync() {
-    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
-    __builtin_amdgcn_s_barrier();
-    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
-}
 FP4_DEVICE void device_fence() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent"); }
 FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) {
     return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
@@ -204,7 +198,6 @@ FP4_DEVICE double bits_to_f64(u64 b) { return __builtin_bit_cast(double, b); }
 FP4_DEVICE u64 mul_hi_u64(u64 a, u64 b) { return (u64)(((unsigned __int128)a * b) >> 64); }
 {% endif %}
 FP4_DEVICE u32 warp_index() { return thread_x() / FP4_WARP_SIZE; }
-FP4_DEVICE u32 umin(u32 a, u32 b) { return a < b ? a : b; }
 
 /// Unsigned 128-bit integers for weights (NVRTC has no __int128 without an extra flag).
 struct u128 {
@@ -332,7 +325,7 @@ FP4_DEVICE TokenParts token_parts(float z, float scale) {
     // f rounds up to 1 for y just below 0: the token is the heaviest of octave k (mantissa
     // exp2_mantissa(1)), in its top sub-bucket; floor(f * VG) = VG would name a bucket of the
     // octave above, whose weights are twice as large
-    p.sub = umin((u32)floor32(mul32(p.frac, (float)VG)), VG - 1);
+    p.sub = min_u32((u32)floor32(mul32(p.frac, (float)VG)), VG - 1);
     return p;
 }
 
@@ -493,7 +486,7 @@ FP4_DEVICE float biased_logit(const RowView& v, u32 token, float* raw) {
 }
 
 /// Copies the sequence's logit bias (when it has at most VT entries, one per thread) into
-/// `tokens` / `values` and points `v` at the copy, visible after the caller's next block_sync.
+/// `tokens` / `values` and points `v` at the copy, visible after the caller's next block_barrier.
 /// Each thread of a pass otherwise binary-searches the bias list in global memory per chunk,
 /// log2(entries) + 1 dependent loads (4 for the bench's 8 entries) after its logit loads; staged,
 /// the whole block pays one load in parallel, and the searches are shared-memory loads.
@@ -532,7 +525,7 @@ FP4_DEVICE void load_logits(const float* logits, u32 vocab, u32 chunk, float (&x
 FP4_DEVICE void prefetch_chunk(const RowView& v, u32 chunk) {
     const u32 first = chunk * VCHUNK;
     const u64 lo = ((u64)(v.logits + first) + 15) & ~(u64)15;
-    const u64 hi = (u64)(v.logits + umin(first + VCHUNK, v.vocab)) & ~(u64)15;
+    const u64 hi = (u64)(v.logits + min_u32(first + VCHUNK, v.vocab)) & ~(u64)15;
     if (hi > lo) prefetch_l2((const void*)lo, (u32)(hi - lo));
 }
 
@@ -591,7 +584,7 @@ FP4_DEVICE u64 thread_argmax(const float (&z)[VI], u32 base) {
 FP4_DEVICE u64 argmax_chunk(const RowView& v, u32 chunk, float (&z)[VI], u32& bad) {
     const u32 bad_bits = bias_chunk(v, chunk, z);
     const u32 base = chunk * VCHUNK + thread_x();
-    if (bad_bits != 0) bad = umin(bad, base + VT * (u32)lowest_bit(bad_bits));
+    if (bad_bits != 0) bad = min_u32(bad, base + VT * (u32)lowest_bit(bad_bits));
     return thread_argmax(z, base);
 }
 
@@ -642,14 +635,14 @@ FP4_DEVICE void block_reduce_n(u64 (&v)[N], const int (&op)[N], u64* scratch) {
         v[k] = warp_reduce(v[k], op[k]);
         if (lane_index() == 0) scratch[k * VWARPS + warp_index()] = v[k];
     }
-    block_sync();
+    block_barrier();
     #pragma unroll
     for (int k = 0; k < N; ++k) {
         const u64 none = op[k] == VOP_MIN ? ~0ull : 0ull;
         v[k] = warp_reduce(lane_index() < VWARPS ? scratch[k * VWARPS + lane_index()] : none, op[k]);
     }
     // before the next use of scratch
-    block_sync();
+    block_barrier();
 }
 FP4_DEVICE u64 block_reduce(u64 v, int op, u64* scratch) {
     u64 x[1] = {v};
@@ -689,7 +682,7 @@ FP4_DEVICE void scan_histogram(const u64* hist, u32* count, u128* weight, u32* w
         warp_count[warp_index()] = ci;
         warp_weight[warp_index()] = wi;
     }
-    block_sync();
+    block_barrier();
     u32 ce = ci - c;
     u128 we = wi - w;
     for (u32 k = 0; k < warp_index(); ++k) {
@@ -710,7 +703,7 @@ FP4_DEVICE void scan_histogram(const u64* hist, u32* count, u128* weight, u32* w
         count[VNB] = ce;
         weight[VNB] = we;
     }
-    block_sync();
+    block_barrier();
 }
 
 /// First i in [0, last] with found(i), for found false then true; `last` when none (found(last)
@@ -729,7 +722,7 @@ FP4_DEVICE u32 warp_search(u32 last, Found found) {
         // the answer lies in the stride after the probes that said no
         const u32 before = hits != 0 ? lowest_bit(hits) : popcount(ballot(inside));
         lo += before * stride;
-        hi = umin(lo + stride - 1, hi);
+        hi = min_u32(lo + stride - 1, hi);
     }
     return lo;
 }
@@ -877,17 +870,17 @@ FP4_DEVICE void shift_accumulator(u32* acc, u32 shift) {
         const u32 b = thread_x() + i * VT;
         old[i] = b < VNB ? acc[b] : 0;
     }
-    block_sync();
+    block_barrier();
     for (u32 i = 0; i < per; ++i) {
         const u32 b = thread_x() + i * VT;
         if (b < VNB) acc[b] = 0;
     }
-    block_sync();
+    block_barrier();
     for (u32 i = 0; i < per; ++i) {
         const u32 b = thread_x() + i * VT;
         if (b < VNB && b + shift < VNB) acc[b + shift] = old[i];
     }
-    block_sync();
+    block_barrier();
 }
 
 /// Moves the block histogram `shift` buckets down (its top octave rose); what falls off the
@@ -930,7 +923,7 @@ FP4_DEVICE i32 histogram_chunks(const RowView& v, bool sampling, u32 first, u32 
             atomic_add_u32(&sh.acc_high[b], m >> 12);
             atomic_add_u32(&sh.acc_low[b], m & 0xfffu);
         }
-        block_sync();
+        block_barrier();
     }
     return top;
 }
@@ -1006,7 +999,7 @@ VERIFY_RARE void plan_row(const VerifyArgs& a, const VerifyRow& row, const Verif
         }
         const u32 lm_lo = seq.min_p > 0.0f ? sh.count[keep_end] : n;
         const u32 lm_hi = seq.min_p > 0.0f ? sh.count[partial_end] : n;
-        u32 l_lo = umin(lk, umin(lp_lo, lm_lo)), l_hi = umin(lk, umin(lp_hi, lm_hi));
+        u32 l_lo = min_u32(lk, min_u32(lp_lo, lm_lo)), l_hi = min_u32(lk, min_u32(lp_hi, lm_hi));
         if (l_lo < 1) l_lo = 1;
         if (l_hi < l_lo) l_hi = l_lo;
         const u32 c1 = bucket_of_rank(sh.count, l_lo - 1), c2 = bucket_of_rank(sh.count, l_hi - 1);
@@ -1043,7 +1036,7 @@ VERIFY_RARE void plan_row(const VerifyArgs& a, const VerifyRow& row, const Verif
         plan.finish();
         sh.marked = 0;
     }
-    block_sync();
+    block_barrier();
     // The plan's bits, one bucket per thread: each warp's ballot is 32 bits of a plan word (bit i
     // of u64 word w is bucket 64 w + i; little-endian, so its u32 half 2 w + i / 32), written by
     // lane 0. (One thread per word looping over its 64 buckets, each against every window, was a
@@ -1060,7 +1053,7 @@ VERIFY_RARE void plan_row(const VerifyArgs& a, const VerifyRow& row, const Verif
             if (bits != 0) sh.marked = 1;
         }
     }
-    block_sync();
+    block_barrier();
     if (thread_x() == 0) {
         const bool stream = sh.marked != 0 || probe_bucket != VNONE || partial_end > keep_end;
         state[RS_PROBE] = (u64)probe_bucket | ((u64)f32_to_bits(probe_z) << 32);
@@ -1108,8 +1101,8 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
         sh.acc_high[b] = 0;
         sh.acc_low[b] = 0;
     }
-    block_sync();
-    const u32 end = umin(first + a.chunks_per_block, a.chunks_per_row);
+    block_barrier();
+    const u32 end = min_u32(first + a.chunks_per_block, a.chunks_per_row);
     u64 best = 0;
     u32 bad = VNONE;
     const i32 top = histogram_chunks(v, sampling, first, end, z, sh, best, bad);
@@ -1131,7 +1124,7 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
             const u32 seen = atomic_cas_u32(&a.row_anchor[r], 0u, mine);
             sh.anchor = (i32)((seen == 0 ? mine : seen) - 0x80000000u);
         }
-        block_sync();
+        block_barrier();
         const i32 anchor = sh.anchor;
         spilled = (i64)top - (i64)anchor > VHEAD;
         if (spilled) {
@@ -1153,12 +1146,12 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
     }
     // the row's last block merges and plans
     device_fence();
-    block_sync();
+    block_barrier();
     if (thread_x() == 0) {
         sh.last = atomic_add_u32(&a.counters[r], 1) == a.blocks_per_row - 1;
         sh.spilled = 0;
     }
-    block_sync();
+    block_barrier();
     if (!sh.last) return;
     device_fence();
     u64 row_best = 0, row_bad = ~0ull, row_top = 0;
@@ -1203,11 +1196,11 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
             a.row_hist[(u64)r * VNB + b] = sum;
             sh.hist[b] = sum;
         }
-        block_sync();
+        block_barrier();
         for (u32 i = thread_x(); i < VGRID; i += VT) grid[i] = 0;
         if (thread_x() == 0) a.row_anchor[r] = 0;
     }
-    block_sync();
+    block_barrier();
     // row_bad: the least of the blocks' first bad tokens (VNONE: none), after the reduction
     const RowVerdict verdict = row_verdict(v, row_best, (u32)row_bad);
     const u32 status = verdict.status;
@@ -1283,7 +1276,7 @@ VERIFY_RARE Selected select_by_scan(const RowView& v, i32 top, u32 bucket, int m
             sh.bin_count[i] = 0;
             sh.bin_mass[i] = 0;
         }
-        block_sync();
+        block_barrier();
         for (u32 chunk = 0; chunk < v.chunks; ++chunk) {
             float z[VI];
             load_chunk(v, chunk, z);
@@ -1300,7 +1293,7 @@ VERIFY_RARE Selected select_by_scan(const RowView& v, i32 top, u32 bucket, int m
                 atomic_add_u64(&sh.bin_mass[digit], exp2_mantissa(p.frac));
             }
         }
-        block_sync();
+        block_barrier();
         if (thread_x() == 0) {
             // the first non-empty digit (ascending kappa = the order) that holds the target
             u32 c_before = 0, pick = 0;
@@ -1322,13 +1315,13 @@ VERIFY_RARE Selected select_by_scan(const RowView& v, i32 top, u32 bucket, int m
             sh.pick_mass = m_before;
             sh.pick_own = sh.bin_mass[pick];
         }
-        block_sync();
+        block_barrier();
         prefix |= (u64)sh.pick << shift;
         rank += sh.pick_count;
         mass += sh.pick_mass;
         value -= mode == VSELECT_RANK ? (u64)sh.pick_count : sh.pick_mass;
         decided += width;
-        block_sync();
+        block_barrier();
     }
     Selected s;
     s.rank = rank;
@@ -1359,7 +1352,7 @@ VERIFY_RARE Selected select_in_bucket(const RowView& v, i32 top, u32 bucket, u32
         return out;
     }
     if (thread_x() == 0) sh.hit = e;
-    block_sync();
+    block_barrier();
     for (u32 i = s + thread_x(); i < e; i += VT) {
         const u64 incl = sh.prefix[i] - base;
         const u64 excl = i > s ? sh.prefix[i - 1] - base : 0;
@@ -1367,9 +1360,9 @@ VERIFY_RARE Selected select_in_bucket(const RowView& v, i32 top, u32 bucket, u32
                                                : (incl > value && excl <= value);
         if (hit) sh.hit = i;
     }
-    block_sync();
+    block_barrier();
     const u32 i = sh.hit;
-    block_sync();
+    block_barrier();
     if (i == e) return select_by_scan(v, top, bucket, mode, value, sh);
     out.rank = i - s;
     out.mass = sh.prefix[i] - base;
@@ -1432,7 +1425,7 @@ FP4_DEVICE void finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row, con
     }
     scan_histogram(a.row_hist + (u64)r * VNB, sh.count, sh.weight, sh.warp_count, sh.warp_weight);
     // candidates, sorted by (bucket, kappa) through their ranks
-    const u32 n = umin((u32)pass2, VCAP);
+    const u32 n = min_u32((u32)pass2, VCAP);
     #pragma unroll
     for (u32 k = 0; k < (VCAP + VT - 1) / VT; ++k) {
         const u32 i = k * VT + thread_x();
@@ -1443,14 +1436,14 @@ FP4_DEVICE void finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row, con
         const u32 b = bucket_index(octaves_below(top, p.octave), p.sub);
         sh.keys[i] = ((u64)b << 52) | kappa_of(z, (u32)c);
     }
-    block_sync();
+    block_barrier();
     for (u32 i = thread_x(); i < n; i += VT) {
         const u64 key = sh.keys[i];
         u32 rank = 0;
         for (u32 j = 0; j < n; ++j) rank += sh.keys[j] < key ? 1u : 0u;
         sh.sorted[rank] = key;
     }
-    block_sync();
+    block_barrier();
     {
         // inclusive mantissa sums over the sorted candidates, one contiguous run per thread
         const u32 per = (VCAP + VT - 1) / VT;
@@ -1463,14 +1456,14 @@ FP4_DEVICE void finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row, con
         }
         const u64 incl = warp_inclusive_sum(own);
         if (lane_index() == FP4_WARP_SIZE - 1) sh.scratch[warp_index()] = incl;
-        block_sync();
+        block_barrier();
         u64 running = incl - own;
         for (u32 k = 0; k < warp_index(); ++k) running += sh.scratch[k];
         for (u32 i = first; i < first + per && i < n; ++i) {
             running += sh.prefix[i];
             sh.prefix[i] = running;
         }
-        block_sync();
+        block_barrier();
     }
     const u32 tokens = sh.count[VNB];
     const u32 lk = seq.top_k > 0 && seq.top_k < tokens ? seq.top_k : tokens;
@@ -1492,7 +1485,7 @@ FP4_DEVICE void finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row, con
         lm = sh.count[keep_end];
         if (partial_end > keep_end) lm += (u32)pass2_minp;
     }
-    const u32 kept = umin(lk, umin(lp, lm));
+    const u32 kept = min_u32(lk, min_u32(lp, lm));
     const Prefix cut = prefix_of(v, top, kept, n, sh);
     // the probe's kept weight and the kept weight before it
     const u64 probe = state[RS_PROBE];
@@ -1530,7 +1523,7 @@ FP4_DEVICE void finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row, con
         state[RS_CUT] = (u64)cut.bucket | ((u64)drawn << 32);
         state[RS_CUT_KAPPA] = cut.kappa;
     }
-    block_sync();
+    block_barrier();
 }
 
 /// The first RS_PLAN state words of a sequence's rows, and its drafts: in shared memory when
@@ -1564,7 +1557,7 @@ FP4_DEVICE SequenceRows gather_sequence(const VerifyArgs& a, const VerifySequenc
     for (u32 i = thread_x(); i < rows * RS_PLAN; i += VT)
         words[i] = load_shared_u64(&global_rows[(u64)(i / RS_PLAN) * VROW_WORDS + i % RS_PLAN]);
     for (u32 i = thread_x(); i < seq.drafts; i += VT) drafts[i] = a.draft_tokens[seq.first_draft + i];
-    block_sync();
+    block_barrier();
     out.rows = words;
     out.stride = RS_PLAN;
     out.shared = true;
@@ -1669,10 +1662,10 @@ VERIFY_RARE void finish_sequence(const VerifyArgs& a, u32 s, const SequenceRows&
 FP4_DEVICE void sequence_row_done(const VerifyArgs& a, u32 s, const VerifySequence& seq, u64* words,
                                   u32 word_capacity, u32* drafts, u32 draft_capacity, u32* last) {
     device_fence();
-    block_sync();
+    block_barrier();
     u32* done = &a.counters[a.row_count + s];
     if (thread_x() == 0) *last = atomic_add_u32(done, 1) == rows_of(seq) - 1;
-    block_sync();
+    block_barrier();
     if (!*last) return;
     device_fence();
     const SequenceRows rows = gather_sequence(a, seq, words, word_capacity, drafts, draft_capacity);
@@ -1725,12 +1718,12 @@ FP4_DEVICE void select_chunks(const VerifyArgs& a, u32 r, const VerifySequence& 
     const u32 keep_end = (u32)minp, partial_end = (u32)(minp >> 32);
     for (u32 w = thread_x(); w < VPLAN_WORDS; w += VT) sh.plan[w] = state[RS_PLAN + w];
     stage_bias(v, sh.bias_tokens, sh.bias_values);
-    block_sync();
+    block_barrier();
     u32* collected = reinterpret_cast<u32*>(&state[RS_PASS2]);
     u64 before = 0, before_mass = 0, survivors = 0;
     const float y_floor = pass2_floor(sh.plan, probe_bucket, keep_end, partial_end, top);
     const u32 first = block_x() * a.chunks_per_block;
-    const u32 end = umin(first + a.chunks_per_block, a.chunks_per_row);
+    const u32 end = min_u32(first + a.chunks_per_block, a.chunks_per_row);
     for (u32 chunk = first; chunk < end; ++chunk) {
         float z[VI];
         load_chunk(v, chunk, z);
@@ -1847,7 +1840,7 @@ FP4_DEVICE void greedy_chunk(const RowView& v, u32 chunk, const float (&x)[VI], 
         biased |= 1u << slot;
         float raw;
         const float z = biased_logit(v, token, &raw);
-        if (raw != raw || raw == inf || z == inf || z != z) bad = umin(bad, token);
+        if (raw != raw || raw == inf || z == inf || z != z) bad = min_u32(bad, token);
         else if (z > -inf) {
             const u64 code = argmax_code(add32(z, 0.0f), token);
             best = code > best ? code : best;
@@ -1867,7 +1860,7 @@ FP4_DEVICE void greedy_chunk(const RowView& v, u32 chunk, const float (&x)[VI], 
         best_j = better ? j : best_j;
     }
     const u32 first = base + thread_x();
-    if (bad_bits != 0) bad = umin(bad, first + VT * lowest_bit(bad_bits));
+    if (bad_bits != 0) bad = min_u32(bad, first + VT * lowest_bit(bad_bits));
     if (best_j >= 0) {
         const u64 code = argmax_code(add32(best_z, 0.0f), first + VT * (u32)best_j);
         best = code > best ? code : best;
@@ -1899,8 +1892,8 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
     }
     RowView v = row_view(a, row, seq);
     stage_bias(v, sh.bias_tokens, sh.bias_values);
-    block_sync();
-    const u32 end = umin(first + a.chunks_per_block, a.chunks_per_row);
+    block_barrier();
+    const u32 end = min_u32(first + a.chunks_per_block, a.chunks_per_row);
     u64 best = 0;
     u32 bad = VNONE;
     for (u32 chunk = first; chunk < end; ++chunk) {
@@ -1919,11 +1912,11 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
         a.block_summary[slot * 3 + 1] = bad;
     }
     device_fence();
-    block_sync();
+    block_barrier();
     const u32 rows = seq.drafts + 1;
     u32* arrived = &a.counters[a.row_count + row.sequence];
     if (thread_x() == 0) sh.last = atomic_add_u32(arrived, 1) == rows * a.blocks_per_row - 1;
-    block_sync();
+    block_barrier();
     if (!sh.last) return;
     device_fence();
     for (u32 j = warp_index(); j < rows; j += VWARPS) {
@@ -1944,7 +1937,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
         }
     }
     for (u32 i = thread_x(); i < seq.drafts; i += VT) sh.drafts[i] = a.draft_tokens[seq.first_draft + i];
-    block_sync();
+    block_barrier();
     if (thread_x() == 0) {
         finish_sequence(a, row.sequence, SequenceRows{sh.rows, 2, true, sh.drafts});
         *arrived = 0;
@@ -2025,7 +2018,7 @@ FP4_DEVICE Slots block_count_scan(u32 count, u32* totals, u32& phase) {
     u32* t = totals + phase * VWARPS;
     phase ^= 1u;
     if (lane_index() == FP4_WARP_SIZE - 1) t[warp_index()] = incl;
-    block_sync();
+    block_barrier();
     Slots s{incl - count, 0};
     for (u32 w = 0; w < VWARPS; ++w) {
         const u32 x = t[w];
@@ -2053,7 +2046,7 @@ FP4_DEVICE u32 block_first(bool hit, u32* totals, u32& phase) {
     u32* t = totals + phase * VWARPS;
     phase ^= 1u;
     if (lane_index() == 0) t[warp_index()] = bits;
-    block_sync();
+    block_barrier();
     return first_of_ballots([&](u32 w) { return t[w]; });
 }
 
@@ -2078,7 +2071,7 @@ FP4_DEVICE u64 kth_code(TopkShared& sh, const u64* codes, u32 n, u32 k) {
             const u64 c = codes[i];
             if (((c ^ prefix) & high) == 0) atomic_add_u32(&sh.hist[(u32)(c >> shift) & 255u], 1);
         }
-        block_sync();
+        block_barrier();
         if (warp_index() == 0) {
             // lane l holds digits 255 - 8l down to 248 - 8l: lanes ascend as digits descend
             u32 bins[8], own = 0;
@@ -2103,7 +2096,7 @@ FP4_DEVICE u64 kth_code(TopkShared& sh, const u64* codes, u32 n, u32 k) {
                 }
             }
         }
-        block_sync();
+        block_barrier();
         prefix |= (u64)sh.digit[0] << shift;
         need -= sh.digit[1];
         if (sh.digit[2] == need || shift == 0) return prefix;
@@ -2144,11 +2137,11 @@ FP4_DEVICE u32 copy_codes_from(TopkShared& sh, TopkState& st, u64 threshold, u64
 /// the top k: floor admits only logits above. Inline, as is everything verify_topk calls on its
 /// way: a call would save the registers live across it to the stack.
 FP4_DEVICE void topk_cut(TopkShared& sh, TopkState& st, u32 k) {
-    block_sync();  // the buffer's last codes are written
+    block_barrier();  // the buffer's last codes are written
     const u64 t = kth_code(sh, sh.buf, st.count, k);
     st.count = copy_codes_from(sh, st, t, sh.buf);
     raise_floor(st, t);
-    block_sync();
+    block_barrier();
 }
 
 /// Block-wide: writes the `keep` largest of the n distinct codes[0, n) (n <= VT) in descending
@@ -2221,7 +2214,7 @@ FP4_DEVICE void topk_insert_slabs(const RowView& v, u32 chunk, TopkShared& sh, T
 /// than k threads hold a finite logit.
 FP4_DEVICE void topk_first_floor(TopkShared& sh, TopkState& st, u32 k, const float (&z)[VI], u32 first) {
     sh.buf[thread_x()] = thread_argmax(z, first);
-    block_sync();
+    block_barrier();
     const u64 t = kth_code(sh, sh.buf, VT, k);
     const u32 key = (u32)(t >> 32);
     if (key < VKEY_LOWEST_FINITE) return;
@@ -2252,7 +2245,7 @@ FP4_DEVICE void pool_top_codes(TopkShared& sh, TopkState& st, u64* out) {
         const u64 t = st.count > VTOPK_POOL ? kth_code(sh, sh.buf, st.count, VTOPK_POOL) : 1;
         copy_codes_from(sh, st, t, out);
     }
-    for (u32 i = umin(st.count, VTOPK_POOL) + thread_x(); i < VTOPK_POOL; i += VT) out[i] = 0;
+    for (u32 i = min_u32(st.count, VTOPK_POOL) + thread_x(); i < VTOPK_POOL; i += VT) out[i] = 0;
 }
 
 /// The codes the row's blocks pooled (pool_top_codes), those of the first
@@ -2260,7 +2253,7 @@ FP4_DEVICE void pool_top_codes(TopkShared& sh, TopkState& st, u64* out) {
 /// share, codes[thread + VT m] in `pool[m]`; returns how many there are in all (none where the
 /// blocks do not pool, topk_pools).
 FP4_DEVICE u32 load_pool(const VerifyArgs& a, u32 r, u32 k, u64 (&pool)[VTOPK_PER]) {
-    const u32 blocks = topk_pools(a.blocks_per_row, k) ? umin(a.blocks_per_row, VTOPK_BUF / VTOPK_POOL) : 0;
+    const u32 blocks = topk_pools(a.blocks_per_row, k) ? min_u32(a.blocks_per_row, VTOPK_BUF / VTOPK_POOL) : 0;
     const u32 n = blocks * VTOPK_POOL;
     const u64* pools = a.block_hist + (u64)r * a.blocks_per_row * VNB;
     #pragma unroll
@@ -2326,7 +2319,7 @@ FP4_DEVICE u32 topk_merge(const VerifyArgs& a, u32 r, TopkShared& sh, TopkState&
     const u64 bound = pooled_bound(sh, pool, pooled, k);
     st.count = 0;
     st.floor_code = (u64)key << 32 > bound ? (u64)key << 32 : bound;
-    block_sync();  // the buffer is free again (pooled_bound's selection is done)
+    block_barrier();  // the buffer is free again (pooled_bound's selection is done)
     // a block's VTOPK_POOL codes lie in VTOPK_POOL consecutive lanes (VT % VTOPK_POOL == 0): the
     // group's least nonzero code decides whether its list holds more above the floor
     u32 mask = 0, listed = 0;
@@ -2351,7 +2344,7 @@ FP4_DEVICE u32 topk_merge(const VerifyArgs& a, u32 r, TopkShared& sh, TopkState&
     const u32 pooled_blocks = pooled / VTOPK_POOL;
     for (u32 b = pooled_blocks + thread_x(); b < blocks; b += VT) sh.listed[s.total + b - pooled_blocks] = b;
     const u32 n_listed = s.total + (blocks > pooled_blocks ? blocks - pooled_blocks : 0);
-    block_sync();
+    block_barrier();
     // the listed blocks' counts (loaded with the summaries), then their candidates as one range: a
     // list after another was a chain of round trips (two a block: 2 blocks a row at B = 64 read
     // nothing in parallel)
@@ -2364,7 +2357,7 @@ FP4_DEVICE u32 topk_merge(const VerifyArgs& a, u32 r, TopkShared& sh, TopkState&
         total += c.total;
     }
     if (thread_x() == 0) sh.list_start[n_listed] = total;
-    block_sync();
+    block_barrier();
     const u64* written = a.candidates + (u64)r * blocks * VTOPK_BUF;
     for (u32 f0 = 0; f0 < total; f0 += VT * VTOPK_MERGE) {
         u64 code[VTOPK_MERGE];
@@ -2430,7 +2423,7 @@ FP4_DEVICE void topk_finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row
     }
     if (i == 0)
         for (u32 x = 2; x < 6; ++x) sh.words[x] = 0;
-    block_sync();
+    block_barrier();
     u64 total_lo = 0, total_hi = 0;
     for (u32 x = 0; x < VWARPS; ++x) {
         const u64 warp_lo = sh.scratch[x], warp_hi = sh.scratch[VWARPS + x];
@@ -2445,15 +2438,15 @@ FP4_DEVICE void topk_finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row
     const u32 positives = first_of_ballots([&](u32 w) { return (u32)ballots[w]; });
     const u32 min_p_first = first_of_ballots([&](u32 w) { return (u32)(ballots[w] >> 32); });
     const u128 prefix = (w128(hi) << 32) + w128(lo);
-    const u32 by_k = umin(seq.top_k, positives);
+    const u32 by_k = min_u32(seq.top_k, positives);
     u32 kept = by_k;
     if (seq.top_p < 1.0f) {
         // the mass of the first by_k tokens is the total: the n <= top_k ranked tokens are all
         // there are, and those past the positives weigh nothing
         const u128 need = top_p_need(seq.top_p, (w128(total_hi) << 32) + w128(total_lo));
-        kept = umin(kept, block_first(i < by_k && prefix >= need, sh.totals, st.phase) + 1);
+        kept = min_u32(kept, block_first(i < by_k && prefix >= need, sh.totals, st.phase) + 1);
     }
-    if (seq.min_p > 0.0f) kept = umin(kept, min_p_first);
+    if (seq.min_p > 0.0f) kept = min_u32(kept, min_p_first);
     const bool is_probe = i < kept && ~(u32)code == probe;
     // no thread reads words[0, 2) before the barrier below
     if (i == kept - 1) {
@@ -2467,7 +2460,7 @@ FP4_DEVICE void topk_finish_row(const VerifyArgs& a, u32 r, const VerifyRow& row
         sh.words[4] = before.lo;
         sh.words[5] = before.hi;
     }
-    block_sync();
+    block_barrier();
     const u128 mass = {sh.words[0], sh.words[1]};
     const u128 probe_weight = {sh.words[2], sh.words[3]};
     const u128 before_probe = {sh.words[4], sh.words[5]};
@@ -2533,11 +2526,11 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
     const u32 probe = row.index < seq.drafts ? a.draft_tokens[seq.first_draft + row.index] : VNONE;
     stage_bias(v, sh.bias_tokens, sh.bias_values);
     for (u32 i = thread_x(); i < 256; i += VT) sh.hist[i] = 0;  // kth_code keeps it zero
-    block_sync();
+    block_barrier();
     const u32 k = seq.temperature > 0.0f ? seq.top_k : 1u;
     TopkState st{0, 0, -f32_inf(), 0, 0};
     u32 bad = VNONE;
-    const u32 end = umin(first + a.chunks_per_block, a.chunks_per_row);
+    const u32 end = min_u32(first + a.chunks_per_block, a.chunks_per_row);
     // chunk + 1 is loaded into registers at chunk's start (below): the L2 is asked for those after
     if (thread_x() == 0)
         for (u32 ahead = 2; ahead < VTOPK_PREFETCH && first + ahead < end; ++ahead) prefetch_chunk(v, first + ahead);
@@ -2551,7 +2544,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
         if (more) load_logits(v.logits, v.vocab, chunk + 1, next);
         const u32 bad_bits = bias_chunk(v, chunk, z);
         const u32 base = chunk * VCHUNK + thread_x();
-        if (bad_bits != 0) bad = umin(bad, base + VT * (u32)lowest_bit(bad_bits));
+        if (bad_bits != 0) bad = min_u32(bad, base + VT * (u32)lowest_bit(bad_bits));
         if (chunk == first) topk_first_floor(sh, st, k, z, base);
         u32 mask = 0;
         #pragma unroll
@@ -2578,19 +2571,19 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
             a.block_summary[slot * 3 + 1] = bad;
         }
         device_fence();
-        block_sync();
+        block_barrier();
         if (thread_x() == 0) sh.last = atomic_add_u32(&a.counters[r], 1) == a.blocks_per_row - 1;
-        block_sync();
+        block_barrier();
         if (!sh.last) return;
         device_fence();
         bad = topk_merge(a, r, sh, st, k);
     }
     // more candidates than rank_codes takes: cut back to the top k first
     if (st.count > k && st.count > VTOPK_RANK_MAX) topk_cut(sh, st, k);
-    const u32 n = umin(st.count, k);
-    block_sync();
+    const u32 n = min_u32(st.count, k);
+    block_barrier();
     rank_codes(sh.buf, st.count, k, sh.buf + VTOPK_SORTED);
-    block_sync();
+    block_barrier();
     topk_finish_row(a, r, row, seq, v, sh, st, n, bad, probe);
     sequence_row_done(a, row.sequence, seq, sh.buf, VTOPK_BUF, sh.drafts, VT, &sh.last);
 }
@@ -2650,7 +2643,7 @@ struct ResidualShared {
 FP4_DEVICE u64 block_exclusive_sum(u64 mine, u64& carry, u64* warp_sum) {
     const u64 incl = warp_inclusive_sum(mine);
     if (lane_index() == FP4_WARP_SIZE - 1) warp_sum[warp_index()] = incl;
-    block_sync();
+    block_barrier();
     u64 before = carry + incl - mine;
     u64 total = 0;
     for (u32 k = 0; k < VWARPS; ++k) {
@@ -2658,7 +2651,7 @@ FP4_DEVICE u64 block_exclusive_sum(u64 mine, u64& carry, u64* warp_sum) {
         total += warp_sum[k];
     }
     carry += total;
-    block_sync();
+    block_barrier();
     return before;
 }
 
@@ -2684,10 +2677,10 @@ FP4_KERNEL void {{ bounds }}verify_residual(const VerifyArgs a) {
     const u64 total_chunk = block_reduce(own, VOP_SUM, sh.scratch);
     if (thread_x() == 0) a.residual_sums[(u64)s * a.chunks_per_row + block_x()] = total_chunk;
     device_fence();
-    block_sync();
+    block_barrier();
     u32* counter = &a.counters[a.row_count + a.sequence_count + s];
     if (thread_x() == 0) sh.last = atomic_add_u32(counter, 1) == a.chunks_per_row - 1;
-    block_sync();
+    block_barrier();
     if (!sh.last) return;
     device_fence();
     const u64* sums = a.residual_sums + (u64)s * a.chunks_per_row;
@@ -2717,7 +2710,7 @@ FP4_KERNEL void {{ bounds }}verify_residual(const VerifyArgs a) {
                 sh.offset = t - before;
             }
         }
-        block_sync();
+        block_barrier();
         const u32 chunk = sh.chunk;
         const u64 local = sh.offset;
         float zp[VI], zq[VI];
@@ -2726,7 +2719,7 @@ FP4_KERNEL void {{ bounds }}verify_residual(const VerifyArgs a) {
         // id order inside a chunk: slab i holds tokens chunk * VCHUNK + VT * i + thread
         carry = 0;
         if (thread_x() == 0) sh.token = VNONE;
-        block_sync();
+        block_barrier();
         #pragma unroll
         for (int i = 0; i < VI; ++i) {
             const u32 e = chunk * VCHUNK + VT * (u32)i + thread_x();
@@ -2735,7 +2728,7 @@ FP4_KERNEL void {{ bounds }}verify_residual(const VerifyArgs a) {
             if (mine > 0 && before <= local && local < before + mine) sh.token = e;
         }
     }
-    block_sync();
+    block_barrier();
     if (thread_x() == 0) {
         a.emitted[(u64)s * (a.max_drafts + 1) + j] = sh.token;
         st[0] = VSTATUS_OK;
