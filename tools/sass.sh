@@ -6,18 +6,23 @@
 # moves (the kernels are compiled with -lineinfo).
 #   bash tools/sass.sh OUT_DIR        # e.g. before and after an edit, then: diff -r BEFORE AFTER
 # Builds the release binary, fills a fresh CUBIN cache with it (`fp4spec kernels --fill-cache`)
-# and disassembles with cuobjdump (PyPI wheel nvidia-cuda-cuobjdump, installed on first use in
-# .toolchains/sass-venv; a newer cuobjdump reads NVRTC 13.0's CUBINs).
+# and disassembles with cuobjdump and nvdisasm (PyPI wheels nvidia-cuda-cuobjdump and
+# nvidia-cuda-nvdisasm, installed on first use in .toolchains/; 13.5 reads NVRTC 13.0's CUBINs).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=${1:?usage: bash tools/sass.sh OUT_DIR}
-venv="$root/.toolchains/sass-venv"
-if [ ! -x "$venv/bin/python" ] || ! ls "$venv"/lib/python3*/site-packages/nvidia/cu13/bin/cuobjdump >/dev/null 2>&1; then
-  echo "sass: installing cuobjdump into $venv (pip)" >&2
+# pinned: another nvdisasm prints the same code differently (constant-bank operands, order)
+tools_version=13.5.37
+venv="$root/.toolchains/sass-venv-$tools_version"
+if ! ls "$venv"/lib/python3*/site-packages/nvidia/cu13/bin/nvdisasm >/dev/null 2>&1 \
+   || ! ls "$venv"/lib/python3*/site-packages/nvidia/cu13/bin/cuobjdump >/dev/null 2>&1; then
+  echo "sass: installing cuobjdump and nvdisasm into $venv (pip)" >&2
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check "nvidia-cuda-cuobjdump>=13.2,<14" >&2
+  "$venv/bin/pip" install -q --disable-pip-version-check \
+    "nvidia-cuda-cuobjdump==$tools_version" "nvidia-cuda-nvdisasm==$tools_version" >&2
 fi
-cuobjdump=$(ls "$venv"/lib/python3*/site-packages/nvidia/cu13/bin/cuobjdump | head -n 1)
+bin=$(dirname "$(ls "$venv"/lib/python3*/site-packages/nvidia/cu13/bin/cuobjdump | head -n 1)")
+export PATH="$bin:$PATH"  # cuobjdump -sass runs nvdisasm
 cache=$(mktemp -d)
 trap 'rm -rf "$cache"' EXIT
 (cd "$root" && bash tools/toolchains.sh cargo build --release --quiet)
@@ -26,7 +31,7 @@ mkdir -p "$out"
 for cubin in "$cache"/*.cubin; do
   # family-target-hash-nvrtcX.cubin -> family-target.sass
   name=$(basename "$cubin" | cut -d- -f1-2)
-  "$cuobjdump" -sass "$cubin" \
+  cuobjdump -sass "$cubin" \
     | grep -E '^[[:space:]]+/\*[0-9a-f]{4}\*/|Function :' \
     | sed -E 's@^[[:space:]]+/\*[0-9a-f]+\*/[[:space:]]*@@; s@[[:space:]]*/\*[^*]*\*/[[:space:]]*;?@@g; s/[[:space:]]+/ /g' \
     > "$out/$name.sass"
