@@ -477,6 +477,24 @@ fn truncated_files_are_errors_naming_the_file() {
     }
 }
 
+/// An entry whose span disagrees with its dtype and shape: the safetensors crate's refusal names
+/// no tensor, the error does.
+#[test]
+fn a_header_entry_the_safetensors_checks_refuse_is_named() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("model.safetensors");
+    let header = r#"{"good":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"bad":{"dtype":"F32","shape":[3],"data_offsets":[8,16]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header.as_bytes());
+    bytes.extend([0u8; 16]);
+    std::fs::write(&path, &bytes).expect("write");
+    let err = Checkpoint::open(&path).err().expect("refused").to_string();
+    assert!(
+        err.contains("model.safetensors") && err.contains("tensor `bad`"),
+        "{err}"
+    );
+}
+
 #[test]
 fn wrong_dtype_and_shape_are_errors_naming_the_tensor() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -351,8 +351,8 @@ impl Shard {
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
         let (header_len, metadata) =
             SafeTensors::read_metadata(&map).map_err(|e| Error::Safetensors {
+                reason: describe_safetensors_error(&e, map.len(), &path),
                 file: path.clone(),
-                reason: describe_safetensors_error(&e, map.len()),
             })?;
         Ok(Self {
             path,
@@ -363,8 +363,24 @@ impl Shard {
     }
 }
 
-fn describe_safetensors_error(e: &safetensors::SafeTensorError, file_len: usize) -> String {
+/// What the safetensors crate refused in the shard at `path`, in words: its own text names no
+/// tensor, so for the other errors the shard's header is read again ([`read_shard_header`]) and
+/// its first problem, which names the tensor, is reported beside it.
+fn describe_safetensors_error(
+    e: &safetensors::SafeTensorError,
+    file_len: usize,
+    path: &Path,
+) -> String {
     use safetensors::SafeTensorError as E;
+    let first_problem = || {
+        read_shard_header(path)
+            .ok()
+            .and_then(|h| h.problems.into_iter().next())
+            .map(|p| match p.tensor {
+                Some(tensor) => format!("tensor `{tensor}`: {}", p.message),
+                None => p.message,
+            })
+    };
     match e {
         E::HeaderTooSmall => format!("{file_len} bytes, shorter than the 8-byte header length"),
         E::InvalidHeaderLength => {
@@ -375,7 +391,10 @@ fn describe_safetensors_error(e: &safetensors::SafeTensorError, file_len: usize)
         E::MetadataIncompleteBuffer => format!(
             "the tensors' data offsets do not end at the end of the file ({file_len} bytes): truncated or padded"
         ),
-        other => other.to_string(),
+        other => match first_problem() {
+            Some(problem) => format!("{other}: {problem}"),
+            None => other.to_string(),
+        },
     }
 }
 

@@ -573,8 +573,9 @@ impl HipBackend {
 
 impl Drop for HipBackend {
     fn drop(&mut self) {
-        // Errors here have nowhere to go; the process is tearing the device down anyway.
-        let _ = self.runtime.stream_synchronize(self.stream);
+        // failures are kept for the runtime's next checked call (its slices may outlive this)
+        self.runtime
+            .record_release(self.runtime.stream_synchronize(self.stream));
         let modules = self
             .modules
             .get_mut()
@@ -582,10 +583,12 @@ impl Drop for HipBackend {
         for (_, module) in modules.drain() {
             // SAFETY: the functions of the module are dropped with the backend and never used
             // again.
-            let _ = unsafe { self.runtime.module_unload(module.handle) };
+            self.runtime
+                .record_release(unsafe { self.runtime.module_unload(module.handle) });
         }
         // SAFETY: the backend owns the stream; nothing uses it after this.
-        let _ = unsafe { self.runtime.stream_destroy(self.stream) };
+        self.runtime
+            .record_release(unsafe { self.runtime.stream_destroy(self.stream) });
     }
 }
 
@@ -653,8 +656,10 @@ impl<T> HipSlice<T> {
 impl<T> Drop for HipSlice<T> {
     fn drop(&mut self) {
         // SAFETY: allocated by this runtime, dropped once. hipFree waits for queued work that
-        // may still use it. A failure has nowhere to go.
-        let _ = unsafe { self.runtime.free(self.address) };
+        // may still use it (and may return an earlier kernel's fault): the runtime's next checked
+        // call returns a failure.
+        self.runtime
+            .record_release(unsafe { self.runtime.free(self.address) });
     }
 }
 
@@ -684,7 +689,8 @@ impl HipEvent {
 impl Drop for HipEvent {
     fn drop(&mut self) {
         // SAFETY: created by this runtime, dropped once.
-        let _ = unsafe { self.runtime.event_destroy(self.event) };
+        self.runtime
+            .record_release(unsafe { self.runtime.event_destroy(self.event) });
     }
 }
 

@@ -41,6 +41,10 @@ pub(crate) struct Runtime {
     lib: sys::HipLibrary,
     path: PathBuf,
     version: i32,
+    /// The first failure of a release made in a destructor (hipFree, hipEventDestroy, ...), which
+    /// has no caller to return it to: the next checked call returns it (as cudarc records a
+    /// CUDA context's), so a fault that surfaces there is not lost.
+    released: std::sync::Mutex<Option<Status>>,
 }
 
 /// `hipRuntimeGetVersion`'s encoding: major * 10^7 + minor * 10^5 + patch.
@@ -108,6 +112,7 @@ impl Runtime {
                 lib,
                 path: path.clone(),
                 version,
+                released: std::sync::Mutex::new(None),
             };
             if let Err(status) = runtime.check(code) {
                 tried.push(format!(
@@ -148,9 +153,25 @@ impl Runtime {
         version_text(self.version)
     }
 
+    /// Keeps `result`'s failure, unless one is kept already, for the next checked call.
+    pub(crate) fn record_release(&self, result: Result<(), Status>) {
+        if let Err(status) = result {
+            let mut slot = self.released.lock().unwrap_or_else(|p| p.into_inner());
+            slot.get_or_insert(Status {
+                message: format!("{} (when releasing a resource earlier)", status.message),
+                ..status
+            });
+        }
+    }
+
     fn check(&self, code: sys::hipError_t) -> Result<(), Status> {
         if code == sys::hipError_t::hipSuccess {
-            return Ok(());
+            let released = self
+                .released
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take();
+            return released.map_or(Ok(()), Err);
         }
         // SAFETY: both return pointers to static strings (or null for codes they do not know).
         let text = |p: *const c_char| {

@@ -32,6 +32,9 @@ impl Runtime {
     pub(crate) fn device_count(&self) -> Result<i32, Status> {
         match *self {}
     }
+    pub(crate) fn record_release(&self, _: Result<(), Status>) {
+        match *self {}
+    }
     pub(crate) fn device_properties(&self, _: i32) -> Result<DeviceProperties, Status> {
         match *self {}
     }
