@@ -248,7 +248,10 @@ impl RowFit {
                 )
             })?);
         }
-        Self::fit(&points)
+        Self::fit(&points).map_err(|e| match e {
+            Error::Invalid { what, reason } => Error::invalid(format!("{file}: {what}"), reason),
+            other => other,
+        })
     }
 
     /// Predicted forward cost of `rows` rows, ms.

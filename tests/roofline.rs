@@ -261,6 +261,9 @@ fn the_command_rejects_bad_input_with_exit_2() {
         &["roofline", "--precision", "int3"][..],
         &["roofline", "--model", "/nonexistent/model"][..],
         &["roofline", "--fit", "/nonexistent/points.csv"][..],
+        &["roofline", "--batch", "0"][..],
+        &["roofline", "--batch", "18446744073709551615"][..],
+        &["roofline", "--spec-tokens", "4294967295", "--acceptance", "0.5"][..],
     ] {
         let (code, _, stderr) = fp4spec(args);
         assert_eq!(code, 2, "{args:?}: {stderr}");

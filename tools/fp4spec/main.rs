@@ -509,8 +509,18 @@ fn roofline_command(args: RooflineArgs) -> Result<(), Failure> {
             )));
         }
     };
-    if args.batch == 0 {
-        return Err(Failure::Input("--batch must be at least 1".into()));
+    // far past any batch or draft count in use, and small enough for the model's products
+    const MOST_SEQUENCES: usize = 1 << 20;
+    const MOST_DRAFTS: usize = 64;
+    if !(1..=MOST_SEQUENCES).contains(&args.batch) {
+        return Err(Failure::Input(format!(
+            "--batch must be in 1..={MOST_SEQUENCES}"
+        )));
+    }
+    if args.spec_tokens.is_some_and(|n| n > MOST_DRAFTS) {
+        return Err(Failure::Input(format!(
+            "--spec-tokens must be at most {MOST_DRAFTS}"
+        )));
     }
     let (bandwidths, device): (Vec<(&str, f64)>, String) = match &args.bandwidth {
         Some(text) => (
