@@ -263,7 +263,13 @@ fn the_command_rejects_bad_input_with_exit_2() {
         &["roofline", "--fit", "/nonexistent/points.csv"][..],
         &["roofline", "--batch", "0"][..],
         &["roofline", "--batch", "18446744073709551615"][..],
-        &["roofline", "--spec-tokens", "4294967295", "--acceptance", "0.5"][..],
+        &[
+            "roofline",
+            "--spec-tokens",
+            "4294967295",
+            "--acceptance",
+            "0.5",
+        ][..],
     ] {
         let (code, _, stderr) = fp4spec(args);
         assert_eq!(code, 2, "{args:?}: {stderr}");

@@ -396,13 +396,20 @@ fn splits_for(backend: &Backend, capacity: usize) -> usize {
     backend.target().map_or(1, |t| cache_chunks(t, capacity))
 }
 
-/// The splits of one [`attend`] call on `target`: one per chunk of `attention.split_positions`
-/// while the rows' KV heads times the cache's chunks stay within
-/// `attention.decode_blocks_per_sm` blocks per multiprocessor; past that, that many blocks'
+/// The splits of one [`attend`] call on `target` with `multiprocessors` of them (the device's
+/// count): one per chunk of `attention.split_positions` while the rows' KV heads times the
+/// cache's chunks stay within `attention.decode_blocks_per_sm` blocks per multiprocessor; past
+/// that, that many blocks'
 /// worth, each split taking every `splits`-th chunk of its row (the kernels' online softmax runs
 /// over them), so a long context at a large batch writes and merges fewer partials.
-fn call_splits(target: &TargetFacts, rows: usize, kv_heads: usize, capacity: usize) -> usize {
-    let wanted = (target.attention.decode_blocks_per_sm * target.multiprocessors) as usize;
+fn call_splits(
+    target: &TargetFacts,
+    multiprocessors: u32,
+    rows: usize,
+    kv_heads: usize,
+    capacity: usize,
+) -> usize {
+    let wanted = (target.attention.decode_blocks_per_sm * multiprocessors) as usize;
     cache_chunks(target, capacity).min(wanted.div_ceil((rows * kv_heads).max(1)).max(1))
 }
 
@@ -446,10 +453,15 @@ pub fn decode_mma_shared_bytes(shape: AttentionShape, split_positions: usize) ->
 /// Dimensions of a head one `attention_combine_gate` block merges: a multiple of 32, the whole
 /// head once `rows * heads` blocks give every SM `attention.combine_blocks_per_sm`, else fewer
 /// so the (row, head)s' split partials are read by about that many blocks (at B = 1 and 20000
-/// positions each head has 313 splits).
-fn combine_dims_per_block(shape: AttentionShape, rows: usize, target: &TargetFacts) -> u32 {
+/// positions each head has 313 splits); `multiprocessors`: the device's.
+fn combine_dims_per_block(
+    shape: AttentionShape,
+    rows: usize,
+    target: &TargetFacts,
+    multiprocessors: u32,
+) -> u32 {
     let items = (rows * shape.heads).max(1);
-    let wanted_blocks = (target.attention.combine_blocks_per_sm * target.multiprocessors) as usize;
+    let wanted_blocks = (target.attention.combine_blocks_per_sm * multiprocessors) as usize;
     let lanes = shape.head_dim / 32;
     let parts = wanted_blocks.div_ceil(items).clamp(1, lanes);
     (32 * lanes.div_ceil(parts)) as u32
@@ -752,9 +764,12 @@ pub fn attend_with(
         n * shape.heads * hd,
         "[rows, heads * head_dim]",
     )?;
-    let splits = backend
-        .target()
-        .map_or(1, |t| call_splits(t, n, shape.kv_heads, cache.capacity));
+    // the device's multiprocessors, not the table's: a part with fewer SMs than its target's
+    // table names (an H100 PCIe against sm_90a's 132) fills its own
+    let splits = backend.target().map_or(1, |t| {
+        let multiprocessors = backend.multiprocessors().unwrap_or(t.multiprocessors);
+        call_splits(t, multiprocessors, n, shape.kv_heads, cache.capacity)
+    });
     if workspace.rows < n || workspace.splits < splits {
         return Err(Error::invalid(
             "attention workspace",
@@ -867,7 +882,8 @@ pub fn attend_with(
             // range.
             unsafe { backend.launch(FAMILY, kernel, &decode, &args) }?;
             let combine_warps = target.attention.combine_warps_per_block;
-            let dims_per_block = combine_dims_per_block(shape, n, target);
+            let multiprocessors = backend.multiprocessors().unwrap_or(target.multiprocessors);
+            let dims_per_block = combine_dims_per_block(shape, n, target, multiprocessors);
             let combine = LaunchDims {
                 grid: (n32 * heads, hd32.div_ceil(dims_per_block), 1),
                 block: (combine_warps * warp, 1, 1),
@@ -1011,18 +1027,27 @@ mod tests {
     fn combine_blocks_cut_heads_only_at_small_batches() {
         let h200 = crate::target::by_name("sm_90a").expect("sm_90a");
         // B = 1: 16 (row, head)s, 8 blocks of 32 dimensions each (128 blocks for 132 SMs x 2)
-        assert_eq!(combine_dims_per_block(QWEN, 1, h200), 32);
+        assert_eq!(
+            combine_dims_per_block(QWEN, 1, h200, h200.multiprocessors),
+            32
+        );
         // B = 8: 128 items, 3 parts wanted: 96-dimension blocks (3 per head)
-        assert_eq!(combine_dims_per_block(QWEN, 8, h200), 96);
+        assert_eq!(
+            combine_dims_per_block(QWEN, 8, h200, h200.multiprocessors),
+            96
+        );
         // B = 64: 1024 items already give every SM more than two blocks
-        assert_eq!(combine_dims_per_block(QWEN, 64, h200), 256);
+        assert_eq!(
+            combine_dims_per_block(QWEN, 64, h200, h200.multiprocessors),
+            256
+        );
         // head_dim 160: 5 lanes of 32, never a block past the head
         let odd = AttentionShape {
             heads: 12,
             kv_heads: 1,
             head_dim: 160,
         };
-        let dims = combine_dims_per_block(odd, 1, h200);
+        let dims = combine_dims_per_block(odd, 1, h200, h200.multiprocessors);
         assert!(dims % 32 == 0 && dims <= 160, "{dims}");
     }
 
@@ -1031,12 +1056,12 @@ mod tests {
         let h200 = crate::target::by_name("sm_90a").expect("sm_90a");
         // 20001 positions are 313 chunks of 64: B = 1 keeps one split per chunk (626 blocks
         // within 6 x 132), B = 8 and 64 share 792 blocks' worth over their rows and KV heads
-        assert_eq!(call_splits(h200, 1, 2, 20001), 313);
-        assert_eq!(call_splits(h200, 8, 2, 20001), 50);
-        assert_eq!(call_splits(h200, 64, 2, 20001), 7);
+        assert_eq!(call_splits(h200, h200.multiprocessors, 1, 2, 20001), 313);
+        assert_eq!(call_splits(h200, h200.multiprocessors, 8, 2, 20001), 50);
+        assert_eq!(call_splits(h200, h200.multiprocessors, 64, 2, 20001), 7);
         // a short cache: never more splits than chunks, never fewer than one
-        assert_eq!(call_splits(h200, 1, 2, 100), 2);
-        assert_eq!(call_splits(h200, 4096, 16, 20001), 1);
+        assert_eq!(call_splits(h200, h200.multiprocessors, 1, 2, 100), 2);
+        assert_eq!(call_splits(h200, h200.multiprocessors, 4096, 16, 20001), 1);
     }
 
     #[test]
