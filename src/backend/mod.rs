@@ -174,12 +174,14 @@ impl Backend {
             }
         }
         if let Some(target) = self.target() {
-            check_clusters(dims, target).map_err(|reason| {
-                Error::invalid(
-                    format!("launch of `{kernel}` ({family}, {})", target.name),
-                    reason,
-                )
-            })?;
+            check_grid(dims)
+                .and_then(|()| check_clusters(dims, target))
+                .map_err(|reason| {
+                    Error::invalid(
+                        format!("launch of `{kernel}` ({family}, {})", target.name),
+                        reason,
+                    )
+                })?;
         }
         match self {
             Self::Cpu => Err(Error::invalid(
@@ -788,6 +790,29 @@ pub struct LaunchDims {
     /// `instructions.clusters` only; a launch the device cannot place fails with the driver's
     /// error.
     pub cluster: (u32, u32, u32),
+}
+
+impl LaunchDims {
+    /// Most blocks along x of one launch (CUDA and HIP alike).
+    pub const MAX_GRID_X: u32 = i32::MAX as u32;
+    /// Most blocks along y and along z of one launch (CUDA and HIP alike).
+    pub const MAX_GRID_YZ: u32 = 65535;
+}
+
+/// Why `dims`' grid cannot be launched: a dimension past the launch limits
+/// ([`LaunchDims::MAX_GRID_X`], [`LaunchDims::MAX_GRID_YZ`]). The families check their own
+/// shapes first, naming them; this is what no launch gets past.
+fn check_grid(dims: &LaunchDims) -> std::result::Result<(), String> {
+    let (gx, gy, gz) = dims.grid;
+    if gx > LaunchDims::MAX_GRID_X || gy > LaunchDims::MAX_GRID_YZ || gz > LaunchDims::MAX_GRID_YZ {
+        return Err(format!(
+            "a grid of {:?} blocks: at most {} along x and {} along y and z",
+            dims.grid,
+            LaunchDims::MAX_GRID_X,
+            LaunchDims::MAX_GRID_YZ
+        ));
+    }
+    Ok(())
 }
 
 /// Why `dims`' clusters cannot run on `target`: clusters on a target without them, a cluster

@@ -829,10 +829,13 @@ pub fn attend_with(
                 check_u32("head_dim", hd)?,
                 check_u32("splits", splits)?,
             );
-            if n32 > 65535 {
+            if n32 > LaunchDims::MAX_GRID_YZ {
                 return Err(Error::invalid(
                     "attention rows",
-                    format!("{n} rows in one launch (at most 65535)"),
+                    format!(
+                        "{n} rows in one launch (at most {})",
+                        LaunchDims::MAX_GRID_YZ
+                    ),
                 ));
             }
             let warp = target.warp_size;

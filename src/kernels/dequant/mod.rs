@@ -46,7 +46,7 @@ pub fn dequant_nvfp4(backend: &Backend, w: &Nvfp4Weights, out: &mut DeviceVec<bf
             let grid = blocks.div_ceil(threads as u64);
             let grid = u32::try_from(grid)
                 .ok()
-                .filter(|&g| g < i32::MAX as u32)
+                .filter(|&g| g <= LaunchDims::MAX_GRID_X)
                 .ok_or_else(|| {
                     Error::invalid(
                         "dequant input",

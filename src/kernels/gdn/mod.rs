@@ -1094,10 +1094,13 @@ fn step_device(
     .map(|d| d as u32);
     let grid_x = check_u32("gdn step blocks", shape.value_heads * slices_per_head)?;
     let grid_y = check_u32("gdn step sequences", count)?;
-    if grid_y > 65535 {
+    if grid_y > LaunchDims::MAX_GRID_YZ {
         return Err(Error::invalid(
             "gdn step",
-            format!("{count} sequences; at most 65535 per launch"),
+            format!(
+                "{count} sequences; at most {} per launch",
+                LaunchDims::MAX_GRID_YZ
+            ),
         ));
     }
     let dims = LaunchDims {
@@ -1480,10 +1483,13 @@ fn prefill_device(
         count,
     ]
     .map(|d| d as u32);
-    if count32 > 65535 {
+    if count32 > LaunchDims::MAX_GRID_YZ {
         return Err(Error::invalid(
             "gdn prefill",
-            format!("{count} sequences; at most 65535 per launch"),
+            format!(
+                "{count} sequences; at most {} per launch",
+                LaunchDims::MAX_GRID_YZ
+            ),
         ));
     }
 

@@ -116,10 +116,13 @@ pub fn nvfp4_gemm(
                 check_u32("gemm K", k)?,
             );
             let grid_y = m32.div_ceil(tiles.rows_per_pass);
-            if grid_y > 65535 {
+            if grid_y > LaunchDims::MAX_GRID_YZ {
                 return Err(Error::invalid(
                     "gemm M",
-                    format!("{m} rows need {grid_y} row passes; at most 65535 per launch"),
+                    format!(
+                        "{m} rows need {grid_y} row passes; at most {} per launch",
+                        LaunchDims::MAX_GRID_YZ
+                    ),
                 ));
             }
             let dims = LaunchDims {

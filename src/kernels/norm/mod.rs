@@ -82,7 +82,7 @@ pub fn rms_norm_residual(
             let dim32 = check_u32("norm width", dim)?;
             let grid = u32::try_from(rows)
                 .ok()
-                .filter(|&g| g < i32::MAX as u32)
+                .filter(|&g| g <= LaunchDims::MAX_GRID_X)
                 .ok_or_else(|| Error::invalid("norm rows", format!("{rows} rows in one launch")))?;
             let dims = LaunchDims::linear(grid, target.norm.threads_per_block);
             let args = [

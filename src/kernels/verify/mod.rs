@@ -1184,10 +1184,13 @@ fn launch(
         return Ok(());
     }
     let rows32 = super::check_u32("verify rows", rows)?;
-    if rows32 > 65_535 {
+    if rows32 > LaunchDims::MAX_GRID_YZ {
         return Err(Error::invalid(
             "verify batch",
-            format!("{rows} rows; one launch takes at most 65535"),
+            format!(
+                "{rows} rows; one launch takes at most {}",
+                LaunchDims::MAX_GRID_YZ
+            ),
         ));
     }
     let Some(device_target) = backend.target() else {
