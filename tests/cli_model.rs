@@ -177,6 +177,14 @@ fn bad_checkpoints_and_inputs_exit_2_naming_the_problem() {
             "no tokenizer",
         ),
         (
+            vec!["generate", "--model", good, "--ids", "1", "--nvfp4", "w4a8"],
+            "`w4a8` is not one of w4a16, w4a4",
+        ),
+        (
+            vec!["generate", "--model", good, "--ids", "1", "--nvfp4", "w4a4"],
+            "the CPU runner multiplies dequantised weights",
+        ),
+        (
             vec![
                 "generate",
                 "--model",

@@ -5,10 +5,13 @@ mod device_model;
 
 use fp4spec::backend::Backend;
 use fp4spec::kernels::attention::KvFormat;
+use fp4spec::kernels::compare;
+use fp4spec::kernels::gemm::Nvfp4Mode;
 use fp4spec::kernels::verify::SamplingParams;
 use fp4spec::model::device::{DeviceModel, generate_greedy};
 use fp4spec::model::forward::Model;
 use fp4spec::model::generate::{FinishReason, Request};
+use fp4spec::model::params::MixerWeights;
 
 #[test]
 fn device_decode_on_the_cpu_backend_matches_the_runner() {
@@ -149,4 +152,56 @@ fn device_decode_runs_q_k_v_of_different_scales_as_three_linears() {
     // the target layer's now apart; the MTP head's bf16 ones still stack
     assert_eq!(device_model::qkv_stacking(&Backend::Cpu, &model), (1, 2));
     device_model::decode_matches_runner_with(&Backend::Cpu, &model, KvFormat::Bf16, 8, 8);
+}
+
+/// The per-model W4A4 choice (`DeviceModel::from_model_with`): refused, naming the reason, where
+/// an NVFP4 linear has no input scale; with the quantiser's input scales the CPU backend runs
+/// the exact emulation of the block-scaled FP4 path (activations quantised to NVFP4), whose
+/// logits differ from W4A16's (it really quantises) by no more than activation rounding makes
+/// of them.
+#[test]
+fn device_decode_in_w4a4_quantises_activations_and_stays_near_w4a16() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let quantised = device_model::quantised_demo(dir.path(), false);
+    let model = Model::load(&quantised).expect("NVFP4 model");
+    let mut unscaled = Model::load(&quantised).expect("NVFP4 model");
+    let attention = unscaled
+        .weights
+        .layers
+        .iter_mut()
+        .find_map(|l| match &mut l.mixer {
+            MixerWeights::Attention(a) => Some(a),
+            MixerWeights::Gdn(_) => None,
+        })
+        .expect("an attention layer");
+    attention
+        .o
+        .nvfp4
+        .as_mut()
+        .expect("an NVFP4 o_proj")
+        .input_scale = None;
+    let err = DeviceModel::from_model_with(&Backend::Cpu, &unscaled, Nvfp4Mode::W4a4)
+        .err()
+        .expect("W4A4 without an input scale");
+    assert!(err.to_string().contains("input_scale"), "{err}");
+    let w4a16 = DeviceModel::from_model(&Backend::Cpu, &model).expect("W4A16 device model");
+    let w4a4 = DeviceModel::from_model_with(&Backend::Cpu, &model, Nvfp4Mode::W4a4)
+        .expect("W4A4 device model");
+    let prompts = device_model::byte_prompts();
+    let (a, b) = (
+        device_model::teacher_forced_logits(&w4a16, &prompts),
+        device_model::teacher_forced_logits(&w4a4, &prompts),
+    );
+    let (a, b) = (a.concat(), b.concat());
+    let largest = compare::max_difference(&b, &a).1;
+    let differ = a != b;
+    println!("W4A4 against W4A16: largest logit difference {largest:.3e} of the largest logit");
+    assert!(
+        differ,
+        "W4A4 computed exactly what W4A16 did: nothing was quantised"
+    );
+    assert!(
+        largest <= device_model::W4A4_LOGIT_TOLERANCE,
+        "{largest:.3e}"
+    );
 }

@@ -107,6 +107,39 @@ pub fn quantised_demo(dir: &std::path::Path, split_experts: bool) -> PathBuf {
     out
 }
 
+/// How far W4A4's logits may lie from W4A16's on the demo model, relative to the largest:
+/// activations rounded to E2M1 (a relative step of up to 1/3 per element, averaging out over
+/// dot products of 64 to 256 terms) at the quantiser's default input scale 1.0; 6.7e-2 seen on
+/// the two prompts here, a broken quantisation (zeros, a wrong scale) moves logits by O(1).
+pub const W4A4_LOGIT_TOLERANCE: f64 = 0.15;
+
+/// Two byte-level prompts (a code-like and a prose-like one) for the demo model's vocabulary.
+pub fn byte_prompts() -> Vec<Vec<u32>> {
+    ["def fib(n): return n", "The quick brown fox jumps"]
+        .iter()
+        .map(|p| p.bytes().map(u32::from).collect())
+        .collect()
+}
+
+/// The logits of `device` decoding `prompts` (teacher-forced: every step's input is the
+/// prompt's next byte), `[step][sequence * vocab]`.
+pub fn teacher_forced_logits(device: &DeviceModel, prompts: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    let steps = prompts.iter().map(Vec::len).min().expect("prompts");
+    let mut decoder = Decoder::new(device, prompts.len(), steps).expect("decoder");
+    let first: Vec<u32> = prompts.iter().map(|p| p[0]).collect();
+    decoder.start(&first).expect("start");
+    let mut logits = Vec::new();
+    for step in 0..steps {
+        decoder.step().expect("device step");
+        logits.push(decoder.logits().expect("logits"));
+        if step + 1 < steps {
+            let next: Vec<u32> = prompts.iter().map(|p| p[step + 1]).collect();
+            decoder.set_tokens(&next).expect("feed the prompt");
+        }
+    }
+    logits
+}
+
 /// Doubles each attention layer's k projection's per-tensor scale and its dequantised weight
 /// with it: the model computes the same up to rounding, but q, k and v no longer share one
 /// scale, so the device path cannot stack them into one weight and runs three GEMMs.

@@ -5,6 +5,7 @@ use crate::Failure;
 use clap::Args;
 use fp4spec::backend::{Backend, BackendKind};
 use fp4spec::kernels::attention::KvFormat;
+use fp4spec::kernels::gemm::Nvfp4Mode;
 use fp4spec::kernels::verify::reference::SamplingParams;
 use fp4spec::model::cache::SequenceCache;
 use fp4spec::model::device::{DeviceModel, generate_greedy};
@@ -170,6 +171,11 @@ pub struct GenerateArgs {
     /// unit scales, half the bytes). --backend cuda only (the CPU runner keeps f32 caches).
     #[arg(long, default_value = "bf16")]
     kv_cache: String,
+    /// How the device path multiplies the checkpoint's NVFP4 linears: w4a16 (bf16 activations,
+    /// every target) or w4a4 (activations quantised with each linear's input_scale, on the
+    /// block-scaled FP4 MMA: GB10 only); experts run w4a16 either way. --backend cuda only.
+    #[arg(long, default_value = "w4a16")]
+    nvfp4: String,
     /// 0 = greedy.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
@@ -265,6 +271,14 @@ fn report(
 pub fn generate(args: GenerateArgs) -> Result<(), Failure> {
     let on = args.model.run_on()?;
     let kv_format = KvFormat::parse(&args.kv_cache)?;
+    let nvfp4: Nvfp4Mode = args.nvfp4.parse()?;
+    if matches!(on, RunOn::Runner) && nvfp4 != Nvfp4Mode::W4a16 {
+        return Err(Failure::Input(format!(
+            "--nvfp4 {}: the CPU runner multiplies dequantised weights (W4A16); the device path \
+             (--backend cuda) takes w4a4",
+            args.nvfp4
+        )));
+    }
     if matches!(on, RunOn::Runner) && kv_format != KvFormat::Bf16 {
         return Err(Failure::Input(format!(
             "--kv-cache {}: the CPU runner keeps f32 caches; the device path (--backend cuda) \
@@ -318,7 +332,7 @@ pub fn generate(args: GenerateArgs) -> Result<(), Failure> {
         }
         RunOn::Cuda => {
             let backend = Backend::new(BackendKind::Cuda)?;
-            let mut device = DeviceModel::from_model(&backend, &model)?;
+            let mut device = DeviceModel::from_model_with(&backend, &model, nvfp4)?;
             device.set_kv_format(kv_format);
             // timed from the prefill: what the device path does, not the upload
             let start = Instant::now();

@@ -218,6 +218,21 @@ pub enum Nvfp4Mode {
     W4a4,
 }
 
+impl std::str::FromStr for Nvfp4Mode {
+    type Err = Error;
+    /// `w4a16` or `w4a4`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "w4a16" => Ok(Self::W4a16),
+            "w4a4" => Ok(Self::W4a4),
+            other => Err(Error::invalid(
+                "NVFP4 mode",
+                format!("`{other}` is not one of w4a16, w4a4"),
+            )),
+        }
+    }
+}
+
 /// Which tensor-core kernel runs a call on mma.sync targets: the per-call choice that lets the
 /// bench and the tests compare the variants; the library's callers use the default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

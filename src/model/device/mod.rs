@@ -45,7 +45,7 @@ use crate::kernels::attention::reference::AttentionShape;
 use crate::kernels::attention::{self, GatedAttention, KvCache, KvFormat, RopeTable};
 use crate::kernels::gdn::reference::GdnShape;
 use crate::kernels::gdn::{self, GdnCache, GdnParams, Projections, Sequences, StepMode};
-use crate::kernels::gemm::{Epilogue, Linear, RowOrder, linear};
+use crate::kernels::gemm::{Epilogue, Linear, Nvfp4Mode, RowOrder, linear};
 use crate::kernels::moe::reference::MoeShape;
 use crate::kernels::moe::weights::{synthetic_nvfp4, uniform_bf16};
 use crate::kernels::moe::{
@@ -155,16 +155,21 @@ enum QkvProjection {
 }
 
 impl QkvProjection {
-    /// The projections of `a` on `backend`, fused where they can be.
-    fn new(backend: &Backend, a: &crate::model::params::AttentionWeights) -> Result<Self> {
+    /// The projections of `a` on `backend`, fused where they can be, NVFP4 ones in `mode`.
+    fn new(
+        backend: &Backend,
+        a: &crate::model::params::AttentionWeights,
+        mode: Nvfp4Mode,
+    ) -> Result<Self> {
         let parts = [&a.q, &a.k, &a.v];
         let nvfp4: Option<Vec<&Nvfp4Matrix>> = parts.iter().map(|l| l.nvfp4.as_ref()).collect();
         if let Some(matrices) = nvfp4 {
             if let Some(stacked) = Nvfp4Matrix::stack_rows(&matrices) {
-                return Ok(Self::Fused(Linear::nvfp4(
+                return Ok(Self::Fused(Linear::nvfp4_in(
                     backend,
                     &stacked,
                     RowOrder::Plain,
+                    mode,
                 )?));
             }
         } else if parts.iter().all(|l| l.nvfp4.is_none()) {
@@ -179,9 +184,9 @@ impl QkvProjection {
             )?));
         }
         Ok(Self::Separate {
-            q: device_linear(backend, &a.q)?,
-            k: device_linear(backend, &a.k)?,
-            v: device_linear(backend, &a.v)?,
+            q: device_linear(backend, &a.q, mode)?,
+            k: device_linear(backend, &a.k, mode)?,
+            v: device_linear(backend, &a.v, mode)?,
         })
     }
 
@@ -280,11 +285,11 @@ fn to_bf16(values: &[f32]) -> Vec<bf16> {
     values.iter().map(|&v| bf16::from_f32(v)).collect()
 }
 
-/// The linear as the checkpoint stores it: its NVFP4 codes and scales (W4A16 kernels) where it
-/// is NVFP4, else bf16.
-fn device_linear(backend: &Backend, w: &HostLinear) -> Result<Linear> {
+/// The linear as the checkpoint stores it: its NVFP4 codes and scales (multiplied in `nvfp4`)
+/// where it is NVFP4, else bf16.
+fn device_linear(backend: &Backend, w: &HostLinear, nvfp4: Nvfp4Mode) -> Result<Linear> {
     match &w.nvfp4 {
-        Some(matrix) => Linear::nvfp4(backend, matrix, RowOrder::Plain),
+        Some(matrix) => Linear::nvfp4_in(backend, matrix, RowOrder::Plain, nvfp4),
         None => Linear::bf16(
             backend,
             &to_bf16(&w.weight),
@@ -346,6 +351,7 @@ fn device_layer(
     backend: &Backend,
     config: &ModelConfig,
     layer: &crate::model::params::LayerWeights,
+    nvfp4: Nvfp4Mode,
 ) -> Result<DeviceLayer> {
     let (h, eps) = (config.hidden_size, config.rms_norm_eps as f32);
     let mixer = match &layer.mixer {
@@ -369,12 +375,12 @@ fn device_layer(
                     &g.norm,
                     eps,
                 )?,
-                out: device_linear(backend, &g.out)?,
+                out: device_linear(backend, &g.out, nvfp4)?,
             }
         }
         MixerWeights::Attention(a) => DeviceMixer::Attention {
-            qkv: QkvProjection::new(backend, a)?,
-            o: device_linear(backend, &a.o)?,
+            qkv: QkvProjection::new(backend, a, nvfp4)?,
+            o: device_linear(backend, &a.o, nvfp4)?,
             q_norm: backend.upload(&a.q_norm)?,
             k_norm: backend.upload(&a.k_norm)?,
         },
@@ -428,14 +434,28 @@ fn check_config(config: &ModelConfig) -> Result<()> {
 }
 
 impl DeviceModel {
-    /// Puts `model`'s target weights (not its MTP head) on `backend`: linears and experts stored
-    /// as NVFP4 (separate per-expert tensors for experts) as NVFP4, the rest as bf16.
+    /// Puts `model`'s weights (the target's and its MTP head's) on `backend`: linears and
+    /// experts stored as NVFP4 (separate per-expert tensors for experts) as NVFP4, multiplied
+    /// as W4A16, the rest as bf16.
     ///
     /// # Errors
     /// [`Error::Invalid`] for a config the kernels do not take (no output gate, head or expert
     /// shapes outside the families' ranges); [`Error::Cuda`] / [`Error::Hip`] when an upload
     /// fails.
     pub fn from_model(backend: &Backend, model: &Model) -> Result<Self> {
+        Self::from_model_with(backend, model, Nvfp4Mode::W4a16)
+    }
+
+    /// [`DeviceModel::from_model`] with the model's NVFP4 linears (the attention projections,
+    /// and any other dense linear stored as NVFP4) multiplied in `nvfp4`: the per-model choice
+    /// between W4A16 and W4A4 (activations quantised to NVFP4 with each linear's checkpoint
+    /// `input_scale`, the block-scaled FP4 MMA of GB10; the CPU backend emulates it exactly).
+    /// The experts stay W4A16: the MoE kernels have no W4A4 form.
+    ///
+    /// # Errors
+    /// As [`DeviceModel::from_model`], and [`Error::Invalid`] for W4A4 where an NVFP4 linear has
+    /// no `input_scale` or the device's target has no block-scaled FP4 MMA (sm_90a, gfx1151).
+    pub fn from_model_with(backend: &Backend, model: &Model, nvfp4: Nvfp4Mode) -> Result<Self> {
         let config = &model.config;
         check_config(config)?;
         let w = &model.weights;
@@ -443,7 +463,7 @@ impl DeviceModel {
         let layers = w
             .layers
             .iter()
-            .map(|layer| device_layer(backend, config, layer))
+            .map(|layer| device_layer(backend, config, layer, nvfp4))
             .collect::<Result<Vec<_>>>()?;
         let mtp = w
             .mtp
@@ -458,7 +478,7 @@ impl DeviceModel {
                     layers: m
                         .layers
                         .iter()
-                        .map(|layer| device_layer(backend, config, layer))
+                        .map(|layer| device_layer(backend, config, layer, nvfp4))
                         .collect::<Result<Vec<_>>>()?,
                     norm: backend.upload(&m.norm)?,
                 })
@@ -470,7 +490,7 @@ impl DeviceModel {
             embed: backend.upload(&to_bf16(&w.embed))?,
             layers,
             final_norm: backend.upload(&w.final_norm)?,
-            lm_head: device_linear(backend, &w.lm_head)?,
+            lm_head: device_linear(backend, &w.lm_head, nvfp4)?,
             mtp,
             kv_format: KvFormat::Bf16,
         })
