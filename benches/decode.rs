@@ -26,6 +26,7 @@ mod common;
 use common::{Samples, announce, copy_bandwidth_gbs, criterion};
 use criterion::{Criterion, Throughput};
 use fp4spec::backend::Backend;
+use fp4spec::kernels::gemm::Nvfp4Mode;
 use fp4spec::model::config::ModelConfig;
 use fp4spec::model::device::{Decoder, DeviceModel, SpecDecoder, SyntheticWeights};
 use fp4spec::roofline::{self, Step};
@@ -125,7 +126,7 @@ fn run(
     };
     let precision = weights.precision();
     let built = Instant::now();
-    let model = match DeviceModel::synthetic(backend, &config, weights, 0x5eed) {
+    let model = match DeviceModel::synthetic(backend, &config, weights, Nvfp4Mode::W4a16, 0x5eed) {
         Ok(model) => model,
         Err(e) => {
             println!("skipped the {label} model: {e}");

@@ -373,6 +373,10 @@ fn bench_decode_measures_every_case_and_writes_json() {
         "{report}"
     );
     assert_eq!(report["kv_cache"], "bf16");
+    assert_eq!(report["nvfp4"], "w4a16");
+    let (code, _, stderr) = bench_decode_demo(&json, &["--nvfp4", "w4a4"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("it needs --weights nvfp4"), "{stderr}");
     // an e4m3 KV cache: the same case reads half the cache's bytes, nothing else changes
     let fp8_json = dir.path().join("decode-fp8.json");
     let (code, stdout, stderr) = bench_decode_demo(

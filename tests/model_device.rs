@@ -8,7 +8,7 @@ use fp4spec::kernels::attention::KvFormat;
 use fp4spec::kernels::compare;
 use fp4spec::kernels::gemm::Nvfp4Mode;
 use fp4spec::kernels::verify::SamplingParams;
-use fp4spec::model::device::{DeviceModel, generate_greedy};
+use fp4spec::model::device::{DeviceModel, SyntheticWeights, generate_greedy};
 use fp4spec::model::forward::Model;
 use fp4spec::model::generate::{FinishReason, Request};
 use fp4spec::model::params::MixerWeights;
@@ -204,4 +204,27 @@ fn device_decode_in_w4a4_quantises_activations_and_stays_near_w4a16() {
         largest <= device_model::W4A4_LOGIT_TOLERANCE,
         "{largest:.3e}"
     );
+}
+
+/// Synthetic weights in W4A4 (what `bench decode --nvfp4 w4a4` builds) decode on the CPU
+/// backend with finite logits that differ from the same weights in W4A16; bf16 weights refuse
+/// W4A4 (nothing NVFP4 to multiply).
+#[test]
+fn synthetic_weights_decode_in_w4a4() {
+    let config = Model::load(device_model::demo_dir())
+        .expect("demo model")
+        .config;
+    let build = |weights, mode| DeviceModel::synthetic(&Backend::Cpu, &config, weights, mode, 7);
+    let err = build(SyntheticWeights::Bf16, Nvfp4Mode::W4a4)
+        .err()
+        .expect("bf16 weights in W4A4");
+    assert!(err.to_string().contains("W4A4"), "{err}");
+    let prompts = device_model::byte_prompts();
+    let logits = |mode| {
+        let model = build(SyntheticWeights::Nvfp4, mode).expect("synthetic model");
+        device_model::teacher_forced_logits(&model, &prompts).concat()
+    };
+    let (w4a16, w4a4) = (logits(Nvfp4Mode::W4a16), logits(Nvfp4Mode::W4a4));
+    assert!(w4a4.iter().all(|v| v.is_finite()), "non-finite W4A4 logits");
+    assert_ne!(w4a16, w4a4, "W4A4 computed exactly what W4A16 did");
 }

@@ -15,6 +15,7 @@ use crate::Failure;
 use fp4spec::backend::{Backend, BackendKind};
 use fp4spec::kernels::attention::KvFormat;
 use fp4spec::kernels::chain;
+use fp4spec::kernels::gemm::Nvfp4Mode;
 use fp4spec::model::config::ModelConfig;
 use fp4spec::model::device::{
     Decoder, DeviceModel, MAX_POSITIONS, SpecDecoder, SyntheticWeights, max_drafts,
@@ -41,6 +42,10 @@ pub struct DecodeArgs {
     /// nvfp4 (the ModelOpt recipe: experts and attention projections NVFP4) or bf16.
     #[arg(long, default_value = "nvfp4")]
     weights: String,
+    /// How the NVFP4 attention projections multiply: w4a16 or w4a4 (GB10's block-scaled FP4
+    /// MMA; experts stay w4a16).
+    #[arg(long, default_value = "w4a16")]
+    nvfp4: String,
     /// Sequences decoded together, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,4,8,16,32,64")]
     batch: Vec<usize>,
@@ -179,6 +184,8 @@ struct DependentLaunch {
 struct Report<'a> {
     device: String,
     weights: &'a str,
+    /// How NVFP4 attention projections multiply: w4a16 or w4a4.
+    nvfp4: &'a str,
     /// KV cache format: bf16 or fp8 (e4m3).
     kv_cache: &'static str,
     copy_bandwidth_gbs: f64,
@@ -209,6 +216,12 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
         }
     };
     let precision = weights.precision();
+    let nvfp4: Nvfp4Mode = args.nvfp4.parse()?;
+    if weights == SyntheticWeights::Bf16 && nvfp4 == Nvfp4Mode::W4a4 {
+        return Err(Failure::Input(
+            "--nvfp4 w4a4 multiplies NVFP4 linears: it needs --weights nvfp4".into(),
+        ));
+    }
     let kv_format = KvFormat::parse(&args.kv_cache)?;
     if args.batch.is_empty() || args.batch.contains(&0) || args.context.is_empty() {
         return Err(Failure::Input(
@@ -258,7 +271,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
         );
     }
     let started = std::time::Instant::now();
-    let mut model = DeviceModel::synthetic(&backend, &config, weights, args.seed)?;
+    let mut model = DeviceModel::synthetic(&backend, &config, weights, nvfp4, args.seed)?;
     model.set_kv_format(kv_format);
     println!(
         "synthetic {} weights built in {:.1} s; KV cache {}",
@@ -536,6 +549,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
         let report = Report {
             device: backend.describe(),
             weights: &args.weights,
+            nvfp4: &args.nvfp4,
             kv_cache: kv_format.name(),
             copy_bandwidth_gbs: copy / 1e9,
             dependent_launch_us: dependent_launch,

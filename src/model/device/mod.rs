@@ -500,18 +500,28 @@ impl DeviceModel {
     /// (exact for bandwidth and compute, meaningless as a language model): linears of RMS
     /// `1 / sqrt(K)`, norm weights near 0 (zero-centred), GDN gates in their usual ranges. One
     /// layer of each kind is generated on the host and copied on the device into every other
-    /// layer of that kind; the embedding table repeats a block of 4096 random rows.
+    /// layer of that kind; the embedding table repeats a block of 4096 random rows. NVFP4
+    /// attention projections multiply in `nvfp4` (W4A4 with the quantiser's default
+    /// `input_scale` of 1.0, as [`DeviceModel::from_model_with`]).
     ///
     /// # Errors
-    /// As [`DeviceModel::from_model`]; [`Error::Cuda`] also when the device runs out of memory
+    /// As [`DeviceModel::from_model_with`], and [`Error::Invalid`] for W4A4 with bf16 weights
+    /// (nothing NVFP4 to multiply); [`Error::Cuda`] also when the device runs out of memory
     /// (Qwen3.6-35B-A3B needs about 22 GB as NVFP4 and 70 GB as bf16).
     pub fn synthetic(
         backend: &Backend,
         config: &ModelConfig,
         weights: SyntheticWeights,
+        nvfp4: Nvfp4Mode,
         seed: u64,
     ) -> Result<Self> {
         check_config(config)?;
+        if weights == SyntheticWeights::Bf16 && nvfp4 == Nvfp4Mode::W4a4 {
+            return Err(Error::invalid(
+                "synthetic weights",
+                "W4A4 multiplies NVFP4 linears, and bf16 weights have none",
+            ));
+        }
         let mut rng = SplitMix64::new(seed);
         let (h, eps) = (config.hidden_size, config.rms_norm_eps as f32);
         let small = |rng: &mut SplitMix64, len: usize, scale: f32| -> Vec<f32> {
@@ -527,9 +537,11 @@ impl DeviceModel {
             match weights {
                 SyntheticWeights::Bf16 => dense(rng, rows, cols),
                 SyntheticWeights::Nvfp4 => {
-                    let matrix: Nvfp4Matrix =
+                    let mut matrix: Nvfp4Matrix =
                         synthetic_nvfp4(rng, rows, cols, 1.0 / (cols as f32).sqrt());
-                    Linear::nvfp4(backend, &matrix, RowOrder::Plain)
+                    // the quantiser's default (checkpoint::quantize): amax 6 * 448
+                    matrix.input_scale = Some(1.0);
+                    Linear::nvfp4_in(backend, &matrix, RowOrder::Plain, nvfp4)
                 }
             }
         };
