@@ -105,6 +105,24 @@ fn a_malformed_matrix_is_rejected_at_upload() {
     assert!(matches!(err, Error::Invalid { .. }), "{err}");
 }
 
+/// The weights' fields are public: buffers changed after the upload are refused by the launches
+/// that read them, not read past their end.
+#[test]
+fn weights_whose_buffers_disagree_with_their_shape_are_refused() {
+    let backend = Backend::Cpu;
+    let q = random_matrix(&mut SplitMix64::new(9), 4, 32);
+    let mut w = Nvfp4Weights::upload(&backend, &q).expect("upload");
+    w.packed = backend.upload(&[0u8; 8]).expect("upload");
+    let x: DeviceVec<bf16> = backend.upload(&[bf16::ONE; 32]).expect("upload");
+    let mut y = backend.zeros::<bf16>(4).expect("zeros");
+    let err = gemm::nvfp4_gemm(&backend, &x, 1, &w, &mut y).expect_err("short packed");
+    assert!(err.to_string().contains("64 packed bytes"), "{err}");
+    let mut out = backend.zeros::<bf16>(4 * 32).expect("zeros");
+    let err =
+        fp4spec::kernels::dequant::dequant_nvfp4(&backend, &w, &mut out).expect_err("short packed");
+    assert!(err.to_string().contains("NVFP4 weights"), "{err}");
+}
+
 #[test]
 fn zero_rows_is_a_no_op() {
     let backend = Backend::Cpu;
@@ -226,4 +244,52 @@ fn polled_chain_links_count_and_rearm_their_counters_on_the_cpu_backend() {
     let err = chain::link_polled(&backend, &mut short, &mut short_counters, 1, 2, 1, 32)
         .expect_err("a polled chain of 2 links cannot rearm");
     assert!(err.to_string().contains("polled chain"), "{err}");
+}
+
+/// attention::attend refuses a KV cache or workspace made for another layer shape (a larger one
+/// would have the kernels run past their buffers) and, on the CPU, a row whose position is past
+/// the cache, instead of reading another slot's keys.
+#[test]
+fn attention_refuses_caches_of_another_shape_and_rows_past_the_cache() {
+    use fp4spec::kernels::Bf16Rows;
+    use fp4spec::kernels::attention::reference::AttentionShape;
+    use fp4spec::kernels::attention::{self, KvCache, KvFormat, Rows, Workspace};
+    let cpu = Backend::Cpu;
+    let shape = AttentionShape {
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    let wider = AttentionShape {
+        kv_heads: 4,
+        ..shape
+    };
+    let attend = |cache_shape, position: u32| -> fp4spec::Result<()> {
+        let rows = Rows {
+            count: 1,
+            slot: cpu.upload(&[0u32])?,
+            position: cpu.upload(&[position])?,
+        };
+        let cache = KvCache::new(&cpu, cache_shape, 1, 8, KvFormat::Bf16)?;
+        let mut workspace = Workspace::new(&cpu, shape, 1, 8)?;
+        let q = cpu.upload(&vec![0.0f32; 4 * 64])?;
+        let q_gate = cpu.upload(&vec![bf16::ZERO; 4 * 128])?;
+        let q_gate = Bf16Rows::packed(&q_gate, 4 * 128);
+        let mut out: DeviceVec<bf16> = cpu.zeros(4 * 64)?;
+        attention::attend(
+            &cpu,
+            shape,
+            &q,
+            q_gate,
+            &cache,
+            &rows,
+            &mut workspace,
+            &mut out,
+        )
+    };
+    attend(shape, 7).expect("the last position of the cache");
+    let err = attend(wider, 0).expect_err("a cache of another shape");
+    assert!(err.to_string().contains("attention KV cache"), "{err}");
+    let err = attend(shape, 8).expect_err("a position past the cache");
+    assert!(err.to_string().contains("position 8"), "{err}");
 }

@@ -1215,3 +1215,28 @@ fn the_template_and_the_device_module_agree() {
         );
     }
 }
+
+/// Outcomes read before the batch set last was verified (no launch since `set_batch`) are an
+/// error, never the last batch's tokens read against the new one.
+#[test]
+fn outcomes_of_a_batch_not_yet_verified_are_an_error() {
+    let mut rng = SplitMix64::new(31);
+    let vocab = 32768;
+    let batch = batches::model_like(&mut rng, vocab, 2, 2, &batches::all_controls());
+    let cpu = Backend::Cpu;
+    let mut ws = kernels::VerifyWorkspace::new(&cpu, batch.capacity(vocab)).expect("workspace");
+    let not_verified = |ws: &kernels::VerifyWorkspace| {
+        let err = ws.outcomes().expect_err("outcomes of a batch not verified");
+        assert!(err.to_string().contains("not verified"), "{err}");
+    };
+    ws.set_batch(&batch.sequences(), DraftKind::PointMass)
+        .expect("set_batch");
+    not_verified(&ws);
+    let target = cpu.upload(&batch.target).expect("upload");
+    let tokens = cpu.upload(&batch.tokens).expect("upload");
+    kernels::verify(&cpu, &mut ws, &target, &tokens, None).expect("verify");
+    assert_eq!(ws.outcomes().expect("outcomes").len(), 2);
+    ws.set_batch(&batch.sequences(), DraftKind::PointMass)
+        .expect("set_batch");
+    not_verified(&ws);
+}

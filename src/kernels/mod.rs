@@ -25,6 +25,33 @@ use crate::error::{Error, Result};
 use crate::formats::nvfp4::{BLOCK, Nvfp4Matrix, Nvfp4View};
 use half::bf16;
 
+/// Whether `packed_len` and `scales_len` are what an NVFP4 `[rows, cols]` needs (K a multiple
+/// of 16, rows * cols / 2 packed bytes, rows * cols / 16 scales).
+fn check_nvfp4_lengths(
+    what: &str,
+    rows: usize,
+    cols: usize,
+    packed_len: usize,
+    scales_len: usize,
+) -> Result<()> {
+    let elements = rows.checked_mul(cols);
+    let fits = elements
+        .is_some_and(|e| cols % BLOCK == 0 && packed_len == e / 2 && scales_len == e / BLOCK);
+    if fits {
+        return Ok(());
+    }
+    let need = |per: usize| elements.map_or("more than memory".into(), |e| (e / per).to_string());
+    Err(Error::invalid(
+        what,
+        format!(
+            "[{rows}, {cols}] needs K % 16 == 0, {} packed bytes and {} scales; has {packed_len} \
+             and {scales_len}",
+            need(2),
+            need(BLOCK)
+        ),
+    ))
+}
+
 /// An NVFP4 matrix resident on a backend, in the plain row-major layout of [`Nvfp4Matrix`].
 pub struct Nvfp4Weights {
     /// Rows (N).
@@ -47,21 +74,13 @@ impl Nvfp4Weights {
     /// when the copy fails.
     pub fn upload(backend: &Backend, matrix: &Nvfp4Matrix) -> Result<Self> {
         let (rows, cols) = (matrix.rows, matrix.cols);
-        if cols % BLOCK != 0
-            || matrix.packed.len() != rows * cols / 2
-            || matrix.scales.len() != rows * cols / BLOCK
-        {
-            return Err(Error::invalid(
-                "NVFP4 matrix",
-                format!(
-                    "[{rows}, {cols}] needs K % 16 == 0, {} packed bytes and {} scales; has {} and {}",
-                    rows * cols / 2,
-                    rows * cols / BLOCK,
-                    matrix.packed.len(),
-                    matrix.scales.len()
-                ),
-            ));
-        }
+        check_nvfp4_lengths(
+            "NVFP4 matrix",
+            rows,
+            cols,
+            matrix.packed.len(),
+            matrix.scales.len(),
+        )?;
         Ok(Self {
             rows,
             cols,
@@ -69,6 +88,21 @@ impl Nvfp4Weights {
             scales: backend.upload(&matrix.scales)?,
             global_scale: matrix.global_scale,
         })
+    }
+
+    /// Checks that the buffers hold what `rows` and `cols` say (the fields are public: a caller
+    /// may have built or changed them), before a kernel reads `rows * cols` elements of them.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the lengths found and needed.
+    pub fn check(&self) -> Result<()> {
+        check_nvfp4_lengths(
+            "NVFP4 weights",
+            self.rows,
+            self.cols,
+            self.packed.len(),
+            self.scales.len(),
+        )
     }
 
     /// The host view, when the weights live on the CPU backend.

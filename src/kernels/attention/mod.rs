@@ -250,6 +250,8 @@ impl RopeTable {
 /// The KV cache of one attention layer for `slots` sequences of up to `capacity` positions:
 /// `[slot][position][kv_head][head_dim]` elements in `format`, keys and values apart.
 pub struct KvCache {
+    /// The layer shape it was sized for: its rows hold `kv_heads * head_dim` elements.
+    pub shape: AttentionShape,
     /// Sequences it holds.
     pub slots: usize,
     /// Positions per sequence.
@@ -286,6 +288,7 @@ impl KvCache {
         }
         let len = slots * capacity * shape.kv_heads * shape.head_dim;
         Ok(Self {
+            shape,
             slots,
             capacity,
             format,
@@ -377,6 +380,7 @@ pub struct GatedAttention<'a> {
 /// Scratch of [`attend`]: the split partials, sized for up to `rows` rows of `capacity`
 /// positions. Allocate once per model; launches never allocate (capturable in a CUDA graph).
 pub struct Workspace {
+    shape: AttentionShape,
     rows: usize,
     splits: usize,
     partial_ml: DeviceVec<f32>,
@@ -481,12 +485,35 @@ impl Workspace {
         let splits = splits_for(backend, capacity);
         let parts = rows * shape.heads * splits;
         Ok(Self {
+            shape,
             rows,
             splits,
             partial_ml: backend.zeros(2 * parts)?,
             partial_acc: backend.zeros(parts * shape.head_dim)?,
         })
     }
+}
+
+/// Whether `cache` (and `workspace`, where given) were sized for `shape`: a larger shape than
+/// theirs would have the kernels read and write past their buffers.
+fn check_sized_for(
+    shape: AttentionShape,
+    cache: &KvCache,
+    workspace: Option<&Workspace>,
+) -> Result<()> {
+    if cache.shape != shape {
+        return Err(Error::invalid(
+            "attention KV cache",
+            format!("made for {:?}; this call is {shape:?}", cache.shape),
+        ));
+    }
+    if let Some(w) = workspace.filter(|w| w.shape != shape) {
+        return Err(Error::invalid(
+            "attention workspace",
+            format!("made for {:?}; this call is {shape:?}", w.shape),
+        ));
+    }
+    Ok(())
 }
 
 fn check_shape(shape: AttentionShape) -> Result<()> {
@@ -538,8 +565,9 @@ fn host_mut<'a, T>(
 ///
 /// # Errors
 /// [`Error::Invalid`] for projection rows that do not fit their buffers or buffer lengths that
-/// disagree with the shapes, a group or head size the kernels do not take, or (CPU) a slot or
-/// position out of range; [`Error::BackendMismatch`], [`Error::Compile`] / [`Error::Cuda`].
+/// disagree with the shapes, a group or head size the kernels do not take, a cache made for
+/// another shape, or (CPU) a slot or position out of range; [`Error::BackendMismatch`],
+/// [`Error::Compile`] / [`Error::Cuda`] / [`Error::Hip`].
 pub fn prepare(
     backend: &Backend,
     layer: &GatedAttention<'_>,
@@ -550,6 +578,7 @@ pub fn prepare(
 ) -> Result<()> {
     let s = layer.shape;
     check_shape(s)?;
+    check_sized_for(s, cache, None)?;
     let (n, hd) = (rows.count, s.head_dim);
     let half = layer.rope.rotary_dim / 2;
     if layer.rope.rotary_dim > hd {
@@ -708,9 +737,10 @@ impl DecodeKernel {
 /// [`DecodeKernel::preferred`] for its target.
 ///
 /// # Errors
-/// [`Error::Invalid`] for buffer lengths that disagree with the shapes, a workspace made for
-/// fewer rows or a smaller cache; [`Error::BackendMismatch`], [`Error::Compile`] /
-/// [`Error::Cuda`].
+/// [`Error::Invalid`] for buffer lengths that disagree with the shapes, a cache or workspace
+/// made for another shape, a workspace made for fewer rows or a smaller cache, or (CPU) a slot
+/// or position out of the cache's range; [`Error::BackendMismatch`], [`Error::Compile`] /
+/// [`Error::Cuda`] / [`Error::Hip`].
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     backend: &Backend,
@@ -750,6 +780,7 @@ pub fn attend_with(
     out: &mut DeviceVec<bf16>,
 ) -> Result<()> {
     check_shape(shape)?;
+    check_sized_for(shape, cache, Some(workspace))?;
     let (n, hd) = (rows.count, shape.head_dim);
     check_len(
         "attention q",
@@ -799,6 +830,17 @@ pub fn attend_with(
             let kv_row = shape.kv_heads * hd;
             for r in 0..n {
                 let (slot, len) = (slots[r] as usize, positions[r] as usize + 1);
+                if slot >= cache.slots || len > cache.capacity {
+                    return Err(Error::invalid(
+                        format!("attention row {r}"),
+                        format!(
+                            "slot {slot} position {}: cache holds {} slots of {}",
+                            len - 1,
+                            cache.slots,
+                            cache.capacity
+                        ),
+                    ));
+                }
                 let base = slot * cache.capacity * kv_row;
                 let attended = reference::attend(
                     shape,

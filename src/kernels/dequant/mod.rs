@@ -17,11 +17,12 @@ pub const KERNEL_DEQUANT_NVFP4_BF16: &str = "dequant_nvfp4_bf16";
 /// Writes `dequant(w)` into `out` (bf16, `[w.rows, w.cols]` row-major).
 ///
 /// # Errors
-/// [`Error::Invalid`] when `out` has the wrong length, [`Error::BackendMismatch`] when the
+/// [`Error::Invalid`] when `out` or the weights' buffers have the wrong length, [`Error::BackendMismatch`] when the
 /// buffers live elsewhere, [`Error::Compile`] / [`Error::Cuda`] / [`Error::Hip`] from a device
 /// backend.
 pub fn dequant_nvfp4(backend: &Backend, w: &Nvfp4Weights, out: &mut DeviceVec<bf16>) -> Result<()> {
     let shape = format!("[{}, {}]", w.rows, w.cols);
+    w.check()?;
     check_len("dequant output", out, w.rows * w.cols, &shape)?;
     match backend {
         Backend::Cpu => {

@@ -88,6 +88,7 @@ pub fn nvfp4_gemm(
     y: &mut DeviceVec<bf16>,
 ) -> Result<()> {
     let (n, k) = (w.rows, w.cols);
+    w.check()?;
     check_len("gemm input X", x, m * k, &format!("[{m}, {k}]"))?;
     check_len("gemm output Y", y, m * n, &format!("[{m}, {n}]"))?;
     if m == 0 || n == 0 {

@@ -188,6 +188,10 @@ pub mod device {
     /// captured for a [`super::Path::Greedy`] or [`super::Path::TopK`] batch, replayed after
     /// [`super::VerifyWorkspace::set_batch`] uploaded another kind).
     pub const STATUS_STALE: u32 = 6;
+    /// Status: not verified since [`super::VerifyWorkspace::set_batch`] (written by the host
+    /// there; every launch overwrites it), so outcomes read before a launch, or after one that
+    /// failed, are an error rather than the last batch's tokens.
+    pub const STATUS_NOT_RUN: u32 = 7;
     /// `Sequence::flags`: the batch has draft logit rows.
     pub const SEQUENCE_SAMPLED_DRAFTS: u32 = 1;
     /// Octaves of weight below the top that count (reference MASS_OCTAVES).
@@ -770,6 +774,13 @@ impl Batch {
                             "the kernels report a parameter error the host did not find",
                         )
                     })?),
+                    device::STATUS_NOT_RUN => {
+                        return Err(Error::invalid(
+                            format!("verify sequence {s}"),
+                            "not verified since the batch was set: run verify (or replay its \
+                             graph) before reading outcomes",
+                        ));
+                    }
                     device::STATUS_STALE => {
                         return Err(Error::invalid(
                             format!("verify sequence {s}"),
@@ -921,6 +932,25 @@ impl VerifyWorkspace {
     /// As [`Batch::encode`]; [`Error::Cuda`] / [`Error::Hip`] when a copy fails.
     pub fn set_batch(&mut self, sequences: &[Sequence<'_>], kind: DraftKind) -> Result<()> {
         let batch = Batch::encode(&self.layout, sequences, kind)?;
+        // until a launch of this batch, its outcomes are an error, not the last batch's
+        self.batch = None;
+        match &mut self.storage {
+            Storage::Host { outcomes, .. } => outcomes.clear(),
+            Storage::Device(buffers) => {
+                let not_run: Vec<u32> = (0..batch.sequences.len() * device::STATUS_WORDS)
+                    .map(|i| {
+                        if i % device::STATUS_WORDS == 0 {
+                            device::STATUS_NOT_RUN
+                        } else {
+                            0
+                        }
+                    })
+                    .collect();
+                if !not_run.is_empty() {
+                    buffers.backend.write(&mut buffers.status, 0, &not_run)?;
+                }
+            }
+        }
         if let Storage::Device(buffers) = &mut self.storage {
             let b = &mut **buffers;
             // Batch::encode kept the batch within the capacity the buffers were sized for
@@ -940,12 +970,23 @@ impl VerifyWorkspace {
     /// Each sequence's outcome of the last [`verify`] (waits for it).
     ///
     /// # Errors
-    /// [`Error::Invalid`] before any batch ran; [`Error::Cuda`] / [`Error::Hip`] when the copy fails (where an
-    /// asynchronous fault of the kernels shows).
+    /// [`Error::Invalid`] before any batch was set, when the batch set last has not been verified
+    /// (no launch since [`VerifyWorkspace::set_batch`], or the last one failed), for a replayed
+    /// graph of a greedy or top-k batch that cannot serve the batch set, or an incomplete
+    /// launch; [`Error::Cuda`] / [`Error::Hip`] when the copy fails (where an asynchronous fault
+    /// of the kernels shows).
     pub fn outcomes(&self) -> Result<Vec<std::result::Result<Verified, RowError>>> {
         let batch = self.batch.as_ref().ok_or_else(no_batch)?;
         match &self.storage {
-            Storage::Host { outcomes, .. } => Ok(outcomes.clone()),
+            Storage::Host { outcomes, .. } => {
+                if outcomes.len() != batch.sequences.len() {
+                    return Err(Error::invalid(
+                        "verify outcomes",
+                        "not verified since the batch was set: run verify before reading them",
+                    ));
+                }
+                Ok(outcomes.clone())
+            }
             Storage::Device(b) => {
                 let status = b.backend.download(&b.status)?;
                 let emitted = b.backend.download(&b.emitted)?;
