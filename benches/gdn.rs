@@ -287,7 +287,8 @@ fn cublas_tflops(
     cuda: &CudaBackend,
     rng: &mut SplitMix64,
 ) -> f64 {
-    let blas = CudaBlas::new(cuda.stream().clone()).expect("cuBLAS handle");
+    let blas =
+        std::cell::RefCell::new(CudaBlas::new(cuda.stream().clone()).expect("cuBLAS handle"));
     let n = GEMM_SIDE;
     let (w, x) = (
         cuda.stream()
@@ -304,7 +305,16 @@ fn cublas_tflops(
         "cublas_bf16",
         &format!("{n}^3"),
         0,
-        |_| cublas::gemm_bf16_x_wt(&blas, &w, &x, &mut gemm_y, (n, n, n)).expect("cuBLAS"),
+        |_| {
+            // on the stream this thread launches to (inside bench_graph's capture, the capture
+            // stream): a handle left on the backend's stream ran its GEMMs outside the graph,
+            // which then timed nothing (the GEMM bench's fix, 30d10cc)
+            let mut blas = blas.borrow_mut();
+            // SAFETY: the stream belongs to the handle's context; nothing of the handle's is in
+            // flight on another stream (every call is on this thread, one at a time)
+            unsafe { blas.set_stream(cuda.stream().clone()) }.expect("cuBLAS stream");
+            cublas::gemm_bf16_x_wt(&blas, &w, &x, &mut gemm_y, (n, n, n)).expect("cuBLAS")
+        },
     );
     2.0 * (n as f64).powi(3) / gemm_seconds / 1e12
 }

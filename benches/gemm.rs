@@ -3,8 +3,8 @@
 //! the same shapes (a HIP run says it is absent).
 //!
 //! The copy is timed as plain in-stream copies between events; every other case as decode runs it:
-//! `LAUNCHES` back-to-back calls, each on its own copy of the weights (enough copies to exceed the
-//! L2 cache), captured in one CUDA graph and replayed between CUDA events (on HIP: launched back to
+//! back-to-back calls, each on its own copy of the weights (`common::rotation_copies`: 256 MiB of
+//! copies, and as many calls, at least `LAUNCHES`, so every call reads DRAM), captured in one CUDA graph and replayed between CUDA events (on HIP: launched back to
 //! back between HIP events); the figure is the median time per call. "bytes" is the fewest bytes
 //! the call must move (weights once, X once, Y once).
 //!
@@ -19,7 +19,7 @@
 
 mod common;
 
-use common::{COPY_BYTES, LAUNCHES, bench_graph};
+use common::{COPY_BYTES, LAUNCHES, bench_graph_calls, rotation_copies};
 use criterion::Criterion;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::CudaSlice;
@@ -33,18 +33,10 @@ use fp4spec::rng::SplitMix64;
 use half::bf16;
 use std::cell::RefCell;
 
-/// Weight bytes the rotation must cover: several times the H200's 60 MB L2.
-const ROTATION_BYTES: u64 = 256 << 20;
-const MODEL_ROWS: [usize; 5] = [1, 3, 4, 16, 64];
+const MODEL_ROWS: [usize; 7] = [1, 3, 4, 8, 16, 32, 64];
 /// Weights of at least 64 MiB: the lm_head and a synthetic large matrix.
 const STREAMING_SHAPES: [(usize, usize); 2] = [(248320, 2048), (65536, 4096)];
 const STREAMING_ROWS: [usize; 4] = [1, 4, 16, 64];
-
-fn copies_for(weight_bytes: u64) -> usize {
-    ROTATION_BYTES
-        .div_ceil(weight_bytes)
-        .clamp(2, LAUNCHES as u64) as usize
-}
 
 struct Row {
     set: &'static str,
@@ -71,10 +63,12 @@ fn bench_shape(
 ) {
     let q = Nvfp4Matrix::quantize("bench W", &rng.normal_vec(n * k, 0.02), n, k).expect("finite");
     let dense = dequant::reference::dequant_nvfp4_bf16(q.view());
-    let nvfp4: Vec<Linear> = (0..copies_for(q.bytes() as u64))
+    let nvfp4: Vec<Linear> = (0..rotation_copies(q.bytes() as u64))
         .map(|_| Linear::nvfp4(backend, &q, RowOrder::Plain).expect("upload"))
         .collect();
-    let bf16_copies = copies_for(2 * (n * k) as u64);
+    let bf16_copies = rotation_copies(2 * (n * k) as u64);
+    // one timed group streams every copy (small weights: hundreds of them)
+    let calls = nvfp4.len().max(bf16_copies).max(LAUNCHES);
     let bf16: Vec<Linear> = (0..bf16_copies)
         .map(|_| Linear::bf16(backend, &dense, n, k, RowOrder::Plain).expect("upload"))
         .collect();
@@ -113,12 +107,13 @@ fn bench_shape(
         };
         let io = 2 * (m * k + m * n) as u64;
         let nvfp4_bytes = nvfp4[0].bytes(m, &Epilogue::None);
-        let seconds = bench_graph(
+        let seconds = bench_graph_calls(
             criterion,
             backend,
             &format!("{set}/mma_nvfp4"),
             &name,
             nvfp4_bytes,
+            calls,
             |i| {
                 gemm::linear(
                     backend,
@@ -136,12 +131,13 @@ fn bench_shape(
             .target()
             .is_some_and(|t| t.instructions.staged_mma());
         if staged && m <= gemm::STREAM_MAX_ROWS {
-            let seconds = bench_graph(
+            let seconds = bench_graph_calls(
                 criterion,
                 backend,
                 &format!("{set}/stream_nvfp4"),
                 &name,
                 nvfp4_bytes,
+                calls,
                 |i| {
                     gemm::linear_with(
                         backend,
@@ -158,12 +154,13 @@ fn bench_shape(
             record(out, "stream nvfp4", nvfp4_bytes, seconds);
         }
         if with_gemv {
-            let seconds = bench_graph(
+            let seconds = bench_graph_calls(
                 criterion,
                 backend,
                 &format!("{set}/gemv_nvfp4"),
                 &name,
                 nvfp4_bytes,
+                calls,
                 |i| {
                     gemm::nvfp4_gemm(backend, &x_dev, m, &plain[i % plain.len()], &mut y)
                         .expect("gemv")
@@ -172,12 +169,13 @@ fn bench_shape(
             record(out, "gemv nvfp4", nvfp4_bytes, seconds);
         }
         let bf16_bytes = bf16[0].bytes(m, &Epilogue::None);
-        let seconds = bench_graph(
+        let seconds = bench_graph_calls(
             criterion,
             backend,
             &format!("{set}/mma_bf16"),
             &name,
             bf16_bytes,
+            calls,
             |i| {
                 gemm::linear(
                     backend,
@@ -199,12 +197,13 @@ fn bench_shape(
                 ("wgmma nvfp4", &nvfp4, nvfp4_bytes),
                 ("wgmma bf16", &bf16, bf16_bytes),
             ] {
-                let seconds = bench_graph(
+                let seconds = bench_graph_calls(
                     criterion,
                     backend,
                     &format!("{set}/{}", variant.replace(' ', "_")),
                     &name,
                     bytes,
+                    calls,
                     |i| {
                         gemm::linear_with(
                             backend,
@@ -228,12 +227,13 @@ fn bench_shape(
             unreachable!("cuBLAS runs on the CUDA backend")
         };
         let cublas_bytes = 2 * (n * k) as u64 + io;
-        let seconds = bench_graph(
+        let seconds = bench_graph_calls(
             criterion,
             backend,
             &format!("{set}/cublas_bf16"),
             &name,
             cublas_bytes,
+            calls,
             |i| {
                 // on the stream this thread launches to: inside bench_graph's capture that is
                 // the capture stream, which a handle bound to the backend's stream at creation

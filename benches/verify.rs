@@ -9,9 +9,9 @@
 //! of the launches and their fixed latency chains; the sampled cases' excess over them is the cost
 //! of the sampling machinery (histogram, plan, pass 2, exact finish).
 //!
-//! Each case is timed as decode runs it: `LAUNCHES` back-to-back calls of `verify::verify` captured
-//! in one CUDA graph, each on its own copy of the logits (enough copies to exceed the L2 cache
-//! where memory allows; the smallest batches still partly hit L2), replayed between CUDA events (on
+//! Each case is timed as decode runs it: back-to-back calls of `verify::verify` captured in one
+//! CUDA graph, each on its own copy of the logits (`common::rotation_copies`: 256 MiB of copies,
+//! and as many calls, at least `LAUNCHES`, so every call reads DRAM), replayed between CUDA events (on
 //! HIP: launched back to back between HIP events); the figure is the median time per call. "bytes"
 //! is the logits read once (target rows, and draft rows for sampled drafts); "1 pass" is those
 //! bytes at the copy bandwidth; the goal is at most 2 passes + 5 us.
@@ -20,7 +20,7 @@
 
 mod common;
 
-use common::{COPY_BYTES, LAUNCHES, bench_graph};
+use common::{COPY_BYTES, LAUNCHES, bench_graph_calls, rotation_copies};
 use fp4spec::backend::{Backend, DeviceVec};
 use fp4spec::kernels::verify::{
     self, Capacity, DraftKind, SamplingParams, Sequence, VerifyWorkspace,
@@ -32,8 +32,6 @@ const BATCHES: [usize; 3] = [1, 8, 64];
 const DRAFTS: [usize; 3] = [1, 2, 4];
 /// Distinct logit rows the cases are tiled from (generating 300 MB of normals would dominate).
 const POOL_ROWS: usize = 24;
-/// Logit bytes the copies of one case must cover: several times the H200's 50 MB L2.
-const ROTATION_BYTES: usize = 256 << 20;
 
 /// Every control on, at values a chat deployment uses.
 fn all_controls(seed: u64) -> SamplingParams {
@@ -170,7 +168,7 @@ fn bench_case(
     let mut ws = VerifyWorkspace::new(backend, capacity).expect("workspace");
     ws.set_batch(&sequences, kind).expect("set_batch");
     let bytes = verify::logits_bytes(&ws);
-    let copies = ROTATION_BYTES.div_ceil(bytes as usize).clamp(1, LAUNCHES);
+    let copies = rotation_copies(bytes);
     let targets: Vec<DeviceVec<f32>> = (0..copies)
         .map(|_| backend.upload(&target).expect("upload target logits"))
         .collect();
@@ -186,7 +184,8 @@ fn bench_case(
         "all" => format!("{kind:?}_B{batch}_n{drafts}"),
         other => format!("{kind:?}_{other}_B{batch}_n{drafts}"),
     };
-    let seconds = bench_graph(criterion, backend, "verify", &name, bytes, |i| {
+    let calls = copies.max(LAUNCHES);
+    let seconds = bench_graph_calls(criterion, backend, "verify", &name, bytes, calls, |i| {
         let draft = drafts_dev.get(i % copies);
         verify::verify(backend, &mut ws, &targets[i % copies], &tokens_dev, draft).expect("verify")
     });

@@ -12,19 +12,43 @@ use fp4spec::backend::Backend;
 use std::cell::RefCell;
 use std::time::Duration;
 
-/// Calls per captured graph (per timed group of launches on HIP).
+/// Calls per captured graph (per timed group of launches on HIP), at least.
 pub const LAUNCHES: usize = 16;
+/// Bytes of distinct inputs (weights, logits) one timed group of calls must stream, several
+/// times the L2 of any target (H100 50 MB, H200 60 MB), so every call reads DRAM.
+pub const ROTATION_BYTES: u64 = 256 << 20;
+
+/// Copies of an input of `bytes` bytes that together reach [`ROTATION_BYTES`] (1 for an input
+/// that large alone); a bench captures at least this many calls, one per copy
+/// ([`bench_graph_calls`]).
+pub fn rotation_copies(bytes: u64) -> usize {
+    ROTATION_BYTES.div_ceil(bytes.max(1)) as usize
+}
 /// Each side of the copy-bandwidth measurement.
 pub const COPY_BYTES: usize = 512 << 20;
 /// Copies timed for the ceiling when a name filter skips criterion's copy bench.
 const COPY_REPEATS_FILTERED: usize = 15;
+/// Criterion's samples per bench ([`criterion`]); the medians are taken over the last this many
+/// recorded calls of a timing closure, the measurement's (criterion's warm-up calls the same
+/// closure before it, with 1, 2, 4, ... iterations).
+pub const SAMPLE_SIZE: usize = 10;
 
 /// The device backend present (CUDA first, then HIP), or `None` after printing
-/// `skipped bench <bench>: why`.
+/// `skipped bench <bench>: why` where the machine has no GPU.
+///
+/// # Panics
+/// Where the driver reports a device that the backend cannot open (no NVRTC, no target, a
+/// driver error): on a GPU host that is a failure, not a skip.
 pub fn device_or_skip(bench: &str) -> Option<Backend> {
     match Backend::auto() {
         (Backend::Cpu, why) => {
             let why = why.unwrap_or_else(|| "no device backend".into());
+            let devices =
+                fp4spec::backend::cuda::device_count() + fp4spec::backend::hip::device_count();
+            assert!(
+                devices == 0,
+                "bench {bench}: {devices} device(s) present, but no device backend opens: {why}"
+            );
             println!("skipped bench {bench}: {why}");
             None
         }
@@ -39,7 +63,7 @@ pub fn announce(backend: &Backend) {
         Backend::Hip(_) => {
             println!("device: {} ({units} CUs)", backend.describe());
             println!(
-                "timing: {LAUNCHES} back-to-back launches between HIP events (the HIP backend \
+                "timing: {LAUNCHES} or more back-to-back launches between HIP events (the HIP backend \
                  captures no graphs, so per-launch overhead is included, unlike CUDA's graph \
                  replays)"
             );
@@ -51,7 +75,7 @@ pub fn announce(backend: &Backend) {
 /// Criterion settings for device benches: few, short samples (the device lease is short).
 pub fn criterion() -> Criterion {
     Criterion::default()
-        .sample_size(10)
+        .sample_size(SAMPLE_SIZE)
         .warm_up_time(Duration::from_millis(200))
         .measurement_time(Duration::from_millis(400))
         .configure_from_args()
@@ -62,15 +86,18 @@ pub fn criterion() -> Criterion {
 pub struct Samples(pub RefCell<Vec<f64>>);
 
 impl Samples {
-    /// The median per-call time, seconds.
+    /// The median per-call time of criterion's measurement (the last [`SAMPLE_SIZE`] samples:
+    /// its warm-up's calls, fewer iterations each and so more of the submission gap in them,
+    /// come first), seconds.
     pub fn median(&self) -> f64 {
-        let mut v = self.0.borrow().clone();
+        let all = self.0.borrow();
+        let mut v = all[all.len().saturating_sub(SAMPLE_SIZE)..].to_vec();
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
     }
 }
 
-/// Benches `LAUNCHES` calls of `call(i)` back to back; returns the median seconds per call.
+/// Benches [`LAUNCHES`] calls of `call(i)` back to back; returns the median seconds per call.
 /// On CUDA the calls are captured into a graph once and its replays are timed; on HIP they are
 /// launched anew for every timed group, between HIP events. `bytes` is what one call must move
 /// (criterion's throughput).
@@ -80,15 +107,30 @@ pub fn bench_graph(
     group: &str,
     name: &str,
     bytes: u64,
+    call: impl FnMut(usize),
+) -> f64 {
+    bench_graph_calls(criterion, backend, group, name, bytes, LAUNCHES, call)
+}
+
+/// [`bench_graph`] with `calls` calls per timed group (`call(0)` to `call(calls - 1)`): as many
+/// as a rotation has copies ([`rotation_copies`]) where that is more than [`LAUNCHES`], so one
+/// group streams all of them.
+pub fn bench_graph_calls(
+    criterion: &mut Criterion,
+    backend: &Backend,
+    group: &str,
+    name: &str,
+    bytes: u64,
+    calls: usize,
     mut call: impl FnMut(usize),
 ) -> f64 {
-    for i in 0..LAUNCHES {
+    for i in 0..calls {
         call(i); // warm up: compile, grow scratch, create handles outside the capture
     }
     backend.synchronize().expect("warm-up");
     let samples = Samples::default();
     let mut g = criterion.benchmark_group(group);
-    g.throughput(Throughput::Bytes(bytes));
+    g.throughput(Throughput::BytesDecimal(bytes));
     match backend {
         Backend::Cuda(cuda) => {
             let stream = cuda.stream();
@@ -96,7 +138,7 @@ pub fn bench_graph(
             // (capturing the backend's own stream would take in any other thread's work)
             let graph = backend
                 .capture(|| {
-                    (0..LAUNCHES).for_each(&mut call);
+                    (0..calls).for_each(&mut call);
                     Ok(())
                 })
                 .expect("a captured graph");
@@ -115,8 +157,8 @@ pub fn bench_graph(
                     samples
                         .0
                         .borrow_mut()
-                        .push(seconds / (iters as f64 * LAUNCHES as f64));
-                    Duration::from_secs_f64(seconds / LAUNCHES as f64)
+                        .push(seconds / (iters as f64 * calls as f64));
+                    Duration::from_secs_f64(seconds / calls as f64)
                 })
             });
         }
@@ -125,15 +167,15 @@ pub fn bench_graph(
                 b.iter_custom(|iters| {
                     let start = backend.record_event().expect("event");
                     for _ in 0..iters {
-                        (0..LAUNCHES).for_each(&mut call);
+                        (0..calls).for_each(&mut call);
                     }
                     let end = backend.record_event().expect("event");
                     let seconds = f64::from(start.elapsed_ms(&end).expect("event timing")) / 1e3;
                     samples
                         .0
                         .borrow_mut()
-                        .push(seconds / (iters as f64 * LAUNCHES as f64));
-                    Duration::from_secs_f64(seconds / LAUNCHES as f64)
+                        .push(seconds / (iters as f64 * calls as f64));
+                    Duration::from_secs_f64(seconds / calls as f64)
                 })
             });
         }
@@ -158,7 +200,7 @@ pub fn copy_bandwidth_gbs(criterion: &mut Criterion, backend: &Backend) -> f64 {
         // (H200, 2026-12-02), which would flatter every other figure
         let samples = Samples::default();
         let mut g = criterion.benchmark_group("copy");
-        g.throughput(Throughput::Bytes(2 * COPY_BYTES as u64));
+        g.throughput(Throughput::BytesDecimal(2 * COPY_BYTES as u64));
         g.bench_function("device_to_device_512MiB", |b| {
             b.iter_custom(|iters| {
                 let start = backend.record_event().expect("event");

@@ -309,7 +309,8 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
         roofline::DEVICES
             .iter()
             .find(|d| d.name == name)
-            .map_or(0.0, |d| d.measured)
+            .map(|d| d.measured)
+            .unwrap_or_else(|| panic!("roofline::DEVICES has no `{name}` preset"))
     };
     let (gb10, strix) = (preset("gb10"), preset("strix-halo"));
     let mut cases = Vec::new();
