@@ -155,7 +155,7 @@ FP4_DEVICE void prefetch_l2(const void*, u32) {}
 FP4_DEVICE void block_barrier() { emu::block->arrive_and_wait(); }
 FP4_DEVICE float shfl_xor(float v, u32 mask) { return emu_shfl_xor(v, mask); }
 FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-FP4_DEVICE void fence_device() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+FP4_DEVICE void device_fence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 FP4_DEVICE float exp_f32(float v) { return std::exp(v); }
 FP4_DEVICE float log_f32(float v) { return std::log(v); }
 FP4_DEVICE float rsqrt_f32(float v) { return 1.0f / std::sqrt(v); }

@@ -42,8 +42,6 @@
 // ---- what differs between vendors in this family ----
 {% if target.vendor == "nvidia" %}
 FP4_DEVICE float shfl_xor(float v, u32 mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
-FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return atomicAdd(p, v); }
-FP4_DEVICE void fence_device() { __threadfence(); }
 FP4_DEVICE float exp_f32(float v) { return expf(v); }
 FP4_DEVICE float log_f32(float v) { return logf(v); }
 FP4_DEVICE float rsqrt_f32(float v) { return rsqrtf(v); }
@@ -59,8 +57,6 @@ FP4_DEVICE float shfl_xor(float v, u32 mask) {
     const int other = __builtin_amdgcn_ds_bpermute((int)((lane_index() ^ mask) << 2), __builtin_bit_cast(int, v));
     return __builtin_bit_cast(float, other);
 }
-FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
-FP4_DEVICE void fence_device() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent"); }
 FP4_DEVICE float exp_f32(float v) { return __builtin_expf(v); }
 FP4_DEVICE float log_f32(float v) { return __builtin_logf(v); }
 FP4_DEVICE float rsqrt_f32(float v) { return __builtin_amdgcn_rsqf(v); }
@@ -801,7 +797,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     }
 
     // 7. the gated RMSNorm needs the whole head: the last of the head's blocks applies it
-    fence_device();
+    device_fence();
     block_barrier();
     if (tid == 0) {
         const u32 arrived = atomic_add_u32(counters + (u64)b * hv + h, 1u);
@@ -810,7 +806,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     block_barrier();
     if (!verify) store_state();
     if (sh.last == 0) return;
-    fence_device();
+    device_fence();
     for (u32 t = warp; t < m; t += STEP_WARPS) {
         const u64 row = (u64)(b * m + t);
         const float* o = o_scratch + row * hv * dv + h * dv;

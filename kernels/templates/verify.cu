@@ -114,8 +114,6 @@ typedef long long i64;
 // Functions that run once per row or sequence, off the streaming loops: out of line, so that
 // their registers do not weigh on the kernels' streaming code.
 #define VERIFY_RARE __device__ __noinline__
-FP4_DEVICE void device_fence() { __threadfence(); }
-FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return atomicAdd(p, v); }
 FP4_DEVICE u32 atomic_cas_u32(u32* p, u32 expected, u32 desired) { return atomicCAS(p, expected, desired); }
 FP4_DEVICE u32 atomic_max_u32(u32* p, u32 v) { return atomicMax(p, v); }
 FP4_DEVICE u64 atomic_add_u64(u64* p, u64 v) {
@@ -154,10 +152,6 @@ FP4_DEVICE u64 mul_hi_u64(u64 a, u64 b) { return (u64)__umul64hi((unsigned long 
 // ..., is copied to the caller's private stack, 496 bytes per lane in verify_histogram and 256
 // in verify_finish), and the callee's registers count against the kernel either way.
 #define VERIFY_RARE FP4_DEVICE
-FP4_DEVICE void device_fence() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent"); }
-FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) {
-    return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
-}
 FP4_DEVICE u64 atomic_add_u64(u64* p, u64 v) {
     return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
