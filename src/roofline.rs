@@ -292,17 +292,27 @@ pub const DEVICES: [DevicePreset; 3] = [
     },
 ];
 
-/// Parses a byte count or a rate: a number with an optional unit `B`, `kB`, `MB`, `GB`, `TB`
-/// (powers of 1000), `KiB`, `MiB`, `GiB`, `TiB` (powers of 1024), optionally followed by `/s`.
+/// Parses a byte count or a rate: a number (exponents allowed: `4.8e12`) with an optional unit
+/// `B`, `kB`, `MB`, `GB`, `TB` (powers of 1000), `KiB`, `MiB`, `GiB`, `TiB` (powers of 1024),
+/// optionally followed by `/s`.
 ///
 /// # Errors
 /// [`Error::Invalid`] naming `what` for anything else, or a value that is not positive.
 pub fn parse_bytes(what: &str, text: &str) -> Result<f64> {
     let trimmed = text.trim();
     let trimmed = trimmed.strip_suffix("/s").unwrap_or(trimmed).trim();
+    // the unit starts at the first letter that is not an exponent's `e` (one followed by a digit
+    // or a sign)
     let split = trimmed
-        .find(|c: char| c.is_ascii_alphabetic())
-        .unwrap_or(trimmed.len());
+        .char_indices()
+        .find(|&(i, c)| {
+            let exponent = matches!(c, 'e' | 'E')
+                && i > 0
+                && trimmed[i + 1..]
+                    .starts_with(|d: char| d.is_ascii_digit() || d == '+' || d == '-');
+            c.is_ascii_alphabetic() && !exponent
+        })
+        .map_or(trimmed.len(), |(i, _)| i);
     let (number, unit) = trimmed.split_at(split);
     let scale = match unit.trim() {
         "" | "B" => 1.0,

@@ -141,6 +141,12 @@ fn units_parse_as_written() {
         224.2 * GIB
     );
     assert_eq!(roofline::parse_bytes("x", "273 GB/s").expect("ok"), 273e9);
+    assert_eq!(
+        roofline::parse_bytes("x", "4.8e12 B/s").expect("ok"),
+        4.8e12
+    );
+    assert_eq!(roofline::parse_bytes("x", "1e9").expect("ok"), 1e9);
+    assert_eq!(roofline::parse_bytes("x", "2.5E+3kB").expect("ok"), 2.5e6);
     assert!(roofline::parse_bytes("x", "12 parsecs").is_err());
     assert!(roofline::parse_bytes("x", "-3GB").is_err());
     // the seeds: 5.488 GiB per token at 224.2 GiB/s caps plain decode at 40.9 tok/s

@@ -31,9 +31,9 @@ impl KvCache {
         }
     }
 
-    /// Positions held.
+    /// Positions held (0 for a cache of rows of no width, as `default()` makes).
     pub fn len(&self) -> usize {
-        self.keys.len() / self.row
+        self.keys.len().checked_div(self.row).unwrap_or(0)
     }
 
     /// Whether no position is held.
@@ -43,8 +43,8 @@ impl KvCache {
 
     /// Keeps the first `positions`.
     pub fn truncate(&mut self, positions: usize) {
-        self.keys.truncate(positions * self.row);
-        self.values.truncate(positions * self.row);
+        self.keys.truncate(positions.saturating_mul(self.row));
+        self.values.truncate(positions.saturating_mul(self.row));
     }
 }
 
@@ -172,18 +172,31 @@ impl SequenceCache {
     /// After a recorded forward of `t` tokens, keeps the first `keep` (1 ..= t) of them.
     ///
     /// # Errors
-    /// [`Error::Invalid`] when no recorded forward is pending or `keep` is out of range.
+    /// [`Error::Invalid`] when no recorded forward is pending, `keep` is out of range, or a GDN
+    /// layer holds fewer snapshots than tokens recorded (a cache changed by hand); the recorded
+    /// forward then stays pending, for a commit with a valid `keep`.
     pub fn commit(&mut self, keep: usize) -> Result<()> {
-        let from = self.recorded_from.take().ok_or_else(|| {
+        let from = self.recorded_from.ok_or_else(|| {
             Error::invalid("commit", "no recorded forward is pending for this sequence")
         })?;
-        let processed = self.len - from;
+        let processed = self.len.saturating_sub(from);
         if keep == 0 || keep > processed {
             return Err(Error::invalid(
                 "commit",
                 format!("keep {keep} of {processed} recorded tokens (1 ..= {processed})"),
             ));
         }
+        let short = self.layers.iter().position(|layer| match layer {
+            LayerCache::Gdn(gdn) => gdn.snapshots.len() < keep,
+            LayerCache::Kv(_) => false,
+        });
+        if let Some(layer) = short {
+            return Err(Error::invalid(
+                "commit",
+                format!("layer {layer} holds fewer than {keep} recorded states"),
+            ));
+        }
+        self.recorded_from = None;
         for layer in &mut self.layers {
             match layer {
                 LayerCache::Kv(kv) => kv.truncate(from + keep),

@@ -43,7 +43,7 @@ pub struct ForwardInput<'a> {
 
 /// One sequence's part of an MTP forward.
 pub struct MtpInput<'a> {
-    /// The sequence's caches; rows continue at position `cache.mtp_len()`.
+    /// The sequence's caches; rows continue at position `cache.mtp[layer].len()`.
     pub cache: &'a mut SequenceCache,
     /// The token of each row: row `p` pairs token `t_{p+1}` ...
     pub tokens: &'a [u32],

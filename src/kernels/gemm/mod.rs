@@ -768,7 +768,7 @@ pub fn mma_plan(
         warps_per_tile *= 2;
     }
     let splits_wanted = wanted.div_ceil(n_tiles * warps_per_tile as usize);
-    let most = (k_groups / min_groups_per_split as usize).max(1);
+    let most = (k_groups / (min_groups_per_split as usize).max(1)).max(1);
     let splits = splits_wanted.clamp(1, most);
     let groups_per_split = k_groups.div_ceil(splits).max(1);
     MmaPlan {

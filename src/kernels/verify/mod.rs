@@ -146,7 +146,8 @@ pub enum DraftKind {
 pub struct Sequence<'a> {
     /// Its controls.
     pub params: &'a SamplingParams,
-    /// Position of its first target row (the first draft's position).
+    /// Position of the token its first target row decides (the first draft's position: the
+    /// tokens already in the sequence); it keys the random draws with the seed.
     pub position: u64,
     /// Its number of drafts n (0 = plain sampling of one row); it has n + 1 target rows.
     pub drafts: usize,
@@ -207,7 +208,7 @@ pub mod device {
     pub struct Sequence {
         /// Seed of its draws.
         pub seed: u64,
-        /// Position of its first target row.
+        /// Position of the token its first target row decides (`super::Sequence::position`).
         pub position: u64,
         /// 0: greedy.
         pub temperature: f32,

@@ -44,7 +44,8 @@ use half::bf16;
 
 /// Most drafts per step on `backend`: a sequence's verify rows (its drafts and the token
 /// before them) go through the Gated DeltaNet step kernel in one launch, which takes
-/// [`gdn::step_max_tokens`] tokens (`gdn.step_max_tokens`: 8 on every target, so 7 drafts).
+/// [`gdn::step_max_tokens`] tokens (`gdn.step_max_tokens`: 8 on every device target today, so 7
+/// drafts; 15 on the CPU backend, which takes the most a target may declare).
 pub fn max_drafts(backend: &Backend) -> usize {
     gdn::step_max_tokens(backend) - 1
 }
