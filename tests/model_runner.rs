@@ -251,6 +251,18 @@ fn bad_inputs_are_errors() {
         "{err}"
     );
     assert!(cache.commit(1).is_err(), "no recorded forward to commit");
+    // a keep out of range leaves the recorded forward pending, for a valid commit after it
+    model
+        .forward(&mut [ForwardInput {
+            cache: &mut cache,
+            tokens: &[1, 2],
+            record: true,
+            all_logits: false,
+        }])
+        .expect("recorded forward");
+    assert!(cache.commit(3).is_err(), "keep 3 of 2 recorded tokens");
+    cache.commit(1).expect("the record is still pending");
+    assert_eq!(cache.len, 1);
     // a cache made for another model (Qwen3-Next's layers) is refused, not indexed past its end
     let next = Model::load(fixture("qwen3_next")).expect("fixture");
     let mut foreign = SequenceCache::new(&next.config);
