@@ -141,7 +141,8 @@ impl Backend {
     /// kernel's parameters (count and sizes from the driver on CUDA 12.4+; count, kind, size
     /// and the block shape from the code object's metadata on HIP), and every buffer against
     /// the backend. The first launch of a kernel loads its family's module; later ones never
-    /// allocate or synchronise, so they can be captured into a graph.
+    /// allocate or synchronise, so they can be captured into a graph. While
+    /// [`Backend::leave_out`] names this launch, it returns `Ok` without running.
     ///
     /// # Safety
     /// The kernel must stay within the buffers passed for this grid and these scalars: the
@@ -149,7 +150,8 @@ impl Backend {
     ///
     /// # Errors
     /// [`Error::Invalid`] on the CPU backend (it runs references, not kernels), for an unknown
-    /// kernel or arguments that do not fit it; [`Error::BackendMismatch`] for a buffer of
+    /// kernel, arguments that do not fit it, or a grid or cluster shape no launch can take
+    /// ([`LaunchDims::MAX_GRID_X`], [`LaunchDims::MAX_GRID_YZ`]); [`Error::BackendMismatch`] for a buffer of
     /// another backend; [`Error::Compile`] when the family does not compile; [`Error::Cuda`] /
     /// [`Error::Hip`] when loading or launching fails.
     pub unsafe fn launch(
@@ -305,10 +307,10 @@ impl Backend {
     /// meanwhile, and a second capture waits for the first.
     ///
     /// # Errors
-    /// [`Error::Invalid`] on the CPU and HIP backends (only CUDA captures graphs here); the
-    /// error `record` returns (the capture is ended and dropped first); [`Error::Cuda`] when the
-    /// capture or the instantiation fails, e.g. because `record` did something a capture cannot
-    /// hold.
+    /// [`Error::Invalid`] on the CPU and HIP backends (only CUDA captures graphs here), or when
+    /// `record` queued nothing; the error `record` returns (the capture is ended and dropped
+    /// first); [`Error::Cuda`] when the capture or the instantiation fails, e.g. because
+    /// `record` did something a capture cannot hold.
     pub fn capture(&self, record: impl FnOnce() -> Result<()>) -> Result<Graph> {
         let Self::Cuda(c) = self else {
             return Err(Error::invalid(

@@ -167,6 +167,9 @@ pub struct Nvfp4View<'a> {
 impl Nvfp4View<'_> {
     /// The dequantised value at (`row`, `col`), computed as the kernels do:
     /// `e2m1 * (e4m3_scale * global_scale)` in f32.
+    ///
+    /// # Panics
+    /// When `row >= rows` or `col >= cols` (or the buffers are shorter than the shape says).
     pub fn value(&self, row: usize, col: usize) -> f32 {
         let i = row * self.cols + col;
         let byte = self.packed[i / 2];
@@ -175,6 +178,9 @@ impl Nvfp4View<'_> {
     }
 
     /// The full multiplier of block `block` of row `row`: `e4m3(scale) * global_scale`.
+    ///
+    /// # Panics
+    /// When `row >= rows` or `block >= cols / 16`.
     pub fn block_scale(&self, row: usize, block: usize) -> f32 {
         e4m3_decode(self.scales[row * (self.cols / BLOCK) + block]) * self.global_scale
     }

@@ -70,8 +70,8 @@ impl Nvfp4Weights {
     /// Copies `matrix` to `backend`.
     ///
     /// # Errors
-    /// [`Error::Invalid`] when the matrix's buffers disagree with its shape, [`Error::Cuda`]
-    /// when the copy fails.
+    /// [`Error::Invalid`] when the matrix's buffers disagree with its shape, [`Error::Cuda`] /
+    /// [`Error::Hip`] when the copy fails.
     pub fn upload(backend: &Backend, matrix: &Nvfp4Matrix) -> Result<Self> {
         let (rows, cols) = (matrix.rows, matrix.cols);
         check_nvfp4_lengths(

@@ -71,7 +71,12 @@ struct Segment {
 }
 
 impl Model {
-    /// A model from its parts.
+    /// A model from its parts, as given: `weights` must be what [`ModelWeights::load`] makes of
+    /// a checkpoint of `config` ([`Model::load`] does both).
+    ///
+    /// # Panics
+    /// Not here; [`Model::forward`] and [`Model::mtp_forward`] panic on weights whose layers or
+    /// shapes disagree with `config`.
     pub fn new(config: ModelConfig, weights: ModelWeights) -> Self {
         let inv_freq = attention::rope_inv_freq(config.rotary_dim(), config.rope_theta);
         Self {

@@ -35,7 +35,9 @@ pub struct Request {
     pub max_new_tokens: usize,
     /// Sampling controls (temperature 0 = greedy).
     pub params: SamplingParams,
-    /// Generation stops after any of these tokens (which is kept in the output).
+    /// Generation stops after any of these tokens (which is kept in the output). The model's
+    /// own end-of-sequence ids (`ModelConfig::eos_token_ids`) are not added: a caller that
+    /// wants generation to end there puts them in (as `fp4spec generate` does).
     pub stop_tokens: Vec<u32>,
 }
 

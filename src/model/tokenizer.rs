@@ -36,7 +36,8 @@ impl ByteTokenizer {
     ///
     /// # Errors
     /// [`Error::Io`] when the file exists but cannot be read; [`Error::Invalid`] naming the file
-    /// for malformed JSON, an unknown `type`, or special ids below 256 or not below `vocab_size`.
+    /// for malformed JSON, an unknown `type`, special ids below 256 or not below `vocab_size`,
+    /// an `eos` outside the vocabulary, or a `vocab_size` below 256 (a byte tokenizer's).
     pub fn load(dir: &Path, vocab_size: usize) -> Result<Option<Self>> {
         let path = dir.join(TOKENIZER_FILE);
         if !path.exists() {

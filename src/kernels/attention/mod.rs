@@ -221,8 +221,8 @@ impl RopeTable {
     /// rounded to f32 (as transformers computes it), its cos and sin in f64, stored f32.
     ///
     /// # Errors
-    /// [`Error::Invalid`] for an odd or zero rotary dimension; [`Error::Cuda`] when the upload
-    /// fails.
+    /// [`Error::Invalid`] for an odd or zero rotary dimension or one above [`MAX_HEAD_DIM`];
+    /// [`Error::Cuda`] / [`Error::Hip`] when the upload fails.
     pub fn new(backend: &Backend, rotary_dim: usize, theta: f64, positions: usize) -> Result<Self> {
         if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > MAX_HEAD_DIM {
             return Err(Error::invalid(
@@ -268,8 +268,8 @@ impl KvCache {
     /// A zeroed cache.
     ///
     /// # Errors
-    /// [`Error::Invalid`] for an e4m3 scale that is not finite and positive; [`Error::Cuda`]
-    /// when the allocation fails.
+    /// [`Error::Invalid`] for an e4m3 scale that is not finite and positive; [`Error::Cuda`] /
+    /// [`Error::Hip`] when the allocation fails.
     pub fn new(
         backend: &Backend,
         shape: AttentionShape,
@@ -429,6 +429,9 @@ pub fn decode_warp_kernel(format: KvFormat) -> &'static str {
 /// The mma decode kernel for `shape`'s GQA group and a cache in `format`
 /// ([`KERNEL_DECODE_MMA_G8`] up to 8 query heads per KV head, else [`KERNEL_DECODE_MMA_G16`],
 /// or their `_fp8` twins; groups above [`MAX_GROUP`] are refused before).
+///
+/// # Panics
+/// When `shape.kv_heads` is 0 ([`attend`] refuses such a shape first).
 pub fn decode_mma_kernel(shape: AttentionShape, format: KvFormat) -> &'static str {
     let fp8 = matches!(format, KvFormat::Fp8E4m3 { .. });
     match (shape.heads / shape.kv_heads <= 8, fp8) {
@@ -444,6 +447,9 @@ pub fn decode_mma_kernel(shape: AttentionShape, format: KvFormat) -> &'static st
 /// conflicts), the scores of its k parts (f32) and p as bf16 hi and lo halves, for the kernel's
 /// tiles of 8 heads. The layout the template's comment above the kernels gives, in the same
 /// order. `split_positions` is the target's `attention.split_positions` (32, 64 or 128).
+///
+/// # Panics
+/// When `shape.kv_heads` is 0 ([`attend`] refuses such a shape first).
 pub fn decode_mma_shared_bytes(shape: AttentionShape, split_positions: usize) -> usize {
     let n_tiles = (shape.heads / shape.kv_heads).div_ceil(8);
     let pos_tiles = split_positions / 16;
@@ -475,7 +481,7 @@ impl Workspace {
     /// Scratch for `rows` rows over a cache of `capacity` positions.
     ///
     /// # Errors
-    /// [`Error::Cuda`] when the allocation fails.
+    /// [`Error::Cuda`] / [`Error::Hip`] when the allocation fails.
     pub fn new(
         backend: &Backend,
         shape: AttentionShape,
