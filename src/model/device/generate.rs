@@ -16,8 +16,12 @@ const STEPS_BETWEEN_CHECKS: usize = 16;
 /// Generates greedily for every request on `model`'s backend with `drafts` MTP drafts per step
 /// (0: plain decoding). Every request decodes in the same batch; the output equals greedy
 /// decoding without drafts token for token (the drafts only change how many tokens a step
-/// emits). `forwards` counts the prefill and every step the sequence took part in until it
-/// finished.
+/// emits). `forwards` counts the prefill and the steps up to the look at the generated tokens
+/// (one every 16 steps, or fewer near the budget) that found the sequence finished: a sequence
+/// that meets a stop token between two looks counts up to 15 steps more than it needed (the CPU
+/// runner counts exactly, and 0 for `max_new_tokens` 0, where this path counts the prefill), and
+/// `acceptance` counts every step of the batch until its last sequence finished. The tokens are
+/// exact either way.
 ///
 /// # Errors
 /// [`Error::Invalid`] for no requests, an empty prompt, a token outside the vocabulary, sampling
