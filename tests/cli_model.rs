@@ -311,7 +311,12 @@ fn bench_decode_measures_every_case_and_writes_json() {
     assert_eq!(code, 0, "{stdout}\n{stderr}");
     assert!(stdout.contains("projections"), "{stdout}");
     assert!(stdout.contains("speed-up over n = 0"), "{stdout}");
-    for chart in ["decode-tokens.svg", "decode-verify-ms.svg"] {
+    for chart in [
+        "decode-tokens-ctx0.svg",
+        "decode-verify-ms-ctx0.svg",
+        "decode-tokens-ctx40.svg",
+        "decode-verify-ms-ctx40.svg",
+    ] {
         let svg = std::fs::read_to_string(dir.path().join(chart)).expect("chart written");
         assert!(
             svg.starts_with("<svg") && svg.contains("n = 0") && svg.contains("n = 2"),

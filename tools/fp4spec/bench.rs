@@ -76,8 +76,9 @@ pub struct DecodeArgs {
     /// Also write the results as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
-    /// Also draw PREFIX-tokens.svg (tok/s against batch) and PREFIX-step-ms.svg (ms per step
-    /// against rows per step), one line per context.
+    /// Also draw, for each context C, PREFIX-tokens-ctxC.svg (tok/s against batch, n > 0 at
+    /// acceptance 0.70) and PREFIX-verify-ms-ctxC.svg (verification ms against verify rows per
+    /// step), one line per n.
     #[arg(long, value_name = "PREFIX")]
     chart: Option<PathBuf>,
     /// Also, for every plain (n = 0) case: what each kind of launch (a kernel at one grid size)
@@ -112,6 +113,10 @@ struct Case {
     tokens_per_second: f64,
     /// The roofline's bytes per step.
     bytes_per_step: f64,
+    /// bytes_per_step per sequence: the bytes of each token at n = 0; with n drafts a step
+    /// emits 1 to n + 1 tokens a sequence (divide by the tokens per forward of an acceptance
+    /// rate, `speculation`).
+    bytes_per_token: f64,
     /// Of which the target forward over the n + 1 verify rows (bytes_per_step at n = 0).
     verify_bytes: f64,
     /// bytes_per_step / ms_per_step over the measured copy bandwidth.
@@ -349,6 +354,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
                     eager_ms_per_step: timed.eager_ms,
                     tokens_per_second: batch as f64 / (timed.step_ms / 1e3),
                     bytes_per_step: bytes,
+                    bytes_per_token: bytes / batch as f64,
                     verify_bytes: roofline::step_bytes(&config, precision, step).total(),
                     fraction_of_copy: fraction,
                     distinct_experts: stepper.distinct_experts()?,
@@ -377,7 +383,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
         }
     }
     println!(
-        "{:>3} {:>2} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>8} {:>7} {:>8} {:>8} {:>10} {:>10}",
+        "{:>3} {:>2} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>7} {:>8} {:>7} {:>8} {:>8} {:>10} {:>10}",
         "B",
         "n",
         "context",
@@ -387,6 +393,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
         "eager ms",
         "tok/s",
         "MB/step",
+        "MB/tok",
         "% copy",
         "launches",
         "% chain",
@@ -400,7 +407,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
             .launch_floor_fraction
             .map_or_else(|| "-".to_string(), |f| format!("{:.1}%", 100.0 * f));
         println!(
-            "{:>3} {:>2} {:>7} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>9.1} {:>9.1} {:>6.1}% {:>8} {chain:>7} {:>8} {:>8.1} {:>10.1} {:>10.1}",
+            "{:>3} {:>2} {:>7} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>9.1} {:>9.1} {:>8.1} {:>6.1}% {:>8} {chain:>7} {:>8} {:>8.1} {:>10.1} {:>10.1}",
             c.batch,
             c.drafts,
             c.context,
@@ -410,6 +417,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
             c.eager_ms_per_step,
             c.tokens_per_second,
             c.bytes_per_step / 1e6,
+            c.bytes_per_token / 1e6,
             100.0 * c.fraction_of_copy,
             c.launches,
             c.distinct_experts,
@@ -420,6 +428,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
     }
     println!(
         "(tok/s: one token per sequence and step, what n > 0 gives with no draft accepted; \
+         MB/tok: MB/step per sequence, each token's bytes at n = 0; \
          launches: kernels per step; % chain: launches x the full grid's dependent launch time \
          over the step, what the chain alone would take; \
          experts: the last layer's distinct experts in the last step, n = 0 only. GB10 / Strix \
@@ -503,47 +512,48 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
         }
     }
     if let Some(prefix) = &args.chart {
-        let context = args.context[0];
-        let title = format!(
-            "{} ({} weights, context {context})",
-            config_name(&args),
-            args.weights
-        );
-        let charts: [(&str, &str, &str, Value); 2] = [
-            (
-                "tokens",
-                "sequences",
-                "tokens/s (n > 0: projected at acceptance 0.70)",
-                |c: &Case| {
-                    (
-                        c.batch as f64,
-                        c.tokens_per_second * roofline::tokens_per_forward(c.drafts, 0.70),
-                    )
-                },
-            ),
-            (
-                "verify-ms",
-                "verify rows per step (sequences x (n + 1))",
-                "verification ms per step",
-                |c: &Case| ((c.batch * (c.drafts + 1)) as f64, c.verify_ms),
-            ),
-        ];
-        for (suffix, x_label, y_label, value) in charts {
-            let mut path = prefix.clone().into_os_string();
-            path.push(format!("-{suffix}.svg"));
-            let path = PathBuf::from(path);
-            let points: Vec<&Case> = cases.iter().filter(|c| c.context == context).collect();
-            chart(
-                &path,
-                &title,
-                x_label,
-                y_label,
-                &args.drafts,
-                &points,
-                value,
-            )
-            .map_err(|e| Failure::Input(format!("{}: {e}", path.display())))?;
-            println!("chart: {}", path.display());
+        for &context in &args.context {
+            let title = format!(
+                "{} ({} weights, context {context})",
+                config_name(&args),
+                args.weights
+            );
+            let charts: [(&str, &str, &str, Value); 2] = [
+                (
+                    "tokens",
+                    "sequences",
+                    "tokens/s (n > 0: projected at acceptance 0.70)",
+                    |c: &Case| {
+                        (
+                            c.batch as f64,
+                            c.tokens_per_second * roofline::tokens_per_forward(c.drafts, 0.70),
+                        )
+                    },
+                ),
+                (
+                    "verify-ms",
+                    "verify rows per step (sequences x (n + 1))",
+                    "verification ms per step",
+                    |c: &Case| ((c.batch * (c.drafts + 1)) as f64, c.verify_ms),
+                ),
+            ];
+            for (suffix, x_label, y_label, value) in charts {
+                let mut path = prefix.clone().into_os_string();
+                path.push(format!("-{suffix}-ctx{context}.svg"));
+                let path = PathBuf::from(path);
+                let points: Vec<&Case> = cases.iter().filter(|c| c.context == context).collect();
+                chart(
+                    &path,
+                    &title,
+                    x_label,
+                    y_label,
+                    &args.drafts,
+                    &points,
+                    value,
+                )
+                .map_err(|e| Failure::Input(format!("{}: {e}", path.display())))?;
+                println!("chart: {}", path.display());
+            }
         }
     }
     if let Some(path) = &args.json {
