@@ -250,7 +250,11 @@ fn bench_prefill(
     let cu = [0, tokens as u32];
     for gated in [false, true] {
         let projections = inputs.projections(gated);
-        let bytes = (tokens * (SHAPE.conv_dim() + 2 * SHAPE.value_heads) * 2) as u64;
+        // bf16 in: q, k, v (the conv's channels), a and b, and z where gated; bf16 out: y
+        let y_width = SHAPE.value_heads * SHAPE.dv;
+        let z_width = if gated { y_width } else { 0 };
+        let bytes =
+            (tokens * (SHAPE.conv_dim() + 2 * SHAPE.value_heads + z_width + y_width) * 2) as u64;
         let seconds = bench_graph(
             criterion,
             backend,

@@ -468,7 +468,7 @@ fn main() {
             row.stream * 1e6,
             row.bulk * 1e6,
             goal.map_or("-".into(), |g| format!("{:.2}", g * 1e6)),
-            goal.map_or("-", |g| if row.chosen <= g { "yes" } else { "no" }),
+            goal.map_or("-", |g| common::met(row.chosen, g)),
             gbs,
             100.0 * gbs / copy_gbs,
             row.baseline * 1e6,

@@ -308,7 +308,7 @@ fn main() {
             gbs,
             100.0 * gbs / copy_gbs,
             goal * 1e6,
-            if row.seconds <= goal { "yes" } else { "no" },
+            common::met(row.seconds, goal),
             row.accepted
         );
     }

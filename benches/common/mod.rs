@@ -227,3 +227,15 @@ pub fn copy_bandwidth_gbs(criterion: &mut Criterion, backend: &Backend) -> f64 {
     };
     2.0 * COPY_BYTES as f64 / seconds / 1e9
 }
+
+/// Whether a time met its goal, for the tables: `-` where the case was not timed (NaN: a name
+/// filter left it out), never a `no` for a figure that does not exist.
+pub fn met(seconds: f64, goal: f64) -> &'static str {
+    if seconds.is_nan() {
+        "-"
+    } else if seconds <= goal {
+        "yes"
+    } else {
+        "no"
+    }
+}
