@@ -33,3 +33,32 @@ pub fn rendered(target: &str, family: &str) -> Option<&'static RenderedSource> {
 pub fn rendered_for_target(target: &str) -> impl Iterator<Item = &'static RenderedSource> {
     RENDERED_SOURCES.iter().filter(move |s| s.target == target)
 }
+
+/// Asserts that `family`'s source for every target `on` accepts defines each of `defines` as
+/// `#define NAME VALUE`: the launch sizes and limits the Rust side writes again (block threads,
+/// maxima) must be the template's, or a launch runs a kernel with the wrong block.
+#[cfg(test)]
+pub(crate) fn assert_defines(
+    family: &str,
+    on: impl Fn(&crate::target::TargetFacts) -> bool,
+    defines: &[(&str, String)],
+) {
+    let mut checked = 0;
+    for target in crate::target::all().iter().filter(|t| on(t)) {
+        let source = rendered(&target.name, family)
+            .unwrap_or_else(|| panic!("{family} is rendered for {}", target.name))
+            .source;
+        for (name, value) in defines {
+            let define = format!("#define {name} {value}");
+            assert!(
+                source
+                    .lines()
+                    .any(|l| l.trim_end() == define || l.starts_with(&format!("{define} "))),
+                "{} {family}: no `{define}` (the Rust side's value)",
+                target.name
+            );
+        }
+        checked += 1;
+    }
+    assert!(checked > 0, "{family}: no target to check");
+}

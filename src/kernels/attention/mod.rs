@@ -1064,6 +1064,20 @@ fn combine_arguments<'a>(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn launch_sizes_and_limits_are_the_templates() {
+        crate::kernels::table::assert_defines(
+            super::FAMILY,
+            |_| true,
+            &[("ATTN_MAX_HEAD_DIM", super::MAX_HEAD_DIM.to_string())],
+        );
+        crate::kernels::table::assert_defines(
+            super::FAMILY,
+            |t| t.instructions.mma_sync_bf16,
+            &[("ATTN_MMA_WARPS", super::DECODE_MMA_WARPS.to_string())],
+        );
+    }
+
     use super::*;
     use crate::kernels::launch_check;
     use crate::target;

@@ -1577,6 +1577,19 @@ fn prefill_device(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn launch_sizes_are_the_templates() {
+        crate::kernels::table::assert_defines(
+            super::FAMILY,
+            |_| true,
+            &[
+                ("CHUNK_THREADS", super::CHUNK_THREADS.to_string()),
+                ("NORM_THREADS", super::NORM_THREADS.to_string()),
+                ("COMMIT_THREADS", super::COMMIT_THREADS.to_string()),
+            ],
+        );
+    }
+
     use super::*;
     use crate::kernels::launch_check;
     use crate::target;

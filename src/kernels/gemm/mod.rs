@@ -1953,6 +1953,15 @@ fn linear_w4a4(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_quantiser_block_is_the_templates() {
+        crate::kernels::table::assert_defines(
+            super::FAMILY,
+            |t| t.instructions.mma_block_scaled_fp4,
+            &[("QUANTIZE_THREADS", super::QUANTIZE_THREADS.to_string())],
+        );
+    }
+
     use super::*;
     use crate::kernels::{launch_check, table};
     use crate::target;

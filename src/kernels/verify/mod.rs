@@ -195,8 +195,8 @@ pub mod device {
     pub const STATUS_NOT_RUN: u32 = 7;
     /// `Sequence::flags`: the batch has draft logit rows.
     pub const SEQUENCE_SAMPLED_DRAFTS: u32 = 1;
-    /// Octaves of weight below the top that count (reference MASS_OCTAVES).
-    pub const OCTAVES: usize = 40;
+    /// Octaves of weight below the top that count (the reference's `MASS_OCTAVES`).
+    pub const OCTAVES: usize = super::reference::MASS_OCTAVES as usize;
     /// Fixed u64 words of a row's state before its plan (`RS_PLAN`).
     pub const ROW_STATE_FIXED_WORDS: usize = 16;
     /// Octaves a row's pass-1 grid reaches above its anchor (`VHEAD`).
@@ -1287,6 +1287,15 @@ fn launch(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_octaves_are_the_templates() {
+        crate::kernels::table::assert_defines(
+            super::FAMILY,
+            |_| true,
+            &[("VOCT", super::device::OCTAVES.to_string())],
+        );
+    }
+
     use super::*;
     use crate::kernels::launch_check;
     use crate::target;
