@@ -802,9 +802,9 @@ pub fn attend_with(
         "[rows, heads * head_dim]",
     )?;
     // the device's multiprocessors, not the table's: a part with fewer SMs than its target's
-    // table names (an H100 PCIe against sm_90a's 132) fills its own
-    let splits = backend.target().map_or(1, |t| {
-        let multiprocessors = backend.multiprocessors().unwrap_or(t.multiprocessors);
+    // table names (an H100 PCIe against sm_90a's 132) fills its own (the CPU has no splits)
+    let device = backend.target().zip(backend.multiprocessors());
+    let splits = device.map_or(1, |(t, multiprocessors)| {
         call_splits(t, multiprocessors, n, shape.kv_heads, cache.capacity)
     });
     if workspace.rows < n || workspace.splits < splits {
@@ -933,7 +933,7 @@ pub fn attend_with(
             // range.
             unsafe { backend.launch(FAMILY, kernel, &decode, &args) }?;
             let combine_warps = target.attention.combine_warps_per_block;
-            let multiprocessors = backend.multiprocessors().unwrap_or(target.multiprocessors);
+            let multiprocessors = device.map_or(target.multiprocessors, |(_, m)| m);
             let dims_per_block = combine_dims_per_block(shape, n, target, multiprocessors);
             let combine = LaunchDims {
                 grid: (n32 * heads, hd32.div_ceil(dims_per_block), 1),
@@ -1064,6 +1064,10 @@ fn combine_arguments<'a>(
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use crate::kernels::launch_check;
+    use crate::target;
+
     #[test]
     fn launch_sizes_and_limits_are_the_templates() {
         crate::kernels::table::assert_defines(
@@ -1077,10 +1081,6 @@ mod tests {
             &[("ATTN_MMA_WARPS", super::DECODE_MMA_WARPS.to_string())],
         );
     }
-
-    use super::*;
-    use crate::kernels::launch_check;
-    use crate::target;
 
     const QWEN: AttentionShape = AttentionShape {
         heads: 16,

@@ -1577,6 +1577,10 @@ fn prefill_device(
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use crate::kernels::launch_check;
+    use crate::target;
+
     #[test]
     fn launch_sizes_are_the_templates() {
         crate::kernels::table::assert_defines(
@@ -1589,10 +1593,6 @@ mod tests {
             ],
         );
     }
-
-    use super::*;
-    use crate::kernels::launch_check;
-    use crate::target;
 
     /// Every launch's argument list (built by [`commit_arguments`], [`step_arguments`],
     /// [`prepare_arguments`], [`state_arguments`] and [`gated_norm_arguments`]) meets every

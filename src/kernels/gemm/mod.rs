@@ -1953,6 +1953,10 @@ fn linear_w4a4(
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use crate::kernels::{launch_check, table};
+    use crate::target;
+
     #[test]
     fn the_quantiser_block_is_the_templates() {
         crate::kernels::table::assert_defines(
@@ -1961,10 +1965,6 @@ mod tests {
             &[("QUANTIZE_THREADS", super::QUANTIZE_THREADS.to_string())],
         );
     }
-
-    use super::*;
-    use crate::kernels::{launch_check, table};
-    use crate::target;
 
     /// Every launch's argument list (the functions the launches build them with) meets the
     /// compiled kernel's parameters on every target whose instructions select it: count, kinds

@@ -933,35 +933,28 @@ impl VerifyWorkspace {
     /// As [`Batch::encode`]; [`Error::Cuda`] / [`Error::Hip`] when a copy fails.
     pub fn set_batch(&mut self, sequences: &[Sequence<'_>], kind: DraftKind) -> Result<()> {
         let batch = Batch::encode(&self.layout, sequences, kind)?;
-        // until a launch of this batch, its outcomes are an error, not the last batch's
+        // a copy that fails below leaves no batch set, not the last one half replaced
         self.batch = None;
+        // until a launch of this batch, its outcomes are an error, not the last batch's
         match &mut self.storage {
             Storage::Host { outcomes, .. } => outcomes.clear(),
             Storage::Device(buffers) => {
-                let not_run: Vec<u32> = (0..batch.sequences.len() * device::STATUS_WORDS)
-                    .map(|i| {
-                        if i % device::STATUS_WORDS == 0 {
-                            device::STATUS_NOT_RUN
-                        } else {
-                            0
-                        }
-                    })
-                    .collect();
-                if !not_run.is_empty() {
-                    buffers.backend.write(&mut buffers.status, 0, &not_run)?;
+                let b = &mut **buffers;
+                // Batch::encode kept the batch within the capacity the buffers were sized for
+                if !batch.sequences.is_empty() {
+                    let mut status = vec![0u32; batch.sequences.len() * device::STATUS_WORDS];
+                    status
+                        .iter_mut()
+                        .step_by(device::STATUS_WORDS)
+                        .for_each(|code| *code = device::STATUS_NOT_RUN);
+                    b.backend.write(&mut b.status, 0, &status)?;
+                    b.backend.write(&mut b.sequences, 0, &batch.sequences)?;
+                    b.backend.write(&mut b.rows, 0, &batch.rows)?;
                 }
-            }
-        }
-        if let Storage::Device(buffers) = &mut self.storage {
-            let b = &mut **buffers;
-            // Batch::encode kept the batch within the capacity the buffers were sized for
-            if !batch.sequences.is_empty() {
-                b.backend.write(&mut b.sequences, 0, &batch.sequences)?;
-                b.backend.write(&mut b.rows, 0, &batch.rows)?;
-            }
-            if !batch.bias_tokens.is_empty() {
-                b.backend.write(&mut b.bias_tokens, 0, &batch.bias_tokens)?;
-                b.backend.write(&mut b.bias_values, 0, &batch.bias_values)?;
+                if !batch.bias_tokens.is_empty() {
+                    b.backend.write(&mut b.bias_tokens, 0, &batch.bias_tokens)?;
+                    b.backend.write(&mut b.bias_values, 0, &batch.bias_values)?;
+                }
             }
         }
         self.batch = Some(batch);
@@ -1287,6 +1280,10 @@ fn launch(
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use crate::kernels::launch_check;
+    use crate::target;
+
     #[test]
     fn the_octaves_are_the_templates() {
         crate::kernels::table::assert_defines(
@@ -1295,10 +1292,6 @@ mod tests {
             &[("VOCT", super::device::OCTAVES.to_string())],
         );
     }
-
-    use super::*;
-    use crate::kernels::launch_check;
-    use crate::target;
 
     /// The one by-value argument of every verify kernel ([`verify_arguments`]) meets every
     /// target's compiled kernels: a `.b8[184]` parameter in the PTX of the NVIDIA targets, a
