@@ -61,6 +61,12 @@ fn emulator_source(target_name: &str) -> String {
         "// ---- end of vendor differences ----",
         section("vendor"),
     );
+    source = splice(
+        &source,
+        "// ---- sync vendor primitives ----",
+        "// ---- end of sync vendor primitives ----",
+        section("sync"),
+    );
     source = splice_if_present(
         &source,
         "// ---- mma.sync instructions ----",

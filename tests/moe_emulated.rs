@@ -58,7 +58,11 @@ fn emulator_source(target_name: &str) -> String {
         &source,
         "// ---- sync vendor primitives ----",
         "// ---- end of sync vendor primitives ----",
-        &format!("#include <chrono>\n{}", section(EMULATOR, "sync")),
+        &format!(
+            "{}{}",
+            section(GDN_EMULATOR, "sync"),
+            section(EMULATOR, "sync")
+        ),
     );
     source = splice_if_present(
         &source,

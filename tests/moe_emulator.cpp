@@ -1,5 +1,5 @@
 // Host emulation of the `moe` kernels for tests/moe_emulated.rs: the rendered source of a target
-// is compiled for the CPU with tests/gdn_emulator.cpp's portability layer and mma.sync emulation
+// is compiled for the CPU with tests/gdn_emulator.cpp's portability, sync and mma.sync layers
 // and the sections below in place of its vendor layers, one OS thread per GPU thread of a block,
 // blocks one after another. The persistent kernel needs no second block to be resident (items
 // are claimed in order), so one block does all the work and the later ones find none: that checks
@@ -7,48 +7,8 @@
 // Sections start at `//@@ name` lines; the test splices them in.
 
 //@@ sync
+// after gdn_emulator.cpp's sync layer: the streaming form's rare paths inline
 #define STREAM_RARE inline
-namespace emu {
-inline u32 grid_blocks = 1;
-}
-FP4_DEVICE void block_barrier() { emu::block->arrive_and_wait(); }
-FP4_DEVICE u32 grid_blocks() { return emu::grid_blocks; }
-FP4_DEVICE void release_before_barrier() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-FP4_DEVICE void acquire_after_barrier() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-FP4_DEVICE u32 atomic_add_block(u32* p, u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-FP4_DEVICE u32 atomic_add_relaxed_gpu(u32* p, u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-FP4_DEVICE u32 atomic_add_acq_rel_gpu(u32* p, u32 v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-FP4_DEVICE void add_release_gpu(u32* p, u32 v) { __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-FP4_DEVICE void store_release_gpu(u32* p, u32 v) { __atomic_store_n(p, v, __ATOMIC_SEQ_CST); }
-FP4_DEVICE u32 load_acquire_gpu(const u32* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
-FP4_DEVICE u32 shuffle_xor(u32 v, int offset) { return f32_to_bits(emu_shfl_xor(bits_to_f32(v), offset)); }
-FP4_DEVICE u32 warp_max_u32(u32 v) {
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const u32 other = shuffle_xor(v, offset);
-        v = other > v ? other : v;
-    }
-    return v;
-}
-FP4_DEVICE u32 warp_min_u32(u32 v) {
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const u32 other = shuffle_xor(v, offset);
-        v = other < v ? other : v;
-    }
-    return v;
-}
-FP4_DEVICE void spin_pause() { std::this_thread::yield(); }
-FP4_DEVICE u64 wall_clock() {
-    return (u64)std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-}
-#define FP4_WALL_CLOCK_PER_SECOND 1000000000ull
-// With blocks run one after another a wait can only be satisfied already: one that is not is a
-// lost signal or an item waiting for a later one.
-FP4_DEVICE void hang_detected(const char* what, u32 value, u32 target) {
-    std::fprintf(stderr, "emulated block %u waited for %s (%u, needs %u)\n", block_x(), what, value, target);
-    std::exit(4);
-}
 
 //@@ bulk_copy
 // common/bulk_copy.cuh: a copy happens at once; the mbarrier's low half counts its completed

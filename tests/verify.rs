@@ -391,6 +391,11 @@ fn bad_values_are_per_sequence_errors_never_tokens() {
 // exchanges, shuffled scheduling) and run through the same layout, batch encoding, launch grids
 // and decoding as the CUDA backend. Same tokens and accept counts as the reference, exactly.
 
+// the shared splicing of emulated layers (only `splice` here)
+#[allow(dead_code)]
+#[path = "emulation/mod.rs"]
+mod layers;
+
 mod emulation {
     use crate::batches;
     use fp4spec::kernels::table;
@@ -438,35 +443,40 @@ extern "C" unsigned long long emu_take_trace(int what) {
         trace: unsafe extern "C" fn(c_int) -> u64,
     }
 
-    /// The sm_90a source with its verify tiles replaced by `tiles`.
+    /// The sm_90a source with its verify tiles replaced by `tiles` and common/sync.cuh's inline
+    /// PTX by verify_support/sync_layer.h.
     fn source_for(tiles: &VerifyTiles) -> String {
         let source = table::rendered("sm_90a", "verify").expect("verify rendered for sm_90a");
-        source
-            .source
-            .lines()
-            .map(|line| {
-                let define = |name: &str, value: u32| format!("#define {name} {value}");
-                match line
-                    .split_whitespace()
-                    .take(2)
-                    .collect::<Vec<_>>()
-                    .as_slice()
-                {
-                    ["#define", "VT"] => define("VT", tiles.threads_per_block),
-                    ["#define", "VI"] => define("VI", tiles.items_per_thread),
-                    ["#define", "VG"] => define("VG", tiles.sub_buckets_per_octave),
-                    ["#define", "VCAP"] => define("VCAP", tiles.candidates_per_row),
-                    ["#define", "VTOPK_MAX"] => define("VTOPK_MAX", tiles.top_k_max),
-                    ["#define", "VTOPK_BUF"] => define("VTOPK_BUF", tiles.top_k_buffer),
-                    ["#define", "VTOPK_PREFETCH"] => {
-                        define("VTOPK_PREFETCH", tiles.top_k_prefetch_chunks)
-                    }
-                    ["#define", "VTOPK_RANK_MAX"] => define("VTOPK_RANK_MAX", tiles.top_k_rank_max),
-                    _ => line.to_string(),
+        crate::layers::splice(
+            source.source,
+            "// ---- sync vendor primitives ----",
+            "// ---- end of sync vendor primitives ----",
+            "#include \"sync_layer.h\"\n",
+        )
+        .lines()
+        .map(|line| {
+            let define = |name: &str, value: u32| format!("#define {name} {value}");
+            match line
+                .split_whitespace()
+                .take(2)
+                .collect::<Vec<_>>()
+                .as_slice()
+            {
+                ["#define", "VT"] => define("VT", tiles.threads_per_block),
+                ["#define", "VI"] => define("VI", tiles.items_per_thread),
+                ["#define", "VG"] => define("VG", tiles.sub_buckets_per_octave),
+                ["#define", "VCAP"] => define("VCAP", tiles.candidates_per_row),
+                ["#define", "VTOPK_MAX"] => define("VTOPK_MAX", tiles.top_k_max),
+                ["#define", "VTOPK_BUF"] => define("VTOPK_BUF", tiles.top_k_buffer),
+                ["#define", "VTOPK_PREFETCH"] => {
+                    define("VTOPK_PREFETCH", tiles.top_k_prefetch_chunks)
                 }
-            })
-            .collect::<Vec<_>>()
-            .join("\n")
+                ["#define", "VTOPK_RANK_MAX"] => define("VTOPK_RANK_MAX", tiles.top_k_rank_max),
+                _ => line.to_string(),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
     }
 
     /// The value of `#define NAME` in the source for `tiles` (a row state word's index).

@@ -14,6 +14,7 @@
 //                                            slice, sequence): everything in one launch
 //   gdn_commit                              sequence bookkeeping after a step
 {% include "common/prelude.cuh" %}
+{% include "common/sync.cuh" %}
 {% include "common/block_mma.cuh" %}
 
 #define CHUNK 64
@@ -797,23 +798,15 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(STEP_BOUNDS({{ max_dk }})) gdn_step_dk{{ max_d
     }
 
     // 7. the gated RMSNorm needs the whole head: the last of the head's blocks applies it
-    device_fence();
-    block_barrier();
-    if (tid == 0) {
-        const u32 arrived = atomic_add_u32(counters + (u64)b * hv + h, 1u);
-        sh.last = arrived == splits - 1 ? 1u : 0u;
-    }
-    block_barrier();
+    const bool last = block_arrive_and_rearm(counters + (u64)b * hv + h, splits, &sh.last);
     if (!verify) store_state();
-    if (sh.last == 0) return;
-    device_fence();
+    if (!last) return;
     for (u32 t = warp; t < m; t += STEP_WARPS) {
         const u64 row = (u64)(b * m + t);
         const float* o = o_scratch + row * hv * dv + h * dv;
         gated_norm_row<NORM_BATCH>([&](u32 j) { return load_coherent_f32(o + j); }, Bf16Row{z + row * z_stride + h * dv}, F32Row{norm_w},
                        dv, eps, out + row * hv * dv + h * dv);
     }
-    if (tid == 0) counters[(u64)b * hv + h] = 0;  // ready for the next launch
 }
 {% endfor %}
 

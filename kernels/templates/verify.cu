@@ -30,6 +30,7 @@
 //                     (then verify_residual for sampled drafts).
 // No sort of the vocabulary, no allocation, no host synchronisation: capturable in a graph.
 {% include "common/prelude.cuh" %}
+{% include "common/sync.cuh" %}
 {% if target.warp_size != 32 %}
 #error "verify.cu assumes 32-lane warps (u32 ballots)"
 {% endif %}
@@ -1139,15 +1140,8 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
         a.block_summary[slot * 3 + 2] = spilled ? 1 : 0;
     }
     // the row's last block merges and plans
-    device_fence();
-    block_barrier();
-    if (thread_x() == 0) {
-        sh.last = atomic_add_u32(&a.counters[r], 1) == a.blocks_per_row - 1;
-        sh.spilled = 0;
-    }
-    block_barrier();
-    if (!sh.last) return;
-    device_fence();
+    if (thread_x() == 0) sh.spilled = 0;
+    if (!block_arrive(&a.counters[r], a.blocks_per_row, &sh.last)) return;
     u64 row_best = 0, row_bad = ~0ull, row_top = 0;
     for (u32 k = thread_x(); k < a.blocks_per_row; k += VT) {
         const u64* summary = &a.block_summary[((u64)r * a.blocks_per_row + k) * 3];
@@ -1655,13 +1649,8 @@ VERIFY_RARE void finish_sequence(const VerifyArgs& a, u32 s, const SequenceRows&
 /// shared word.
 FP4_DEVICE void sequence_row_done(const VerifyArgs& a, u32 s, const VerifySequence& seq, u64* words,
                                   u32 word_capacity, u32* drafts, u32 draft_capacity, u32* last) {
-    device_fence();
-    block_barrier();
     u32* done = &a.counters[a.row_count + s];
-    if (thread_x() == 0) *last = atomic_add_u32(done, 1) == rows_of(seq) - 1;
-    block_barrier();
-    if (!*last) return;
-    device_fence();
+    if (!block_arrive(done, rows_of(seq), last)) return;
     const SequenceRows rows = gather_sequence(a, seq, words, word_capacity, drafts, draft_capacity);
     if (thread_x() == 0) {
         finish_sequence(a, s, rows);
@@ -1905,14 +1894,9 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
         a.block_summary[slot * 3] = best;
         a.block_summary[slot * 3 + 1] = bad;
     }
-    device_fence();
-    block_barrier();
     const u32 rows = seq.drafts + 1;
     u32* arrived = &a.counters[a.row_count + row.sequence];
-    if (thread_x() == 0) sh.last = atomic_add_u32(arrived, 1) == rows * a.blocks_per_row - 1;
-    block_barrier();
-    if (!sh.last) return;
-    device_fence();
+    if (!block_arrive(arrived, rows * a.blocks_per_row, &sh.last)) return;
     for (u32 j = warp_index(); j < rows; j += VWARPS) {
         const VerifyRow row_j = a.rows[seq.first_row + j];
         const u64* summary = &a.block_summary[(u64)(seq.first_row + j) * a.blocks_per_row * 3];
@@ -2564,12 +2548,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
             a.block_summary[slot * 3] = written;
             a.block_summary[slot * 3 + 1] = bad;
         }
-        device_fence();
-        block_barrier();
-        if (thread_x() == 0) sh.last = atomic_add_u32(&a.counters[r], 1) == a.blocks_per_row - 1;
-        block_barrier();
-        if (!sh.last) return;
-        device_fence();
+        if (!block_arrive(&a.counters[r], a.blocks_per_row, &sh.last)) return;
         bad = topk_merge(a, r, sh, st, k);
     }
     // more candidates than rank_codes takes: cut back to the top k first
@@ -2670,13 +2649,8 @@ FP4_KERNEL void {{ bounds }}verify_residual(const VerifyArgs a) {
     }
     const u64 total_chunk = block_reduce(own, VOP_SUM, sh.scratch);
     if (thread_x() == 0) a.residual_sums[(u64)s * a.chunks_per_row + block_x()] = total_chunk;
-    device_fence();
-    block_barrier();
     u32* counter = &a.counters[a.row_count + a.sequence_count + s];
-    if (thread_x() == 0) sh.last = atomic_add_u32(counter, 1) == a.chunks_per_row - 1;
-    block_barrier();
-    if (!sh.last) return;
-    device_fence();
+    if (!block_arrive(counter, a.chunks_per_row, &sh.last)) return;
     const u64* sums = a.residual_sums + (u64)s * a.chunks_per_row;
     u64 part = 0;
     for (u32 c = thread_x(); c < a.chunks_per_row; c += VT) part += load_shared_u64(&sums[c]);

@@ -57,9 +57,6 @@ FP4_DEVICE float f32_nan() { return __uint_as_float(0x7fc00000u); }
 FP4_DEVICE float fast_exp(float v) { return __expf(v); }
 /// Every thread of the block waits here; shared-memory writes before are visible after.
 FP4_DEVICE void block_barrier() { __syncthreads(); }
-/// This thread's writes before it are seen by every thread of the device before its writes
-/// after it (a "last block" counter's release and acquire).
-FP4_DEVICE void device_fence() { __threadfence(); }
 /// Adds `v` to `*p` (device scope, no ordering of its own); the old value.
 FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) { return atomicAdd(p, v); }
 FP4_DEVICE float sqrt_f32(float v) { return sqrtf(v); }
@@ -149,7 +146,6 @@ FP4_DEVICE void block_barrier() {
     __builtin_amdgcn_s_barrier();
     __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
 }
-FP4_DEVICE void device_fence() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent"); }
 FP4_DEVICE u32 atomic_add_u32(u32* p, u32 v) {
     return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
