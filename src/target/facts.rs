@@ -448,6 +448,14 @@ impl TargetTable {
     }
 }
 
+/// The product of targets.toml values in 64 bits, saturating: a thread count or a byte size
+/// compared with its limit, never wrapped (or a debug-build panic) on an absurd entry.
+fn product(factors: &[u32]) -> u64 {
+    factors
+        .iter()
+        .fold(1u64, |p, &f| p.saturating_mul(u64::from(f)))
+}
+
 impl TargetFacts {
     fn validate(&self) -> Result<(), String> {
         let name = &self.name;
@@ -468,14 +476,14 @@ impl TargetFacts {
                 self.warp_size
             ));
         }
-        let gemm_threads = self.gemm.warps_per_block * self.warp_size;
+        let gemm_threads = product(&[self.gemm.warps_per_block, self.warp_size]);
         if self.gemm.warps_per_block == 0 || gemm_threads > 1024 {
             return fail(format!(
                 "gemm.warps_per_block {} gives {gemm_threads} threads (1..=1024)",
                 self.gemm.warps_per_block
             ));
         }
-        let mma_threads = self.gemm.mma_warps_per_block * self.warp_size;
+        let mma_threads = product(&[self.gemm.mma_warps_per_block, self.warp_size]);
         if self.gemm.mma_warps_per_block == 0 || mma_threads > 1024 {
             return fail(format!(
                 "gemm.mma_warps_per_block {} gives {mma_threads} threads (1..=1024)",
@@ -495,20 +503,20 @@ impl TargetFacts {
                 self.gemm.mma_warps_per_block
             ));
         }
-        let x_ring = self.gemm.mma_x_shared_slots
-            * self.gemm.mma_x_shared_max_warps_per_tile
-            * 64
-            * (64 + 8)
-            * 2;
+        let x_ring = product(&[
+            self.gemm.mma_x_shared_slots,
+            self.gemm.mma_x_shared_max_warps_per_tile,
+            64 * (64 + 8) * 2,
+        ]);
         if self.gemm.mma_x_shared_blocks_per_sm == 0
             || !(17..=64).contains(&self.gemm.mma_x_shared_min_rows)
             || self.gemm.mma_x_shared_slots < 2
             || !self.gemm.mma_x_shared_max_warps_per_tile.is_power_of_two()
             || !(1..=32).contains(&self.gemm.mma_x_shared_warps_per_block)
-            || self.gemm.mma_x_shared_warps_per_block * self.warp_size > 1024
+            || product(&[self.gemm.mma_x_shared_warps_per_block, self.warp_size]) > 1024
             || self.gemm.mma_x_shared_warps_per_block % self.gemm.mma_x_shared_max_warps_per_tile
                 != 0
-            || x_ring > self.max_shared_bytes_per_block
+            || x_ring > u64::from(self.max_shared_bytes_per_block)
         {
             return fail(format!(
                 "gemm.mma_x_shared_*: blocks_per_sm positive, min_rows in 17..=64, at least 2 slots, \
@@ -537,7 +545,7 @@ impl TargetFacts {
         let wg = &self.gemm;
         let wg_ring = wgmma_shared_bytes(wg, true).max(wgmma_shared_bytes(wg, false));
         if !(1..=8).contains(&wg.wgmma_warpgroups_per_block)
-            || wg.wgmma_warpgroups_per_block * 4 * self.warp_size > 1024
+            || product(&[wg.wgmma_warpgroups_per_block, 4, self.warp_size]) > 1024
             || wg.wgmma_blocks_per_sm == 0
             || wg.wgmma_x_slots < 2
             || wg.wgmma_min_groups_per_split == 0
@@ -555,7 +563,7 @@ impl TargetFacts {
         }
         let stream = &self.gemm;
         if !matches!(stream.stream_warps_per_block, 1 | 2 | 4 | 8 | 16)
-            || stream.stream_warps_per_block * self.warp_size > 1024
+            || product(&[stream.stream_warps_per_block, self.warp_size]) > 1024
         {
             return fail(format!(
                 "gemm.stream_warps_per_block {} must be a power of two of at most 1024 threads",
@@ -575,11 +583,14 @@ impl TargetFacts {
         if self.instructions.cp_async {
             // the rings plus the most X a block stages must fit in a block, and X at least one
             // row of one K group
-            let rings = stream.stream_warps_per_block
-                * stream.stream_stages
-                * stream.stream_chunk_groups
-                * STREAM_GROUP_BYTES;
-            if rings + stream.stream_max_x_bytes > self.max_shared_bytes_per_block
+            let rings = product(&[
+                stream.stream_warps_per_block,
+                stream.stream_stages,
+                stream.stream_chunk_groups,
+                STREAM_GROUP_BYTES,
+            ]);
+            if rings + u64::from(stream.stream_max_x_bytes)
+                > u64::from(self.max_shared_bytes_per_block)
                 || stream.stream_max_x_bytes < 128 + 16
             {
                 return fail(format!(
@@ -613,7 +624,7 @@ impl TargetFacts {
             ("prepare_warps_per_block", a.prepare_warps_per_block),
             ("combine_warps_per_block", a.combine_warps_per_block),
         ] {
-            if warps == 0 || warps * self.warp_size > 1024 {
+            if warps == 0 || product(&[warps, self.warp_size]) > 1024 {
                 return fail(format!(
                     "attention.{field} {warps}: 1..=1024 threads per block"
                 ));
@@ -722,7 +733,8 @@ impl TargetFacts {
         }
         if verify.top_k_blocks_per_sm == 0
             || !(1..=verify.threads_per_block).contains(&verify.top_k_max)
-            || verify.top_k_buffer < verify.top_k_max + verify.threads_per_block
+            || u64::from(verify.top_k_buffer)
+                < u64::from(verify.top_k_max) + u64::from(verify.threads_per_block)
             || verify.top_k_buffer > 4096
             || verify.top_k_prefetch_chunks > 4
             || verify.top_k_rank_max > verify.top_k_max
@@ -758,8 +770,9 @@ impl TargetFacts {
             ))
         };
         let m = &self.moe;
-        let threads = m.warps_per_block * self.warp_size;
-        if !m.warps_per_block.is_power_of_two() || threads > 1024 {
+        if !m.warps_per_block.is_power_of_two()
+            || product(&[m.warps_per_block, self.warp_size]) > 1024
+        {
             return fail(format!(
                 "warps_per_block {} must be a power of two with at most 1024 threads",
                 m.warps_per_block
@@ -817,7 +830,7 @@ impl TargetFacts {
             ));
         }
         let slots = m.bulk_gate_up_slots.max(m.bulk_down_slots);
-        let ring = m.warps_per_block * slots * m.bulk_slot_groups * 576;
+        let ring = product(&[m.warps_per_block, slots, m.bulk_slot_groups, 576]);
         if self.instructions.bulk_streaming()
             && (m.bulk_gate_up_slots == 0
                 || m.bulk_down_slots == 0
@@ -851,7 +864,7 @@ impl TargetFacts {
         if m.max_experts == 0
             || m.max_experts % self.warp_size != 0
             || !(m.max_experts / self.warp_size).is_power_of_two()
-            || m.max_experts > 32 * self.warp_size
+            || u64::from(m.max_experts) > product(&[32, self.warp_size])
         {
             return fail(format!(
                 "max_experts {} must be warp_size {} times a power of two, at most 32",

@@ -98,4 +98,36 @@ mod tests {
             );
         }
     }
+
+    /// Counts and sizes made of several entries are worked out without wrapping: entries whose
+    /// products are multiples of 2^32 (zero in 32 bits) are refused, not accepted after the
+    /// overflow (nor a panic of the build script, a debug build).
+    #[test]
+    fn entries_whose_products_wrap_32_bits_are_refused() {
+        for (field, value, table) in [
+            // 2^27 warps of 32 threads
+            (
+                "warps_per_block = 4\nblocks_per_sm = 3",
+                "warps_per_block = 134217728\nblocks_per_sm = 3",
+                "moe",
+            ),
+            (
+                "combine_warps_per_block = 8",
+                "combine_warps_per_block = 134217728",
+                "combine_warps_per_block",
+            ),
+            // 2^21 slots x 2 warps x 9216 bytes = 9 x 2^32
+            (
+                "mma_x_shared_slots = 3",
+                "mma_x_shared_slots = 2097152",
+                "mma_x_shared",
+            ),
+        ] {
+            assert!(TARGETS_TOML.contains(field), "{field}");
+            let err = facts::TargetTable::parse(&TARGETS_TOML.replacen(field, value, 1))
+                .err()
+                .unwrap_or_else(|| panic!("{value} was accepted"));
+            assert!(err.contains("sm_90a") && err.contains(table), "{err}");
+        }
+    }
 }
