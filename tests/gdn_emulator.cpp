@@ -40,6 +40,8 @@ typedef int i32;
 namespace emu {
 struct Thread { u32 tid, bx, by; };
 inline thread_local Thread self;
+// blocks along x of the running launch (the driver sets it)
+inline u32 grid_blocks = 1;
 /// A block's warps: a barrier per warp and the words its shuffles exchange.
 struct Warps {
     std::vector<std::unique_ptr<std::barrier<>>> barriers;
@@ -165,9 +167,6 @@ FP4_DEVICE float fast_div(float a, float b) { return a * (1.0f / b); }
 //@@ sync
 // common/sync.cuh's vendor primitives (also the moe emulation's): blocks run one after another
 #include <chrono>
-namespace emu {
-inline u32 grid_blocks = 1;
-}
 FP4_DEVICE u32 grid_blocks() { return emu::grid_blocks; }
 FP4_DEVICE void block_barrier() { emu::block->arrive_and_wait(); }
 FP4_DEVICE void release_before_barrier() { std::atomic_thread_fence(std::memory_order_seq_cst); }
@@ -368,6 +367,7 @@ int main(int argc, char** argv) {
             std::barrier<> cluster(threads * cy);
             emu::cluster_y = cy;
             emu::cluster = &cluster;
+            emu::grid_blocks = gx;
             std::vector<std::thread> pool;
             for (u32 r = 0; r < cy; ++r) {
                 for (u32 t = 0; t < threads; ++t) {

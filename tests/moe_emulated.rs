@@ -23,8 +23,7 @@ use fp4spec::kernels::table;
 use fp4spec::rng::SplitMix64;
 use fp4spec::target;
 use half::bf16;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 
 const EMULATOR: &str = include_str!("moe_emulator.cpp");
 /// The portability layer and mma.sync emulation this emulator builds on.
@@ -32,8 +31,13 @@ const GDN_EMULATOR: &str = include_str!("gdn_emulator.cpp");
 /// cp.async (copies at once, zero fill) for the streaming launches.
 const GEMM_EMULATOR: &str = include_str!("gemm_emulator.cpp");
 
+// the moe kernels take no f32 arguments
+#[allow(dead_code)]
+#[path = "emulation/driver.rs"]
+mod driver;
 mod emulation;
-use emulation::{build_host, read_dumps, section, splice, splice_if_present};
+use driver::{Arg, Buf, Emu, driver_for};
+use emulation::{build_host, section, splice, splice_if_present};
 
 // ---- building the host binary of a target's rendered source ----
 
@@ -92,107 +96,19 @@ fn emulator_source(target_name: &str) -> String {
         "// ---- end of WMMA operand loaders ----",
         section(EMULATOR, "wmma"),
     );
-    let table_entries: String = rendered
-        .kernels
-        .iter()
-        .map(|k| format!("        {{\"{k}\", {k}}},\n"))
-        .collect();
-    source.push_str(section(EMULATOR, "driver"));
-    source = source.replace(
-        "    std::map<std::string, MoeKernel> kernels = {\n",
-        &format!("    std::map<std::string, MoeKernel> kernels = {{\n{table_entries}"),
-    );
+    source.push_str(&driver_for(
+        section(GDN_EMULATOR, "driver"),
+        rendered.kernels,
+    ));
     source
 }
 
-// ---- the command stream ----
+// ---- the command stream (tests/emulation/driver.rs) ----
 
-#[derive(Default)]
-struct Emu {
-    commands: Vec<u8>,
-    next: u32,
-}
-
-impl Emu {
-    /// A buffer holding `bytes`; its argument value (id << 40).
-    fn buffer(&mut self, bytes: Vec<u8>) -> u64 {
-        self.next += 1;
-        self.commands.extend(1u32.to_le_bytes());
-        self.commands.extend(self.next.to_le_bytes());
-        self.commands.extend((bytes.len() as u64).to_le_bytes());
-        self.commands.extend(bytes);
-        u64::from(self.next) << 40
-    }
-
-    fn zeros(&mut self, bytes: usize) -> u64 {
-        self.buffer(vec![0; bytes])
-    }
-
-    /// Overwrites `buffer` (an id from [`Emu::buffer`]) with `bytes`.
-    fn refill(&mut self, buffer: u64, bytes: Vec<u8>) {
-        self.commands.extend(1u32.to_le_bytes());
-        self.commands.extend(((buffer >> 40) as u32).to_le_bytes());
-        self.commands.extend((bytes.len() as u64).to_le_bytes());
-        self.commands.extend(bytes);
-    }
-
-    /// Fills a bf16 output with NaN before a launch that must write all of it: an element a
-    /// form leaves unwritten then fails the comparison instead of matching an earlier form's.
-    fn poison_bf16(&mut self, buffer: u64, elements: usize) {
-        self.refill(buffer, vec![0xff; 2 * elements]);
-    }
-
-    fn launch(&mut self, name: &str, grid: u32, threads: u32, args: &[u64; 34]) {
-        let c = &mut self.commands;
-        c.extend(2u32.to_le_bytes());
-        c.extend((name.len() as u32).to_le_bytes());
-        c.extend(name.as_bytes());
-        c.extend(grid.to_le_bytes());
-        c.extend(threads.to_le_bytes());
-        for a in args {
-            c.extend(a.to_le_bytes());
-        }
-    }
-
-    fn dump(&mut self, buffer: u64) {
-        self.commands.extend(3u32.to_le_bytes());
-        self.commands.extend(((buffer >> 40) as u32).to_le_bytes());
-    }
-
-    /// Runs the commands; the dumped buffers in order.
-    fn run(&self, exe: &Path, test: &str) -> Vec<Vec<u8>> {
-        let dir =
-            std::env::temp_dir().join(format!("fp4spec-moe-run-{}-{test}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let (input, output) = (dir.join("commands"), dir.join("dumps"));
-        std::fs::write(&input, &self.commands).expect("write commands");
-        let mut child = Command::new(exe)
-            .arg(&input)
-            .arg(&output)
-            .spawn()
-            .expect("run the emulator");
-        // a barrier the kernel's threads do not all reach would hang: give up after a while
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
-        let status = loop {
-            if let Some(status) = child.try_wait().expect("wait") {
-                break status;
-            }
-            if std::time::Instant::now() > deadline {
-                let _ = child.kill();
-                panic!(
-                    "{test}: the emulated kernel did not finish in 600 s (a barrier not every thread reaches?)"
-                );
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        };
-        assert!(status.success(), "{test}: the emulator failed ({status})");
-        let dumps = read_dumps(&output)
-            .into_iter()
-            .map(|(_, bytes)| bytes)
-            .collect();
-        let _ = std::fs::remove_dir_all(&dir);
-        dumps
-    }
+/// Fills a bf16 output with NaN before a launch that must write all of it: an element a form
+/// leaves unwritten then fails the comparison instead of matching an earlier form's.
+fn poison_bf16(emu: &mut Emu, buffer: Buf, elements: usize) {
+    emu.refill(buffer, vec![0xff; 2 * elements]);
 }
 
 fn bytes_of<T: Copy>(values: &[T], to: impl Fn(T) -> Vec<u8>) -> Vec<u8> {
@@ -301,14 +217,14 @@ fn emulate(
     let bf = |v: &[bf16]| bytes_of(v, |x| x.to_le_bytes().to_vec());
     let fl = |v: &[f32]| bytes_of(v, |x| x.to_le_bytes().to_vec());
     let x_buf = emu.buffer(bf(x));
-    let residual_buf = residual.map_or(0, |r| emu.buffer(bf(r)));
+    let residual_buf = residual.map(|r| emu.buffer(bf(r)));
     let y_buf = emu.zeros(2 * t * h);
-    emu.poison_bf16(y_buf, t * h);
+    poison_bf16(&mut emu, y_buf, t * h);
     let router = emu.buffer(l.router.clone());
     let gate_up = emu.buffer(l.gate_up.clone());
-    let gate_up_scales = l.gate_up_scales.clone().map_or(0, |v| emu.buffer(v));
+    let gate_up_scales = l.gate_up_scales.clone().map(|v| emu.buffer(v));
     let down = emu.buffer(l.down.clone());
-    let down_scales = l.down_scales.clone().map_or(0, |v| emu.buffer(v));
+    let down_scales = l.down_scales.clone().map(|v| emu.buffer(v));
     let gate_up_alpha = emu.buffer(fl(&l.gate_up_alpha));
     let down_alpha = emu.buffer(fl(&l.down_alpha));
     // as MoeWorkspace::new sizes it
@@ -326,48 +242,52 @@ fn emulate(
     let partial = emu.zeros(4 * positions * h);
     let act = emu.zeros(2 * positions * i);
     let warps = tile_warps(facts, t);
-    let args: [u64; 34] = [
-        x_buf,
-        residual_buf,
-        y_buf,
-        router,
-        gate_up,
-        gate_up_scales,
-        down,
-        down_scales,
-        gate_up_alpha,
-        down_alpha,
-        control,
-        topk_ids,
-        slot_pos,
-        sorted_token,
-        active_expert,
-        active_offset,
-        active_count,
-        n_active,
-        logits,
-        route_weight,
-        shared_scale,
-        partial,
-        act,
-        t as u64,
-        e as u64,
-        k as u64,
-        h as u64,
-        i as u64,
-        sh as u64,
-        u64::from(host.shared_gate.is_some()),
-        u64::from(warps.gate_up),
-        u64::from(warps.down),
-        0, // no L2 prefetch (a hint: nothing to emulate)
-        0,
+    let ptr = |b: Buf| Arg::Ptr(b);
+    let optional = |b: Option<Buf>| b.map_or(Arg::Null, Arg::Ptr);
+    let u32_of = |v: usize| Arg::U32(u32::try_from(v).expect("a 32-bit kernel argument"));
+    // MOE_PARAMETERS, in order
+    let args = [
+        ptr(x_buf),
+        optional(residual_buf),
+        ptr(y_buf),
+        ptr(router),
+        ptr(gate_up),
+        optional(gate_up_scales),
+        ptr(down),
+        optional(down_scales),
+        ptr(gate_up_alpha),
+        ptr(down_alpha),
+        ptr(control),
+        ptr(topk_ids),
+        ptr(slot_pos),
+        ptr(sorted_token),
+        ptr(active_expert),
+        ptr(active_offset),
+        ptr(active_count),
+        ptr(n_active),
+        ptr(logits),
+        ptr(route_weight),
+        ptr(shared_scale),
+        ptr(partial),
+        ptr(act),
+        u32_of(t),
+        u32_of(e),
+        u32_of(k),
+        u32_of(h),
+        u32_of(i),
+        u32_of(sh),
+        Arg::U32(u32::from(host.shared_gate.is_some())),
+        Arg::U32(warps.gate_up),
+        Arg::U32(warps.down),
+        Arg::Null, // no L2 prefetch (a hint: nothing to emulate)
+        Arg::U32(0),
     ];
     let kernel = format!("moe_{format}_m{rows}");
     let threads = facts.moe.warps_per_block * facts.warp_size;
-    emu.launch(&kernel, grid, threads, &args);
+    emu.launch(&kernel, (grid, 1), threads, 0, &args);
     emu.dump(y_buf);
-    emu.poison_bf16(y_buf, t * h);
-    emu.launch(&kernel, grid, threads, &args);
+    poison_bf16(&mut emu, y_buf, t * h);
+    emu.launch(&kernel, (grid, 1), threads, 0, &args);
     for buffer in [y_buf, topk_ids, route_weight, shared_scale, control] {
         emu.dump(buffer);
     }
@@ -380,18 +300,26 @@ fn emulate(
         rows,
     );
     for _ in 0..2 {
-        emu.poison_bf16(y_buf, t * h);
-        emu.launch(&format!("moe_route_m{rows}"), grids.route, threads, &args);
+        poison_bf16(&mut emu, y_buf, t * h);
+        emu.launch(
+            &format!("moe_route_m{rows}"),
+            (grids.route, 1),
+            threads,
+            0,
+            &args,
+        );
         emu.launch(
             &format!("moe_{format}_gate_up_m{rows}"),
-            grids.gate_up,
+            (grids.gate_up, 1),
             threads,
+            0,
             &args,
         );
         emu.launch(
             &format!("moe_{format}_down_m{rows}"),
-            grids.down,
+            (grids.down, 1),
             threads,
+            0,
             &args,
         );
         emu.dump(y_buf);
@@ -423,18 +351,28 @@ fn emulate(
             }
         }
         for ((gate_up, gate_up_grid), down, grid) in &forms {
-            emu.poison_bf16(y_buf, t * h);
-            emu.launch(&format!("moe_route_m{rows}"), grids.route, threads, &args);
-            emu.launch(gate_up, *gate_up_grid, threads, &args);
-            emu.launch(down, *grid, threads, &args);
+            poison_bf16(&mut emu, y_buf, t * h);
+            emu.launch(
+                &format!("moe_route_m{rows}"),
+                (grids.route, 1),
+                threads,
+                0,
+                &args,
+            );
+            emu.launch(gate_up, (*gate_up_grid, 1), threads, 0, &args);
+            emu.launch(down, (*grid, 1), threads, 0, &args);
             let combine = stream_combine_blocks(facts, h, t);
-            emu.launch("moe_stream_combine", combine, threads, &args);
+            emu.launch("moe_stream_combine", (combine, 1), threads, 0, &args);
             emu.dump(y_buf);
             stream_forms.push(format!("{gate_up} and {down} on {grid} block(s)"));
         }
         emu.dump(control);
     }
-    let dumps = emu.run(&emulator(target_name), test);
+    let dumps: Vec<Vec<u8>> = emu
+        .run_in_order(&emulator(target_name), test)
+        .into_iter()
+        .map(|(_, bytes)| bytes)
+        .collect();
     let to_bf16 = |b: &[u8]| -> Vec<bf16> {
         b.chunks_exact(2)
             .map(|p| bf16::from_le_bytes([p[0], p[1]]))

@@ -1,7 +1,7 @@
 // Host emulation of the `moe` kernels for tests/moe_emulated.rs: the rendered source of a target
 // is compiled for the CPU with tests/gdn_emulator.cpp's portability, sync and mma.sync layers
-// and the sections below in place of its vendor layers, one OS thread per GPU thread of a block,
-// blocks one after another. The persistent kernel needs no second block to be resident (items
+// and the sections below in place of its vendor layers, and run by gdn_emulator.cpp's driver:
+// one OS thread per GPU thread of a block, blocks one after another. The persistent kernel needs no second block to be resident (items
 // are claimed in order), so one block does all the work and the later ones find none: that checks
 // the item decoding, routing, alignment, fragment addressing, combine and the counters' reset.
 // Sections start at `//@@ name` lines; the test splices them in.
@@ -81,90 +81,3 @@ FP4_DEVICE v8f emu_wmma(v16s a, v16s b, v8f c) {
     return c;
 }
 #define __builtin_amdgcn_wmma_f32_16x16x16_bf16_w32 emu_wmma
-
-//@@ driver
-// Commands (little-endian) from argv[1]: 1 = buffer (u32 id, u64 bytes, bytes); 2 = launch (u32
-// name length, name, u32 grid, u32 threads, then the kernel's 34 parameters (MOE_PARAMETERS) as
-// u64: pointers as id << 40 | byte offset, 0 for null); 3 = dump (u32 id) to argv[2] as (u32 id,
-// u64 bytes, bytes).
-namespace emu {
-inline std::vector<std::vector<unsigned char>> buffers(1);
-inline void* pointer(u64 v) {
-    if (v == 0) return nullptr;
-    return buffers.at(v >> 40).data() + (v & ((1ull << 40) - 1));
-}
-}  // namespace emu
-
-int main(int argc, char** argv) {
-    if (argc != 3) return 2;
-    // the test adds one {"name", name} entry per kernel of the rendered source
-    using MoeKernel = void (*)(MOE_PARAMETERS);
-    std::map<std::string, MoeKernel> kernels = {
-    };
-    FILE* in = std::fopen(argv[1], "rb");
-    FILE* out = std::fopen(argv[2], "wb");
-    if (!in || !out) return 2;
-    auto read = [&](void* p, size_t n) {
-        if (std::fread(p, 1, n, in) != n) { std::fprintf(stderr, "truncated command file\n"); std::exit(3); }
-    };
-    auto u32_ = [&]() { u32 v; read(&v, 4); return v; };
-    auto u64_ = [&]() { u64 v; read(&v, 8); return v; };
-    for (;;) {
-        u32 op;
-        if (std::fread(&op, 1, 4, in) != 4) break;
-        if (op == 1) {
-            const u32 id = u32_();
-            const u64 bytes = u64_();
-            if (emu::buffers.size() <= id) emu::buffers.resize(id + 1);
-            emu::buffers[id].resize(bytes);
-            read(emu::buffers[id].data(), bytes);
-        } else if (op == 2) {
-            std::string name(u32_(), '\0');
-            read(name.data(), name.size());
-            const u32 grid = u32_(), threads = u32_();
-            u64 f[34];
-            for (auto& v : f) v = u64_();
-            auto found = kernels.find(name);
-            if (found == kernels.end()) { std::fprintf(stderr, "no kernel %s\n", name.c_str()); return 3; }
-            emu::grid_blocks = grid;
-            std::barrier<> block(threads);
-            emu::Warps warps(threads);
-            std::vector<std::thread> pool;
-            for (u32 t = 0; t < threads; ++t) {
-                pool.emplace_back([&, t] {
-                    emu::block = &block;
-                    emu::warps = &warps;
-                    for (u32 bx = 0; bx < grid; ++bx) {
-                        emu::self = {t, bx, 0};
-                        found->second((const u16*)emu::pointer(f[0]), (const u16*)emu::pointer(f[1]),
-                                      (u16*)emu::pointer(f[2]), emu::pointer(f[3]), emu::pointer(f[4]),
-                                      emu::pointer(f[5]), emu::pointer(f[6]), emu::pointer(f[7]),
-                                      (const float*)emu::pointer(f[8]), (const float*)emu::pointer(f[9]),
-                                      (u32*)emu::pointer(f[10]), (u32*)emu::pointer(f[11]),
-                                      (u32*)emu::pointer(f[12]), (u32*)emu::pointer(f[13]),
-                                      (u32*)emu::pointer(f[14]), (u32*)emu::pointer(f[15]),
-                                      (u32*)emu::pointer(f[16]), (u32*)emu::pointer(f[17]),
-                                      (float*)emu::pointer(f[18]), (float*)emu::pointer(f[19]),
-                                      (float*)emu::pointer(f[20]), (float*)emu::pointer(f[21]),
-                                      (u16*)emu::pointer(f[22]), (u32)f[23], (u32)f[24], (u32)f[25],
-                                      (u32)f[26], (u32)f[27], (u32)f[28], (u32)f[29], (u32)f[30],
-                                      (u32)f[31], (const u8*)emu::pointer(f[32]), (u32)f[33]);
-                        block.arrive_and_wait();
-                    }
-                });
-            }
-            for (auto& th : pool) th.join();
-        } else if (op == 3) {
-            const u32 id = u32_();
-            const u64 bytes = emu::buffers.at(id).size();
-            std::fwrite(&id, 4, 1, out);
-            std::fwrite(&bytes, 8, 1, out);
-            std::fwrite(emu::buffers[id].data(), 1, bytes, out);
-        } else {
-            std::fprintf(stderr, "unknown command %u\n", op);
-            return 3;
-        }
-    }
-    std::fclose(out);
-    return 0;
-}

@@ -1,4 +1,4 @@
-//! The client of tests/gdn_emulator.cpp's driver, which the gdn and gemm emulated tests run:
+//! The client of tests/gdn_emulator.cpp's driver, which every emulated family's test runs:
 //! a command stream of buffers, launches (grid, block, dynamic shared memory, typed arguments)
 //! and dumps, written to a file and run by the emulator binary. Included with
 //! `#[path = "emulation/driver.rs"] mod driver;`.
@@ -60,6 +60,15 @@ impl Emu {
         self.buffer(vec![0; bytes])
     }
 
+    /// Overwrites buffer `b` with `bytes` (its length may change).
+    #[allow(dead_code)] // not every test that includes the driver uses it
+    pub fn refill(&mut self, b: Buf, bytes: Vec<u8>) {
+        self.commands.extend(1u32.to_le_bytes());
+        self.commands.extend(b.0.to_le_bytes());
+        self.commands.extend((bytes.len() as u64).to_le_bytes());
+        self.commands.extend(bytes);
+    }
+
     pub fn launch(
         &mut self,
         name: &str,
@@ -112,8 +121,14 @@ impl Emu {
         self.commands.extend(b.0.to_le_bytes());
     }
 
-    /// Runs the commands; returns every dumped buffer by id.
+    /// Runs the commands; returns every dumped buffer by id (the last dump of each).
     pub fn run(&self, exe: &Path, what: &str) -> HashMap<u32, Vec<u8>> {
+        self.run_in_order(exe, what).into_iter().collect()
+    }
+
+    /// Runs the commands; returns every dump in order (id and bytes), a buffer dumped several
+    /// times once per dump.
+    pub fn run_in_order(&self, exe: &Path, what: &str) -> Vec<(u32, Vec<u8>)> {
         let dir = exe.parent().expect("emulator folder");
         let (cmd, out) = (
             dir.join(format!("{what}.cmd")),
@@ -139,6 +154,6 @@ impl Emu {
             std::thread::sleep(std::time::Duration::from_millis(20));
         };
         assert!(status.success(), "{what}: the emulator failed ({status})");
-        read_dumps(&out).into_iter().collect()
+        read_dumps(&out)
     }
 }
