@@ -508,11 +508,11 @@ FP4_DEVICE void load_logits(const float* logits, u32 vocab, u32 chunk, float (&x
     // register pair each).
     if (chunk * VCHUNK + VCHUNK <= vocab) {
         #pragma unroll
-        for (int j = 0; j < VI; ++j) x[j] = p[VT * j];
+        for (int j = 0; j < VI; ++j) x[j] = load_stream_f32(p + VT * j);
         return;
     }
     #pragma unroll
-    for (int j = 0; j < VI; ++j) x[j] = first + VT * j < vocab ? p[VT * j] : -f32_inf();
+    for (int j = 0; j < VI; ++j) x[j] = first + VT * j < vocab ? load_stream_f32(p + VT * j) : -f32_inf();
 }
 
 /// Asks the L2 for chunk `chunk` of a row (its whole 16-byte pieces: a row need not start on

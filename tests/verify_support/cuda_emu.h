@@ -291,6 +291,7 @@ inline unsigned long long __ldcg(const unsigned long long* p) { return *p; }
 inline unsigned short __ldcg(const unsigned short* p) { return *p; }
 inline unsigned __ldcg(const unsigned* p) { return *p; }
 inline float __ldcg(const float* p) { return *p; }
+inline float __ldcs(const float* p) { return *p; }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline int __ffs(int v) { return __builtin_ffs(v); }
 inline int __clzll(long long v) { return v == 0 ? 64 : __builtin_clzll((unsigned long long)v); }

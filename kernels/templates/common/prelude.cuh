@@ -107,6 +107,8 @@ FP4_DEVICE void store_u32x4(void* p, u32x4 v) { *reinterpret_cast<uint4*>(p) = m
 FP4_DEVICE u16 load_coherent_u16(const u16* p) { return __ldcg(p); }
 FP4_DEVICE u32 load_coherent_u32(const u32* p) { return __ldcg(p); }
 FP4_DEVICE float load_coherent_f32(const float* p) { return __ldcg(p); }
+/// A load of data read once (logits streamed by a row pass): from global memory, evict-first.
+FP4_DEVICE float load_stream_f32(const float* p) { return __ldcs(p); }
 FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) {
     const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
     return {v.x, v.y, v.z, v.w};
@@ -216,6 +218,7 @@ FP4_DEVICE u16 load_coherent_u16(const u16* p) { return *p; }
 FP4_DEVICE u32 load_coherent_u32(const u32* p) { return *p; }
 FP4_DEVICE float load_coherent_f32(const float* p) { return *p; }
 FP4_DEVICE u32x4 load_coherent_u32x4(const void* p) { return load_u32x4(p); }
+FP4_DEVICE float load_stream_f32(const float* p) { return __builtin_nontemporal_load(p); }
 FP4_DEVICE void store_coherent_u32x4(void* p, u32x4 v) { store_u32x4(p, v); }
 /// An L2 prefetch hint (nothing on this target: no instruction for it in this layer).
 FP4_DEVICE void prefetch_l2(const void*, u32) {}

@@ -87,9 +87,16 @@
 //! gained under 1% at B = 64 and cost 2% at B = 1 (not kept): the passes stream at a quarter
 //! of the DRAM peak for some other reason than the loads in flight.
 //!
-//! Measured and not kept (H200, BENCHMARKS.md, twelfth session): thread 0's fences after the
-//! barrier instead of a `__threadfence` pair in every thread around each "last block" counter
-//! (B = 1, n = 1 43.1 -> 42.7 us, the rest unchanged), and 8 or 4 items per thread instead of
+//! Every "last block" arrival is common/sync.cuh's `block_arrive` (the barrier, then one
+//! thread's acquire-release atomic), where each thread ran a sequentially consistent fence
+//! before and after (H100, BENCHMARKS.md, forty-sixth session: every case 0.9-5.5% faster, point
+//! B = 1, n = 1 17.98 -> 17.00 us; on the H200 of the twelfth session the fences by thread 0
+//! alone had gained 1% of a 43 us call). The row passes read the logits with `load_stream_f32`
+//! (`ld.global.cs`, evict-first), where NVRTC made the row pointer's loads generic ones (same
+//! session: sampled B = 8 77.3 -> 60.2 us, greedy B = 64 62.0 -> 56.4, point B = 64, n = 4 217.7
+//! -> 213.0; but point B = 64, n = 1 90.0 -> 91.1 and greedy B = 1 7.94 -> 8.01).
+//!
+//! Measured and not kept (H200, BENCHMARKS.md, twelfth session): 8 or 4 items per thread instead of
 //! 16 (8: B = 1, n = 1 42.8 -> 39.6 us but n = 4 54.2 -> 60.7 and B = 64 slower; 4: slower at
 //! nearly every shape). What ncu shows instead at B = 1, n = 1: `verify_histogram` 33 us,
 //! `verify_select` 12 us, `verify_finish` 20 us (one block per row); pass 1 at 17% achieved
