@@ -299,15 +299,14 @@ fn emulate(
         t,
         rows,
     );
+    // every form but the persistent one: Y poisoned, then the route launch
+    let route = format!("moe_route_m{rows}");
+    let start_split_form = |emu: &mut Emu| {
+        poison_bf16(emu, y_buf, t * h);
+        emu.launch(&route, (grids.route, 1), threads, 0, &args);
+    };
     for _ in 0..2 {
-        poison_bf16(&mut emu, y_buf, t * h);
-        emu.launch(
-            &format!("moe_route_m{rows}"),
-            (grids.route, 1),
-            threads,
-            0,
-            &args,
-        );
+        start_split_form(&mut emu);
         emu.launch(
             &format!("moe_{format}_gate_up_m{rows}"),
             (grids.gate_up, 1),
@@ -351,14 +350,7 @@ fn emulate(
             }
         }
         for ((gate_up, gate_up_grid), down, grid) in &forms {
-            poison_bf16(&mut emu, y_buf, t * h);
-            emu.launch(
-                &format!("moe_route_m{rows}"),
-                (grids.route, 1),
-                threads,
-                0,
-                &args,
-            );
+            start_split_form(&mut emu);
             emu.launch(gate_up, (*gate_up_grid, 1), threads, 0, &args);
             emu.launch(down, (*grid, 1), threads, 0, &args);
             let combine = stream_combine_blocks(facts, h, t);

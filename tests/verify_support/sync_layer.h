@@ -1,33 +1,15 @@
 // common/sync.cuh's vendor primitives on tests/verify_support/cuda_emu.h, spliced into the
-// rendered verify.cu in place of its inline PTX (tests/verify.rs). One OS thread runs every
-// fiber and fibers switch only at barriers, so plain loads, stores and read-modify-writes are
-// the atomics and fences they stand for.
+// rendered verify.cu in place of its inline PTX (tests/verify.rs): those its block and grid
+// cooperation part calls (verify uses block_arrive). One OS thread runs every fiber and fibers
+// switch only at barriers, so plain loads, stores and read-modify-writes are the atomics and
+// fences they stand for.
 #pragma once
 
-FP4_DEVICE u32 grid_blocks() { return gridDim.x; }
 FP4_DEVICE void release_before_barrier() {}
 FP4_DEVICE void acquire_after_barrier() {}
-FP4_DEVICE u32 atomic_add_block(u32* p, u32 v) { return atomicAdd(p, v); }
-FP4_DEVICE u32 atomic_add_relaxed_gpu(u32* p, u32 v) { return atomicAdd(p, v); }
 FP4_DEVICE u32 atomic_add_acq_rel_gpu(u32* p, u32 v) { return atomicAdd(p, v); }
 FP4_DEVICE void add_release_gpu(u32* p, u32 v) { atomicAdd(p, v); }
-FP4_DEVICE void store_release_gpu(u32* p, u32 v) { *p = v; }
 FP4_DEVICE u32 load_acquire_gpu(const u32* p) { return *p; }
-FP4_DEVICE u32 shuffle_xor(u32 v, int offset) { return __shfl_xor_sync(0xffffffffu, v, offset); }
-FP4_DEVICE u32 warp_max_u32(u32 v) {
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const u32 other = shuffle_xor(v, offset);
-        v = other > v ? other : v;
-    }
-    return v;
-}
-FP4_DEVICE u32 warp_min_u32(u32 v) {
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const u32 other = shuffle_xor(v, offset);
-        v = other < v ? other : v;
-    }
-    return v;
-}
 // blocks run one after another: a wait can only be satisfied already, one that is not is a lost
 // signal (reported at once rather than spun on)
 FP4_DEVICE void spin_pause() {}
