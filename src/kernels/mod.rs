@@ -20,7 +20,7 @@ pub mod table;
 pub mod tokens;
 pub mod verify;
 
-use crate::backend::{Backend, DeviceVec, KernelArg};
+use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::{BLOCK, Nvfp4Matrix, Nvfp4View};
 use half::bf16;
@@ -148,6 +148,21 @@ pub(crate) fn check_len<T>(
 pub(crate) fn check_u32(what: &str, value: usize) -> Result<u32> {
     u32::try_from(value)
         .map_err(|_| Error::invalid(what, format!("{value} exceeds the kernels' 32-bit range")))
+}
+
+/// `count` `items` (rows, sequences, row passes) as a launch's grid y: at most
+/// [`LaunchDims::MAX_GRID_YZ`] of them, else an [`Error::Invalid`] naming `what`.
+pub(crate) fn check_grid_y(what: &str, count: u32, items: &str) -> Result<()> {
+    if count > LaunchDims::MAX_GRID_YZ {
+        return Err(Error::invalid(
+            what,
+            format!(
+                "{count} {items} in one launch (at most {})",
+                LaunchDims::MAX_GRID_YZ
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Rows of a bf16 matrix inside a buffer: element (row, col) at `offset + row * stride + col`.

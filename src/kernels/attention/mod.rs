@@ -27,7 +27,7 @@
 
 pub mod reference;
 
-use super::{Bf16Rows, check_len, check_u32};
+use super::{Bf16Rows, check_grid_y, check_len, check_u32};
 use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::{e4m3_decode, e4m3_encode};
@@ -877,15 +877,7 @@ pub fn attend_with(
                 check_u32("head_dim", hd)?,
                 check_u32("splits", splits)?,
             );
-            if n32 > LaunchDims::MAX_GRID_YZ {
-                return Err(Error::invalid(
-                    "attention rows",
-                    format!(
-                        "{n} rows in one launch (at most {})",
-                        LaunchDims::MAX_GRID_YZ
-                    ),
-                ));
-            }
+            check_grid_y("attention rows", n32, "rows")?;
             let warp = target.warp_size;
             if !decode.runs_on(target) {
                 return Err(Error::invalid(

@@ -91,7 +91,7 @@ pub mod reference;
 
 pub use reference::{GdnShape, StepMode};
 
-use super::{Bf16Rows, check_len, check_u32};
+use super::{Bf16Rows, check_grid_y, check_len, check_u32};
 use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims};
 use crate::error::{Error, Result};
 use crate::target::TargetFacts;
@@ -1094,15 +1094,7 @@ fn step_device(
     .map(|d| d as u32);
     let grid_x = check_u32("gdn step blocks", shape.value_heads * slices_per_head)?;
     let grid_y = check_u32("gdn step sequences", count)?;
-    if grid_y > LaunchDims::MAX_GRID_YZ {
-        return Err(Error::invalid(
-            "gdn step",
-            format!(
-                "{count} sequences; at most {} per launch",
-                LaunchDims::MAX_GRID_YZ
-            ),
-        ));
-    }
+    check_grid_y("gdn step", grid_y, "sequences")?;
     let dims = LaunchDims {
         grid: (grid_x, grid_y, 1),
         block: (tiles.step_threads, 1, 1),
@@ -1483,15 +1475,7 @@ fn prefill_device(
         count,
     ]
     .map(|d| d as u32);
-    if count32 > LaunchDims::MAX_GRID_YZ {
-        return Err(Error::invalid(
-            "gdn prefill",
-            format!(
-                "{count} sequences; at most {} per launch",
-                LaunchDims::MAX_GRID_YZ
-            ),
-        ));
-    }
+    check_grid_y("gdn prefill", count32, "sequences")?;
 
     if chunks > 0 {
         let dims = LaunchDims {

@@ -59,7 +59,7 @@ pub mod reference;
 
 pub use layout::{RowOrder, TensorCore};
 
-use super::{Nvfp4Weights, check_len, check_u32};
+use super::{Nvfp4Weights, check_grid_y, check_len, check_u32};
 use crate::backend::{Backend, DeviceVec, KernelArg, LaunchDims, SplitKScratch};
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::Nvfp4Matrix;
@@ -117,15 +117,7 @@ pub fn nvfp4_gemm(
                 check_u32("gemm K", k)?,
             );
             let grid_y = m32.div_ceil(tiles.rows_per_pass);
-            if grid_y > LaunchDims::MAX_GRID_YZ {
-                return Err(Error::invalid(
-                    "gemm M",
-                    format!(
-                        "{m} rows need {grid_y} row passes; at most {} per launch",
-                        LaunchDims::MAX_GRID_YZ
-                    ),
-                ));
-            }
+            check_grid_y("gemm M", grid_y, &format!("row passes (of {m} rows)"))?;
             let dims = LaunchDims {
                 grid: (n32.div_ceil(tiles.warps_per_block), grid_y, 1),
                 block: (tiles.warps_per_block * target.warp_size, 1, 1),

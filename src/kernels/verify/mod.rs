@@ -1226,15 +1226,7 @@ fn launch(
         return Ok(());
     }
     let rows32 = super::check_u32("verify rows", rows)?;
-    if rows32 > LaunchDims::MAX_GRID_YZ {
-        return Err(Error::invalid(
-            "verify batch",
-            format!(
-                "{rows} rows; one launch takes at most {}",
-                LaunchDims::MAX_GRID_YZ
-            ),
-        ));
-    }
+    super::check_grid_y("verify batch", rows32, "rows")?;
     let Some(device_target) = backend.target() else {
         return Err(backend.mismatch("verify launch", target));
     };
