@@ -81,14 +81,20 @@ pub struct SequenceCache {
     pub recorded_from: Option<usize>,
 }
 
+/// Elements of one position's keys (or values) in an attention layer's cache, and of a Gated
+/// DeltaNet layer's conv window and recurrent state, for `config`.
+fn layer_sizes(config: &ModelConfig) -> (usize, usize, usize) {
+    let kv_row = config.num_key_value_heads * config.head_dim;
+    let conv_len = (config.linear_conv_kernel_dim - 1) * config.linear_conv_dim();
+    let state_len =
+        config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim;
+    (kv_row, conv_len, state_len)
+}
+
 impl SequenceCache {
     /// Empty caches for a new sequence of `config`.
     pub fn new(config: &ModelConfig) -> Self {
-        let kv_row = config.num_key_value_heads * config.head_dim;
-        let state_len = config.linear_num_value_heads
-            * config.linear_key_head_dim
-            * config.linear_value_head_dim;
-        let conv_len = (config.linear_conv_kernel_dim - 1) * config.linear_conv_dim();
+        let (kv_row, conv_len, state_len) = layer_sizes(config);
         Self {
             layers: config
                 .layer_types
@@ -117,11 +123,7 @@ impl SequenceCache {
     /// # Errors
     /// [`Error::Invalid`] naming `sequence` and the first layer that does not fit.
     pub fn check_for(&self, config: &ModelConfig, sequence: usize) -> Result<()> {
-        let kv_row = config.num_key_value_heads * config.head_dim;
-        let state_len = config.linear_num_value_heads
-            * config.linear_key_head_dim
-            * config.linear_value_head_dim;
-        let conv_len = (config.linear_conv_kernel_dim - 1) * config.linear_conv_dim();
+        let (kv_row, conv_len, state_len) = layer_sizes(config);
         let kv_fits = |kv: &KvCache| {
             kv.row == kv_row && kv.keys.len() == kv.values.len() && kv.keys.len() % kv_row == 0
         };
