@@ -18,7 +18,8 @@ use fp4spec::kernels::chain;
 use fp4spec::kernels::gemm::Nvfp4Mode;
 use fp4spec::model::config::ModelConfig;
 use fp4spec::model::device::{
-    Decoder, DeviceModel, MAX_POSITIONS, SpecDecoder, SyntheticWeights, max_drafts,
+    Decoder, DeviceModel, MAX_POSITIONS, SpecDecoder, SyntheticWeights, decoder_capacity,
+    max_drafts,
 };
 use fp4spec::roofline::{self, RowFit, Step};
 use std::path::PathBuf;
@@ -296,13 +297,7 @@ fn decode(args: DecodeArgs) -> Result<(), Failure> {
     let capacity = args
         .steps
         .checked_add(1)
-        .and_then(|steps| steps.checked_mul(most_drafts + 1))
-        .and_then(|tokens| {
-            tokens
-                .checked_add(2 * most_drafts + 2)?
-                .checked_add(longest)
-        })
-        .filter(|&capacity| capacity <= MAX_POSITIONS)
+        .and_then(|steps| decoder_capacity(longest, steps, most_drafts))
         .ok_or_else(|| {
             Failure::Input(format!(
                 "--context {longest} and --steps {} need more than the {MAX_POSITIONS} positions \

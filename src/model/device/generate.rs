@@ -4,7 +4,7 @@
 //! [`Generation`] ([`crate::model::generate::generate`]), so a caller switches paths without
 //! changing types; sampling stays on the CPU runner for now.
 
-use super::{Decoder, DeviceModel, MAX_POSITIONS, SpecDecoder};
+use super::{Decoder, DeviceModel, MAX_POSITIONS, SpecDecoder, decoder_capacity};
 use crate::error::{Error, Result};
 use crate::kernels::verify::AcceptanceStats;
 use crate::model::generate::{FinishReason, Generation, Request};
@@ -49,21 +49,15 @@ pub fn generate_greedy(
     let most_new = requests.iter().map(|r| r.max_new_tokens).max().unwrap_or(0);
     // every sequence steps until the last one finishes: at most `most_new` steps (each emits a
     // token at least) of at most n + 1 tokens, and a step's drafts look 2 n ahead
-    let capacity = drafts
-        .checked_add(1)
-        .and_then(|width| width.checked_mul(most_new))
-        .and_then(|tokens| tokens.checked_add(drafts.checked_mul(2)?.checked_add(2)?))
-        .and_then(|tokens| tokens.checked_add(longest))
-        .filter(|&capacity| capacity <= MAX_POSITIONS)
-        .ok_or_else(|| {
-            Error::invalid(
-                "requests",
-                format!(
-                    "a prompt of {longest} tokens and max_new_tokens {most_new} at {drafts} \
-                     drafts per step need more than the {MAX_POSITIONS} positions a decoder holds"
-                ),
-            )
-        })?;
+    let capacity = decoder_capacity(longest, most_new, drafts).ok_or_else(|| {
+        Error::invalid(
+            "requests",
+            format!(
+                "a prompt of {longest} tokens and max_new_tokens {most_new} at {drafts} \
+                 drafts per step need more than the {MAX_POSITIONS} positions a decoder holds"
+            ),
+        )
+    })?;
     let prompts: Vec<&[u32]> = requests.iter().map(|r| r.prompt.as_slice()).collect();
     let mut stepper = if drafts == 0 {
         let mut decoder = Decoder::new(model, batch, capacity)?;

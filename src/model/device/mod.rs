@@ -37,6 +37,19 @@ pub use speculative::{SpecDecoder, StepEvents, max_drafts};
 /// are sized from it.
 pub const MAX_POSITIONS: usize = 1 << 22;
 
+/// The positions (`capacity`) a [`Decoder`] or [`SpecDecoder`] needs for a prompt of `prompt`
+/// tokens followed by `steps` steps of up to `drafts + 1` tokens each, plus the `2 * drafts + 2`
+/// that a speculative step's chained drafts look past its last token; `None` where that is more
+/// than [`MAX_POSITIONS`] (or overflows).
+pub fn decoder_capacity(prompt: usize, steps: usize, drafts: usize) -> Option<usize> {
+    drafts
+        .checked_add(1)
+        .and_then(|width| width.checked_mul(steps))
+        .and_then(|tokens| tokens.checked_add(drafts.checked_mul(2)?.checked_add(2)?))
+        .and_then(|tokens| tokens.checked_add(prompt))
+        .filter(|&capacity| capacity <= MAX_POSITIONS)
+}
+
 use crate::backend::{Backend, DeviceVec, Graph};
 use crate::error::{Error, Result};
 use crate::formats::nvfp4::Nvfp4Matrix;
