@@ -1141,7 +1141,7 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
     }
     // the row's last block merges and plans
     if (thread_x() == 0) sh.spilled = 0;
-    if (!block_arrive(&a.counters[r], a.blocks_per_row, &sh.last)) return;
+    if (!block_arrive_and_rearm(&a.counters[r], a.blocks_per_row, &sh.last)) return;
     u64 row_best = 0, row_bad = ~0ull, row_top = 0;
     for (u32 k = thread_x(); k < a.blocks_per_row; k += VT) {
         const u64* summary = &a.block_summary[((u64)r * a.blocks_per_row + k) * 3];
@@ -1200,7 +1200,6 @@ FP4_KERNEL void {{ bounds }}verify_histogram(const VerifyArgs a) {
         state[RS_VALUE] = verdict.value_word;
         state[RS_TOP] = (u64)(u32)k_top | ((u64)top_mantissa << 32);
         state[RS_PASS2_MINP] = 0;
-        a.counters[r] = 0;
     }
     if (status == VSTATUS_OK && sampling) plan_row(a, row, seq, v, state, k_top, top_mantissa, probe_token, probe_raw, sh);
 }
@@ -1650,12 +1649,9 @@ VERIFY_RARE void finish_sequence(const VerifyArgs& a, u32 s, const SequenceRows&
 FP4_DEVICE void sequence_row_done(const VerifyArgs& a, u32 s, const VerifySequence& seq, u64* words,
                                   u32 word_capacity, u32* drafts, u32 draft_capacity, u32* last) {
     u32* done = &a.counters[a.row_count + s];
-    if (!block_arrive(done, rows_of(seq), last)) return;
+    if (!block_arrive_and_rearm(done, rows_of(seq), last)) return;
     const SequenceRows rows = gather_sequence(a, seq, words, word_capacity, drafts, draft_capacity);
-    if (thread_x() == 0) {
-        finish_sequence(a, s, rows);
-        *done = 0;
-    }
+    if (thread_x() == 0) finish_sequence(a, s, rows);
 }
 
 /// The least y = z * scale (token_parts, before floor) a token needs for pass 2 to look at it:
@@ -1896,7 +1892,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
     }
     const u32 rows = seq.drafts + 1;
     u32* arrived = &a.counters[a.row_count + row.sequence];
-    if (!block_arrive(arrived, rows * a.blocks_per_row, &sh.last)) return;
+    if (!block_arrive_and_rearm(arrived, rows * a.blocks_per_row, &sh.last)) return;
     for (u32 j = warp_index(); j < rows; j += VWARPS) {
         const VerifyRow row_j = a.rows[seq.first_row + j];
         const u64* summary = &a.block_summary[(u64)(seq.first_row + j) * a.blocks_per_row * 3];
@@ -1916,10 +1912,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VGREEDY_BOUNDS) verify_greedy(const VerifyArgs
     }
     for (u32 i = thread_x(); i < seq.drafts; i += VT) sh.drafts[i] = a.draft_tokens[seq.first_draft + i];
     block_barrier();
-    if (thread_x() == 0) {
-        finish_sequence(a, row.sequence, SequenceRows{sh.rows, 2, true, sh.drafts});
-        *arrived = 0;
-    }
+    if (thread_x() == 0) finish_sequence(a, row.sequence, SequenceRows{sh.rows, 2, true, sh.drafts});
 }
 
 // ============================================================================================
@@ -2354,10 +2347,7 @@ FP4_DEVICE u32 topk_merge(const VerifyArgs& a, u32 r, TopkShared& sh, TopkState&
             topk_insert_one(sh, st, k, c, c != 0 && c >= st.floor_code);
         }
     }
-    if (thread_x() == 0) {
-        a.counters[r] = 0;
-        a.row_anchor[r] = 0;
-    }
+    if (thread_x() == 0) a.row_anchor[r] = 0;
     return (u32)block_reduce(bad, VOP_MIN, sh.scratch);
 }
 
@@ -2548,7 +2538,7 @@ FP4_KERNEL void FP4_LAUNCH_BOUNDS(VTOPK_BOUNDS) verify_topk(const VerifyArgs a) 
             a.block_summary[slot * 3] = written;
             a.block_summary[slot * 3 + 1] = bad;
         }
-        if (!block_arrive(&a.counters[r], a.blocks_per_row, &sh.last)) return;
+        if (!block_arrive_and_rearm(&a.counters[r], a.blocks_per_row, &sh.last)) return;
         bad = topk_merge(a, r, sh, st, k);
     }
     // more candidates than rank_codes takes: cut back to the top k first
@@ -2650,7 +2640,7 @@ FP4_KERNEL void {{ bounds }}verify_residual(const VerifyArgs a) {
     const u64 total_chunk = block_reduce(own, VOP_SUM, sh.scratch);
     if (thread_x() == 0) a.residual_sums[(u64)s * a.chunks_per_row + block_x()] = total_chunk;
     u32* counter = &a.counters[a.row_count + a.sequence_count + s];
-    if (!block_arrive(counter, a.chunks_per_row, &sh.last)) return;
+    if (!block_arrive_and_rearm(counter, a.chunks_per_row, &sh.last)) return;
     const u64* sums = a.residual_sums + (u64)s * a.chunks_per_row;
     u64 part = 0;
     for (u32 c = thread_x(); c < a.chunks_per_row; c += VT) part += load_shared_u64(&sums[c]);
@@ -2700,6 +2690,5 @@ FP4_KERNEL void {{ bounds }}verify_residual(const VerifyArgs a) {
     if (thread_x() == 0) {
         a.emitted[(u64)s * (a.max_drafts + 1) + j] = sh.token;
         st[0] = VSTATUS_OK;
-        *counter = 0;
     }
 }
